@@ -1,0 +1,249 @@
+"""The Plan: which chunks run, in which order, with how much recompute. Plain data, no torch.
+
+A global batch is a list of sequences (token counts). A *chunk* is the unit the elastic pipeline
+moves: a list of segments, each a token range ``[start, end)`` of one sequence. ``start`` is the
+segment's context length C (tokens of the same sequence in earlier slices).
+
+Chunk kinds:
+  * ``batched``: whole sequences packed together (block-diagonal causal attention);
+  * ``split``: one slice of a long sequence, alone in its chunk;
+  * ``hybrid``: the tail (last) slice of a long sequence packed with whole short sequences.
+
+A plan holds one or more *pipelines* (sequence groups) that run one after another with gradient
+accumulation between them; each lists its chunks in forward order and, per stage and chunk, how many
+of the stage's layers recompute their activations in backward.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable, Literal
+
+ChunkKind = Literal["batched", "split", "hybrid"]
+CHUNK_KINDS: tuple[ChunkKind, ...] = ("batched", "split", "hybrid")
+
+
+class PlanError(ValueError):
+    """A plan that breaks a dependency or does not cover the batch exactly."""
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Tokens ``[start, end)`` of sequence ``seq``; ``start`` is the context length C."""
+
+    seq: int
+    start: int
+    end: int
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+    @property
+    def context(self) -> int:
+        return self.start
+
+
+@dataclass
+class Chunk:
+    """One micro-batch of the elastic pipeline: segments packed in this order."""
+
+    id: int
+    kind: ChunkKind
+    segments: list[Segment]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.length for s in self.segments)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [s.length for s in self.segments]
+
+    @property
+    def contexts(self) -> list[int]:
+        return [s.context for s in self.segments]
+
+    def cu_seqlens(self) -> list[int]:
+        """Cumulative segment boundaries in the packed chunk, ``[0, s0, s0+s1, ...]``."""
+        out = [0]
+        for s in self.segments:
+            out.append(out[-1] + s.length)
+        return out
+
+    def position_ids(self) -> list[int]:
+        """Absolute position of every token: a slice starts at C, packed sequences at 0."""
+        return [p for s in self.segments for p in range(s.start, s.end)]
+
+
+@dataclass
+class Pipeline:
+    """One 1F1B pipeline: chunks in forward order and ``recompute[stage][i]`` layers to recompute."""
+
+    chunks: list[Chunk]
+    recompute: list[list[int]]
+
+    def sequences(self) -> set[int]:
+        return {s.seq for c in self.chunks for s in c.segments}
+
+
+@dataclass
+class Plan:
+    """A whole training step: the batch's sequence lengths and the pipelines that cover it."""
+
+    seq_lengths: list[int]
+    num_stages: int
+    layers_per_stage: list[int]
+    pipelines: list[Pipeline]
+    builder: str = "manual"
+    info: dict[str, Any] = field(default_factory=dict)
+
+    # ----------------------------------------------------------------------------- queries
+    def chunks(self) -> Iterable[Chunk]:
+        for p in self.pipelines:
+            yield from p.chunks
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.seq_lengths)
+
+    def chunk_counts(self) -> dict[str, int]:
+        counts = {k: 0 for k in CHUNK_KINDS}
+        for c in self.chunks():
+            counts[c.kind] += 1
+        return counts
+
+    def recomputed_layers(self) -> int:
+        return sum(sum(row) for p in self.pipelines for row in p.recompute)
+
+    def summary(self) -> str:
+        counts = self.chunk_counts()
+        return (
+            f"plan[{self.builder}] seqs={len(self.seq_lengths)} tokens={self.num_tokens} "
+            f"chunks={sum(counts.values())} (batched={counts['batched']} split={counts['split']} "
+            f"hybrid={counts['hybrid']}) pipelines={len(self.pipelines)} "
+            f"recomputed_layers={self.recomputed_layers()}"
+        )
+
+    # ----------------------------------------------------------------------------- JSON
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Plan":
+        pipelines = [
+            Pipeline(
+                chunks=[
+                    Chunk(id=c["id"], kind=c["kind"], segments=[Segment(**s) for s in c["segments"]])
+                    for c in p["chunks"]
+                ],
+                recompute=[list(r) for r in p["recompute"]],
+            )
+            for p in d["pipelines"]
+        ]
+        return cls(
+            seq_lengths=list(d["seq_lengths"]),
+            num_stages=d["num_stages"],
+            layers_per_stage=list(d["layers_per_stage"]),
+            pipelines=pipelines,
+            builder=d.get("builder", "manual"),
+            info=dict(d.get("info", {})),
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        return cls.from_dict(json.loads(text))
+
+    # ----------------------------------------------------------------------------- checks
+    def validate(self) -> "Plan":
+        """Raise :class:`PlanError` naming the offending chunk if the plan is not executable."""
+        if self.num_stages < 1 or len(self.layers_per_stage) != self.num_stages:
+            raise PlanError(f"layers_per_stage {self.layers_per_stage} does not match {self.num_stages} stages")
+        if any(n < 1 for n in self.seq_lengths):
+            raise PlanError(f"empty sequence in batch: lengths {self.seq_lengths}")
+        ids = [c.id for c in self.chunks()]
+        if len(ids) != len(set(ids)):
+            raise PlanError("chunk ids are not unique")
+        owner: dict[int, int] = {}
+        covered: dict[int, list[Segment]] = {i: [] for i in range(len(self.seq_lengths))}
+        for pi, pipe in enumerate(self.pipelines):
+            if not pipe.chunks:
+                raise PlanError(f"pipeline {pi} has no chunks")
+            self._validate_recompute(pi, pipe)
+            next_start: dict[int, int] = {}
+            last_chunk: dict[int, int] = {}
+            for pos, chunk in enumerate(pipe.chunks):
+                self._validate_chunk(chunk)
+                for seg in chunk.segments:
+                    if owner.setdefault(seg.seq, pi) != pi:
+                        raise PlanError(f"chunk {chunk.id}: sequence {seg.seq} is in pipelines {owner[seg.seq]} and {pi}")
+                    expected = next_start.get(seg.seq, 0)
+                    if seg.start != expected:
+                        raise PlanError(
+                            f"chunk {chunk.id}: sequence {seg.seq} tokens [{seg.start},{seg.end}) run before "
+                            f"[{expected},{seg.start}) (slice order broken or tokens missing/duplicated)"
+                        )
+                    if seg.seq in last_chunk and last_chunk[seg.seq] != pos - 1:
+                        raise PlanError(f"chunk {chunk.id}: slices of sequence {seg.seq} are not consecutive")
+                    next_start[seg.seq] = seg.end
+                    last_chunk[seg.seq] = pos
+                    covered[seg.seq].append(seg)
+        for seq, segs in covered.items():
+            total = sum(s.length for s in segs)
+            if total != self.seq_lengths[seq]:
+                raise PlanError(f"sequence {seq}: plan covers {total} of {self.seq_lengths[seq]} tokens")
+        return self
+
+    def _validate_chunk(self, chunk: Chunk) -> None:
+        if chunk.kind not in CHUNK_KINDS:
+            raise PlanError(f"chunk {chunk.id}: unknown kind {chunk.kind!r}")
+        if not chunk.segments:
+            raise PlanError(f"chunk {chunk.id}: no segments")
+        seqs = [s.seq for s in chunk.segments]
+        if len(seqs) != len(set(seqs)):
+            raise PlanError(f"chunk {chunk.id}: a sequence appears twice")
+        partial = []
+        for s in chunk.segments:
+            if not 0 <= s.seq < len(self.seq_lengths):
+                raise PlanError(f"chunk {chunk.id}: unknown sequence {s.seq}")
+            if not 0 <= s.start < s.end <= self.seq_lengths[s.seq]:
+                raise PlanError(f"chunk {chunk.id}: bad token range [{s.start},{s.end}) of sequence {s.seq}")
+            if s.length != self.seq_lengths[s.seq]:
+                partial.append(s)
+        if len(partial) > 1:
+            raise PlanError(f"chunk {chunk.id}: holds {len(partial)} slices; at most one (a tail) may be packed")
+        if partial and len(chunk.segments) > 1 and partial[0].end != self.seq_lengths[partial[0].seq]:
+            raise PlanError(f"chunk {chunk.id}: only a tail slice may be packed with whole sequences")
+        kind = chunk_kind(chunk.segments, self.seq_lengths)
+        if kind != chunk.kind:
+            raise PlanError(f"chunk {chunk.id}: kind is {chunk.kind!r} but its segments make it {kind!r}")
+
+    def _validate_recompute(self, pi: int, pipe: Pipeline) -> None:
+        if len(pipe.recompute) != self.num_stages or any(len(r) != len(pipe.chunks) for r in pipe.recompute):
+            raise PlanError(f"pipeline {pi}: recompute must be [{self.num_stages} stages][{len(pipe.chunks)} chunks]")
+        for stage, row in enumerate(pipe.recompute):
+            for pos, n in enumerate(row):
+                if not 0 <= n <= self.layers_per_stage[stage]:
+                    raise PlanError(
+                        f"chunk {pipe.chunks[pos].id}: recompute {n} layers on stage {stage} "
+                        f"(it has {self.layers_per_stage[stage]})"
+                    )
+
+
+def split_layers(num_layers: int, num_stages: int) -> list[int]:
+    """Layers per stage for an even pipeline split (Megatron requires divisibility)."""
+    if num_layers % num_stages:
+        raise PlanError(f"{num_layers} layers do not divide into {num_stages} pipeline stages")
+    return [num_layers // num_stages] * num_stages
+
+
+def chunk_kind(segments: list[Segment], seq_lengths: list[int]) -> ChunkKind:
+    """Kind a list of segments makes (used by plan builders)."""
+    partial = [s for s in segments if s.length != seq_lengths[s.seq]]
+    if not partial:
+        return "batched"
+    return "split" if len(segments) == 1 else "hybrid"
