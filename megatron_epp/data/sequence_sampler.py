@@ -1,0 +1,149 @@
+"""Global batches of whole documents for elastic pipeline training, sharded across DP ranks.
+
+The sampler walks an endless stream of documents: epoch ``e`` is a permutation, seeded by
+``(seed, e)``, of the documents that can train (at least 2 tokens; shorter ones are skipped and
+counted). Global batch ``j`` after resuming at ``consumed_samples = k`` holds stream positions
+``[k + j * B, k + (j + 1) * B)``, so a resumed iterator continues exactly where an uninterrupted one
+was. A document longer than ``seq_length + 1`` tokens is truncated to that (the context cap);
+a document of ``n + 1`` tokens trains as ``tokens = d[:-1]``, ``labels = d[1:]`` of length ``n``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import warnings
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import numpy as np
+
+from megatron_epp.data.documents import DocumentSource
+
+
+def assign_to_ranks(
+    seq_lengths: np.ndarray, dp_size: int, crossover: float | None = None
+) -> list[np.ndarray]:
+    """Token-balanced sharding: longest-first, each sequence onto the currently lightest rank.
+
+    A sequence of length ``L`` costs ``L`` (plus ``L**2 / crossover`` when given, for attention's
+    quadratic share). Deterministic (ties go to the lower rank), so every rank computes the same
+    answer. Returns, per rank, the ascending positions of its sequences.
+    """
+    lengths = np.asarray(seq_lengths, dtype=np.float64)
+    cost = lengths if crossover is None else lengths + lengths**2 / crossover
+    loads = [(0.0, rank) for rank in range(dp_size)]
+    owner = np.empty(len(lengths), dtype=np.int64)
+    for i in np.argsort(-cost, kind="stable"):
+        load, rank = heapq.heappop(loads)
+        owner[i] = rank
+        heapq.heappush(loads, (load + cost[i], rank))
+    return [np.flatnonzero(owner == rank) for rank in range(dp_size)]
+
+
+@dataclass(frozen=True)
+class TrainingSequence:
+    """One document as a training sequence: ``labels`` are ``tokens`` shifted by one."""
+
+    doc_index: int
+    tokens: np.ndarray  # int64 (n,)
+    labels: np.ndarray  # int64 (n,)
+
+
+@dataclass(frozen=True)
+class GlobalBatch:
+    """One step's documents (lengths up front, tokens loaded on request) and their DP ranks."""
+
+    consumed_samples: int  # documents consumed before this batch
+    doc_indices: np.ndarray  # (global_batch_size,) indices into the document source
+    seq_lengths: np.ndarray  # (global_batch_size,) training-sequence lengths, at most seq_length
+    assignment: list[np.ndarray]  # per DP rank: positions into doc_indices
+    documents: DocumentSource = field(repr=False, compare=False)
+
+    @property
+    def next_consumed_samples(self) -> int:
+        return self.consumed_samples + len(self.doc_indices)
+
+    def positions(self, dp_rank: int | None = None) -> np.ndarray:
+        """Positions of ``dp_rank``'s sequences in this batch (all positions for None)."""
+        return np.arange(len(self.doc_indices)) if dp_rank is None else self.assignment[dp_rank]
+
+    def sequences(self, dp_rank: int | None = None) -> list[TrainingSequence]:
+        """Load the token arrays of ``dp_rank``'s sequences (all sequences for None)."""
+        out = []
+        for pos in self.positions(dp_rank):
+            doc_index = int(self.doc_indices[pos])
+            doc = self.documents[doc_index][: self.seq_lengths[pos] + 1]
+            out.append(TrainingSequence(doc_index, doc[:-1], doc[1:]))
+        return out
+
+
+class SequenceSampler:
+    """Endless, resumable global batches of ``global_batch_size`` whole documents; see the module
+    docstring. ``crossover`` is the balancing cost option of ``assign_to_ranks``."""
+
+    def __init__(
+        self,
+        documents: DocumentSource,
+        global_batch_size: int,
+        seq_length: int,
+        seed: int = 1234,
+        dp_size: int = 1,
+        crossover: float | None = None,
+    ) -> None:
+        if global_batch_size < dp_size:
+            raise ValueError(f"global_batch_size {global_batch_size} < dp_size {dp_size}")
+        self.documents = documents
+        self.global_batch_size = global_batch_size
+        self.seq_length = seq_length
+        self.seed = seed
+        self.dp_size = dp_size
+        self.crossover = crossover
+        lengths = np.asarray(documents.lengths, dtype=np.int64)
+        self._trainable = np.flatnonzero(lengths >= 2)
+        self.num_skipped = len(lengths) - len(self._trainable)
+        if not len(self._trainable):
+            raise ValueError(
+                f"none of the {len(lengths)} documents has the 2 tokens training needs"
+            )
+        self._seq_lengths = np.minimum(lengths, seq_length + 1) - 1
+        self.num_truncated = int(np.count_nonzero(lengths[self._trainable] > seq_length + 1))
+        if self.num_truncated:
+            warnings.warn(
+                f"{self.num_truncated} of {len(self._trainable)} documents are longer than "
+                f"seq_length {seq_length} and are truncated to it",
+                stacklevel=2,
+            )
+        self._cached_epoch: tuple[int, np.ndarray] | None = None
+
+    @property
+    def documents_per_epoch(self) -> int:
+        return len(self._trainable)
+
+    def _epoch_order(self, epoch: int) -> np.ndarray:
+        if self._cached_epoch is None or self._cached_epoch[0] != epoch:
+            perm = np.random.default_rng([self.seed, epoch]).permutation(len(self._trainable))
+            self._cached_epoch = (epoch, self._trainable[perm])
+        return self._cached_epoch[1]
+
+    def stream(self, start: int, count: int) -> np.ndarray:
+        """Document indices at stream positions ``[start, start + count)``."""
+        positions = np.arange(start, start + count)
+        epochs, offsets = np.divmod(positions, len(self._trainable))
+        out = np.empty(count, dtype=np.int64)
+        for epoch in np.unique(epochs):
+            mask = epochs == epoch
+            out[mask] = self._epoch_order(int(epoch))[offsets[mask]]
+        return out
+
+    def iterate(self, consumed_samples: int = 0) -> Iterator[GlobalBatch]:
+        """Global batches from stream position ``consumed_samples`` on, without end."""
+        consumed = consumed_samples
+        while True:
+            doc_indices = self.stream(consumed, self.global_batch_size)
+            seq_lengths = self._seq_lengths[doc_indices]
+            assignment = assign_to_ranks(seq_lengths, self.dp_size, self.crossover)
+            yield GlobalBatch(consumed, doc_indices, seq_lengths, assignment, self.documents)
+            consumed += self.global_batch_size
+
+    def __iter__(self) -> Iterator[GlobalBatch]:
+        return self.iterate(0)

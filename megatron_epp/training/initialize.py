@@ -1,0 +1,104 @@
+"""Process group, device, Megatron-Core model-parallel state and seeds."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import patches
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Where this rank runs and what it is in the parallel layout."""
+
+    device: torch.device
+    rank: int
+    world_size: int
+    pp_rank: int
+    pp_size: int
+    tp_rank: int
+    dp_rank: int
+    dp_size: int
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def is_logging_rank(self) -> bool:
+        """Megatron logs from the last rank: it holds the loss."""
+        return self.rank == self.world_size - 1
+
+
+def select_device() -> tuple[torch.device, str]:
+    """CUDA with NCCL when a GPU is present, else CPU with gloo and the CPU patches.
+
+    ``EPP_DISABLE_PATCHES=name,...`` leaves named patches out (to check whether upstream still needs them).
+    """
+    if torch.cuda.is_available():
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank), "nccl"
+    torch.set_num_threads(int(os.environ.get("EPP_THREADS_PER_RANK", "1")))
+    disabled = tuple(filter(None, os.environ.get("EPP_DISABLE_PATCHES", "").split(",")))
+    patches.apply_cpu_patches(exclude=disabled)
+    return torch.device("cpu"), "gloo"
+
+
+def set_seed(seed: int, pp_rank: int) -> None:
+    """Megatron's seeding: a different stream per pipeline stage, tracked model-parallel RNG."""
+    from megatron.core import tensor_parallel
+
+    seed = seed + 100 * pp_rank
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def initialize(args: argparse.Namespace) -> Runtime:
+    """Start torch.distributed (torchrun's env, or a single process) and megatron-core's groups."""
+    from megatron.core import parallel_state as ps
+
+    device, backend = select_device()
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        dist.init_process_group(
+            backend,
+            rank=int(os.environ.get("RANK", "0")),
+            world_size=int(os.environ.get("WORLD_SIZE", "1")),
+        )
+    ps.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    runtime = Runtime(
+        device=device,
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        pp_size=ps.get_pipeline_model_parallel_world_size(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        dp_rank=ps.get_data_parallel_rank(),
+        dp_size=ps.get_data_parallel_world_size(),
+    )
+    set_seed(args.seed, runtime.pp_rank)
+    return runtime
+
+
+def shutdown() -> None:
+    from megatron.core import parallel_state as ps
+
+    if dist.is_initialized():
+        dist.barrier()
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()

@@ -1,0 +1,178 @@
+"""The training driver: optimizer, LR schedule, train/eval steps, logging, checkpoints."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from typing import Any, Callable, Iterator
+
+import torch
+from megatron.core import parallel_state as ps
+from megatron.core.distributed import finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megatron_epp.training import checkpointing
+from megatron_epp.training.gpt_step import reduce_losses
+from megatron_epp.training.initialize import Runtime
+
+
+def build_optimizer(args: argparse.Namespace, model, config) -> tuple[Any, OptimizerParamScheduler]:
+    """Megatron's optimizer (Adam, grad clipping) and its sample-based LR/WD scheduler."""
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=args.lr,
+            min_lr=args.min_lr,
+            weight_decay=args.weight_decay,
+            adam_beta1=args.adam_beta1,
+            adam_beta2=args.adam_beta2,
+            clip_grad=args.clip_grad,
+            bf16=args.bf16,
+            params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+        ),
+        [model],
+    )
+    gbs = args.global_batch_size
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0 if args.lr_warmup_iters else args.lr,
+        max_lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters * gbs,
+        lr_decay_steps=args.lr_decay_iters * gbs,
+        lr_decay_style=args.lr_decay_style,
+        start_wd=args.weight_decay,
+        end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters * gbs,
+        wd_incr_style="constant",
+    )
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = model.no_sync
+    return optimizer, scheduler
+
+
+StepFunction = Callable[[bool], tuple[list[dict[str, torch.Tensor]], int]]
+"""``step(forward_only) -> (last stage's per-micro-batch losses, tokens in the global batch)``."""
+
+
+def megatron_step(args: argparse.Namespace, model, forward_step_func, data_iterator: Iterator) -> StepFunction:
+    """One global batch through Megatron-Core's own schedule (1F1B for pp > 1)."""
+    forward_backward = get_forward_backward_func()
+
+    def step(forward_only: bool) -> tuple[list[dict[str, torch.Tensor]], int]:
+        losses = forward_backward(
+            forward_step_func=forward_step_func,
+            data_iterator=data_iterator,
+            model=[model],
+            num_microbatches=args.num_microbatches,
+            seq_length=args.seq_length,
+            micro_batch_size=args.micro_batch_size,
+            forward_only=forward_only,
+        )
+        return losses, args.global_batch_size * args.seq_length
+
+    return step
+
+
+class Logger:
+    """Megatron-style iteration lines on the logging rank, optional TensorBoard scalars."""
+
+    def __init__(self, args: argparse.Namespace, runtime: Runtime) -> None:
+        self.enabled = runtime.is_logging_rank
+        self.train_iters = args.train_iters
+        self.writer = None
+        if self.enabled and args.tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(args.tensorboard_dir)
+
+    def print(self, text: str) -> None:
+        if self.enabled:
+            print(text, flush=True)
+
+    def iteration(self, it: int, consumed: int, loss: float, lr: float, grad_norm: float, ms: float, tokens: int, extra: str = "") -> None:
+        self.print(
+            f" iteration {it:8d}/{self.train_iters:8d} | consumed samples: {consumed:10d} | "
+            f"elapsed time per iteration (ms): {ms:.1f} | tokens/s: {tokens / (ms / 1000):.0f} | "
+            f"learning rate: {lr:.6E} | lm loss: {loss:.6E} | grad norm: {grad_norm:.4f}{extra}"
+        )
+        if self.writer:
+            for name, value in (("lm loss", loss), ("learning-rate", lr), ("grad-norm", grad_norm), ("tokens/s", tokens / (ms / 1000))):
+                self.writer.add_scalar(name, value, it)
+
+    def validation(self, it: int, loss: float) -> None:
+        self.print(
+            f" validation loss at iteration {it} | lm loss value: {loss:.6E} | "
+            f"lm loss PPL: {math.exp(min(loss, 20)):.6E}"
+        )
+        if self.writer:
+            self.writer.add_scalar("validation lm loss", loss, it)
+
+    def close(self) -> None:
+        if self.writer:
+            self.writer.close()
+
+
+def _broadcast_from_last_stage(value: float | None, runtime: Runtime) -> float:
+    """Give every rank the last stage's value (for logging decisions and grad-norm-free ranks)."""
+    t = torch.tensor([value if value is not None else 0.0], dtype=torch.float64, device=runtime.device)
+    torch.distributed.broadcast(t, src=runtime.world_size - 1)
+    return float(t.item())
+
+
+def train(
+    args: argparse.Namespace,
+    runtime: Runtime,
+    model,
+    optimizer,
+    scheduler: OptimizerParamScheduler,
+    train_step: StepFunction,
+    valid_step: StepFunction | None,
+    start: tuple[int, int] = (0, 0),
+    step_summary: Callable[[], str] | None = None,
+) -> list[float]:
+    """Run iterations ``start[0]+1 .. --train-iters``; return the losses seen by every rank."""
+    iteration, consumed = start
+    logger = Logger(args, runtime)
+    dp_group = ps.get_data_parallel_group()
+    history: list[float] = []
+    while iteration < args.train_iters:
+        t0 = time.perf_counter()
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        losses, tokens = train_step(False)
+        update_ok, grad_norm, _ = optimizer.step()
+        if not update_ok:
+            raise FloatingPointError(f"optimizer step skipped at iteration {iteration + 1}")
+        scheduler.step(increment=args.global_batch_size)
+        iteration += 1
+        consumed += args.global_batch_size
+        loss = _broadcast_from_last_stage(reduce_losses(losses, dp_group), runtime)
+        ms = (time.perf_counter() - t0) * 1000
+        history.append(loss)
+        if iteration % args.log_interval == 0:
+            extra = f" | {step_summary()}" if step_summary else ""
+            logger.iteration(iteration, consumed, loss, scheduler.get_lr(optimizer.param_groups[0]), grad_norm or 0.0, ms, tokens, extra)
+        if valid_step and args.eval_interval and iteration % args.eval_interval == 0:
+            logger.validation(iteration, evaluate(args, runtime, valid_step, dp_group))
+        if args.save and args.save_interval and iteration % args.save_interval == 0:
+            path = checkpointing.save_checkpoint(args.save, model, optimizer, scheduler, runtime, iteration, consumed)
+            logger.print(f" saved checkpoint at iteration {iteration} to {path}")
+    if args.save and not (args.save_interval and iteration % args.save_interval == 0):
+        path = checkpointing.save_checkpoint(args.save, model, optimizer, scheduler, runtime, iteration, consumed)
+        logger.print(f" saved checkpoint at iteration {iteration} to {path}")
+    logger.close()
+    return history
+
+
+def evaluate(args: argparse.Namespace, runtime: Runtime, valid_step: StepFunction, dp_group) -> float:
+    """Mean token loss over ``--eval-iters`` forward-only global batches."""
+    totals = []
+    with torch.no_grad():
+        for _ in range(args.eval_iters):
+            losses, _ = valid_step(True)
+            totals.append(_broadcast_from_last_stage(reduce_losses(losses, dp_group), runtime))
+    return sum(totals) / len(totals)

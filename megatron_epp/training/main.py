@@ -1,0 +1,83 @@
+"""``pretrain_gpt.py``: argument parsing, set-up, data, and the training run."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from megatron_epp.data.tokenizers import TokenizerError
+from megatron_epp.training.arguments import ArgumentError, parse_args
+
+
+def build_samples(args: argparse.Namespace, split: str):
+    """Fixed-length GPT samples of ``split`` ('train' or 'valid'): mock data or an indexed dataset."""
+    from megatron_epp.data.documents import DocumentDataset, split_ranges
+    from megatron_epp.data.gpt_samples import GPTSamples, MockGPTSamples
+
+    if args.mock_data:
+        return MockGPTSamples(args.seq_length, args.vocab_size, seed=args.seed + (split == "valid"))
+    docs = DocumentDataset(args.data_path)
+    docs = DocumentDataset(args.data_path, split_ranges(len(docs), args.split)[split])
+    if len(docs) == 0:
+        return None
+    needed = (args.train_iters if split == "train" else args.eval_iters * (args.train_iters // (args.eval_interval or args.train_iters) + 1)) * args.global_batch_size
+    return GPTSamples(docs, args.seq_length, seed=args.seed, num_samples=needed)
+
+
+def resolve_vocab_size(args: argparse.Namespace) -> None:
+    from megatron_epp.data.tokenizers import build_tokenizer
+
+    if args.vocab_size is None:
+        args.vocab_size = build_tokenizer(args.tokenizer).vocab_size
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = parse_args(argv)
+        resolve_vocab_size(args)
+    except (ArgumentError, TokenizerError) as error:
+        print(error if isinstance(error, ArgumentError) else f"pretrain_gpt.py: error: {error}", file=sys.stderr)
+        return 2
+
+    from megatron_epp.training import checkpointing
+    from megatron_epp.training.gpt_step import gpt_forward_step, microbatches
+    from megatron_epp.training.initialize import initialize, shutdown
+    from megatron_epp.training.loop import build_optimizer, megatron_step, train
+    from megatron_epp.training.model import build_model
+
+    runtime = initialize(args)
+    model, config = build_model(args, runtime)
+    optimizer, scheduler = build_optimizer(args, model, config)
+    start = (0, 0)
+    if args.load:
+        start = checkpointing.load_checkpoint(args.load, model, optimizer, scheduler, runtime)
+    if runtime.is_logging_rank:
+        print(
+            f"> GPT: {args.num_layers} layers, hidden {args.hidden_size}, {args.num_attention_heads} heads, "
+            f"vocab {args.vocab_size} | tp={args.tensor_model_parallel_size} pp={runtime.pp_size} "
+            f"dp={runtime.dp_size} on {runtime.device.type} | global batch {args.global_batch_size} = "
+            f"{args.num_microbatches} micro-batches x {args.micro_batch_size} x dp {runtime.dp_size}"
+            + (f" | resumed at iteration {start[0]}" if args.load else ""),
+            flush=True,
+        )
+
+    def step_for(split: str, consumed: int):
+        samples = build_samples(args, split)
+        if samples is None:
+            return None
+        batches = microbatches(samples, consumed, args.global_batch_size, args.micro_batch_size, runtime.dp_rank, runtime.dp_size, runtime.device)
+        return megatron_step(args, model, gpt_forward_step, batches)
+
+    train(
+        args, runtime, model, optimizer, scheduler,
+        train_step=step_for("train", start[1]),
+        valid_step=step_for("valid", 0) if args.eval_interval else None,
+        start=start,
+    )
+    shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

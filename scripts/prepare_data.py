@@ -1,0 +1,74 @@
+#!/usr/bin/env python3
+"""Tokenize text files, directories or JSONL into a Megatron indexed dataset (PREFIX.bin/.idx).
+
+Example:
+    python scripts/prepare_data.py --input corpus/ --pattern '*.md' --output-prefix data/corpus \
+        --tokenizer byte
+    python scripts/prepare_data.py --input train.jsonl --json-keys text \
+        --tokenizer tokenizer.json --output-prefix data/train --workers 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import warnings
+from pathlib import Path
+
+# megatron-core's import warns about optional CUDA extensions; irrelevant to data preparation.
+warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_epp.data.prepare import DataError, prepare_dataset  # noqa: E402
+from megatron_epp.data.tokenizers import TokenizerError, build_tokenizer  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument(
+        "--input",
+        nargs="+",
+        required=True,
+        help="text files, directories (recursive) or .jsonl/.json files",
+    )
+    p.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
+    p.add_argument(
+        "--json-keys",
+        nargs="+",
+        default=["text"],
+        help="JSONL keys whose values (newline-joined) form a document",
+    )
+    p.add_argument("--pattern", default="*.txt", help="file glob for directory inputs")
+    p.add_argument("--tokenizer", default="byte", help="'byte' or the path of a tokenizer.json")
+    p.add_argument(
+        "--eod-token",
+        default=None,
+        help="end-of-document token of a tokenizer.json (default: a known one)",
+    )
+    p.add_argument("--workers", type=int, default=1, help="tokenizer processes")
+    p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        tokenizer = build_tokenizer(args.tokenizer, args.eod_token)
+        result = prepare_dataset(
+            args.input,
+            args.output_prefix,
+            tokenizer,
+            json_keys=args.json_keys,
+            pattern=args.pattern,
+            workers=args.workers,
+            progress=not args.no_progress,
+        )
+    except (DataError, TokenizerError) as exc:
+        print(f"prepare_data.py: error: {exc}", file=sys.stderr)
+        return 1
+    print(result.summary())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""Plan data model: validation names the broken chunk; JSON round trip; elastic 1F1B order."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_epp.plan import Chunk, Pipeline, Plan, PlanError, Segment
+from megatron_epp.schedule_order import backward_order, num_warmup, stage_ops
+
+LENGTHS = [10, 3, 4, 12]
+
+
+def make_plan(chunks: list[Chunk], groups: list[list[int]] | None = None, stages: int = 2) -> Plan:
+    groups = groups or [list(range(len(chunks)))]
+    pipes = [Pipeline([chunks[i] for i in g], [[0] * len(g) for _ in range(stages)]) for g in groups]
+    return Plan(LENGTHS, stages, [2] * stages, pipes)
+
+
+def good_chunks() -> list[Chunk]:
+    return [
+        Chunk(0, "split", [Segment(0, 0, 6)]),
+        Chunk(1, "hybrid", [Segment(0, 6, 10), Segment(1, 0, 3)]),
+        Chunk(2, "split", [Segment(3, 0, 5)]),
+        Chunk(3, "split", [Segment(3, 5, 9)]),
+        Chunk(4, "split", [Segment(3, 9, 12)]),
+        Chunk(5, "batched", [Segment(2, 0, 4)]),
+    ]
+
+
+def test_valid_plan_round_trips_through_json():
+    plan = make_plan(good_chunks()).validate()
+    again = Plan.from_json(plan.to_json())
+    assert again == plan
+    assert plan.chunk_counts() == {"batched": 1, "split": 4, "hybrid": 1}
+    assert again.pipelines[0].chunks[1].position_ids() == [6, 7, 8, 9, 0, 1, 2]
+    assert again.pipelines[0].chunks[1].cu_seqlens() == [0, 4, 7]
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda c: c.__setitem__(slice(2, 4), [c[3], c[2]]), "chunk 3: sequence 3 tokens [5,9) run before [0,5)"),
+        (lambda c: c.__setitem__(1, Chunk(1, "hybrid", [Segment(0, 6, 10), Segment(3, 9, 12)])), "chunk 1: holds 2 slices"),
+        (lambda c: c.__setitem__(5, Chunk(5, "batched", [Segment(2, 0, 5)])), "chunk 5: bad token range"),
+        (lambda c: c.pop(5), "sequence 2: plan covers 0 of 4 tokens"),
+        (lambda c: c.__setitem__(5, Chunk(5, "split", [Segment(2, 0, 4)])), "chunk 5: kind is 'split' but its segments make it 'batched'"),
+        (lambda c: c.__setitem__(1, Chunk(1, "hybrid", [Segment(0, 6, 9), Segment(1, 0, 3)])), "chunk 1: only a tail slice"),
+        (lambda c: c.append(Chunk(6, "batched", [Segment(2, 0, 4)])), "chunk 6: sequence 2 tokens [0,4) run before"),
+    ],
+)
+def test_validate_names_the_broken_chunk(mutate, message):
+    chunks = good_chunks()
+    mutate(chunks)
+    with pytest.raises(PlanError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        make_plan(chunks).validate()
+
+
+def test_sequence_in_two_pipelines_is_rejected():
+    with pytest.raises(PlanError, match="chunk 1: sequence 0 is in pipelines 0 and 1"):
+        make_plan(good_chunks(), groups=[[0], [1, 2, 3, 4, 5]]).validate()
+
+
+def test_recompute_beyond_stage_layers_is_rejected():
+    plan = make_plan(good_chunks())
+    plan.pipelines[0].recompute[1][2] = 3
+    with pytest.raises(PlanError, match="chunk 2: recompute 3 layers on stage 1"):
+        plan.validate()
+
+
+def test_backward_runs_sequences_fifo_and_slices_last_to_first():
+    pipe = make_plan(good_chunks()).pipelines[0]
+    assert backward_order(pipe) == [1, 0, 4, 3, 2, 5]
+
+
+def test_warmup_is_megatron_1f1b_when_nothing_is_split():
+    chunks = [Chunk(i, "batched", [Segment(i, 0, n)]) for i, n in enumerate(LENGTHS)]
+    pipe = make_plan(chunks, stages=4).pipelines[0]
+    assert [num_warmup(pipe, p, 4) for p in range(4)] == [3, 2, 1, 0]
+
+
+def test_stage_ops_run_each_chunk_once_and_backward_after_forward():
+    pipe = make_plan(good_chunks(), stages=3).pipelines[0]
+    assert [num_warmup(pipe, p, 3) for p in range(3)] == [4, 3, 2]  # P - p - 1 + K_max - 1, K_max = 3
+    for stage in range(3):
+        ops = stage_ops(pipe, stage, 3)
+        assert sorted(o.pos for o in ops if o.kind == "F") == list(range(6))
+        assert [o.pos for o in ops if o.kind == "B"] == backward_order(pipe)
+        done = set()
+        for op in ops:
+            assert op.kind == "F" or op.pos in done
+            done.add(op.pos)

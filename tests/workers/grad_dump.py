@@ -1,0 +1,66 @@
+"""Run one global batch through pretrain_gpt's model/optimizer stack and dump loss and gradients.
+
+Launched by tests under torchrun. Parameters are set from their *global* name (layer numbers
+offset by the stage), so every parallel layout starts from identical weights.
+    torchrun --nproc-per-node N tests/workers/grad_dump.py OUT_DIR [pretrain_gpt flags...]
+"""
+
+from __future__ import annotations
+
+import sys
+import zlib
+
+import torch
+
+from megatron_epp.training.arguments import parse_args
+from megatron_epp.training.gpt_step import gpt_forward_step, microbatches, reduce_losses
+from megatron_epp.training.initialize import initialize, shutdown
+from megatron_epp.training.loop import build_optimizer, megatron_step
+from megatron_epp.training.main import build_samples, resolve_vocab_size
+from megatron_epp.training.model import build_model
+
+
+def global_name(name: str, pp_rank: int, layers_per_stage: int) -> str:
+    parts = name.split(".")
+    if parts[:2] == ["decoder", "layers"]:
+        parts[2] = str(int(parts[2]) + pp_rank * layers_per_stage)
+    if parts[0] == "output_layer":
+        return "embedding.word_embeddings.weight"  # tied copy on the last stage
+    return ".".join(parts)
+
+
+def set_global_weights(model: torch.nn.Module, pp_rank: int, layers_per_stage: int) -> None:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            g = torch.Generator().manual_seed(zlib.crc32(global_name(name, pp_rank, layers_per_stage).encode()))
+            base = 1.0 if name.endswith("layer_norm_weight") or "layernorm.weight" in name else 0.0
+            p.copy_(base + 0.05 * torch.randn(p.shape, generator=g))
+
+
+def main() -> None:
+    out_dir, flags = sys.argv[1], sys.argv[2:]
+    args = parse_args(flags)
+    resolve_vocab_size(args)
+    runtime = initialize(args)
+    model, config = build_model(args, runtime)
+    layers_per_stage = args.num_layers // runtime.pp_size
+    set_global_weights(model.module, runtime.pp_rank, layers_per_stage)
+    model.broadcast_params()
+    build_optimizer(args, model, config)  # installs finalize_model_grads (DP and tied-embedding sync)
+    batches = microbatches(build_samples(args, "train"), 0, args.global_batch_size, args.micro_batch_size, runtime.dp_rank, runtime.dp_size, runtime.device)
+    model.zero_grad_buffer()
+    losses, _ = megatron_step(args, model, gpt_forward_step, batches)(False)
+    from megatron.core import parallel_state as ps
+
+    loss = reduce_losses(losses, ps.get_data_parallel_group())
+    grads = {
+        global_name(n, runtime.pp_rank, layers_per_stage): p.main_grad.detach().clone()
+        for n, p in model.module.named_parameters()
+    }
+    if runtime.dp_rank == 0 and runtime.tp_rank == 0:
+        torch.save({"loss": loss, "grads": grads}, f"{out_dir}/stage{runtime.pp_rank}.pt")
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()
