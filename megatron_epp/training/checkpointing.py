@@ -44,12 +44,15 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def _sharded_state(model, optimizer, scheduler, runtime: Runtime, iteration: int, consumed: int) -> dict[str, Any]:
+def _sharded_state(
+    model, optimizer, scheduler, runtime: Runtime, iteration: int, consumed: int, is_loading: bool = False
+) -> dict[str, Any]:
+    """What a checkpoint holds; ``is_loading`` makes the optimizer build its (still empty) state first."""
     model_state = model.module.sharded_state_dict()
     layout = (runtime.pp_size, runtime.world_size // (runtime.pp_size * runtime.dp_size), runtime.dp_size)
     return {
         "model": model_state,
-        "optimizer": optimizer.sharded_state_dict(model_state),
+        "optimizer": optimizer.sharded_state_dict(model_state, is_loading=is_loading),
         "scheduler": scheduler.state_dict(),
         "iteration": iteration,
         "consumed_samples": consumed,
@@ -86,7 +89,7 @@ def load_checkpoint(root: str, model, optimizer, scheduler, runtime: Runtime) ->
     iteration = latest_iteration(root)
     if iteration is None:
         raise FileNotFoundError(f"--load {root}: no {TRACKER}")
-    template = _sharded_state(model, optimizer, scheduler, runtime, 0, 0)
+    template = _sharded_state(model, optimizer, scheduler, runtime, 0, 0, is_loading=True)
     state = dist_checkpointing.load(template, iteration_dir(root, iteration))
     model.module.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
