@@ -1,0 +1,167 @@
+"""Elastic 1F1B: run a Plan's chunks of different sizes through Megatron-Core's pipeline stages.
+
+The op order per stage comes from :mod:`megatron_epp.schedule_order` (warm-up
+``P - p - 1 + K_max - 1``, then one forward / one backward, then cool-down). Compute and
+communication reuse megatron-core's ``forward_step`` / ``backward_step`` and ``P2PCommunicator``;
+each transfer carries the chunk's own shape ``[tokens, 1, hidden]``, known to both sides from the
+plan, so no shape handshake is needed. Pipelines (sequence groups) run one after another with
+gradient accumulation; gradients are reduced once per step (``finalize_model_grads``) and divided by
+the global batch's token count, so the loss and gradients equal non-pipelined training.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron.core.pipeline_parallel.schedules import backward_step, deallocate_output_tensor, forward_step
+from megatron.core.utils import get_model_config, get_model_type
+
+from megatron_epp.model.chunk_state import CHUNK_STATE, ChunkLayout
+from megatron_epp.plan import Pipeline, Plan
+from megatron_epp.schedule_order import Op, stage_ops
+
+
+def _grad_sync_control(config) -> tuple[Callable[[], None], Callable[[], None]]:
+    """``(disable, enable)`` of DDP's gradient reduction, as Megatron's schedules do it."""
+    no_sync_func = config.no_sync_func or contextlib.nullcontext
+    context: list[Any] = []
+
+    def disable() -> None:
+        if not context:
+            context.append(no_sync_func())
+            context[0].__enter__()
+
+    def enable() -> None:
+        if context:
+            context.pop().__exit__(None, None, None)
+
+    return disable, enable
+
+
+def forward_backward_elastic(
+    *,
+    forward_step_func,
+    data_iterator: Iterator | list,
+    model,
+    num_microbatches: int,
+    seq_length: int | None = None,
+    micro_batch_size: int | None = None,
+    decoder_seq_length: int | None = None,
+    forward_only: bool = False,
+    collect_non_loss_data: bool = False,
+    first_val_step: bool | None = None,
+    adjust_tensor_shapes_fn=None,
+    p2p_communicator: P2PCommunicator | None = None,
+    pg_collection=None,
+    plan: Plan,
+) -> list[dict[str, torch.Tensor]]:
+    """Megatron-Core's schedule signature plus ``plan``; ``num_microbatches`` must be its chunk count.
+
+    ``data_iterator`` yields one item per chunk in forward order (pipeline by pipeline); the current
+    chunk's layout (positions, packing, prefix) is set from the plan on every stage before its forward.
+    Returns the last stage's per-chunk loss dicts.
+    """
+    model = model[0] if isinstance(model, list) else model
+    data_iterator = data_iterator[0] if isinstance(data_iterator, list) else data_iterator
+    chunks = sum(len(p.chunks) for p in plan.pipelines)
+    if num_microbatches != chunks:
+        raise ValueError(f"num_microbatches={num_microbatches} but the plan has {chunks} chunks")
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    if plan.num_stages != pp_group.size():
+        raise ValueError(f"plan is for {plan.num_stages} stages, the pipeline has {pp_group.size()}")
+    config = get_model_config(model)
+    comm = p2p_communicator or P2PCommunicator(pp_group=pp_group, config=config)
+    runner = _StageRunner(forward_step_func, data_iterator, model, config, comm, plan, forward_only, collect_non_loss_data)
+    disable_sync, enable_sync = _grad_sync_control(config)
+    disable_sync()
+    for index, pipe in enumerate(plan.pipelines):
+        runner.run(pipe, on_last_backward=enable_sync if index == len(plan.pipelines) - 1 else None)
+    enable_sync()
+    CHUNK_STATE.current = None
+    if forward_only:
+        CHUNK_STATE.kv.clear()
+    elif config.finalize_model_grads_func is not None:
+        config.finalize_model_grads_func(
+            [model], runner.total_tokens if config.calculate_per_token_loss else None, pg_collection=pg_collection
+        )
+    return runner.losses
+
+
+class _StageRunner:
+    """Runs one stage's op sequence for each pipeline of the plan."""
+
+    def __init__(self, forward_step_func, data_iterator, model, config, comm: P2PCommunicator, plan: Plan, forward_only: bool, collect_non_loss_data: bool) -> None:
+        self.forward_step_func, self.data_iterator, self.model, self.config = forward_step_func, data_iterator, model, config
+        self.comm, self.plan, self.forward_only, self.collect = comm, plan, forward_only, collect_non_loss_data
+        self.stage = comm.pp_group.rank()
+        self.first, self.last = self.stage == 0, self.stage == plan.num_stages - 1
+        self.model_type = get_model_type(model)
+        self.device = next(model.parameters()).device
+        self.total_tokens = torch.zeros([], dtype=torch.int, device=self.device)
+        self.losses: list[dict[str, torch.Tensor]] = []
+        self.microbatch = 0
+
+    def shape(self, pipe: Pipeline, pos: int) -> list[tuple[int, int, int]]:
+        return [(pipe.chunks[pos].num_tokens, 1, self.config.hidden_size)]
+
+    def run(self, pipe: Pipeline, on_last_backward: Callable[[], None] | None) -> None:
+        ops = [op for op in stage_ops(pipe, self.stage, self.plan.num_stages) if not (self.forward_only and op.kind == "B")]
+        layouts = [ChunkLayout.build(c, self.plan.seq_lengths, self.device) for c in pipe.chunks]
+        saved: dict[int, tuple[Any, Any]] = {}
+        last_backward = max((i for i, op in enumerate(ops) if op.kind == "B"), default=None)
+        # Each op receives its input just before it runs and sends its result right after, fused with
+        # the next op's receive where 1F1B pairs them (send F -> recv B, send B -> recv F).
+        incoming = self._receive(pipe, ops[0])
+        for i, op in enumerate(ops):
+            nxt = ops[i + 1] if i + 1 < len(ops) else None
+            if op.kind == "F":
+                CHUNK_STATE.current = layouts[op.pos]
+                input_tensor, output = incoming, self._forward(incoming, op.pos)
+                incoming = self._send_then_receive("F", output, pipe, nxt)
+                if not self.forward_only:
+                    saved[op.pos] = (input_tensor, output)
+                    deallocate_output_tensor(output[0], self.config.deallocate_pipeline_outputs)
+            else:
+                if i == last_backward and on_last_backward is not None:
+                    on_last_backward()
+                CHUNK_STATE.current = layouts[op.pos]
+                input_tensor, output = saved.pop(op.pos)
+                grad = backward_step(input_tensor, output, incoming, self.model_type, self.config)
+                incoming = self._send_then_receive("B", grad, pipe, nxt)
+
+    def _forward(self, input_tensor, pos: int):
+        output, num_tokens = forward_step(
+            self.forward_step_func, self.data_iterator, self.model, self.plan_chunks, input_tensor,
+            self.losses, self.config, cp_group_size=1, collect_non_loss_data=self.collect,
+            is_first_microbatch=self.microbatch == 0, current_microbatch=self.microbatch, is_last_stage=self.last,
+        )
+        self.microbatch += 1
+        self.total_tokens += num_tokens
+        return output
+
+    @property
+    def plan_chunks(self) -> int:
+        return sum(len(p.chunks) for p in self.plan.pipelines)
+
+    def _receive(self, pipe: Pipeline, op: Op | None):
+        if op is None:
+            return None
+        if op.kind == "F":
+            return self.comm.recv_forward(self.shape(pipe, op.pos), self.first)
+        return self.comm.recv_backward(self.shape(pipe, op.pos), self.last)
+
+    def _send_then_receive(self, kind: str, tensor, pipe: Pipeline, nxt: Op | None):
+        """Send a forward output / input grad, and receive what the next op needs (fused when 1F1B pairs them)."""
+        if kind == "F":
+            if nxt is not None and nxt.kind == "B":
+                return self.comm.send_forward_recv_backward(tensor, self.shape(pipe, nxt.pos), self.last)
+            self.comm.send_forward(tensor, self.last)
+        else:
+            if nxt is not None and nxt.kind == "F":
+                return self.comm.send_backward_recv_forward(tensor, self.shape(pipe, nxt.pos), self.first)
+            self.comm.send_backward(tensor, self.first)
+        return self._receive(pipe, nxt)

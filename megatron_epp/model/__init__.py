@@ -1,0 +1,1 @@
+"""Layer-spec pieces for elastic chunks: packed/prefix-K/V attention, position-indexed RoPE."""

@@ -1,0 +1,31 @@
+"""RoPE at each token's absolute position: a slice starts at C, packed sequences restart at 0.
+
+``GPTModel._preprocess`` asks its ``rotary_pos_emb`` for positions ``0..s-1``. The wrapper below
+takes the frequencies up to the chunk's largest position and gathers them at the current chunk's
+position ids, which is what RoPE with ``offset = C`` gives a slice and what restarting at 0 gives
+packed sequences.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from megatron_epp.model.chunk_state import CHUNK_STATE
+
+
+class ChunkRotaryEmbedding(torch.nn.Module):
+    """Wraps megatron-core's ``RotaryEmbedding`` (no parameters of its own)."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def get_rotary_seq_len(self, *args: Any, **kwargs: Any) -> int:
+        return self.inner.get_rotary_seq_len(*args, **kwargs)
+
+    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group: Any = None) -> torch.Tensor:
+        positions = CHUNK_STATE.layout().position_ids
+        freqs = self.inner(int(positions.max()) + 1)
+        return freqs[positions]

@@ -1,0 +1,117 @@
+"""Random elastic plans vs a non-pipelined reference, many cases in one process-group launch.
+
+    torchrun ... tests/workers/elastic_equivalence.py OUT --mode reference|elastic --cases N
+        [--fault drop_prefix|forward_order_backward|leak_packing] [pretrain_gpt flags...]
+
+``reference`` (one process): stock Megatron-Core (local spec, no EPP), each whole sequence its own
+micro-batch. ``elastic``: a random valid plan per case (per data-parallel rank) through
+``forward_backward_elastic``. Both save loss and gradients by global parameter name per case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+import torch
+from megatron.core import parallel_state as ps
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from megatron_epp.elastic_schedule import forward_backward_elastic
+from megatron_epp.elastic_step import chunk_batches, elastic_gpt_forward_step
+from megatron_epp.model import chunk_state
+from megatron_epp.model.spec import elastic_layer_spec, install_chunk_positions
+from megatron_epp import schedule_order
+from megatron_epp.training.arguments import parse_args
+from megatron_epp.training.gpt_step import gpt_forward_step, reduce_losses
+from megatron_epp.training.initialize import initialize, shutdown
+from megatron_epp.training.loop import build_optimizer
+from megatron_epp.training.model import build_model, default_layer_spec
+from tests.workers.grad_dump import global_name, set_global_weights
+from tests.workers.random_plans import random_lengths, random_plan
+
+
+def inject(fault: str) -> None:
+    """Break one mechanism on purpose; the comparison must then fail."""
+    build = chunk_state.ChunkLayout.build.__func__
+
+    def drop_prefix(cls, chunk, seq_lengths, device):
+        layout = build(cls, chunk, seq_lengths, device)
+        layout.mask, layout.context = layout.mask[:, layout.context :], 0
+        return layout
+
+    def leak_packing(cls, chunk, seq_lengths, device):
+        layout = build(cls, chunk, seq_lengths, device)
+        n = chunk.num_tokens
+        layout.mask[:, layout.context :] = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+        return layout
+
+    if fault == "drop_prefix":
+        chunk_state.ChunkLayout.build = classmethod(drop_prefix)
+    elif fault == "leak_packing":
+        chunk_state.ChunkLayout.build = classmethod(leak_packing)
+    elif fault == "forward_order_backward":
+        schedule_order.backward_order = lambda pipe: list(range(len(pipe.chunks)))
+    else:
+        raise ValueError(fault)
+
+
+def case_sequences(case: int, seed: int, vocab: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    rng = np.random.default_rng([seed, case])
+    out = []
+    for n in random_lengths(rng):
+        doc = torch.from_numpy(rng.integers(0, vocab, n + 1))
+        out.append((doc[:-1], doc[1:]))
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--mode", choices=["reference", "elastic"], required=True)
+    p.add_argument("--cases", type=int, required=True)
+    p.add_argument("--case-seed", type=int, default=0)
+    p.add_argument("--fault", default=None)
+    ours, flags = p.parse_known_args()
+    args = parse_args(flags)
+    args.vocab_size = args.vocab_size or 64
+    runtime = initialize(args)
+    elastic = ours.mode == "elastic"
+    spec = elastic_layer_spec(default_layer_spec()) if elastic else None
+    model, config = build_model(args, runtime, layer_spec=spec)
+    if elastic:
+        install_chunk_positions(model.module)
+    if ours.fault:
+        inject(ours.fault)
+    per_stage = args.num_layers // runtime.pp_size
+    set_global_weights(model.module, runtime.pp_rank, per_stage)
+    build_optimizer(args, model, config)
+    for case in range(ours.cases):
+        sequences = case_sequences(case, ours.case_seed, args.vocab_size)
+        model.zero_grad_buffer()
+        if elastic:
+            mine = sequences[runtime.dp_rank :: runtime.dp_size]
+            plan = random_plan(np.random.default_rng([ours.case_seed, case, runtime.dp_rank, 7]), [len(t) for t, _ in mine], runtime.pp_size, per_stage)
+            losses = forward_backward_elastic(
+                forward_step_func=elastic_gpt_forward_step, data_iterator=chunk_batches(plan, mine, runtime.device),
+                model=[model], num_microbatches=sum(len(q.chunks) for q in plan.pipelines), plan=plan,
+            )
+        else:
+            batches = iter(
+                {"tokens": t[None], "labels": l[None], "loss_mask": torch.ones(1, len(t)), "position_ids": torch.arange(len(t))[None]}
+                for t, l in sequences
+            )
+            losses = get_forward_backward_func()(
+                forward_step_func=gpt_forward_step, data_iterator=batches, model=[model],
+                num_microbatches=len(sequences), seq_length=1, micro_batch_size=1,
+            )
+        loss = reduce_losses(losses, ps.get_data_parallel_group())
+        if runtime.dp_rank == 0 and runtime.tp_rank == 0:
+            grads = {global_name(n, runtime.pp_rank, per_stage): q.main_grad.detach().clone() for n, q in model.module.named_parameters()}
+            torch.save({"loss": loss, "grads": grads}, f"{ours.out}/case{case}_stage{runtime.pp_rank}.pt")
+    shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
