@@ -14,9 +14,11 @@ BASE = ["--mock-data", "--num-layers", "4"]
 
 
 def run_pretrain(*flags: str, world_size: int = 1) -> subprocess.CompletedProcess:
+    env = run_env({"WORLD_SIZE": str(world_size), "RANK": "0"})
+    env.pop("PYTHONWARNINGS")  # what a user sees: pretrain_gpt.py itself keeps stderr to the one line
     return subprocess.run(
         [sys.executable, str(REPO / "pretrain_gpt.py"), *flags], cwd=REPO, capture_output=True, text=True,
-        env=run_env({"WORLD_SIZE": str(world_size), "RANK": "0"}), timeout=120,
+        env=env, timeout=120,
     )
 
 
@@ -28,6 +30,11 @@ def run_pretrain(*flags: str, world_size: int = 1) -> subprocess.CompletedProces
         (["--global-batch-size", "6", "--micro-batch-size", "4"], 1, "--global-batch-size 6 is not divisible"),
         (["--global-batch-size", "6", "--micro-batch-size", "2"], 4, "data parallel 4"),
         (["--num-layers", "abc"], 1, "invalid int value: 'abc'"),
+        (["--epp-plan", "seq1f1b"], 1, "--epp-plan needs --elastic-pp"),
+        (["--elastic-pp", "--recompute-granularity", "full", "--recompute-method", "uniform"], 1,
+         "--recompute-granularity does not apply with --elastic-pp"),
+        (["--elastic-pp", "--micro-batch-size", "2"], 1, "--micro-batch-size does not apply with --elastic-pp"),
+        (["--elastic-pp", "--epp-memory-budget", "0"], 1, "--epp-memory-budget must be positive"),
     ],
 )
 def test_bad_flags_give_one_line_error(flags, world_size, message):

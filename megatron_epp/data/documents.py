@@ -35,7 +35,29 @@ def split_ranges(num_docs: int, split: str) -> dict[str, range]:
     }
 
 
-class DocumentDataset:
+class IndexedDocuments:
+    """A document source backed by a ``_lengths`` array: ``lengths``, ``len`` and a bounds-checked
+    ``[i]`` that subclasses fill in through ``_document``."""
+
+    _lengths: np.ndarray
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self._lengths
+
+    def __len__(self) -> int:
+        return len(self._lengths)
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        if not 0 <= index < len(self):
+            raise IndexError(f"document {index} out of range ({len(self)} documents)")
+        return self._document(index)
+
+    def _document(self, index: int) -> np.ndarray:
+        raise NotImplementedError
+
+
+class DocumentDataset(IndexedDocuments):
     """Documents ``doc_range`` (default: all) of the indexed dataset at ``prefix``.
 
     A document spans the dataset's sequences between consecutive ``document_indices`` (one
@@ -63,16 +85,7 @@ class DocumentDataset:
         self._first_sequence = doc_bounds[:-1][selected]
         self._lengths = all_lengths[selected]
 
-    @property
-    def lengths(self) -> np.ndarray:
-        return self._lengths
-
-    def __len__(self) -> int:
-        return len(self._lengths)
-
-    def __getitem__(self, index: int) -> np.ndarray:
-        if not 0 <= index < len(self):
-            raise IndexError(f"document {index} out of range ({len(self)} documents)")
+    def _document(self, index: int) -> np.ndarray:
         tokens = self._dataset.get(int(self._first_sequence[index]), 0, int(self._lengths[index]))
         return tokens.astype(np.int64)
 

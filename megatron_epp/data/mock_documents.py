@@ -12,6 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
+from megatron_epp.data.documents import IndexedDocuments
+
 MAX_STEP = 3
 
 
@@ -43,7 +45,7 @@ def lengths_from_file(
     return np.clip(np.rint(drawn), 2, max_length).astype(np.int64)
 
 
-class MockDocuments:
+class MockDocuments(IndexedDocuments):
     """Deterministic variable-length documents with lengths ``lengths`` (a ``DocumentSource``);
     document ``i`` is a progression drawn from ``seed`` and ``i`` alone."""
 
@@ -52,15 +54,6 @@ class MockDocuments:
         self.vocab_size = vocab_size
         self.seed = seed
 
-    @property
-    def lengths(self) -> np.ndarray:
-        return self._lengths
-
-    def __len__(self) -> int:
-        return len(self._lengths)
-
-    def __getitem__(self, index: int) -> np.ndarray:
-        if not 0 <= index < len(self):
-            raise IndexError(f"document {index} out of range ({len(self)} documents)")
+    def _document(self, index: int) -> np.ndarray:
         rng = np.random.default_rng([self.seed, index])
         return progression_tokens(rng, int(self._lengths[index]), self.vocab_size)

@@ -15,38 +15,41 @@ import torch
 from megatron_epp.plan import Chunk
 
 
+def bottom_right_causal_mask(s: int, context: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``[s, context + s]`` bool: query ``i`` sees the ``context`` prefix keys and its own keys ``<= i``."""
+    return torch.ones(s, context + s, dtype=torch.bool, device=device).tril(diagonal=context)
+
+
 @dataclass
 class ChunkLayout:
-    """Tensors derived once per chunk and shared by every layer of the stage."""
+    """What every layer of the stage needs to know about the current chunk (built once per chunk)."""
 
     chunk: Chunk
     position_ids: torch.Tensor  # [N] absolute positions
-    split_seq: int | None  # the sequence whose slice this chunk holds (split/hybrid), else None
-    split_tokens: tuple[int, int]  # that slice's [start, end) inside the packed chunk
-    context: int  # tokens of earlier slices (C) the slice attends to
+    bounds: list[tuple[int, int]]  # each segment's [start, end) in the packed chunk
+    split_index: int | None  # the segment that is a slice of a longer sequence (split/hybrid), else None
+    context: int  # tokens of earlier slices (C) that slice attends to
     keeps_kv: bool  # later slices of the sequence follow: keep this slice's K/V
-    mask: torch.Tensor  # [N, C + N] bool, True = may attend; prefix keys first
+    masks: list[torch.Tensor]  # per segment [s, C + s] bottom-right causal (C > 0 only for the slice)
+
+    @property
+    def split_seq(self) -> int | None:
+        return None if self.split_index is None else self.chunk.segments[self.split_index].seq
 
     @classmethod
     def build(cls, chunk: Chunk, seq_lengths: list[int], device: torch.device) -> "ChunkLayout":
-        bounds = chunk.cu_seqlens()
-        split = next(
-            (i for i, s in enumerate(chunk.segments) if s.length != seq_lengths[s.seq]), None
-        )
-        context = chunk.segments[split].start if split is not None else 0
-        lengths = torch.tensor(chunk.lengths, device=device)
-        seg = torch.repeat_interleave(torch.arange(len(chunk.segments), device=device), lengths)
-        idx = torch.arange(chunk.num_tokens, device=device)
-        own = (seg[:, None] == seg[None, :]) & (idx[None, :] <= idx[:, None])
-        prefix = (seg == (split if split is not None else -1))[:, None].expand(-1, context)
+        cu = chunk.cu_seqlens()
+        split = next((i for i, s in enumerate(chunk.segments) if s.length != seq_lengths[s.seq]), None)
+        segment = chunk.segments[split] if split is not None else None
+        context = segment.start if segment is not None else 0
         return cls(
             chunk=chunk,
             position_ids=torch.tensor(chunk.position_ids(), device=device),
-            split_seq=chunk.segments[split].seq if split is not None else None,
-            split_tokens=(bounds[split], bounds[split + 1]) if split is not None else (0, 0),
+            bounds=list(zip(cu[:-1], cu[1:])),
+            split_index=split,
             context=context,
-            keeps_kv=split is not None and chunk.segments[split].end < seq_lengths[chunk.segments[split].seq],
-            mask=torch.cat([prefix, own], dim=1),
+            keeps_kv=segment is not None and segment.end < seq_lengths[segment.seq],
+            masks=[bottom_right_causal_mask(s.length, context if i == split else 0, device) for i, s in enumerate(chunk.segments)],
         )
 
 

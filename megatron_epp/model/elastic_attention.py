@@ -1,9 +1,10 @@
 """Core attention for elastic chunks: block-diagonal causal packing plus prefix K/V for slices.
 
-Every token attends causally within its own segment; the tokens of a slice (split chunk, or the tail
-of a hybrid chunk) also attend to all K/V of the sequence's earlier slices, which come first in the
-key order (bottom-right aligned causal mask over ``C + s`` keys). On every device this is torch SDPA
-with the chunk's explicit boolean mask (built once per chunk in :class:`ChunkLayout`).
+Every segment attends causally to itself only (one SDPA call per segment, so a packed chunk costs
+the sum of its segments' squares, not the square of its length); the tokens of a slice (split chunk,
+or the tail of a hybrid chunk) also attend to all K/V of the sequence's earlier slices, placed first
+in the key order. Every segment uses an explicit bottom-right causal mask over its ``C + s`` keys
+(built once per chunk): the same kernel for every segment, which is what the CPU cost profile fits.
 """
 
 from __future__ import annotations
@@ -47,6 +48,16 @@ class _ReceiveLaterSliceGrads(torch.autograd.Function):
         return grads[0], grads[1], None, None, None, None, None
 
 
+def segment_attention(q, k, v, mask: torch.Tensor, dropout: float = 0.0, scale: float | None = None) -> torch.Tensor:
+    """One segment's attention, [s, b, heads, d] in and out, under a bottom-right causal ``mask``."""
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+    if k.shape[1] != q.shape[1]:  # grouped-query attention
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale)
+    return out.permute(2, 0, 1, 3)
+
+
 class ElasticAttention(MegatronModule):
     """Drop-in for ``SelfAttentionSubmodules.core_attention``: [s, b, heads, dim] in, [s, b, h] out."""
 
@@ -70,30 +81,33 @@ class ElasticAttention(MegatronModule):
         if packed_seq_params is not None or attention_bias is not None:
             raise ValueError("ElasticAttention takes its packing from the current chunk, not packed_seq_params/bias")
         layout = CHUNK_STATE.layout()
-        if layout.split_seq is not None:
-            key, value = self._attach_prefix(layout, key, value)
-        s, b = query.shape[0], query.shape[1]
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        if k.shape[1] != q.shape[1]:  # grouped-query attention
-            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-            v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+        prefix = None
+        if layout.split_index is not None:
+            prefix, key, value = self._exchange_prefix(layout, key, value)
         dropout = self.dropout_p if self.training else 0.0
+        outputs = []
         with tensor_parallel.get_cuda_rng_tracker().fork() if dropout else contextlib.nullcontext():
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=layout.mask, dropout_p=dropout, scale=self.softmax_scale)
-        return out.permute(2, 0, 1, 3).reshape(s, b, -1)
+            for index, (start, end) in enumerate(layout.bounds):
+                q, k, v = query[start:end], key[start:end], value[start:end]
+                if index == layout.split_index and prefix is not None:
+                    k, v = torch.cat([prefix[0], k]), torch.cat([prefix[1], v])
+                outputs.append(segment_attention(q, k, v, layout.masks[index], dropout, self.softmax_scale))
+        out = torch.cat(outputs)
+        return out.reshape(out.shape[0], out.shape[1], -1)
 
-    def _attach_prefix(self, layout: ChunkLayout, key: torch.Tensor, value: torch.Tensor):
-        """Keep this slice's K/V for later slices and prepend the K/V of earlier ones."""
+    def _exchange_prefix(self, layout: ChunkLayout, key: torch.Tensor, value: torch.Tensor):
+        """``(earlier slices' K/V or None, key, value)``; keeps this slice's K/V for later slices.
+
+        The returned ``key``/``value`` carry :class:`_ReceiveLaterSliceGrads`, through which the kept
+        leaves' gradients reach this slice in its own backward.
+        """
         store = CHUNK_STATE.store(layout.split_seq, self.layer_number)
         prefix = store.prefix(layout.context) if layout.context else None
         if layout.keeps_kv:
-            start, end = layout.split_tokens
+            start, end = layout.bounds[layout.split_index]
             fresh = (key[start:end].detach().requires_grad_(), value[start:end].detach().requires_grad_())
             k_leaf, v_leaf = store.slices.setdefault(layout.context, fresh)  # a recompute reuses the kept leaves
             seq, layer = layout.split_seq, self.layer_number
             release = (lambda: CHUNK_STATE.release(seq, layer)) if layout.context == 0 else None
             key, value = _ReceiveLaterSliceGrads.apply(key, value, k_leaf, v_leaf, start, end, release)
-        if prefix is not None:
-            key, value = torch.cat([prefix[0], key], 0), torch.cat([prefix[1], value], 0)
-        return key, value
-
+        return prefix, key, value

@@ -72,6 +72,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--split", default="969,30,1", help="train,valid,test weights over documents")
     g.add_argument("--tokenizer", default="byte", help="'byte' or a tokenizer.json (sets the vocab size)")
 
+    g = p.add_argument_group("elastic pipeline parallelism")
+    g.add_argument("--elastic-pp", action="store_true",
+                   help="whole documents per global batch, planned every step into batched/split/hybrid chunks")
+    g.add_argument("--epp-plan", choices=["elastic", "megatron", "seq1f1b"], default=None,
+                   help="plan builder (default elastic): megatron = packing only, seq1f1b = fixed slices")
+    g.add_argument("--epp-max-slices", type=int, default=None, help="most slices per sequence (seq1f1b: k); default 8")
+    g.add_argument("--epp-profile", default=None,
+                   help="cost-model profile: a JSON path, or test-model|llama-7b|llama-13b|llama-30b (default test-model)")
+    g.add_argument("--epp-memory-budget", type=float, default=None,
+                   help="GB per device for the planner (default: 90%% of GPU memory, or of RAM / ranks on CPU)")
+
     g = p.add_argument_group("checkpointing")
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
@@ -140,5 +151,39 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if args.recompute_method is not None:
         args.recompute_num_layers = args.recompute_num_layers or 1
     args.lr_decay_iters = args.lr_decay_iters or args.train_iters
+    validate_elastic_args(args, world_size)
+
+
+EPP_DEFAULTS = {"epp_plan": "elastic", "epp_max_slices": 8, "epp_profile": "test-model"}
+
+
+def validate_elastic_args(args: argparse.Namespace, world_size: int) -> None:
+    given = [k for k in (*EPP_DEFAULTS, "epp_memory_budget") if getattr(args, k) is not None]
+    if not args.elastic_pp:
+        if given:
+            raise ArgumentError(f"--{given[0].replace('_', '-')} needs --elastic-pp")
+        return
+    if args.recompute_granularity is not None:
+        raise ArgumentError("--recompute-granularity does not apply with --elastic-pp (the plan decides recompute per chunk)")
+    if args.micro_batch_size != 1:
+        raise ArgumentError("--micro-batch-size does not apply with --elastic-pp (chunks are planned per step)")
+    for key, value in EPP_DEFAULTS.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.epp_max_slices < 1:
+        raise ArgumentError("--epp-max-slices must be >= 1")
+    if args.epp_memory_budget is None:
+        args.epp_memory_budget = default_memory_budget_gb(world_size)
+    if args.epp_memory_budget <= 0:
+        raise ArgumentError("--epp-memory-budget must be positive")
+
+
+def default_memory_budget_gb(world_size: int) -> float:
+    import psutil
+    import torch
+
+    if torch.cuda.is_available():
+        return 0.9 * torch.cuda.get_device_properties(0).total_memory / 1024**3
+    return 0.9 * psutil.virtual_memory().total / world_size / 1024**3
     if args.train_iters < 1 or args.log_interval < 1:
         raise ArgumentError("--train-iters and --log-interval must be >= 1")

@@ -47,7 +47,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     from megatron_epp.training.model import build_model
 
     runtime = initialize(args)
-    model, config = build_model(args, runtime)
+    if args.elastic_pp:
+        from megatron_epp.model.spec import elastic_layer_spec, install_chunk_positions
+        from megatron_epp.training.model import default_layer_spec
+
+        model, config = build_model(args, runtime, layer_spec=elastic_layer_spec(default_layer_spec()))
+        install_chunk_positions(model.module)
+    else:
+        model, config = build_model(args, runtime)
     optimizer, scheduler = build_optimizer(args, model, config)
     start = (0, 0)
     if args.load:
@@ -63,17 +70,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
 
     def step_for(split: str, consumed: int):
+        if args.elastic_pp:
+            from megatron_epp.training.elastic import elastic_step
+
+            return elastic_step(args, runtime, model, split, consumed)
         samples = build_samples(args, split)
         if samples is None:
             return None
         batches = microbatches(samples, consumed, args.global_batch_size, args.micro_batch_size, runtime.dp_rank, runtime.dp_size, runtime.device)
         return megatron_step(args, model, gpt_forward_step, batches)
 
+    train_step = step_for("train", start[1])
     train(
         args, runtime, model, optimizer, scheduler,
-        train_step=step_for("train", start[1]),
+        train_step=train_step,
         valid_step=step_for("valid", 0) if args.eval_interval else None,
         start=start,
+        step_summary=(lambda: train_step.last_summary) if args.elastic_pp else None,
     )
     shutdown()
     return 0

@@ -38,13 +38,16 @@ def inject(fault: str) -> None:
 
     def drop_prefix(cls, chunk, seq_lengths, device):
         layout = build(cls, chunk, seq_lengths, device)
-        layout.mask, layout.context = layout.mask[:, layout.context :], 0
+        if layout.split_index is not None:
+            layout.context = 0
+            layout.masks[layout.split_index] = layout.masks[layout.split_index][:, -layout.masks[layout.split_index].shape[0]:]
         return layout
 
     def leak_packing(cls, chunk, seq_lengths, device):
         layout = build(cls, chunk, seq_lengths, device)
-        n = chunk.num_tokens
-        layout.mask[:, layout.context :] = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+        if layout.split_index is None:  # whole sequences packed together: one causal block
+            layout.bounds = [(0, chunk.num_tokens)]
+            layout.masks = [chunk_state.bottom_right_causal_mask(chunk.num_tokens, 0, device)]
         return layout
 
     if fault == "drop_prefix":

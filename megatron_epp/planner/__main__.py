@@ -1,0 +1,3 @@
+from megatron_epp.planner.cli import main
+
+main()

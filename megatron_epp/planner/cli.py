@@ -1,0 +1,176 @@
+"""``epp-plan`` / ``python -m megatron_epp.planner``: plan one global batch and compare baselines."""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gzip
+import json
+import os
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from megatron_epp.plan import Plan
+from megatron_epp.planner.baselines import BASELINES, run_baselines
+from megatron_epp.planner.builder import PlanInfeasible, build_plan
+from megatron_epp.planner.cost_model import CostModel
+from megatron_epp.planner.network import NETWORKS, get_network
+from megatron_epp.planner.profiles import load_model
+from megatron_epp.planner.simulator import simulate
+
+
+def read_lengths(path: str | Path) -> np.ndarray:
+    """One length per line; ``.gz`` allowed; blank lines ignored."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return np.array([int(x) for x in f.read().split()], dtype=np.int64)
+
+
+def select_batch(lengths: np.ndarray, gbs: int | None, seed: int, max_seq_len: int, truncate: bool) -> np.ndarray:
+    """Sample ``gbs`` lengths (without replacement when possible); enforce ``max_seq_len``."""
+    if gbs is not None:
+        rng = np.random.default_rng(seed)
+        lengths = rng.choice(lengths, size=gbs, replace=gbs > len(lengths))
+    too_long = lengths > max_seq_len
+    if too_long.any():
+        if not truncate:
+            raise SystemExit(
+                f"error: {int(too_long.sum())} document(s) longer than --max-seq-len {max_seq_len} "
+                f"(longest {int(lengths.max())} tokens); pass --truncate to cut them"
+            )
+        lengths = np.minimum(lengths, max_seq_len)
+    return lengths
+
+
+def split_data_parallel(lengths: np.ndarray, dp: int, work: np.ndarray) -> list[np.ndarray]:
+    """Longest-processing-time split of the batch over ``dp`` replicas (indices into ``lengths``)."""
+    loads, parts = np.zeros(dp), [[] for _ in range(dp)]
+    for i in np.argsort(-work, kind="stable"):
+        r = int(np.argmin(loads))
+        parts[r].append(i)
+        loads[r] += work[i]
+    return [np.array(sorted(p), dtype=np.int64) for p in parts]
+
+
+@contextmanager
+def solver_output_to_stderr() -> Iterator[None]:
+    """Send what native code (HiGHS) prints to stdout to stderr, so the JSON line stays last."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        ctypes.CDLL(None).fflush(None)
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="epp-plan", description=__doc__)
+    ap.add_argument("lengths", help="lengths file: one token count per line (.gz allowed)")
+    ap.add_argument("--gbs", type=int, help="sample this many sequences from the file (default: all)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-seq-len", type=int, default=131072)
+    ap.add_argument("--truncate", action="store_true", help="cut documents longer than --max-seq-len")
+    ap.add_argument("--stages", type=int, default=4, help="pipeline stages P")
+    ap.add_argument("--tp", type=int, default=8, help="tensor-parallel size per stage (presets)")
+    ap.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
+    ap.add_argument("--model", default="llama-13b", help="llama-7b, llama-13b, llama-30b, test-model or a profile JSON")
+    ap.add_argument("--memory-gb", type=float, default=80.0, help="memory per GPU (GiB)")
+    ap.add_argument("--network", default="fat-tree", choices=sorted(NETWORKS))
+    ap.add_argument("--checkpointing", default="ilp", choices=["ilp", "greedy", "none", "full"])
+    ap.add_argument("--time-limit", type=float, default=0.1, help="ILP time limit (s) per pipeline")
+    ap.add_argument("--seq1f1b-k", type=int, default=4)
+    ap.add_argument("--baselines", default=",".join(BASELINES), help="comma-separated; empty for none")
+    ap.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    ap.add_argument("--plan-out", help="write the Plan JSON (replica 0) here")
+    ap.add_argument("--timeline", help="draw replica 0's per-stage Gantt chart to this PNG")
+    return ap.parse_args(argv)
+
+
+def _worst(results: list[dict]) -> dict:
+    """Across data-parallel replicas: the slowest step and the highest memory per stage."""
+    if not all(r.get("fits") for r in results):
+        return next(r for r in results if not r.get("fits"))
+    out = dict(max(results, key=lambda r: r["predicted_step_ms"]))
+    out["peak_memory_gb"] = np.max([r["peak_memory_gb"] for r in results], axis=0).tolist()
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    profile = load_model(args.model, args.tp)
+    cost_model = CostModel(profile, args.stages, dp=args.dp, network=get_network(args.network))
+    lengths = select_batch(read_lengths(args.lengths), args.gbs, args.seed, args.max_seq_len, args.truncate)
+    feats = np.zeros((len(lengths), 6))
+    feats[:, 0], feats[:, 2], feats[:, 5] = lengths.astype(float) ** 2, lengths, 1
+    parts = split_data_parallel(lengths, args.dp, feats @ cost_model.work_vector())
+    names = [n for n in args.baselines.split(",") if n]
+    with solver_output_to_stderr():
+        try:
+            plans: list[Plan] = [
+                build_plan(lengths[p], cost_model, args.memory_gb, checkpointing=args.checkpointing, time_limit=args.time_limit) for p in parts
+            ]
+        except PlanInfeasible as e:
+            raise SystemExit(f"error: {e}")
+        per_replica = [run_baselines(lengths[p], cost_model, args.memory_gb, args.max_seq_len, args.seq1f1b_k, names) for p in parts]
+    baselines = {n: _worst([r[n] for r in per_replica]) for n in names}
+    info = [p.info for p in plans]
+    peak = np.max([i["peak_memory_gb"] for i in info], axis=0)
+    summary = {
+        "model": profile.model.name,
+        "profile_source": profile.source,
+        "device": profile.device,
+        "network": args.network,
+        "stages": args.stages,
+        "tp": args.tp,
+        "dp": args.dp,
+        "num_sequences": int(len(lengths)),
+        "num_tokens": int(lengths.sum()),
+        "solve_ms": max(i["solve_ms"] for i in info),
+        "num_chunks": {k: sum(i["num_chunks"][k] for i in info) for k in info[0]["num_chunks"]},
+        "num_pipelines": sum(i["num_pipelines"] for i in info),
+        "recomputed_layers": sum(i["recomputed_layers"] for i in info),
+        "mip_gap": max(i["mip_gap"] for i in info),
+        "predicted_step_ms": max(i["predicted_step_ms"] for i in info),
+        "bound_step_ms": max(i["bound_step_ms"] for i in info),
+        "bubble_ratio": max(i["bubble_ratio"] for i in info),
+        "recompute_ms": max(i["recompute_ms"] for i in info),
+        "peak_memory_gb": peak.tolist(),
+        "memory_budget_gb": args.memory_gb,
+        "baselines": baselines,
+    }
+    print_table(summary)
+    if args.plan_out:
+        Path(args.plan_out).write_text(plans[0].to_json())
+    if args.timeline:
+        from megatron_epp.planner.timeline import draw_timeline
+
+        draw_timeline(simulate(plans[0], cost_model), args.stages, args.timeline)
+    if args.json:
+        print(json.dumps(summary, separators=(",", ":")))
+
+
+def print_table(s: dict) -> None:
+    out = sys.stdout.write
+    out(f"EPP plan: {s['num_sequences']} sequences, {s['num_tokens']} tokens, model {s['model']} ({s['profile_source']} profile, {s['device']}), "
+        f"P={s['stages']} TP={s['tp']} DP={s['dp']}, network {s['network']}\n")
+    c = s["num_chunks"]
+    out(f"  solve {s['solve_ms']:.1f} ms; chunks batched={c['batched']} split={c['split']} hybrid={c['hybrid']}; pipelines {s['num_pipelines']}; "
+        f"recomputed layers {s['recomputed_layers']} (MIP gap {s['mip_gap']:.2%})\n")
+    out(f"  predicted step {s['predicted_step_ms']:.1f} ms, bound {s['bound_step_ms']:.1f} ms, bubble {s['bubble_ratio']:.1%}, recompute {s['recompute_ms']:.1f} ms\n")
+    out("  peak memory GB per stage: " + " ".join(f"{g:.1f}" for g in s["peak_memory_gb"]) + f" (budget {s['memory_budget_gb']:.0f})\n")
+    if s["baselines"]:
+        out(f"  {'system':16s} {'step ms':>10s} {'vs EPP':>8s} {'vs bound':>9s}  peak GB\n")
+        out(f"  {'epp':16s} {s['predicted_step_ms']:10.1f} {1:8.2f} {s['predicted_step_ms'] / s['bound_step_ms']:9.2f}  {max(s['peak_memory_gb']):.1f}\n")
+        for name, b in s["baselines"].items():
+            if b["fits"]:
+                t = b["predicted_step_ms"]
+                out(f"  {name:16s} {t:10.1f} {t / s['predicted_step_ms']:8.2f} {t / s['bound_step_ms']:9.2f}  {max(b['peak_memory_gb']):.1f}\n")
+            else:
+                out(f"  {name:16s} {'does not fit':>10s}: {b['reason']}\n")

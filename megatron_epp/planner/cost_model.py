@@ -1,0 +1,122 @@
+"""The notes' cost model (section 4) evaluated for many chunks at once with numpy.
+
+A chunk is reduced to its feature vector ``[sum s^2, sum s*C, sum s, sum C, segments, 1]``; every time
+and memory quantity is a dot product of features with a profile's coefficients.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from megatron_epp.plan import Chunk, split_layers
+from megatron_epp.planner.network import NETWORKS, Network
+from megatron_epp.planner.profiles import Profile, TimeCoeffs
+
+
+NUM_FEATURES = 6
+
+
+def segment_features(lengths: np.ndarray, contexts: np.ndarray) -> np.ndarray:
+    """Features of single segments (one row per segment), as if each were a chunk of its own."""
+    s = np.asarray(lengths, dtype=float)
+    c = np.asarray(contexts, dtype=float)
+    one = np.ones_like(s)
+    return np.stack([s * s, s * c, s, c, one, one], axis=-1)
+
+
+def chunk_features(chunks: Sequence[Chunk]) -> np.ndarray:
+    """``(n, 6)`` features of chunks (segments summed, one launch constant per chunk)."""
+    rows = [(c.segments, len(c.segments)) for c in chunks]
+    lengths = np.array([s.length for segs, _ in rows for s in segs], dtype=float)
+    contexts = np.array([s.start for segs, _ in rows for s in segs], dtype=float)
+    owner = np.repeat(np.arange(len(rows)), [n for _, n in rows])
+    feats = np.zeros((len(rows), NUM_FEATURES))
+    np.add.at(feats, owner, segment_features(lengths, contexts))
+    feats[:, -1] = 1.0
+    return feats
+
+
+@dataclass
+class ChunkCosts:
+    """Per-stage time (ms) and per-layer memory (bytes) of a list of chunks."""
+
+    fwd: np.ndarray  # (P, n) forward time on each stage
+    bwd: np.ndarray  # (P, n) backward time without recompute
+    rc_layer: np.ndarray  # (n,) recompute time of one layer
+    act_layer: np.ndarray  # (n,) activations of one non-checkpointed layer
+    ckpt_layer: np.ndarray  # (n,) what one checkpointed layer keeps
+    kv_layer: np.ndarray  # (n,) K/V of one layer
+    logits: np.ndarray  # (n,) logits held on the last stage
+    p2p_ms: np.ndarray  # (n,) stage-to-stage transfer time of the chunk's activations
+    tokens: np.ndarray  # (n,)
+
+
+class CostModel:
+    """A profile placed on ``P`` pipeline stages (``layers_per_stage``, even split by default), with
+    ``dp`` data-parallel replicas (optimizer-state sharding) and a network for stage-to-stage sends."""
+
+    def __init__(
+        self,
+        profile: Profile,
+        num_stages: int,
+        layers_per_stage: Sequence[int] | None = None,
+        dp: int = 1,
+        network: Network | None = None,
+    ) -> None:
+        self.profile = profile
+        self.num_stages = num_stages
+        self.layers = np.asarray(
+            layers_per_stage if layers_per_stage is not None else split_layers(profile.model.num_layers, num_stages)
+        )
+        self.dp = dp
+        self.network = network or NETWORKS["fat-tree" if profile.source == "analytic" else "cpu-local"]
+
+    # ----------------------------------------------------------------------------- time
+    def layer_time(self, feats: np.ndarray, coeffs: TimeCoeffs) -> np.ndarray:
+        return feats @ coeffs.vector()
+
+    def work_vector(self) -> np.ndarray:
+        """Coefficients of a chunk's forward + backward time on the whole model (all stages), ms."""
+        p = self.profile
+        return (p.fwd.vector() + p.bwd.vector()) * self.layers.sum() + p.head_fwd.vector() + p.head_bwd.vector()
+
+    def costs(self, feats: np.ndarray) -> ChunkCosts:
+        p, m = self.profile, self.profile.memory
+        L = self.layers[:, None].astype(float)
+        last = (np.arange(self.num_stages) == self.num_stages - 1)[:, None]
+        tokens = feats[:, 2]
+        area = feats[:, 0] + feats[:, 1]
+        return ChunkCosts(
+            fwd=L * self.layer_time(feats, p.fwd) + last * self.layer_time(feats, p.head_fwd),
+            bwd=L * self.layer_time(feats, p.bwd) + last * self.layer_time(feats, p.head_bwd),
+            rc_layer=self.layer_time(feats, p.recompute),
+            act_layer=m.act_token * tokens + m.act_area * area + m.act_context * feats[:, 3],
+            ckpt_layer=m.ckpt_token * tokens,
+            kv_layer=m.kv_token * tokens,
+            logits=m.logits_token * tokens,
+            p2p_ms=self.network.p2p_ms(m.p2p_token * tokens),
+            tokens=tokens,
+        )
+
+    def bound_ms(self, lengths: np.ndarray) -> float:
+        """Compute-only step time: every sequence as one ``C = 0`` segment, no launch constants, no
+        bubbles, no recompute, no communication; the slowest stage."""
+        L = np.asarray(lengths, dtype=float)
+        feats = np.zeros((len(L), NUM_FEATURES))
+        feats[:, 0], feats[:, 2] = L * L, L
+        c = self.costs(feats)
+        return float((c.fwd + c.bwd).sum(axis=1).max())
+
+    # ----------------------------------------------------------------------------- memory
+    def model_state_bytes(self) -> np.ndarray:
+        """Weights, gradients and optimizer states per GPU of every stage (embedding on the first
+        stage, final norm and output layer on the last)."""
+        shape, m = self.profile.model, self.profile.memory
+        params = self.layers * float(shape.params_per_layer())
+        params[0] += shape.vocab * shape.hidden
+        params[-1] += shape.vocab * shape.hidden + shape.hidden
+        optim = m.optim / (self.dp if m.distributed_optimizer else 1)
+        return params / self.profile.tp * (m.weight + m.grad + optim)

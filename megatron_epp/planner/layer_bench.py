@@ -1,0 +1,135 @@
+"""Timing and memory measurement of the real Megatron-Core transformer layer on this machine.
+
+Used by ``scripts/profile_layer.py`` (fits a profile) and ``scripts/cost_model_accuracy.py``
+(checks it on real chunks). The only module of the planner that imports torch.
+
+The layer is Megatron-Core's ``TransformerLayer`` from the local spec with the executor's own
+:class:`ElasticAttention` as core attention (one SDPA call per segment; a slice attends to its
+prefix K/V through a bottom-right causal mask), driven through the same ``CHUNK_STATE``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from megatron_epp.model.chunk_state import CHUNK_STATE, ChunkLayout
+from megatron_epp.model.elastic_attention import ElasticAttention
+from megatron_epp.plan import Chunk, Segment
+
+from megatron_epp.planner.profiles import ModelShape
+
+
+_initialized = False
+
+
+def init_single_process() -> None:
+    """One-process gloo group and Megatron's model-parallel state (TP = PP = 1), one thread."""
+    global _initialized
+    if _initialized:
+        return
+    from megatron.core import parallel_state
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel()
+    _initialized = True
+
+
+class LayerStack(torch.nn.Module):
+    """``num_layers`` Megatron-Core transformer layers with prefix attention, plus the output head."""
+
+    def __init__(self, shape: ModelShape, num_layers: int, seed: int = 0) -> None:
+        super().__init__()
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.transformer.spec_utils import build_module
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        init_single_process()
+        torch.manual_seed(seed)
+        config = TransformerConfig(
+            num_layers=num_layers,
+            hidden_size=shape.hidden,
+            num_attention_heads=shape.num_heads,
+            ffn_hidden_size=shape.ffn_hidden,
+            use_cpu_initialization=True,
+            params_dtype=torch.float32,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+        )
+        spec = get_gpt_layer_local_spec()
+        spec.submodules.self_attention.submodules.core_attention = ElasticAttention
+        self.layers = torch.nn.ModuleList(build_module(spec, config=config, layer_number=i + 1) for i in range(num_layers))
+        self.head = torch.nn.Linear(shape.hidden, shape.vocab, bias=False)
+        self.shape = shape
+
+    def set_segments(self, lengths: Sequence[int], contexts: Sequence[int]) -> list[torch.Tensor]:
+        """Make the segments ``(s, C)`` the current chunk, with random prefix K/V for a slice of
+        context ``C > 0`` (at most one, as in a plan); returns the prefix leaves."""
+        if sum(c > 0 for c in contexts) > 1:
+            raise ValueError("a chunk holds at most one slice with context")
+        heads, d = self.shape.num_heads, self.shape.hidden // self.shape.num_heads
+        chunk = Chunk(0, "batched", [Segment(i, c, c + s) for i, (s, c) in enumerate(zip(lengths, contexts))])
+        CHUNK_STATE.kv.clear()
+        CHUNK_STATE.current = ChunkLayout.build(chunk, [c + s for s, c in zip(lengths, contexts)], torch.device("cpu"))
+        leaves = []
+        for i, c in enumerate(contexts):
+            for layer in self.layers if c else ():
+                kv = tuple(torch.randn(c, 1, heads, d, requires_grad=True) for _ in range(2))
+                CHUNK_STATE.store(i, layer.layer_number).slices[0] = kv
+                leaves += kv
+        return leaves
+
+    def forward(self, x: torch.Tensor, checkpoint: bool = False) -> torch.Tensor:
+        """Hidden states ``[s, 1, h]`` through every layer (each wrapped in a checkpoint if asked)."""
+        for layer in self.layers:
+            if checkpoint:
+                x = torch.utils.checkpoint.checkpoint(lambda t, m=layer: m(t, attention_mask=None)[0], x, use_reentrant=False)
+            else:
+                x = layer(x, attention_mask=None)[0]
+        return x
+
+    def head_loss(self, x: torch.Tensor) -> torch.Tensor:
+        """Output layer and summed cross entropy (fp32 logits) of hidden states ``[s, 1, h]``."""
+        logits = self.head(x).float().view(-1, self.shape.vocab)
+        return F.cross_entropy(logits, torch.zeros(logits.shape[0], dtype=torch.long), reduction="sum")
+
+
+def time_fwd_bwd(run: Callable[..., torch.Tensor], make_inputs: Callable[[], tuple], repeats: int) -> tuple[float, float]:
+    """Fastest forward and backward ms of ``run(*make_inputs())`` over ``repeats`` (inputs made outside
+    the timing). Measured as this process's CPU time: with one thread it equals the wall time on an
+    idle core, and other processes sharing the machine do not inflate it."""
+    fwd, bwd = [], []
+    for i in range(repeats + 1):  # the first is a warm-up
+        inputs = make_inputs()
+        t0 = time.process_time()
+        out = run(*inputs)
+        t1 = time.process_time()
+        (out if out.dim() == 0 else out.sum()).backward()
+        t2 = time.process_time()
+        if i:
+            fwd.append((t1 - t0) * 1e3)
+            bwd.append((t2 - t1) * 1e3)
+    return min(fwd), min(bwd)
+
+
+def saved_bytes(build: Callable[[], torch.Tensor]) -> int:
+    """Bytes of distinct tensors autograd saves for backward while ``build()`` runs."""
+    seen: dict[tuple[int, int], int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, torch.nn.Parameter) and t.device.type == "cpu":
+            st = t.untyped_storage()
+            seen[(st.data_ptr(), st.nbytes())] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        build()
+    return sum(seen.values())

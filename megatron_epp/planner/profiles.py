@@ -1,0 +1,228 @@
+"""Model shapes, cost-model coefficients (a *profile* per model shape and device) and presets.
+
+A profile holds, per transformer layer of one pipeline stage (already divided by the stage's
+tensor-parallel size), the fitted time coefficients of the notes' cost model (section 4) for
+forward, backward and recompute, the output head's cost on the last stage, and the memory
+coefficients. Times are in milliseconds, memory in bytes.
+
+Time of one layer on one chunk, with the chunk's segments ``(s, C)`` (length, context length)::
+
+    t = a1 * sum(s^2) + a1c * sum(s * C) + a2 * sum(s) + ac * sum(C) + bs * segments + b1
+
+With a flash-style causal kernel ``a1c = 2 * a1``, i.e. ``a1 * ((C + s)^2 - C^2)`` as in the notes;
+an attention with an explicit boolean mask computes the whole ``s x (C + s)`` rectangle, so
+``a1c ~ a1``; the profiler fits both. ``ac`` is a cost per prefix token (concatenating the prefix
+K/V before the attention call; 0 for a GPU kernel reading the cache in place). ``bs`` is a per-segment launch cost (an attention call per
+segment on CPU; 0 for a varlen GPU kernel), ``b1`` the per-chunk launch constant.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+PROFILE_DIR = Path(__file__).parent / "profiles"
+GIB = float(2**30)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A decoder-only transformer's shape (LLaMA-style: SwiGLU MLP, untied output layer)."""
+
+    name: str
+    num_layers: int
+    hidden: int
+    num_heads: int
+    ffn_hidden: int
+    vocab: int
+    num_kv_heads: int | None = None
+    swiglu: bool = True
+
+    @property
+    def kv_hidden(self) -> int:
+        return self.hidden * (self.num_kv_heads or self.num_heads) // self.num_heads
+
+    def params_per_layer(self) -> int:
+        h = self.hidden
+        attn = h * (h + 2 * self.kv_hidden) + h * h
+        mlp = (3 if self.swiglu else 2) * h * self.ffn_hidden
+        return attn + mlp + 2 * h
+
+    def gemm_flops_per_token(self) -> float:
+        """Forward GEMM FLOPs of one layer per token (2 per multiply-add)."""
+        return 2.0 * (self.params_per_layer() - 2 * self.hidden)
+
+
+@dataclass(frozen=True)
+class TimeCoeffs:
+    """Per-layer time coefficients (ms) over the features ``[sum s^2, sum s*C, sum s, sum C, segments, 1]``."""
+
+    a1: float
+    a1c: float
+    a2: float
+    ac: float
+    bs: float
+    b1: float
+
+    def vector(self) -> np.ndarray:
+        return np.array([self.a1, self.a1c, self.a2, self.ac, self.bs, self.b1])
+
+    @classmethod
+    def from_vector(cls, v: np.ndarray) -> "TimeCoeffs":
+        return cls(*(float(x) for x in v))
+
+
+@dataclass(frozen=True)
+class MemoryCoeffs:
+    """Per-GPU memory coefficients in bytes.
+
+    ``act_token`` / ``act_area`` / ``act_context``: activations one layer keeps for backward per
+    token, per unit of attention area ``s * (C + s)`` (0 with flash attention) and per prefix token
+    of a segment (a concatenated copy of the prefix K/V saved by the attention; 0 on GPU). ``ckpt_token``: what a checkpointed
+    layer keeps (its input). ``kv_token``: one layer's K and V per token (a split slice keeps them
+    for later slices). ``logits_token``: logits kept by the last stage per token. Model states per
+    parameter: ``weight``, ``grad`` and ``optim`` bytes (the last divided by the data-parallel size
+    when ``distributed_optimizer``). ``p2p_token``: bytes one GPU sends per token between stages.
+    """
+
+    act_token: float
+    act_area: float
+    act_context: float
+    ckpt_token: float
+    kv_token: float
+    logits_token: float
+    weight: float
+    grad: float
+    optim: float
+    distributed_optimizer: bool
+    p2p_token: float
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Cost-model coefficients of one model shape at one tensor-parallel size on one device."""
+
+    model: ModelShape
+    device: str
+    source: str  # "measured" (fitted to timings) or "analytic" (FLOPs / peak * MFU)
+    tp: int
+    fwd: TimeCoeffs
+    bwd: TimeCoeffs
+    recompute: TimeCoeffs
+    head_fwd: TimeCoeffs
+    head_bwd: TimeCoeffs
+    memory: MemoryCoeffs
+    fit: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Profile":
+        tc = {k: TimeCoeffs(**d[k]) for k in ("fwd", "bwd", "recompute", "head_fwd", "head_bwd")}
+        return cls(
+            model=ModelShape(**d["model"]),
+            device=d["device"],
+            source=d["source"],
+            tp=d["tp"],
+            memory=MemoryCoeffs(**d["memory"]),
+            fit=dict(d.get("fit", {})),
+            **tc,
+        )
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Profile":
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+# Published LLaMA shapes (LLaMA-1 paper, table 2; "30B" is the 32.5B model).
+MODEL_PRESETS: dict[str, ModelShape] = {
+    "llama-7b": ModelShape("llama-7b", 32, 4096, 32, 11008, 32000),
+    "llama-13b": ModelShape("llama-13b", 40, 5120, 40, 13824, 32000),
+    "llama-30b": ModelShape("llama-30b", 60, 6656, 52, 17920, 32000),
+}
+
+# The CPU test model of the project (fp32, one thread): GPT-style GELU MLP, 8 layers.
+TEST_MODEL = ModelShape("test-model", 8, 64, 4, 256, 512, swiglu=False)
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    """Peak dense throughput and the constants of the analytic profile."""
+
+    name: str
+    peak_tflops: float
+    mfu: float = 0.5
+    attn_mfu: float = 0.4
+    tp_bw_gbps: float = 450.0  # NVLink bus bandwidth per GPU for tensor-parallel all-reduce
+    tp_overlap: float = 0.5  # fraction of the tensor-parallel communication hidden behind GEMMs
+    launch_ms: float = 0.08  # per layer and chunk in forward (kernel launches, small-GEMM waste)
+
+
+H100 = Accelerator("H100-SXM bf16", 990.0)
+
+
+def analytic_profile(shape: ModelShape, tp: int = 8, acc: Accelerator = H100) -> Profile:
+    """GPU profile from FLOPs: GEMMs at ``mfu``, flash attention at ``attn_mfu``, bf16, TP+SP.
+
+    Backward = 2x forward GEMMs and 2.5x forward attention; recompute = forward. Tensor-parallel
+    reduce-scatter/all-gather time (2 per layer forward, 2 backward, ring over ``tp`` GPUs), less the
+    part ``tp_overlap`` hidden behind GEMMs, is added to the per-token term. Activations follow Megatron's ``34 h / tp`` bytes per token
+    per layer (bf16, sequence parallel, flash attention: no quadratic term).
+    """
+    h, flops = shape.hidden, acc.peak_tflops * 1e12
+    ms_per_gemm_flop = 1e3 / (flops * acc.mfu * tp)
+    ms_per_attn_flop = 1e3 / (flops * acc.attn_mfu * tp)
+    # causal pairs of a segment: ((C+s)^2 - C^2) / 2 = s^2/2 + s*C; 4 h FLOPs per pair (QK^T, PV)
+    a1 = 2.0 * h * ms_per_attn_flop
+    comm = 2 * 2 * (tp - 1) / tp * h * 2 / (acc.tp_bw_gbps * 1e9) * 1e3 * (1 - acc.tp_overlap)
+    fwd = TimeCoeffs(a1, 2 * a1, shape.gemm_flops_per_token() * ms_per_gemm_flop + comm, 0.0, 0.0, acc.launch_ms)
+    bwd = TimeCoeffs(2.5 * a1, 5 * a1, 2 * shape.gemm_flops_per_token() * ms_per_gemm_flop + comm, 0.0, 0.0, 2 * acc.launch_ms)
+    head = 2.0 * h * shape.vocab * ms_per_gemm_flop
+    memory = MemoryCoeffs(
+        act_token=34.0 * h / tp,
+        act_area=0.0,
+        act_context=0.0,
+        ckpt_token=2.0 * h / tp,
+        kv_token=2 * 2.0 * shape.kv_hidden / tp,
+        logits_token=4.0 * shape.vocab / tp,
+        weight=2.0,
+        grad=4.0,
+        optim=12.0,
+        distributed_optimizer=True,
+        p2p_token=2.0 * h / tp,
+    )
+    return Profile(
+        model=shape,
+        device=f"{acc.name} x{tp} (TP)",
+        source="analytic",
+        tp=tp,
+        fwd=fwd,
+        bwd=bwd,
+        recompute=fwd,
+        head_fwd=TimeCoeffs(0.0, 0.0, head, 0.0, 0.0, 0.0),
+        head_bwd=TimeCoeffs(0.0, 0.0, 2 * head, 0.0, 0.0, 0.0),
+        memory=memory,
+        fit={"note": f"analytic: peak {acc.peak_tflops} TFLOP/s, MFU {acc.mfu} (attention {acc.attn_mfu}), TP overlap {acc.tp_overlap}; not measured"},
+    )
+
+
+def load_model(spec: str, tp: int = 8) -> Profile:
+    """A preset name (``llama-7b``/``llama-13b``/``llama-30b``: analytic H100 profile at ``tp``),
+    ``test-model`` (the shipped CPU profile) or a profile JSON path."""
+    if spec in MODEL_PRESETS:
+        return analytic_profile(MODEL_PRESETS[spec], tp)
+    if spec == TEST_MODEL.name:
+        return Profile.load(PROFILE_DIR / "test-model_cpu.json")
+    path = Path(spec)
+    if not path.exists():
+        raise ValueError(f"--model {spec!r}: not a preset ({', '.join(MODEL_PRESETS)}, test-model) nor a file")
+    return Profile.load(path)
+

@@ -1,0 +1,77 @@
+"""The ``epp-plan`` command line and the baselines it reports."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import numpy as np
+import pytest
+
+from megatron_epp.planner.baselines import BASELINES, megatron_plan, run_baselines, seq1f1b_plan
+from megatron_epp.planner.cli import main, split_data_parallel
+from megatron_epp.planner.cost_model import CostModel
+from megatron_epp.planner.flexsp import _layouts
+from megatron_epp.planner.profiles import load_model
+
+LENGTHS = [3000, 1200, 800, 500, 300, 200, 150, 90, 60, 40, 20, 10] * 2
+
+
+@pytest.fixture
+def lengths_file(tmp_path):
+    path = tmp_path / "lengths.txt.gz"
+    with gzip.open(path, "wt") as f:
+        f.write("\n".join(map(str, LENGTHS)) + "\n")
+    return path
+
+
+def run_json(capsys, *argv: str) -> dict:
+    main([*argv, "--json"])
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_cli_json_has_plan_and_every_baseline(lengths_file, capsys, tmp_path):
+    out = run_json(capsys, str(lengths_file), "--model", "test-model", "--stages", "2", "--memory-gb", "0.2",
+                   "--network", "cpu-local", "--max-seq-len", "4096", "--timeline", str(tmp_path / "t.png"), "--plan-out", str(tmp_path / "p.json"))
+    for key in ("solve_ms", "num_chunks", "num_pipelines", "recomputed_layers", "predicted_step_ms", "bound_step_ms", "peak_memory_gb", "mip_gap"):
+        assert key in out
+    assert set(out["num_chunks"]) == {"batched", "split", "hybrid"} and len(out["peak_memory_gb"]) == 2
+    assert max(out["peak_memory_gb"]) <= 0.2
+    assert set(out["baselines"]) == set(BASELINES)
+    for b in out["baselines"].values():
+        assert ("predicted_step_ms" in b and "peak_memory_gb" in b) if b["fits"] else "reason" in b
+    assert (tmp_path / "t.png").stat().st_size > 1000
+    assert json.loads((tmp_path / "p.json").read_text())["num_stages"] == 2
+
+
+def test_cli_rejects_too_long_documents_unless_truncated(lengths_file, capsys):
+    with pytest.raises(SystemExit, match="longer than --max-seq-len 1000"):
+        main([str(lengths_file), "--model", "test-model", "--stages", "2", "--max-seq-len", "1000", "--baselines", ""])
+    out = run_json(capsys, str(lengths_file), "--model", "test-model", "--stages", "2", "--max-seq-len", "1000", "--truncate",
+                   "--baselines", "", "--gbs", "10", "--seed", "3", "--memory-gb", "0.5")
+    assert out["num_sequences"] == 10 and out["num_tokens"] <= 10 * 1000
+
+
+def test_cli_preset_with_data_parallel_split(lengths_file, capsys):
+    out = run_json(capsys, str(lengths_file), "--model", "llama-7b", "--dp", "2", "--baselines", "megatron")
+    assert out["dp"] == 2 and out["predicted_step_ms"] > out["bound_step_ms"] > 0
+    parts = split_data_parallel(np.array(LENGTHS), 2, np.array(LENGTHS, dtype=float))
+    assert sorted(np.concatenate(parts).tolist()) == list(range(len(LENGTHS)))
+    assert abs(sum(np.array(LENGTHS)[parts[0]]) - sum(np.array(LENGTHS)[parts[1]])) <= 10
+
+
+def test_baselines_shapes_and_infeasibility():
+    cm = CostModel(load_model("test-model"), 2)
+    meg = megatron_plan(LENGTHS, cm, 1.0, 4096)
+    assert {c.kind for c in meg.chunks()} == {"batched"} and all(c.num_tokens <= 4096 for c in meg.chunks())
+    assert len({r for p in meg.pipelines for row in p.recompute for r in row}) == 1  # uniform recompute
+    s1 = seq1f1b_plan(LENGTHS, cm, 1.0, 4096, k=4)
+    assert [sum(1 for c in s1.chunks() if any(s.seq == 0 for s in c.segments))] == [4]  # 3000 > 4096/4: 4 slices
+    res = run_baselines(LENGTHS, cm, 0.004, 4096)  # 4 MB: not even the model states fit
+    assert not any(r["fits"] for r in res.values())
+
+
+def test_flexsp_layouts_cover_the_gpus():
+    layouts = _layouts(8)
+    assert [8] in layouts and [1] * 8 in layouts and [4, 2, 2] in layouts
+    assert all(sum(x) == 8 and len(set(x)) <= 2 for x in layouts)

@@ -1,0 +1,77 @@
+"""Property tests: every plan the planners build is executable and fits, per the exact schedule walk."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from megatron_epp.planner.baselines import megatron_plan, seq1f1b_plan
+from megatron_epp.planner.builder import PlanInfeasible, build_plan
+from megatron_epp.planner.cost_model import CostModel, chunk_features
+from megatron_epp.planner.memory import pipeline_memory
+from megatron_epp.planner.profiles import GIB, load_model
+from megatron_epp.planner.simulator import simulate
+from megatron_epp.schedule_order import sequence_units
+
+PROFILE = load_model("test-model")
+
+
+def check_plan(plan, cost_model: CostModel, budget_gb: float) -> None:
+    """Valid, every token exactly once, memory within budget during every op, dependencies kept."""
+    plan.validate()
+    seen = [np.zeros(n, dtype=int) for n in plan.seq_lengths]
+    for c in plan.chunks():
+        for s in c.segments:
+            seen[s.seq][s.start : s.end] += 1
+    assert all((s == 1).all() for s in seen)
+    states = cost_model.model_state_bytes()
+    for pipe in plan.pipelines:
+        mems = pipeline_memory(pipe, cost_model.costs(chunk_features(pipe.chunks)), cost_model.layers, states)
+        for p, sm in enumerate(mems):
+            assert sm.during(pipe.recompute[p]).max() <= budget_gb * GIB * (1 + 1e-9)
+    sim = simulate(plan, cost_model)
+    t = {(e.pipeline, e.stage, e.op, e.pos): e for e in sim.events}
+    P = plan.num_stages
+    for (pi, p, op, k), e in t.items():
+        assert e.end >= e.start
+        if op == "F" and p > 0:
+            assert e.start >= t[pi, p - 1, "F", k].end
+        if op == "B":
+            assert e.start >= t[pi, p, "F", k].end
+            if p < P - 1:
+                assert e.start >= t[pi, p + 1, "B", k].end
+    for pi, pipe in enumerate(plan.pipelines):
+        for unit in sequence_units(pipe):
+            for a, b in zip(unit, unit[1:]):  # slice a precedes slice b
+                for p in range(P):
+                    assert t[pi, p, "F", b].start >= t[pi, p, "F", a].end
+                    assert t[pi, p, "B", a].start >= t[pi, p, "B", b].end
+    assert sim.step_ms >= max(sim.busy_ms) - 1e-9
+
+
+batches = st.lists(st.integers(1, 3000), min_size=1, max_size=40)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lengths=batches, stages=st.sampled_from([1, 2, 4]), memory_mb=st.integers(30, 400), mode=st.sampled_from(["ilp", "greedy", "full"]))
+def test_epp_plans_are_valid_and_fit(lengths, stages, memory_mb, mode):
+    cm = CostModel(PROFILE, stages)
+    try:
+        plan = build_plan(lengths, cm, memory_mb / 1024, checkpointing=mode)
+    except PlanInfeasible:
+        assume(False)
+    check_plan(plan, cm, memory_mb / 1024)
+    assert plan.info["fits"] and plan.info["predicted_step_ms"] >= plan.info["bound_step_ms"] * 0.5
+
+
+@settings(max_examples=30, deadline=None)
+@given(lengths=batches, stages=st.sampled_from([2, 4]), memory_mb=st.integers(50, 400))
+def test_baseline_plans_are_valid_and_fit(lengths, stages, memory_mb):
+    cm = CostModel(PROFILE, stages)
+    for make in (lambda: megatron_plan(lengths, cm, memory_mb / 1024, 3000), lambda: seq1f1b_plan(lengths, cm, memory_mb / 1024, 3000, 4)):
+        try:
+            plan = make()
+        except PlanInfeasible:
+            continue
+        check_plan(plan, cm, memory_mb / 1024)

@@ -1,0 +1,207 @@
+"""Hand-checked small cases of every planner step."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from megatron_epp.plan import Chunk, Pipeline, Plan, Segment
+from megatron_epp.planner.checkpointing import MemoryInfeasible, solve_checkpointing
+from megatron_epp.planner.chunking import build_units, equal_count_cuts, pack, slice_cuts
+from megatron_epp.planner.cost_model import CostModel, chunk_features
+from megatron_epp.planner.grouping import group_units
+from megatron_epp.planner.memory import pipeline_memory, stage_memory
+from megatron_epp.planner.network import Network
+from megatron_epp.planner.profiles import MODEL_PRESETS, MemoryCoeffs, Profile, TimeCoeffs, analytic_profile, load_model
+from megatron_epp.planner.simulator import simulate
+
+IDEAL = Network("ideal", 1e30, 0.0, 1e30, 0.0)
+
+
+def toy_cost_model(num_stages: int = 2, layers: list[int] | None = None) -> CostModel:
+    """1 ms per token per layer forward, 2 backward, recompute = forward; 10 B/token/layer of
+    activations, 1 B kept by a checkpointed layer, 2 B of K/V; no model states, no network."""
+    shape = MODEL_PRESETS["llama-7b"]
+    zero = TimeCoeffs(0, 0, 0, 0, 0, 0)
+    prof = Profile(
+        model=shape, device="toy", source="analytic", tp=1,
+        fwd=TimeCoeffs(0, 0, 1.0, 0, 0, 0), bwd=TimeCoeffs(0, 0, 2.0, 0, 0, 0), recompute=TimeCoeffs(0, 0, 1.0, 0, 0, 0),
+        head_fwd=zero, head_bwd=zero,
+        memory=MemoryCoeffs(10.0, 0.0, 0.0, 1.0, 2.0, 0.0, 0.0, 0.0, 0.0, False, 0.0),
+    )
+    layers = layers or [1] * num_stages
+    return CostModel(prof, num_stages, layers, network=IDEAL)
+
+
+def batched(i: int, seq: int, n: int) -> Chunk:
+    return Chunk(i, "batched", [Segment(seq, 0, n)])
+
+
+# ------------------------------------------------------------------------------------ cost model
+def test_chunk_features_sum_segments_and_count_launches():
+    c = Chunk(0, "hybrid", [Segment(0, 100, 130), Segment(1, 0, 20)])
+    f = chunk_features([c])[0]
+    assert f.tolist() == [30 * 30 + 20 * 20, 30 * 100, 50, 100, 2, 1]
+
+
+def test_analytic_profile_is_causal_flash_form_and_scales_with_tp():
+    p8, p1 = analytic_profile(MODEL_PRESETS["llama-13b"], 8), analytic_profile(MODEL_PRESETS["llama-13b"], 1)
+    assert p8.source == "analytic" and p8.fwd.a1c == pytest.approx(2 * p8.fwd.a1)
+    assert p1.fwd.a1 == pytest.approx(8 * p8.fwd.a1)
+    assert p8.memory.act_token == pytest.approx(34 * 5120 / 8) and p8.memory.act_area == 0
+    # 13B layer: 2 * 317M FLOPs per token at 0.5 * 990 TFLOP/s on 8 GPUs, plus TP communication
+    assert p8.fwd.a2 > 2 * MODEL_PRESETS["llama-13b"].gemm_flops_per_token() / 2 / (8 * 0.5 * 990e12) * 1e3
+
+
+def test_profile_json_round_trip_and_shipped_cpu_profile(tmp_path):
+    p = analytic_profile(MODEL_PRESETS["llama-7b"], 4)
+    p.save(tmp_path / "p.json")
+    assert Profile.load(tmp_path / "p.json") == p
+    cpu = load_model("test-model")
+    assert cpu.source == "measured" and cpu.tp == 1 and cpu.model.hidden == 64
+    assert cpu.bwd.a2 > 0 and cpu.fwd.a1 > 0 and "errors" in cpu.fit
+
+
+def test_model_states_put_embedding_first_and_head_last():
+    cm = CostModel(analytic_profile(MODEL_PRESETS["llama-13b"], 8), 4, dp=2)
+    s = cm.model_state_bytes()
+    per_layer = MODEL_PRESETS["llama-13b"].params_per_layer() / 8 * (2 + 4 + 12 / 2)
+    assert s[1] == pytest.approx(10 * per_layer)
+    assert s[0] > s[1] and s[3] > s[1]
+
+
+# ------------------------------------------------------------------------------------ chunking
+def test_equal_time_slices_follow_sqrt_law_earlier_longer():
+    w = np.array([1.0, 2.0, 0, 0, 0, 0])  # work of a slice = (C + s)^2 - C^2
+    cuts = slice_cuts(np.array([100]), 2500.0, 10**6, w)[0]
+    assert cuts.tolist() == [0, 50, 71, 87, 100]
+    assert np.all(np.diff(np.diff(cuts)) < 0)  # slices get shorter
+    assert np.allclose(cuts, 100 * np.sqrt(np.arange(5) / 4), atol=1)
+
+
+def test_token_cap_bounds_slices_and_equal_count_cuts():
+    w = np.array([0.0, 0, 1.0, 0, 0, 0])
+    assert slice_cuts(np.array([10]), 100.0, 4, w)[0].tolist() == [0, 4, 8, 10]
+    cuts = equal_count_cuts(np.array([1000, 10]), 4, np.array([1.0, 2.0, 0, 0, 0, 0]), 10**6)
+    assert [len(c) - 1 for c in cuts] == [4, 4]
+    work = np.diff(cuts[0].astype(float) ** 2)
+    assert work.max() / work.min() < 1.05
+
+
+def test_best_fit_decreasing_packing():
+    sizes = np.array([5, 4, 3, 2])
+    where = pack(sizes, sizes.astype(float), np.zeros(0), np.zeros(0), 0.0, 7.0, 100)
+    assert where == [0, 1, 1, 0]
+    # a tail seeds bucket 0; the token cap forbids putting 4 with it
+    where = pack(np.array([4, 1]), np.array([1.0, 1.0]), np.array([1.0]), np.array([8]), 0.0, 10.0, 10)
+    assert where == [1, 0]
+
+
+def test_build_units_split_hybrid_batched():
+    w = np.array([0.0, 0, 1.0, 0, 0, 0])  # work = tokens
+    units = build_units(np.array([25, 3, 4, 30]), w, 10.0, 10)
+    kinds = [[c.kind for c in u] for u in units]
+    assert kinds[0] == ["split", "split", "hybrid"] or kinds[0] == ["split", "split", "split"]
+    covered = {}
+    for u in units:
+        for c in u:
+            for s in c.segments:
+                covered[s.seq] = covered.get(s.seq, 0) + s.length
+            assert c.num_tokens <= 10
+    assert covered == {0: 25, 1: 3, 2: 4, 3: 30}
+    assert sum(c.kind == "hybrid" for u in units for c in u) >= 1
+
+
+# ------------------------------------------------------------------------------------ memory
+def test_memory_walk_matches_hand_count():
+    cm = toy_cost_model(2)
+    pipe = Pipeline([batched(0, 0, 4), batched(1, 1, 2), batched(2, 2, 3)], [[0, 0, 0], [0, 0, 0]])
+    costs = cm.costs(chunk_features(pipe.chunks))
+    s0 = stage_memory(pipe, 0, 2, costs, 1, 0.0)
+    assert [f"{o.kind}{o.pos}" for o in s0.ops] == ["F0", "F1", "B0", "F2", "B1", "B2"]
+    assert s0.during([0, 0, 0]).tolist() == [40, 60, 100, 50, 70, 60]
+    assert s0.during([1, 0, 0]).tolist() == [4, 24, 64, 50, 70, 60]
+    s1 = stage_memory(pipe, 1, 2, costs, 1, 5.0)
+    assert s1.during([0, 0, 0]).tolist() == [45, 85, 25, 45, 35, 65]
+
+
+def test_split_slices_keep_kv_until_first_slice_backward():
+    cm = toy_cost_model(1)
+    pipe = Pipeline([Chunk(0, "split", [Segment(0, 0, 2)]), Chunk(1, "split", [Segment(0, 2, 4)])], [[0, 0]])
+    costs = cm.costs(chunk_features(pipe.chunks))
+    sm = stage_memory(pipe, 0, 1, costs, 1, 0.0)
+    assert [f"{o.kind}{o.pos}" for o in sm.ops] == ["F0", "F1", "B1", "B0"]
+    # slice 0: 16 B of activations + 4 B of K/V; slice 1 (the tail): 20 B; workspace in backward
+    assert sm.during([0, 0]).tolist() == [20, 40, 60, 40]
+    # checkpointing slice 0 keeps its input (2 B) and its K/V (4 B)
+    assert sm.during([1, 0]).tolist() == [6, 26, 46, 26]
+
+
+# ------------------------------------------------------------------------------------ checkpointing
+def _brute_force(mems, rc, layers, budget):
+    P, n = len(mems), len(rc)
+    best = None
+    for x in itertools.product(*[range(int(min(layers)) + 1)] * (n + P - 1)):
+        r = [[x[k - p + P - 1] for k in range(n)] for p in range(P)]
+        if all(sm.during(r[p]).max() <= budget for p, sm in enumerate(mems)):
+            cost = sum(r[p][k] * rc[k] for p in range(P) for k in range(n))
+            best = cost if best is None else min(best, cost)
+    return best
+
+
+@pytest.mark.parametrize("budget", [95.0, 80.0, 60.0, 45.0])
+def test_ilp_is_optimal_on_anti_diagonals_and_fits(budget):
+    cm = toy_cost_model(2, [2, 2])
+    pipe = Pipeline([batched(0, 0, 2), batched(1, 1, 1), batched(2, 2, 2)], [[0] * 3] * 2)
+    costs = cm.costs(chunk_features(pipe.chunks))
+    mems = pipeline_memory(pipe, costs, cm.layers, np.zeros(2))
+    res = solve_checkpointing(mems, costs.rc_layer, cm.layers, budget)
+    r = res.recompute
+    assert all(r[0][k] == r[1][k + 1] for k in range(2))
+    assert all(sm.during(r[p]).max() <= budget + 1e-9 for p, sm in enumerate(mems))
+    assert res.recompute_ms == pytest.approx(_brute_force(mems, costs.rc_layer, cm.layers, budget))
+    greedy = solve_checkpointing(mems, costs.rc_layer, cm.layers, budget, mode="greedy")
+    assert all(sm.during(greedy.recompute[p]).max() <= budget + 1e-9 for p, sm in enumerate(mems))
+    assert greedy.recompute_ms >= res.recompute_ms - 1e-9 and greedy.gap >= 0
+
+
+def test_checkpointing_infeasible_and_no_recompute_when_it_fits():
+    cm = toy_cost_model(2, [2, 2])
+    pipe = Pipeline([batched(0, 0, 2), batched(1, 1, 2)], [[0] * 2] * 2)
+    costs = cm.costs(chunk_features(pipe.chunks))
+    mems = pipeline_memory(pipe, costs, cm.layers, np.zeros(2))
+    assert sum(map(sum, solve_checkpointing(mems, costs.rc_layer, cm.layers, 1e6).recompute)) == 0
+    with pytest.raises(MemoryInfeasible):
+        solve_checkpointing(mems, costs.rc_layer, cm.layers, 10.0)
+    with pytest.raises(MemoryInfeasible):
+        solve_checkpointing(mems, costs.rc_layer, cm.layers, 60.0, mode="none")
+
+
+# ------------------------------------------------------------------------------------ grouping
+def test_grouping_separates_long_sequence_only_when_memory_demands():
+    cm = toy_cost_model(2)
+    units = [[Chunk(0, "split", [Segment(0, 0, 5)]), Chunk(1, "split", [Segment(0, 5, 10)]), Chunk(2, "split", [Segment(0, 10, 15)])]]
+    units += [[batched(3 + i, 1 + i, 5)] for i in range(4)]
+    costs = cm.costs(chunk_features([c for u in units for c in u]))
+    groups, _ = group_units([3, 1, 1, 1, 1], costs, cm.layers, free_bytes=1e9)
+    assert groups == [(0, 5)]
+    # every chunk holds 50 B on stage 0 (+ 50 B workspace in backward); in one group the window is
+    # P + K - 1 = 4 chunks (250 B); the long sequence alone needs 200 B, the short ones 2 chunks (150 B)
+    groups, cost = group_units([3, 1, 1, 1, 1], costs, cm.layers, free_bytes=220.0, recompute=False)
+    assert groups == [(0, 1), (1, 5)] and np.isfinite(cost)
+
+
+# ------------------------------------------------------------------------------------ simulator
+def test_simulator_reproduces_1f1b_step_time():
+    cm = toy_cost_model(3)
+    n = 5
+    pipe = Pipeline([batched(i, i, 1) for i in range(n)], [[0] * n for _ in range(3)])
+    plan = Plan([1] * n, 3, [1, 1, 1], [pipe])
+    sim = simulate(plan.validate(), cm)
+    assert sim.step_ms == pytest.approx((n + 3 - 1) * (1 + 2))
+    assert sim.busy_ms.tolist() == [15, 15, 15]
+    assert sim.bubble_ratio == pytest.approx(1 - 15 / 21)
+    pipe.recompute[0] = [1] * n
+    assert simulate(plan, cm).recompute_ms == pytest.approx(n)
