@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
-export OMP_NUM_THREADS=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONWARNINGS=ignore
+export OMP_NUM_THREADS=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 DATA=$(python3 -m megatron_epp.data.stdlib_corpus | tail -n 1)
 exec python3 -m torch.distributed.run --nproc-per-node "${NPROC:-2}" pretrain_gpt.py \
   --data-path "$DATA" --tokenizer byte \

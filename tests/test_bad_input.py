@@ -35,6 +35,7 @@ def run_pretrain(*flags: str, world_size: int = 1) -> subprocess.CompletedProces
          "--recompute-granularity does not apply with --elastic-pp"),
         (["--elastic-pp", "--micro-batch-size", "2"], 1, "--micro-batch-size does not apply with --elastic-pp"),
         (["--elastic-pp", "--epp-memory-budget", "0"], 1, "--epp-memory-budget must be positive"),
+        (["--elastic-pp", "--seq-length", "2048", "--epp-memory-budget", "0.01"], 1, "cannot be planned"),
     ],
 )
 def test_bad_flags_give_one_line_error(flags, world_size, message):

@@ -14,6 +14,7 @@ from megatron.core import parallel_state as ps
 from megatron_epp.elastic_schedule import forward_backward_elastic
 from megatron_epp.elastic_step import chunk_batches, elastic_gpt_forward_step
 from megatron_epp.plan import Plan
+from megatron_epp.training.arguments import ArgumentError
 from megatron_epp.training.initialize import Runtime
 from megatron_epp.training.loop import StepFunction
 
@@ -21,7 +22,7 @@ PlanBuilder = Callable[[list[int]], Plan]
 GIB = 1024**3
 
 
-def plan_builder(args: argparse.Namespace, runtime: Runtime) -> PlanBuilder:
+def plan_builder(args: argparse.Namespace) -> PlanBuilder:
     """The ``--epp-plan`` builder on the planner's cost model for this model and pipeline."""
     from megatron_epp.planner import baselines, builder
     from megatron_epp.planner.cost_model import CostModel
@@ -32,7 +33,9 @@ def plan_builder(args: argparse.Namespace, runtime: Runtime) -> PlanBuilder:
         profile.model, num_layers=args.num_layers, hidden=args.hidden_size, num_heads=args.num_attention_heads,
         ffn_hidden=args.ffn_hidden_size, vocab=args.vocab_size,
     )
-    cost_model = CostModel(dataclasses.replace(profile, model=shape), runtime.pp_size, dp=runtime.dp_size)
+    cost_model = CostModel(
+        dataclasses.replace(profile, model=shape), args.pipeline_model_parallel_size, dp=args.data_parallel_size
+    )
     memory_gb = args.epp_memory_budget
 
     def build(lengths: list[int]) -> Plan:
@@ -98,7 +101,21 @@ def elastic_step(args: argparse.Namespace, runtime: Runtime, model, split: str, 
     if documents is None:
         return None
     sampler = SequenceSampler(documents, args.global_batch_size, args.seq_length, seed=args.seed, dp_size=runtime.dp_size)
-    return ElasticStep(args, runtime, model, sampler, consumed, plan_builder(args, runtime))
+    return ElasticStep(args, runtime, model, sampler, consumed, plan_builder(args))
+
+
+def check_memory_budget(args: argparse.Namespace) -> None:
+    """Fail before any work if no plan fits the budget for documents of the full context length."""
+    from megatron_epp.planner.builder import PlanInfeasible
+
+    docs = max(args.global_batch_size // args.data_parallel_size, 1)
+    try:
+        plan_builder(args)([args.seq_length] * docs)
+    except PlanInfeasible as error:
+        raise ArgumentError(
+            f"--epp-memory-budget {args.epp_memory_budget} GB: {docs} documents of --seq-length "
+            f"{args.seq_length} tokens per replica cannot be planned ({error})"
+        ) from None
 
 
 def elastic_documents(args: argparse.Namespace, split: str):

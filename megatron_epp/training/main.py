@@ -36,6 +36,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parse_args(argv)
         resolve_vocab_size(args)
+        if args.elastic_pp:
+            from megatron_epp.training.elastic import check_memory_budget
+
+            check_memory_budget(args)
     except (ArgumentError, TokenizerError) as error:
         print(error if isinstance(error, ArgumentError) else f"pretrain_gpt.py: error: {error}", file=sys.stderr)
         return 2
