@@ -88,7 +88,7 @@ def main() -> None:
     if ours.fault:
         inject(ours.fault)
     per_stage = args.num_layers // runtime.pp_size
-    set_global_weights(model.module, runtime.pp_rank, per_stage)
+    set_global_weights(model.module, runtime.pp_rank, per_stage, runtime.tp_rank, args.tensor_model_parallel_size)
     build_optimizer(args, model, config)
     for case in range(ours.cases):
         sequences = case_sequences(case, ours.case_seed, args.vocab_size)

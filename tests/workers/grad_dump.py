@@ -29,12 +29,18 @@ def global_name(name: str, pp_rank: int, layers_per_stage: int) -> str:
     return ".".join(parts)
 
 
-def set_global_weights(model: torch.nn.Module, pp_rank: int, layers_per_stage: int) -> None:
+def set_global_weights(model: torch.nn.Module, pp_rank: int, layers_per_stage: int, tp_rank: int = 0, tp_size: int = 1) -> None:
+    """Every parameter from its global name; a tensor-parallel shard is its rank's slice of the full tensor."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             g = torch.Generator().manual_seed(zlib.crc32(global_name(name, pp_rank, layers_per_stage).encode()))
-            base = 1.0 if name.endswith("layer_norm_weight") or "layernorm.weight" in name else 0.0
-            p.copy_(base + 0.05 * torch.randn(p.shape, generator=g))
+            base = 1.0 if "layernorm.weight" in name or name.endswith("layer_norm_weight") else 0.0
+            dim = getattr(p, "partition_dim", -1) if getattr(p, "tensor_model_parallel", False) else -1
+            shape = list(p.shape)
+            if dim >= 0:
+                shape[dim] *= tp_size
+            full = base + 0.05 * torch.randn(shape, generator=g)
+            p.copy_(full.chunk(tp_size, dim)[tp_rank] if dim >= 0 else full)
 
 
 def main() -> None:
@@ -44,7 +50,7 @@ def main() -> None:
     runtime = initialize(args)
     model, config = build_model(args, runtime)
     layers_per_stage = args.num_layers // runtime.pp_size
-    set_global_weights(model.module, runtime.pp_rank, layers_per_stage)
+    set_global_weights(model.module, runtime.pp_rank, layers_per_stage, runtime.tp_rank, args.tensor_model_parallel_size)
     model.broadcast_params()
     build_optimizer(args, model, config)  # installs finalize_model_grads (DP and tied-embedding sync)
     batches = microbatches(build_samples(args, "train"), 0, args.global_batch_size, args.micro_batch_size, runtime.dp_rank, runtime.dp_size, runtime.device)
