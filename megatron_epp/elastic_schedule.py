@@ -111,6 +111,8 @@ class _StageRunner:
     def run(self, pipe: Pipeline, on_last_backward: Callable[[], None] | None) -> None:
         ops = [op for op in stage_ops(pipe, self.stage, self.plan.num_stages) if not (self.forward_only and op.kind == "B")]
         layouts = [ChunkLayout.build(c, self.plan.seq_lengths, self.device) for c in pipe.chunks]
+        for layout, count in zip(layouts, pipe.recompute[self.stage]):
+            layout.recompute = count
         saved: dict[int, tuple[Any, Any]] = {}
         last_backward = max((i for i, op in enumerate(ops) if op.kind == "B"), default=None)
         # Each op receives its input just before it runs and sends its result right after, fused with

@@ -77,6 +77,25 @@ def test_random_plans_match_reference(tmp_path, references, nproc, pp, tp, cases
         assert worst_mismatch(references[position], elastic, case) < 1e-5, f"case {case}"
 
 
+def test_random_recompute_matches_reference(tmp_path, references):
+    cases = 6
+    elastic = run(tmp_path / "recompute", 2, "elastic", cases, "--pipeline-model-parallel-size", "2", "--random-recompute")
+    for case in range(cases):
+        assert worst_mismatch(references["rope"], elastic, case) < 1e-5, f"case {case}"
+
+
+def test_recompute_with_dropout_replays_the_same_masks(tmp_path):
+    """Dropout on: any recompute mix gives the gradients of the same plan without recompute."""
+    cases, dropout = 4, ["--hidden-dropout", "0.2", "--attention-dropout", "0.2", "--pipeline-model-parallel-size", "2"]
+    plain = run(tmp_path / "plain", 2, "elastic", cases, *dropout)
+    recomputed = run(tmp_path / "recompute", 2, "elastic", cases, *dropout, "--random-recompute")
+    for case in range(cases):
+        assert worst_mismatch(plain, recomputed, case) < 1e-6, f"case {case}"
+    unrestored = run(tmp_path / "no-rng", 2, "elastic", cases, *dropout, "--random-recompute",
+                     "--fault", "recompute_without_rng_restore")
+    assert max(worst_mismatch(plain, unrestored, c) for c in range(cases)) > 1e-3
+
+
 @pytest.mark.parametrize("fault", ["drop_prefix", "forward_order_backward", "leak_packing"])
 def test_injected_fault_breaks_the_match(tmp_path, references, fault):
     cases = 3

@@ -31,6 +31,7 @@ class ChunkLayout:
     context: int  # tokens of earlier slices (C) that slice attends to
     keeps_kv: bool  # later slices of the sequence follow: keep this slice's K/V
     masks: list[torch.Tensor]  # per segment [s, C + s] bottom-right causal (C > 0 only for the slice)
+    recompute: int = 0  # layers of this stage that recompute this chunk (the stage's first ones)
 
     @property
     def split_seq(self) -> int | None:

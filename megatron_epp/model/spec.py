@@ -8,12 +8,15 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_epp.model.elastic_attention import ElasticAttention
+from megatron_epp.model.recompute_layer import ChunkRecomputeLayer
 from megatron_epp.model.rotary import ChunkRotaryEmbedding
 
 
 def elastic_layer_spec(base: ModuleSpec) -> ModuleSpec:
-    """``base`` (a GPT layer spec) with :class:`ElasticAttention` as its core attention."""
+    """``base`` (a GPT layer spec) with :class:`ElasticAttention` as its core attention and
+    :class:`ChunkRecomputeLayer` as its module (per-chunk recompute from the plan)."""
     spec = copy.deepcopy(base)
+    spec.module = ChunkRecomputeLayer
     spec.submodules.self_attention.submodules.core_attention = ElasticAttention
     return spec
 

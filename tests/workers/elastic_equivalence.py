@@ -54,6 +54,13 @@ def inject(fault: str) -> None:
         chunk_state.ChunkLayout.build = classmethod(drop_prefix)
     elif fault == "leak_packing":
         chunk_state.ChunkLayout.build = classmethod(leak_packing)
+    elif fault == "recompute_without_rng_restore":
+        from megatron_epp.model import recompute_layer
+
+        def checkpoint(fn, _distribute, *args):
+            return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
+
+        recompute_layer.tensor_parallel = type("TP", (), {"checkpoint": staticmethod(checkpoint)})
     elif fault == "forward_order_backward":
         schedule_order.backward_order = lambda pipe: list(range(len(pipe.chunks)))
     else:
@@ -76,6 +83,7 @@ def main() -> None:
     p.add_argument("--cases", type=int, required=True)
     p.add_argument("--case-seed", type=int, default=0)
     p.add_argument("--fault", default=None)
+    p.add_argument("--random-recompute", action="store_true", help="random per (stage, chunk) recompute counts")
     ours, flags = p.parse_known_args()
     args = parse_args(flags)
     args.vocab_size = args.vocab_size or 64
@@ -96,6 +104,10 @@ def main() -> None:
         if elastic:
             mine = sequences[runtime.dp_rank :: runtime.dp_size]
             plan = random_plan(np.random.default_rng([ours.case_seed, case, runtime.dp_rank, 7]), [len(t) for t, _ in mine], runtime.pp_size, per_stage)
+            if ours.random_recompute:
+                rng = np.random.default_rng([ours.case_seed, case, runtime.dp_rank, 11])
+                for pipe in plan.pipelines:
+                    pipe.recompute = rng.integers(0, per_stage + 1, size=(runtime.pp_size, len(pipe.chunks))).tolist()
             losses = forward_backward_elastic(
                 forward_step_func=elastic_gpt_forward_step, data_iterator=chunk_batches(plan, mine, runtime.device),
                 model=[model], num_microbatches=sum(len(q.chunks) for q in plan.pipelines), plan=plan,

@@ -1,0 +1,37 @@
+"""Stage-aware chunk-level recompute: a TransformerLayer that checkpoints itself when the plan says so.
+
+The plan gives, per (stage, chunk), how many of the stage's layers recompute their activations in
+backward. For a count ``c`` the stage's first ``c`` layers recompute (local indices ``0..c-1``): the
+choice is deterministic, so the planner's memory model and the runtime agree. The checkpoint is
+megatron-core's ``tensor_parallel.checkpoint`` (dropout RNG restored); the block-level config
+recompute stays off in elastic mode. Prefix K/V a slice keeps for later slices are written once
+(``PrefixKV`` keeps the first write), so a recompute neither duplicates nor replaces them.
+"""
+
+from __future__ import annotations
+
+from megatron.core import tensor_parallel
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+from megatron_epp.model.chunk_state import CHUNK_STATE
+
+
+class ChunkRecomputeLayer(TransformerLayer):
+    """``spec.module`` for elastic stages: recomputes when ``local index < current chunk's count``."""
+
+    @property
+    def local_index(self) -> int:
+        per_stage = self.config.num_layers // self.config.pipeline_model_parallel_size
+        return (self.layer_number - 1) % per_stage
+
+    def forward(self, *args, **kwargs):
+        layout = CHUNK_STATE.current
+        if layout is None or not self.training or self.local_index >= layout.recompute:
+            return super().forward(*args, **kwargs)
+        hidden_states = kwargs.pop("hidden_states") if "hidden_states" in kwargs else args[0]
+        rest = args[1:] if "hidden_states" not in kwargs and args else args
+
+        def run(h):
+            return super(ChunkRecomputeLayer, self).forward(h, *rest, **kwargs)[0]
+
+        return tensor_parallel.checkpoint(run, False, hidden_states), None
