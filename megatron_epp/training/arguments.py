@@ -80,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--epp-max-slices", type=int, default=None, help="most slices per sequence (seq1f1b: k); default 8")
     g.add_argument("--epp-profile", default=None,
                    help="cost-model profile: a JSON path, or test-model|llama-7b|llama-13b|llama-30b (default test-model)")
+    g.add_argument("--epp-recompute", choices=["adaptive", "none", "full"], default=None,
+                   help="per-(stage, chunk) recompute: the planner's integer program (default), none, or every layer")
     g.add_argument("--epp-memory-budget", type=float, default=None,
                    help="GB per device for the planner (default: 90%% of GPU memory, or of RAM / ranks on CPU)")
 
@@ -154,7 +156,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     validate_elastic_args(args, world_size)
 
 
-EPP_DEFAULTS = {"epp_plan": "elastic", "epp_max_slices": 8, "epp_profile": "test-model"}
+EPP_DEFAULTS = {"epp_plan": "elastic", "epp_max_slices": 8, "epp_profile": "test-model", "epp_recompute": "adaptive"}
 
 
 def validate_elastic_args(args: argparse.Namespace, world_size: int) -> None:

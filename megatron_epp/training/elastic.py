@@ -19,6 +19,7 @@ from megatron_epp.training.initialize import Runtime
 from megatron_epp.training.loop import StepFunction
 
 PlanBuilder = Callable[[list[int]], Plan]
+CHECKPOINTING = {"adaptive": "ilp", "none": "none", "full": "full"}  # --epp-recompute -> planner mode
 GIB = 1024**3
 
 
@@ -43,7 +44,7 @@ def plan_builder(args: argparse.Namespace) -> PlanBuilder:
             return baselines.megatron_plan(lengths, cost_model, memory_gb, args.seq_length)
         if args.epp_plan == "seq1f1b":
             return baselines.seq1f1b_plan(lengths, cost_model, memory_gb, args.seq_length, k=args.epp_max_slices)
-        return builder.build_plan(lengths, cost_model, memory_gb, checkpointing="none",
+        return builder.build_plan(lengths, cost_model, memory_gb, checkpointing=CHECKPOINTING[args.epp_recompute],
                                   slice_counts=range(1, args.epp_max_slices + 1))
 
     return build
