@@ -26,3 +26,26 @@ def test_elastic_trains_and_matches_megatron_packing():
     assert any(s > 0 for _, s, _ in kinds) and any(h > 0 for _, _, h in kinds), "the elastic plans never split"
     assert "plan[megatron]" in megatron and all(s == h == 0 for _, s, h in
                                                  [tuple(map(int, m)) for m in re.findall(r"batched=(\d+) split=(\d+) hybrid=(\d+)", megatron)])
+
+
+def test_planning_overlaps_training_and_timelines_are_drawn(tmp_path):
+    run = [a for a in RUN]
+    run[run.index("--train-iters") + 1] = "6"
+    out = torchrun(2, *run, "--log-interval", "2", "--epp-timeline", str(tmp_path / "timeline")).stdout
+    planning = re.findall(r"planning ms: [\d.]+ \(([^)]*)\)", out)
+    assert len(planning) == 3 and "hidden" in planning, planning  # the next step's plan is made during this one
+    pictures = sorted(p.name for p in (tmp_path / "timeline").iterdir())
+    assert pictures == ["plan_iter_0000002.png", "plan_iter_0000004.png", "plan_iter_0000006.png"]
+    assert all((tmp_path / "timeline" / p).stat().st_size > 10_000 for p in pictures)
+
+
+def test_elastic_resume_repeats_the_uninterrupted_losses(tmp_path):
+    run = [a for a in RUN]
+    run[run.index("--train-iters") + 1] = "12"
+    run += ["--lr-decay-iters", "12"]
+    straight = logged_losses(torchrun(2, *run).stdout)
+    stop = [a if a != "12" or run[i - 1] != "--train-iters" else "6" for i, a in enumerate(run)]
+    assert "saved checkpoint at iteration 6" in torchrun(2, *stop, "--save", str(tmp_path / "ckpt")).stdout
+    resumed = logged_losses(torchrun(2, *run, "--load", str(tmp_path / "ckpt")).stdout)
+    assert sorted(resumed) == list(range(7, 13))
+    assert all(resumed[i] == straight[i] for i in resumed), (resumed, straight)

@@ -82,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cost-model profile: a JSON path, or test-model|llama-7b|llama-13b|llama-30b (default test-model)")
     g.add_argument("--epp-recompute", choices=["adaptive", "none", "full"], default=None,
                    help="per-(stage, chunk) recompute: the planner's integer program (default), none, or every layer")
+    g.add_argument("--epp-timeline", default=None, help="directory: the planned timeline picture of every logged step")
     g.add_argument("--epp-memory-budget", type=float, default=None,
                    help="GB per device for the planner (default: 90%% of GPU memory, or of RAM / ranks on CPU)")
 
@@ -160,7 +161,7 @@ EPP_DEFAULTS = {"epp_plan": "elastic", "epp_max_slices": 8, "epp_profile": "test
 
 
 def validate_elastic_args(args: argparse.Namespace, world_size: int) -> None:
-    given = [k for k in (*EPP_DEFAULTS, "epp_memory_budget") if getattr(args, k) is not None]
+    given = [k for k in (*EPP_DEFAULTS, "epp_memory_budget", "epp_timeline") if getattr(args, k) is not None]
     if not args.elastic_pp:
         if given:
             raise ArgumentError(f"--{given[0].replace('_', '-')} needs --elastic-pp")

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import time
-from typing import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -18,36 +20,43 @@ from megatron_epp.training.arguments import ArgumentError
 from megatron_epp.training.initialize import Runtime
 from megatron_epp.training.loop import StepFunction
 
-PlanBuilder = Callable[[list[int]], Plan]
 CHECKPOINTING = {"adaptive": "ilp", "none": "none", "full": "full"}  # --epp-recompute -> planner mode
 GIB = 1024**3
 
 
-def plan_builder(args: argparse.Namespace) -> PlanBuilder:
+class PlanBuilder:
     """The ``--epp-plan`` builder on the planner's cost model for this model and pipeline."""
-    from megatron_epp.planner import baselines, builder
-    from megatron_epp.planner.cost_model import CostModel
-    from megatron_epp.planner.profiles import load_model
 
-    profile = load_model(args.epp_profile, tp=args.tensor_model_parallel_size)
-    shape = dataclasses.replace(
-        profile.model, num_layers=args.num_layers, hidden=args.hidden_size, num_heads=args.num_attention_heads,
-        ffn_hidden=args.ffn_hidden_size, vocab=args.vocab_size,
-    )
-    cost_model = CostModel(
-        dataclasses.replace(profile, model=shape), args.pipeline_model_parallel_size, dp=args.data_parallel_size
-    )
-    memory_gb = args.epp_memory_budget
+    def __init__(self, args: argparse.Namespace) -> None:
+        from megatron_epp.planner.cost_model import CostModel
+        from megatron_epp.planner.profiles import load_model
 
-    def build(lengths: list[int]) -> Plan:
+        profile = load_model(args.epp_profile, tp=args.tensor_model_parallel_size)
+        shape = dataclasses.replace(
+            profile.model, num_layers=args.num_layers, hidden=args.hidden_size, num_heads=args.num_attention_heads,
+            ffn_hidden=args.ffn_hidden_size, vocab=args.vocab_size,
+        )
+        self.args = args
+        self.cost_model = CostModel(
+            dataclasses.replace(profile, model=shape), args.pipeline_model_parallel_size, dp=args.data_parallel_size
+        )
+
+    def __call__(self, lengths: list[int]) -> Plan:
+        from megatron_epp.planner import baselines, builder
+
+        args, memory_gb = self.args, self.args.epp_memory_budget
         if args.epp_plan == "megatron":
-            return baselines.megatron_plan(lengths, cost_model, memory_gb, args.seq_length)
+            return baselines.megatron_plan(lengths, self.cost_model, memory_gb, args.seq_length)
         if args.epp_plan == "seq1f1b":
-            return baselines.seq1f1b_plan(lengths, cost_model, memory_gb, args.seq_length, k=args.epp_max_slices)
-        return builder.build_plan(lengths, cost_model, memory_gb, checkpointing=CHECKPOINTING[args.epp_recompute],
+            return baselines.seq1f1b_plan(lengths, self.cost_model, memory_gb, args.seq_length, k=args.epp_max_slices)
+        return builder.build_plan(lengths, self.cost_model, memory_gb, checkpointing=CHECKPOINTING[args.epp_recompute],
                                   slice_counts=range(1, args.epp_max_slices + 1))
 
-    return build
+    def draw(self, plan: Plan, path: str) -> None:
+        from megatron_epp.planner import simulate
+        from megatron_epp.planner.timeline import draw_timeline
+
+        draw_timeline(simulate(plan, self.cost_model), plan.num_stages, path, title=plan.summary())
 
 
 def _share_plan(plan: Plan | None) -> Plan:
@@ -59,21 +68,47 @@ def _share_plan(plan: Plan | None) -> Plan:
 
 
 class ElasticStep:
-    """A :data:`StepFunction` over a sequence sampler: plan, broadcast, run; keeps the last summary."""
+    """A :data:`StepFunction` over a sequence sampler: plan, broadcast, run; keeps the last summary.
+
+    The first rank of each model replica plans; the plan for the next global batch is computed in a
+    background thread while this one trains (the summary says whether planning was hidden).
+    """
 
     def __init__(self, args: argparse.Namespace, runtime: Runtime, model, sampler, consumed: int, build: PlanBuilder) -> None:
         self.args, self.runtime, self.model, self.build = args, runtime, model, build
         self.batches = sampler.iterate(consumed)
         self.plans_here = ps.get_model_parallel_group().rank() == 0
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epp-planner") if self.plans_here else None
+        self.pending: tuple[Any, Future | None] | None = None
         self.last_summary = ""
+        self.last_plan: Plan | None = None
+
+    def _plan_async(self, batch) -> Future | None:
+        if self.pool is None:
+            return None
+        lengths = batch.seq_lengths[batch.positions(self.runtime.dp_rank)].tolist()
+
+        def plan() -> tuple[Plan, float]:
+            t0 = time.perf_counter()
+            return self.build(lengths).validate(), (time.perf_counter() - t0) * 1000
+
+        return self.pool.submit(plan)
+
+    def _next_planned(self):
+        """This step's batch and plan (waiting for the planner only if it is still running)."""
+        batch, future = self.pending or (lambda b: (b, self._plan_async(b)))(next(self.batches))
+        upcoming = next(self.batches)
+        self.pending = (upcoming, self._plan_async(upcoming))
+        plan = None
+        if future is not None:
+            t0 = time.perf_counter()
+            plan, plan_ms = future.result()
+            plan.info.update(planning_ms=plan_ms, planning_wait_ms=(time.perf_counter() - t0) * 1000)
+        return batch, _share_plan(plan)
 
     def __call__(self, forward_only: bool) -> tuple[list[dict[str, torch.Tensor]], int]:
-        batch = next(self.batches)
+        batch, plan = self._next_planned()
         sequences = batch.sequences(self.runtime.dp_rank)
-        lengths = [len(s.tokens) for s in sequences]
-        t0 = time.perf_counter()
-        plan = _share_plan(self.build(lengths).validate() if self.plans_here else None)
-        plan_ms = (time.perf_counter() - t0) * 1000
         tensors = [(torch.from_numpy(s.tokens), torch.from_numpy(s.labels)) for s in sequences]
         t1 = time.perf_counter()
         losses = forward_backward_elastic(
@@ -86,12 +121,22 @@ class ElasticStep:
         )
         run_ms = (time.perf_counter() - t1) * 1000
         predicted = plan.info.get("predicted_step_ms")
+        waited = plan.info["planning_wait_ms"]
+        hidden = "hidden" if waited < 1.0 else f"exposed {waited:.1f} ms"
+        self.last_plan = plan
         self.last_summary = (
-            f"{plan.summary()} | planning ms: {plan_ms:.1f} | "
+            f"{plan.summary()} | planning ms: {plan.info['planning_ms']:.1f} ({hidden}) | "
             + (f"predicted ms: {predicted:.1f} | " if predicted is not None else "")
             + f"measured ms: {run_ms:.1f}"
         )
         return losses, int(batch.seq_lengths.sum())
+
+    def log(self, iteration: int) -> str:
+        """The plan summary for the log line; with ``--epp-timeline DIR``, also that step's timeline picture."""
+        if self.args.epp_timeline and self.runtime.rank == 0 and self.last_plan is not None:
+            os.makedirs(self.args.epp_timeline, exist_ok=True)
+            self.build.draw(self.last_plan, os.path.join(self.args.epp_timeline, f"plan_iter_{iteration:07d}.png"))
+        return self.last_summary
 
 
 def elastic_step(args: argparse.Namespace, runtime: Runtime, model, split: str, consumed: int) -> ElasticStep | None:
@@ -102,7 +147,7 @@ def elastic_step(args: argparse.Namespace, runtime: Runtime, model, split: str, 
     if documents is None:
         return None
     sampler = SequenceSampler(documents, args.global_batch_size, args.seq_length, seed=args.seed, dp_size=runtime.dp_size)
-    return ElasticStep(args, runtime, model, sampler, consumed, plan_builder(args))
+    return ElasticStep(args, runtime, model, sampler, consumed, PlanBuilder(args))
 
 
 def check_memory_budget(args: argparse.Namespace) -> None:
@@ -111,7 +156,7 @@ def check_memory_budget(args: argparse.Namespace) -> None:
 
     docs = max(args.global_batch_size // args.data_parallel_size, 1)
     try:
-        plan_builder(args)([args.seq_length] * docs)
+        PlanBuilder(args)([args.seq_length] * docs)
     except PlanInfeasible as error:
         raise ArgumentError(
             f"--epp-memory-budget {args.epp_memory_budget} GB: {docs} documents of --seq-length "

@@ -132,7 +132,7 @@ def train(
     train_step: StepFunction,
     valid_step: StepFunction | None,
     start: tuple[int, int] = (0, 0),
-    step_summary: Callable[[], str] | None = None,
+    step_summary: Callable[[int], str] | None = None,
 ) -> list[float]:
     """Run iterations ``start[0]+1 .. --train-iters``; return the losses seen by every rank."""
     iteration, consumed = start
@@ -154,7 +154,7 @@ def train(
         ms = (time.perf_counter() - t0) * 1000
         history.append(loss)
         if iteration % args.log_interval == 0:
-            extra = f" | {step_summary()}" if step_summary else ""
+            extra = f" | {step_summary(iteration)}" if step_summary else ""
             logger.iteration(iteration, consumed, loss, scheduler.get_lr(optimizer.param_groups[0]), grad_norm or 0.0, ms, tokens, extra)
         if valid_step and args.eval_interval and iteration % args.eval_interval == 0:
             logger.validation(iteration, evaluate(args, runtime, valid_step, dp_group))
