@@ -31,6 +31,7 @@ def run_pretrain(*flags: str, world_size: int = 1) -> subprocess.CompletedProces
         (["--global-batch-size", "6", "--micro-batch-size", "2"], 4, "data parallel 4"),
         (["--num-layers", "abc"], 1, "invalid int value: 'abc'"),
         (["--epp-plan", "seq1f1b"], 1, "--epp-plan needs --elastic-pp"),
+        (["--train-iters", "3", "--lr-warmup-iters", "3"], 1, "--lr-warmup-iters 3 must be smaller than --lr-decay-iters 3"),
         (["--elastic-pp", "--recompute-granularity", "full", "--recompute-method", "uniform"], 1,
          "--recompute-granularity does not apply with --elastic-pp"),
         (["--elastic-pp", "--micro-batch-size", "2"], 1, "--micro-batch-size does not apply with --elastic-pp"),

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from megatron_epp.model.chunk_state import CHUNK_STATE, ChunkLayout
 from megatron_epp.model.elastic_attention import ElasticAttention
+from megatron_epp.model.memory_tracker import ActivationMemoryTracker
 from megatron_epp.plan import Chunk, Segment
 
 from megatron_epp.planner.profiles import ModelShape
@@ -122,14 +123,7 @@ def time_fwd_bwd(run: Callable[..., torch.Tensor], make_inputs: Callable[[], tup
 
 def saved_bytes(build: Callable[[], torch.Tensor]) -> int:
     """Bytes of distinct tensors autograd saves for backward while ``build()`` runs."""
-    seen: dict[tuple[int, int], int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        if not isinstance(t, torch.nn.Parameter) and t.device.type == "cpu":
-            st = t.untyped_storage()
-            seen[(st.data_ptr(), st.nbytes())] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        build()
-    return sum(seen.values())
+    with ActivationMemoryTracker(torch.device("cpu")) as tracker:
+        output = build()
+    del output
+    return tracker.peak_bytes

@@ -154,6 +154,11 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if args.recompute_method is not None:
         args.recompute_num_layers = args.recompute_num_layers or 1
     args.lr_decay_iters = args.lr_decay_iters or args.train_iters
+    if args.lr_warmup_iters >= args.lr_decay_iters:
+        raise ArgumentError(
+            f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than --lr-decay-iters "
+            f"{args.lr_decay_iters} (default: --train-iters)"
+        )
     validate_elastic_args(args, world_size)
 
 

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import contextlib
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
 from megatron_epp.elastic_schedule import forward_backward_elastic
 from megatron_epp.elastic_step import chunk_batches, elastic_gpt_forward_step
+from megatron_epp.model.memory_tracker import ActivationMemoryTracker
 from megatron_epp.plan import Plan
 from megatron_epp.training.arguments import ArgumentError
 from megatron_epp.training.initialize import Runtime
@@ -51,6 +54,16 @@ class PlanBuilder:
             return baselines.seq1f1b_plan(lengths, self.cost_model, memory_gb, args.seq_length, k=args.epp_max_slices)
         return builder.build_plan(lengths, self.cost_model, memory_gb, checkpointing=CHECKPOINTING[args.epp_recompute],
                                   slice_counts=range(1, args.epp_max_slices + 1))
+
+    def predicted_activation_bytes(self, plan: Plan) -> list[float]:
+        """Per-stage peak activation bytes (model states excluded) by the planner's exact memory walk."""
+        from megatron_epp.planner.cost_model import chunk_features
+        from megatron_epp.planner.memory import peak_memory
+
+        no_states = np.zeros(plan.num_stages)
+        peaks = [peak_memory(p, self.cost_model.costs(chunk_features(p.chunks)), self.cost_model.layers, no_states)
+                 for p in plan.pipelines]
+        return np.max(peaks, axis=0).tolist()
 
     def draw(self, plan: Plan, path: str) -> None:
         from megatron_epp.planner import simulate
@@ -90,7 +103,10 @@ class ElasticStep:
 
         def plan() -> tuple[Plan, float]:
             t0 = time.perf_counter()
-            return self.build(lengths).validate(), (time.perf_counter() - t0) * 1000
+            result = self.build(lengths).validate()
+            elapsed_ms = (time.perf_counter() - t0) * 1000
+            result.info["predicted_activation_bytes"] = self.build.predicted_activation_bytes(result)
+            return result, elapsed_ms
 
         return self.pool.submit(plan)
 
@@ -111,15 +127,17 @@ class ElasticStep:
         sequences = batch.sequences(self.runtime.dp_rank)
         tensors = [(torch.from_numpy(s.tokens), torch.from_numpy(s.labels)) for s in sequences]
         t1 = time.perf_counter()
-        losses = forward_backward_elastic(
-            forward_step_func=elastic_gpt_forward_step,
-            data_iterator=chunk_batches(plan, tensors, self.runtime.device),
-            model=[self.model],
-            num_microbatches=sum(len(p.chunks) for p in plan.pipelines),
-            forward_only=forward_only,
-            plan=plan,
-        )
+        with ActivationMemoryTracker(self.runtime.device) if not forward_only else contextlib.nullcontext() as memory:
+            losses = forward_backward_elastic(
+                forward_step_func=elastic_gpt_forward_step,
+                data_iterator=chunk_batches(plan, tensors, self.runtime.device),
+                model=[self.model],
+                num_microbatches=sum(len(p.chunks) for p in plan.pipelines),
+                forward_only=forward_only,
+                plan=plan,
+            )
         run_ms = (time.perf_counter() - t1) * 1000
+        memory_note = "" if memory is None else " | " + self._memory_line(plan, memory.peak_bytes)
         predicted = plan.info.get("predicted_step_ms")
         waited = plan.info["planning_wait_ms"]
         hidden = "hidden" if waited < 1.0 else f"exposed {waited:.1f} ms"
@@ -127,9 +145,18 @@ class ElasticStep:
         self.last_summary = (
             f"{plan.summary()} | planning ms: {plan.info['planning_ms']:.1f} ({hidden}) | "
             + (f"predicted ms: {predicted:.1f} | " if predicted is not None else "")
-            + f"measured ms: {run_ms:.1f}"
+            + f"measured ms: {run_ms:.1f}{memory_note}"
         )
         return losses, int(batch.seq_lengths.sum())
+
+    def _memory_line(self, plan: Plan, measured: int) -> str:
+        """Predicted vs measured peak activation MB of every stage (gathered over the pipeline)."""
+        per_stage: list[Any] = [None] * self.runtime.pp_size
+        dist.all_gather_object(per_stage, measured, group=ps.get_pipeline_model_parallel_group())
+        predicted = plan.info["predicted_activation_bytes"]
+        pairs = ", ".join(f"{p / 2**20:.1f}/{m / 2**20:.1f}" for p, m in zip(predicted, per_stage))
+        self.last_activation_bytes = (predicted, per_stage)
+        return f"act MB pred/meas per stage: {pairs}"
 
     def log(self, iteration: int) -> str:
         """The plan summary for the log line; with ``--epp-timeline DIR``, also that step's timeline picture."""

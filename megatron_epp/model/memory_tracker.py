@@ -1,0 +1,95 @@
+"""Measured peak activation memory of one stage during a step, on any device.
+
+CUDA: the allocator's peak above what was allocated when the step began. CPU (no allocator
+statistics): the tensors autograd saves for backward, deduplicated by storage and followed until
+autograd frees them (``saved_tensors_hooks``), plus the prefix K/V kept for later slices;
+parameters are model states and are not counted.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_epp.model.chunk_state import CHUNK_STATE
+
+
+class _Saved:
+    """Holds one saved tensor for autograd; tells the tracker when autograd lets go of it."""
+
+    __slots__ = ("tensor", "tracker", "key")
+
+    def __init__(self, tensor: torch.Tensor, tracker: "ActivationMemoryTracker", key: int) -> None:
+        self.tensor, self.tracker, self.key = tensor, tracker, key
+
+    def __del__(self) -> None:
+        self.tracker._release(self.key)
+
+
+class ActivationMemoryTracker:
+    """``with ActivationMemoryTracker(device) as t: step()`` then ``t.peak_bytes``."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.peak_bytes = 0
+        self._live: dict[int, list[int]] = {}  # storage pointer -> [bytes, references]
+        self._current = 0
+        self._hooks = None
+        self._start = 0
+
+    def __enter__(self) -> "ActivationMemoryTracker":
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self._start = torch.cuda.memory_allocated()
+        else:
+            self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda saved: saved.tensor)
+            self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._hooks is not None:
+            self._hooks.__exit__(*exc)
+        else:
+            torch.cuda.synchronize()
+            self.peak_bytes = torch.cuda.max_memory_allocated() - self._start
+
+    def _pack(self, tensor: torch.Tensor):
+        if isinstance(tensor, torch.nn.Parameter):
+            return _Plain(tensor)
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        entry = self._live.setdefault(key, [storage.nbytes(), 0])
+        if entry[1] == 0:
+            self._current += entry[0]
+        entry[1] += 1
+        self.peak_bytes = max(self.peak_bytes, self._current + self._prefix_kv_bytes())
+        return _Saved(tensor, self, key)
+
+    def _prefix_kv_bytes(self) -> int:
+        """Kept prefix K/V whose storage is not already counted as saved."""
+        seen = set()
+        total = 0
+        for entry in CHUNK_STATE.kv.values():
+            for kv in entry.slices.values():
+                for t in kv:
+                    st = t.untyped_storage()
+                    if st.data_ptr() not in self._live and st.data_ptr() not in seen:
+                        seen.add(st.data_ptr())
+                        total += st.nbytes()
+        return total
+
+    def _release(self, key: int) -> None:
+        entry = self._live.get(key)
+        if entry is None:
+            return
+        entry[1] -= 1
+        if entry[1] == 0:
+            self._current -= entry[0]
+            del self._live[key]
+
+
+class _Plain:
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
