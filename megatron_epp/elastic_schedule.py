@@ -104,15 +104,17 @@ class _StageRunner:
         self.total_tokens = torch.zeros([], dtype=torch.int, device=self.device)
         self.losses: list[dict[str, torch.Tensor]] = []
         self.microbatch = 0
+        self.num_chunks = sum(len(p.chunks) for p in plan.pipelines)
 
     def shape(self, pipe: Pipeline, pos: int) -> list[tuple[int, int, int]]:
         return [(pipe.chunks[pos].num_tokens, 1, self.config.hidden_size)]
 
     def run(self, pipe: Pipeline, on_last_backward: Callable[[], None] | None) -> None:
         ops = [op for op in stage_ops(pipe, self.stage, self.plan.num_stages) if not (self.forward_only and op.kind == "B")]
-        layouts = [ChunkLayout.build(c, self.plan.seq_lengths, self.device) for c in pipe.chunks]
-        for layout, count in zip(layouts, pipe.recompute[self.stage]):
-            layout.recompute = count
+        layouts = [
+            ChunkLayout.build(c, self.plan.seq_lengths, self.device, recompute=count)
+            for c, count in zip(pipe.chunks, pipe.recompute[self.stage])
+        ]
         saved: dict[int, tuple[Any, Any]] = {}
         last_backward = max((i for i, op in enumerate(ops) if op.kind == "B"), default=None)
         # Each op receives its input just before it runs and sends its result right after, fused with
@@ -137,17 +139,13 @@ class _StageRunner:
 
     def _forward(self, input_tensor, pos: int):
         output, num_tokens = forward_step(
-            self.forward_step_func, self.data_iterator, self.model, self.plan_chunks, input_tensor,
+            self.forward_step_func, self.data_iterator, self.model, self.num_chunks, input_tensor,
             self.losses, self.config, cp_group_size=1, collect_non_loss_data=self.collect,
             is_first_microbatch=self.microbatch == 0, current_microbatch=self.microbatch, is_last_stage=self.last,
         )
         self.microbatch += 1
         self.total_tokens += num_tokens
         return output
-
-    @property
-    def plan_chunks(self) -> int:
-        return sum(len(p.chunks) for p in self.plan.pipelines)
 
     def _receive(self, pipe: Pipeline, op: Op | None):
         if op is None:

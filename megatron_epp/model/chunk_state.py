@@ -38,7 +38,7 @@ class ChunkLayout:
         return None if self.split_index is None else self.chunk.segments[self.split_index].seq
 
     @classmethod
-    def build(cls, chunk: Chunk, seq_lengths: list[int], device: torch.device) -> "ChunkLayout":
+    def build(cls, chunk: Chunk, seq_lengths: list[int], device: torch.device, recompute: int = 0) -> "ChunkLayout":
         cu = chunk.cu_seqlens()
         split = next((i for i, s in enumerate(chunk.segments) if s.length != seq_lengths[s.seq]), None)
         segment = chunk.segments[split] if split is not None else None
@@ -51,6 +51,7 @@ class ChunkLayout:
             context=context,
             keeps_kv=segment is not None and segment.end < seq_lengths[segment.seq],
             masks=[bottom_right_causal_mask(s.length, context if i == split else 0, device) for i, s in enumerate(chunk.segments)],
+            recompute=recompute,
         )
 
 

@@ -36,15 +36,15 @@ def inject(fault: str) -> None:
     """Break one mechanism on purpose; the comparison must then fail."""
     build = chunk_state.ChunkLayout.build.__func__
 
-    def drop_prefix(cls, chunk, seq_lengths, device):
-        layout = build(cls, chunk, seq_lengths, device)
+    def drop_prefix(cls, chunk, seq_lengths, device, recompute=0):
+        layout = build(cls, chunk, seq_lengths, device, recompute)
         if layout.split_index is not None:
             layout.context = 0
             layout.masks[layout.split_index] = layout.masks[layout.split_index][:, -layout.masks[layout.split_index].shape[0]:]
         return layout
 
-    def leak_packing(cls, chunk, seq_lengths, device):
-        layout = build(cls, chunk, seq_lengths, device)
+    def leak_packing(cls, chunk, seq_lengths, device, recompute=0):
+        layout = build(cls, chunk, seq_lengths, device, recompute)
         if layout.split_index is None:  # whole sequences packed together: one causal block
             layout.bounds = [(0, chunk.num_tokens)]
             layout.masks = [chunk_state.bottom_right_causal_mask(chunk.num_tokens, 0, device)]
