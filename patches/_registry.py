@@ -38,12 +38,16 @@ def require_supported_version(patch_name: str, target: str) -> None:
         )
 
 
-def replace(dotted_owner: str, attr: str, new: Any) -> Any:
-    """Set ``owner.attr = new`` (owner a module or ``module:Class``); return the original."""
+def resolve_owner(dotted_owner: str) -> Any:
+    """The module, or ``module:Class``, that a patch changes."""
     module_name, _, class_name = dotted_owner.partition(":")
     owner: Any = importlib.import_module(module_name)
-    if class_name:
-        owner = getattr(owner, class_name)
+    return getattr(owner, class_name) if class_name else owner
+
+
+def replace(dotted_owner: str, attr: str, new: Any) -> Any:
+    """Set ``owner.attr = new`` (owner a module or ``module:Class``); return the original."""
+    owner = resolve_owner(dotted_owner)
     if not hasattr(owner, attr):
         raise PatchVersionError(f"{dotted_owner}.{attr} does not exist: megatron-core changed, update the patch")
     original = getattr(owner, attr)

@@ -14,7 +14,7 @@ import functools
 from typing import Callable
 
 from patches._cpu_torch import CpuTorch, tensor_cuda_is_identity, tensor_type_reports_cuda
-from patches._registry import Patch, replace, require_supported_version
+from patches._registry import Patch, replace, require_supported_version, resolve_owner
 
 
 def _module_patch(name: str, module: str, why: str) -> Patch:
@@ -30,7 +30,7 @@ def _scoped_patch(
 ) -> Patch:
     def apply() -> None:
         require_supported_version(name, owner)
-        original = getattr_owner(owner, attr)
+        original = getattr(resolve_owner(owner), attr)
 
         @functools.wraps(original)
         def wrapper(*args, **kwargs):
@@ -40,14 +40,6 @@ def _scoped_patch(
         replace(owner, attr, wrapper)
 
     return Patch(name, f"{owner}.{attr}", why, apply)
-
-
-def getattr_owner(owner: str, attr: str):
-    import importlib
-
-    module_name, _, class_name = owner.partition(":")
-    obj = importlib.import_module(module_name)
-    return getattr(getattr(obj, class_name) if class_name else obj, attr)
 
 
 SCHEDULES = _module_patch(

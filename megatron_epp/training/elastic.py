@@ -112,7 +112,10 @@ class ElasticStep:
 
     def _next_planned(self):
         """This step's batch and plan (waiting for the planner only if it is still running)."""
-        batch, future = self.pending or (lambda b: (b, self._plan_async(b)))(next(self.batches))
+        if self.pending is None:
+            first = next(self.batches)
+            self.pending = (first, self._plan_async(first))
+        batch, future = self.pending
         upcoming = next(self.batches)
         self.pending = (upcoming, self._plan_async(upcoming))
         plan = None
