@@ -2,7 +2,6 @@
 
 import gzip
 import itertools
-import warnings
 
 import numpy as np
 import pytest
@@ -17,11 +16,9 @@ DOCS = MockDocuments(LENGTHS, vocab_size=100, seed=1)
 
 
 def make_sampler(**kw) -> SequenceSampler:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return SequenceSampler(
-            DOCS, **{"global_batch_size": 16, "seq_length": SEQ, "seed": 9, "dp_size": 4, **kw}
-        )
+    return SequenceSampler(
+        DOCS, **{"global_batch_size": 16, "seq_length": SEQ, "seed": 9, "dp_size": 4, "truncate": True, **kw}
+    )
 
 
 def take(sampler: SequenceSampler, n: int, consumed: int = 0):
@@ -63,12 +60,12 @@ def test_resume_equals_uninterrupted():
     assert np.array_equal(np.concatenate([b.doc_indices for b in odd]), flat[165:197])
 
 
-def test_truncation_warning_and_sequences():
-    with pytest.warns(UserWarning) as record:
-        sampler = SequenceSampler(DOCS, global_batch_size=16, seq_length=SEQ, seed=9, dp_size=4)
+def test_too_long_documents_need_truncate_and_truncated_sequences():
     expected = int(np.count_nonzero(LENGTHS > SEQ + 1))
+    with pytest.raises(ValueError, match=f"{expected} of 297 documents are longer than the context cap seq_length {SEQ}"):
+        SequenceSampler(DOCS, global_batch_size=16, seq_length=SEQ, seed=9, dp_size=4)
+    sampler = make_sampler()
     assert expected > 0 and sampler.num_truncated == expected
-    assert len(record) == 1 and f"{expected} of 297 documents" in str(record[0].message)
     for batch in take(sampler, 20):
         assert batch.seq_lengths.max() <= SEQ
         for pos, seq in zip(batch.positions(), batch.sequences()):

@@ -4,14 +4,14 @@ The sampler walks an endless stream of documents: epoch ``e`` is a permutation, 
 ``(seed, e)``, of the documents that can train (at least 2 tokens; shorter ones are skipped and
 counted). Global batch ``j`` after resuming at ``consumed_samples = k`` holds stream positions
 ``[k + j * B, k + (j + 1) * B)``, so a resumed iterator continues exactly where an uninterrupted one
-was. A document longer than ``seq_length + 1`` tokens is truncated to that (the context cap);
-a document of ``n + 1`` tokens trains as ``tokens = d[:-1]``, ``labels = d[1:]`` of length ``n``.
+was. A document longer than ``seq_length + 1`` tokens (the context cap) is an error unless
+``truncate`` is set, which trains its first ``seq_length + 1`` tokens; a document of ``n + 1``
+tokens trains as ``tokens = d[:-1]``, ``labels = d[1:]`` of length ``n``.
 """
 
 from __future__ import annotations
 
 import heapq
-import warnings
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -79,7 +79,8 @@ class GlobalBatch:
 
 class SequenceSampler:
     """Endless, resumable global batches of ``global_batch_size`` whole documents; see the module
-    docstring. ``crossover`` is the balancing cost option of ``assign_to_ranks``."""
+    docstring. ``crossover`` is the balancing cost option of ``assign_to_ranks``; ``truncate`` allows
+    documents longer than the context cap."""
 
     def __init__(
         self,
@@ -89,6 +90,7 @@ class SequenceSampler:
         seed: int = 1234,
         dp_size: int = 1,
         crossover: float | None = None,
+        truncate: bool = False,
     ) -> None:
         if global_batch_size < dp_size:
             raise ValueError(f"global_batch_size {global_batch_size} < dp_size {dp_size}")
@@ -107,11 +109,11 @@ class SequenceSampler:
             )
         self._seq_lengths = np.minimum(lengths, seq_length + 1) - 1
         self.num_truncated = int(np.count_nonzero(lengths[self._trainable] > seq_length + 1))
-        if self.num_truncated:
-            warnings.warn(
-                f"{self.num_truncated} of {len(self._trainable)} documents are longer than "
-                f"seq_length {seq_length} and are truncated to it",
-                stacklevel=2,
+        if self.num_truncated and not truncate:
+            raise ValueError(
+                f"{self.num_truncated} of {len(self._trainable)} documents are longer than the context cap "
+                f"seq_length {seq_length} (longest {int(lengths.max()) - 1} tokens); truncate=True trains "
+                "their first seq_length tokens"
             )
         self._cached_epoch: tuple[int, np.ndarray] | None = None
 

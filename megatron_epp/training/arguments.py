@@ -42,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None,
+                   help="Megatron's interleaved schedule: not supported (the elastic schedule runs one model chunk per stage)")
+    g.add_argument("--context-parallel-size", type=int, default=None,
+                   help="not supported: EPP splits long sequences along the pipeline instead")
 
     g = p.add_argument_group("batch")
     g.add_argument("--micro-batch-size", type=int, default=1)
@@ -82,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cost-model profile: a JSON path, or test-model|llama-7b|llama-13b|llama-30b (default test-model)")
     g.add_argument("--epp-recompute", choices=["adaptive", "none", "full"], default=None,
                    help="per-(stage, chunk) recompute: the planner's integer program (default), none, or every layer")
+    g.add_argument("--epp-truncate-documents", action="store_true",
+                   help="train documents longer than --seq-length (the context cap) on their first --seq-length "
+                   "tokens; without it such a document is an error before training")
     g.add_argument("--epp-timeline", default=None, help="directory: the planned timeline picture of every logged step")
     g.add_argument("--epp-memory-budget", type=float, default=None,
                    help="GB per device for the planner (default: 90%% of GPU memory, or of RAM / ranks on CPU)")
@@ -115,6 +122,11 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if tp < 1 or pp < 1:
         raise ArgumentError("parallel sizes must be >= 1")
+    if args.train_iters < 1 or args.log_interval < 1:
+        raise ArgumentError("--train-iters and --log-interval must be >= 1")
+    for flag, value in UNSUPPORTED_PARALLELISM.items():
+        if getattr(args, flag) not in (None, 1):
+            raise ArgumentError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: {value}")
     if world_size % (tp * pp):
         raise ArgumentError(f"world size {world_size} is not divisible by tp {tp} x pp {pp}")
     args.data_parallel_size = world_size // (tp * pp)
@@ -162,11 +174,19 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     validate_elastic_args(args, world_size)
 
 
+UNSUPPORTED_PARALLELISM = {
+    "virtual_pipeline_model_parallel_size": "the interleaved (virtual) pipeline schedule is not supported; "
+    "--elastic-pp runs its own elastic 1F1B schedule with one model chunk per stage",
+    "context_parallel_size": "context parallelism is not supported; --elastic-pp cuts long sequences into "
+    "slices that flow through the pipeline instead (see --epp-max-slices)",
+}
+
 EPP_DEFAULTS = {"epp_plan": "elastic", "epp_max_slices": 8, "epp_profile": "test-model", "epp_recompute": "adaptive"}
 
 
 def validate_elastic_args(args: argparse.Namespace, world_size: int) -> None:
     given = [k for k in (*EPP_DEFAULTS, "epp_memory_budget", "epp_timeline") if getattr(args, k) is not None]
+    given += ["epp_truncate_documents"] if args.epp_truncate_documents else []
     if not args.elastic_pp:
         if given:
             raise ArgumentError(f"--{given[0].replace('_', '-')} needs --elastic-pp")
@@ -193,5 +213,3 @@ def default_memory_budget_gb(world_size: int) -> float:
     if torch.cuda.is_available():
         return 0.9 * torch.cuda.get_device_properties(0).total_memory / 1024**3
     return 0.9 * psutil.virtual_memory().total / world_size / 1024**3
-    if args.train_iters < 1 or args.log_interval < 1:
-        raise ArgumentError("--train-iters and --log-interval must be >= 1")

@@ -176,7 +176,8 @@ def elastic_step(args: argparse.Namespace, runtime: Runtime, model, split: str, 
     documents = elastic_documents(args, split)
     if documents is None:
         return None
-    sampler = SequenceSampler(documents, args.global_batch_size, args.seq_length, seed=args.seed, dp_size=runtime.dp_size)
+    sampler = SequenceSampler(documents, args.global_batch_size, args.seq_length, seed=args.seed,
+                              dp_size=runtime.dp_size, truncate=args.epp_truncate_documents)
     return ElasticStep(args, runtime, model, sampler, consumed, PlanBuilder(args))
 
 

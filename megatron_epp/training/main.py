@@ -8,6 +8,7 @@ from typing import Sequence
 
 from megatron_epp.data.tokenizers import TokenizerError
 from megatron_epp.training.arguments import ArgumentError, parse_args
+from megatron_epp.training.corpus_check import check_corpus
 
 
 def build_samples(args: argparse.Namespace, split: str):
@@ -26,16 +27,21 @@ def build_samples(args: argparse.Namespace, split: str):
 
 
 def resolve_vocab_size(args: argparse.Namespace) -> None:
+    """Load ``--tokenizer`` (a file that does not parse is an error) and fill or check ``--vocab-size``."""
     from megatron_epp.data.tokenizers import build_tokenizer
 
+    vocab = build_tokenizer(args.tokenizer).vocab_size
     if args.vocab_size is None:
-        args.vocab_size = build_tokenizer(args.tokenizer).vocab_size
+        args.vocab_size = vocab
+    elif args.data_path is not None and args.vocab_size < vocab:
+        raise ArgumentError(f"--vocab-size {args.vocab_size} is smaller than the tokenizer's {vocab} tokens")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parse_args(argv)
         resolve_vocab_size(args)
+        corpus = check_corpus(args)
         if args.elastic_pp:
             from megatron_epp.training.elastic import check_memory_budget
 
@@ -72,6 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             + (f" | resumed at iteration {start[0]}" if args.load else ""),
             flush=True,
         )
+        print(f"> data: {corpus}", flush=True)
 
     def step_for(split: str, consumed: int):
         if args.elastic_pp:
