@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from tests.launch import logged_losses, torchrun
+from tests.launch import logged_losses, torchrun, torchrun_killed_after
 
 RUN = ["pretrain_gpt.py", "--elastic-pp", "--mock-data", "--pipeline-model-parallel-size", "2", "--num-layers", "4",
        "--hidden-size", "32", "--seq-length", "512", "--global-batch-size", "8", "--lr", "5e-3",
@@ -39,16 +39,18 @@ def test_planning_overlaps_training_and_timelines_are_drawn(tmp_path):
     assert all((tmp_path / "timeline" / p).stat().st_size > 10_000 for p in pictures)
 
 
-def test_elastic_resume_repeats_the_uninterrupted_losses(tmp_path):
+def test_killed_elastic_run_resumes_with_the_uninterrupted_losses(tmp_path):
+    """SIGKILL every rank mid-run (after iteration 7, last checkpoint at 4); --load repeats 5..12 exactly."""
     run = [a for a in RUN]
     run[run.index("--train-iters") + 1] = "12"
-    run += ["--lr-decay-iters", "12"]
     straight = logged_losses(torchrun(2, *run).stdout)
-    stop = [a if a != "12" or run[i - 1] != "--train-iters" else "6" for i, a in enumerate(run)]
-    assert "saved checkpoint at iteration 6" in torchrun(2, *stop, "--save", str(tmp_path / "ckpt")).stdout
-    resumed = logged_losses(torchrun(2, *run, "--load", str(tmp_path / "ckpt")).stdout)
-    assert sorted(resumed) == list(range(7, 13))
-    assert all(resumed[i] == straight[i] for i in resumed), (resumed, straight)
+    killed = torchrun_killed_after("iteration        7/", 2, *run, "--save", str(tmp_path / "ckpt"), "--save-interval", "4")
+    assert "saved checkpoint at iteration 4" in killed and "saved checkpoint at iteration 8" not in killed
+    resumed = torchrun(2, *run, "--load", str(tmp_path / "ckpt")).stdout
+    assert "resumed at iteration 4" in resumed
+    resumed_losses = logged_losses(resumed)
+    assert sorted(resumed_losses) == list(range(5, 13))
+    assert all(resumed_losses[i] == straight[i] for i in resumed_losses), (resumed_losses, straight)
 
 
 def test_measured_activation_memory_follows_the_prediction_and_recompute():

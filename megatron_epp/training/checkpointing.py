@@ -69,9 +69,10 @@ def save_checkpoint(root: str, model, optimizer, scheduler, runtime: Runtime, it
     dist.barrier()
     dist_checkpointing.save(_sharded_state(model, optimizer, scheduler, runtime, iteration, consumed), path)
     dist.barrier()
-    if runtime.rank == 0:
-        with open(os.path.join(root, TRACKER), "w") as f:
+    if runtime.rank == 0:  # atomically: a run killed here still leaves the previous checkpoint named
+        with open(os.path.join(root, TRACKER + ".tmp"), "w") as f:
             f.write(str(iteration))
+        os.replace(os.path.join(root, TRACKER + ".tmp"), os.path.join(root, TRACKER))
     dist.barrier()
     return path
 
