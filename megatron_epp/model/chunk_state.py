@@ -4,11 +4,15 @@ The elastic schedule sets the current chunk (from the plan, on every stage) befo
 the attention and rotary modules read it. Prefix K/V are kept per (sequence, layer) as detached
 leaves: later slices attend to them and accumulate their gradients, which the owning slice adds to
 its own K/V gradient in its backward (see ``elastic_attention``).
+
+What the attention kernels need from a chunk (explicit masks, flash-attn's ``cu_seqlens``) is built
+once per chunk, on first use, and shared by all the stage's layers.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -20,9 +24,44 @@ def bottom_right_causal_mask(s: int, context: int, device: torch.device | str = 
     return torch.ones(s, context + s, dtype=torch.bool, device=device).tril(diagonal=context)
 
 
+@dataclass(frozen=True)
+class VarlenSeqlens:
+    """flash-attn varlen metadata of a chunk: one (query, key) sequence pair per segment.
+
+    The slice's keys are its prefix K/V followed by its own tokens, so its key length is ``C + s``;
+    every other segment's keys are its own tokens.
+    """
+
+    cu_seqlens_q: torch.Tensor  # [segments + 1] int32, on the chunk's device
+    cu_seqlens_k: torch.Tensor  # [segments + 1] int32, on the chunk's device
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+def varlen_seqlens(bounds: list[tuple[int, int]], split_index: int | None, context: int, device: torch.device | str) -> VarlenSeqlens:
+    """``cu_seqlens_q``/``cu_seqlens_k`` of segments ``bounds`` where segment ``split_index`` has ``context`` prefix keys."""
+    q_lengths = [end - start for start, end in bounds]
+    k_lengths = [s + (context if i == split_index else 0) for i, s in enumerate(q_lengths)]
+    cu_q, cu_k = [0], [0]
+    for sq, sk in zip(q_lengths, k_lengths):
+        cu_q.append(cu_q[-1] + sq)
+        cu_k.append(cu_k[-1] + sk)
+    return VarlenSeqlens(
+        cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device=device),
+        cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32, device=device),
+        max_seqlen_q=max(q_lengths),
+        max_seqlen_k=max(k_lengths),
+    )
+
+
 @dataclass
 class ChunkLayout:
-    """What every layer of the stage needs to know about the current chunk (built once per chunk)."""
+    """What every layer of the stage needs to know about the current chunk (built once per chunk).
+
+    The kernels' inputs (``masks``, ``slice_mask``, ``varlen``) are built on first use, once per
+    chunk: a backend reads only what it needs (flash-attn needs no mask, which on long slices would
+    be ``s x (C + s)`` bytes per chunk of the pipeline).
+    """
 
     chunk: Chunk
     position_ids: torch.Tensor  # [N] absolute positions
@@ -30,27 +69,47 @@ class ChunkLayout:
     split_index: int | None  # the segment that is a slice of a longer sequence (split/hybrid), else None
     context: int  # tokens of earlier slices (C) that slice attends to
     keeps_kv: bool  # later slices of the sequence follow: keep this slice's K/V
-    masks: list[torch.Tensor]  # per segment [s, C + s] bottom-right causal (C > 0 only for the slice)
+    device: torch.device
     recompute: int = 0  # layers of this stage that recompute this chunk (the stage's first ones)
 
     @property
     def split_seq(self) -> int | None:
         return None if self.split_index is None else self.chunk.segments[self.split_index].seq
 
+    @cached_property
+    def masks(self) -> list[torch.Tensor]:
+        """Per segment ``[s, C + s]`` bottom-right causal (``C > 0`` only for the slice): the SDPA-masked path."""
+        return [
+            bottom_right_causal_mask(end - start, self.context if i == self.split_index else 0, self.device)
+            for i, (start, end) in enumerate(self.bounds)
+        ]
+
+    @cached_property
+    def slice_mask(self) -> torch.Tensor | None:
+        """The slice's ``[s, C + s]`` bottom-right causal mask (None without a slice with context)."""
+        if self.split_index is None or not self.context:
+            return None
+        start, end = self.bounds[self.split_index]
+        return bottom_right_causal_mask(end - start, self.context, self.device)
+
+    @cached_property
+    def varlen(self) -> VarlenSeqlens:
+        """``cu_seqlens_q``/``cu_seqlens_k`` and max lengths for one ``flash_attn_varlen_func`` call."""
+        return varlen_seqlens(self.bounds, self.split_index, self.context, self.device)
+
     @classmethod
     def build(cls, chunk: Chunk, seq_lengths: list[int], device: torch.device, recompute: int = 0) -> "ChunkLayout":
         cu = chunk.cu_seqlens()
         split = next((i for i, s in enumerate(chunk.segments) if s.length != seq_lengths[s.seq]), None)
         segment = chunk.segments[split] if split is not None else None
-        context = segment.start if segment is not None else 0
         return cls(
             chunk=chunk,
             position_ids=torch.tensor(chunk.position_ids(), device=device),
             bounds=list(zip(cu[:-1], cu[1:])),
             split_index=split,
-            context=context,
+            context=segment.start if segment is not None else 0,
             keeps_kv=segment is not None and segment.end < seq_lengths[segment.seq],
-            masks=[bottom_right_causal_mask(s.length, context if i == split else 0, device) for i, s in enumerate(chunk.segments)],
+            device=torch.device(device),
             recompute=recompute,
         )
 

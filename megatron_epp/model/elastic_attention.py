@@ -1,10 +1,12 @@
 """Core attention for elastic chunks: block-diagonal causal packing plus prefix K/V for slices.
 
-Every segment attends causally to itself only (one SDPA call per segment, so a packed chunk costs
-the sum of its segments' squares, not the square of its length); the tokens of a slice (split chunk,
-or the tail of a hybrid chunk) also attend to all K/V of the sequence's earlier slices, placed first
-in the key order. Every segment uses an explicit bottom-right causal mask over its ``C + s`` keys
-(built once per chunk): the same kernel for every segment, which is what the CPU cost profile fits.
+Every segment attends causally to itself only (a packed chunk costs the sum of its segments'
+squares, not the square of its length); the tokens of a slice (split chunk, or the tail of a hybrid
+chunk) also attend to all K/V of the sequence's earlier slices, placed first in the key order
+(bottom-right causal over its ``C + s`` keys). The kernel is chosen once by
+``EPP_ATTENTION_BACKEND`` (see ``attention_kernels``): on CPU every segment is one SDPA under an
+explicit mask (what the CPU cost profile fits); on CUDA the whole chunk is one flash-attn varlen
+call, or SDPA with ``is_causal`` where there is no context.
 """
 
 from __future__ import annotations
@@ -14,11 +16,12 @@ import math
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_epp.model import attention_kernels
+from megatron_epp.model.attention_kernels import segment_attention  # noqa: F401  (re-exported: scripts/profile_layer.py)
 from megatron_epp.model.chunk_state import CHUNK_STATE, ChunkLayout
 
 
@@ -48,16 +51,6 @@ class _ReceiveLaterSliceGrads(torch.autograd.Function):
         return grads[0], grads[1], None, None, None, None, None
 
 
-def segment_attention(q, k, v, mask: torch.Tensor, dropout: float = 0.0, scale: float | None = None) -> torch.Tensor:
-    """One segment's attention, [s, b, heads, d] in and out, under a bottom-right causal ``mask``."""
-    q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-    if k.shape[1] != q.shape[1]:  # grouped-query attention
-        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale)
-    return out.permute(2, 0, 1, 3)
-
-
 class ElasticAttention(MegatronModule):
     """Drop-in for ``SelfAttentionSubmodules.core_attention``: [s, b, heads, dim] in, [s, b, h] out."""
 
@@ -76,6 +69,9 @@ class ElasticAttention(MegatronModule):
         self.layer_number = layer_number
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
+        self.deterministic = bool(getattr(config, "deterministic_mode", False))
+        self.backend_request = attention_kernels.requested_backend()  # EPP_ATTENTION_BACKEND, checked here
+        attention_kernels.check_request(self.backend_request)
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
         if packed_seq_params is not None or attention_bias is not None:
@@ -85,14 +81,10 @@ class ElasticAttention(MegatronModule):
         if layout.split_index is not None:
             prefix, key, value = self._exchange_prefix(layout, key, value)
         dropout = self.dropout_p if self.training else 0.0
-        outputs = []
+        backend = attention_kernels.select_backend(self.backend_request, query.device, query.dtype)
+        kwargs = {"deterministic": self.deterministic} if backend == "flash-varlen" else {}
         with tensor_parallel.get_cuda_rng_tracker().fork() if dropout else contextlib.nullcontext():
-            for index, (start, end) in enumerate(layout.bounds):
-                q, k, v = query[start:end], key[start:end], value[start:end]
-                if index == layout.split_index and prefix is not None:
-                    k, v = torch.cat([prefix[0], k]), torch.cat([prefix[1], v])
-                outputs.append(segment_attention(q, k, v, layout.masks[index], dropout, self.softmax_scale))
-        out = torch.cat(outputs)
+            out = attention_kernels.BACKENDS[backend](query, key, value, layout, prefix, dropout, self.softmax_scale, **kwargs)
         return out.reshape(out.shape[0], out.shape[1], -1)
 
     def _exchange_prefix(self, layout: ChunkLayout, key: torch.Tensor, value: torch.Tensor):

@@ -1,0 +1,207 @@
+"""The kernels behind :class:`ElasticAttention`, and the one decision of which runs.
+
+Three ways to compute a chunk's attention (block-diagonal causal over its segments, the slice's
+queries also seeing its prefix K/V, placed before its own keys):
+
+``sdpa-masked``
+    One ``scaled_dot_product_attention`` per segment with an explicit bottom-right causal mask over
+    its ``C + s`` keys. The path on CPU (and any device that is not CUDA); the CPU cost profile was
+    fitted on it.
+``sdpa-causal``
+    CUDA without flash-attn: one SDPA per segment, ``is_causal=True`` for segments without context
+    (so the flash / memory-efficient SDPA kernels run, no mask is built) and the explicit mask only
+    for the slice with prefix K/V.
+``flash-varlen``
+    CUDA with flash-attn >= 2.1 and fp16/bf16: the whole chunk in ONE ``flash_attn_varlen_func``
+    call, queries packed over all segments, keys/values packed with the slice's prefix K/V before
+    its own tokens, ``cu_seqlens_q``/``cu_seqlens_k`` from the chunk layout, ``causal=True``
+    (bottom-right aligned since flash-attn 2.1, which is what a slice with context needs), GQA native.
+
+``EPP_ATTENTION_BACKEND=auto|sdpa|flash`` (default ``auto``) is read when the attention is built;
+``auto`` takes ``flash-varlen`` when it can run and SDPA otherwise, ``sdpa`` never takes flash-attn,
+``flash`` is an error where flash-attn cannot run. The choice is printed once per (request,
+device, dtype). Transformer Engine's fused attention (THD packing) is not used here.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from megatron_epp.model.chunk_state import ChunkLayout
+
+ENV = "EPP_ATTENTION_BACKEND"
+REQUESTS = ("auto", "sdpa", "flash")
+FLASH_MIN_VERSION = (2, 1)  # causal=True is bottom-right aligned from 2.1 on (top-left before)
+
+
+class AttentionBackendError(RuntimeError):
+    """The requested attention backend cannot run here."""
+
+
+@dataclass(frozen=True)
+class FlashKernel:
+    """A ``flash_attn_varlen_func`` and where it runs (tests substitute a reference implementation)."""
+
+    varlen_func: Callable[..., torch.Tensor]
+    version: str
+    devices: tuple[str, ...] = ("cuda",)
+    dtypes: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
+    min_capability: tuple[int, int] | None = (8, 0)  # flash-attn 2: Ampere or newer
+
+    def unsupported(self, device: torch.device, dtype: torch.dtype) -> str | None:
+        """Why this kernel cannot take tensors of ``device``/``dtype`` (None: it can)."""
+        if device.type not in self.devices:
+            return f"tensors on {device.type}, flash-attn runs on {'/'.join(self.devices)}"
+        if dtype not in self.dtypes:
+            return f"dtype {str(dtype).removeprefix('torch.')}, flash-attn takes {'/'.join(str(d).removeprefix('torch.') for d in self.dtypes)}"
+        if device.type == "cuda" and self.min_capability is not None:
+            capability = torch.cuda.get_device_capability(device)
+            if capability < self.min_capability:
+                return f"GPU compute capability {capability[0]}.{capability[1]} < {self.min_capability[0]}.{self.min_capability[1]}"
+        return None
+
+
+def _version_tuple(version: str) -> tuple[int, int]:
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return (int(match.group(1)), int(match.group(2))) if match else (0, 0)
+
+
+def load_flash_kernel() -> tuple[FlashKernel | None, str]:
+    """``(kernel, "")`` when flash-attn >= 2.1 imports, else ``(None, why not)`` (probed once)."""
+    return _probe_flash()
+
+
+@functools.cache
+def _probe_flash() -> tuple[FlashKernel | None, str]:
+    try:
+        import flash_attn
+        from flash_attn import flash_attn_varlen_func
+    except Exception as error:  # ImportError, or a wheel built against another torch/CUDA
+        return None, f"flash-attn does not import ({type(error).__name__}: {error})"
+    version = str(getattr(flash_attn, "__version__", "0"))
+    if _version_tuple(version) < FLASH_MIN_VERSION:
+        return None, f"flash-attn {version} < 2.1 (its causal mask is top-left aligned, a slice with context needs bottom-right)"
+    return FlashKernel(flash_attn_varlen_func, version), ""
+
+
+def requested_backend() -> str:
+    """The value of ``EPP_ATTENTION_BACKEND`` (default ``auto``); an unknown value is an error."""
+    value = os.environ.get(ENV, "").strip().lower() or "auto"
+    if value not in REQUESTS:
+        raise ValueError(f"{ENV}={os.environ.get(ENV)!r}: expected one of {', '.join(REQUESTS)}")
+    return value
+
+
+def check_request(request: str) -> None:
+    """Fail at build time when ``flash`` is requested and flash-attn does not even import."""
+    if request == "flash":
+        kernel, why_not = load_flash_kernel()
+        if kernel is None:
+            raise AttentionBackendError(f"{ENV}=flash but {why_not}; install requirements-gpu.txt or use {ENV}=auto|sdpa")
+
+
+_DECISIONS: dict[tuple[str, str, torch.dtype], str] = {}
+
+
+def select_backend(request: str, device: torch.device, dtype: torch.dtype) -> str:
+    """``flash-varlen``, ``sdpa-causal`` or ``sdpa-masked`` for tensors of ``device``/``dtype``.
+
+    Decided once per (request, device type, dtype) and printed (first rank only) with its reason.
+    """
+    key = (request, device.type, dtype)
+    if key in _DECISIONS:
+        return _DECISIONS[key]
+    kernel, why_not = load_flash_kernel()
+    if kernel is not None:
+        why_not = kernel.unsupported(device, dtype) or ""
+    sdpa = "sdpa-causal" if device.type == "cuda" else "sdpa-masked"
+    if request == "flash":
+        if why_not:
+            raise AttentionBackendError(f"{ENV}=flash but flash-attn cannot run: {why_not}")
+        choice, reason = "flash-varlen", f"flash-attn {kernel.version}"
+    elif request == "sdpa":
+        choice, reason = sdpa, "flash-attn not requested"
+    else:
+        choice, reason = ("flash-varlen", f"flash-attn {kernel.version}") if not why_not else (sdpa, f"no flash: {why_not}")
+    _DECISIONS[key] = choice
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()) or torch.distributed.get_rank() == 0:
+        dtype_name = str(dtype).removeprefix("torch.")
+        print(f"> elastic attention: {choice} ({ENV}={request}, {device.type} {dtype_name}; {reason})", flush=True)
+    return choice
+
+
+def reset_decisions() -> None:
+    """Forget the decisions and the flash-attn probe (tests)."""
+    _DECISIONS.clear()
+    _probe_flash.cache_clear()
+
+
+def segment_attention(q, k, v, mask: torch.Tensor | None, dropout: float = 0.0, scale: float | None = None, causal: bool = False) -> torch.Tensor:
+    """One segment's attention, [s, b, heads, d] in and out, under a bottom-right causal ``mask``
+    (or, with ``mask=None, causal=True``, SDPA's own causal mask: the same when keys = queries)."""
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+    if k.shape[1] != q.shape[1]:  # grouped-query attention
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal and mask is None, scale=scale)
+    return out.permute(2, 0, 1, 3)
+
+
+def _segments(query, key, value, layout: ChunkLayout, prefix):
+    """Each segment's ``(index, q, k, v)``, the slice's K/V with its prefix placed first."""
+    for index, (start, end) in enumerate(layout.bounds):
+        q, k, v = query[start:end], key[start:end], value[start:end]
+        if index == layout.split_index and prefix is not None:
+            k, v = torch.cat([prefix[0], k]), torch.cat([prefix[1], v])
+        yield index, q, k, v
+
+
+def sdpa_masked(query, key, value, layout: ChunkLayout, prefix, dropout: float, scale: float) -> torch.Tensor:
+    """Every segment one SDPA under its explicit bottom-right causal mask (the CPU path)."""
+    outputs = [segment_attention(q, k, v, layout.masks[i], dropout, scale) for i, q, k, v in _segments(query, key, value, layout, prefix)]
+    return torch.cat(outputs)
+
+
+def sdpa_causal(query, key, value, layout: ChunkLayout, prefix, dropout: float, scale: float) -> torch.Tensor:
+    """SDPA's ``is_causal`` for segments without context, the explicit mask for the slice with prefix."""
+    outputs = []
+    for i, q, k, v in _segments(query, key, value, layout, prefix):
+        if k.shape[0] != q.shape[0]:
+            outputs.append(segment_attention(q, k, v, layout.slice_mask, dropout, scale))
+        else:
+            outputs.append(segment_attention(q, k, v, None, dropout, scale, causal=True))
+    return torch.cat(outputs)
+
+
+def pack_kv(own: torch.Tensor, prefix: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
+    """The chunk's keys (or values) ``[N, heads, d]`` with the slice's prefix inserted before its tokens."""
+    start = layout.bounds[layout.split_index][0]
+    return torch.cat([own[:start], prefix, own[start:]])
+
+
+def flash_varlen(query, key, value, layout: ChunkLayout, prefix, dropout: float, scale: float, deterministic: bool = False) -> torch.Tensor:
+    """The whole chunk in one ``flash_attn_varlen_func`` call; [N, 1, heads, d] in and out."""
+    kernel, why_not = load_flash_kernel()
+    if kernel is None:
+        raise AttentionBackendError(why_not)
+    if query.shape[1] != 1:
+        raise ValueError(f"flash-varlen packs one sequence row per chunk; got micro-batch {query.shape[1]}")
+    q, k, v = query[:, 0], key[:, 0], value[:, 0]
+    if prefix is not None:
+        k, v = pack_kv(k, prefix[0][:, 0], layout), pack_kv(v, prefix[1][:, 0], layout)
+    meta = layout.varlen
+    out = kernel.varlen_func(
+        q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
+        dropout_p=dropout, softmax_scale=scale, causal=True, deterministic=deterministic,
+    )
+    return out.unsqueeze(1)
+
+
+BACKENDS: dict[str, Callable[..., torch.Tensor]] = {"sdpa-masked": sdpa_masked, "sdpa-causal": sdpa_causal, "flash-varlen": flash_varlen}

@@ -1,0 +1,152 @@
+"""On a CUDA machine: ElasticAttention's flash-attn varlen path against its SDPA paths, bf16, real layouts.
+
+For each layout (batched short documents, one long sequence in slices with growing context, a tail
+slice packed with short documents) every chunk runs forward in plan order and backward in the
+elastic schedule's order through one ``ElasticAttention`` (``tests/attention_harness.py``), with
+each backend forced in turn:
+
+  flash-varlen  one flash_attn_varlen_func call per chunk (prefix K/V packed before the slice)
+  sdpa-causal   SDPA per segment, is_causal without context, explicit mask for the slice
+  sdpa-masked   SDPA per segment, explicit bottom-right mask everywhere (the CPU path)
+
+Accuracy: each backend's outputs and q/k/v gradients (prefix-K/V gradients included: they reach
+earlier slices' dk/dv) against sdpa-masked in float32 on the same inputs; the flash error must be
+within 2x the bf16 SDPA error (+1e-3). Speed: median wall ms of the whole layout's forward+backward
+(CUDA events), peak allocated memory, and the ratios sdpa/flash (>1: flash faster).
+
+    pip install -r requirements-gpu.txt      # flash-attn 2.8.x on a CUDA torch
+    python scripts/check_cuda_attention.py [--heads 32 --kv-heads 8 --head-dim 128 --repeats 10]
+
+``--cpu-dry-run`` runs the same code on CPU float32 at toy sizes with the tests' reference kernel in
+place of flash-attn (checks the script itself, measures nothing). Exit status 1 if a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from megatron_epp.model import attention_kernels  # noqa: E402
+from megatron_epp.plan import Chunk, Pipeline, Plan, Segment, chunk_kind  # noqa: E402
+from tests.attention_harness import make_attention, random_tensors, run_plan, worst_errors  # noqa: E402
+
+BACKENDS = ("flash-varlen", "sdpa-causal", "sdpa-masked")
+
+
+def make_plan(lengths: list[int], chunks: list[list[Segment]]) -> Plan:
+    pipe = Pipeline([Chunk(i, chunk_kind(s, lengths), s) for i, s in enumerate(chunks)], [[0] * len(chunks)])
+    return Plan(lengths, 1, [1], [pipe], builder="check").validate()
+
+
+def layouts(scale: int) -> dict[str, Plan]:
+    """Realistic chunk shapes; ``scale`` = tokens of one slice (8192 on a GPU)."""
+    s = scale
+    short = [s // 8, s // 4, s // 16, s // 2, s // 8, s // 32, s // 4, s // 16, s // 8, s // 32]
+    batched = make_plan(short, [[Segment(i, 0, n) for i, n in enumerate(short)]])
+    long = 4 * s
+    split = make_plan([long], [[Segment(0, i * s, (i + 1) * s)] for i in range(4)])
+    tail_docs = [s // 8, s // 4, s // 16, s // 8]
+    lengths = [3 * s, *tail_docs]
+    hybrid = make_plan(lengths, [[Segment(0, 0, 2 * s)], [Segment(0, 2 * s, 3 * s), *[Segment(i + 1, 0, n) for i, n in enumerate(tail_docs)]]])
+    return {"batched": batched, "split x4": split, "hybrid": hybrid}
+
+
+def force(backend: str) -> None:
+    attention_kernels.select_backend = lambda request, device, dtype: backend
+
+
+def synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(run, device: str, repeats: int) -> tuple[float, float]:
+    """Median ms of ``run()`` after one warm-up, and peak allocated GB (CUDA)."""
+    run()
+    synchronize(device)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(repeats):
+        if device == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            run()
+            times.append((time.perf_counter() - t0) * 1e3)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
+    return statistics.median(times), peak
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--slice-tokens", type=int, default=8192, help="tokens per slice; layouts scale with it")
+    p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--cpu-dry-run", action="store_true", help="toy sizes on CPU with the tests' reference kernel")
+    args = p.parse_args()
+
+    if args.cpu_dry_run:
+        from tests.test_attention_backends import REFERENCE_KERNEL
+
+        attention_kernels.load_flash_kernel = lambda: (REFERENCE_KERNEL, "")
+        device, dtype = "cpu", torch.float32
+        args.heads, args.kv_heads, args.head_dim, args.slice_tokens, args.repeats = 4, 2, 8, 64, 2
+    else:
+        if not torch.cuda.is_available():
+            print("check_cuda_attention: no CUDA device (use --cpu-dry-run to check the script on CPU)", file=sys.stderr)
+            return 2
+        kernel, why_not = attention_kernels.load_flash_kernel()
+        if kernel is None:
+            print(f"check_cuda_attention: {why_not}", file=sys.stderr)
+            return 2
+        device, dtype = "cuda", {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+        print(f"flash-attn {kernel.version}, torch {torch.__version__}, {torch.cuda.get_device_name()}")
+    print(f"heads {args.heads}, kv heads {args.kv_heads}, head dim {args.head_dim}, slice {args.slice_tokens} tokens, {dtype}")
+
+    attention = make_attention(args.heads, args.kv_heads, args.head_dim)
+    ok = True
+    for name, plan in layouts(args.slice_tokens).items():
+        tensors = random_tensors(plan, args.heads, args.kv_heads, args.head_dim, torch.float32, device, seed=0)
+        force("sdpa-masked")
+        reference = run_plan(attention, plan, tensors, device)  # float32
+        low = [[type(t)(*(x.to(dtype) for x in (t.q, t.k, t.v, t.grad_out))) for t in row] for row in tensors]
+        errors, speed = {}, {}
+        for backend in BACKENDS:
+            force(backend)
+            errors[backend] = worst_errors(run_plan(attention, plan, low, device), reference)
+            speed[backend] = timed(lambda: run_plan(attention, plan, low, device), device, args.repeats)
+        chunks = ", ".join(f"{c.kind}({'+'.join(str(s.length) for s in c.segments)}, C={c.segments[0].start if c.kind == 'split' else max(s.start for s in c.segments)})" for c in plan.chunks())
+        print(f"\n{name}: {chunks}")
+        print(f"  {'backend':<13} {'fwd+bwd ms':>10} {'peak GB':>8} {'sdpa/flash':>10}   worst rel. error vs fp32: out dq dk dv")
+        for backend in BACKENDS:
+            ms, peak = speed[backend]
+            e = errors[backend]
+            print(f"  {backend:<13} {ms:10.2f} {peak:8.2f} {ms / speed['flash-varlen'][0]:10.2f}   " + " ".join(f"{e[k]:.1e}" for k in ("out", "dq", "dk", "dv")))
+        for key in ("out", "dq", "dk", "dv"):
+            bound = 2 * max(errors["sdpa-masked"][key], errors["sdpa-causal"][key]) + 1e-3
+            if errors["flash-varlen"][key] > bound:
+                ok = False
+                print(f"  FAIL: flash-varlen {key} error {errors['flash-varlen'][key]:.2e} > {bound:.2e}")
+    print("\nPASS: flash-varlen matches SDPA within bf16 rounding" if ok else "\nFAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

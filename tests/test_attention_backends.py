@@ -1,0 +1,270 @@
+"""ElasticAttention's kernel backends on CPU: the flash-attn varlen contract, and backend selection.
+
+CI has no GPU and no flash-attn, so the flash path is checked against a reference implementation
+of ``flash_attn_varlen_func``'s documented semantics (flash-attn 2.1+ docstring: q/k/v packed as
+``(total, heads, d)``, one (q-sequence, k-sequence) pair per ``cu_seqlens`` entry, ``causal=True``
+aligned to the bottom-right corner, GQA by query-head groups), written here with plain torch
+(``einsum`` + ``softmax``, not SDPA). Forcing ``EPP_ATTENTION_BACKEND=flash`` on CPU float32 with
+that reference as the kernel, outputs and gradients (q, k, v, and the prefix-K/V path through kept
+leaves) must equal the SDPA path on random batched/split/hybrid plans, with and without GQA;
+misplacing the prefix or leaving it out of ``cu_seqlens_k`` must break the match.
+What this does not check: the real CUDA kernel (``scripts/check_cuda_attention.py`` on a GPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_epp.model import attention_kernels, chunk_state, elastic_attention
+from megatron_epp.model.attention_kernels import AttentionBackendError, FlashKernel
+from megatron_epp.model.chunk_state import CHUNK_STATE, ChunkLayout
+from megatron_epp.plan import Chunk, Segment
+from tests.attention_harness import make_attention, random_tensors, run_plan, worst_errors
+from tests.workers.random_plans import random_lengths, random_plan
+
+TOL = 1e-5  # float32, same maths in a different order: measured ~1e-7
+
+
+def reference_flash_attn_varlen_func(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
+    causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+    return_attn_probs=False, block_table=None,
+):
+    """``flash_attn.flash_attn_varlen_func`` (2.1+) as documented, in plain torch, forward and backward."""
+    assert (window_size == (-1, -1) or tuple(window_size) == (-1, -1)) and not softcap and alibi_slopes is None
+    assert not return_attn_probs and block_table is None and dropout_p == 0.0
+    assert q.dim() == k.dim() == v.dim() == 3 and k.shape == v.shape and q.shape[2] == k.shape[2]
+    assert q.shape[1] % k.shape[1] == 0, "heads of q must be a multiple of heads of k/v"
+    for cu, total in ((cu_seqlens_q, q.shape[0]), (cu_seqlens_k, k.shape[0])):
+        assert cu.dtype == torch.int32 and cu.dim() == 1 and cu.device == q.device
+        assert int(cu[0]) == 0 and int(cu[-1]) == total, f"cu_seqlens end {int(cu[-1])} != total tokens {total}"
+    assert cu_seqlens_q.shape == cu_seqlens_k.shape
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    group = q.shape[1] // k.shape[1]
+    outputs = []
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for i in range(len(cq) - 1):
+        qi, ki, vi = q[cq[i]:cq[i + 1]], k[ck[i]:ck[i + 1]], v[ck[i]:ck[i + 1]]
+        sq, sk = qi.shape[0], ki.shape[0]
+        assert sq <= max_seqlen_q and sk <= max_seqlen_k
+        ki, vi = ki.repeat_interleave(group, dim=1), vi.repeat_interleave(group, dim=1)  # q head h -> kv head h // group
+        scores = torch.einsum("qhd,khd->hqk", qi, ki) * scale
+        if causal:  # bottom-right: query r sees key j iff j <= r + sk - sq
+            keep = torch.arange(sk)[None, :] <= torch.arange(sq)[:, None] + (sk - sq)
+            scores = scores.masked_fill(~keep, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # an all-masked row gives zeros
+        outputs.append(torch.einsum("hqk,khd->qhd", probs, vi))
+    return torch.cat(outputs)
+
+
+REFERENCE_KERNEL = FlashKernel(reference_flash_attn_varlen_func, "reference", devices=("cpu",), dtypes=(torch.float32,), min_capability=None)
+
+
+@pytest.fixture(autouse=True)
+def fresh_decisions(monkeypatch):
+    monkeypatch.delenv(attention_kernels.ENV, raising=False)
+    attention_kernels.reset_decisions()
+    yield
+    attention_kernels.reset_decisions()
+
+
+def use_kernel(monkeypatch, kernel: FlashKernel | None, why_not: str = "flash-attn does not import (test)") -> None:
+    monkeypatch.setattr(attention_kernels, "load_flash_kernel", lambda: (kernel, "" if kernel else why_not))
+
+
+def plans(cases: int):
+    for case in range(cases):
+        lengths = random_lengths(np.random.default_rng([5, case]))
+        yield case, random_plan(np.random.default_rng([5, case, 1]), lengths, 1, 1)
+
+
+HEADS = [(4, 4), (4, 2), (6, 1)]  # MHA, GQA, MQA
+
+
+def run_backend(monkeypatch, request: str, plan, heads: int, kv_heads: int, seed: int):
+    monkeypatch.setenv(attention_kernels.ENV, request)
+    attention = make_attention(heads, kv_heads, 8)
+    tensors = random_tensors(plan, heads, kv_heads, 8, torch.float32, "cpu", seed)
+    return run_plan(attention, plan, tensors, "cpu")
+
+
+def flash_vs_sdpa(monkeypatch, plan, heads: int, kv_heads: int, seed: int) -> dict[str, float]:
+    use_kernel(monkeypatch, REFERENCE_KERNEL)
+    sdpa = run_backend(monkeypatch, "sdpa", plan, heads, kv_heads, seed)
+    flash = run_backend(monkeypatch, "flash", plan, heads, kv_heads, seed)
+    return worst_errors(flash, sdpa)
+
+
+def test_random_plans_cover_every_chunk_kind_with_context():
+    kinds, contexts = set(), 0
+    for _, plan in plans(8):
+        kinds |= {k for k, n in plan.chunk_counts().items() if n}
+        contexts += sum(ChunkLayout.build(c, plan.seq_lengths, torch.device("cpu")).context > 0 for p in plan.pipelines for c in p.chunks)
+    assert kinds == {"batched", "split", "hybrid"} and contexts >= 8
+
+
+@pytest.mark.parametrize("heads, kv_heads", HEADS, ids=["mha", "gqa", "mqa"])
+def test_flash_varlen_contract_matches_sdpa(monkeypatch, capsys, heads, kv_heads):
+    for case, plan in plans(8):
+        errors = flash_vs_sdpa(monkeypatch, plan, heads, kv_heads, seed=case)
+        assert max(errors.values()) < TOL, f"case {case}: {errors}"
+    log = capsys.readouterr().out
+    assert "> elastic attention: flash-varlen (EPP_ATTENTION_BACKEND=flash, cpu float32; flash-attn reference)" in log
+    assert "> elastic attention: sdpa-masked (EPP_ATTENTION_BACKEND=sdpa, cpu float32" in log
+
+
+def test_sdpa_causal_path_matches_masked(monkeypatch):
+    """The CUDA SDPA path's maths (is_causal where there is no context), run on CPU."""
+    sdpa = {}
+    for name in ("sdpa-masked", "sdpa-causal"):
+        monkeypatch.setattr(attention_kernels, "select_backend", lambda request, device, dtype, name=name: name)
+        sdpa[name] = [run_backend(monkeypatch, "auto", plan, 4, 2, seed=case) for case, plan in plans(6)]
+    for case, (causal, masked) in enumerate(zip(sdpa["sdpa-causal"], sdpa["sdpa-masked"])):
+        assert max(worst_errors(causal, masked).values()) < TOL, f"case {case}"
+
+
+def lenient_reference(q, k, v, cu_q, cu_k, *args, **kwargs):
+    """The reference without its check that ``cu_seqlens_k`` covers every key (the real kernel has none)."""
+    end = int(cu_k[-1])
+    return reference_flash_attn_varlen_func(q, k[:end], v[:end], cu_q, cu_k, *args, **kwargs)
+
+
+def broken(monkeypatch, fault: str) -> FlashKernel:
+    """Break the flash path's packing on purpose; returns the kernel to run it with."""
+    if fault == "prefix_after_slice_tokens":
+        def pack_kv(own, prefix, layout):
+            end = layout.bounds[layout.split_index][1]
+            return torch.cat([own[:end], prefix, own[end:]])
+        monkeypatch.setattr(attention_kernels, "pack_kv", pack_kv)
+        return REFERENCE_KERNEL
+    if fault == "prefix_detached":  # the later slices' gradients never reach the kept leaves
+        original_pack = attention_kernels.pack_kv
+        monkeypatch.setattr(attention_kernels, "pack_kv", lambda own, prefix, layout: original_pack(own, prefix.detach(), layout))
+        return REFERENCE_KERNEL
+    original = chunk_state.varlen_seqlens
+    monkeypatch.setattr(chunk_state, "varlen_seqlens", lambda bounds, split, context, device: original(bounds, split, 0, device))
+    if fault == "cu_seqlens_k_without_prefix":  # caught by the reference's argument contract
+        return REFERENCE_KERNEL
+    if fault == "cu_seqlens_k_without_prefix_lenient":  # caught by the values
+        return FlashKernel(lenient_reference, "reference", devices=("cpu",), dtypes=(torch.float32,), min_capability=None)
+    raise ValueError(fault)
+
+
+@pytest.mark.parametrize("fault", ["prefix_after_slice_tokens", "prefix_detached", "cu_seqlens_k_without_prefix", "cu_seqlens_k_without_prefix_lenient"])
+def test_contract_test_catches_prefix_faults(monkeypatch, fault):
+    kernel = broken(monkeypatch, fault)
+    caught = checked = 0
+    for case, plan in plans(4):
+        if not any(ChunkLayout.build(c, plan.seq_lengths, torch.device("cpu")).context for p in plan.pipelines for c in p.chunks):
+            continue
+        checked += 1
+        sdpa = run_backend(monkeypatch, "sdpa", plan, 4, 2, seed=case)
+        use_kernel(monkeypatch, kernel)
+        try:
+            flash = run_backend(monkeypatch, "flash", plan, 4, 2, seed=case)
+        except AssertionError:  # the reference kernel's argument contract
+            caught += 1
+            continue
+        caught += max(worst_errors(flash, sdpa).values()) > 1e-2
+    assert checked >= 2 and caught == checked
+
+
+def test_flash_call_arguments_and_seqlens_built_once_per_chunk(monkeypatch):
+    """One kernel call per layer per chunk; int32 cu_seqlens shared by every layer; causal, scale, dropout passed."""
+    calls = []
+
+    def recording(q, k, v, cu_q, cu_k, max_q, max_k, **kwargs):
+        calls.append((q.shape, k.shape, cu_q, cu_k, max_q, max_k, kwargs))
+        return reference_flash_attn_varlen_func(q, k, v, cu_q, cu_k, max_q, max_k, **{**kwargs, "dropout_p": 0.0})
+
+    use_kernel(monkeypatch, FlashKernel(recording, "recording", devices=("cpu",), dtypes=(torch.float32,), min_capability=None))
+    monkeypatch.setattr(elastic_attention.tensor_parallel, "get_cuda_rng_tracker", lambda: types.SimpleNamespace(fork=contextlib.nullcontext))
+    monkeypatch.setenv(attention_kernels.ENV, "flash")
+    layers = [make_attention(4, 2, 8, dropout=0.25, layer_number=i) for i in (1, 2)]
+    lengths = [20, 5, 7]
+    first = Chunk(0, "split", [Segment(0, 0, 12)])
+    hybrid = Chunk(1, "hybrid", [Segment(1, 0, 5), Segment(0, 12, 20), Segment(2, 0, 7)])
+    CHUNK_STATE.kv.clear()
+    try:
+        for chunk in (first, hybrid):
+            CHUNK_STATE.current = ChunkLayout.build(chunk, lengths, torch.device("cpu"))
+            for layer in layers:
+                n = chunk.num_tokens
+                layer.train()
+                layer(torch.randn(n, 1, 4, 8), torch.randn(n, 1, 2, 8), torch.randn(n, 1, 2, 8), attention_mask=None)
+    finally:
+        CHUNK_STATE.current = None
+        CHUNK_STATE.kv.clear()
+    assert len(calls) == 4
+    (_, k0, cq0, ck0, *_), _, (q1, k1, cq1, ck1, max_q, max_k, kwargs), (_, _, cq1b, ck1b, *_) = calls
+    assert k0[0] == 12 and q1[0] == 20 and k1[0] == 32  # the hybrid's keys: 5 + (12 prefix + 8) + 7
+    assert cq1.tolist() == [0, 5, 13, 20] and ck1.tolist() == [0, 5, 25, 32] and (max_q, max_k) == (8, 20)
+    assert cq1.dtype == ck1.dtype == torch.int32 and ck0.tolist() == [0, 12]
+    assert cq1b is cq1 and ck1b is ck1  # built once per chunk, not per layer
+    assert kwargs["causal"] is True and kwargs["softmax_scale"] == pytest.approx(8 ** -0.5) and kwargs["dropout_p"] == 0.25
+
+
+def test_bad_backend_value_is_an_error(monkeypatch):
+    monkeypatch.setenv(attention_kernels.ENV, "fast")
+    with pytest.raises(ValueError, match=r"EPP_ATTENTION_BACKEND='fast': expected one of auto, sdpa, flash"):
+        make_attention(4, 4, 8)
+
+
+def test_flash_requested_without_flash_attn_fails_at_build(monkeypatch):
+    use_kernel(monkeypatch, None, "flash-attn does not import (ModuleNotFoundError: No module named 'flash_attn')")
+    monkeypatch.setenv(attention_kernels.ENV, "flash")
+    with pytest.raises(AttentionBackendError, match=r"EPP_ATTENTION_BACKEND=flash but flash-attn does not import .*No module named"):
+        make_attention(4, 4, 8)
+
+
+def test_flash_attn_older_than_2_1_is_refused(monkeypatch):
+    fake = types.ModuleType("flash_attn")
+    fake.__version__ = "2.0.9"
+    fake.flash_attn_varlen_func = reference_flash_attn_varlen_func
+    monkeypatch.setitem(sys.modules, "flash_attn", fake)
+    kernel, why_not = attention_kernels.load_flash_kernel()
+    assert kernel is None and "2.0.9 < 2.1" in why_not and "bottom-right" in why_not
+    attention_kernels.reset_decisions()
+    fake.__version__ = "2.8.3"
+    kernel, _ = attention_kernels.load_flash_kernel()
+    assert kernel.version == "2.8.3" and kernel.varlen_func is reference_flash_attn_varlen_func
+
+
+def test_flash_requested_on_cpu_float32_fails_at_first_forward(monkeypatch):
+    real_like = FlashKernel(reference_flash_attn_varlen_func, "2.8.3")  # CUDA fp16/bf16 only, like flash-attn
+    use_kernel(monkeypatch, real_like)
+    monkeypatch.setenv(attention_kernels.ENV, "flash")
+    attention = make_attention(4, 4, 8)
+    CHUNK_STATE.current = ChunkLayout.build(Chunk(0, "batched", [Segment(0, 0, 4)]), [4], torch.device("cpu"))
+    try:
+        with pytest.raises(AttentionBackendError, match="flash-attn cannot run: tensors on cpu, flash-attn runs on cuda"):
+            attention(*(torch.randn(4, 1, 4, 8) for _ in range(3)))
+        with pytest.raises(AttentionBackendError, match="dtype float32, flash-attn takes float16/bfloat16"):
+            attention_kernels.select_backend("flash", torch.device("cuda"), torch.float32)
+    finally:
+        CHUNK_STATE.current = None
+
+
+def test_auto_and_sdpa_choices(monkeypatch, capsys):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    use_kernel(monkeypatch, None)
+    assert attention_kernels.select_backend("auto", cpu, torch.float32) == "sdpa-masked"
+    assert attention_kernels.select_backend("auto", cpu, torch.float32) == "sdpa-masked"  # decided once
+    assert attention_kernels.select_backend("auto", cuda, torch.bfloat16) == "sdpa-causal"
+    attention_kernels.reset_decisions()
+    use_kernel(monkeypatch, FlashKernel(reference_flash_attn_varlen_func, "2.8.3", min_capability=None))
+    assert attention_kernels.select_backend("auto", cuda, torch.bfloat16) == "flash-varlen"
+    assert attention_kernels.select_backend("auto", cuda, torch.float32) == "sdpa-causal"
+    assert attention_kernels.select_backend("auto", cpu, torch.float32) == "sdpa-masked"  # the CPU path stays
+    assert attention_kernels.select_backend("sdpa", cuda, torch.bfloat16) == "sdpa-causal"
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "> elastic attention: sdpa-masked (EPP_ATTENTION_BACKEND=auto, cpu float32; no flash: flash-attn does not import (test))"
+    assert "> elastic attention: flash-varlen (EPP_ATTENTION_BACKEND=auto, cuda bfloat16; flash-attn 2.8.3)" in lines
+    assert "> elastic attention: sdpa-causal (EPP_ATTENTION_BACKEND=auto, cuda float32; no flash: dtype float32, flash-attn takes float16/bfloat16)" in lines
+    assert len(lines) == 6
