@@ -17,7 +17,6 @@ from megatron_epp.data.sequence_sampler import (
     TrainingSequence,
     assign_to_ranks,
 )
-from megatron_epp.data.stdlib_corpus import ensure_stdlib_corpus, stdlib_files
 from megatron_epp.data.tokenizers import (
     ByteTokenizer,
     HFTokenizer,
@@ -44,12 +43,10 @@ __all__ = [
     "TrainingSequence",
     "assign_to_ranks",
     "build_tokenizer",
-    "ensure_stdlib_corpus",
     "lengths_from_file",
     "lognormal_lengths",
     "prepare_dataset",
     "progression_tokens",
     "sample_dict",
     "split_ranges",
-    "stdlib_files",
 ]

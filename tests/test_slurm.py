@@ -1,0 +1,96 @@
+"""scripts/slurm/train.sbatch on a one-host SLURM cluster (scripts/slurm/local_cluster.sh).
+
+Single node (1 x torchrun with 2 ranks), two nodes (2 x torchrun with 1 rank each, pp=2 across the
+"nodes"), and a failing training that must fail `sbatch --wait`. Each job's log must show every
+iteration with a loss: a job that never trained can still exit 0. Without SLURM installed the tests
+skip, except under CI=true, where they fail (bash scripts/setup_env.sh installs it as root).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from tests.launch import free_port, logged_losses
+
+REPO = Path(__file__).resolve().parent.parent
+SBATCH = REPO / "scripts" / "slurm" / "train.sbatch"
+CLUSTER = REPO / "scripts" / "slurm" / "local_cluster.sh"
+ITERS = 4
+TINY = ["--elastic-pp", "--mock-data", "--pipeline-model-parallel-size", "2", "--num-layers", "2",
+        "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "256",
+        "--global-batch-size", "8", "--train-iters", str(ITERS), "--log-interval", "1"]
+
+
+def _unavailable() -> str | None:
+    missing = [c for c in ("sbatch", "srun", "scontrol", "slurmctld", "slurmd", "munged")
+               if shutil.which(c) is None and not Path("/usr/sbin", c).exists()]
+    if missing:
+        return (f"SLURM is not installed ({', '.join(missing)} not found); as root, "
+                "bash scripts/setup_env.sh installs slurmctld slurmd slurm-client munge")
+    if os.geteuid() != 0:
+        return "the one-host SLURM cluster needs root (munged and slurmd run as system users)"
+    return None
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    reason = _unavailable()
+    if reason:
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"CI=true, and the SLURM tests cannot run: {reason}")
+        pytest.skip(reason)
+    state = tempfile.mkdtemp(prefix="epp-slurm-", dir="/tmp")   # not under pytest's 0700 tmp: munge must traverse it
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}  # e.g. pytest run inside a job
+    env.update(EPP_SLURM_DIR=state, SLURM_CONF=f"{state}/slurm.conf", PATH=f"{env.get('PATH', '')}:/usr/sbin",
+               PYTHON=sys.executable, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    try:
+        start = subprocess.run(["bash", str(CLUSTER), "start", "2"], env=env, capture_output=True, text=True, timeout=120)
+        assert start.returncode == 0, f"local_cluster.sh start failed:\n{start.stdout}\n{start.stderr}"
+        yield env
+    finally:
+        stop = subprocess.run(["bash", str(CLUSTER), "stop"], env=env, capture_output=True, text=True, timeout=120)
+        assert stop.returncode == 0, f"local_cluster.sh stop failed:\n{stop.stdout}\n{stop.stderr}"
+        assert not Path(state).exists()
+
+
+def sbatch(env: dict, out: Path, *args: str, nodes: int, cwd: Path = REPO, **extra: str) -> tuple[int, str]:
+    """``sbatch --wait -N nodes train.sbatch args`` from ``cwd``: (exit status, job log)."""
+    cmd = ["sbatch", "--wait", f"--nodes={nodes}", f"--output={out}", str(SBATCH), *args]
+    proc = subprocess.run(cmd, cwd=cwd, env=dict(env, MASTER_PORT=str(free_port()), **extra),
+                          capture_output=True, text=True, timeout=600)
+    log = out.read_text() if out.exists() else ""
+    return proc.returncode, f"{proc.stdout}{proc.stderr}\n--- job log ---\n{log}"
+
+
+def assert_trained(rc: int, log: str, nodes: int, layout: str) -> None:
+    assert rc == 0, log[-6000:]
+    assert f"on {nodes} node(s)" in log, log[-6000:]
+    assert layout in log, log[-6000:]
+    losses = logged_losses(log)
+    assert sorted(losses) == list(range(1, ITERS + 1)), log[-6000:]
+    assert all(math.isfinite(float(v)) for v in losses.values()), losses
+
+
+def test_single_node(cluster, tmp_path):
+    # Submitted from a subdirectory: the script finds the repository upwards from $SLURM_SUBMIT_DIR.
+    rc, log = sbatch(cluster, tmp_path / "job.out", *TINY, nodes=1, cwd=REPO / "tests")
+    assert_trained(rc, log, 1, "tp=1 pp=2 dp=1")
+
+
+def test_two_nodes_pipeline_across_nodes(cluster, tmp_path):
+    rc, log = sbatch(cluster, tmp_path / "job.out", *TINY, nodes=2, NPROC_PER_NODE="1")
+    assert_trained(rc, log, 2, "tp=1 pp=2 dp=1")
+
+
+def test_failing_training_fails_the_job(cluster, tmp_path):
+    rc, log = sbatch(cluster, tmp_path / "job.out", *TINY, "--no-such-flag", nodes=1, NPROC_PER_NODE="1")
+    assert rc != 0, log[-6000:]
+    assert "unrecognized arguments: --no-such-flag" in log, log[-6000:]
