@@ -1,3 +1,4 @@
+# shellcheck shell=bash disable=SC2034  # sourced: MAIN_JOB_ARGS is read by the caller
 # The main job's pretrain_gpt.py flags, sourced by scripts/train_default.sh and scripts/slurm/train.sbatch:
 # a byte-level GPT trained with --elastic-pp at pp=2 on the Python standard library's sources (one
 # document per file, built and cached in data_cache/stdlib on first use). Sets MAIN_JOB_ARGS.
