@@ -3,14 +3,24 @@
 
 Runs pretrain_gpt.py --elastic-pp at pp=2 (CPU, one thread per rank) once per mode on mock
 variable-length documents, and prints per stage the planner's predicted and the measured peak
-activation memory (medians over the steps after the first), recomputed layers and ms/step.
+activation memory (medians over the steps after the first), recomputed layers and ms/step. ``none``
+is run at ``--budget-gb`` (where it is expected not to fit) and again at ``--none-budget-gb``.
 
-    python scripts/bench_recompute.py [--budget-gb 0.02] [--iters 8] [extra pretrain_gpt flags]
+Checks, each printed ``ok`` or ``FAIL``:
+  * every step, every stage: |predicted / measured - 1| <= ``--tolerance`` (10 %);
+  * every step, every stage: model states + measured activations <= the budget the plan was made for
+    (up to the log's rounding of activation MB to one decimal);
+  * ``full`` measures the least activation memory of the modes at ``--budget-gb``; its time is shown
+    beside the others' (on CPU per-chunk overhead can make it no slower: reported, not checked).
+
+    python scripts/bench_recompute.py [--hidden-size 64] [--budget-gb 0.02] [--none-budget-gb 0.05]
+        [--iters 8] [extra pretrain_gpt flags]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import statistics
 import subprocess
@@ -18,44 +28,97 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
 LINE = re.compile(r"elapsed time per iteration \(ms\): ([\d.]+).*recomputed_layers=(\d+).*act MB pred/meas per stage: ([\d./, ]+)")
+MB = 2**20
+ROUNDING = 0.05  # MB: the log prints activation MB with one decimal
 
 
-def run(mode: str, budget: float, iters: int, extra: list[str]) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(REPO / "pretrain_gpt.py"),
-           "--elastic-pp", "--mock-data", "--pipeline-model-parallel-size", "2", "--num-layers", "4",
-           "--hidden-size", "64", "--seq-length", "1024", "--global-batch-size", "16", "--lr", "5e-3",
-           "--train-iters", str(iters), "--log-interval", "1", "--epp-memory-budget", str(budget),
-           "--epp-recompute", mode, *extra]
-    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+def flags(hidden: int, budget: float, mode: str, iters: int, extra: list[str]) -> list[str]:
+    return ["--elastic-pp", "--mock-data", "--pipeline-model-parallel-size", "2", "--num-layers", "4",
+            "--hidden-size", str(hidden), "--seq-length", "1024", "--global-batch-size", "16", "--lr", "5e-3",
+            "--train-iters", str(iters), "--log-interval", "1", "--epp-memory-budget", str(budget),
+            "--epp-recompute", mode, *extra]
+
+
+def state_mb(argv: list[str]) -> list[float]:
+    """Model states per stage (MB) as the planner counts them for this run's flags."""
+    from megatron_epp.training.arguments import parse_args
+    from megatron_epp.training.elastic import PlanBuilder
+    from megatron_epp.training.main import resolve_vocab_size
+
+    args = parse_args(argv, world_size=2)
+    resolve_vocab_size(args)
+    return (PlanBuilder(args).cost_model.model_state_bytes() / MB).tolist()
+
+
+def run(hidden: int, mode: str, budget: float, iters: int, extra: list[str]) -> dict:
+    argv = flags(hidden, budget, mode, iters, extra)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(REPO / "pretrain_gpt.py"), *argv]
+    env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
     if out.returncode:
-        return {"error": (out.stdout + out.stderr).strip().splitlines()[-1]}
+        lines = (out.stdout + out.stderr).strip().splitlines()
+        said = [x for x in lines if "error: " in x] or [x for x in lines if "Error" in x] or lines[-1:]
+        return {"error": said[-1] if said else f"exit {out.returncode}"}
     rows = [LINE.search(line) for line in out.stdout.splitlines()]
     rows = [r for r in rows if r][1:]  # the first step includes warm-up
-    stages = [[tuple(map(float, pair.split("/"))) for pair in r.group(3).split(", ")] for r in rows]
+    steps = [[tuple(map(float, pair.split("/"))) for pair in r.group(3).split(", ")] for r in rows]
+    P = len(steps[0])
+    states = state_mb(argv)
     return {
+        "budget": budget,
         "ms": statistics.median(float(r.group(1)) for r in rows),
         "recomputed": statistics.median(int(r.group(2)) for r in rows),
-        "pred": [statistics.median(s[p][0] for s in stages) for p in range(len(stages[0]))],
-        "meas": [statistics.median(s[p][1] for s in stages) for p in range(len(stages[0]))],
-        "err": max(abs(s[p][0] / s[p][1] - 1) for s in stages for p in range(len(s))),
+        "pred": [statistics.median(s[p][0] for s in steps) for p in range(P)],
+        "meas": [statistics.median(s[p][1] for s in steps) for p in range(P)],
+        "max_meas": [max(s[p][1] for s in steps) for p in range(P)],
+        "err": max(abs(s[p][0] / s[p][1] - 1) for s in steps for p in range(P)),
+        "total": max(states[p] + s[p][1] for s in steps for p in range(P)),
     }
+
+
+def verdict(ok: bool) -> str:
+    return "ok" if ok else "FAIL"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hidden-size", type=int, default=64)
     ap.add_argument("--budget-gb", type=float, default=0.02)
+    ap.add_argument("--none-budget-gb", type=float, default=0.05, help="a budget where --epp-recompute none fits")
+    ap.add_argument("--tolerance", type=float, default=0.10)
     ap.add_argument("--iters", type=int, default=8)
     args, extra = ap.parse_known_args()
-    print(f"budget {args.budget_gb} GB per stage; medians over steps 2..{args.iters}")
-    print(f"{'mode':9s} {'ms/step':>8s} {'recomputed':>10s}  {'act MB per stage (pred/meas)':30s} {'worst err':>9s}")
-    for mode in ("none", "adaptive", "full"):
-        r = run(mode, args.budget_gb, args.iters, extra)
+    tol = args.tolerance
+    print(f"hidden {args.hidden_size}, pp=2, 4 layers, seq 1024, 16 documents; medians over steps 2..{args.iters}; "
+          f"checks on every step: |pred/meas - 1| <= {tol:.0%}, states + measured <= budget")
+    print(f"{'mode':9s} {'budget GB':>9s} {'ms/step':>8s} {'rc layers':>9s}  {'act MB per stage (pred/meas)':28s} "
+          f"{'worst err':>9s} {'':4s} {'peak+states MB':>14s}")
+    results = {}
+    failed = False
+    runs = [("none", args.budget_gb), ("none", args.none_budget_gb), ("adaptive", args.budget_gb), ("full", args.budget_gb)]
+    for mode, budget in runs:
+        r = run(args.hidden_size, mode, budget, args.iters, extra)
         if "error" in r:
-            print(f"{mode:9s} does not run: {r['error']}")
+            print(f"{mode:9s} {budget:9.3f} does not run: {r['error'].split('error: ')[-1][:150]}")
             continue
+        results[mode, budget] = r
         stages = "  ".join(f"{p:.1f}/{m:.1f}" for p, m in zip(r["pred"], r["meas"]))
-        print(f"{mode:9s} {r['ms']:8.1f} {r['recomputed']:10.0f}  {stages:30s} {r['err']:9.1%}")
+        fits = r["total"] <= budget * 1024 + ROUNDING
+        failed |= r["err"] > tol or not fits
+        print(f"{mode:9s} {budget:9.3f} {r['ms']:8.1f} {r['recomputed']:9.0f}  {stages:28s} {r['err']:9.1%} "
+              f"{verdict(r['err'] <= tol):4s} {r['total']:8.1f} {verdict(fits):4s}")
+    at = {m: r for (m, b), r in results.items() if b == args.budget_gb}
+    if "none" not in at and ("adaptive" in at or "full" in at):
+        print(f"none does not fit {args.budget_gb} GB (refused before training); adaptive and full do: expected")
+    if "full" in at:
+        least = all(max(at["full"]["max_meas"]) <= max(r["max_meas"]) for r in results.values())
+        slowest = all(at["full"]["ms"] >= r["ms"] for r in at.values())
+        failed |= not least
+        print(f"full measures the least activation memory: {verdict(least)}; the most time at {args.budget_gb} GB: "
+              f"{'yes' if slowest else 'no'} (" + ", ".join(f"{m} {r['ms']:.0f} ms" for m, r in at.items()) + ")")
+    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":

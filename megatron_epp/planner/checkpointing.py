@@ -60,10 +60,13 @@ def _program(mems: list[StageMemory], rc_layer: np.ndarray, layers: np.ndarray, 
     for p, sm in enumerate(mems):
         rows = sm.bwd_rows
         need = sm.base[rows] - budget
-        keep = need > 0
+        coef = sm.live[rows] * sm.saving
+        # a row within budget without recompute can still exceed it with recompute: the recompute of a
+        # chunk's last checkpointed layer holds more the more layers it checkpoints (negative coefficients)
+        keep = need + np.maximum(-coef, 0.0).sum(axis=1) * layers[p] > 0
         if not keep.any():
             continue
-        coef = sm.live[rows[keep]] * sm.saving
+        coef = coef[keep]
         block = np.zeros((int(keep.sum()), nv))
         block[:, diag[p]] = coef
         blocks.append(block)
@@ -82,6 +85,8 @@ def _greedy(prog: _Program) -> np.ndarray:
         if not len(deficit) or deficit[i] <= 1e-6:
             return x
         room = (x < prog.ub) & (prog.A[i] > 0)
+        if not room.any():  # raising counts cannot fix this row any more: everything checkpointed (known to fit)
+            return prog.ub.copy()
         d = int(np.argmax(np.where(room, prog.A[i] / cost, -1.0)))
         x[d] = min(prog.ub[d], x[d] + math.ceil(deficit[i] / prog.A[i, d] - 1e-9))
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from megatron_epp.plan import Chunk, split_layers
 from megatron_epp.planner.network import NETWORKS, Network
-from megatron_epp.planner.profiles import Profile, TimeCoeffs
+from megatron_epp.planner.profiles import Profile, TimeCoeffs, shape_memory
 
 
 NUM_FEATURES = 6
@@ -48,8 +48,11 @@ class ChunkCosts:
     rc_layer: np.ndarray  # (n,) recompute time of one layer
     act_layer: np.ndarray  # (n,) activations of one non-checkpointed layer
     ckpt_layer: np.ndarray  # (n,) what one checkpointed layer keeps
-    kv_layer: np.ndarray  # (n,) K/V of one layer
-    logits: np.ndarray  # (n,) logits held on the last stage
+    kv_layer: np.ndarray  # (n,) K/V of one layer a split slice keeps for later slices
+    kv_shared: np.ndarray  # (n,) the part of kv_layer that the layer's own activations also save
+    logits: np.ndarray  # (n,) held by the output head on the last stage
+    embed: np.ndarray  # (n,) held by the embedding on the first stage
+    workspace: np.ndarray  # (n,) extra bytes during the chunk's backward on a stage
     p2p_ms: np.ndarray  # (n,) stage-to-stage transfer time of the chunk's activations
     tokens: np.ndarray  # (n,)
 
@@ -66,7 +69,7 @@ class CostModel:
         dp: int = 1,
         network: Network | None = None,
     ) -> None:
-        self.profile = profile
+        self.profile = shape_memory(profile)  # activation memory for this model shape
         self.num_stages = num_stages
         self.layers = np.asarray(
             layers_per_stage if layers_per_stage is not None else split_layers(profile.model.num_layers, num_stages)
@@ -89,14 +92,22 @@ class CostModel:
         last = (np.arange(self.num_stages) == self.num_stages - 1)[:, None]
         tokens = feats[:, 2]
         area = feats[:, 0] + feats[:, 1]
+        context = feats[:, 3]  # a chunk holds at most one slice with context: its length is sum(s*C) / sum(C)
+        slice_tokens = np.divide(feats[:, 1], context, out=np.zeros_like(context), where=context > 0)
+        lone = np.where((context > 0) & (feats[:, 4] == 1), m.lone_slice_token * tokens, 0.0)
+        act = m.act_token * tokens + m.act_area * area + m.act_context * context + m.act_slice * slice_tokens - lone
         return ChunkCosts(
-            fwd=L * self.layer_time(feats, p.fwd) + last * self.layer_time(feats, p.head_fwd),
-            bwd=L * self.layer_time(feats, p.bwd) + last * self.layer_time(feats, p.head_bwd),
+            # + the executor's per-chunk stage overhead (on the constant feature: 1 per chunk, 0 in bound_ms)
+            fwd=L * self.layer_time(feats, p.fwd) + last * self.layer_time(feats, p.head_fwd) + p.overhead.fwd_ms * feats[:, 5],
+            bwd=L * self.layer_time(feats, p.bwd) + last * self.layer_time(feats, p.head_bwd) + p.overhead.bwd_ms * feats[:, 5],
             rc_layer=self.layer_time(feats, p.recompute),
-            act_layer=m.act_token * tokens + m.act_area * area + m.act_context * feats[:, 3],
+            act_layer=act,
             ckpt_layer=m.ckpt_token * tokens,
             kv_layer=m.kv_token * tokens,
+            kv_shared=m.kv_token * tokens - lone,
             logits=m.logits_token * tokens,
+            embed=m.embed_token * tokens,
+            workspace=m.bwd_workspace * act,
             p2p_ms=self.network.p2p_ms(m.p2p_token * tokens),
             tokens=tokens,
         )

@@ -1,17 +1,29 @@
 """Exact memory walk of the elastic 1F1B order: every stage, every op, every chunk in flight.
 
-During op ``j`` of a stage (its forward or its backward) the stage holds:
+The stage holds its model states and, for every chunk whose forward has started and whose backward
+has not finished, what that chunk's layers save for backward: per layer ``act`` bytes, or ``ckpt``
+bytes (the layer input) if the layer is checkpointed; the first stage also the embedding's saved
+ids, the last stage the output head's saved tensors (until the chunk's backward starts). A slice of
+a split sequence with later slices keeps its K/V (``kv``: the storages its kept views hold) from its
+forward until the backward of the sequence's first slice; where the slice's own layers also save
+those storages (``kv_shared``) they are counted once.
 
-* its model states;
-* the activations of every chunk whose forward has started and whose backward has not finished:
-  per layer ``act`` bytes, or ``ckpt`` bytes (the layer input) if the layer is checkpointed; the last
-  stage also holds the chunk's logits;
-* the K/V of every slice of a split sequence except its last: kept from the slice's forward until
-  the backward of the sequence's first slice (later slices attend to it; its gradient accumulates);
-* during a backward, one layer's full activations as workspace (recomputed or gradient buffers).
+Memory only grows during a forward and only shrinks during a backward, except where a checkpointed
+layer recomputes. So each op gives the walk one or two *rows* (moments):
 
-So the memory during op ``j`` is ``base[j] - live[j] @ (saving * recompute)`` with ``recompute`` the
-stage's checkpointed-layer counts: linear in the planner's decision variables.
+* ``F``: the end of the chunk's forward;
+* ``B``: the start of the backward (plus ``workspace``: gradient buffers, counted where the
+  allocator is measured; the recomputed layer's activations stand for them below), and the recompute of the chunk's last checkpointed layer, the first to
+  run in backward: the layers after it have already freed what they saved (and the output head its
+  tensors; a first slice's own and its later slices' kept K/V of those layers are released too),
+  the earlier checkpointed layers still hold their inputs and the recomputed layer holds its full
+  activations. With ``c`` checkpointed layers that is ``act - ckpt + c * (ckpt + kv of the layers
+  still kept)``, growing with ``c``.
+
+Memory at every row is ``base - live @ (saving * recompute)``, linear in the stage's
+checkpointed-layer counts (the planner's decision variables): ``live[r, k]`` is 1 while chunk ``k``
+is resident, and during ``k``'s own recompute row the (negative) multiple of ``saving[k]`` that
+each checkpointed layer adds.
 """
 
 from __future__ import annotations
@@ -27,17 +39,21 @@ from megatron_epp.schedule_order import Op, sequence_units, stage_ops
 
 @dataclass
 class StageMemory:
-    """Memory of one stage during each op of one pipeline (bytes)."""
+    """Memory of one stage at each row (moment) of one pipeline's ops (bytes)."""
 
     ops: list[Op]
-    base: np.ndarray  # (m,) memory during op j with no recompute
-    live: np.ndarray  # (m, n) chunk k's activations are resident during op j
+    base: np.ndarray  # (m,) memory at row r with no recompute
+    live: np.ndarray  # (m, n) multiplier of chunk k's per-layer saving at row r (1: resident)
     saving: np.ndarray  # (n,) bytes freed per checkpointed layer of chunk k
-    bwd_rows: np.ndarray  # op indices of the backwards (memory peaks: nothing is freed before them)
+    bwd_rows: np.ndarray  # rows of the backwards (memory peaks: nothing is freed before them)
+    row_op: np.ndarray  # (m,) the op of each row
 
     def during(self, recompute: np.ndarray) -> np.ndarray:
-        """Memory during every op given the stage's recompute counts per chunk."""
-        return self.base - self.live @ (self.saving * np.asarray(recompute, dtype=float))
+        """Peak memory during every op given the stage's recompute counts per chunk."""
+        rows = self.base - self.live @ (self.saving * np.asarray(recompute, dtype=float))
+        out = np.full(len(self.ops), -np.inf)
+        np.maximum.at(out, self.row_op, rows)
+        return out
 
 
 def retained_kv(pipe: Pipeline) -> tuple[np.ndarray, np.ndarray]:
@@ -52,23 +68,43 @@ def retained_kv(pipe: Pipeline) -> tuple[np.ndarray, np.ndarray]:
 
 
 def stage_memory(pipe: Pipeline, stage: int, num_stages: int, costs: ChunkCosts, layers: int, state_bytes: float) -> StageMemory:
-    """Walk ``stage_ops`` of one stage and tabulate what is resident during each op."""
+    """Walk ``stage_ops`` of one stage and tabulate what is resident at each row."""
     ops = stage_ops(pipe, stage, num_stages)
     n = len(pipe.chunks)
     fpos, bpos = np.empty(n, dtype=int), np.empty(n, dtype=int)
     for j, op in enumerate(ops):
         (fpos if op.kind == "F" else bpos)[op.pos] = j
     retained, first = retained_kv(pipe)
-    j = np.arange(len(ops))[:, None]
-    live = (j >= fpos) & (j <= bpos)
-    kv_live = retained & (j >= fpos) & (j <= bpos[first])
     kv = costs.kv_layer * retained
-    act = layers * (costs.act_layer - kv) + (costs.logits if stage == num_stages - 1 else 0.0)
-    workspace = np.zeros(len(ops))
-    workspace[bpos] = costs.act_layer
-    base = state_bytes + live @ act + kv_live @ (layers * kv) + workspace
-    saving = np.maximum(costs.act_layer - kv - costs.ckpt_layer, 0.0)
-    return StageMemory(ops, base, live, saving, np.sort(bpos))
+    shared = np.minimum(costs.kv_shared, costs.kv_layer) * retained
+    head = costs.logits if stage == num_stages - 1 else np.zeros(n)
+    embed = costs.embed if stage == 0 else np.zeros(n)
+    resident = layers * (costs.act_layer - shared) + head + embed
+    saving = np.maximum(costs.act_layer - shared - costs.ckpt_layer, 1e-9)
+
+    # rows: F -> end of forward; B -> start of backward, then its first recompute
+    row_op = np.repeat(np.arange(len(ops)), [1 if op.kind == "F" else 2 for op in ops])
+    rc_row = np.zeros(len(row_op), dtype=bool)
+    rc_row[1:] = row_op[1:] == row_op[:-1]
+    j = row_op[:, None]
+    live = ((j >= fpos) & (j <= bpos)).astype(float)
+    kv_live = ((j >= fpos) & (j <= bpos[first])).astype(float)
+    base = state_bytes + live @ resident + kv_live @ (layers * kv)
+    bwd_rows = np.flatnonzero(np.isin(row_op, bpos))
+    for r in bwd_rows:
+        k = ops[row_op[r]].pos
+        if not rc_row[r]:
+            base[r] += costs.workspace[k]
+            continue
+        # chunk k during the recompute of its last checkpointed layer: act - ckpt + c * (ckpt + kept kv)
+        own_kv = 0.0
+        if retained[k] and first[k] == k:  # the first slice releases its sequence's kept K/V layer by layer
+            seq = (first == k) & retained
+            base[r] -= kv_live[r] @ (layers * kv * seq)
+            own_kv = float(kv[seq].sum())
+        base[r] += embed[k] + costs.act_layer[k] - costs.ckpt_layer[k] - resident[k]
+        live[r, k] = -(costs.ckpt_layer[k] + own_kv) / saving[k]
+    return StageMemory(ops, base, live, saving, bwd_rows, row_op)
 
 
 def pipeline_memory(pipe: Pipeline, costs: ChunkCosts, layers: np.ndarray, state_bytes: np.ndarray) -> list[StageMemory]:

@@ -19,7 +19,7 @@ segment on CPU; 0 for a varlen GPU kernel), ``b1`` the per-chunk launch constant
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,7 @@ class ModelShape:
     vocab: int
     num_kv_heads: int | None = None
     swiglu: bool = True
+    rope: bool = True  # rotary positions (False: learned absolute positions); changes what attention saves
 
     @property
     def kv_hidden(self) -> int:
@@ -82,11 +83,22 @@ class MemoryCoeffs:
 
     ``act_token`` / ``act_area`` / ``act_context``: activations one layer keeps for backward per
     token, per unit of attention area ``s * (C + s)`` (0 with flash attention) and per prefix token
-    of a segment (a concatenated copy of the prefix K/V saved by the attention; 0 on GPU). ``ckpt_token``: what a checkpointed
-    layer keeps (its input). ``kv_token``: one layer's K and V per token (a split slice keeps them
-    for later slices). ``logits_token``: logits kept by the last stage per token. Model states per
+    of a segment (a concatenated copy of the prefix K/V saved by the attention; 0 on GPU).
+    ``act_slice``: per own token of the slice with context (the same copies cover its ``s`` tokens
+    too). ``lone_slice_token``: per token, what a chunk that is only a slice with context does *not*
+    save (its own K and QKV outputs: the attention saves the concatenated copies instead).
+    ``ckpt_token``: what a checkpointed layer keeps (its input). ``kv_token``: what a split slice
+    keeps per token of its chunk for later slices (the storages its kept K/V views hold).
+    ``logits_token``: what the output head (final norm, output layer, loss) keeps on the last stage
+    per token; ``embed_token``: what the embedding keeps on the first stage per token.
+    ``bwd_workspace``: layers of full activations counted as workspace during a backward (gradient
+    buffers: 1 where the allocator is measured, 0 where saved tensors are). Model states per
     parameter: ``weight``, ``grad`` and ``optim`` bytes (the last divided by the data-parallel size
     when ``distributed_optimizer``). ``p2p_token``: bytes one GPU sends per token between stages.
+    ``derive``: ``""`` (the numbers as given), or the analytic count the activation coefficients are
+    re-derived from for the profile's model shape (:func:`shape_memory`): ``"saved-tensors-fp32"``
+    (what autograd saves on CPU, counted tensor by tensor) or ``"megatron-gpu"`` (Megatron's
+    ``34 h / tp`` with flash attention).
     """
 
     act_token: float
@@ -100,6 +112,27 @@ class MemoryCoeffs:
     optim: float
     distributed_optimizer: bool
     p2p_token: float
+    act_slice: float = 0.0
+    lone_slice_token: float = 0.0
+    embed_token: float = 0.0
+    bwd_workspace: float = 1.0
+    derive: str = ""
+
+
+@dataclass(frozen=True)
+class StageOverhead:
+    """The pipeline executor's own time per chunk on every stage, outside the layers (ms).
+
+    ``fwd_ms`` / ``bwd_ms``: added to each chunk's forward / backward on every stage (megatron-core's
+    ``forward_step`` / ``backward_step``, the chunk's layout and masks, the point-to-point calls and
+    their synchronisation, the embedding on the first stage, autograd hooks). Fitted on real
+    executor steps by ``scripts/calibrate_step.py`` (0 for analytic profiles); ``fit`` holds its
+    provenance (machine, load, runs, errors before/after).
+    """
+
+    fwd_ms: float = 0.0
+    bwd_ms: float = 0.0
+    fit: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -117,6 +150,7 @@ class Profile:
     head_bwd: TimeCoeffs
     memory: MemoryCoeffs
     fit: dict[str, Any] = field(default_factory=dict)
+    overhead: StageOverhead = field(default_factory=StageOverhead)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -131,6 +165,7 @@ class Profile:
             tp=d["tp"],
             memory=MemoryCoeffs(**d["memory"]),
             fit=dict(d.get("fit", {})),
+            overhead=StageOverhead(**d["overhead"]) if "overhead" in d else StageOverhead(),
             **tc,
         )
 
@@ -187,17 +222,13 @@ def analytic_profile(shape: ModelShape, tp: int = 8, acc: Accelerator = H100) ->
     bwd = TimeCoeffs(2.5 * a1, 5 * a1, 2 * shape.gemm_flops_per_token() * ms_per_gemm_flop + comm, 0.0, 0.0, 2 * acc.launch_ms)
     head = 2.0 * h * shape.vocab * ms_per_gemm_flop
     memory = MemoryCoeffs(
-        act_token=34.0 * h / tp,
-        act_area=0.0,
-        act_context=0.0,
-        ckpt_token=2.0 * h / tp,
-        kv_token=2 * 2.0 * shape.kv_hidden / tp,
-        logits_token=4.0 * shape.vocab / tp,
+        **gpu_activation_memory(shape, tp),
         weight=2.0,
         grad=4.0,
         optim=12.0,
         distributed_optimizer=True,
         p2p_token=2.0 * h / tp,
+        derive="megatron-gpu",
     )
     return Profile(
         model=shape,
@@ -212,6 +243,80 @@ def analytic_profile(shape: ModelShape, tp: int = 8, acc: Accelerator = H100) ->
         memory=memory,
         fit={"note": f"analytic: peak {acc.peak_tflops} TFLOP/s, MFU {acc.mfu} (attention {acc.attn_mfu}), TP overlap {acc.tp_overlap}; not measured"},
     )
+
+
+def gpu_activation_memory(shape: ModelShape, tp: int) -> dict[str, float]:
+    """Megatron's activation count per layer and token (bf16, sequence parallel, flash attention:
+    no quadratic term): ``34 h / tp``; a checkpointed layer keeps its bf16 input."""
+    h = shape.hidden
+    return {
+        "act_token": 34.0 * h / tp, "act_area": 0.0, "act_context": 0.0, "ckpt_token": 2.0 * h / tp,
+        "kv_token": 2 * 2.0 * shape.kv_hidden / tp, "logits_token": 4.0 * shape.vocab / tp,
+    }
+
+
+def saved_tensor_memory(shape: ModelShape, tp: int = 1, b: float = 4.0) -> dict[str, float]:
+    """Bytes autograd saves for backward, counted tensor by tensor (deduplicated by storage, as
+    :class:`~megatron_epp.model.memory_tracker.ActivationMemoryTracker` counts them), for one
+    Megatron-Core local-spec layer with :class:`ElasticAttention` on the SDPA-masked path (CPU),
+    ``b``-byte activations, no dropout. Per token of a chunk, one layer saves:
+
+    * input layernorm: its input ``b h`` and fp32 mean and rstd (8); the QKV linear: its input ``b h``;
+    * RoPE: ``cos`` and ``sin`` of q and of k (4 x ``b d``, ``d = h / heads``); q and k after RoPE
+      (``b h`` and ``b h_kv``, new storages) and V as a view of the QKV output (``b (h + 2 h_kv)``);
+      without RoPE q, k and v are all views of the QKV output;
+    * SDPA (CPU flash kernel, explicit mask): q, k, v, its output (``b h``), the logsumexp (fp32 per
+      head) and the boolean mask converted to a float mask, ``b s (C + s)`` per segment: the
+      quadratic term (one mask per layer and segment, not per head);
+    * the output projection's input ``b h``; pre-MLP layernorm ``b h + 8``; fc1's input ``b h``;
+      the activation's input ``b f`` (``2 b f`` with SwiGLU); fc2's input ``b f``.
+
+    The slice with context ``C`` attends to K/V concatenated with the prefix: copies of ``C + s``
+    rows, ``2 b h_kv`` each (``act_context`` per prefix token, ``act_slice`` per own token). In a
+    chunk that is only that slice, the K and QKV outputs are then saved by nothing
+    (``lone_slice_token``); a slice with later slices keeps views of them (``kv_token``: their whole
+    storages). A checkpointed layer keeps its input (``b h``). The last stage keeps the final
+    layernorm (``b h + 8``), the output layer's input (``b h``), the fp32 softmax of the logits
+    (``4 V``), the loss's target mask and indices (1 + 8) and the loss mask (4); the first stage the
+    token ids (8; and position ids, 8, with learned positions). Measured by
+    ``tests/test_planner_memory.py`` against the tracker on real chunks.
+    """
+    if shape.num_kv_heads not in (None, shape.num_heads):
+        raise ValueError("saved_tensor_memory: grouped-query attention is not counted (K/V are repeated per head)")
+    H = shape.hidden  # layernorm inputs and outputs are whole on every tensor-parallel rank
+    h, kv, heads, f = H / tp, shape.kv_hidden / tp, shape.num_heads / tp, shape.ffn_hidden / tp
+    d = h / heads
+    qkv = b * (h + 2 * kv)
+    attn_views = (4 * b * d + b * h + b * kv + qkv) if shape.rope else qkv  # RoPE's cos/sin, q, k; the QKV output
+    per_token = (
+        2 * (b * H + 8)  # the two layernorms
+        + 2 * b * H  # QKV linear and fc1 inputs
+        + attn_views + b * h + 4 * heads  # + SDPA output and logsumexp
+        + b * h  # output projection input
+        + (2 if shape.swiglu else 1) * b * f + b * f  # activation and fc2 inputs
+    )
+    kept = (b * kv + qkv) if shape.rope else qkv
+    return {
+        "act_token": per_token, "act_area": b, "act_context": 2 * b * kv, "act_slice": 2 * b * kv,
+        "lone_slice_token": kept if shape.rope else 0.0, "ckpt_token": b * H, "kv_token": kept,
+        "logits_token": 2 * b * H + 8 + 4 * shape.vocab / tp + 13, "embed_token": 8.0 if shape.rope else 16.0,
+        "bwd_workspace": 0.0,
+    }
+
+
+_DERIVATIONS = {"saved-tensors-fp32": lambda shape, tp: saved_tensor_memory(shape, tp, 4.0), "megatron-gpu": gpu_activation_memory}
+
+
+def shape_memory(profile: Profile) -> Profile:
+    """``profile`` with its activation coefficients re-derived for its own model shape (memory
+    ``derive``), so a profile placed on another hidden / ffn / heads / vocab size scales its memory;
+    unchanged when ``derive`` is empty (coefficients as given)."""
+    derive = profile.memory.derive
+    if not derive:
+        return profile
+    if derive not in _DERIVATIONS:
+        raise ValueError(f"unknown memory derivation {derive!r} (known: {', '.join(_DERIVATIONS)})")
+    return replace(profile, memory=replace(profile.memory, **_DERIVATIONS[derive](profile.model, profile.tp)))
 
 
 def load_model(spec: str, tp: int = 8) -> Profile:

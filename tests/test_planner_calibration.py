@@ -1,0 +1,81 @@
+"""Executor-overhead calibration: log parsing, the overhead in the cost model, the fit recovering it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from megatron_epp.planner import CostModel, build_plan, load_model
+from megatron_epp.planner.calibration import fit_overhead, parse_log, simulate_steps, with_overhead
+from megatron_epp.planner.cost_model import chunk_features
+from megatron_epp.planner.profiles import Profile, StageOverhead
+
+LINE = (
+    " iteration        2/       6 | consumed samples:         32 | elapsed time per iteration (ms): 3999.3 | "
+    "tokens/s: 3794 | learning rate: 2.250000E-03 | lm loss: 5.157642E+00 | grad norm: 2.2691 | plan[epp] seqs=16 "
+    "tokens=15172 chunks=74 (batched=0 split=73 hybrid=1) pipelines=1 recomputed_layers=0 | planning ms: 132.3 "
+    "(hidden) | predicted ms: 682.3 | measured ms: 3961.0 | act MB pred/meas per stage: 22.4/23.4, 22.2/21.9"
+)
+
+
+def test_parse_log_reads_the_elastic_step_line():
+    (step,) = parse_log("noise\n" + LINE + "\n iteration 3/6 | no plan here\n")
+    assert step.iteration == 2 and step.iter_ms == 3999.3 and step.measured_ms == 3961.0 and step.predicted_ms == 682.3
+    assert step.chunks == 74 and step.kinds == {"batched": 0, "split": 73, "hybrid": 1} and step.tokens == 15172
+    assert step.pipelines == 1 and step.recomputed_layers == 0
+    assert step.act_pred_mb == [22.4, 22.2] and step.act_meas_mb == [23.4, 21.9]
+    assert step.summary.startswith("plan[epp] seqs=16") and step.summary.endswith("recomputed_layers=0")
+
+
+def test_profile_overhead_round_trip_and_default():
+    profile = load_model("test-model")
+    d = profile.to_dict()
+    d.pop("overhead")
+    assert Profile.from_dict(d).overhead == StageOverhead()  # older JSON without the entry
+    p = with_overhead(profile, 1.5, 2.5, {"note": "x"})
+    assert Profile.from_dict(p.to_dict()).overhead == StageOverhead(1.5, 2.5, {"note": "x"})
+    assert load_model("llama-7b").overhead == StageOverhead()  # analytic: none
+
+
+def test_overhead_is_added_per_chunk_on_every_stage():
+    profile = with_overhead(load_model("test-model"), 0.0, 0.0)
+    plan = build_plan([300, 900, 2000, 64, 64], CostModel(profile, 2), 1.0)
+    feats = chunk_features(plan.chunks())
+    base = CostModel(profile, 2).costs(feats)
+    more = CostModel(with_overhead(profile, 2.0, 3.0), 2).costs(feats)
+    np.testing.assert_allclose(more.fwd - base.fwd, 2.0)
+    np.testing.assert_allclose(more.bwd - base.bwd, 3.0)
+    np.testing.assert_allclose(more.p2p_ms, base.p2p_ms)
+
+
+@pytest.mark.parametrize("true_o", [0.0, 4.0, 20.0])
+def test_fit_recovers_a_known_overhead(true_o):
+    profile = with_overhead(load_model("test-model"), 0.0, 0.0)
+    cm = CostModel(profile, 2)
+    rng = np.random.default_rng(0)
+    plans = []
+    for memory_gb, k in ((1.0, range(1, 9)), (0.05, range(1, 9)), (1.0, [1]), (1.0, [8])):
+        lengths = np.minimum(rng.lognormal(6, 1.2, size=16).astype(int) + 2, 4096)
+        plans.append(build_plan(lengths, cm, memory_gb, slice_counts=k))
+    measured = simulate_steps(plans, cm, true_o / 2, true_o / 2)
+    fit = fit_overhead(plans, measured, cm)
+    assert fit.per_chunk_ms == pytest.approx(true_o, abs=0.01)
+    assert np.abs(fit.rel_err_after).max() < 1e-3
+    assert fit.fwd_ms == pytest.approx(fit.bwd_ms)
+    # the profile's own overhead is ignored by the fit (it starts from zero)
+    cm2 = CostModel(dataclasses.replace(profile, overhead=StageOverhead(50.0, 50.0)), 2)
+    assert fit_overhead(plans, measured, cm2).per_chunk_ms == pytest.approx(true_o, abs=0.01)
+
+
+def test_fit_with_slowdown_separates_a_uniformly_slower_machine():
+    profile = with_overhead(load_model("test-model"), 0.0, 0.0)
+    cm = CostModel(profile, 2)
+    rng = np.random.default_rng(1)
+    plans = [build_plan(np.minimum(rng.lognormal(6, 1.2, size=16).astype(int) + 2, 4096), cm, gb, slice_counts=k)
+             for gb, k in ((1.0, [1]), (1.0, [8]), (0.05, range(1, 9)), (1.0, [4]))]
+    measured = 2.5 * simulate_steps(plans, cm, 3.0, 3.0)  # everything 2.5x slower, o = 6 ms in profile units
+    fit = fit_overhead(plans, measured, cm, slowdown=True)
+    assert fit.slowdown == pytest.approx(2.5, rel=0.02)
+    assert fit.per_chunk_ms == pytest.approx(6.0, rel=0.05)

@@ -1,0 +1,94 @@
+"""The planner's activation memory against what the executor's layers really save (CPU tracker).
+
+The worker runs small plans (batched, split, hybrid chunks; no, partial and full recompute) through
+the real executor on one stage of two model shapes, and the planner predicts the same plans from
+the shipped profile with only the shape swapped (as ``PlanBuilder`` does): a wrong checkpointed-layer
+term, an unscaled hidden size or a miscounted attention term shows up as a mismatch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+
+from megatron_epp.planner.cost_model import CostModel
+from megatron_epp.planner.profiles import load_model, saved_tensor_memory
+from tests.launch import REPO, free_port, run_env
+
+SHAPES = {
+    "h32": ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2"],
+    "h128": ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "8", "--ffn-hidden-size", "384"],
+}
+TOLERANCE = 0.02  # the count is exact on CPU (measured 0.0 %); a regression is tens of percent
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    """Both shapes' worker runs, in parallel: ``{shape: [{case, rc, pred, meas}]}``."""
+    out = tmp_path_factory.mktemp("memory")
+    procs = {}
+    for name, flags in SHAPES.items():
+        cmd = [sys.executable, str(REPO / "tests/workers/memory_chunks.py"), str(out / f"{name}.json"), *flags]
+        env = run_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
+        procs[name] = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    results = {}
+    for name, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == 0, f"{name}: worker failed\n{stdout[-2000:]}\n{stderr[-4000:]}"
+        results[name] = json.loads((out / f"{name}.json").read_text())
+    return results
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_predicted_peak_matches_measured(measured, shape):
+    rows = measured[shape]
+    assert len(rows) == 8
+    bad = [r for r in rows if abs(r["pred"] / r["meas"] - 1) > TOLERANCE]
+    assert not bad, "\n".join(f"{r['case']} rc={r['rc']}: predicted {r['pred']:.0f} B, measured {r['meas']} B" for r in bad)
+
+
+def test_full_recompute_keeps_only_layer_inputs(measured):
+    """Full recompute must measure (and predict) far less than none on every case."""
+    for rows in measured.values():
+        by_case = {}
+        for r in rows:
+            by_case.setdefault(r["case"], []).append(r)
+        for case in by_case.values():
+            none = next(r for r in case if not any(r["rc"]))
+            full = min(case, key=lambda r: r["meas"])
+            assert all(full["rc"]) and full["meas"] < 0.7 * none["meas"]
+
+
+def test_memory_coefficients_follow_the_model_shape():
+    """``PlanBuilder`` swaps the profile's shape: the activation coefficients must follow it."""
+    profile = load_model("test-model")
+    for hidden, heads, ffn in [(32, 2, 128), (64, 4, 256), (128, 8, 384)]:
+        shape = dataclasses.replace(profile.model, hidden=hidden, num_heads=heads, ffn_hidden=ffn)
+        m = CostModel(dataclasses.replace(profile, model=shape), 2).profile.memory
+        want = saved_tensor_memory(shape)
+        assert m.act_token == want["act_token"] and m.ckpt_token == 4.0 * hidden and m.kv_token == want["kv_token"]
+    small = CostModel(dataclasses.replace(profile, model=dataclasses.replace(profile.model, hidden=32, ffn_hidden=128)), 2)
+    assert small.profile.memory.act_token < 0.6 * profile.memory.act_token
+
+
+def test_walk_counts_the_recompute_of_the_last_checkpointed_layer():
+    """One chunk, 3 layers, 40 B of activations and 4 B of input per layer, saved tensors only
+    (no gradient workspace): in backward the last checkpointed layer recomputes while the earlier
+    ones still hold their inputs and the later ones have freed everything."""
+    from megatron_epp.plan import Chunk, Pipeline, Segment
+    from megatron_epp.planner.cost_model import chunk_features
+    from megatron_epp.planner.memory import stage_memory
+    from megatron_epp.planner.profiles import MemoryCoeffs
+
+    profile = load_model("test-model")
+    memory = MemoryCoeffs(10.0, 0.0, 0.0, 1.0, 2.0, 0.0, 0.0, 0.0, 0.0, False, 0.0, bwd_workspace=0.0)
+    cm = CostModel(dataclasses.replace(profile, memory=memory), 1, [3])
+    pipe = Pipeline([Chunk(0, "batched", [Segment(0, 0, 4)])], [[0]])
+    sm = stage_memory(pipe, 0, 1, cm.costs(chunk_features(pipe.chunks)), 3, 0.0)
+    assert sm.during([0]).tolist() == [120, 120]  # forward end; backward start
+    assert sm.during([1]).tolist() == [84, 84]  # 4 + 2 x 40; recompute: 40 - 4 + 4
+    assert sm.during([3]).tolist() == [12, 48]  # 3 x 4; recompute: 40 + 2 x 4

@@ -1,0 +1,83 @@
+"""Planner's predicted peak activation memory vs the tracker's measurement on real chunks (one process).
+
+    python tests/workers/memory_chunks.py OUT.json [pretrain_gpt model flags...]
+
+One stage (pp = 1: embedding, layers and output head) of the model the flags describe, the
+executor's own layers (``ChunkRecomputeLayer`` + ``ElasticAttention``); each case is a small plan
+(batched, split, hybrid chunks; no, partial and full recompute) run through
+``forward_backward_elastic`` under :class:`ActivationMemoryTracker`, beside
+``PlanBuilder.predicted_activation_bytes`` of the same plan. Writes ``[{case, rc, pred, meas}]``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MASTER_PORT", str(21000 + os.getpid() % 20000))
+
+import torch  # noqa: E402
+
+from megatron_epp.elastic_schedule import forward_backward_elastic  # noqa: E402
+from megatron_epp.elastic_step import chunk_batches, elastic_gpt_forward_step  # noqa: E402
+from megatron_epp.model.chunk_state import CHUNK_STATE  # noqa: E402
+from megatron_epp.model.memory_tracker import ActivationMemoryTracker  # noqa: E402
+from megatron_epp.model.spec import elastic_layer_spec, install_chunk_positions  # noqa: E402
+from megatron_epp.plan import Chunk, Pipeline, Plan, Segment, chunk_kind  # noqa: E402
+from megatron_epp.training.arguments import parse_args  # noqa: E402
+from megatron_epp.training.elastic import PlanBuilder  # noqa: E402
+from megatron_epp.training.initialize import initialize  # noqa: E402
+from megatron_epp.training.model import build_model, default_layer_spec  # noqa: E402
+
+S = Segment
+# name -> chunks (segment lists); recompute counts: "none", "full" or a list per chunk ("L" = all layers)
+CASES = [
+    ("batched", [[S(0, 0, 200), S(1, 0, 90)]], ["none", "full"]),
+    ("split", [[S(0, 0, 96)], [S(0, 96, 192)], [S(0, 192, 300)]], ["none", ["L", 1, 0], "full"]),
+    ("split+hybrid+batched", [[S(0, 0, 150)], [S(0, 150, 300), S(1, 0, 60)], [S(2, 0, 100), S(3, 0, 50)]], ["none", [1, 0, "L"], "full"]),
+]
+
+
+def make_plan(chunks: list[list[Segment]], rc, layers: int) -> Plan:
+    ends: dict[int, int] = {}
+    for c in chunks:
+        for s in c:
+            ends[s.seq] = max(ends.get(s.seq, 0), s.end)
+    lengths = [ends[i] for i in range(len(ends))]
+    counts = {"none": [0] * len(chunks), "full": [layers] * len(chunks)}.get(rc) if isinstance(rc, str) else [layers if r == "L" else r for r in rc]
+    pipe = Pipeline([Chunk(i, chunk_kind(c, lengths), c) for i, c in enumerate(chunks)], [counts])
+    return Plan(lengths, 1, [layers], [pipe], builder="test").validate()
+
+
+def main() -> None:
+    out, flags = sys.argv[1], sys.argv[2:]
+    args = parse_args(flags + ["--elastic-pp", "--mock-data", "--seq-length", "512", "--epp-memory-budget", "1"], world_size=1)
+    args.vocab_size = args.vocab_size or 257
+    runtime = initialize(args)
+    model, _ = build_model(args, runtime, layer_spec=elastic_layer_spec(default_layer_spec()))
+    install_chunk_positions(model.module)
+    build = PlanBuilder(args)
+    gen = torch.Generator().manual_seed(0)
+    results = []
+    for name, chunks, rcs in CASES:
+        for rc in rcs:
+            plan = make_plan(chunks, rc, args.num_layers)
+            docs = [torch.randint(0, args.vocab_size, (n + 1,), generator=gen) for n in plan.seq_lengths]
+            CHUNK_STATE.kv.clear()
+            with ActivationMemoryTracker(torch.device("cpu")) as tracker:
+                forward_backward_elastic(
+                    forward_step_func=elastic_gpt_forward_step,
+                    data_iterator=chunk_batches(plan, [(d[:-1], d[1:]) for d in docs], runtime.device),
+                    model=[model], num_microbatches=len(plan.pipelines[0].chunks), plan=plan,
+                )
+            model.zero_grad_buffer()
+            pred = build.predicted_activation_bytes(plan)[0]
+            results.append({"case": name, "rc": plan.pipelines[0].recompute[0], "pred": pred, "meas": tracker.peak_bytes})
+    with open(out, "w") as f:
+        json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main()
