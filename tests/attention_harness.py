@@ -61,7 +61,7 @@ class ChunkResult:
 def run_plan(attention: ElasticAttention, plan: Plan, tensors: list[list[ChunkTensors]], device) -> list[list[ChunkResult]]:
     """Forward every chunk (plan order), then backward (schedule order); outputs and input gradients."""
     results = []
-    CHUNK_STATE.kv.clear()
+    CHUNK_STATE.clear()
     try:
         for pipe, row in zip(plan.pipelines, tensors):
             layouts = [ChunkLayout.build(c, plan.seq_lengths, torch.device(device)) for c in pipe.chunks]
@@ -78,8 +78,7 @@ def run_plan(attention: ElasticAttention, plan: Plan, tensors: list[list[ChunkTe
             if CHUNK_STATE.kv:
                 raise AssertionError(f"prefix K/V not released after the pipeline: {sorted(CHUNK_STATE.kv)}")
     finally:
-        CHUNK_STATE.current = None
-        CHUNK_STATE.kv.clear()
+        CHUNK_STATE.clear()
     return results
 
 

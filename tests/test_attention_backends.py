@@ -190,7 +190,7 @@ def test_flash_call_arguments_and_seqlens_built_once_per_chunk(monkeypatch):
     lengths = [20, 5, 7]
     first = Chunk(0, "split", [Segment(0, 0, 12)])
     hybrid = Chunk(1, "hybrid", [Segment(1, 0, 5), Segment(0, 12, 20), Segment(2, 0, 7)])
-    CHUNK_STATE.kv.clear()
+    CHUNK_STATE.clear()
     try:
         for chunk in (first, hybrid):
             CHUNK_STATE.current = ChunkLayout.build(chunk, lengths, torch.device("cpu"))
@@ -199,8 +199,7 @@ def test_flash_call_arguments_and_seqlens_built_once_per_chunk(monkeypatch):
                 layer.train()
                 layer(torch.randn(n, 1, 4, 8), torch.randn(n, 1, 2, 8), torch.randn(n, 1, 2, 8), attention_mask=None)
     finally:
-        CHUNK_STATE.current = None
-        CHUNK_STATE.kv.clear()
+        CHUNK_STATE.clear()
     assert len(calls) == 4
     (_, k0, cq0, ck0, *_), _, (q1, k1, cq1, ck1, max_q, max_k, kwargs), (_, _, cq1b, ck1b, *_) = calls
     assert k0[0] == 12 and q1[0] == 20 and k1[0] == 32  # the hybrid's keys: 5 + (12 prefix + 8) + 7

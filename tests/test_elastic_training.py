@@ -69,6 +69,6 @@ def test_measured_activation_memory_follows_the_prediction_and_recompute():
     none, full = peaks("none"), peaks("full")
     for step in none:
         for predicted, measured in step:
-            assert abs(predicted / measured - 1) < 0.15, step
+            assert abs(predicted / measured - 1) < 0.10, step
     for step_none, step_full in zip(none, full):
         assert all(f[1] < 0.5 * n[1] for n, f in zip(step_none, step_full)), (step_none, step_full)

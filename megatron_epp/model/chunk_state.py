@@ -136,6 +136,7 @@ class ChunkState:
     def __init__(self) -> None:
         self.current: ChunkLayout | None = None
         self.kv: dict[tuple[int, int], PrefixKV] = {}
+        self.kv_version = 0  # changes whenever K/V are kept or released (memory tracking caches on it)
 
     def layout(self) -> ChunkLayout:
         if self.current is None:
@@ -145,11 +146,29 @@ class ChunkState:
     def store(self, seq: int, layer: int) -> PrefixKV:
         return self.kv.setdefault((seq, layer), PrefixKV())
 
-    def release(self, seq: int, layer: int) -> None:
-        self.kv.pop((seq, layer), None)
+    def keep(self, seq: int, layer: int, start: int, kv: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keep the K/V leaves of the slice at ``start`` for later slices; the first write wins (a
+        recompute gets the kept leaves back, so later slices' gradients keep accumulating on them)."""
+        slices = self.store(seq, layer).slices
+        if start not in slices:
+            slices[start] = kv
+            self.kv_version += 1
+        return slices[start]
 
-    def kv_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for e in self.kv.values() for kv in e.slices.values() for t in kv)
+    def release(self, seq: int, layer: int) -> None:
+        if self.kv.pop((seq, layer), None) is not None:
+            self.kv_version += 1
+
+    def kv_storages(self) -> dict[int, int]:
+        """``{storage pointer: bytes}`` of the kept K/V (a slice's K and V share their QKV storage)."""
+        storages = (t.untyped_storage() for e in self.kv.values() for kv in e.slices.values() for t in kv)
+        return {st.data_ptr(): st.nbytes() for st in storages}
+
+    def clear(self) -> None:
+        """Forget the current chunk and every kept K/V (between independent runs)."""
+        self.current = None
+        self.kv.clear()
+        self.kv_version += 1
 
 
 CHUNK_STATE = ChunkState()

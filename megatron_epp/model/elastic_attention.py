@@ -98,8 +98,8 @@ class ElasticAttention(MegatronModule):
         if layout.keeps_kv:
             start, end = layout.bounds[layout.split_index]
             fresh = (key[start:end].detach().requires_grad_(), value[start:end].detach().requires_grad_())
-            k_leaf, v_leaf = store.slices.setdefault(layout.context, fresh)  # a recompute reuses the kept leaves
             seq, layer = layout.split_seq, self.layer_number
+            k_leaf, v_leaf = CHUNK_STATE.keep(seq, layer, layout.context, fresh)
             release = (lambda: CHUNK_STATE.release(seq, layer)) if layout.context == 0 else None
             key, value = _ReceiveLaterSliceGrads.apply(key, value, k_leaf, v_leaf, start, end, release)
         return prefix, key, value

@@ -26,7 +26,12 @@ class _Saved:
 
 
 class ActivationMemoryTracker:
-    """``with ActivationMemoryTracker(device) as t: step()`` then ``t.peak_bytes``."""
+    """``with ActivationMemoryTracker(device) as t: step()`` then ``t.peak_bytes``.
+
+    On CPU each saved tensor costs O(1): the kept prefix K/V are re-listed only when the store
+    changes (``CHUNK_STATE.kv_version``), and their bytes not already counted as saved are kept
+    up to date as storages enter and leave the saved set.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -35,6 +40,9 @@ class ActivationMemoryTracker:
         self._current = 0
         self._hooks = None
         self._start = 0
+        self._kv_version = -1
+        self._kv: dict[int, int] = {}  # kept prefix K/V: storage pointer -> bytes
+        self._kv_unsaved = 0  # bytes of kept K/V storages that are not in ``_live``
 
     def __enter__(self) -> "ActivationMemoryTracker":
         if self.device.type == "cuda":
@@ -56,27 +64,20 @@ class ActivationMemoryTracker:
     def _pack(self, tensor: torch.Tensor):
         if isinstance(tensor, torch.nn.Parameter):
             return _Plain(tensor)
+        if self._kv_version != CHUNK_STATE.kv_version:
+            self._kv_version = CHUNK_STATE.kv_version
+            self._kv = CHUNK_STATE.kv_storages()
+            self._kv_unsaved = sum(nbytes for ptr, nbytes in self._kv.items() if ptr not in self._live)
         storage = tensor.untyped_storage()
         key = storage.data_ptr()
-        entry = self._live.setdefault(key, [storage.nbytes(), 0])
-        if entry[1] == 0:
+        entry = self._live.get(key)
+        if entry is None:
+            entry = self._live[key] = [storage.nbytes(), 0]
             self._current += entry[0]
+            self._kv_unsaved -= self._kv.get(key, 0)
         entry[1] += 1
-        self.peak_bytes = max(self.peak_bytes, self._current + self._prefix_kv_bytes())
+        self.peak_bytes = max(self.peak_bytes, self._current + self._kv_unsaved)
         return _Saved(tensor, self, key)
-
-    def _prefix_kv_bytes(self) -> int:
-        """Kept prefix K/V whose storage is not already counted as saved."""
-        seen = set()
-        total = 0
-        for entry in CHUNK_STATE.kv.values():
-            for kv in entry.slices.values():
-                for t in kv:
-                    st = t.untyped_storage()
-                    if st.data_ptr() not in self._live and st.data_ptr() not in seen:
-                        seen.add(st.data_ptr())
-                        total += st.nbytes()
-        return total
 
     def _release(self, key: int) -> None:
         entry = self._live.get(key)
@@ -86,6 +87,7 @@ class ActivationMemoryTracker:
         if entry[1] == 0:
             self._current -= entry[0]
             del self._live[key]
+            self._kv_unsaved += self._kv.get(key, 0)
 
 
 class _Plain:

@@ -37,7 +37,7 @@ class PlanBuilder:
         profile = load_model(args.epp_profile, tp=args.tensor_model_parallel_size)
         shape = dataclasses.replace(
             profile.model, num_layers=args.num_layers, hidden=args.hidden_size, num_heads=args.num_attention_heads,
-            ffn_hidden=args.ffn_hidden_size, vocab=args.vocab_size,
+            ffn_hidden=args.ffn_hidden_size, vocab=args.vocab_size, rope=args.position_embedding_type == "rope",
         )
         self.args = args
         self.cost_model = CostModel(
@@ -157,7 +157,7 @@ class ElasticStep:
         per_stage: list[Any] = [None] * self.runtime.pp_size
         dist.all_gather_object(per_stage, measured, group=ps.get_pipeline_model_parallel_group())
         predicted = plan.info["predicted_activation_bytes"]
-        pairs = ", ".join(f"{p / 2**20:.1f}/{m / 2**20:.1f}" for p, m in zip(predicted, per_stage))
+        pairs = ", ".join(f"{p / 2**20:.2f}/{m / 2**20:.2f}" for p, m in zip(predicted, per_stage))
         self.last_activation_bytes = (predicted, per_stage)
         return f"act MB pred/meas per stage: {pairs}"
 

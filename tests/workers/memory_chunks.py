@@ -65,7 +65,7 @@ def main() -> None:
         for rc in rcs:
             plan = make_plan(chunks, rc, args.num_layers)
             docs = [torch.randint(0, args.vocab_size, (n + 1,), generator=gen) for n in plan.seq_lengths]
-            CHUNK_STATE.kv.clear()
+            CHUNK_STATE.clear()
             with ActivationMemoryTracker(torch.device("cpu")) as tracker:
                 forward_backward_elastic(
                     forward_step_func=elastic_gpt_forward_step,
