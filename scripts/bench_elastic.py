@@ -40,14 +40,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_epp.planner.calibration import REPO, run_pretrain  # noqa: E402
 
-WIKI = Path("/work/shared/datasets/wikipedia_lengths.txt.gz")
 BUILDERS = ("elastic", "megatron", "seq1f1b")
 
 
 def wiki_dataset(mode: str, cap: int, num_docs: int = 4096, seed: int = 0) -> str:
     """Indexed dataset of random-byte documents with Wikipedia lengths (clipped or scaled to ``cap``)."""
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, get_idx_path
-    from megatron_epp.data.mock_documents import lengths_from_file
+    from megatron_epp.data.mock_documents import WIKIPEDIA_LENGTHS, lengths_from_file
 
     prefix = REPO / "data_cache" / "bench" / f"wiki_{mode}_{cap}_{num_docs}_{seed}"
     if Path(get_idx_path(str(prefix))).exists():
@@ -55,7 +54,7 @@ def wiki_dataset(mode: str, cap: int, num_docs: int = 4096, seed: int = 0) -> st
     prefix.parent.mkdir(parents=True, exist_ok=True)
     scale = 1.0 if mode == "clip" else cap / 131072
     # +1: a document of n + 1 tokens trains as n tokens (inputs/labels shifted by one)
-    lengths = lengths_from_file(WIKI, num_docs, seed, scale=scale, max_length=cap + 1)
+    lengths = lengths_from_file(WIKIPEDIA_LENGTHS, num_docs, seed, scale=scale, max_length=cap + 1)
     rng = np.random.default_rng(seed)
     builder = IndexedDatasetBuilder(get_bin_path(str(prefix)), dtype=DType.optimal_dtype(257))
     for n in lengths:

@@ -29,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_epp.planner import CostModel, build_plan, get_network, load_model  # noqa: E402
 from megatron_epp.planner.baselines import BASELINES, run_baselines  # noqa: E402
+from megatron_epp.data.mock_documents import WIKIPEDIA_LENGTHS  # noqa: E402
 from megatron_epp.planner.cli import read_lengths  # noqa: E402
 
-WIKI = "/work/shared/datasets/wikipedia_lengths.txt.gz"
 
 
 def code_like(n: int, rng: np.random.Generator) -> np.ndarray:
@@ -66,7 +66,7 @@ def main() -> None:
     ap.add_argument("--timing-seeds", type=int, default=21)
     args = ap.parse_args()
     cm = CostModel(load_model(args.model, 8), 4, network=get_network(args.network))
-    wiki = read_lengths(WIKI)
+    wiki = read_lengths(WIKIPEDIA_LENGTHS)
 
     print(f"== solve time: 512 Wikipedia sequences, cap 128K, P=4, {args.model} TP=8, one core ==")
     for mem in (args.memory_gb, 20.0):

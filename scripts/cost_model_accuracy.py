@@ -21,6 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_epp.planner import CostModel, build_plan, load_model  # noqa: E402
+from megatron_epp.data.mock_documents import WIKIPEDIA_LENGTHS  # noqa: E402
 from megatron_epp.planner.cli import read_lengths  # noqa: E402
 from megatron_epp.planner.cost_model import chunk_features  # noqa: E402
 from megatron_epp.planner.layer_bench import LayerStack, init_single_process, time_fwd_bwd  # noqa: E402
@@ -35,7 +36,7 @@ def main() -> None:
     args = ap.parse_args()
     init_single_process()
     profile = load_model(args.profile)
-    lengths = np.minimum(np.random.default_rng(args.seed).choice(read_lengths("/work/shared/datasets/wikipedia_lengths.txt.gz"), 96), 8192)
+    lengths = np.minimum(np.random.default_rng(args.seed).choice(read_lengths(WIKIPEDIA_LENGTHS), 96), 8192)
     plan = build_plan(lengths, CostModel(profile, 2), 0.25)
     whole = CostModel(profile, 1)  # one stage holding every layer and the head
     stack = LayerStack(profile.model, profile.model.num_layers)

@@ -8,6 +8,7 @@ predictable, so even a tiny model's loss falls within a few dozen steps.
 from __future__ import annotations
 
 import gzip
+import os
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,10 @@ import numpy as np
 from megatron_epp.data.documents import IndexedDocuments
 
 MAX_STEP = 3
+
+# The project's shared data sets lie in ``shared/`` beside the checkout (EPP_SHARED_DIR overrides).
+SHARED_DIR = Path(os.environ.get("EPP_SHARED_DIR", Path(__file__).resolve().parents[3] / "shared"))
+WIKIPEDIA_LENGTHS = SHARED_DIR / "datasets" / "wikipedia_lengths.txt.gz"  # 1M tokenized document lengths
 
 
 def progression_tokens(rng: np.random.Generator, length: int, vocab_size: int) -> np.ndarray:
