@@ -9,27 +9,44 @@ Measures, with one thread:
     recompute = (forward+backward with ``torch.utils.checkpoint``) - (forward+backward), fitted as
     a ratio of the forward;
   * the output head (linear + cross entropy) forward/backward;
-  * the bytes autograd saves per layer (activation memory per token, per attention area, per prefix
-    token) and for the head (logits per token).
+  * the bytes autograd saves per layer and for the head: a check only, the profile's memory block is
+    the analytic count (``saved_tensor_memory``, ``derive="saved-tensors-fp32"``), which the planner
+    re-derives for any shape; the error of the count against these measurements is reported.
 
-Writes the profile JSON and prints every fit's error.
+Writes the profile JSON (keeping the ``overhead`` block of the file it replaces, or of the shipped
+profile, fitted on real steps by ``scripts/calibrate_step.py``) and prints every fit's error.
 
     python scripts/profile_layer.py --out megatron_epp/planner/profiles/test-model_cpu.json
+    python scripts/profile_layer.py --hidden 128 --out /tmp/h128.json        # another shape
+    python scripts/profile_layer.py --hidden 128 --compare test-model         # check time scaling
+
+``--compare PROFILE`` profiles nothing: it times real chunks (batched, split with context, hybrid)
+through one layer, and the output head, at the given shape and compares them with PROFILE's
+coefficients carried to that shape by the planner's FLOP scaling (``shape_time``).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import platform
+import sys
+from pathlib import Path
 
 import numpy as np
 import torch
 from scipy.optimize import nnls
 
-from megatron_epp.model.chunk_state import bottom_right_causal_mask
-from megatron_epp.model.elastic_attention import segment_attention
-from megatron_epp.planner.layer_bench import LayerStack, init_single_process, saved_bytes, time_fwd_bwd
-from megatron_epp.planner.profiles import TEST_MODEL, MemoryCoeffs, ModelShape, Profile, TimeCoeffs
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_epp.model.attention_kernels import segment_attention  # noqa: E402
+from megatron_epp.model.chunk_state import bottom_right_causal_mask  # noqa: E402
+from megatron_epp.planner.layer_bench import LayerStack, init_single_process, saved_bytes, time_fwd_bwd  # noqa: E402
+from megatron_epp.planner.profiles import (  # noqa: E402
+    PROFILE_DIR, TEST_MODEL, MemoryCoeffs, ModelShape, Profile, StageOverhead, TimeCoeffs, load_model,
+    saved_tensor_memory, shape_time,
+)
 
 
 def fit(X: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, dict[str, float]]:
@@ -110,34 +127,106 @@ def profile_head(shape: ModelShape, stack: LayerStack, repeats: int):
     return res
 
 
-def profile_memory(shape: ModelShape, stack: LayerStack) -> tuple[dict[str, float], dict]:
-    rows, y = [], []
+def rel_errors(pred: np.ndarray, meas: np.ndarray) -> dict[str, float]:
+    rel = np.asarray(pred, dtype=float) / np.asarray(meas, dtype=float) - 1.0
+    return {"rms_rel_err": float(np.sqrt(np.mean(rel**2))), "max_rel_err": float(np.max(np.abs(rel))), "points": len(rel)}
+
+
+def derived_memory(shape: ModelShape) -> MemoryCoeffs:
+    """The profile's memory block: the analytic saved-tensor count for ``shape`` (fp32, CPU), which
+    the planner re-derives for the trained shape (``shape_memory``), and fp32 model states."""
+    return MemoryCoeffs(
+        **saved_tensor_memory(shape, 1, 4.0), weight=4.0, grad=4.0, optim=8.0, distributed_optimizer=False,
+        p2p_token=4.0 * shape.hidden, derive="saved-tensors-fp32",
+    )
+
+
+def check_memory(shape: ModelShape, stack: LayerStack, memory: MemoryCoeffs) -> dict:
+    """Bytes autograd saves per layer (chunks of one segment, with and without context) and for the
+    head, against the derived count. The bench layer runs without RoPE (no rotary embedding is
+    passed), so with ``shape.rope`` the count is expected to exceed it by RoPE's saved tensors."""
+    m, pred, meas = memory, [], []
     for s, c in [(128, 0), (256, 0), (512, 0), (1024, 0), (2048, 0), (256, 512), (256, 2048), (512, 1024), (1024, 2048)]:
         stack.set_segments([s], [c])
         x = torch.randn(s, 1, shape.hidden, requires_grad=True)
-        rows.append([s, s * (c + s), c])
-        y.append(saved_bytes(lambda: stack(x)))
-    X, y = np.array(rows, dtype=float), np.array(y, dtype=float)
-    (tok, area, ctx), err = fit(X, y)
+        meas.append(saved_bytes(lambda: stack(x)))
+        lone = m.lone_slice_token * s if c else 0.0
+        pred.append(m.act_token * s + m.act_area * s * (c + s) + m.act_context * c + (m.act_slice * s if c else 0.0) - lone)
     logits = saved_bytes(lambda: stack.head_loss(torch.randn(1024, 1, shape.hidden, requires_grad=True))) / 1024
-    return {"act_token": tok, "act_area": area, "act_context": ctx, "logits_token": logits}, {"activation_bytes": err}
+    # the bench head is the output layer + cross entropy (no final layernorm, no loss mask)
+    return {"activation_bytes_derived": rel_errors(pred, meas), "logits_bytes_derived": rel_errors([m.logits_token], [logits])}
+
+
+# chunks for --compare: (lengths, contexts); at most one segment with context per chunk
+COMPARE_CHUNKS = {
+    "batched": [([2048], [0]), ([1024, 512, 256, 128, 64, 32], [0] * 6), ([128] * 8, [0] * 8), ([256], [0])],
+    "split": [([512], [1536]), ([1024], [1024]), ([256], [3840]), ([2048], [2048])],
+    "hybrid": [([512, 256, 128], [1536, 0, 0]), ([256, 1024], [1024, 0])],
+}
+
+
+def compare(shape: ModelShape, spec: str, repeats: int) -> None:
+    """Measured vs predicted (``spec``'s coefficients carried to ``shape``) per-layer forward+backward
+    of real chunks, and of the output head."""
+    from megatron_epp.planner.cost_model import chunk_features
+    from megatron_epp.plan import Chunk, Segment
+
+    base = load_model(spec)
+    profile = shape_time(dataclasses.replace(base, model=dataclasses.replace(shape, name=base.model.name, rope=base.model.rope)))
+    stack = LayerStack(shape, num_layers=1)
+    print(f"shape: hidden {shape.hidden}, heads {shape.num_heads}, ffn {shape.ffn_hidden}, vocab {shape.vocab}; "
+          f"coefficients of {spec} (hidden {base.time_model.hidden}) scaled by FLOPs")
+    print(f"{'kind':8s} {'tokens':>7s} {'segs':>5s} {'max C':>6s} {'pred ms':>9s} {'meas ms':>9s} {'err':>7s}")
+    errs = {}
+    for kind, chunks in COMPARE_CHUNKS.items():
+        for lengths, contexts in chunks:
+            chunk = Chunk(0, kind, [Segment(i, c, c + s) for i, (s, c) in enumerate(zip(lengths, contexts))])
+            feats = chunk_features([chunk])[0]
+            pred = float(feats @ (profile.fwd.vector() + profile.bwd.vector()))
+            stack.set_segments(lengths, contexts)
+            n = sum(lengths)
+            f, b = time_fwd_bwd(stack, lambda n=n: (torch.randn(n, 1, shape.hidden, requires_grad=True),), repeats)
+            errs.setdefault(kind, []).append(pred / (f + b) - 1)
+            print(f"{kind:8s} {n:7d} {len(lengths):5d} {max(contexts):6d} {pred:9.2f} {f + b:9.2f} {pred / (f + b) - 1:+7.1%}")
+    for n in (512, 2048):
+        f, b = time_fwd_bwd(stack.head_loss, lambda n=n: (torch.randn(n, 1, shape.hidden, requires_grad=True),), repeats)
+        feats = np.array([0, 0, n, 0, 0, 1.0])
+        pred = float(feats @ (profile.head_fwd.vector() + profile.head_bwd.vector()))
+        errs.setdefault("head", []).append(pred / (f + b) - 1)
+        print(f"{'head':8s} {n:7d} {1:5d} {0:6d} {pred:9.2f} {f + b:9.2f} {pred / (f + b) - 1:+7.1%}")
+    for kind, e in errs.items():
+        print(f"{kind:8s} mean err {np.mean(e):+.1%}  mean |err| {np.mean(np.abs(e)):.1%}  max |err| {np.max(np.abs(e)):.1%}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="megatron_epp/planner/profiles/test-model_cpu.json")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--hidden", type=int, default=TEST_MODEL.hidden)
+    ap.add_argument("--heads", type=int, default=TEST_MODEL.num_heads)
+    ap.add_argument("--ffn", type=int, default=None, help="default 4 x hidden")
+    ap.add_argument("--vocab", type=int, default=TEST_MODEL.vocab)
+    ap.add_argument("--overhead-from", default=None,
+                    help="profile JSON whose 'overhead' block is kept (default: --out if it exists, else the shipped profile)")
+    ap.add_argument("--compare", metavar="PROFILE", default=None,
+                    help="profile nothing: compare PROFILE, scaled to this shape, with measured chunks")
     args = ap.parse_args()
-    shape = TEST_MODEL
+    shape = dataclasses.replace(TEST_MODEL, hidden=args.hidden, num_heads=args.heads, ffn_hidden=args.ffn or 4 * args.hidden, vocab=args.vocab)
+    if shape != TEST_MODEL:
+        shape = dataclasses.replace(shape, name=f"{TEST_MODEL.name}-h{shape.hidden}")
     init_single_process()  # one thread before anything is timed
     torch.manual_seed(0)
+    if args.compare:
+        compare(shape, args.compare, args.repeats)
+        return
+    overhead_from = Path(args.overhead_from or (args.out if Path(args.out).exists() else PROFILE_DIR / "test-model_cpu.json"))
+    overhead = json.loads(overhead_from.read_text()).get("overhead")
     att_f, att_b, errors = profile_attention(shape, args.repeats)
     layer, stack = profile_layer(shape, att_f, att_b, args.repeats)
     head = profile_head(shape, stack, args.repeats)
-    mem, mem_err = profile_memory(shape, stack)
+    memory = derived_memory(shape)
     errors.update({k: v[1] for k, v in {**layer, **head}.items()})
-    errors.update(mem_err)
-    h = shape.hidden
+    errors.update(check_memory(shape, stack, memory))
     profile = Profile(
         model=shape,
         device=f"CPU {platform.processor() or platform.machine()} (1 thread, fp32)",
@@ -148,20 +237,9 @@ def main() -> None:
         recompute=layer["recompute"][0],
         head_fwd=head["head_fwd"][0],
         head_bwd=head["head_bwd"][0],
-        memory=MemoryCoeffs(
-            act_token=mem["act_token"],
-            act_area=mem["act_area"],
-            act_context=mem["act_context"],
-            ckpt_token=4.0 * h,
-            kv_token=2 * 4.0 * shape.kv_hidden,
-            logits_token=mem["logits_token"],
-            weight=4.0,
-            grad=4.0,
-            optim=8.0,
-            distributed_optimizer=False,
-            p2p_token=4.0 * h,
-        ),
+        memory=memory,
         fit={"errors": errors, "torch": torch.__version__, "note": "measured by scripts/profile_layer.py"},
+        overhead=StageOverhead(**overhead) if overhead else StageOverhead(),
     )
     profile.save(args.out)
     print(f"wrote {args.out}")

@@ -13,7 +13,7 @@ import numpy as np
 
 from megatron_epp.plan import Chunk, split_layers
 from megatron_epp.planner.network import NETWORKS, Network
-from megatron_epp.planner.profiles import Profile, TimeCoeffs, shape_memory
+from megatron_epp.planner.profiles import Profile, TimeCoeffs, shape_memory, shape_time
 
 
 NUM_FEATURES = 6
@@ -69,7 +69,7 @@ class CostModel:
         dp: int = 1,
         network: Network | None = None,
     ) -> None:
-        self.profile = shape_memory(profile)  # activation memory for this model shape
+        self.profile = shape_time(shape_memory(profile))  # activation memory and time for this model shape
         self.num_stages = num_stages
         self.layers = np.asarray(
             layers_per_stage if layers_per_stage is not None else split_layers(profile.model.num_layers, num_stages)

@@ -14,6 +14,10 @@ an attention with an explicit boolean mask computes the whole ``s x (C + s)`` re
 ``a1c ~ a1``; the profiler fits both. ``ac`` is a cost per prefix token (concatenating the prefix
 K/V before the attention call; 0 for a GPU kernel reading the cache in place). ``bs`` is a per-segment launch cost (an attention call per
 segment on CPU; 0 for a varlen GPU kernel), ``b1`` the per-chunk launch constant.
+
+The time coefficients belong to the shape they were measured at (``Profile.time_model``); a profile
+placed on another shape is rescaled by FLOPs (:func:`shape_time`), as its activation memory is
+re-derived (:func:`shape_memory`); both are applied when a ``CostModel`` is built.
 """
 
 from __future__ import annotations
@@ -151,6 +155,14 @@ class Profile:
     memory: MemoryCoeffs
     fit: dict[str, Any] = field(default_factory=dict)
     overhead: StageOverhead = field(default_factory=StageOverhead)
+    # the shape the time coefficients were measured (or derived) at; ``model`` when not given. A
+    # profile placed on another shape (``replace(profile, model=...)``) keeps it, and
+    # :func:`shape_time` rescales the coefficients from it to ``model``.
+    time_model: ModelShape | None = None
+
+    def __post_init__(self) -> None:
+        if self.time_model is None:
+            object.__setattr__(self, "time_model", self.model)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -166,6 +178,7 @@ class Profile:
             memory=MemoryCoeffs(**d["memory"]),
             fit=dict(d.get("fit", {})),
             overhead=StageOverhead(**d["overhead"]) if "overhead" in d else StageOverhead(),
+            time_model=ModelShape(**d["time_model"]) if d.get("time_model") else None,
             **tc,
         )
 
@@ -241,6 +254,7 @@ def analytic_profile(shape: ModelShape, tp: int = 8, acc: Accelerator = H100) ->
         head_fwd=TimeCoeffs(0.0, 0.0, head, 0.0, 0.0, 0.0),
         head_bwd=TimeCoeffs(0.0, 0.0, 2 * head, 0.0, 0.0, 0.0),
         memory=memory,
+        time_model=shape,
         fit={"note": f"analytic: peak {acc.peak_tflops} TFLOP/s, MFU {acc.mfu} (attention {acc.attn_mfu}), TP overlap {acc.tp_overlap}; not measured"},
     )
 
@@ -317,6 +331,65 @@ def shape_memory(profile: Profile) -> Profile:
     if derive not in _DERIVATIONS:
         raise ValueError(f"unknown memory derivation {derive!r} (known: {', '.join(_DERIVATIONS)})")
     return replace(profile, memory=replace(profile.memory, **_DERIVATIONS[derive](profile.model, profile.tp)))
+
+
+def time_scale_factors(ref: ModelShape, shape: ModelShape) -> dict[str, float]:
+    """Factors that carry per-layer time coefficients measured at shape ``ref`` to ``shape``, from
+    FLOPs (same device, same tensor-parallel size, same kernels assumed):
+
+    * ``a2`` (per token): the layer's GEMM FLOPs per token, ``2 (h (h + 2 h_kv) + h^2 + k h f)``
+      (QKV, output projection, MLP with ``k`` = 2, or 3 with SwiGLU): everything per token that is
+      not a GEMM (layernorms, biases, activation, residuals, RoPE; linear in ``h``) is lumped in;
+    * ``a1``, ``a1c`` (per key-query pair): ``4 h`` FLOPs per pair (``Q K^T`` and ``P V`` over all
+      heads), so ``h``; the per-pair softmax and mask work per head is lumped in;
+    * ``ac`` (per prefix token: the prefix K/V copied before the attention call): ``h_kv``;
+    * ``bs``, ``b1`` (per segment, per chunk: launches, Python): unchanged;
+    * the output head's ``a2``: the logits GEMM, ``h * vocab`` (the softmax over ``vocab`` lumped in).
+    """
+    return {
+        "a2": shape.gemm_flops_per_token() / ref.gemm_flops_per_token(),
+        "a1": shape.hidden / ref.hidden,
+        "ac": shape.kv_hidden / ref.kv_hidden,
+        "head": shape.hidden * shape.vocab / (ref.hidden * ref.vocab),
+    }
+
+
+def shape_time(profile: Profile) -> Profile:
+    """``profile`` with its time coefficients carried from the shape they were measured at
+    (``time_model``) to its model shape by :func:`time_scale_factors`; the profile itself when the
+    two agree in every field the time depends on (layer count and name do not count).
+
+    First-principles FLOP scaling: a device's efficiency depends on the size of the GEMMs (small
+    ones run further from peak), so a shape far from ``time_model`` is better profiled afresh
+    (``scripts/profile_layer.py --hidden ...``). An analytic profile's ``a2`` is split as
+    :func:`analytic_profile` builds it (GEMMs, backward twice the forward, at the head's ms per FLOP;
+    the rest is tensor-parallel communication, scaled with ``h``): the result equals a fresh
+    analytic profile of the new shape.
+    """
+    ref, shape = profile.time_model, profile.model
+    if ref is None or replace(ref, name=shape.name, num_layers=shape.num_layers) == shape:
+        return profile
+    k = time_scale_factors(ref, shape)
+    # analytic profiles: a2 = GEMM FLOPs x (ms per FLOP, read off the head's logits GEMM) + the
+    # tensor-parallel communication per token, which scales with h, not with the FLOPs
+    ms_per_flop = profile.head_fwd.a2 / (2.0 * ref.hidden * ref.vocab) if profile.source == "analytic" else None
+
+    def linear(a2: float, gemm_passes: float) -> float:
+        if ms_per_flop is None:
+            return a2 * k["a2"]
+        gemm = gemm_passes * ref.gemm_flops_per_token() * ms_per_flop
+        return gemm * k["a2"] + (a2 - gemm) * shape.hidden / ref.hidden
+
+    def layer(t: TimeCoeffs, passes: float = 1.0) -> TimeCoeffs:
+        return replace(t, a1=t.a1 * k["a1"], a1c=t.a1c * k["a1"], a2=linear(t.a2, passes), ac=t.ac * k["ac"])
+
+    def head(t: TimeCoeffs) -> TimeCoeffs:
+        return replace(t, a1=t.a1 * k["a1"], a1c=t.a1c * k["a1"], a2=t.a2 * k["head"], ac=t.ac * k["ac"])
+
+    return replace(
+        profile, fwd=layer(profile.fwd), bwd=layer(profile.bwd, 2.0), recompute=layer(profile.recompute),
+        head_fwd=head(profile.head_fwd), head_bwd=head(profile.head_bwd), time_model=shape,
+    )
 
 
 def load_model(spec: str, tp: int = 8) -> Profile:

@@ -1,0 +1,95 @@
+"""Time coefficients follow the model shape a profile is placed on (``shape_time``), by FLOPs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+
+from megatron_epp.planner.cost_model import CostModel, chunk_features
+from megatron_epp.plan import Chunk, Segment
+from megatron_epp.planner.profiles import MODEL_PRESETS, Profile, analytic_profile, load_model, shape_time
+
+
+def placed(profile: Profile, **changes) -> Profile:
+    """``profile`` on another shape, as ``PlanBuilder`` does it."""
+    return dataclasses.replace(profile, model=dataclasses.replace(profile.model, **changes))
+
+
+def test_identity_at_the_profiles_own_shape():
+    profile = load_model("test-model")
+    assert profile.time_model == profile.model
+    assert shape_time(profile) is profile
+    # the layer count and the name do not change per-layer times
+    same = placed(profile, num_layers=4, name="run")
+    assert shape_time(same) is same
+    cm = CostModel(same, 2)
+    for name in ("fwd", "bwd", "recompute", "head_fwd", "head_bwd"):
+        assert getattr(cm.profile, name) == getattr(profile, name)
+
+
+def test_hidden_128_scales_by_the_flop_ratio():
+    profile = load_model("test-model")  # hidden 64, ffn 256, GELU MLP, 4 heads, vocab 512
+    big = CostModel(placed(profile, hidden=128, ffn_hidden=512), 2).profile
+    # GEMM FLOPs per token: 2 (h * 3h + h^2 + 2 h f): 98304 at (64, 256), 393216 at (128, 512)
+    flops = lambda h, f: 2 * (h * 3 * h + h * h + 2 * h * f)  # noqa: E731
+    assert flops(64, 256) == 98304 and flops(128, 512) == 4 * 98304
+    for name in ("fwd", "bwd", "recompute"):
+        old, new = getattr(profile, name), getattr(big, name)
+        assert new.a2 / old.a2 == pytest.approx(flops(128, 512) / flops(64, 256))
+        assert new.a1 / old.a1 == pytest.approx(2.0) and new.a1c / old.a1c == pytest.approx(2.0)  # 4 h per pair
+        assert new.ac == pytest.approx(2.0 * old.ac)  # prefix K/V copy: h_kv per token (bwd: 0)
+        assert (new.bs, new.b1) == (old.bs, old.b1)  # launches: unchanged
+    for name in ("head_fwd", "head_bwd"):
+        old, new = getattr(profile, name), getattr(big, name)
+        assert new.a2 / old.a2 == pytest.approx(2.0) and new.b1 == old.b1  # h * vocab
+    wide = CostModel(placed(profile, vocab=2048), 2).profile
+    assert wide.head_fwd.a2 / profile.head_fwd.a2 == pytest.approx(4.0) and wide.fwd == profile.fwd
+    # the executor's per-chunk overhead and the memory block's own derivation are left alone
+    assert big.overhead == profile.overhead and big.memory.act_token != profile.memory.act_token
+
+
+def test_ffn_only_and_swiglu_follow_the_gemm_count():
+    profile = load_model("test-model")
+    h = profile.model.hidden
+    base = 2 * (4 * h * h + 2 * h * 256)
+    ffn = CostModel(placed(profile, ffn_hidden=512), 1).profile
+    assert ffn.fwd.a2 / profile.fwd.a2 == pytest.approx(2 * (4 * h * h + 2 * h * 512) / base)
+    assert ffn.fwd.a1 == profile.fwd.a1  # attention does not see the MLP
+    glu = CostModel(placed(profile, swiglu=True), 1).profile
+    assert glu.fwd.a2 / profile.fwd.a2 == pytest.approx(2 * (4 * h * h + 3 * h * 256) / base)
+
+
+def test_chunk_times_scale_and_a_shape_round_trip_is_identity():
+    profile = load_model("test-model")
+    chunks = [Chunk(0, "batched", [Segment(0, 0, 512), Segment(1, 0, 256)]), Chunk(1, "split", [Segment(2, 1024, 1536)])]
+    feats = chunk_features(chunks)
+    small, big = CostModel(profile, 1), CostModel(placed(profile, hidden=128, ffn_hidden=512), 1)
+    assert np.all(big.costs(feats).fwd > small.costs(feats).fwd)
+    # a scaled profile carried back to the measured shape gives the measured coefficients back
+    there = big.profile
+    back = shape_time(dataclasses.replace(there, model=profile.model))
+    for name in ("fwd", "bwd", "recompute", "head_fwd", "head_bwd"):
+        np.testing.assert_allclose(getattr(back, name).vector(), getattr(profile, name).vector(), rtol=1e-12)
+
+
+def test_time_model_survives_save_and_load(tmp_path):
+    profile = placed(load_model("test-model"), hidden=128, ffn_hidden=512)
+    path = tmp_path / "p.json"
+    profile.save(path)
+    assert json.loads(path.read_text())["time_model"]["hidden"] == 64
+    again = Profile.load(path)
+    assert again.time_model.hidden == 64 and again.model.hidden == 128
+    assert CostModel(again, 1).profile.fwd == CostModel(profile, 1).profile.fwd
+
+
+def test_analytic_profile_scales_to_a_fresh_analytic_profile():
+    p = analytic_profile(MODEL_PRESETS["llama-13b"], 8)
+    assert shape_time(p) is p
+    q = shape_time(dataclasses.replace(p, model=MODEL_PRESETS["llama-7b"]))
+    # GEMM part by FLOPs, tensor-parallel communication by h: a fresh analytic profile of the new shape
+    fresh = analytic_profile(MODEL_PRESETS["llama-7b"], 8)
+    for name in ("fwd", "bwd", "recompute", "head_fwd", "head_bwd"):
+        np.testing.assert_allclose(getattr(q, name).vector(), getattr(fresh, name).vector(), rtol=1e-9)
