@@ -21,7 +21,6 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_epp.model import attention_kernels
-from megatron_epp.model.attention_kernels import segment_attention  # noqa: F401  (re-exported: scripts/profile_layer.py)
 from megatron_epp.model.chunk_state import CHUNK_STATE, ChunkLayout
 
 
