@@ -205,3 +205,20 @@ def test_simulator_reproduces_1f1b_step_time():
     assert sim.bubble_ratio == pytest.approx(1 - 15 / 21)
     pipe.recompute[0] = [1] * n
     assert simulate(plan, cm).recompute_ms == pytest.approx(n)
+
+
+def test_elastic_plan_is_never_predicted_slower_than_packing_alone():
+    """The slice-count search scores candidates by a proxy; the plan it returns must still be at
+    least as fast, by the simulator, as packing whole sequences (one slice budget)."""
+    import dataclasses
+
+    from megatron_epp.data.mock_documents import WIKIPEDIA_LENGTHS, lengths_from_file
+    from megatron_epp.planner.builder import build_plan
+
+    profile = load_model("test-model")
+    cm = CostModel(dataclasses.replace(profile, model=dataclasses.replace(profile.model, num_layers=4, vocab=257)), 2)
+    for seed in range(12):
+        lengths = lengths_from_file(WIKIPEDIA_LENGTHS, 16, seed, max_length=1024).tolist()
+        elastic = build_plan(lengths, cm, 0.05, checkpointing="none")
+        packed = build_plan(lengths, cm, 0.05, checkpointing="none", slice_counts=[1])
+        assert elastic.info["predicted_step_ms"] <= packed.info["predicted_step_ms"] + 1e-6, (seed, elastic.summary())

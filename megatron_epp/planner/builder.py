@@ -177,6 +177,11 @@ def build_plan(
                 if np.isfinite(found[0]):
                     finalists.append(found)
                     break
+            # The search's proxy score can prefer slices that the simulated step does not: the
+            # packing-only candidate (one slice budget = the longest sequence) is always simulated too.
+            packed = _search(L, cost_model, cap, balance, free, False, [1], cache) if balance else (np.inf, None, None)
+            if np.isfinite(packed[0]) and all(packed[1] != f[1] for f in finalists):
+                finalists.append(packed)
         plans = []
         for _, (slice_budget, cap_used), groups in finalists:
             plan = make_plan(L, cost_model, groups, builder)
