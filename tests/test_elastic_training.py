@@ -10,7 +10,7 @@ from tests.launch import logged_losses, torchrun, torchrun_killed_after
 
 RUN = ["pretrain_gpt.py", "--elastic-pp", "--mock-data", "--pipeline-model-parallel-size", "2", "--num-layers", "4",
        "--hidden-size", "32", "--seq-length", "512", "--global-batch-size", "8", "--lr", "5e-3",
-       "--lr-warmup-iters", "3", "--train-iters", "50", "--log-interval", "1", "--epp-memory-budget", "0.02"]
+       "--lr-warmup-iters", "3", "--train-iters", "50", "--log-interval", "1", "--epp-memory-budget", "0.006"]
 
 
 def test_elastic_trains_and_matches_megatron_packing():
