@@ -9,7 +9,7 @@ is run at ``--budget-gb`` (where it is expected not to fit) and again at ``--non
 Checks, each printed ``ok`` or ``FAIL``:
   * every step, every stage: |predicted / measured - 1| <= ``--tolerance`` (10 %);
   * every step, every stage: model states + measured activations <= the budget the plan was made for
-    (up to the log's rounding of activation MB to one decimal);
+    (up to the log's rounding of activation MB to two decimals);
   * ``full`` measures the least activation memory of the modes at ``--budget-gb``; its time is shown
     beside the others' (on CPU per-chunk overhead can make it no slower: reported, not checked).
 
@@ -20,18 +20,16 @@ Checks, each printed ``ok`` or ``FAIL``:
 from __future__ import annotations
 
 import argparse
-import os
-import re
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-LINE = re.compile(r"elapsed time per iteration \(ms\): ([\d.]+).*recomputed_layers=(\d+).*act MB pred/meas per stage: ([\d./, ]+)")
+
+from megatron_epp.planner.calibration import parsed_args, run_pretrain  # noqa: E402
 MB = 2**20
-ROUNDING = 0.05  # MB: the log prints activation MB with one decimal
+ROUNDING = 0.005  # MB: the log prints activation MB with two decimals
 
 
 def flags(hidden: int, budget: float, mode: str, iters: int, extra: list[str]) -> list[str]:
@@ -43,38 +41,28 @@ def flags(hidden: int, budget: float, mode: str, iters: int, extra: list[str]) -
 
 def state_mb(argv: list[str]) -> list[float]:
     """Model states per stage (MB) as the planner counts them for this run's flags."""
-    from megatron_epp.training.arguments import parse_args
     from megatron_epp.training.elastic import PlanBuilder
-    from megatron_epp.training.main import resolve_vocab_size
 
-    args = parse_args(argv, world_size=2)
-    resolve_vocab_size(args)
-    return (PlanBuilder(args).cost_model.model_state_bytes() / MB).tolist()
+    return (PlanBuilder(parsed_args(argv)).cost_model.model_state_bytes() / MB).tolist()
 
 
 def run(hidden: int, mode: str, budget: float, iters: int, extra: list[str]) -> dict:
     argv = flags(hidden, budget, mode, iters, extra)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(REPO / "pretrain_gpt.py"), *argv]
-    env = {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PATH": os.environ.get("PATH", "/usr/bin:/bin")}
-    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
-    if out.returncode:
-        lines = (out.stdout + out.stderr).strip().splitlines()
-        said = [x for x in lines if "error: " in x] or [x for x in lines if "Error" in x] or lines[-1:]
-        return {"error": said[-1] if said else f"exit {out.returncode}"}
-    rows = [LINE.search(line) for line in out.stdout.splitlines()]
-    rows = [r for r in rows if r][1:]  # the first step includes warm-up
-    steps = [[tuple(map(float, pair.split("/"))) for pair in r.group(3).split(", ")] for r in rows]
-    P = len(steps[0])
+    try:
+        steps = run_pretrain(argv)[1:]  # the first step includes warm-up
+    except RuntimeError as error:
+        return {"error": str(error)}
+    P = len(steps[0].act_meas_mb)
     states = state_mb(argv)
     return {
         "budget": budget,
-        "ms": statistics.median(float(r.group(1)) for r in rows),
-        "recomputed": statistics.median(int(r.group(2)) for r in rows),
-        "pred": [statistics.median(s[p][0] for s in steps) for p in range(P)],
-        "meas": [statistics.median(s[p][1] for s in steps) for p in range(P)],
-        "max_meas": [max(s[p][1] for s in steps) for p in range(P)],
-        "err": max(abs(s[p][0] / s[p][1] - 1) for s in steps for p in range(P)),
-        "total": max(states[p] + s[p][1] for s in steps for p in range(P)),
+        "ms": statistics.median(s.iter_ms for s in steps),
+        "recomputed": statistics.median(s.recomputed_layers for s in steps),
+        "pred": [statistics.median(s.act_pred_mb[p] for s in steps) for p in range(P)],
+        "meas": [statistics.median(s.act_meas_mb[p] for s in steps) for p in range(P)],
+        "max_meas": [max(s.act_meas_mb[p] for s in steps) for p in range(P)],
+        "err": max(abs(s.act_pred_mb[p] / s.act_meas_mb[p] - 1) for s in steps for p in range(P)),
+        "total": max(states[p] + s.act_meas_mb[p] for s in steps for p in range(P)),
     }
 
 

@@ -87,8 +87,9 @@ def run_pretrain(argv: Sequence[str], nproc: int = 2, timeout: float = 900) -> l
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=timeout)
     if out.returncode:
-        tail = [line for line in (out.stdout + out.stderr).strip().splitlines() if line.strip()]
-        raise RuntimeError(f"pretrain_gpt.py failed ({out.returncode}): {tail[-1] if tail else ''}")
+        lines = [line for line in (out.stdout + out.stderr).strip().splitlines() if line.strip()]
+        said = [line for line in lines if "error: " in line] or lines[-1:]
+        raise RuntimeError(f"pretrain_gpt.py failed ({out.returncode}): {said[-1] if said else ''}")
     return parse_log(out.stdout)
 
 
@@ -96,27 +97,26 @@ def reconstruct_plans(argv: Sequence[str], iterations: int, world_size: int = 2)
     """The plans ``pretrain_gpt.py argv`` runs in its first ``iterations`` steps (data-parallel rank 0),
     rebuilt in this process from the same flags, document stream and planner; and the planner's cost
     model (the profile on this run's model shape and stages)."""
-    from megatron_epp.data.sequence_sampler import SequenceSampler
+    from megatron_epp.training.elastic import PlanBuilder, elastic_sampler
+
+    args = parsed_args(argv, world_size)
+    batches = elastic_sampler(args, "train", args.data_parallel_size).iterate(0)
+    build = PlanBuilder(args)
+    plans = []
+    for _ in range(iterations):
+        batch = next(batches)
+        plans.append(build(batch.seq_lengths[batch.positions(0)].tolist()).validate())
+    return plans, build.cost_model
+
+
+def parsed_args(argv: Sequence[str], world_size: int = 2):
+    """``pretrain_gpt.py``'s validated arguments for ``argv`` (vocabulary size resolved), in-process."""
     from megatron_epp.training.arguments import parse_args
-    from megatron_epp.training.elastic import PlanBuilder, elastic_documents
     from megatron_epp.training.main import resolve_vocab_size
 
     args = parse_args(list(argv), world_size=world_size)
     resolve_vocab_size(args)
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        extra = {"truncate": args.epp_truncate_documents} if hasattr(args, "epp_truncate_documents") else {}
-        sampler = SequenceSampler(elastic_documents(args, "train"), args.global_batch_size, args.seq_length,
-                                  seed=args.seed, dp_size=args.data_parallel_size, **extra)  # as elastic_step builds it
-        batches = sampler.iterate(0)
-        build = PlanBuilder(args)
-        plans = []
-        for _ in range(iterations):
-            batch = next(batches)
-            plans.append(build(batch.seq_lengths[batch.positions(0)].tolist()).validate())
-    return plans, build.cost_model
+    return args
 
 
 def with_overhead(profile: Profile, fwd_ms: float, bwd_ms: float, fit: dict | None = None) -> Profile:

@@ -169,16 +169,22 @@ class ElasticStep:
         return self.last_summary
 
 
-def elastic_step(args: argparse.Namespace, runtime: Runtime, model, split: str, consumed: int) -> ElasticStep | None:
-    """The elastic step function for ``split`` ('train'/'valid'), or None if the split is empty."""
+def elastic_sampler(args: argparse.Namespace, split: str, dp_size: int):
+    """The whole-document sampler of ``split`` ('train'/'valid') for ``dp_size`` replicas, or None if
+    the split is empty."""
     from megatron_epp.data.sequence_sampler import SequenceSampler
 
     documents = elastic_documents(args, split)
     if documents is None:
         return None
-    sampler = SequenceSampler(documents, args.global_batch_size, args.seq_length, seed=args.seed,
-                              dp_size=runtime.dp_size, truncate=args.epp_truncate_documents)
-    return ElasticStep(args, runtime, model, sampler, consumed, PlanBuilder(args))
+    return SequenceSampler(documents, args.global_batch_size, args.seq_length, seed=args.seed,
+                           dp_size=dp_size, truncate=args.epp_truncate_documents)
+
+
+def elastic_step(args: argparse.Namespace, runtime: Runtime, model, split: str, consumed: int) -> ElasticStep | None:
+    """The elastic step function for ``split`` ('train'/'valid'), or None if the split is empty."""
+    sampler = elastic_sampler(args, split, runtime.dp_size)
+    return None if sampler is None else ElasticStep(args, runtime, model, sampler, consumed, PlanBuilder(args))
 
 
 def check_memory_budget(args: argparse.Namespace) -> None:
