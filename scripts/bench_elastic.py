@@ -38,7 +38,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_epp.planner.calibration import REPO, run_pretrain  # noqa: E402
+from megatron_epp.tools.calibration import REPO, run_pretrain  # noqa: E402
 
 BUILDERS = ("elastic", "megatron", "seq1f1b")
 

@@ -27,7 +27,10 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_epp.planner import CostModel, build_plan, get_network, load_model  # noqa: E402
+from megatron_epp.cost.model import CostModel  # noqa: E402
+from megatron_epp.cost.network import get_network  # noqa: E402
+from megatron_epp.cost.profiles import load_model  # noqa: E402
+from megatron_epp.planner import build_plan  # noqa: E402
 from megatron_epp.planner.baselines import BASELINES, run_baselines  # noqa: E402
 from megatron_epp.data.mock_documents import WIKIPEDIA_LENGTHS  # noqa: E402
 from megatron_epp.planner.cli import read_lengths  # noqa: E402

@@ -27,7 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from megatron_epp.planner.calibration import parsed_args, run_pretrain  # noqa: E402
+from megatron_epp.tools.calibration import parsed_args, run_pretrain  # noqa: E402
 MB = 2**20
 ROUNDING = 0.005  # MB: the log prints activation MB with two decimals
 

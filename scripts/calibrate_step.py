@@ -36,8 +36,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_epp.planner.calibration import REPO, StepRecord, fit_overhead, reconstruct_plans, run_pretrain, simulate_steps  # noqa: E402
-from megatron_epp.planner.profiles import PROFILE_DIR  # noqa: E402
+from megatron_epp.tools.calibration import REPO, StepRecord, fit_overhead, reconstruct_plans, run_pretrain, simulate_steps  # noqa: E402
+from megatron_epp.cost.profiles import PROFILE_DIR  # noqa: E402
 
 MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "1024",
          "--global-batch-size", "16", "--lr", "3e-3", "--log-interval", "1", "--pipeline-model-parallel-size", "2"]

@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from megatron_epp.model import attention_kernels  # noqa: E402
+from megatron_epp.executor import kernels as attention_kernels  # noqa: E402
 from megatron_epp.plan import Chunk, Pipeline, Plan, Segment, chunk_kind  # noqa: E402
 from tests.attention_harness import make_attention, random_tensors, run_plan, worst_errors  # noqa: E402
 

@@ -20,11 +20,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_epp.planner import CostModel, build_plan, load_model  # noqa: E402
+from megatron_epp.cost.model import CostModel  # noqa: E402
+from megatron_epp.cost.profiles import load_model  # noqa: E402
+from megatron_epp.planner import build_plan  # noqa: E402
 from megatron_epp.data.mock_documents import WIKIPEDIA_LENGTHS  # noqa: E402
 from megatron_epp.planner.cli import read_lengths  # noqa: E402
-from megatron_epp.planner.cost_model import chunk_features  # noqa: E402
-from megatron_epp.planner.layer_bench import LayerStack, init_single_process, time_fwd_bwd  # noqa: E402
+from megatron_epp.cost.model import chunk_features  # noqa: E402
+from megatron_epp.tools.layer_bench import LayerStack, init_single_process, time_fwd_bwd  # noqa: E402
 
 
 def main() -> None:

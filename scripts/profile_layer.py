@@ -16,7 +16,7 @@ Measures, with one thread:
 Writes the profile JSON (keeping the ``overhead`` block of the file it replaces, or of the shipped
 profile, fitted on real steps by ``scripts/calibrate_step.py``) and prints every fit's error.
 
-    python scripts/profile_layer.py --out megatron_epp/planner/profiles/test-model_cpu.json
+    python scripts/profile_layer.py --out megatron_epp/cost/profiles/test-model_cpu.json
     python scripts/profile_layer.py --hidden 128 --out /tmp/h128.json        # another shape
     python scripts/profile_layer.py --hidden 128 --compare test-model         # check time scaling
 
@@ -40,10 +40,10 @@ from scipy.optimize import nnls
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_epp.model.attention_kernels import segment_attention  # noqa: E402
-from megatron_epp.model.chunk_state import bottom_right_causal_mask  # noqa: E402
-from megatron_epp.planner.layer_bench import LayerStack, init_single_process, saved_bytes, time_fwd_bwd  # noqa: E402
-from megatron_epp.planner.profiles import (  # noqa: E402
+from megatron_epp.executor.kernels import segment_attention  # noqa: E402
+from megatron_epp.executor.context import bottom_right_causal_mask  # noqa: E402
+from megatron_epp.tools.layer_bench import LayerStack, init_single_process, saved_bytes, time_fwd_bwd  # noqa: E402
+from megatron_epp.cost.profiles import (  # noqa: E402
     PROFILE_DIR, TEST_MODEL, MemoryCoeffs, ModelShape, Profile, StageOverhead, TimeCoeffs, load_model,
     saved_tensor_memory, shape_time,
 )
@@ -168,7 +168,7 @@ COMPARE_CHUNKS = {
 def compare(shape: ModelShape, spec: str, repeats: int) -> None:
     """Measured vs predicted (``spec``'s coefficients carried to ``shape``) per-layer forward+backward
     of real chunks, and of the output head."""
-    from megatron_epp.planner.cost_model import chunk_features
+    from megatron_epp.cost.model import chunk_features
     from megatron_epp.plan import Chunk, Segment
 
     base = load_model(spec)
@@ -200,7 +200,7 @@ def compare(shape: ModelShape, spec: str, repeats: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="megatron_epp/planner/profiles/test-model_cpu.json")
+    ap.add_argument("--out", default="megatron_epp/cost/profiles/test-model_cpu.json")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--hidden", type=int, default=TEST_MODEL.hidden)
     ap.add_argument("--heads", type=int, default=TEST_MODEL.num_heads)

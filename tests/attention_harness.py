@@ -13,10 +13,10 @@ from dataclasses import dataclass
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_epp.model.chunk_state import CHUNK_STATE, ChunkLayout
-from megatron_epp.model.elastic_attention import ElasticAttention
+from megatron_epp.executor.context import CHUNK_STATE, ChunkLayout
+from megatron_epp.executor.attention import ElasticAttention
 from megatron_epp.plan import Plan
-from megatron_epp.schedule_order import backward_order
+from megatron_epp.plan.order import backward_order
 
 
 def make_attention(heads: int, kv_heads: int, head_dim: int, dropout: float = 0.0, layer_number: int = 1) -> ElasticAttention:

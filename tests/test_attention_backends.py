@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_epp.model import attention_kernels, chunk_state, elastic_attention
-from megatron_epp.model.attention_kernels import AttentionBackendError, FlashKernel
-from megatron_epp.model.chunk_state import CHUNK_STATE, ChunkLayout
+from megatron_epp.executor import attention as elastic_attention, context as chunk_state, kernels as attention_kernels
+from megatron_epp.executor.kernels import AttentionBackendError, FlashKernel
+from megatron_epp.executor.context import CHUNK_STATE, ChunkLayout
 from megatron_epp.plan import Chunk, Segment
 from tests.attention_harness import make_attention, random_tensors, run_plan, worst_errors
 from tests.workers.random_plans import random_lengths, random_plan

@@ -106,7 +106,7 @@ def test_injected_fault_breaks_the_match(tmp_path, references, fault):
 def test_random_plans_cover_every_chunk_kind_and_shape():
     import numpy as np
 
-    from megatron_epp.schedule_order import max_chunks_per_sequence
+    from megatron_epp.plan.order import max_chunks_per_sequence
     from tests.workers.random_plans import random_lengths, random_plan
 
     kinds, pipelines, slices = set(), set(), set()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from megatron_epp.plan import Chunk, Pipeline, Plan, PlanError, Segment
-from megatron_epp.schedule_order import backward_order, num_warmup, stage_ops
+from megatron_epp.plan.order import backward_order, num_warmup, stage_ops
 
 LENGTHS = [10, 3, 4, 12]
 

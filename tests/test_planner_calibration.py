@@ -7,10 +7,12 @@ import dataclasses
 import numpy as np
 import pytest
 
-from megatron_epp.planner import CostModel, build_plan, load_model
-from megatron_epp.planner.calibration import fit_overhead, parse_log, simulate_steps, with_overhead
-from megatron_epp.planner.cost_model import chunk_features
-from megatron_epp.planner.profiles import Profile, StageOverhead
+from megatron_epp.cost.model import CostModel
+from megatron_epp.cost.profiles import load_model
+from megatron_epp.planner import build_plan
+from megatron_epp.tools.calibration import fit_overhead, parse_log, simulate_steps, with_overhead
+from megatron_epp.cost.model import chunk_features
+from megatron_epp.cost.profiles import Profile, StageOverhead
 
 LINE = (
     " iteration        2/       6 | consumed samples:         32 | elapsed time per iteration (ms): 3999.3 | "

@@ -10,9 +10,9 @@ import pytest
 
 from megatron_epp.planner.baselines import BASELINES, megatron_plan, run_baselines, seq1f1b_plan
 from megatron_epp.planner.cli import main, split_data_parallel
-from megatron_epp.planner.cost_model import CostModel
-from megatron_epp.planner.flexsp import _layouts
-from megatron_epp.planner.profiles import load_model
+from megatron_epp.cost.model import CostModel
+from megatron_epp.simulator.flexsp import _layouts
+from megatron_epp.cost.profiles import load_model
 
 LENGTHS = [3000, 1200, 800, 500, 300, 200, 150, 90, 60, 40, 20, 10] * 2
 

@@ -15,8 +15,8 @@ import sys
 
 import pytest
 
-from megatron_epp.planner.cost_model import CostModel
-from megatron_epp.planner.profiles import load_model, saved_tensor_memory
+from megatron_epp.cost.model import CostModel
+from megatron_epp.cost.profiles import load_model, saved_tensor_memory
 from tests.launch import REPO, free_port, run_env
 
 SHAPES = {
@@ -80,9 +80,9 @@ def test_walk_counts_the_recompute_of_the_last_checkpointed_layer():
     (no gradient workspace): in backward the last checkpointed layer recomputes while the earlier
     ones still hold their inputs and the later ones have freed everything."""
     from megatron_epp.plan import Chunk, Pipeline, Segment
-    from megatron_epp.planner.cost_model import chunk_features
-    from megatron_epp.planner.memory import stage_memory
-    from megatron_epp.planner.profiles import MemoryCoeffs
+    from megatron_epp.cost.model import chunk_features
+    from megatron_epp.simulator.memory import stage_memory
+    from megatron_epp.cost.profiles import MemoryCoeffs
 
     profile = load_model("test-model")
     memory = MemoryCoeffs(10.0, 0.0, 0.0, 1.0, 2.0, 0.0, 0.0, 0.0, 0.0, False, 0.0, bwd_workspace=0.0)

@@ -8,11 +8,11 @@ from hypothesis import strategies as st
 
 from megatron_epp.planner.baselines import megatron_plan, seq1f1b_plan
 from megatron_epp.planner.builder import PlanInfeasible, build_plan
-from megatron_epp.planner.cost_model import CostModel, chunk_features
-from megatron_epp.planner.memory import pipeline_memory
-from megatron_epp.planner.profiles import GIB, load_model
-from megatron_epp.planner.simulator import simulate
-from megatron_epp.schedule_order import sequence_units
+from megatron_epp.cost.model import CostModel, chunk_features
+from megatron_epp.simulator.memory import pipeline_memory
+from megatron_epp.cost.profiles import GIB, load_model
+from megatron_epp.simulator.step import simulate
+from megatron_epp.plan.order import sequence_units
 
 PROFILE = load_model("test-model")
 

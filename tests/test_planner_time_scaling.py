@@ -8,9 +8,9 @@ import json
 import numpy as np
 import pytest
 
-from megatron_epp.planner.cost_model import CostModel, chunk_features
+from megatron_epp.cost.model import CostModel, chunk_features
 from megatron_epp.plan import Chunk, Segment
-from megatron_epp.planner.profiles import MODEL_PRESETS, Profile, analytic_profile, load_model, shape_time
+from megatron_epp.cost.profiles import MODEL_PRESETS, Profile, analytic_profile, load_model, shape_time
 
 
 def placed(profile: Profile, **changes) -> Profile:

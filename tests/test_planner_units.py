@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 
 from megatron_epp.plan import Chunk, Pipeline, Plan, Segment
-from megatron_epp.planner.checkpointing import MemoryInfeasible, solve_checkpointing
+from megatron_epp.planner.recompute import MemoryInfeasible, solve_checkpointing
 from megatron_epp.planner.chunking import build_units, equal_count_cuts, pack, slice_cuts
-from megatron_epp.planner.cost_model import CostModel, chunk_features
+from megatron_epp.cost.model import CostModel, chunk_features
 from megatron_epp.planner.grouping import group_units
-from megatron_epp.planner.memory import pipeline_memory, stage_memory
-from megatron_epp.planner.network import Network
-from megatron_epp.planner.profiles import MODEL_PRESETS, MemoryCoeffs, Profile, TimeCoeffs, analytic_profile, load_model
-from megatron_epp.planner.simulator import simulate
+from megatron_epp.simulator.memory import pipeline_memory, stage_memory
+from megatron_epp.cost.network import Network
+from megatron_epp.cost.profiles import MODEL_PRESETS, MemoryCoeffs, Profile, TimeCoeffs, analytic_profile, load_model
+from megatron_epp.simulator.step import simulate
 
 IDEAL = Network("ideal", 1e30, 0.0, 1e30, 0.0)
 

@@ -1,23 +1,11 @@
-"""The EPP planner: cost model, chunking, grouping, checkpointing, simulation, baselines.
+"""The EPP planner: a batch's sequence lengths -> a Plan (numpy and scipy only, no torch).
 
-Entry points: :func:`build_plan` (an elastic plan for a batch) and :func:`simulate` (any Plan).
+Chunking (:mod:`.chunking`), grouping into 1F1B pipelines (:mod:`.grouping`), per-stage recompute
+as an integer program (:mod:`.recompute`), the EPP builder (:mod:`.builder`) and the baseline
+builders (:mod:`.baselines`); :mod:`.compare` predicts all of them on one batch (``epp-plan``).
 """
 
-from megatron_epp.planner.builder import PlanInfeasible, build_plan
-from megatron_epp.planner.cost_model import CostModel
-from megatron_epp.planner.network import NETWORKS, get_network
-from megatron_epp.planner.profiles import Profile, analytic_profile, load_model
-from megatron_epp.planner.simulator import SimResult, simulate
+from megatron_epp.plan import PlanInfeasible
+from megatron_epp.planner.builder import build_plan
 
-__all__ = [
-    "NETWORKS",
-    "CostModel",
-    "PlanInfeasible",
-    "Profile",
-    "SimResult",
-    "analytic_profile",
-    "build_plan",
-    "get_network",
-    "load_model",
-    "simulate",
-]
+__all__ = ["PlanInfeasible", "build_plan"]

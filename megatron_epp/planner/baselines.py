@@ -20,10 +20,10 @@ import numpy as np
 from megatron_epp.plan import Plan
 from megatron_epp.planner.builder import PlanInfeasible, build_plan, finish, make_plan, order_units
 from megatron_epp.planner.chunking import build_units, equal_count_cuts
-from megatron_epp.planner.cost_model import CostModel, chunk_features
-from megatron_epp.planner.flexsp import plan_flexsp
-from megatron_epp.planner.memory import pipeline_memory
-from megatron_epp.planner.profiles import GIB
+from megatron_epp.cost.model import CostModel, chunk_features
+from megatron_epp.simulator.flexsp import plan_flexsp
+from megatron_epp.simulator.memory import pipeline_memory
+from megatron_epp.cost.profiles import GIB
 
 BASELINES = ("megatron", "seq1f1b", "epp-no-ckpt", "epp-full-ckpt", "epp-no-balance", "flexsp")
 

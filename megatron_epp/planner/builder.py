@@ -19,21 +19,17 @@ from typing import Sequence
 
 import numpy as np
 
-from megatron_epp.plan import Chunk, Pipeline, Plan
-from megatron_epp.planner.checkpointing import MemoryInfeasible, Mode, solve_checkpointing
+from megatron_epp.plan import Chunk, Pipeline, Plan, PlanInfeasible
+from megatron_epp.planner.recompute import MemoryInfeasible, Mode, solve_checkpointing
 from megatron_epp.planner.chunking import Units, build_units
-from megatron_epp.planner.cost_model import CostModel, chunk_features
+from megatron_epp.cost.model import CostModel, chunk_features
 from megatron_epp.planner.grouping import group_units
-from megatron_epp.planner.memory import pipeline_memory
-from megatron_epp.planner.profiles import GIB
-from megatron_epp.planner.simulator import simulate
+from megatron_epp.simulator.memory import pipeline_memory
+from megatron_epp.cost.profiles import GIB
+from megatron_epp.simulator.step import simulate
 
 SLICE_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 MIN_CHUNK_TOKENS = 64  # below this the token cap is not worth halving further: the batch does not fit
-
-
-class PlanInfeasible(ValueError):
-    """The batch cannot be planned within the memory budget."""
 
 
 def token_cap(cost_model: CostModel, budget: float) -> int:

@@ -17,10 +17,10 @@ import numpy as np
 from megatron_epp.plan import Plan
 from megatron_epp.planner.baselines import BASELINES, run_baselines
 from megatron_epp.planner.builder import PlanInfeasible, build_plan
-from megatron_epp.planner.cost_model import CostModel
-from megatron_epp.planner.network import NETWORKS, get_network
-from megatron_epp.planner.profiles import load_model
-from megatron_epp.planner.simulator import simulate
+from megatron_epp.cost.model import CostModel
+from megatron_epp.cost.network import NETWORKS, get_network
+from megatron_epp.cost.profiles import load_model
+from megatron_epp.simulator.step import simulate
 
 
 def read_lengths(path: str | Path) -> np.ndarray:
@@ -149,7 +149,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.plan_out:
         Path(args.plan_out).write_text(plans[0].to_json())
     if args.timeline:
-        from megatron_epp.planner.timeline import draw_timeline
+        from megatron_epp.simulator.timeline import draw_timeline
 
         draw_timeline(simulate(plans[0], cost_model), args.stages, args.timeline)
     if args.json:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from megatron_epp.planner.cost_model import ChunkCosts
+from megatron_epp.cost.model import ChunkCosts
 
 
 def _running_window_max(x: np.ndarray, start: int, window: int) -> np.ndarray:

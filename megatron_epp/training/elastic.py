@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from megatron_epp.elastic_schedule import forward_backward_elastic
-from megatron_epp.elastic_step import chunk_batches, elastic_gpt_forward_step
-from megatron_epp.model.memory_tracker import ActivationMemoryTracker
+from megatron_epp.executor.schedule import forward_backward_elastic
+from megatron_epp.executor.batches import chunk_batches, elastic_gpt_forward_step
+from megatron_epp.executor.memory_tracker import ActivationMemoryTracker
 from megatron_epp.plan import Plan
 from megatron_epp.training.arguments import ArgumentError
 from megatron_epp.training.initialize import Runtime
@@ -31,8 +31,8 @@ class PlanBuilder:
     """The ``--epp-plan`` builder on the planner's cost model for this model and pipeline."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        from megatron_epp.planner.cost_model import CostModel
-        from megatron_epp.planner.profiles import load_model
+        from megatron_epp.cost.model import CostModel
+        from megatron_epp.cost.profiles import load_model
 
         profile = load_model(args.epp_profile, tp=args.tensor_model_parallel_size)
         shape = dataclasses.replace(
@@ -57,8 +57,8 @@ class PlanBuilder:
 
     def predicted_activation_bytes(self, plan: Plan) -> list[float]:
         """Per-stage peak activation bytes (model states excluded) by the planner's exact memory walk."""
-        from megatron_epp.planner.cost_model import chunk_features
-        from megatron_epp.planner.memory import peak_memory
+        from megatron_epp.cost.model import chunk_features
+        from megatron_epp.simulator.memory import peak_memory
 
         no_states = np.zeros(plan.num_stages)
         peaks = [peak_memory(p, self.cost_model.costs(chunk_features(p.chunks)), self.cost_model.layers, no_states)
@@ -66,8 +66,8 @@ class PlanBuilder:
         return np.max(peaks, axis=0).tolist()
 
     def draw(self, plan: Plan, path: str) -> None:
-        from megatron_epp.planner import simulate
-        from megatron_epp.planner.timeline import draw_timeline
+        from megatron_epp.simulator import simulate
+        from megatron_epp.simulator.timeline import draw_timeline
 
         draw_timeline(simulate(plan, self.cost_model), plan.num_stages, path, title=plan.summary())
 

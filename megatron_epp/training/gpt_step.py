@@ -7,7 +7,8 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
-Batch = dict[str, torch.Tensor]
+from megatron_epp.executor.batches import Batch, per_token_loss
+
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 
 
@@ -41,14 +42,6 @@ def microbatches(
             ids = [(base + m + j) % len(samples) for j in range(micro_batch_size)]
             yield collate([samples[i] for i in ids], device)
         start += global_batch_size
-
-
-def per_token_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """Sum of masked token losses, the token count, and both for logging (``calculate_per_token_loss``)."""
-    mask = loss_mask.reshape(-1).float()
-    loss = (output_tensor.float().reshape(-1) * mask).sum()
-    count = mask.sum()
-    return loss, count.int(), {"lm loss": torch.stack([loss.detach(), count.detach()])}
 
 
 def gpt_forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module) -> tuple[torch.Tensor, Callable]:

@@ -58,7 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     runtime = initialize(args)
     if args.elastic_pp:
-        from megatron_epp.model.spec import elastic_layer_spec, install_chunk_positions
+        from megatron_epp.executor.spec import elastic_layer_spec, install_chunk_positions
         from megatron_epp.training.model import default_layer_spec
 
         model, config = build_model(args, runtime, layer_spec=elastic_layer_spec(default_layer_spec()))

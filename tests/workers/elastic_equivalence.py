@@ -18,11 +18,11 @@ import torch
 from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from megatron_epp.elastic_schedule import forward_backward_elastic
-from megatron_epp.elastic_step import chunk_batches, elastic_gpt_forward_step
-from megatron_epp.model import chunk_state
-from megatron_epp.model.spec import elastic_layer_spec, install_chunk_positions
-from megatron_epp import schedule_order
+from megatron_epp.executor.schedule import forward_backward_elastic
+from megatron_epp.executor.batches import chunk_batches, elastic_gpt_forward_step
+from megatron_epp.executor import context as chunk_state
+from megatron_epp.executor.spec import elastic_layer_spec, install_chunk_positions
+from megatron_epp.plan import order as schedule_order
 from megatron_epp.training.arguments import parse_args
 from megatron_epp.training.gpt_step import gpt_forward_step, reduce_losses
 from megatron_epp.training.initialize import initialize, shutdown
@@ -55,7 +55,7 @@ def inject(fault: str) -> None:
     elif fault == "leak_packing":
         chunk_state.ChunkLayout.build = classmethod(leak_packing)
     elif fault == "recompute_without_rng_restore":
-        from megatron_epp.model import recompute_layer
+        from megatron_epp.executor import recompute_layer
 
         def checkpoint(fn, _distribute, *args):
             return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)

@@ -20,11 +20,11 @@ os.environ.setdefault("MASTER_PORT", str(21000 + os.getpid() % 20000))
 
 import torch  # noqa: E402
 
-from megatron_epp.elastic_schedule import forward_backward_elastic  # noqa: E402
-from megatron_epp.elastic_step import chunk_batches, elastic_gpt_forward_step  # noqa: E402
-from megatron_epp.model.chunk_state import CHUNK_STATE  # noqa: E402
-from megatron_epp.model.memory_tracker import ActivationMemoryTracker  # noqa: E402
-from megatron_epp.model.spec import elastic_layer_spec, install_chunk_positions  # noqa: E402
+from megatron_epp.executor.schedule import forward_backward_elastic  # noqa: E402
+from megatron_epp.executor.batches import chunk_batches, elastic_gpt_forward_step  # noqa: E402
+from megatron_epp.executor.context import CHUNK_STATE  # noqa: E402
+from megatron_epp.executor.memory_tracker import ActivationMemoryTracker  # noqa: E402
+from megatron_epp.executor.spec import elastic_layer_spec, install_chunk_positions  # noqa: E402
 from megatron_epp.plan import Chunk, Pipeline, Plan, Segment, chunk_kind  # noqa: E402
 from megatron_epp.training.arguments import parse_args  # noqa: E402
 from megatron_epp.training.elastic import PlanBuilder  # noqa: E402

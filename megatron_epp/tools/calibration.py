@@ -8,7 +8,7 @@ summary and *measured ms* (the run of ``forward_backward_elastic`` on the last s
 of the plan plus ``finalize_model_grads``; planning, the optimizer step and the loss broadcast are
 outside it, as they are outside the simulator's step), rebuilds the very same plans in-process (same
 flags, same document stream, same planner: checked against the logged summary), and fits the
-executor's per-chunk stage overhead (:class:`~megatron_epp.planner.profiles.StageOverhead`) by least
+executor's per-chunk stage overhead (:class:`~megatron_epp.cost.profiles.StageOverhead`) by least
 squares of the simulator's step time against the measured one.
 """
 
@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from megatron_epp.plan import Plan
-from megatron_epp.planner.profiles import Profile, StageOverhead
+from megatron_epp.cost.profiles import Profile, StageOverhead
 
 if TYPE_CHECKING:
-    from megatron_epp.planner.cost_model import CostModel
+    from megatron_epp.cost.model import CostModel
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -126,8 +126,8 @@ def with_overhead(profile: Profile, fwd_ms: float, bwd_ms: float, fit: dict | No
 def simulate_steps(plans: Sequence[Plan], cost_model: "CostModel", fwd_ms: float | None = None, bwd_ms: float | None = None) -> np.ndarray:
     """Simulated step ms of ``plans`` on ``cost_model``, its profile's stage overhead replaced by
     ``fwd_ms``/``bwd_ms`` when given."""
-    from megatron_epp.planner.cost_model import CostModel
-    from megatron_epp.planner.simulator import simulate
+    from megatron_epp.cost.model import CostModel
+    from megatron_epp.simulator.step import simulate
 
     cm = cost_model
     if fwd_ms is not None:

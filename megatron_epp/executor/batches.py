@@ -1,4 +1,4 @@
-"""Per-chunk batches of a Plan and the GPT forward step for elastic chunks."""
+"""Per-chunk batches of a Plan, the GPT forward step for elastic chunks, and the per-token loss."""
 
 from __future__ import annotations
 
@@ -7,11 +7,19 @@ from typing import Iterator, Sequence
 
 import torch
 
-from megatron_epp.model.chunk_state import CHUNK_STATE
+from megatron_epp.executor.context import CHUNK_STATE
 from megatron_epp.plan import Plan
-from megatron_epp.training.gpt_step import Batch, per_token_loss
 
+Batch = dict[str, torch.Tensor]
 TokensAndLabels = tuple[torch.Tensor, torch.Tensor]
+
+
+def per_token_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """Sum of masked token losses, the token count, and both for logging (``calculate_per_token_loss``)."""
+    mask = loss_mask.reshape(-1).float()
+    loss = (output_tensor.float().reshape(-1) * mask).sum()
+    count = mask.sum()
+    return loss, count.int(), {"lm loss": torch.stack([loss.detach(), count.detach()])}
 
 
 def chunk_batches(plan: Plan, sequences: Sequence[TokensAndLabels] | None, device: torch.device) -> Iterator[Batch]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from megatron_epp.plan import Chunk, Pipeline
+from megatron_epp.plan.core import Chunk, Pipeline
 
 
 @dataclass(frozen=True)

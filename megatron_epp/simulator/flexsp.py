@@ -16,9 +16,9 @@ from typing import Any, Sequence
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
-from megatron_epp.planner.builder import PlanInfeasible
-from megatron_epp.planner.cost_model import NUM_FEATURES, CostModel
-from megatron_epp.planner.profiles import GIB, analytic_profile
+from megatron_epp.plan import PlanInfeasible
+from megatron_epp.cost.model import NUM_FEATURES, CostModel
+from megatron_epp.cost.profiles import GIB, analytic_profile
 
 
 def _layouts(n: int) -> list[list[int]]:

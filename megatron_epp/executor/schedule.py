@@ -1,6 +1,6 @@
 """Elastic 1F1B: run a Plan's chunks of different sizes through Megatron-Core's pipeline stages.
 
-The op order per stage comes from :mod:`megatron_epp.schedule_order` (warm-up
+The op order per stage comes from :mod:`megatron_epp.plan.order` (warm-up
 ``P - p - 1 + K_max - 1``, then one forward / one backward, then cool-down). Compute and
 communication reuse megatron-core's ``forward_step`` / ``backward_step`` and ``P2PCommunicator``;
 each transfer carries the chunk's own shape ``[tokens, 1, hidden]``, known to both sides from the
@@ -20,9 +20,9 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.pipeline_parallel.schedules import backward_step, deallocate_output_tensor, forward_step
 from megatron.core.utils import get_model_config, get_model_type
 
-from megatron_epp.model.chunk_state import CHUNK_STATE, ChunkLayout
+from megatron_epp.executor.context import CHUNK_STATE, ChunkLayout
 from megatron_epp.plan import Pipeline, Plan
-from megatron_epp.schedule_order import Op, stage_ops
+from megatron_epp.plan.order import Op, stage_ops
 
 
 def _grad_sync_control(config) -> tuple[Callable[[], None], Callable[[], None]]:

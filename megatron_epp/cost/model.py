@@ -12,8 +12,8 @@ from typing import Sequence
 import numpy as np
 
 from megatron_epp.plan import Chunk, split_layers
-from megatron_epp.planner.network import NETWORKS, Network
-from megatron_epp.planner.profiles import Profile, TimeCoeffs, shape_memory, shape_time
+from megatron_epp.cost.network import NETWORKS, Network
+from megatron_epp.cost.profiles import Profile, TimeCoeffs, shape_memory, shape_time
 
 
 NUM_FEATURES = 6

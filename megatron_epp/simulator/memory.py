@@ -33,8 +33,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron_epp.plan import Pipeline
-from megatron_epp.planner.cost_model import ChunkCosts
-from megatron_epp.schedule_order import Op, sequence_units, stage_ops
+from megatron_epp.cost.model import ChunkCosts
+from megatron_epp.plan.order import Op, sequence_units, stage_ops
 
 
 @dataclass

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_epp.model.chunk_state import CHUNK_STATE
+from megatron_epp.executor.context import CHUNK_STATE
 
 
 class _Saved:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from megatron_epp.model.chunk_state import CHUNK_STATE
+from megatron_epp.executor.context import CHUNK_STATE
 
 
 class ChunkRotaryEmbedding(torch.nn.Module):

@@ -17,12 +17,12 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from megatron_epp.model.chunk_state import CHUNK_STATE, ChunkLayout
-from megatron_epp.model.elastic_attention import ElasticAttention
-from megatron_epp.model.memory_tracker import ActivationMemoryTracker
+from megatron_epp.executor.context import CHUNK_STATE, ChunkLayout
+from megatron_epp.executor.attention import ElasticAttention
+from megatron_epp.executor.memory_tracker import ActivationMemoryTracker
 from megatron_epp.plan import Chunk, Segment
 
-from megatron_epp.planner.profiles import ModelShape
+from megatron_epp.cost.profiles import ModelShape
 
 
 _initialized = False

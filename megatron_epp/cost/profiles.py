@@ -271,7 +271,7 @@ def gpu_activation_memory(shape: ModelShape, tp: int) -> dict[str, float]:
 
 def saved_tensor_memory(shape: ModelShape, tp: int = 1, b: float = 4.0) -> dict[str, float]:
     """Bytes autograd saves for backward, counted tensor by tensor (deduplicated by storage, as
-    :class:`~megatron_epp.model.memory_tracker.ActivationMemoryTracker` counts them), for one
+    :class:`~megatron_epp.executor.memory_tracker.ActivationMemoryTracker` counts them), for one
     Megatron-Core local-spec layer with :class:`ElasticAttention` on the SDPA-masked path (CPU),
     ``b``-byte activations, no dropout. Per token of a chunk, one layer saves:
 

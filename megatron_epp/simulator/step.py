@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from megatron_epp.plan import Plan
-from megatron_epp.planner.cost_model import ChunkCosts, CostModel, chunk_features
-from megatron_epp.planner.memory import peak_memory
-from megatron_epp.schedule_order import stage_ops
+from megatron_epp.cost.model import ChunkCosts, CostModel, chunk_features
+from megatron_epp.simulator.memory import peak_memory
+from megatron_epp.plan.order import stage_ops
 
 
 class ScheduleDeadlock(RuntimeError):

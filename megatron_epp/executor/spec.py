@@ -7,9 +7,9 @@ import copy
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from megatron_epp.model.elastic_attention import ElasticAttention
-from megatron_epp.model.recompute_layer import ChunkRecomputeLayer
-from megatron_epp.model.rotary import ChunkRotaryEmbedding
+from megatron_epp.executor.attention import ElasticAttention
+from megatron_epp.executor.recompute_layer import ChunkRecomputeLayer
+from megatron_epp.executor.rotary import ChunkRotaryEmbedding
 
 
 def elastic_layer_spec(base: ModuleSpec) -> ModuleSpec:

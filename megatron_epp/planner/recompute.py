@@ -16,7 +16,7 @@ from typing import Literal
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
-from megatron_epp.planner.memory import StageMemory
+from megatron_epp.simulator.memory import StageMemory
 
 Mode = Literal["ilp", "greedy", "none", "full"]
 

@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from megatron_epp.model.chunk_state import ChunkLayout
+from megatron_epp.executor.context import ChunkLayout
 
 ENV = "EPP_ATTENTION_BACKEND"
 REQUESTS = ("auto", "sdpa", "flash")

@@ -10,7 +10,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 
-from megatron_epp.planner.simulator import SimResult  # noqa: E402
+from megatron_epp.simulator.step import SimResult  # noqa: E402
 
 KIND_COLORS = {"batched": "#4C72B0", "split": "#DD8452", "hybrid": "#55A868"}
 RECOMPUTE_COLOR = "#C44E52"

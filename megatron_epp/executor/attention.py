@@ -20,8 +20,8 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_epp.model import attention_kernels
-from megatron_epp.model.chunk_state import CHUNK_STATE, ChunkLayout
+from megatron_epp.executor import kernels
+from megatron_epp.executor.context import CHUNK_STATE, ChunkLayout
 
 
 class _ReceiveLaterSliceGrads(torch.autograd.Function):
@@ -69,8 +69,8 @@ class ElasticAttention(MegatronModule):
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
         self.deterministic = bool(getattr(config, "deterministic_mode", False))
-        self.backend_request = attention_kernels.requested_backend()  # EPP_ATTENTION_BACKEND, checked here
-        attention_kernels.check_request(self.backend_request)
+        self.backend_request = kernels.requested_backend()  # EPP_ATTENTION_BACKEND, checked here
+        kernels.check_request(self.backend_request)
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
         if packed_seq_params is not None or attention_bias is not None:
@@ -80,10 +80,10 @@ class ElasticAttention(MegatronModule):
         if layout.split_index is not None:
             prefix, key, value = self._exchange_prefix(layout, key, value)
         dropout = self.dropout_p if self.training else 0.0
-        backend = attention_kernels.select_backend(self.backend_request, query.device, query.dtype)
+        backend = kernels.select_backend(self.backend_request, query.device, query.dtype)
         kwargs = {"deterministic": self.deterministic} if backend == "flash-varlen" else {}
         with tensor_parallel.get_cuda_rng_tracker().fork() if dropout else contextlib.nullcontext():
-            out = attention_kernels.BACKENDS[backend](query, key, value, layout, prefix, dropout, self.softmax_scale, **kwargs)
+            out = kernels.BACKENDS[backend](query, key, value, layout, prefix, dropout, self.softmax_scale, **kwargs)
         return out.reshape(out.shape[0], out.shape[1], -1)
 
     def _exchange_prefix(self, layout: ChunkLayout, key: torch.Tensor, value: torch.Tensor):

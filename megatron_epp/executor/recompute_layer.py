@@ -13,7 +13,7 @@ from __future__ import annotations
 from megatron.core import tensor_parallel
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from megatron_epp.model.chunk_state import CHUNK_STATE
+from megatron_epp.executor.context import CHUNK_STATE
 
 
 class ChunkRecomputeLayer(TransformerLayer):

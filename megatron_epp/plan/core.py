@@ -28,6 +28,10 @@ class PlanError(ValueError):
     """A plan that breaks a dependency or does not cover the batch exactly."""
 
 
+class PlanInfeasible(ValueError):
+    """The batch cannot be planned within the memory budget."""
+
+
 @dataclass(frozen=True)
 class Segment:
     """Tokens ``[start, end)`` of sequence ``seq``; ``start`` is the context length C."""
