@@ -221,4 +221,4 @@ def test_elastic_plan_is_never_predicted_slower_than_packing_alone():
         lengths = lengths_from_file(WIKIPEDIA_LENGTHS, 16, seed, max_length=1024).tolist()
         elastic = build_plan(lengths, cm, 0.05, checkpointing="none")
         packed = build_plan(lengths, cm, 0.05, checkpointing="none", slice_counts=[1])
-        assert elastic.info["predicted_step_ms"] <= packed.info["predicted_step_ms"] + 1e-6, (seed, elastic.summary())
+        assert elastic.stats.predicted_step_ms <= packed.stats.predicted_step_ms + 1e-6, (seed, elastic.summary())

@@ -93,6 +93,31 @@ class Pipeline:
 
 
 @dataclass
+class PlanStats:
+    """What the planner predicted for a plan (``None``: not computed by the builder that made it)."""
+
+    solve_ms: float | None = None
+    predicted_step_ms: float | None = None
+    bound_step_ms: float | None = None  # compute only: no bubbles, recompute or communication; slowest stage
+    bubble_ratio: float | None = None
+    recompute_ms: float | None = None
+    peak_memory_gb: list[float] | None = None  # per stage, model states included
+    memory_budget_gb: float | None = None
+    fits: bool | None = None
+    num_chunks: dict[str, int] | None = None  # by kind
+    num_pipelines: int | None = None
+    recomputed_layers: int | None = None
+    predicted_activation_bytes: list[float] | None = None  # per stage, model states excluded
+    # the recompute program (elastic builder only)
+    mip_gap: float | None = None
+    ckpt_method: str | None = None
+    ilp_recompute_ms: float | None = None
+    # the chunking search's choice (elastic builder only)
+    slice_budget_ms: float | None = None
+    token_cap: int | None = None
+
+
+@dataclass
 class Plan:
     """A whole training step: the batch's sequence lengths and the pipelines that cover it."""
 
@@ -101,7 +126,7 @@ class Plan:
     layers_per_stage: list[int]
     pipelines: list[Pipeline]
     builder: str = "manual"
-    info: dict[str, Any] = field(default_factory=dict)
+    stats: PlanStats = field(default_factory=PlanStats)
 
     # ----------------------------------------------------------------------------- queries
     def chunks(self) -> Iterable[Chunk]:
@@ -155,7 +180,7 @@ class Plan:
             layers_per_stage=list(d["layers_per_stage"]),
             pipelines=pipelines,
             builder=d.get("builder", "manual"),
-            info=dict(d.get("info", {})),
+            stats=PlanStats(**d.get("stats", {})),
         )
 
     @classmethod

@@ -120,8 +120,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise SystemExit(f"error: {e}")
         per_replica = [run_baselines(lengths[p], cost_model, args.memory_gb, args.max_seq_len, args.seq1f1b_k, names) for p in parts]
     baselines = {n: _worst([r[n] for r in per_replica]) for n in names}
-    info = [p.info for p in plans]
-    peak = np.max([i["peak_memory_gb"] for i in info], axis=0)
+    info = [p.stats for p in plans]
+    peak = np.max([i.peak_memory_gb for i in info], axis=0)
     summary = {
         "model": profile.model.name,
         "profile_source": profile.source,
@@ -132,15 +132,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         "dp": args.dp,
         "num_sequences": int(len(lengths)),
         "num_tokens": int(lengths.sum()),
-        "solve_ms": max(i["solve_ms"] for i in info),
-        "num_chunks": {k: sum(i["num_chunks"][k] for i in info) for k in info[0]["num_chunks"]},
-        "num_pipelines": sum(i["num_pipelines"] for i in info),
-        "recomputed_layers": sum(i["recomputed_layers"] for i in info),
-        "mip_gap": max(i["mip_gap"] for i in info),
-        "predicted_step_ms": max(i["predicted_step_ms"] for i in info),
-        "bound_step_ms": max(i["bound_step_ms"] for i in info),
-        "bubble_ratio": max(i["bubble_ratio"] for i in info),
-        "recompute_ms": max(i["recompute_ms"] for i in info),
+        "solve_ms": max(i.solve_ms for i in info),
+        "num_chunks": {k: sum(i.num_chunks[k] for i in info) for k in info[0].num_chunks},
+        "num_pipelines": sum(i.num_pipelines for i in info),
+        "recomputed_layers": sum(i.recomputed_layers for i in info),
+        "mip_gap": max(i.mip_gap for i in info),
+        "predicted_step_ms": max(i.predicted_step_ms for i in info),
+        "bound_step_ms": max(i.bound_step_ms for i in info),
+        "bubble_ratio": max(i.bubble_ratio for i in info),
+        "recompute_ms": max(i.recompute_ms for i in info),
         "peak_memory_gb": peak.tolist(),
         "memory_budget_gb": args.memory_gb,
         "baselines": baselines,
