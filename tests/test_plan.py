@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from megatron_epp.plan import Chunk, Pipeline, Plan, PlanError, Segment
-from megatron_epp.plan.order import backward_order, num_warmup, stage_ops
+from megatron_epp.plan.order import backward_order, format_stage_ops, num_warmup, stage_ops
 
 LENGTHS = [10, 3, 4, 12]
 
@@ -129,3 +129,31 @@ def test_stage_ops_run_each_chunk_once_and_backward_after_forward():
         for op in ops:
             assert op.kind == "F" or op.pos in done
             done.add(op.pos)
+
+
+def test_format_stage_ops_is_a_table_of_each_stages_op_order():
+    plan = make_plan(good_chunks(), groups=[[0, 1], [2, 3, 4, 5]])
+    assert format_stage_ops(plan) == """\
+            Stage 0  Stage 1
+Step 00 p0  F0s      F0s
+Step 01 p0  F1h      F1h
+Step 02 p0  B1h      B1h
+Step 03 p0  B0s      B0s
+Step 04 p1  F2s      F2s
+Step 05 p1  F3s      F3s
+Step 06 p1  F4s      F4s
+Step 07 p1  F5       B4s
+Step 08 p1  B4s      F5
+Step 09 p1  B3s      B3s
+Step 10 p1  B2s      B2s
+Step 11 p1  B5       B5"""
+    pipe = Pipeline([Chunk(7, "batched", [Segment(0, 0, 10)]), Chunk(9, "batched", [Segment(1, 0, 3)])], [[0, 0]] * 3)
+    assert format_stage_ops(pipe, 3).splitlines() == [
+        "        Stage 0  Stage 1  Stage 2",
+        "Step 0  F7       F7       F7",
+        "Step 1  F9       F9       B7",
+        "Step 2  B7       B7       F9",
+        "Step 3  B9       B9       B9",
+    ]
+    with pytest.raises(ValueError, match="needs num_stages"):
+        format_stage_ops(pipe)

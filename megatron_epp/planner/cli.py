@@ -15,6 +15,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from megatron_epp.plan import Plan
+from megatron_epp.plan.order import format_stage_ops
 from megatron_epp.planner.baselines import BASELINES, run_baselines
 from megatron_epp.planner.builder import PlanInfeasible, build_plan
 from megatron_epp.cost.model import CostModel
@@ -90,6 +91,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     ap.add_argument("--plan-out", help="write the Plan JSON (replica 0) here")
     ap.add_argument("--timeline", help="draw replica 0's per-stage Gantt chart to this PNG")
+    ap.add_argument("--print-schedule", action="store_true",
+                    help="print replica 0's op order: one column per stage, F/B + chunk id + s (split) or h (hybrid)")
     return ap.parse_args(argv)
 
 
@@ -146,6 +149,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         "baselines": baselines,
     }
     print_table(summary)
+    if args.print_schedule:
+        print(format_stage_ops(plans[0]))
     if args.plan_out:
         Path(args.plan_out).write_text(plans[0].to_json())
     if args.timeline:
