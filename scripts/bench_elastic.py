@@ -110,16 +110,16 @@ def bench_dataset(name: str, args) -> None:
         steps = runs[b]
         n = min(len(s) for s in steps)
         iter_ms = np.array([[s[i].iter_ms for s in steps] for i in range(n)])  # (step, repeat)
-        pipe_ms = np.array([[s[i].measured_ms for s in steps] for i in range(n)])
-        act = np.array([s[i].act_meas_mb for s in steps for i in range(n)])  # (step*repeat, stage)
+        pipe_ms = np.array([[s[i].elastic.measured_ms for s in steps] for i in range(n)])
+        act = np.array([s[i].elastic.measured_activation_bytes for s in steps for i in range(n)]) / 2**20  # (step*repeat, stage)
         first = steps[0][:n]
         stats[b] = {"iter": np.median(iter_ms, 1), "pipe": np.median(pipe_ms, 1), "act": np.median(act, 0),
                     "tokens": [s.tokens for s in first]}
-        kinds = {k: med([s.kinds[k] for s in first]) for k in ("batched", "split", "hybrid")}
-        pred = [s.predicted_ms for s in first if s.predicted_ms is not None]
-        print(f"  {b:9s} plan: {med([s.chunks for s in first]):.0f} chunks (batched {kinds['batched']:.0f}, split "
-              f"{kinds['split']:.0f}, hybrid {kinds['hybrid']:.0f}), {med([s.pipelines for s in first]):.0f} pipeline(s), "
-              f"{med([s.recomputed_layers for s in first]):.0f} recomputed layers, predicted {med(pred):.0f} ms (median per step)")
+        kinds = {k: med([s.elastic.num_chunks[k] for s in first]) for k in ("batched", "split", "hybrid")}
+        pred = [s.elastic.predicted_step_ms for s in first if s.elastic.predicted_step_ms is not None]
+        print(f"  {b:9s} plan: {med([sum(s.elastic.num_chunks.values()) for s in first]):.0f} chunks (batched {kinds['batched']:.0f}, split "
+              f"{kinds['split']:.0f}, hybrid {kinds['hybrid']:.0f}), {med([s.elastic.num_pipelines for s in first]):.0f} pipeline(s), "
+              f"{med([s.elastic.recomputed_layers for s in first]):.0f} recomputed layers, predicted {med(pred):.0f} ms (median per step)")
     if "elastic" not in stats:
         return
     e = stats["elastic"]

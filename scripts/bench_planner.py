@@ -55,8 +55,8 @@ def solve_times(pool: np.ndarray, cm: CostModel, memory_gb: float, seeds: int) -
         plan = build_plan(lengths, cm, memory_gb)
         wall.append((time.perf_counter() - t0) * 1e3)
         cpu.append((time.process_time() - c0) * 1e3)
-        gap = max(gap, plan.info["mip_gap"])
-        recomputed += plan.info["recomputed_layers"]
+        gap = max(gap, plan.stats.mip_gap)
+        recomputed += plan.stats.recomputed_layers
     return wall, cpu, gap, recomputed
 
 
@@ -89,8 +89,8 @@ def main() -> None:
             for seed in range(args.seeds):
                 lengths = np.minimum(np.random.default_rng(seed).choice(pool, 512), cap)
                 plan = build_plan(lengths, cm, args.memory_gb)
-                rows["epp"].append(plan.info["predicted_step_ms"])
-                bound.append(plan.info["bound_step_ms"])
+                rows["epp"].append(plan.stats.predicted_step_ms)
+                bound.append(plan.stats.bound_step_ms)
                 for n, r in run_baselines(lengths, cm, args.memory_gb, cap).items():
                     rows[n].append(r["predicted_step_ms"] if r["fits"] else np.nan)
             epp, b = np.mean(rows["epp"]), np.mean(bound)

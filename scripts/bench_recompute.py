@@ -52,17 +52,19 @@ def run(hidden: int, mode: str, budget: float, iters: int, extra: list[str]) -> 
         steps = run_pretrain(argv)[1:]  # the first step includes warm-up
     except RuntimeError as error:
         return {"error": str(error)}
-    P = len(steps[0].act_meas_mb)
+    pred = [[b / MB for b in s.elastic.predicted_activation_bytes] for s in steps]
+    meas = [[b / MB for b in s.elastic.measured_activation_bytes] for s in steps]
+    P = len(meas[0])
     states = state_mb(argv)
     return {
         "budget": budget,
         "ms": statistics.median(s.iter_ms for s in steps),
-        "recomputed": statistics.median(s.recomputed_layers for s in steps),
-        "pred": [statistics.median(s.act_pred_mb[p] for s in steps) for p in range(P)],
-        "meas": [statistics.median(s.act_meas_mb[p] for s in steps) for p in range(P)],
-        "max_meas": [max(s.act_meas_mb[p] for s in steps) for p in range(P)],
-        "err": max(abs(s.act_pred_mb[p] / s.act_meas_mb[p] - 1) for s in steps for p in range(P)),
-        "total": max(states[p] + s.act_meas_mb[p] for s in steps for p in range(P)),
+        "recomputed": statistics.median(s.elastic.recomputed_layers for s in steps),
+        "pred": [statistics.median(s[p] for s in pred) for p in range(P)],
+        "meas": [statistics.median(s[p] for s in meas) for p in range(P)],
+        "max_meas": [max(s[p] for s in meas) for p in range(P)],
+        "err": max(abs(a[p] / b[p] - 1) for a, b in zip(pred, meas) for p in range(P)),
+        "total": max(states[p] + s[p] for s in meas for p in range(P)),
     }
 
 

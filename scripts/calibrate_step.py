@@ -22,7 +22,6 @@ profile records the load average seen during the runs.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import os
@@ -36,8 +35,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_epp.tools.calibration import REPO, StepRecord, fit_overhead, reconstruct_plans, run_pretrain, simulate_steps  # noqa: E402
+from megatron_epp.tools.calibration import REPO, fit_overhead, reconstruct_plans, run_pretrain, simulate_steps  # noqa: E402
 from megatron_epp.cost.profiles import PROFILE_DIR  # noqa: E402
+from megatron_epp.training.metrics import StepMetrics  # noqa: E402
 
 MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "1024",
          "--global-batch-size", "16", "--lr", "3e-3", "--log-interval", "1", "--pipeline-model-parallel-size", "2"]
@@ -103,24 +103,24 @@ def main() -> None:
         kind, extra = CONFIGS[name]
         argv = ["--elastic-pp", *data_flags(kind), *MODEL, *extra, "--train-iters", str(iters), "--epp-profile", str(snapshot)]
         if saved:
-            steps = [StepRecord(**d) for d in saved["runs"][name]]
+            steps = [StepMetrics.from_dict(d) for d in saved["runs"][name]]
         else:
             steps = run_pretrain(argv)
             loads.append(loadavg())
-            record["runs"][name] = [dataclasses.asdict(st) for st in steps]
+            record["runs"][name] = [json.loads(st.to_json()) for st in steps]
         plans, cost_model = (None, None) if args.check else reconstruct_plans(argv, iters)
         mismatched = 0
         for i, step in enumerate(steps[1:], start=1):
             plan = None
             if plans is not None:
                 plan = plans[i]
-                if plan.summary() != step.summary:
+                if plan.summary() != step.elastic.plan:
                     mismatched += 1
                     continue
-            rows.append((name, kind, plan, step.measured_ms, step.predicted_ms, step.chunks))
-        chunks = np.median([s.chunks for s in steps[1:]])
+            rows.append((name, kind, plan, step.elastic.measured_ms, step.elastic.predicted_step_ms, sum(step.elastic.num_chunks.values())))
+        chunks = np.median([sum(s.elastic.num_chunks.values()) for s in steps[1:]])
         print(f"  ran {name:18s} {len(steps) - 1} steps, median {chunks:.0f} chunks, measured "
-              f"{np.median([s.measured_ms for s in steps[1:]]):.0f} ms" + (f" ({mismatched} plans not rebuilt exactly: skipped)" if mismatched else ""),
+              f"{np.median([s.elastic.measured_ms for s in steps[1:]]):.0f} ms" + (f" ({mismatched} plans not rebuilt exactly: skipped)" if mismatched else ""),
               flush=True)
     if args.runs_json and not saved:
         Path(args.runs_json).write_text(json.dumps(record) + "\n")

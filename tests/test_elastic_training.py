@@ -2,38 +2,51 @@
 
 from __future__ import annotations
 
-import re
-
 import pytest
 
-from tests.launch import logged_losses, torchrun, torchrun_killed_after
+from megatron_epp.training.metrics import read_metrics
+from tests.launch import torchrun, torchrun_killed_after
 
 RUN = ["pretrain_gpt.py", "--elastic-pp", "--mock-data", "--pipeline-model-parallel-size", "2", "--num-layers", "4",
        "--hidden-size", "32", "--seq-length", "512", "--global-batch-size", "8", "--lr", "5e-3",
        "--lr-warmup-iters", "3", "--train-iters", "50", "--log-interval", "1", "--epp-memory-budget", "0.006"]
 
 
-def test_elastic_trains_and_matches_megatron_packing():
-    elastic = torchrun(2, *RUN).stdout
-    megatron = torchrun(2, *RUN, "--epp-plan", "megatron").stdout
-    ours, theirs = logged_losses(elastic), logged_losses(megatron)
-    assert sorted(ours) == list(range(1, 51)) == sorted(theirs)
-    for it in ours:
-        assert float(ours[it]) == pytest.approx(float(theirs[it]), rel=1e-5), it
-    first, last = float(ours[1]), sum(float(ours[i]) for i in range(41, 51)) / 10
+def run_records(tmp_path, *flags: str) -> tuple[str, list]:
+    """``torchrun`` the elastic run with ``flags``: its log and its training-step metrics records."""
+    path = tmp_path / f"metrics-{len(list(tmp_path.glob('metrics-*')))}.jsonl"
+    out = torchrun(2, *RUN, *flags, "--epp-metrics", str(path)).stdout
+    return out, [m for m in read_metrics(path) if m.kind == "train"]
+
+
+def test_elastic_trains_and_matches_megatron_packing(tmp_path):
+    elastic_out, elastic = run_records(tmp_path)
+    _, megatron = run_records(tmp_path, "--epp-plan", "megatron")
+    assert [m.iteration for m in elastic] == list(range(1, 51)) == [m.iteration for m in megatron]
+    for ours, theirs in zip(elastic, megatron):
+        assert ours.loss == pytest.approx(theirs.loss, rel=1e-5), ours.iteration
+    first, last = elastic[0].loss, sum(m.loss for m in elastic[40:]) / 10
     assert last < 0.8 * first
-    kinds = [tuple(map(int, m)) for m in re.findall(r"batched=(\d+) split=(\d+) hybrid=(\d+)", elastic)]
-    assert any(s > 0 for _, s, _ in kinds) and any(h > 0 for _, _, h in kinds), "the elastic plans never split"
-    assert "plan[megatron]" in megatron and all(s == h == 0 for _, s, h in
-                                                 [tuple(map(int, m)) for m in re.findall(r"batched=(\d+) split=(\d+) hybrid=(\d+)", megatron)])
+    assert any(m.elastic.num_chunks["split"] for m in elastic) and any(m.elastic.num_chunks["hybrid"] for m in elastic), \
+        "the elastic plans never split"
+    assert all(m.elastic.plan.startswith("plan[megatron]") for m in megatron)
+    assert all(m.elastic.num_chunks["split"] == m.elastic.num_chunks["hybrid"] == 0 for m in megatron)
+    # the records hold what the log lines print, with the plan's numbers and the measured memory of both stages
+    printed = [line for line in elastic_out.splitlines() if line.startswith(" iteration")]
+    assert printed == [m.line() for m in elastic]
+    for m in elastic:
+        e = m.elastic
+        assert sum(e.num_chunks.values()) == int(e.plan.split(" chunks=")[1].split()[0]) and e.num_pipelines >= 1
+        assert e.predicted_step_ms > 0 and e.measured_ms > 0 and e.planning_ms > 0 and e.planning_wait_ms >= 0
+        assert len(e.predicted_activation_bytes) == len(e.measured_activation_bytes) == 2
 
 
 def test_planning_overlaps_training_and_timelines_are_drawn(tmp_path):
     run = [a for a in RUN]
     run[run.index("--train-iters") + 1] = "6"
-    out = torchrun(2, *run, "--log-interval", "2", "--epp-timeline", str(tmp_path / "timeline")).stdout
-    planning = re.findall(r"planning ms: [\d.]+ \(([^)]*)\)", out)
-    assert len(planning) == 3 and "hidden" in planning, planning  # the next step's plan is made during this one
+    torchrun(2, *run, "--log-interval", "2", "--epp-timeline", str(tmp_path / "timeline"), "--tensorboard-dir", str(tmp_path / "tb"))
+    waits = [m.elastic.planning_wait_ms for m in read_metrics(tmp_path / "tb" / "metrics.jsonl")]
+    assert len(waits) == 3 and min(waits) < 1.0, waits  # the next step's plan is made during this one
     pictures = sorted(p.name for p in (tmp_path / "timeline").iterdir())
     assert pictures == ["plan_iter_0000002.png", "plan_iter_0000004.png", "plan_iter_0000006.png"]
     assert all((tmp_path / "timeline" / p).stat().st_size > 10_000 for p in pictures)
@@ -43,17 +56,18 @@ def test_killed_elastic_run_resumes_with_the_uninterrupted_losses(tmp_path):
     """SIGKILL every rank mid-run (after iteration 7, last checkpoint at 4); --load repeats 5..12 exactly."""
     run = [a for a in RUN]
     run[run.index("--train-iters") + 1] = "12"
-    straight = logged_losses(torchrun(2, *run).stdout)
+    torchrun(2, *run, "--epp-metrics", str(tmp_path / "straight.jsonl"))
+    straight = {m.iteration: m.loss for m in read_metrics(tmp_path / "straight.jsonl")}
     killed = torchrun_killed_after("iteration        7/", 2, *run, "--save", str(tmp_path / "ckpt"), "--save-interval", "4")
     assert "saved checkpoint at iteration 4" in killed and "saved checkpoint at iteration 8" not in killed
-    resumed = torchrun(2, *run, "--load", str(tmp_path / "ckpt")).stdout
+    resumed = torchrun(2, *run, "--load", str(tmp_path / "ckpt"), "--epp-metrics", str(tmp_path / "resumed.jsonl")).stdout
     assert "resumed at iteration 4" in resumed
-    resumed_losses = logged_losses(resumed)
+    resumed_losses = {m.iteration: m.loss for m in read_metrics(tmp_path / "resumed.jsonl")}
     assert sorted(resumed_losses) == list(range(5, 13))
     assert all(resumed_losses[i] == straight[i] for i in resumed_losses), (resumed_losses, straight)
 
 
-def test_measured_activation_memory_follows_the_prediction_and_recompute():
+def test_measured_activation_memory_follows_the_prediction_and_recompute(tmp_path):
     """Per stage: measured peaks near the planner's prediction (shipped profile's shape, hidden 64),
     and full recompute measurably below no recompute."""
     run = [a for a in RUN]
@@ -61,10 +75,10 @@ def test_measured_activation_memory_follows_the_prediction_and_recompute():
         run[run.index(flag) + 1] = value
 
     def peaks(mode: str) -> list[list[tuple[float, float]]]:
-        out = torchrun(2, *run, "--epp-recompute", mode, "--epp-memory-budget", "0.05").stdout
-        lines = re.findall(r"act MB pred/meas per stage: ([\d./, ]+)", out)
-        assert len(lines) == 4
-        return [[tuple(map(float, pair.split("/"))) for pair in line.split(", ")] for line in lines]
+        torchrun(2, *run, "--epp-recompute", mode, "--epp-memory-budget", "0.05", "--epp-metrics", str(tmp_path / f"{mode}.jsonl"))
+        records = read_metrics(tmp_path / f"{mode}.jsonl")
+        assert len(records) == 4
+        return [list(zip(m.elastic.predicted_activation_bytes, m.elastic.measured_activation_bytes)) for m in records]
 
     none, full = peaks("none"), peaks("full")
     for step in none:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import re
+
+import numpy as np
 import pytest
 
 from megatron_epp.plan import Chunk, Pipeline, Plan, PlanError, Segment
-from megatron_epp.plan.order import backward_order, num_warmup, stage_ops
+from megatron_epp.plan.order import backward_order, format_stage_ops, num_warmup, stage_ops
 
 LENGTHS = [10, 3, 4, 12]
 
@@ -39,20 +42,57 @@ def test_valid_plan_round_trips_through_json():
 @pytest.mark.parametrize(
     "mutate, message",
     [
-        (lambda c: c.__setitem__(slice(2, 4), [c[3], c[2]]), "chunk 3: sequence 3 tokens [5,9) run before [0,5)"),
+        (lambda c: c.__setitem__(slice(2, 4), [c[3], c[2]]),
+         "chunk 3: sequence 3 tokens [5,9) start at 5 but no earlier chunk holds the sequence: tokens [0,5) are missing before it"),
+        (lambda c: c.__setitem__(3, Chunk(3, "split", [Segment(3, 6, 9)])),
+         "chunk 3: sequence 3 tokens [6,9) start at 6 but the previous slice (chunk 2) ended at 5: tokens [5,6) are missing before it"),
+        (lambda c: c.__setitem__(3, Chunk(3, "split", [Segment(3, 4, 9)])),
+         "chunk 3: sequence 3 tokens [4,9) start at 4 but the previous slice (chunk 2) ended at 5: tokens [4,5) are in two chunks"),
+        (lambda c: c.append(Chunk(6, "batched", [Segment(2, 0, 4)])),
+         "chunk 6: sequence 2 tokens [0,4) start at 0 but the previous slice (chunk 5) ended at 4: tokens [0,4) are in two chunks"),
         (lambda c: c.__setitem__(1, Chunk(1, "hybrid", [Segment(0, 6, 10), Segment(3, 9, 12)])), "chunk 1: holds 2 slices"),
         (lambda c: c.__setitem__(5, Chunk(5, "batched", [Segment(2, 0, 5)])), "chunk 5: bad token range"),
-        (lambda c: c.pop(5), "sequence 2: plan covers 0 of 4 tokens"),
+        (lambda c: c.pop(5), "sequence 2 (4 tokens) is in no chunk"),
+        (lambda c: c.pop(4), "chunk 3: sequence 3 ends at token 9 of 12: tokens [9,12) are in no chunk"),
         (lambda c: c.__setitem__(5, Chunk(5, "split", [Segment(2, 0, 4)])), "chunk 5: kind is 'split' but its segments make it 'batched'"),
         (lambda c: c.__setitem__(1, Chunk(1, "hybrid", [Segment(0, 6, 9), Segment(1, 0, 3)])), "chunk 1: only a tail slice"),
-        (lambda c: c.append(Chunk(6, "batched", [Segment(2, 0, 4)])), "chunk 6: sequence 2 tokens [0,4) run before"),
+        (lambda c: c.__setitem__(4, Chunk(2, "split", [Segment(3, 9, 12)])),
+         "chunk 2: the id is used twice, at pipeline 0 position 2 and at pipeline 0 position 4"),
+        (lambda c: c.__setitem__(4, Chunk(4.0, "split", [Segment(3, 9, 12)])), "chunk 4.0 (pipeline 0 position 4): the id must be an integer"),
+        (lambda c: c.__setitem__(4, Chunk(True, "split", [Segment(3, 9, 12)])), "chunk True (pipeline 0 position 4): the id must be an integer"),
+        (lambda c: c.__setitem__(4, Chunk(4, "split", [Segment(3, 9, 12.0)])), "chunk 4: segment Segment(seq=3, start=9, end=12.0) must hold integers"),
+        (lambda c: c.__setitem__(4, Chunk(4, "split", [Segment(3, 9.5, 12)])), "chunk 4: segment Segment(seq=3, start=9.5, end=12) must hold integers"),
+        (lambda c: c.__setitem__(5, Chunk(5, "batched", [Segment(False, 0, 10)])), "chunk 5: segment Segment(seq=False, start=0, end=10) must hold integers"),
     ],
 )
 def test_validate_names_the_broken_chunk(mutate, message):
     chunks = good_chunks()
     mutate(chunks)
-    with pytest.raises(PlanError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(PlanError, match=f"^{re.escape(message)}"):
         make_plan(chunks).validate()
+
+
+@pytest.mark.parametrize("lengths", [[10, 3, 4.0, 12], [10, 3, 4, True], [10.5, 3, 4, 12]])
+def test_non_integer_sequence_lengths_are_rejected(lengths):
+    plan = make_plan(good_chunks())
+    plan.seq_lengths = lengths
+    with pytest.raises(PlanError, match="^sequence lengths must be integers"):
+        plan.validate()
+
+
+@pytest.mark.parametrize("n", [1.0, True])
+def test_non_integer_recompute_is_rejected(n):
+    plan = make_plan(good_chunks())
+    plan.pipelines[0].recompute[1][2] = n
+    with pytest.raises(PlanError, match=f"^{re.escape(f'chunk 2: recompute {n!r} layers on stage 1 (must be an integer)')}$"):
+        plan.validate()
+
+
+def test_numpy_integers_are_integers():
+    plan = make_plan(good_chunks())
+    plan.seq_lengths = [np.int64(n) for n in plan.seq_lengths]
+    plan.pipelines[0].chunks[0] = Chunk(np.int64(0), "split", [Segment(np.int64(0), np.int64(0), np.int64(6))])
+    plan.validate()
 
 
 def test_sequence_in_two_pipelines_is_rejected():
@@ -89,3 +129,31 @@ def test_stage_ops_run_each_chunk_once_and_backward_after_forward():
         for op in ops:
             assert op.kind == "F" or op.pos in done
             done.add(op.pos)
+
+
+def test_format_stage_ops_is_a_table_of_each_stages_op_order():
+    plan = make_plan(good_chunks(), groups=[[0, 1], [2, 3, 4, 5]])
+    assert format_stage_ops(plan) == """\
+            Stage 0  Stage 1
+Step 00 p0  F0s      F0s
+Step 01 p0  F1h      F1h
+Step 02 p0  B1h      B1h
+Step 03 p0  B0s      B0s
+Step 04 p1  F2s      F2s
+Step 05 p1  F3s      F3s
+Step 06 p1  F4s      F4s
+Step 07 p1  F5       B4s
+Step 08 p1  B4s      F5
+Step 09 p1  B3s      B3s
+Step 10 p1  B2s      B2s
+Step 11 p1  B5       B5"""
+    pipe = Pipeline([Chunk(7, "batched", [Segment(0, 0, 10)]), Chunk(9, "batched", [Segment(1, 0, 3)])], [[0, 0]] * 3)
+    assert format_stage_ops(pipe, 3).splitlines() == [
+        "        Stage 0  Stage 1  Stage 2",
+        "Step 0  F7       F7       F7",
+        "Step 1  F9       F9       B7",
+        "Step 2  B7       B7       F9",
+        "Step 3  B9       B9       B9",
+    ]
+    with pytest.raises(ValueError, match="needs num_stages"):
+        format_stage_ops(pipe)

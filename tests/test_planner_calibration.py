@@ -1,4 +1,4 @@
-"""Executor-overhead calibration: log parsing, the overhead in the cost model, the fit recovering it."""
+"""Executor-overhead calibration: the overhead in the cost model, the fit recovering it."""
 
 from __future__ import annotations
 
@@ -10,25 +10,9 @@ import pytest
 from megatron_epp.cost.model import CostModel
 from megatron_epp.cost.profiles import load_model
 from megatron_epp.planner import build_plan
-from megatron_epp.tools.calibration import fit_overhead, parse_log, simulate_steps, with_overhead
+from megatron_epp.tools.calibration import fit_overhead, simulate_steps, with_overhead
 from megatron_epp.cost.model import chunk_features
 from megatron_epp.cost.profiles import Profile, StageOverhead
-
-LINE = (
-    " iteration        2/       6 | consumed samples:         32 | elapsed time per iteration (ms): 3999.3 | "
-    "tokens/s: 3794 | learning rate: 2.250000E-03 | lm loss: 5.157642E+00 | grad norm: 2.2691 | plan[epp] seqs=16 "
-    "tokens=15172 chunks=74 (batched=0 split=73 hybrid=1) pipelines=1 recomputed_layers=0 | planning ms: 132.3 "
-    "(hidden) | predicted ms: 682.3 | measured ms: 3961.0 | act MB pred/meas per stage: 22.4/23.4, 22.2/21.9"
-)
-
-
-def test_parse_log_reads_the_elastic_step_line():
-    (step,) = parse_log("noise\n" + LINE + "\n iteration 3/6 | no plan here\n")
-    assert step.iteration == 2 and step.iter_ms == 3999.3 and step.measured_ms == 3961.0 and step.predicted_ms == 682.3
-    assert step.chunks == 74 and step.kinds == {"batched": 0, "split": 73, "hybrid": 1} and step.tokens == 15172
-    assert step.pipelines == 1 and step.recomputed_layers == 0
-    assert step.act_pred_mb == [22.4, 22.2] and step.act_meas_mb == [23.4, 21.9]
-    assert step.summary.startswith("plan[epp] seqs=16") and step.summary.endswith("recomputed_layers=0")
 
 
 def test_profile_overhead_round_trip_and_default():

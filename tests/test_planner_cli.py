@@ -8,6 +8,8 @@ import json
 import numpy as np
 import pytest
 
+from megatron_epp.plan import Plan
+from megatron_epp.plan.order import format_stage_ops
 from megatron_epp.planner.baselines import BASELINES, megatron_plan, run_baselines, seq1f1b_plan
 from megatron_epp.planner.cli import main, split_data_parallel
 from megatron_epp.cost.model import CostModel
@@ -42,6 +44,15 @@ def test_cli_json_has_plan_and_every_baseline(lengths_file, capsys, tmp_path):
         assert ("predicted_step_ms" in b and "peak_memory_gb" in b) if b["fits"] else "reason" in b
     assert (tmp_path / "t.png").stat().st_size > 1000
     assert json.loads((tmp_path / "p.json").read_text())["num_stages"] == 2
+
+
+def test_cli_prints_replica_0s_schedule(lengths_file, capsys, tmp_path):
+    main([str(lengths_file), "--model", "test-model", "--stages", "4", "--dp", "2", "--max-seq-len", "4096", "--baselines", "",
+          "--print-schedule", "--plan-out", str(tmp_path / "p.json"), "--json"])
+    out = capsys.readouterr().out
+    table = format_stage_ops(Plan.from_json((tmp_path / "p.json").read_text()))
+    assert table.splitlines()[0].split() == ["Stage", "0", "Stage", "1", "Stage", "2", "Stage", "3"]
+    assert "\n" + table + "\n" in out and json.loads(out.splitlines()[-1])["dp"] == 2
 
 
 def test_cli_rejects_too_long_documents_unless_truncated(lengths_file, capsys):

@@ -62,7 +62,7 @@ def test_epp_plans_are_valid_and_fit(lengths, stages, memory_mb, mode):
     except PlanInfeasible:
         assume(False)
     check_plan(plan, cm, memory_mb / 1024)
-    assert plan.info["fits"] and plan.info["predicted_step_ms"] >= plan.info["bound_step_ms"] * 0.5
+    assert plan.stats.fits and plan.stats.predicted_step_ms >= plan.stats.bound_step_ms * 0.5
 
 
 @settings(max_examples=30, deadline=None)

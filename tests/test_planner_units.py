@@ -15,7 +15,7 @@ from megatron_epp.planner.grouping import group_units
 from megatron_epp.simulator.memory import pipeline_memory, stage_memory
 from megatron_epp.cost.network import Network
 from megatron_epp.cost.profiles import MODEL_PRESETS, MemoryCoeffs, Profile, TimeCoeffs, analytic_profile, load_model
-from megatron_epp.simulator.step import simulate
+from megatron_epp.simulator.step import ScheduleDeadlock, simulate
 
 IDEAL = Network("ideal", 1e30, 0.0, 1e30, 0.0)
 
@@ -221,4 +221,16 @@ def test_elastic_plan_is_never_predicted_slower_than_packing_alone():
         lengths = lengths_from_file(WIKIPEDIA_LENGTHS, 16, seed, max_length=1024).tolist()
         elastic = build_plan(lengths, cm, 0.05, checkpointing="none")
         packed = build_plan(lengths, cm, 0.05, checkpointing="none", slice_counts=[1])
-        assert elastic.info["predicted_step_ms"] <= packed.info["predicted_step_ms"] + 1e-6, (seed, elastic.summary())
+        assert elastic.stats.predicted_step_ms <= packed.stats.predicted_step_ms + 1e-6, (seed, elastic.summary())
+
+
+def test_deadlock_shows_where_each_stage_waits_and_the_op_order():
+    """Slices of sequence 0 not consecutive (validate would reject it): the last stage's backward of
+    the second slice comes before its forward."""
+    chunks = [Chunk(0, "split", [Segment(0, 0, 5)]), Chunk(1, "batched", [Segment(1, 0, 3)]), Chunk(2, "split", [Segment(0, 5, 10)])]
+    plan = Plan([10, 3], 2, [1, 1], [Pipeline(chunks, [[0, 0, 0], [0, 0, 0]])])
+    with pytest.raises(ScheduleDeadlock) as failure:
+        simulate(plan, CostModel(load_model("test-model"), 2, np.array([1, 1])))
+    message = str(failure.value)
+    assert message.startswith("no stage can run its next op: stage 0 at step 3 (B2s), stage 1 at step 2 (B2s); the op order:\n")
+    assert message.endswith("Step 2  F2s      B2s\nStep 3  B2s      F2s\nStep 4  B0s      B0s\nStep 5  B1       B1")

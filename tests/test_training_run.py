@@ -1,27 +1,50 @@
-"""pretrain_gpt.py end to end on CPU: loss goes down, and resume from a checkpoint is exact."""
+"""pretrain_gpt.py end to end on CPU: loss goes down, resume from a checkpoint is exact, and every
+logged step writes its metrics record."""
 
 from __future__ import annotations
 
-from tests.launch import logged_losses, torchrun
+from megatron_epp.training.metrics import read_metrics
+from tests.launch import torchrun
 
 RUN = ["pretrain_gpt.py", "--mock-data", "--pipeline-model-parallel-size", "2", "--num-layers", "4",
        "--seq-length", "64", "--global-batch-size", "8", "--micro-batch-size", "2", "--lr", "5e-3",
        "--lr-warmup-iters", "2", "--lr-decay-iters", "20", "--log-interval", "1"]
 
 
-def test_twenty_steps_reduce_the_loss():
-    losses = logged_losses(torchrun(2, *RUN, "--train-iters", "20").stdout)
-    assert sorted(losses) == list(range(1, 21))
-    first, last = float(losses[1]), sum(float(losses[i]) for i in range(16, 21)) / 5
+def losses(path) -> dict[int, float]:
+    return {m.iteration: m.loss for m in read_metrics(path) if m.kind == "train"}
+
+
+def test_twenty_steps_reduce_the_loss(tmp_path):
+    torchrun(2, *RUN, "--train-iters", "20", "--epp-metrics", str(tmp_path / "m.jsonl"))
+    loss = losses(tmp_path / "m.jsonl")
+    assert sorted(loss) == list(range(1, 21))
+    first, last = loss[1], sum(loss[i] for i in range(16, 21)) / 5
     assert last < 0.8 * first, f"loss {first} -> {last}"
 
 
 def test_resume_from_step_10_repeats_steps_11_to_20(tmp_path):
-    straight = logged_losses(torchrun(2, *RUN, "--train-iters", "20").stdout)
-    ckpt = str(tmp_path / "ckpt")
-    first = torchrun(2, *RUN, "--train-iters", "10", "--save", ckpt, "--save-interval", "5")
+    torchrun(2, *RUN, "--train-iters", "20", "--epp-metrics", str(tmp_path / "straight.jsonl"))
+    straight = losses(tmp_path / "straight.jsonl")
+    ckpt = tmp_path / "ckpt"
+    first = torchrun(2, *RUN, "--train-iters", "10", "--save", str(ckpt), "--save-interval", "5")
     assert "saved checkpoint at iteration 10" in first.stdout
-    assert all(logged_losses(first.stdout)[i] == straight[i] for i in range(1, 11))
-    resumed = logged_losses(torchrun(2, *RUN, "--train-iters", "20", "--load", ckpt).stdout)
+    assert all(losses(ckpt / "metrics.jsonl")[i] == straight[i] for i in range(1, 11))
+    torchrun(2, *RUN, "--train-iters", "20", "--load", str(ckpt), "--epp-metrics", str(tmp_path / "resumed.jsonl"))
+    resumed = losses(tmp_path / "resumed.jsonl")
     assert sorted(resumed) == list(range(11, 21))
     assert all(resumed[i] == straight[i] for i in range(11, 21)), (resumed, straight)
+
+
+def test_one_record_per_logged_step_as_printed(tmp_path):
+    """--log-interval 2 and --eval-interval 2 over 4 steps: two training and two validation records in
+    metrics.jsonl beside the checkpoint, each printing exactly the line that the log shows."""
+    out = torchrun(2, *RUN, "--train-iters", "4", "--log-interval", "2", "--eval-interval", "2", "--eval-iters", "1",
+                   "--save", str(tmp_path / "ckpt")).stdout
+    records = read_metrics(tmp_path / "ckpt" / "metrics.jsonl")
+    assert [(m.iteration, m.kind) for m in records] == [(2, "train"), (2, "valid"), (4, "train"), (4, "valid")]
+    printed = [line for line in out.splitlines() if line.startswith((" iteration", " validation"))]
+    assert printed == [m.line() for m in records]
+    train = [m for m in records if m.kind == "train"]
+    assert [m.consumed_samples for m in train] == [16, 32] and all(m.tokens == 8 * 64 for m in train)
+    assert all(m.train_iters == 4 and m.iter_ms > 0 and m.lr > 0 and m.grad_norm > 0 and m.elastic is None for m in train)

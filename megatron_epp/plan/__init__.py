@@ -4,6 +4,6 @@
 elastic 1F1B op order of every stage, which the executor, the simulator and the memory walk share.
 """
 
-from megatron_epp.plan.core import CHUNK_KINDS, Chunk, ChunkKind, Pipeline, Plan, PlanError, PlanInfeasible, Segment, chunk_kind, split_layers
+from megatron_epp.plan.core import CHUNK_KINDS, Chunk, ChunkKind, Pipeline, Plan, PlanError, PlanInfeasible, PlanStats, Segment, chunk_kind, split_layers
 
-__all__ = ["CHUNK_KINDS", "Chunk", "ChunkKind", "Pipeline", "Plan", "PlanError", "PlanInfeasible", "Segment", "chunk_kind", "split_layers"]
+__all__ = ["CHUNK_KINDS", "Chunk", "ChunkKind", "Pipeline", "Plan", "PlanError", "PlanInfeasible", "PlanStats", "Segment", "chunk_kind", "split_layers"]

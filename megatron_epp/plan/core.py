@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from numbers import Integral
 from typing import Any, Iterable, Literal
 
 ChunkKind = Literal["batched", "split", "hybrid"]
@@ -93,6 +94,31 @@ class Pipeline:
 
 
 @dataclass
+class PlanStats:
+    """What the planner predicted for a plan (``None``: not computed by the builder that made it)."""
+
+    solve_ms: float | None = None
+    predicted_step_ms: float | None = None
+    bound_step_ms: float | None = None  # compute only: no bubbles, recompute or communication; slowest stage
+    bubble_ratio: float | None = None
+    recompute_ms: float | None = None
+    peak_memory_gb: list[float] | None = None  # per stage, model states included
+    memory_budget_gb: float | None = None
+    fits: bool | None = None
+    num_chunks: dict[str, int] | None = None  # by kind
+    num_pipelines: int | None = None
+    recomputed_layers: int | None = None
+    predicted_activation_bytes: list[float] | None = None  # per stage, model states excluded
+    # the recompute program (elastic builder only)
+    mip_gap: float | None = None
+    ckpt_method: str | None = None
+    ilp_recompute_ms: float | None = None
+    # the chunking search's choice (elastic builder only)
+    slice_budget_ms: float | None = None
+    token_cap: int | None = None
+
+
+@dataclass
 class Plan:
     """A whole training step: the batch's sequence lengths and the pipelines that cover it."""
 
@@ -101,7 +127,7 @@ class Plan:
     layers_per_stage: list[int]
     pipelines: list[Pipeline]
     builder: str = "manual"
-    info: dict[str, Any] = field(default_factory=dict)
+    stats: PlanStats = field(default_factory=PlanStats)
 
     # ----------------------------------------------------------------------------- queries
     def chunks(self) -> Iterable[Chunk]:
@@ -155,7 +181,7 @@ class Plan:
             layers_per_stage=list(d["layers_per_stage"]),
             pipelines=pipelines,
             builder=d.get("builder", "manual"),
-            info=dict(d.get("info", {})),
+            stats=PlanStats(**d.get("stats", {})),
         )
 
     @classmethod
@@ -165,21 +191,30 @@ class Plan:
     # ----------------------------------------------------------------------------- checks
     def validate(self) -> "Plan":
         """Raise :class:`PlanError` naming the offending chunk if the plan is not executable."""
+        if not _is_int(self.num_stages) or not all(map(_is_int, self.layers_per_stage)):
+            raise PlanError(f"num_stages {self.num_stages!r} and layers_per_stage {self.layers_per_stage!r} must be integers")
         if self.num_stages < 1 or len(self.layers_per_stage) != self.num_stages:
             raise PlanError(f"layers_per_stage {self.layers_per_stage} does not match {self.num_stages} stages")
+        if not all(map(_is_int, self.seq_lengths)):
+            raise PlanError(f"sequence lengths must be integers: {self.seq_lengths!r}")
         if any(n < 1 for n in self.seq_lengths):
             raise PlanError(f"empty sequence in batch: lengths {self.seq_lengths}")
-        ids = [c.id for c in self.chunks()]
-        if len(ids) != len(set(ids)):
-            raise PlanError("chunk ids are not unique")
+        where: dict[int, tuple[int, int]] = {}  # chunk id -> (pipeline, position)
+        for pi, pipe in enumerate(self.pipelines):
+            for pos, chunk in enumerate(pipe.chunks):
+                if not _is_int(chunk.id):
+                    raise PlanError(f"chunk {chunk.id!r} (pipeline {pi} position {pos}): the id must be an integer")
+                if chunk.id in where:
+                    raise PlanError(f"chunk {chunk.id}: the id is used twice, at pipeline {where[chunk.id][0]} position "
+                                    f"{where[chunk.id][1]} and at pipeline {pi} position {pos}")
+                where[chunk.id] = (pi, pos)
         owner: dict[int, int] = {}
-        covered: dict[int, list[Segment]] = {i: [] for i in range(len(self.seq_lengths))}
+        next_start: dict[int, int] = {}  # sequence -> end of its last slice so far
+        last_chunk: dict[int, tuple[int, int]] = {}  # sequence -> (position, id) of the chunk holding that slice
         for pi, pipe in enumerate(self.pipelines):
             if not pipe.chunks:
                 raise PlanError(f"pipeline {pi} has no chunks")
             self._validate_recompute(pi, pipe)
-            next_start: dict[int, int] = {}
-            last_chunk: dict[int, int] = {}
             for pos, chunk in enumerate(pipe.chunks):
                 self._validate_chunk(chunk)
                 for seg in chunk.segments:
@@ -187,19 +222,23 @@ class Plan:
                         raise PlanError(f"chunk {chunk.id}: sequence {seg.seq} is in pipelines {owner[seg.seq]} and {pi}")
                     expected = next_start.get(seg.seq, 0)
                     if seg.start != expected:
-                        raise PlanError(
-                            f"chunk {chunk.id}: sequence {seg.seq} tokens [{seg.start},{seg.end}) run before "
-                            f"[{expected},{seg.start}) (slice order broken or tokens missing/duplicated)"
-                        )
-                    if seg.seq in last_chunk and last_chunk[seg.seq] != pos - 1:
-                        raise PlanError(f"chunk {chunk.id}: slices of sequence {seg.seq} are not consecutive")
+                        before = (f"the previous slice (chunk {last_chunk[seg.seq][1]}) ended at {expected}"
+                                  if seg.seq in last_chunk else "no earlier chunk holds the sequence")
+                        gap = (f"tokens [{expected},{seg.start}) are missing before it" if seg.start > expected
+                               else f"tokens [{seg.start},{min(expected, seg.end)}) are in two chunks")
+                        raise PlanError(f"chunk {chunk.id}: sequence {seg.seq} tokens [{seg.start},{seg.end}) start at "
+                                        f"{seg.start} but {before}: {gap}")
+                    if seg.seq in last_chunk and last_chunk[seg.seq][0] != pos - 1:
+                        raise PlanError(f"chunk {chunk.id}: slices of sequence {seg.seq} are not consecutive "
+                                        f"(the previous one is chunk {last_chunk[seg.seq][1]})")
                     next_start[seg.seq] = seg.end
-                    last_chunk[seg.seq] = pos
-                    covered[seg.seq].append(seg)
-        for seq, segs in covered.items():
-            total = sum(s.length for s in segs)
-            if total != self.seq_lengths[seq]:
-                raise PlanError(f"sequence {seq}: plan covers {total} of {self.seq_lengths[seq]} tokens")
+                    last_chunk[seg.seq] = (pos, chunk.id)
+        for seq, n in enumerate(self.seq_lengths):
+            if seq not in last_chunk:
+                raise PlanError(f"sequence {seq} ({n} tokens) is in no chunk")
+            if next_start[seq] != n:
+                raise PlanError(f"chunk {last_chunk[seq][1]}: sequence {seq} ends at token {next_start[seq]} of {n}: "
+                                f"tokens [{next_start[seq]},{n}) are in no chunk")
         return self
 
     def _validate_chunk(self, chunk: Chunk) -> None:
@@ -212,6 +251,8 @@ class Plan:
             raise PlanError(f"chunk {chunk.id}: a sequence appears twice")
         partial = []
         for s in chunk.segments:
+            if not (_is_int(s.seq) and _is_int(s.start) and _is_int(s.end)):
+                raise PlanError(f"chunk {chunk.id}: segment {s} must hold integers")
             if not 0 <= s.seq < len(self.seq_lengths):
                 raise PlanError(f"chunk {chunk.id}: unknown sequence {s.seq}")
             if not 0 <= s.start < s.end <= self.seq_lengths[s.seq]:
@@ -231,11 +272,18 @@ class Plan:
             raise PlanError(f"pipeline {pi}: recompute must be [{self.num_stages} stages][{len(pipe.chunks)} chunks]")
         for stage, row in enumerate(pipe.recompute):
             for pos, n in enumerate(row):
+                if not _is_int(n):
+                    raise PlanError(f"chunk {pipe.chunks[pos].id}: recompute {n!r} layers on stage {stage} (must be an integer)")
                 if not 0 <= n <= self.layers_per_stage[stage]:
                     raise PlanError(
                         f"chunk {pipe.chunks[pos].id}: recompute {n} layers on stage {stage} "
                         f"(it has {self.layers_per_stage[stage]})"
                     )
+
+
+def _is_int(x: object) -> bool:
+    """An integer (Python's or numpy's), not a bool."""
+    return isinstance(x, Integral) and not isinstance(x, bool)
 
 
 def split_layers(num_layers: int, num_stages: int) -> list[int]:

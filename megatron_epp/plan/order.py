@@ -16,7 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from megatron_epp.plan.core import Chunk, Pipeline
+from megatron_epp.plan.core import Chunk, Pipeline, Plan
+
+KIND_SUFFIX = {"batched": "", "split": "s", "hybrid": "h"}
 
 
 @dataclass(frozen=True)
@@ -76,3 +78,41 @@ def stage_ops(pipe: Pipeline, stage: int, num_stages: int) -> list[Op]:
         ops.append(Op("B", bwd[j]))
     ops.extend(Op("B", pos) for pos in bwd[n - warm :])
     return ops
+
+
+def plan_stage_ops(plan: Plan) -> list[list[tuple[int, Op]]]:
+    """Every stage's ops over the whole plan, pipelines one after another: ``(pipeline index, op)``."""
+    return [[(pi, op) for pi, pipe in enumerate(plan.pipelines) for op in stage_ops(pipe, p, plan.num_stages)]
+            for p in range(plan.num_stages)]
+
+
+def op_label(pipe: Pipeline, op: Op) -> str:
+    """``F12s``: forward (``F``) or backward (``B``) of chunk id 12, a split (``s``), hybrid (``h``)
+    or batched (no suffix) chunk."""
+    chunk = pipe.chunks[op.pos]
+    return f"{op.kind}{chunk.id}{KIND_SUFFIX[chunk.kind]}"
+
+
+def format_stage_ops(schedule: Plan | Pipeline, num_stages: int | None = None) -> str:
+    """The op order as a table, one column per stage, one row per op index (as
+    ``torch.distributed.pipelining`` prints its schedules); cells as :func:`op_label`. A plan's
+    pipelines run one after another; with more than one, each row names its pipeline. Rows are the
+    order each stage runs its ops in, not a timing: a stage may wait between two rows."""
+    if isinstance(schedule, Plan):
+        pipes, ops = schedule.pipelines, plan_stage_ops(schedule)
+    else:
+        if num_stages is None:
+            raise ValueError("format_stage_ops of a pipeline needs num_stages")
+        pipes, ops = [schedule], [[(0, op) for op in stage_ops(schedule, p, num_stages)] for p in range(num_stages)]
+    rows = max(len(column) for column in ops)
+    digits = len(str(rows - 1))
+    labels = [f"Step {i:0{digits}d}" + (f" p{ops[0][i][0]}" if len(pipes) > 1 else "") for i in range(rows)]
+    cells = [[op_label(pipes[pi], op) for pi, op in column] + [""] * (rows - len(column)) for column in ops]
+    header = [f"Stage {p}" for p in range(len(ops))]
+    widths = [max(len(h), *(len(c) for c in column)) for h, column in zip(header, cells)]
+    first = max(len(label) for label in labels)
+
+    def line(label: str, row: list[str]) -> str:
+        return "  ".join([label.ljust(first), *(c.ljust(w) for c, w in zip(row, widths))]).rstrip()
+
+    return "\n".join([line("", header), *(line(labels[i], [column[i] for column in cells]) for i in range(rows))])

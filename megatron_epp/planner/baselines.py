@@ -68,8 +68,7 @@ def seq1f1b_plan(lengths: Sequence[int], cost_model: CostModel, memory_gb: float
 
 
 def summarize(plan: Plan) -> dict[str, Any]:
-    i = plan.info
-    return {k: i[k] for k in ("predicted_step_ms", "peak_memory_gb", "bubble_ratio", "recompute_ms", "num_pipelines", "recomputed_layers", "num_chunks")}
+    return {k: getattr(plan.stats, k) for k in ("predicted_step_ms", "peak_memory_gb", "bubble_ratio", "recompute_ms", "num_pipelines", "recomputed_layers", "num_chunks")}
 
 
 def run_baselines(

@@ -9,7 +9,7 @@
    simulator picks between them;
 3. checkpointing (:mod:`checkpointing`) per pipeline on the exact memory walk (:mod:`memory`);
    if no finalist fits even fully checkpointed, ``T_m`` is halved and the search redone;
-4. simulation (:mod:`simulator`) for the predicted numbers in ``Plan.info``.
+4. simulation (:mod:`simulator`) for the predicted numbers in ``Plan.stats``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Sequence
 
 import numpy as np
 
-from megatron_epp.plan import Chunk, Pipeline, Plan, PlanInfeasible
+from megatron_epp.plan import Chunk, Pipeline, Plan, PlanInfeasible, PlanStats
 from megatron_epp.planner.recompute import MemoryInfeasible, Mode, solve_checkpointing
 from megatron_epp.planner.chunking import Units, build_units
 from megatron_epp.cost.model import CostModel, chunk_features
@@ -80,12 +80,13 @@ def apply_checkpointing(plan: Plan, cost_model: CostModel, budget: float, mode: 
 
 
 def finish(plan: Plan, cost_model: CostModel, budget: float, t0: float, extra: dict) -> Plan:
-    """Validate, simulate and record the predicted numbers in ``plan.info``."""
+    """Validate, simulate and record the predicted numbers in ``plan.stats``; ``extra``: more
+    :class:`PlanStats` fields (the builder's own)."""
     plan.validate()
     solve_ms = (time.perf_counter() - t0) * 1e3
     sim = simulate(plan, cost_model)
-    plan.info.update(
-        extra,
+    plan.stats = PlanStats(
+        **extra,
         solve_ms=solve_ms,
         predicted_step_ms=sim.step_ms,
         bound_step_ms=cost_model.bound_ms(np.array(plan.seq_lengths)),
@@ -188,6 +189,6 @@ def build_plan(
             extra.update(slice_budget_ms=slice_budget, token_cap=cap_used)
             plans.append(finish(plan, cost_model, budget, t0, extra))
         if plans:
-            return min(plans, key=lambda p: p.info["predicted_step_ms"])
+            return min(plans, key=lambda p: p.stats.predicted_step_ms)
         cap //= 2
     raise PlanInfeasible(f"no {checkpointing!r} plan fits {memory_gb} GB per GPU")

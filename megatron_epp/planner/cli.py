@@ -15,6 +15,7 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from megatron_epp.plan import Plan
+from megatron_epp.plan.order import format_stage_ops
 from megatron_epp.planner.baselines import BASELINES, run_baselines
 from megatron_epp.planner.builder import PlanInfeasible, build_plan
 from megatron_epp.cost.model import CostModel
@@ -90,6 +91,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     ap.add_argument("--plan-out", help="write the Plan JSON (replica 0) here")
     ap.add_argument("--timeline", help="draw replica 0's per-stage Gantt chart to this PNG")
+    ap.add_argument("--print-schedule", action="store_true",
+                    help="print replica 0's op order: one column per stage, F/B + chunk id + s (split) or h (hybrid)")
     return ap.parse_args(argv)
 
 
@@ -120,8 +123,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             raise SystemExit(f"error: {e}")
         per_replica = [run_baselines(lengths[p], cost_model, args.memory_gb, args.max_seq_len, args.seq1f1b_k, names) for p in parts]
     baselines = {n: _worst([r[n] for r in per_replica]) for n in names}
-    info = [p.info for p in plans]
-    peak = np.max([i["peak_memory_gb"] for i in info], axis=0)
+    info = [p.stats for p in plans]
+    peak = np.max([i.peak_memory_gb for i in info], axis=0)
     summary = {
         "model": profile.model.name,
         "profile_source": profile.source,
@@ -132,20 +135,22 @@ def main(argv: Sequence[str] | None = None) -> None:
         "dp": args.dp,
         "num_sequences": int(len(lengths)),
         "num_tokens": int(lengths.sum()),
-        "solve_ms": max(i["solve_ms"] for i in info),
-        "num_chunks": {k: sum(i["num_chunks"][k] for i in info) for k in info[0]["num_chunks"]},
-        "num_pipelines": sum(i["num_pipelines"] for i in info),
-        "recomputed_layers": sum(i["recomputed_layers"] for i in info),
-        "mip_gap": max(i["mip_gap"] for i in info),
-        "predicted_step_ms": max(i["predicted_step_ms"] for i in info),
-        "bound_step_ms": max(i["bound_step_ms"] for i in info),
-        "bubble_ratio": max(i["bubble_ratio"] for i in info),
-        "recompute_ms": max(i["recompute_ms"] for i in info),
+        "solve_ms": max(i.solve_ms for i in info),
+        "num_chunks": {k: sum(i.num_chunks[k] for i in info) for k in info[0].num_chunks},
+        "num_pipelines": sum(i.num_pipelines for i in info),
+        "recomputed_layers": sum(i.recomputed_layers for i in info),
+        "mip_gap": max(i.mip_gap for i in info),
+        "predicted_step_ms": max(i.predicted_step_ms for i in info),
+        "bound_step_ms": max(i.bound_step_ms for i in info),
+        "bubble_ratio": max(i.bubble_ratio for i in info),
+        "recompute_ms": max(i.recompute_ms for i in info),
         "peak_memory_gb": peak.tolist(),
         "memory_budget_gb": args.memory_gb,
         "baselines": baselines,
     }
     print_table(summary)
+    if args.print_schedule:
+        print(format_stage_ops(plans[0]))
     if args.plan_out:
         Path(args.plan_out).write_text(plans[0].to_json())
     if args.timeline:

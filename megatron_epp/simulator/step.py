@@ -1,6 +1,6 @@
 """Event-driven simulation of a Plan on ``P`` stages: per-stage timeline, step time, memory.
 
-Every stage runs its ops in the order of :func:`schedule_order.stage_ops` (pipelines one after
+Every stage runs its ops in the order of :func:`megatron_epp.plan.order.stage_ops` (pipelines one after
 another, no barrier between them: gradient accumulation needs none). An op starts when the stage is
 free and its input has arrived: a forward needs the previous stage's forward of the chunk plus one
 point-to-point send, a backward the next stage's backward plus one send. A backward also recomputes
@@ -16,7 +16,7 @@ import numpy as np
 from megatron_epp.plan import Plan
 from megatron_epp.cost.model import ChunkCosts, CostModel, chunk_features
 from megatron_epp.simulator.memory import peak_memory
-from megatron_epp.plan.order import stage_ops
+from megatron_epp.plan.order import format_stage_ops, op_label, plan_stage_ops
 
 
 class ScheduleDeadlock(RuntimeError):
@@ -59,7 +59,7 @@ def simulate(plan: Plan, cost_model: CostModel, costs: list[ChunkCosts] | None =
     """Simulate one training step of ``plan``."""
     P = plan.num_stages
     costs = costs or plan_costs(plan, cost_model)
-    queues = [[(pi, op) for pi, pipe in enumerate(plan.pipelines) for op in stage_ops(pipe, p, P)] for p in range(P)]
+    queues = plan_stage_ops(plan)
     fend = [np.full((P, len(pipe.chunks)), np.nan) for pipe in plan.pipelines]
     bend = [np.full((P, len(pipe.chunks)), np.nan) for pipe in plan.pipelines]
     free = np.zeros(P)
@@ -90,7 +90,9 @@ def simulate(plan: Plan, cost_model: CostModel, costs: list[ChunkCosts] | None =
                 remaining -= 1
                 progressed = True
         if not progressed:
-            raise ScheduleDeadlock(f"stages blocked at ops {[q[i] if i < len(q) else None for q, i in zip(queues, nxt)]}")
+            waiting = ", ".join(f"stage {p} at step {i} ({op_label(plan.pipelines[q[i][0]], q[i][1])})"
+                                for p, (q, i) in enumerate(zip(queues, nxt)) if i < len(q))
+            raise ScheduleDeadlock(f"no stage can run its next op: {waiting}; the op order:\n{format_stage_ops(plan)}")
     busy = np.zeros(P)
     for e in events:
         busy[e.stage] += e.end - e.start

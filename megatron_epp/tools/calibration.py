@@ -1,12 +1,13 @@
-"""Calibrate the cost model against real executor steps, and the log parsing the benchmarks share.
+"""Calibrate the cost model against real executor steps, and the training launcher the benchmarks share.
 
 The layer profile (``scripts/profile_layer.py``) times layers in isolation; a real elastic step also
 pays, per chunk and stage, megatron-core's ``forward_step``/``backward_step``, the chunk's layout,
 the point-to-point calls over gloo and their synchronisation, the embedding, autograd hooks. This
-module runs ``pretrain_gpt.py --elastic-pp`` under ``torchrun``, reads each step's logged plan
-summary and *measured ms* (the run of ``forward_backward_elastic`` on the last stage: every pipeline
-of the plan plus ``finalize_model_grads``; planning, the optimizer step and the loss broadcast are
-outside it, as they are outside the simulator's step), rebuilds the very same plans in-process (same
+module runs ``pretrain_gpt.py --elastic-pp`` under ``torchrun``, reads each step's metrics record
+(:class:`~megatron_epp.training.metrics.StepMetrics`): the plan summary and the *measured ms* (the
+run of ``forward_backward_elastic`` on the last stage: every pipeline of the plan plus
+``finalize_model_grads``; planning, the optimizer step and the loss broadcast are outside it, as they
+are outside the simulator's step), rebuilds the very same plans in-process (same
 flags, same document stream, same planner: checked against the logged summary), and fits the
 executor's per-chunk stage overhead (:class:`~megatron_epp.cost.profiles.StageOverhead`) by least
 squares of the simulator's step time against the measured one.
@@ -16,11 +17,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import statistics
 import subprocess
 import sys
-from dataclasses import dataclass, field
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
@@ -28,69 +29,27 @@ import numpy as np
 
 from megatron_epp.plan import Plan
 from megatron_epp.cost.profiles import Profile, StageOverhead
+from megatron_epp.training.metrics import StepMetrics, read_metrics
 
 if TYPE_CHECKING:
     from megatron_epp.cost.model import CostModel
 
 REPO = Path(__file__).resolve().parents[2]
 
-_STEP = re.compile(
-    r" iteration +(?P<it>\d+)/.*?elapsed time per iteration \(ms\): (?P<iter_ms>[\d.]+).*?"
-    r"(?P<summary>plan\[[^\]]+\] seqs=\d+ tokens=(?P<tokens>\d+) chunks=(?P<chunks>\d+) "
-    r"\(batched=(?P<batched>\d+) split=(?P<split>\d+) hybrid=(?P<hybrid>\d+)\) pipelines=(?P<pipelines>\d+) "
-    r"recomputed_layers=(?P<recomputed>\d+))"
-    r".*?(?:predicted ms: (?P<predicted>[\d.]+) \| )?measured ms: (?P<measured>[\d.]+)"
-    r"(?:.*?act MB pred/meas per stage: (?P<act>[\d./, ]+))?"
-)
-
-
-@dataclass
-class StepRecord:
-    """One logged elastic step."""
-
-    iteration: int
-    iter_ms: float  # whole iteration (plan wait, pipeline, optimizer, loss broadcast)
-    measured_ms: float  # forward_backward_elastic on the last stage: what the simulator predicts
-    predicted_ms: float | None
-    summary: str
-    tokens: int
-    chunks: int
-    kinds: dict[str, int]
-    pipelines: int
-    recomputed_layers: int
-    act_pred_mb: list[float] = field(default_factory=list)
-    act_meas_mb: list[float] = field(default_factory=list)
-
-
-def parse_log(text: str) -> list[StepRecord]:
-    """The elastic step lines of a ``pretrain_gpt.py --elastic-pp`` log, in order."""
-    out = []
-    for line in text.splitlines():
-        m = _STEP.search(line)
-        if not m:
-            continue
-        pairs = [tuple(map(float, p.split("/"))) for p in m["act"].split(", ")] if m["act"] else []
-        out.append(StepRecord(
-            iteration=int(m["it"]), iter_ms=float(m["iter_ms"]), measured_ms=float(m["measured"]),
-            predicted_ms=float(m["predicted"]) if m["predicted"] else None, summary=m["summary"],
-            tokens=int(m["tokens"]), chunks=int(m["chunks"]),
-            kinds={k: int(m[k]) for k in ("batched", "split", "hybrid")}, pipelines=int(m["pipelines"]),
-            recomputed_layers=int(m["recomputed"]), act_pred_mb=[p[0] for p in pairs], act_meas_mb=[p[1] for p in pairs],
-        ))
-    return out
-
-
-def run_pretrain(argv: Sequence[str], nproc: int = 2, timeout: float = 900) -> list[StepRecord]:
-    """Run ``pretrain_gpt.py`` under ``torchrun`` (one thread per rank) and parse its steps; raise
-    ``RuntimeError`` with the last log line on failure."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), str(REPO / "pretrain_gpt.py"), *argv]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=timeout)
-    if out.returncode:
-        lines = [line for line in (out.stdout + out.stderr).strip().splitlines() if line.strip()]
-        said = [line for line in lines if "error: " in line] or lines[-1:]
-        raise RuntimeError(f"pretrain_gpt.py failed ({out.returncode}): {said[-1] if said else ''}")
-    return parse_log(out.stdout)
+def run_pretrain(argv: Sequence[str], nproc: int = 2, timeout: float = 900) -> list[StepMetrics]:
+    """Run ``pretrain_gpt.py`` under ``torchrun`` (one thread per rank) and return its logged training
+    steps (its ``--epp-metrics`` records); raise ``RuntimeError`` with the error line on failure."""
+    with tempfile.TemporaryDirectory(prefix="epp-calibration-") as tmp:
+        metrics = Path(tmp) / "metrics.jsonl"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), str(REPO / "pretrain_gpt.py"),
+               *argv, "--epp-metrics", str(metrics)]
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        out = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env, timeout=timeout)
+        if out.returncode:
+            lines = [line for line in (out.stdout + out.stderr).strip().splitlines() if line.strip()]
+            said = [line for line in lines if "error: " in line] or lines[-1:]
+            raise RuntimeError(f"pretrain_gpt.py failed ({out.returncode}): {said[-1] if said else ''}")
+        return [m for m in read_metrics(metrics) if m.kind == "train"]
 
 
 def reconstruct_plans(argv: Sequence[str], iterations: int, world_size: int = 2) -> tuple[list[Plan], "CostModel"]:

@@ -103,6 +103,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-interval", type=int, default=None)
     g.add_argument("--eval-iters", type=int, default=2)
     g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--epp-metrics", default=None, metavar="FILE",
+                   help="append one JSON record per logged step to FILE (default: metrics.jsonl in --tensorboard-dir, "
+                        "else in --save; none without either)")
     return p
 
 
@@ -130,6 +133,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if world_size % (tp * pp):
         raise ArgumentError(f"world size {world_size} is not divisible by tp {tp} x pp {pp}")
     args.data_parallel_size = world_size // (tp * pp)
+    if args.epp_metrics is None and (args.tensorboard_dir or args.save):
+        args.epp_metrics = os.path.join(args.tensorboard_dir or args.save, "metrics.jsonl")
     if args.num_layers % pp:
         raise ArgumentError(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
     if args.hidden_size % args.num_attention_heads:

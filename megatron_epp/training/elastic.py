@@ -22,6 +22,7 @@ from megatron_epp.plan import Plan
 from megatron_epp.training.arguments import ArgumentError
 from megatron_epp.training.initialize import Runtime
 from megatron_epp.training.loop import StepFunction
+from megatron_epp.training.metrics import ElasticMetrics
 
 CHECKPOINTING = {"adaptive": "ilp", "none": "none", "full": "full"}  # --epp-recompute -> planner mode
 GIB = 1024**3
@@ -72,16 +73,18 @@ class PlanBuilder:
         draw_timeline(simulate(plan, self.cost_model), plan.num_stages, path, title=plan.summary())
 
 
-def _share_plan(plan: Plan | None) -> Plan:
-    """Give every rank of this model replica (all stages, all tensor ranks) the plan of its first rank."""
+def _share_plan(plan: Plan | None, timing: tuple[float, float] | None) -> tuple[Plan, tuple[float, float]]:
+    """Give every rank of this model replica (all stages, all tensor ranks) the plan of its first rank
+    and its ``(planning ms, of which waited ms)``."""
     group = ps.get_model_parallel_group()
-    box = [plan.to_json() if plan is not None else None]
+    box = [(plan.to_json(), timing) if plan is not None else None]
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-    return Plan.from_json(box[0])
+    text, timing = box[0]
+    return Plan.from_json(text), timing
 
 
 class ElasticStep:
-    """A :data:`StepFunction` over a sequence sampler: plan, broadcast, run; keeps the last summary.
+    """A :data:`StepFunction` over a sequence sampler: plan, broadcast, run; keeps the last step's metrics.
 
     The first rank of each model replica plans; the plan for the next global batch is computed in a
     background thread while this one trains (the summary says whether planning was hidden).
@@ -93,7 +96,7 @@ class ElasticStep:
         self.plans_here = ps.get_model_parallel_group().rank() == 0
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epp-planner") if self.plans_here else None
         self.pending: tuple[Any, Future | None] | None = None
-        self.last_summary = ""
+        self.last_metrics: ElasticMetrics | None = None
         self.last_plan: Plan | None = None
 
     def _plan_async(self, batch) -> Future | None:
@@ -105,28 +108,29 @@ class ElasticStep:
             t0 = time.perf_counter()
             result = self.build(lengths).validate()
             elapsed_ms = (time.perf_counter() - t0) * 1000
-            result.info["predicted_activation_bytes"] = self.build.predicted_activation_bytes(result)
+            result.stats.predicted_activation_bytes = self.build.predicted_activation_bytes(result)
             return result, elapsed_ms
 
         return self.pool.submit(plan)
 
     def _next_planned(self):
-        """This step's batch and plan (waiting for the planner only if it is still running)."""
+        """This step's batch, plan and ``(planning ms, waited ms)`` (waiting for the planner only if it
+        is still running)."""
         if self.pending is None:
             first = next(self.batches)
             self.pending = (first, self._plan_async(first))
         batch, future = self.pending
         upcoming = next(self.batches)
         self.pending = (upcoming, self._plan_async(upcoming))
-        plan = None
+        plan, timing = None, None
         if future is not None:
             t0 = time.perf_counter()
             plan, plan_ms = future.result()
-            plan.info.update(planning_ms=plan_ms, planning_wait_ms=(time.perf_counter() - t0) * 1000)
-        return batch, _share_plan(plan)
+            timing = (plan_ms, (time.perf_counter() - t0) * 1000)
+        return (batch, *_share_plan(plan, timing))
 
     def __call__(self, forward_only: bool) -> tuple[list[dict[str, torch.Tensor]], int]:
-        batch, plan = self._next_planned()
+        batch, plan, (planning_ms, waited_ms) = self._next_planned()
         sequences = batch.sequences(self.runtime.dp_rank)
         tensors = [(torch.from_numpy(s.tokens), torch.from_numpy(s.labels)) for s in sequences]
         t1 = time.perf_counter()
@@ -140,33 +144,27 @@ class ElasticStep:
                 plan=plan,
             )
         run_ms = (time.perf_counter() - t1) * 1000
-        memory_note = "" if memory is None else " | " + self._memory_line(plan, memory.peak_bytes)
-        predicted = plan.info.get("predicted_step_ms")
-        waited = plan.info["planning_wait_ms"]
-        hidden = "hidden" if waited < 1.0 else f"exposed {waited:.1f} ms"
         self.last_plan = plan
-        self.last_summary = (
-            f"{plan.summary()} | planning ms: {plan.info['planning_ms']:.1f} ({hidden}) | "
-            + (f"predicted ms: {predicted:.1f} | " if predicted is not None else "")
-            + f"measured ms: {run_ms:.1f}{memory_note}"
+        self.last_metrics = ElasticMetrics(
+            plan.summary(), plan.chunk_counts(), len(plan.pipelines), plan.recomputed_layers(), planning_ms, waited_ms,
+            plan.stats.predicted_step_ms, run_ms,
+            None if memory is None else plan.stats.predicted_activation_bytes,
+            None if memory is None else self._gather_stages(memory.peak_bytes),
         )
         return losses, int(batch.seq_lengths.sum())
 
-    def _memory_line(self, plan: Plan, measured: int) -> str:
-        """Predicted vs measured peak activation MB of every stage (gathered over the pipeline)."""
+    def _gather_stages(self, measured: int) -> list[int]:
+        """This rank's measured peak activation bytes, of every stage (gathered over the pipeline)."""
         per_stage: list[Any] = [None] * self.runtime.pp_size
         dist.all_gather_object(per_stage, measured, group=ps.get_pipeline_model_parallel_group())
-        predicted = plan.info["predicted_activation_bytes"]
-        pairs = ", ".join(f"{p / 2**20:.2f}/{m / 2**20:.2f}" for p, m in zip(predicted, per_stage))
-        self.last_activation_bytes = (predicted, per_stage)
-        return f"act MB pred/meas per stage: {pairs}"
+        return per_stage
 
-    def log(self, iteration: int) -> str:
-        """The plan summary for the log line; with ``--epp-timeline DIR``, also that step's timeline picture."""
+    def log(self, iteration: int) -> ElasticMetrics:
+        """This step's metrics for the log line and record; with ``--epp-timeline DIR``, also that step's timeline picture."""
         if self.args.epp_timeline and self.runtime.rank == 0 and self.last_plan is not None:
             os.makedirs(self.args.epp_timeline, exist_ok=True)
             self.build.draw(self.last_plan, os.path.join(self.args.epp_timeline, f"plan_iter_{iteration:07d}.png"))
-        return self.last_summary
+        return self.last_metrics
 
 
 def elastic_sampler(args: argparse.Namespace, split: str, dp_size: int):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import math
+import os
 import time
 from typing import Any, Callable, Iterator
 
@@ -17,6 +17,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron_epp.training import checkpointing
 from megatron_epp.training.gpt_step import reduce_losses
 from megatron_epp.training.initialize import Runtime
+from megatron_epp.training.metrics import ElasticMetrics, StepMetrics
 
 
 def build_optimizer(args: argparse.Namespace, model, config) -> tuple[Any, OptimizerParamScheduler]:
@@ -78,42 +79,41 @@ def megatron_step(args: argparse.Namespace, model, forward_step_func, data_itera
 
 
 class Logger:
-    """Megatron-style iteration lines on the logging rank, optional TensorBoard scalars."""
+    """Megatron-style iteration lines on the logging rank, the ``--epp-metrics`` JSON lines beside
+    them, optional TensorBoard scalars."""
 
     def __init__(self, args: argparse.Namespace, runtime: Runtime) -> None:
         self.enabled = runtime.is_logging_rank
-        self.train_iters = args.train_iters
         self.writer = None
+        self.metrics = None
         if self.enabled and args.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(args.tensorboard_dir)
+        if self.enabled and args.epp_metrics:
+            os.makedirs(os.path.dirname(os.path.abspath(args.epp_metrics)), exist_ok=True)
+            self.metrics = open(args.epp_metrics, "a", buffering=1)
 
     def print(self, text: str) -> None:
         if self.enabled:
             print(text, flush=True)
 
-    def iteration(self, it: int, consumed: int, loss: float, lr: float, grad_norm: float, ms: float, tokens: int, extra: str = "") -> None:
-        self.print(
-            f" iteration {it:8d}/{self.train_iters:8d} | consumed samples: {consumed:10d} | "
-            f"elapsed time per iteration (ms): {ms:.1f} | tokens/s: {tokens / (ms / 1000):.0f} | "
-            f"learning rate: {lr:.6E} | lm loss: {loss:.6E} | grad norm: {grad_norm:.4f}{extra}"
-        )
-        if self.writer:
-            for name, value in (("lm loss", loss), ("learning-rate", lr), ("grad-norm", grad_norm), ("tokens/s", tokens / (ms / 1000))):
-                self.writer.add_scalar(name, value, it)
-
-    def validation(self, it: int, loss: float) -> None:
-        self.print(
-            f" validation loss at iteration {it} | lm loss value: {loss:.6E} | "
-            f"lm loss PPL: {math.exp(min(loss, 20)):.6E}"
-        )
-        if self.writer:
-            self.writer.add_scalar("validation lm loss", loss, it)
+    def record(self, m: StepMetrics) -> None:
+        """Print the record's line and append it to the metrics file."""
+        self.print(m.line())
+        if self.metrics:
+            self.metrics.write(m.to_json() + "\n")
+        if self.writer and m.kind == "valid":
+            self.writer.add_scalar("validation lm loss", m.loss, m.iteration)
+        elif self.writer:
+            for name, value in (("lm loss", m.loss), ("learning-rate", m.lr), ("grad-norm", m.grad_norm), ("tokens/s", m.tokens_per_s)):
+                self.writer.add_scalar(name, value, m.iteration)
 
     def close(self) -> None:
         if self.writer:
             self.writer.close()
+        if self.metrics:
+            self.metrics.close()
 
 
 def _broadcast_from_last_stage(value: float | None, runtime: Runtime) -> float:
@@ -132,7 +132,7 @@ def train(
     train_step: StepFunction,
     valid_step: StepFunction | None,
     start: tuple[int, int] = (0, 0),
-    step_summary: Callable[[int], str] | None = None,
+    step_metrics: Callable[[int], ElasticMetrics] | None = None,
 ) -> list[float]:
     """Run iterations ``start[0]+1 .. --train-iters``; return the losses seen by every rank."""
     iteration, consumed = start
@@ -154,10 +154,13 @@ def train(
         ms = (time.perf_counter() - t0) * 1000
         history.append(loss)
         if iteration % args.log_interval == 0:
-            extra = f" | {step_summary(iteration)}" if step_summary else ""
-            logger.iteration(iteration, consumed, loss, scheduler.get_lr(optimizer.param_groups[0]), grad_norm or 0.0, ms, tokens, extra)
+            logger.record(StepMetrics(
+                iteration, loss, train_iters=args.train_iters, consumed_samples=consumed, iter_ms=ms, tokens=tokens,
+                lr=scheduler.get_lr(optimizer.param_groups[0]), grad_norm=float(grad_norm or 0.0),
+                elastic=step_metrics(iteration) if step_metrics else None,
+            ))
         if valid_step and args.eval_interval and iteration % args.eval_interval == 0:
-            logger.validation(iteration, evaluate(args, runtime, valid_step, dp_group))
+            logger.record(StepMetrics(iteration, evaluate(args, runtime, valid_step, dp_group), kind="valid"))
         if args.save and args.save_interval and iteration % args.save_interval == 0:
             path = checkpointing.save_checkpoint(args.save, model, optimizer, scheduler, runtime, iteration, consumed)
             logger.print(f" saved checkpoint at iteration {iteration} to {path}")

@@ -97,7 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         train_step=train_step,
         valid_step=step_for("valid", 0) if args.eval_interval else None,
         start=start,
-        step_summary=train_step.log if args.elastic_pp else None,
+        step_metrics=train_step.log if args.elastic_pp else None,
     )
     shutdown()
     return 0

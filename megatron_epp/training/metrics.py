@@ -1,0 +1,93 @@
+"""One metrics record per logged step (``--epp-metrics FILE``, JSON lines): what the log line says, typed.
+
+The logging rank prints each record's :meth:`StepMetrics.line` and appends its JSON to the file, so
+the printed line and the record come from the same numbers. Calibration, the benchmarks and the
+tests read the records (:func:`read_metrics`), never the log text.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+
+@dataclass
+class ElasticMetrics:
+    """An ``--elastic-pp`` step: its plan, the planner's prediction and what was measured."""
+
+    plan: str  # Plan.summary()
+    num_chunks: dict[str, int]  # by kind
+    num_pipelines: int
+    recomputed_layers: int
+    planning_ms: float  # the planner's run for this step's batch
+    planning_wait_ms: float  # of which the step waited for (0 when planning overlapped the previous step)
+    predicted_step_ms: float | None
+    measured_ms: float  # forward_backward_elastic on this rank: every pipeline of the plan
+    predicted_activation_bytes: list[float] | None = None  # per stage; training steps only
+    measured_activation_bytes: list[int] | None = None
+
+    def line(self) -> str:
+        hidden = "hidden" if self.planning_wait_ms < 1.0 else f"exposed {self.planning_wait_ms:.1f} ms"
+        text = f"{self.plan} | planning ms: {self.planning_ms:.1f} ({hidden}) | "
+        if self.predicted_step_ms is not None:
+            text += f"predicted ms: {self.predicted_step_ms:.1f} | "
+        text += f"measured ms: {self.measured_ms:.1f}"
+        if self.measured_activation_bytes is not None:
+            pairs = ", ".join(f"{p / 2**20:.2f}/{m / 2**20:.2f}"
+                              for p, m in zip(self.predicted_activation_bytes, self.measured_activation_bytes))
+            text += f" | act MB pred/meas per stage: {pairs}"
+        return text
+
+
+@dataclass
+class StepMetrics:
+    """A logged training iteration (``kind="train"``) or a validation pass (``kind="valid"``: only
+    ``iteration`` and ``loss``)."""
+
+    iteration: int
+    loss: float
+    kind: Literal["train", "valid"] = "train"
+    train_iters: int | None = None
+    consumed_samples: int | None = None
+    iter_ms: float | None = None  # the whole iteration: step, optimizer, loss broadcast
+    tokens: int | None = None  # in the global batch
+    lr: float | None = None
+    grad_norm: float | None = None
+    elastic: ElasticMetrics | None = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / (self.iter_ms / 1000)
+
+    def line(self) -> str:
+        """The log line people read."""
+        if self.kind == "valid":
+            return (f" validation loss at iteration {self.iteration} | lm loss value: {self.loss:.6E} | "
+                    f"lm loss PPL: {math.exp(min(self.loss, 20)):.6E}")
+        text = (
+            f" iteration {self.iteration:8d}/{self.train_iters:8d} | consumed samples: {self.consumed_samples:10d} | "
+            f"elapsed time per iteration (ms): {self.iter_ms:.1f} | tokens/s: {self.tokens_per_s:.0f} | "
+            f"learning rate: {self.lr:.6E} | lm loss: {self.loss:.6E} | grad norm: {self.grad_norm:.4f}"
+        )
+        return text + (f" | {self.elastic.line()}" if self.elastic else "")
+
+    def to_json(self) -> str:
+        return json.dumps({"tokens_per_s": self.tokens_per_s if self.kind == "train" else None, **asdict(self)})
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "StepMetrics":
+        d = {k: v for k, v in d.items() if k != "tokens_per_s"}  # derived
+        elastic = d.pop("elastic", None)
+        return cls(**d, elastic=ElasticMetrics(**elastic) if elastic else None)
+
+    @classmethod
+    def from_json(cls, text: str) -> "StepMetrics":
+        return cls.from_dict(json.loads(text))
+
+
+def read_metrics(path: str | Path) -> list[StepMetrics]:
+    """The records of a ``--epp-metrics`` file, in order."""
+    return [StepMetrics.from_json(line) for line in Path(path).read_text().splitlines() if line.strip()]
