@@ -23,7 +23,7 @@ import torch
 
 from megatron_epp.executor import attention as elastic_attention, context as chunk_state, kernels as attention_kernels
 from megatron_epp.executor.kernels import AttentionBackendError, FlashKernel
-from megatron_epp.executor.context import CHUNK_STATE, ChunkLayout
+from megatron_epp.executor.context import ChunkContext, ChunkLayout
 from megatron_epp.plan import Chunk, Segment
 from tests.attention_harness import make_attention, random_tensors, run_plan, worst_errors
 from tests.workers.random_plans import random_lengths, random_plan
@@ -186,20 +186,17 @@ def test_flash_call_arguments_and_seqlens_built_once_per_chunk(monkeypatch):
     use_kernel(monkeypatch, FlashKernel(recording, "recording", devices=("cpu",), dtypes=(torch.float32,), min_capability=None))
     monkeypatch.setattr(elastic_attention.tensor_parallel, "get_cuda_rng_tracker", lambda: types.SimpleNamespace(fork=contextlib.nullcontext))
     monkeypatch.setenv(attention_kernels.ENV, "flash")
-    layers = [make_attention(4, 2, 8, dropout=0.25, layer_number=i) for i in (1, 2)]
+    context = ChunkContext()
+    layers = [make_attention(4, 2, 8, dropout=0.25, layer_number=i, context=context) for i in (1, 2)]
     lengths = [20, 5, 7]
     first = Chunk(0, "split", [Segment(0, 0, 12)])
     hybrid = Chunk(1, "hybrid", [Segment(1, 0, 5), Segment(0, 12, 20), Segment(2, 0, 7)])
-    CHUNK_STATE.clear()
-    try:
-        for chunk in (first, hybrid):
-            CHUNK_STATE.current = ChunkLayout.build(chunk, lengths, torch.device("cpu"))
+    for chunk in (first, hybrid):
+        with context.running(ChunkLayout.build(chunk, lengths, torch.device("cpu"))):
             for layer in layers:
                 n = chunk.num_tokens
                 layer.train()
                 layer(torch.randn(n, 1, 4, 8), torch.randn(n, 1, 2, 8), torch.randn(n, 1, 2, 8), attention_mask=None)
-    finally:
-        CHUNK_STATE.clear()
     assert len(calls) == 4
     (_, k0, cq0, ck0, *_), _, (q1, k1, cq1, ck1, max_q, max_k, kwargs), (_, _, cq1b, ck1b, *_) = calls
     assert k0[0] == 12 and q1[0] == 20 and k1[0] == 32  # the hybrid's keys: 5 + (12 prefix + 8) + 7
@@ -240,14 +237,11 @@ def test_flash_requested_on_cpu_float32_fails_at_first_forward(monkeypatch):
     use_kernel(monkeypatch, real_like)
     monkeypatch.setenv(attention_kernels.ENV, "flash")
     attention = make_attention(4, 4, 8)
-    CHUNK_STATE.current = ChunkLayout.build(Chunk(0, "batched", [Segment(0, 0, 4)]), [4], torch.device("cpu"))
-    try:
+    with attention.context.running(ChunkLayout.build(Chunk(0, "batched", [Segment(0, 0, 4)]), [4], torch.device("cpu"))):
         with pytest.raises(AttentionBackendError, match="flash-attn cannot run: tensors on cpu, flash-attn runs on cuda"):
             attention(*(torch.randn(4, 1, 4, 8) for _ in range(3)))
-        with pytest.raises(AttentionBackendError, match="dtype float32, flash-attn takes float16/bfloat16"):
-            attention_kernels.select_backend("flash", torch.device("cuda"), torch.float32)
-    finally:
-        CHUNK_STATE.current = None
+    with pytest.raises(AttentionBackendError, match="dtype float32, flash-attn takes float16/bfloat16"):
+        attention_kernels.select_backend("flash", torch.device("cuda"), torch.float32)
 
 
 def test_auto_and_sdpa_choices(monkeypatch, capsys):
