@@ -14,6 +14,7 @@ What this does not check: the real CUDA kernel (``scripts/check_cuda_attention.p
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 import types
 
@@ -21,9 +22,9 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_epp.executor import attention as elastic_attention, context as chunk_state, kernels as attention_kernels
+from megatron_epp.executor import attention as elastic_attention, kernels as attention_kernels
 from megatron_epp.executor.kernels import AttentionBackendError, FlashKernel
-from megatron_epp.executor.context import ChunkContext, ChunkLayout
+from megatron_epp.executor.context import ChunkContext, ChunkLayout, varlen_seqlens
 from megatron_epp.plan import Chunk, Segment
 from tests.attention_harness import make_attention, random_tensors, run_plan, worst_errors
 from tests.workers.random_plans import random_lengths, random_plan
@@ -87,9 +88,9 @@ def plans(cases: int):
 HEADS = [(4, 4), (4, 2), (6, 1)]  # MHA, GQA, MQA
 
 
-def run_backend(monkeypatch, request: str, plan, heads: int, kv_heads: int, seed: int):
+def run_backend(monkeypatch, request: str, plan, heads: int, kv_heads: int, seed: int, context: ChunkContext | None = None):
     monkeypatch.setenv(attention_kernels.ENV, request)
-    attention = make_attention(heads, kv_heads, 8)
+    attention = make_attention(heads, kv_heads, 8, context=context)
     tensors = random_tensors(plan, heads, kv_heads, 8, torch.float32, "cpu", seed)
     return run_plan(attention, plan, tensors, "cpu")
 
@@ -135,30 +136,37 @@ def lenient_reference(q, k, v, cu_q, cu_k, *args, **kwargs):
     return reference_flash_attn_varlen_func(q, k[:end], v[:end], cu_q, cu_k, *args, **kwargs)
 
 
-def broken(monkeypatch, fault: str) -> FlashKernel:
-    """Break the flash path's packing on purpose; returns the kernel to run it with."""
+class SeqlensWithoutPrefix(ChunkContext):
+    """Gives the kernels ``cu_seqlens_k`` that leave the slice's prefix keys out."""
+
+    def running(self, layout: ChunkLayout):
+        layout = dataclasses.replace(layout)
+        layout.varlen = varlen_seqlens(layout.bounds, layout.split_index, 0, layout.device)
+        return super().running(layout)
+
+
+def broken(monkeypatch, fault: str) -> tuple[FlashKernel, ChunkContext | None]:
+    """Break the flash path's packing on purpose; returns the kernel and the chunk context to run it with."""
     if fault == "prefix_after_slice_tokens":
         def pack_kv(own, prefix, layout):
             end = layout.bounds[layout.split_index][1]
             return torch.cat([own[:end], prefix, own[end:]])
         monkeypatch.setattr(attention_kernels, "pack_kv", pack_kv)
-        return REFERENCE_KERNEL
+        return REFERENCE_KERNEL, None
     if fault == "prefix_detached":  # the later slices' gradients never reach the kept leaves
         original_pack = attention_kernels.pack_kv
         monkeypatch.setattr(attention_kernels, "pack_kv", lambda own, prefix, layout: original_pack(own, prefix.detach(), layout))
-        return REFERENCE_KERNEL
-    original = chunk_state.varlen_seqlens
-    monkeypatch.setattr(chunk_state, "varlen_seqlens", lambda bounds, split, context, device: original(bounds, split, 0, device))
+        return REFERENCE_KERNEL, None
     if fault == "cu_seqlens_k_without_prefix":  # caught by the reference's argument contract
-        return REFERENCE_KERNEL
+        return REFERENCE_KERNEL, SeqlensWithoutPrefix()
     if fault == "cu_seqlens_k_without_prefix_lenient":  # caught by the values
-        return FlashKernel(lenient_reference, "reference", devices=("cpu",), dtypes=(torch.float32,), min_capability=None)
+        return FlashKernel(lenient_reference, "reference", devices=("cpu",), dtypes=(torch.float32,), min_capability=None), SeqlensWithoutPrefix()
     raise ValueError(fault)
 
 
 @pytest.mark.parametrize("fault", ["prefix_after_slice_tokens", "prefix_detached", "cu_seqlens_k_without_prefix", "cu_seqlens_k_without_prefix_lenient"])
 def test_contract_test_catches_prefix_faults(monkeypatch, fault):
-    kernel = broken(monkeypatch, fault)
+    kernel, context = broken(monkeypatch, fault)
     caught = checked = 0
     for case, plan in plans(4):
         if not any(ChunkLayout.build(c, plan.seq_lengths, torch.device("cpu")).context for p in plan.pipelines for c in p.chunks):
@@ -167,7 +175,7 @@ def test_contract_test_catches_prefix_faults(monkeypatch, fault):
         sdpa = run_backend(monkeypatch, "sdpa", plan, 4, 2, seed=case)
         use_kernel(monkeypatch, kernel)
         try:
-            flash = run_backend(monkeypatch, "flash", plan, 4, 2, seed=case)
+            flash = run_backend(monkeypatch, "flash", plan, 4, 2, seed=case, context=context)
         except AssertionError:  # the reference kernel's argument contract
             caught += 1
             continue
