@@ -4,10 +4,11 @@ Measures, with one thread:
   * ``scaled_dot_product_attention`` of ``s`` queries over ``C + s`` keys (prefix K/V concatenated,
     bottom-right causal boolean mask), forward and backward, over an ``(s, C)`` grid: fits the
     attention coefficients ``a1`` (s^2), ``a1c`` (s*C), ``ac`` (C) and the per-segment constant;
-  * the full ``TransformerLayer`` (local spec, this attention) at ``C = 0`` over lengths: fits the
-    linear term ``a2`` and the constant ``b1`` after removing the attention's quadratic part;
-    recompute = (forward+backward with ``torch.utils.checkpoint``) - (forward+backward), fitted as
-    a ratio of the forward;
+  * the layer that trains (the training spec through ``elastic_layer_spec``: ``ChunkRecomputeLayer``,
+    this attention, RoPE when the shape has it) at ``C = 0`` over lengths: fits the linear term
+    ``a2`` and the constant ``b1`` after removing the attention's quadratic part; recompute =
+    (forward+backward recomputing as training does) - (forward+backward), fitted as a ratio of the
+    forward;
   * the output head (linear + cross entropy) forward/backward;
   * the bytes autograd saves per layer and for the head: a check only, the profile's memory block is
     the analytic count (``saved_tensor_memory``, ``derive="saved-tensors-fp32"``), which the planner
@@ -143,13 +144,12 @@ def derived_memory(shape: ModelShape) -> MemoryCoeffs:
 
 def check_memory(shape: ModelShape, stack: LayerStack, memory: MemoryCoeffs) -> dict:
     """Bytes autograd saves per layer (chunks of one segment, with and without context) and for the
-    head, against the derived count. The bench layer runs without RoPE (no rotary embedding is
-    passed), so with ``shape.rope`` the count is expected to exceed it by RoPE's saved tensors."""
+    head, against the derived count (the layer's count includes the prefix K/V it is given)."""
     m, pred, meas = memory, [], []
     for s, c in [(128, 0), (256, 0), (512, 0), (1024, 0), (2048, 0), (256, 512), (256, 2048), (512, 1024), (1024, 2048)]:
         stack.set_segments([s], [c])
         x = torch.randn(s, 1, shape.hidden, requires_grad=True)
-        meas.append(saved_bytes(lambda: stack(x)))
+        meas.append(saved_bytes(lambda: stack(x), stack.context))
         lone = m.lone_slice_token * s if c else 0.0
         pred.append(m.act_token * s + m.act_area * s * (c + s) + m.act_context * c + (m.act_slice * s if c else 0.0) - lone)
     logits = saved_bytes(lambda: stack.head_loss(torch.randn(1024, 1, shape.hidden, requires_grad=True))) / 1024

@@ -3,7 +3,8 @@
 Each chunk gets random leaf ``q``/``k``/``v`` (``[N, 1, heads, d]``) and a random output gradient;
 chunks run forward in plan order and backward in the schedule's backward order (a split sequence's
 slices last-to-first), so the prefix K/V and their gradients (kept leaves, ``_ReceiveLaterSliceGrads``)
-flow exactly as in training. Used by the CPU contract test and by ``scripts/check_cuda_attention.py``.
+flow exactly as in training. Each chunk is current in the attention's own context while it runs.
+Used by the CPU contract test and by ``scripts/check_cuda_attention.py``.
 """
 
 from __future__ import annotations
@@ -13,18 +14,21 @@ from dataclasses import dataclass
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_epp.executor.context import CHUNK_STATE, ChunkLayout
+from megatron_epp.executor.context import ChunkContext, ChunkLayout
 from megatron_epp.executor.attention import ElasticAttention
 from megatron_epp.plan import Plan
 from megatron_epp.plan.order import backward_order
 
 
-def make_attention(heads: int, kv_heads: int, head_dim: int, dropout: float = 0.0, layer_number: int = 1) -> ElasticAttention:
+def make_attention(
+    heads: int, kv_heads: int, head_dim: int, dropout: float = 0.0, layer_number: int = 1, context: ChunkContext | None = None
+) -> ElasticAttention:
+    """One ElasticAttention on ``context`` (a fresh one if None)."""
     config = TransformerConfig(
         num_layers=1, hidden_size=heads * head_dim, num_attention_heads=heads, num_query_groups=kv_heads,
         kv_channels=head_dim, attention_dropout=dropout, hidden_dropout=0.0, use_cpu_initialization=True,
     )
-    return ElasticAttention(config, layer_number=layer_number)
+    return ElasticAttention(config, layer_number=layer_number, context=context or ChunkContext())
 
 
 @dataclass
@@ -61,24 +65,22 @@ class ChunkResult:
 def run_plan(attention: ElasticAttention, plan: Plan, tensors: list[list[ChunkTensors]], device) -> list[list[ChunkResult]]:
     """Forward every chunk (plan order), then backward (schedule order); outputs and input gradients."""
     results = []
-    CHUNK_STATE.clear()
-    try:
+    context = attention.context
+    with context.step():
         for pipe, row in zip(plan.pipelines, tensors):
             layouts = [ChunkLayout.build(c, plan.seq_lengths, torch.device(device)) for c in pipe.chunks]
             leaves, outs = [], []
             for layout, t in zip(layouts, row):
-                CHUNK_STATE.current = layout
                 q, k, v = (x.detach().clone().requires_grad_() for x in (t.q, t.k, t.v))
                 leaves.append((q, k, v))
-                outs.append(attention(q, k, v, attention_mask=None))
+                with context.running(layout):
+                    outs.append(attention(q, k, v, attention_mask=None))
             for pos in backward_order(pipe):
-                CHUNK_STATE.current = layouts[pos]
-                outs[pos].backward(row[pos].grad_out)
+                with context.running(layouts[pos]):
+                    outs[pos].backward(row[pos].grad_out)
             results.append([ChunkResult(o.detach(), q.grad, k.grad, v.grad) for o, (q, k, v) in zip(outs, leaves)])
-            if CHUNK_STATE.kv:
-                raise AssertionError(f"prefix K/V not released after the pipeline: {sorted(CHUNK_STATE.kv)}")
-    finally:
-        CHUNK_STATE.clear()
+            if context.kv:
+                raise AssertionError(f"prefix K/V not released after the pipeline: {sorted(context.kv)}")
     return results
 
 

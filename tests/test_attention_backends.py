@@ -14,6 +14,7 @@ What this does not check: the real CUDA kernel (``scripts/check_cuda_attention.p
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 import types
 
@@ -21,9 +22,9 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_epp.executor import attention as elastic_attention, context as chunk_state, kernels as attention_kernels
+from megatron_epp.executor import attention as elastic_attention, kernels as attention_kernels
 from megatron_epp.executor.kernels import AttentionBackendError, FlashKernel
-from megatron_epp.executor.context import CHUNK_STATE, ChunkLayout
+from megatron_epp.executor.context import ChunkContext, ChunkLayout, varlen_seqlens
 from megatron_epp.plan import Chunk, Segment
 from tests.attention_harness import make_attention, random_tensors, run_plan, worst_errors
 from tests.workers.random_plans import random_lengths, random_plan
@@ -87,9 +88,9 @@ def plans(cases: int):
 HEADS = [(4, 4), (4, 2), (6, 1)]  # MHA, GQA, MQA
 
 
-def run_backend(monkeypatch, request: str, plan, heads: int, kv_heads: int, seed: int):
+def run_backend(monkeypatch, request: str, plan, heads: int, kv_heads: int, seed: int, context: ChunkContext | None = None):
     monkeypatch.setenv(attention_kernels.ENV, request)
-    attention = make_attention(heads, kv_heads, 8)
+    attention = make_attention(heads, kv_heads, 8, context=context)
     tensors = random_tensors(plan, heads, kv_heads, 8, torch.float32, "cpu", seed)
     return run_plan(attention, plan, tensors, "cpu")
 
@@ -135,30 +136,37 @@ def lenient_reference(q, k, v, cu_q, cu_k, *args, **kwargs):
     return reference_flash_attn_varlen_func(q, k[:end], v[:end], cu_q, cu_k, *args, **kwargs)
 
 
-def broken(monkeypatch, fault: str) -> FlashKernel:
-    """Break the flash path's packing on purpose; returns the kernel to run it with."""
+class SeqlensWithoutPrefix(ChunkContext):
+    """Gives the kernels ``cu_seqlens_k`` that leave the slice's prefix keys out."""
+
+    def running(self, layout: ChunkLayout):
+        layout = dataclasses.replace(layout)
+        layout.varlen = varlen_seqlens(layout.bounds, layout.split_index, 0, layout.device)
+        return super().running(layout)
+
+
+def broken(monkeypatch, fault: str) -> tuple[FlashKernel, ChunkContext | None]:
+    """Break the flash path's packing on purpose; returns the kernel and the chunk context to run it with."""
     if fault == "prefix_after_slice_tokens":
         def pack_kv(own, prefix, layout):
             end = layout.bounds[layout.split_index][1]
             return torch.cat([own[:end], prefix, own[end:]])
         monkeypatch.setattr(attention_kernels, "pack_kv", pack_kv)
-        return REFERENCE_KERNEL
+        return REFERENCE_KERNEL, None
     if fault == "prefix_detached":  # the later slices' gradients never reach the kept leaves
         original_pack = attention_kernels.pack_kv
         monkeypatch.setattr(attention_kernels, "pack_kv", lambda own, prefix, layout: original_pack(own, prefix.detach(), layout))
-        return REFERENCE_KERNEL
-    original = chunk_state.varlen_seqlens
-    monkeypatch.setattr(chunk_state, "varlen_seqlens", lambda bounds, split, context, device: original(bounds, split, 0, device))
+        return REFERENCE_KERNEL, None
     if fault == "cu_seqlens_k_without_prefix":  # caught by the reference's argument contract
-        return REFERENCE_KERNEL
+        return REFERENCE_KERNEL, SeqlensWithoutPrefix()
     if fault == "cu_seqlens_k_without_prefix_lenient":  # caught by the values
-        return FlashKernel(lenient_reference, "reference", devices=("cpu",), dtypes=(torch.float32,), min_capability=None)
+        return FlashKernel(lenient_reference, "reference", devices=("cpu",), dtypes=(torch.float32,), min_capability=None), SeqlensWithoutPrefix()
     raise ValueError(fault)
 
 
 @pytest.mark.parametrize("fault", ["prefix_after_slice_tokens", "prefix_detached", "cu_seqlens_k_without_prefix", "cu_seqlens_k_without_prefix_lenient"])
 def test_contract_test_catches_prefix_faults(monkeypatch, fault):
-    kernel = broken(monkeypatch, fault)
+    kernel, context = broken(monkeypatch, fault)
     caught = checked = 0
     for case, plan in plans(4):
         if not any(ChunkLayout.build(c, plan.seq_lengths, torch.device("cpu")).context for p in plan.pipelines for c in p.chunks):
@@ -167,7 +175,7 @@ def test_contract_test_catches_prefix_faults(monkeypatch, fault):
         sdpa = run_backend(monkeypatch, "sdpa", plan, 4, 2, seed=case)
         use_kernel(monkeypatch, kernel)
         try:
-            flash = run_backend(monkeypatch, "flash", plan, 4, 2, seed=case)
+            flash = run_backend(monkeypatch, "flash", plan, 4, 2, seed=case, context=context)
         except AssertionError:  # the reference kernel's argument contract
             caught += 1
             continue
@@ -186,20 +194,17 @@ def test_flash_call_arguments_and_seqlens_built_once_per_chunk(monkeypatch):
     use_kernel(monkeypatch, FlashKernel(recording, "recording", devices=("cpu",), dtypes=(torch.float32,), min_capability=None))
     monkeypatch.setattr(elastic_attention.tensor_parallel, "get_cuda_rng_tracker", lambda: types.SimpleNamespace(fork=contextlib.nullcontext))
     monkeypatch.setenv(attention_kernels.ENV, "flash")
-    layers = [make_attention(4, 2, 8, dropout=0.25, layer_number=i) for i in (1, 2)]
+    context = ChunkContext()
+    layers = [make_attention(4, 2, 8, dropout=0.25, layer_number=i, context=context) for i in (1, 2)]
     lengths = [20, 5, 7]
     first = Chunk(0, "split", [Segment(0, 0, 12)])
     hybrid = Chunk(1, "hybrid", [Segment(1, 0, 5), Segment(0, 12, 20), Segment(2, 0, 7)])
-    CHUNK_STATE.clear()
-    try:
-        for chunk in (first, hybrid):
-            CHUNK_STATE.current = ChunkLayout.build(chunk, lengths, torch.device("cpu"))
+    for chunk in (first, hybrid):
+        with context.running(ChunkLayout.build(chunk, lengths, torch.device("cpu"))):
             for layer in layers:
                 n = chunk.num_tokens
                 layer.train()
                 layer(torch.randn(n, 1, 4, 8), torch.randn(n, 1, 2, 8), torch.randn(n, 1, 2, 8), attention_mask=None)
-    finally:
-        CHUNK_STATE.clear()
     assert len(calls) == 4
     (_, k0, cq0, ck0, *_), _, (q1, k1, cq1, ck1, max_q, max_k, kwargs), (_, _, cq1b, ck1b, *_) = calls
     assert k0[0] == 12 and q1[0] == 20 and k1[0] == 32  # the hybrid's keys: 5 + (12 prefix + 8) + 7
@@ -240,14 +245,11 @@ def test_flash_requested_on_cpu_float32_fails_at_first_forward(monkeypatch):
     use_kernel(monkeypatch, real_like)
     monkeypatch.setenv(attention_kernels.ENV, "flash")
     attention = make_attention(4, 4, 8)
-    CHUNK_STATE.current = ChunkLayout.build(Chunk(0, "batched", [Segment(0, 0, 4)]), [4], torch.device("cpu"))
-    try:
+    with attention.context.running(ChunkLayout.build(Chunk(0, "batched", [Segment(0, 0, 4)]), [4], torch.device("cpu"))):
         with pytest.raises(AttentionBackendError, match="flash-attn cannot run: tensors on cpu, flash-attn runs on cuda"):
             attention(*(torch.randn(4, 1, 4, 8) for _ in range(3)))
-        with pytest.raises(AttentionBackendError, match="dtype float32, flash-attn takes float16/bfloat16"):
-            attention_kernels.select_backend("flash", torch.device("cuda"), torch.float32)
-    finally:
-        CHUNK_STATE.current = None
+    with pytest.raises(AttentionBackendError, match="dtype float32, flash-attn takes float16/bfloat16"):
+        attention_kernels.select_backend("flash", torch.device("cuda"), torch.float32)
 
 
 def test_auto_and_sdpa_choices(monkeypatch, capsys):

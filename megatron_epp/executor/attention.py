@@ -21,7 +21,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_epp.executor import kernels
-from megatron_epp.executor.context import CHUNK_STATE, ChunkLayout
+from megatron_epp.executor.context import ChunkContext, ChunkLayout
 
 
 class _ReceiveLaterSliceGrads(torch.autograd.Function):
@@ -51,7 +51,10 @@ class _ReceiveLaterSliceGrads(torch.autograd.Function):
 
 
 class ElasticAttention(MegatronModule):
-    """Drop-in for ``SelfAttentionSubmodules.core_attention``: [s, b, heads, dim] in, [s, b, h] out."""
+    """Drop-in for ``SelfAttentionSubmodules.core_attention``: [s, b, heads, dim] in, [s, b, h] out.
+
+    ``context`` (from the layer spec's ``params``) gives the current chunk and keeps the prefix K/V.
+    """
 
     def __init__(
         self,
@@ -63,8 +66,11 @@ class ElasticAttention(MegatronModule):
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
         pg_collection: Any = None,
+        *,
+        context: ChunkContext,
     ) -> None:
         super().__init__(config=config)
+        self.context = context
         self.layer_number = layer_number
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
@@ -75,7 +81,7 @@ class ElasticAttention(MegatronModule):
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
         if packed_seq_params is not None or attention_bias is not None:
             raise ValueError("ElasticAttention takes its packing from the current chunk, not packed_seq_params/bias")
-        layout = CHUNK_STATE.layout()
+        layout = self.context.layout()
         prefix = None
         if layout.split_index is not None:
             prefix, key, value = self._exchange_prefix(layout, key, value)
@@ -92,13 +98,13 @@ class ElasticAttention(MegatronModule):
         The returned ``key``/``value`` carry :class:`_ReceiveLaterSliceGrads`, through which the kept
         leaves' gradients reach this slice in its own backward.
         """
-        store = CHUNK_STATE.store(layout.split_seq, self.layer_number)
+        store = self.context.store(layout.split_seq, self.layer_number)
         prefix = store.prefix(layout.context) if layout.context else None
         if layout.keeps_kv:
             start, end = layout.bounds[layout.split_index]
             fresh = (key[start:end].detach().requires_grad_(), value[start:end].detach().requires_grad_())
             seq, layer = layout.split_seq, self.layer_number
-            k_leaf, v_leaf = CHUNK_STATE.keep(seq, layer, layout.context, fresh)
-            release = (lambda: CHUNK_STATE.release(seq, layer)) if layout.context == 0 else None
+            k_leaf, v_leaf = self.context.keep(seq, layer, layout.context, fresh)
+            release = (lambda: self.context.release(seq, layer)) if layout.context == 0 else None
             key, value = _ReceiveLaterSliceGrads.apply(key, value, k_leaf, v_leaf, start, end, release)
         return prefix, key, value

@@ -7,7 +7,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from megatron_epp.executor.context import CHUNK_STATE
+from megatron_epp.executor.context import ChunkContext
 from megatron_epp.plan import Plan
 
 Batch = dict[str, torch.Tensor]
@@ -38,8 +38,9 @@ def chunk_batches(plan: Plan, sequences: Sequence[TokensAndLabels] | None, devic
 
 
 def elastic_gpt_forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module):
-    """``forward_step_func`` for elastic chunks: positions come from the plan, tokens from the batch."""
+    """``forward_step_func`` for elastic chunks: positions come from the plan (the model's current
+    chunk), tokens from the batch."""
     batch = next(data_iterator)
-    positions = CHUNK_STATE.layout().position_ids[None]
+    positions = ChunkContext.of(model).layout().position_ids[None]
     output = model(batch.get("tokens"), positions, None, labels=batch.get("labels"))
     return output, partial(per_token_loss, batch.get("loss_mask"))

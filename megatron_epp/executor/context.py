@@ -1,7 +1,12 @@
 """What the stage is running now: the current chunk's layout, and the prefix K/V of split sequences.
 
-The elastic schedule sets the current chunk (from the plan, on every stage) before each forward;
-the attention and rotary modules read it. Prefix K/V are kept per (sequence, layer) as detached
+One :class:`ChunkContext` per model, created by whoever builds the model: ``elastic_layer_spec(base,
+context)`` hands it to the attention and the recompute layer (``ModuleSpec.params``),
+``install_chunk_context(model, context)`` to RoPE and to the model (``model.elastic_context``), where
+the schedule, the forward step and the memory tracker's owner find it (:meth:`ChunkContext.of`).
+The elastic schedule sets the current chunk (from the plan, on every stage) around each forward and
+backward (:meth:`ChunkContext.running`); the attention and rotary modules read it. A step that raises
+leaves nothing behind (:meth:`ChunkContext.step`). Prefix K/V are kept per (sequence, layer) as detached
 leaves: later slices attend to them and accumulate their gradients, which the owning slice adds to
 its own K/V gradient in its backward (see ``elastic_attention``).
 
@@ -11,10 +16,13 @@ once per chunk, on first use, and shared by all the stage's layers.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Iterator
 
 import torch
+from megatron.core.utils import get_attr_wrapped_model
 
 from megatron_epp.plan import Chunk
 
@@ -130,18 +138,53 @@ class PrefixKV:
         return torch.cat(keys, 0), torch.cat(values, 0)
 
 
-class ChunkState:
-    """The stage's current chunk and its prefix K/V store."""
+class ChunkContext:
+    """A model's current chunk and its prefix K/V store, owned by the executor.
+
+    Every elastic layer of the model holds the same context (given to them by the layer spec); the
+    schedule reaches it through the model (:meth:`of`). Tests inject faults with a subclass.
+    """
+
+    ATTRIBUTE = "elastic_context"  # where install_chunk_context puts it on the model
 
     def __init__(self) -> None:
         self.current: ChunkLayout | None = None
         self.kv: dict[tuple[int, int], PrefixKV] = {}
         self.kv_version = 0  # changes whenever K/V are kept or released (memory tracking caches on it)
 
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> "ChunkContext":
+        """The context of ``model``, through DDP/Float16Module wrappers (megatron's ``get_attr_wrapped_model``)."""
+        try:
+            return get_attr_wrapped_model(model, cls.ATTRIBUTE)
+        except RuntimeError:
+            raise RuntimeError(
+                "the model has no chunk context: build it with elastic_layer_spec(base, context) and "
+                "install_chunk_context(model, context)"
+            ) from None
+
     def layout(self) -> ChunkLayout:
         if self.current is None:
             raise RuntimeError("no chunk is set: elastic layers run only inside forward_backward_elastic")
         return self.current
+
+    @contextlib.contextmanager
+    def running(self, layout: ChunkLayout) -> Iterator[ChunkLayout]:
+        """Make ``layout`` the current chunk for one forward or backward; the previous one after."""
+        previous, self.current = self.current, layout
+        try:
+            yield layout
+        finally:
+            self.current = previous
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator["ChunkContext"]:
+        """One schedule step: on any exception, forget the current chunk and release every kept K/V."""
+        try:
+            yield self
+        except BaseException:
+            self.clear()
+            raise
 
     def store(self, seq: int, layer: int) -> PrefixKV:
         return self.kv.setdefault((seq, layer), PrefixKV())
@@ -170,5 +213,3 @@ class ChunkState:
         self.kv.clear()
         self.kv_version += 1
 
-
-CHUNK_STATE = ChunkState()

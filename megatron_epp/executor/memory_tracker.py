@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from megatron_epp.executor.context import CHUNK_STATE
+from megatron_epp.executor.context import ChunkContext
 
 
 class _Saved:
@@ -26,15 +26,15 @@ class _Saved:
 
 
 class ActivationMemoryTracker:
-    """``with ActivationMemoryTracker(device) as t: step()`` then ``t.peak_bytes``.
+    """``with ActivationMemoryTracker(device, context) as t: step()`` then ``t.peak_bytes``.
 
-    On CPU each saved tensor costs O(1): the kept prefix K/V are re-listed only when the store
-    changes (``CHUNK_STATE.kv_version``), and their bytes not already counted as saved are kept
+    ``context`` is the chunk context whose kept prefix K/V count. On CPU each saved tensor costs
+    O(1): the kept prefix K/V are re-listed only when the store changes (``context.kv_version``), and their bytes not already counted as saved are kept
     up to date as storages enter and leave the saved set.
     """
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
+    def __init__(self, device: torch.device, context: ChunkContext) -> None:
+        self.device, self.context = device, context
         self.peak_bytes = 0
         self._live: dict[int, list[int]] = {}  # storage pointer -> [bytes, references]
         self._current = 0
@@ -64,9 +64,9 @@ class ActivationMemoryTracker:
     def _pack(self, tensor: torch.Tensor):
         if isinstance(tensor, torch.nn.Parameter):
             return _Plain(tensor)
-        if self._kv_version != CHUNK_STATE.kv_version:
-            self._kv_version = CHUNK_STATE.kv_version
-            self._kv = CHUNK_STATE.kv_storages()
+        if self._kv_version != self.context.kv_version:
+            self._kv_version = self.context.kv_version
+            self._kv = self.context.kv_storages()
             self._kv_unsaved = sum(nbytes for ptr, nbytes in self._kv.items() if ptr not in self._live)
         storage = tensor.untyped_storage()
         key = storage.data_ptr()

@@ -13,11 +13,16 @@ from __future__ import annotations
 from megatron.core import tensor_parallel
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from megatron_epp.executor.context import CHUNK_STATE
+from megatron_epp.executor.context import ChunkContext
 
 
 class ChunkRecomputeLayer(TransformerLayer):
-    """``spec.module`` for elastic stages: recomputes when ``local index < current chunk's count``."""
+    """``spec.module`` for elastic stages: recomputes when ``local index < current chunk's count``
+    (the chunk of ``context``, given by the layer spec's ``params``)."""
+
+    def __init__(self, *args, context: ChunkContext, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.context = context
 
     @property
     def local_index(self) -> int:
@@ -25,7 +30,7 @@ class ChunkRecomputeLayer(TransformerLayer):
         return (self.layer_number - 1) % per_stage
 
     def forward(self, *args, **kwargs):
-        layout = CHUNK_STATE.current
+        layout = self.context.current
         if layout is None or not self.training or self.local_index >= layout.recompute:
             return super().forward(*args, **kwargs)
         hidden_states = kwargs.pop("hidden_states") if "hidden_states" in kwargs else args[0]

@@ -12,20 +12,21 @@ from typing import Any
 
 import torch
 
-from megatron_epp.executor.context import CHUNK_STATE
+from megatron_epp.executor.context import ChunkContext
 
 
 class ChunkRotaryEmbedding(torch.nn.Module):
-    """Wraps megatron-core's ``RotaryEmbedding`` (no parameters of its own)."""
+    """Wraps megatron-core's ``RotaryEmbedding`` (no parameters of its own) at ``context``'s current chunk."""
 
-    def __init__(self, inner: torch.nn.Module) -> None:
+    def __init__(self, inner: torch.nn.Module, context: ChunkContext) -> None:
         super().__init__()
         self.inner = inner
+        self.context = context
 
     def get_rotary_seq_len(self, *args: Any, **kwargs: Any) -> int:
         return self.inner.get_rotary_seq_len(*args, **kwargs)
 
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group: Any = None) -> torch.Tensor:
-        positions = CHUNK_STATE.layout().position_ids
+        positions = self.context.layout().position_ids
         freqs = self.inner(int(positions.max()) + 1)
         return freqs[positions]

@@ -20,7 +20,7 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.pipeline_parallel.schedules import backward_step, deallocate_output_tensor, forward_step
 from megatron.core.utils import get_model_config, get_model_type
 
-from megatron_epp.executor.context import CHUNK_STATE, ChunkLayout
+from megatron_epp.executor.context import ChunkContext, ChunkLayout
 from megatron_epp.plan import Pipeline, Plan
 from megatron_epp.plan.order import Op, stage_ops
 
@@ -62,7 +62,9 @@ def forward_backward_elastic(
     """Megatron-Core's schedule signature plus ``plan``; ``num_microbatches`` must be its chunk count.
 
     ``data_iterator`` yields one item per chunk in forward order (pipeline by pipeline); the current
-    chunk's layout (positions, packing, prefix) is set from the plan on every stage before its forward.
+    chunk's layout (positions, packing, prefix) is set from the plan on every stage around each of its
+    forwards and backwards, in the model's chunk context (``ChunkContext.of(model)``). If the step
+    raises, the context is left with no current chunk and no kept K/V.
     Returns the last stage's per-chunk loss dicts.
     """
     model = model[0] if isinstance(model, list) else model
@@ -75,15 +77,18 @@ def forward_backward_elastic(
         raise ValueError(f"plan is for {plan.num_stages} stages, the pipeline has {pp_group.size()}")
     config = get_model_config(model)
     comm = p2p_communicator or P2PCommunicator(pp_group=pp_group, config=config)
-    runner = _StageRunner(forward_step_func, data_iterator, model, config, comm, plan, forward_only, collect_non_loss_data)
+    context = ChunkContext.of(model)
+    runner = _StageRunner(forward_step_func, data_iterator, model, context, config, comm, plan, forward_only, collect_non_loss_data)
     disable_sync, enable_sync = _grad_sync_control(config)
     disable_sync()
-    for index, pipe in enumerate(plan.pipelines):
-        runner.run(pipe, on_last_backward=enable_sync if index == len(plan.pipelines) - 1 else None)
-    enable_sync()
-    CHUNK_STATE.current = None
+    try:
+        with context.step():
+            for index, pipe in enumerate(plan.pipelines):
+                runner.run(pipe, on_last_backward=enable_sync if index == len(plan.pipelines) - 1 else None)
+    finally:
+        enable_sync()
     if forward_only:
-        CHUNK_STATE.kv.clear()
+        context.clear()
     elif config.finalize_model_grads_func is not None:
         config.finalize_model_grads_func(
             [model], runner.total_tokens if config.calculate_per_token_loss else None, pg_collection=pg_collection
@@ -94,8 +99,8 @@ def forward_backward_elastic(
 class _StageRunner:
     """Runs one stage's op sequence for each pipeline of the plan."""
 
-    def __init__(self, forward_step_func, data_iterator, model, config, comm: P2PCommunicator, plan: Plan, forward_only: bool, collect_non_loss_data: bool) -> None:
-        self.forward_step_func, self.data_iterator, self.model, self.config = forward_step_func, data_iterator, model, config
+    def __init__(self, forward_step_func, data_iterator, model, context: ChunkContext, config, comm: P2PCommunicator, plan: Plan, forward_only: bool, collect_non_loss_data: bool) -> None:
+        self.forward_step_func, self.data_iterator, self.model, self.context, self.config = forward_step_func, data_iterator, model, context, config
         self.comm, self.plan, self.forward_only, self.collect = comm, plan, forward_only, collect_non_loss_data
         self.stage = comm.pp_group.rank()
         self.first, self.last = self.stage == 0, self.stage == plan.num_stages - 1
@@ -123,8 +128,8 @@ class _StageRunner:
         for i, op in enumerate(ops):
             nxt = ops[i + 1] if i + 1 < len(ops) else None
             if op.kind == "F":
-                CHUNK_STATE.current = layouts[op.pos]
-                input_tensor, output = incoming, self._forward(incoming, op.pos)
+                with self.context.running(layouts[op.pos]):
+                    input_tensor, output = incoming, self._forward(incoming, op.pos)
                 incoming = self._send_then_receive("F", output, pipe, nxt)
                 if not self.forward_only:
                     saved[op.pos] = (input_tensor, output)
@@ -132,9 +137,9 @@ class _StageRunner:
             else:
                 if i == last_backward and on_last_backward is not None:
                     on_last_backward()
-                CHUNK_STATE.current = layouts[op.pos]
                 input_tensor, output = saved.pop(op.pos)
-                grad = backward_step(input_tensor, output, incoming, self.model_type, self.config)
+                with self.context.running(layouts[op.pos]):
+                    grad = backward_step(input_tensor, output, incoming, self.model_type, self.config)
                 incoming = self._send_then_receive("B", grad, pipe, nxt)
 
     def _forward(self, input_tensor, pos: int):

@@ -1,4 +1,8 @@
-"""The elastic layer spec and the GPTModel hooks that make a stage run elastic chunks."""
+"""The elastic layer spec and the GPTModel hooks that make a stage run elastic chunks.
+
+One :class:`ChunkContext` per model goes to both: ``elastic_layer_spec(base, context)`` before the
+model is built, ``install_chunk_context(model, context)`` after.
+"""
 
 from __future__ import annotations
 
@@ -8,20 +12,25 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_epp.executor.attention import ElasticAttention
+from megatron_epp.executor.context import ChunkContext
 from megatron_epp.executor.recompute_layer import ChunkRecomputeLayer
 from megatron_epp.executor.rotary import ChunkRotaryEmbedding
 
 
-def elastic_layer_spec(base: ModuleSpec) -> ModuleSpec:
+def elastic_layer_spec(base: ModuleSpec, context: ChunkContext) -> ModuleSpec:
     """``base`` (a GPT layer spec) with :class:`ElasticAttention` as its core attention and
-    :class:`ChunkRecomputeLayer` as its module (per-chunk recompute from the plan)."""
+    :class:`ChunkRecomputeLayer` as its module (per-chunk recompute from the plan), both reading
+    ``context`` (passed to their constructors through ``ModuleSpec.params``)."""
     spec = copy.deepcopy(base)
     spec.module = ChunkRecomputeLayer
-    spec.submodules.self_attention.submodules.core_attention = ElasticAttention
+    spec.params = {**spec.params, "context": context}
+    spec.submodules.self_attention.submodules.core_attention = ModuleSpec(module=ElasticAttention, params={"context": context})
     return spec
 
 
-def install_chunk_positions(model: GPTModel) -> None:
-    """Make RoPE follow the current chunk's position ids (learned positions take them directly)."""
+def install_chunk_context(model: GPTModel, context: ChunkContext) -> None:
+    """Attach ``context`` to ``model`` (found again by :meth:`ChunkContext.of`) and make RoPE follow
+    its current chunk's position ids (learned positions take them directly from the forward step)."""
+    setattr(model, ChunkContext.ATTRIBUTE, context)
     if model.position_embedding_type == "rope":
-        model.rotary_pos_emb = ChunkRotaryEmbedding(model.rotary_pos_emb)
+        model.rotary_pos_emb = ChunkRotaryEmbedding(model.rotary_pos_emb, context)

@@ -1,40 +1,50 @@
-"""Timing and memory measurement of the real Megatron-Core transformer layer on this machine.
+"""Timing and memory measurement of the transformer layer that trains, on this machine.
 
 Used by ``scripts/profile_layer.py`` (fits a profile) and ``scripts/cost_model_accuracy.py``
-(checks it on real chunks). The only module of the planner that imports torch.
+(checks it on real chunks).
 
-The layer is Megatron-Core's ``TransformerLayer`` from the local spec with the executor's own
-:class:`ElasticAttention` as core attention (one SDPA call per segment; a slice attends to its
-prefix K/V through a bottom-right causal mask), driven through the same ``CHUNK_STATE``.
+The layers are built through the training spec (``default_layer_spec()`` passed through
+``elastic_layer_spec``): :class:`ChunkRecomputeLayer` with :class:`ElasticAttention` as core attention
+(one SDPA call per segment on CPU; a slice attends to its prefix K/V through a bottom-right causal
+mask), RoPE (when the shape has it) through the chunk rotary embedding, all reading the stack's own
+:class:`ChunkContext`. A checkpointed forward recomputes as training does (the layout's recompute
+count, megatron-core's ``tensor_parallel.checkpoint``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.transformer.spec_utils import build_module
+from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_epp.executor.context import CHUNK_STATE, ChunkLayout
-from megatron_epp.executor.attention import ElasticAttention
-from megatron_epp.executor.memory_tracker import ActivationMemoryTracker
-from megatron_epp.plan import Chunk, Segment
-
+import patches
 from megatron_epp.cost.profiles import ModelShape
+from megatron_epp.executor.context import ChunkContext, ChunkLayout
+from megatron_epp.executor.memory_tracker import ActivationMemoryTracker
+from megatron_epp.executor.rotary import ChunkRotaryEmbedding
+from megatron_epp.executor.spec import elastic_layer_spec
+from megatron_epp.plan import Chunk, Segment
+from megatron_epp.training.model import default_layer_spec
 
 
 _initialized = False
 
 
 def init_single_process() -> None:
-    """One-process gloo group and Megatron's model-parallel state (TP = PP = 1), one thread."""
+    """One-process gloo group and Megatron's model-parallel state (TP = PP = 1), one thread, and
+    the CPU patches training applies (RoPE's and the recompute's device and RNG calls)."""
     global _initialized
     if _initialized:
         return
-    from megatron.core import parallel_state
-
+    patches.apply_cpu_patches()
     torch.set_num_threads(1)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
@@ -45,14 +55,14 @@ def init_single_process() -> None:
 
 
 class LayerStack(torch.nn.Module):
-    """``num_layers`` Megatron-Core transformer layers with prefix attention, plus the output head."""
+    """``num_layers`` transformer layers of the training spec with prefix attention, plus the output head.
+
+    :meth:`set_segments` makes a chunk current in the stack's own context until the next call, so a
+    forward and its backward (recompute included) run on that chunk.
+    """
 
     def __init__(self, shape: ModelShape, num_layers: int, seed: int = 0) -> None:
         super().__init__()
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-        from megatron.core.transformer.spec_utils import build_module
-        from megatron.core.transformer.transformer_config import TransformerConfig
-
         init_single_process()
         torch.manual_seed(seed)
         config = TransformerConfig(
@@ -65,11 +75,13 @@ class LayerStack(torch.nn.Module):
             hidden_dropout=0.0,
             attention_dropout=0.0,
         )
-        spec = get_gpt_layer_local_spec()
-        spec.submodules.self_attention.submodules.core_attention = ElasticAttention
+        self.context = ChunkContext()
+        spec = elastic_layer_spec(default_layer_spec(), self.context)
         self.layers = torch.nn.ModuleList(build_module(spec, config=config, layer_number=i + 1) for i in range(num_layers))
+        self.rotary = ChunkRotaryEmbedding(RotaryEmbedding(config.kv_channels, rotary_percent=1.0, use_cpu_initialization=True), self.context) if shape.rope else None
         self.head = torch.nn.Linear(shape.hidden, shape.vocab, bias=False)
         self.shape = shape
+        self._recompute_layout: ChunkLayout | None = None
 
     def set_segments(self, lengths: Sequence[int], contexts: Sequence[int]) -> list[torch.Tensor]:
         """Make the segments ``(s, C)`` the current chunk, with random prefix K/V for a slice of
@@ -78,23 +90,23 @@ class LayerStack(torch.nn.Module):
             raise ValueError("a chunk holds at most one slice with context")
         heads, d = self.shape.num_heads, self.shape.hidden // self.shape.num_heads
         chunk = Chunk(0, "batched", [Segment(i, c, c + s) for i, (s, c) in enumerate(zip(lengths, contexts))])
-        CHUNK_STATE.kv.clear()
-        CHUNK_STATE.current = ChunkLayout.build(chunk, [c + s for s, c in zip(lengths, contexts)], torch.device("cpu"))
+        self.context.clear()
+        self.context.current = ChunkLayout.build(chunk, [c + s for s, c in zip(lengths, contexts)], torch.device("cpu"))
+        self._recompute_layout = dataclasses.replace(self.context.current, recompute=len(self.layers))
         leaves = []
         for i, c in enumerate(contexts):
             for layer in self.layers if c else ():
                 kv = tuple(torch.randn(c, 1, heads, d, requires_grad=True) for _ in range(2))
-                CHUNK_STATE.store(i, layer.layer_number).slices[0] = kv
+                self.context.keep(i, layer.layer_number, 0, kv)
                 leaves += kv
         return leaves
 
     def forward(self, x: torch.Tensor, checkpoint: bool = False) -> torch.Tensor:
-        """Hidden states ``[s, 1, h]`` through every layer (each wrapped in a checkpoint if asked)."""
-        for layer in self.layers:
-            if checkpoint:
-                x = torch.utils.checkpoint.checkpoint(lambda t, m=layer: m(t, attention_mask=None)[0], x, use_reentrant=False)
-            else:
-                x = layer(x, attention_mask=None)[0]
+        """Hidden states ``[s, 1, h]`` through every layer (each recomputing in backward if asked)."""
+        with self.context.running(self._recompute_layout if checkpoint else self.context.layout()):
+            rotary = self.rotary(x.shape[0]) if self.rotary is not None else None
+            for layer in self.layers:
+                x = layer(x, attention_mask=None, rotary_pos_emb=rotary)[0]
         return x
 
     def head_loss(self, x: torch.Tensor) -> torch.Tensor:
@@ -121,9 +133,10 @@ def time_fwd_bwd(run: Callable[..., torch.Tensor], make_inputs: Callable[[], tup
     return min(fwd), min(bwd)
 
 
-def saved_bytes(build: Callable[[], torch.Tensor]) -> int:
-    """Bytes of distinct tensors autograd saves for backward while ``build()`` runs."""
-    with ActivationMemoryTracker(torch.device("cpu")) as tracker:
+def saved_bytes(build: Callable[[], torch.Tensor], context: ChunkContext | None = None) -> int:
+    """Peak bytes of distinct tensors autograd saves for backward while ``build()`` runs, plus the
+    prefix K/V ``context`` keeps (none without a context)."""
+    with ActivationMemoryTracker(torch.device("cpu"), context or ChunkContext()) as tracker:
         output = build()
     del output
     return tracker.peak_bytes

@@ -17,6 +17,7 @@ from megatron.core import parallel_state as ps
 
 from megatron_epp.executor.schedule import forward_backward_elastic
 from megatron_epp.executor.batches import chunk_batches, elastic_gpt_forward_step
+from megatron_epp.executor.context import ChunkContext
 from megatron_epp.executor.memory_tracker import ActivationMemoryTracker
 from megatron_epp.plan import Plan
 from megatron_epp.training.arguments import ArgumentError
@@ -134,7 +135,7 @@ class ElasticStep:
         sequences = batch.sequences(self.runtime.dp_rank)
         tensors = [(torch.from_numpy(s.tokens), torch.from_numpy(s.labels)) for s in sequences]
         t1 = time.perf_counter()
-        with ActivationMemoryTracker(self.runtime.device) if not forward_only else contextlib.nullcontext() as memory:
+        with ActivationMemoryTracker(self.runtime.device, ChunkContext.of(self.model)) if not forward_only else contextlib.nullcontext() as memory:
             losses = forward_backward_elastic(
                 forward_step_func=elastic_gpt_forward_step,
                 data_iterator=chunk_batches(plan, tensors, self.runtime.device),

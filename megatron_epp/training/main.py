@@ -58,11 +58,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     runtime = initialize(args)
     if args.elastic_pp:
-        from megatron_epp.executor.spec import elastic_layer_spec, install_chunk_positions
+        from megatron_epp.executor.context import ChunkContext
+        from megatron_epp.executor.spec import elastic_layer_spec, install_chunk_context
         from megatron_epp.training.model import default_layer_spec
 
-        model, config = build_model(args, runtime, layer_spec=elastic_layer_spec(default_layer_spec()))
-        install_chunk_positions(model.module)
+        context = ChunkContext()
+        model, config = build_model(args, runtime, layer_spec=elastic_layer_spec(default_layer_spec(), context))
+        install_chunk_context(model.module, context)
     else:
         model, config = build_model(args, runtime)
     optimizer, scheduler = build_optimizer(args, model, config)

@@ -1,16 +1,18 @@
 """Random elastic plans vs a non-pipelined reference, many cases in one process-group launch.
 
     torchrun ... tests/workers/elastic_equivalence.py OUT --mode reference|elastic --cases N
-        [--fault drop_prefix|forward_order_backward|leak_packing] [pretrain_gpt flags...]
+        [--fault drop_prefix|leak_packing|forward_order_backward|recompute_without_rng_restore] [pretrain_gpt flags...]
 
 ``reference`` (one process): stock Megatron-Core (local spec, no EPP), each whole sequence its own
 micro-batch. ``elastic``: a random valid plan per case (per data-parallel rank) through
 ``forward_backward_elastic``. Both save loss and gradients by global parameter name per case.
+Faults in what the layers see of a chunk come from a broken chunk context given to the model.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
 import numpy as np
@@ -20,8 +22,8 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_epp.executor.schedule import forward_backward_elastic
 from megatron_epp.executor.batches import chunk_batches, elastic_gpt_forward_step
-from megatron_epp.executor import context as chunk_state
-from megatron_epp.executor.spec import elastic_layer_spec, install_chunk_positions
+from megatron_epp.executor.context import ChunkContext, ChunkLayout
+from megatron_epp.executor.spec import elastic_layer_spec, install_chunk_context
 from megatron_epp.plan import order as schedule_order
 from megatron_epp.training.arguments import parse_args
 from megatron_epp.training.gpt_step import gpt_forward_step, reduce_losses
@@ -32,29 +34,26 @@ from tests.workers.grad_dump import global_name, set_global_weights
 from tests.workers.random_plans import random_lengths, random_plan
 
 
+class DropPrefix(ChunkContext):
+    """Slices attend without the K/V of their sequence's earlier slices."""
+
+    def running(self, layout: ChunkLayout):
+        return super().running(layout if layout.split_index is None else dataclasses.replace(layout, context=0))
+
+
+class LeakPacking(ChunkContext):
+    """Whole sequences packed in one chunk attend across each other (one causal block)."""
+
+    def running(self, layout: ChunkLayout):
+        return super().running(layout if layout.split_index is not None else dataclasses.replace(layout, bounds=[(0, layout.chunk.num_tokens)]))
+
+
+BROKEN_CONTEXTS = {"drop_prefix": DropPrefix, "leak_packing": LeakPacking}
+
+
 def inject(fault: str) -> None:
-    """Break one mechanism on purpose; the comparison must then fail."""
-    build = chunk_state.ChunkLayout.build.__func__
-
-    def drop_prefix(cls, chunk, seq_lengths, device, recompute=0):
-        layout = build(cls, chunk, seq_lengths, device, recompute)
-        if layout.split_index is not None:
-            layout.context = 0
-            layout.masks[layout.split_index] = layout.masks[layout.split_index][:, -layout.masks[layout.split_index].shape[0]:]
-        return layout
-
-    def leak_packing(cls, chunk, seq_lengths, device, recompute=0):
-        layout = build(cls, chunk, seq_lengths, device, recompute)
-        if layout.split_index is None:  # whole sequences packed together: one causal block
-            layout.bounds = [(0, chunk.num_tokens)]
-            layout.masks = [chunk_state.bottom_right_causal_mask(chunk.num_tokens, 0, device)]
-        return layout
-
-    if fault == "drop_prefix":
-        chunk_state.ChunkLayout.build = classmethod(drop_prefix)
-    elif fault == "leak_packing":
-        chunk_state.ChunkLayout.build = classmethod(leak_packing)
-    elif fault == "recompute_without_rng_restore":
+    """Break one mechanism of the schedule or the recompute on purpose; the comparison must then fail."""
+    if fault == "recompute_without_rng_restore":
         from megatron_epp.executor import recompute_layer
 
         def checkpoint(fn, _distribute, *args):
@@ -89,11 +88,12 @@ def main() -> None:
     args.vocab_size = args.vocab_size or 64
     runtime = initialize(args)
     elastic = ours.mode == "elastic"
-    spec = elastic_layer_spec(default_layer_spec()) if elastic else None
+    context = BROKEN_CONTEXTS.get(ours.fault, ChunkContext)()
+    spec = elastic_layer_spec(default_layer_spec(), context) if elastic else None
     model, config = build_model(args, runtime, layer_spec=spec)
     if elastic:
-        install_chunk_positions(model.module)
-    if ours.fault:
+        install_chunk_context(model.module, context)
+    if ours.fault and ours.fault not in BROKEN_CONTEXTS:
         inject(ours.fault)
     per_stage = args.num_layers // runtime.pp_size
     set_global_weights(model.module, runtime.pp_rank, per_stage, runtime.tp_rank, args.tensor_model_parallel_size)

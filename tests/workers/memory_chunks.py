@@ -22,9 +22,9 @@ import torch  # noqa: E402
 
 from megatron_epp.executor.schedule import forward_backward_elastic  # noqa: E402
 from megatron_epp.executor.batches import chunk_batches, elastic_gpt_forward_step  # noqa: E402
-from megatron_epp.executor.context import CHUNK_STATE  # noqa: E402
+from megatron_epp.executor.context import ChunkContext  # noqa: E402
 from megatron_epp.executor.memory_tracker import ActivationMemoryTracker  # noqa: E402
-from megatron_epp.executor.spec import elastic_layer_spec, install_chunk_positions  # noqa: E402
+from megatron_epp.executor.spec import elastic_layer_spec, install_chunk_context  # noqa: E402
 from megatron_epp.plan import Chunk, Pipeline, Plan, Segment, chunk_kind  # noqa: E402
 from megatron_epp.training.arguments import parse_args  # noqa: E402
 from megatron_epp.training.elastic import PlanBuilder  # noqa: E402
@@ -56,8 +56,9 @@ def main() -> None:
     args = parse_args(flags + ["--elastic-pp", "--mock-data", "--seq-length", "512", "--epp-memory-budget", "1"], world_size=1)
     args.vocab_size = args.vocab_size or 257
     runtime = initialize(args)
-    model, _ = build_model(args, runtime, layer_spec=elastic_layer_spec(default_layer_spec()))
-    install_chunk_positions(model.module)
+    context = ChunkContext()
+    model, _ = build_model(args, runtime, layer_spec=elastic_layer_spec(default_layer_spec(), context))
+    install_chunk_context(model.module, context)
     build = PlanBuilder(args)
     gen = torch.Generator().manual_seed(0)
     results = []
@@ -65,8 +66,7 @@ def main() -> None:
         for rc in rcs:
             plan = make_plan(chunks, rc, args.num_layers)
             docs = [torch.randint(0, args.vocab_size, (n + 1,), generator=gen) for n in plan.seq_lengths]
-            CHUNK_STATE.clear()
-            with ActivationMemoryTracker(torch.device("cpu")) as tracker:
+            with ActivationMemoryTracker(torch.device("cpu"), context) as tracker:
                 forward_backward_elastic(
                     forward_step_func=elastic_gpt_forward_step,
                     data_iterator=chunk_batches(plan, [(d[:-1], d[1:]) for d in docs], runtime.device),
