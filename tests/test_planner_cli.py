@@ -12,7 +12,8 @@ from megatron_epp.planner.builders import BUILDERS, megatron_plan, plan_batch, s
 from megatron_epp.planner.cli import main
 from megatron_epp.planner.compare import BASELINES, run_baselines
 from megatron_epp.planner.config import PlannerConfig
-from megatron_epp.planner.data_parallel import split_data_parallel
+from megatron_epp.planner.data_parallel import TOKENS, split_data_parallel
+from megatron_epp.cost.features import F
 from megatron_epp.cost.model import CostModel
 from megatron_epp.simulator.flexsp import _layouts
 from megatron_epp.cost.profiles import load_profile
@@ -63,8 +64,22 @@ def test_cli_preset_with_data_parallel_split(lengths_file, capsys, tmp_path):
     parts = split_data_parallel(np.array(LENGTHS), 2, CostModel(load_profile("llama-7b"), 4, dp=2).work_vector())
     assert sorted(np.concatenate(parts).tolist()) == list(range(len(LENGTHS)))
     assert json.loads((tmp_path / "p.json").read_text())["seq_lengths"] == np.array(LENGTHS)[parts[0]].tolist()
-    tokens = split_data_parallel(np.array(LENGTHS), 2, np.eye(6)[2])  # a work vector that counts tokens
+    tokens = split_data_parallel(np.array(LENGTHS), 2, TOKENS)
     assert abs(sum(np.array(LENGTHS)[tokens[0]]) - sum(np.array(LENGTHS)[tokens[1]])) <= 10
+
+
+def test_cli_splits_data_parallel_by_modelled_work(tmp_path, capsys):
+    lengths = np.array([3000, 1200, 800, 500, 300, 200, 150, 90, 60, 40, 20, 10, 5000, 2600, 2500])
+    path = tmp_path / "lengths.txt"
+    path.write_text("\n".join(map(str, lengths)))
+    run_json(capsys, str(path), "--epp-profile", "test-model", "--stages", "2", "--dp", "2", "--epp-memory-budget", "0.5",
+             "--max-seq-len", "8192", "--baselines", "", "--plan-out", str(tmp_path / "p.json"))
+    work = CostModel(load_profile("test-model"), 2, dp=2).work_vector()  # whole sequences: 1 segment, 1 chunk each
+    no_segment = work.copy()
+    no_segment[F.SEGMENTS] = 0.0
+    parts, by_tokens, by_no_segment = (split_data_parallel(lengths, 2, w) for w in (work, TOKENS, no_segment))
+    assert parts[0].tolist() != by_tokens[0].tolist() and parts[0].tolist() != by_no_segment[0].tolist()  # the check discriminates
+    assert json.loads((tmp_path / "p.json").read_text())["seq_lengths"] == lengths[parts[0]].tolist()
 
 
 def test_cli_takes_the_planner_options(lengths_file, capsys):
