@@ -29,9 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_epp.cost.model import CostModel  # noqa: E402
 from megatron_epp.cost.network import get_network  # noqa: E402
-from megatron_epp.cost.profiles import load_model  # noqa: E402
+from megatron_epp.cost.profiles import load_profile  # noqa: E402
 from megatron_epp.planner import build_plan  # noqa: E402
-from megatron_epp.planner.baselines import BASELINES, run_baselines  # noqa: E402
+from megatron_epp.planner.compare import BASELINES, run_baselines  # noqa: E402
+from megatron_epp.planner.config import PlannerConfig  # noqa: E402
 from megatron_epp.data.mock_documents import WIKIPEDIA_LENGTHS  # noqa: E402
 from megatron_epp.planner.cli import read_lengths  # noqa: E402
 
@@ -63,16 +64,16 @@ def solve_times(pool: np.ndarray, cm: CostModel, memory_gb: float, seeds: int) -
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--network", default="fat-tree")
-    ap.add_argument("--model", default="llama-13b")
-    ap.add_argument("--memory-gb", type=float, default=80.0)
+    ap.add_argument("--epp-profile", default="llama-13b", help="cost-model profile (as epp-plan's)")
+    ap.add_argument("--epp-memory-budget", type=float, default=80.0, help="GB per GPU (as epp-plan's)")
     ap.add_argument("--seeds", type=int, default=3, help="batches averaged per comparison cell")
     ap.add_argument("--timing-seeds", type=int, default=21)
     args = ap.parse_args()
-    cm = CostModel(load_model(args.model, 8), 4, network=get_network(args.network))
+    cm = CostModel(load_profile(args.epp_profile, 8), 4, network=get_network(args.network))
     wiki = read_lengths(WIKIPEDIA_LENGTHS)
 
-    print(f"== solve time: 512 Wikipedia sequences, cap 128K, P=4, {args.model} TP=8, one core ==")
-    for mem in (args.memory_gb, 20.0):
+    print(f"== solve time: 512 Wikipedia sequences, cap 128K, P=4, {args.epp_profile} TP=8, one core ==")
+    for mem in (args.epp_memory_budget, 20.0):
         wall, cpu, gap, rc = solve_times(wiki, cm, mem, args.timing_seeds)
         print(f"  {mem:5.0f} GB: wall median {statistics.median(wall):6.1f} ms  p90 {np.percentile(wall, 90):6.1f} ms | "
               f"CPU median {statistics.median(cpu):6.1f} ms  max {max(cpu):6.1f} ms  "
@@ -80,7 +81,7 @@ def main() -> None:
 
     pools = {"wikipedia": wiki, "code-like": code_like(1_000_000, np.random.default_rng(12345))}
     names = ("epp",) + BASELINES
-    print(f"\n== predicted step time, GBS 512, P=4, TP=8, {args.memory_gb:.0f} GB, network {args.network}; mean of {args.seeds} batches ==")
+    print(f"\n== predicted step time, GBS 512, P=4, TP=8, {args.epp_memory_budget:.0f} GB, network {args.network}; mean of {args.seeds} batches ==")
     print("   ratios: step / EPP step (>1: EPP faster) | step / compute bound")
     for data, pool in pools.items():
         for cap in (32768, 65536, 131072):
@@ -88,10 +89,10 @@ def main() -> None:
             bound = []
             for seed in range(args.seeds):
                 lengths = np.minimum(np.random.default_rng(seed).choice(pool, 512), cap)
-                plan = build_plan(lengths, cm, args.memory_gb)
+                plan = build_plan(lengths, cm, args.epp_memory_budget)
                 rows["epp"].append(plan.stats.predicted_step_ms)
                 bound.append(plan.stats.bound_step_ms)
-                for n, r in run_baselines(lengths, cm, args.memory_gb, cap).items():
+                for n, r in run_baselines(lengths, cm, PlannerConfig(args.epp_memory_budget, cap, args.epp_profile)).items():
                     rows[n].append(r["predicted_step_ms"] if r["fits"] else np.nan)
             epp, b = np.mean(rows["epp"]), np.mean(bound)
             cells = []

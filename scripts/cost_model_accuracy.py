@@ -21,11 +21,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_epp.cost.model import CostModel  # noqa: E402
-from megatron_epp.cost.profiles import load_model  # noqa: E402
+from megatron_epp.cost.profiles import load_profile  # noqa: E402
 from megatron_epp.planner import build_plan  # noqa: E402
 from megatron_epp.data.mock_documents import WIKIPEDIA_LENGTHS  # noqa: E402
 from megatron_epp.planner.cli import read_lengths  # noqa: E402
-from megatron_epp.cost.model import chunk_features  # noqa: E402
+from megatron_epp.cost.features import chunk_features  # noqa: E402
 from megatron_epp.tools.layer_bench import LayerStack, init_single_process, time_fwd_bwd  # noqa: E402
 
 
@@ -37,7 +37,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     init_single_process()
-    profile = load_model(args.profile)
+    profile = load_profile(args.profile)
     lengths = np.minimum(np.random.default_rng(args.seed).choice(read_lengths(WIKIPEDIA_LENGTHS), 96), 8192)
     plan = build_plan(lengths, CostModel(profile, 2), 0.25)
     whole = CostModel(profile, 1)  # one stage holding every layer and the head

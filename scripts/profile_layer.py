@@ -44,8 +44,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megatron_epp.executor.kernels import segment_attention  # noqa: E402
 from megatron_epp.executor.context import bottom_right_causal_mask  # noqa: E402
 from megatron_epp.tools.layer_bench import LayerStack, init_single_process, saved_bytes, time_fwd_bwd  # noqa: E402
+from megatron_epp.cost.features import NUM_FEATURES, F, chunk_features  # noqa: E402
 from megatron_epp.cost.profiles import (  # noqa: E402
-    PROFILE_DIR, TEST_MODEL, MemoryCoeffs, ModelShape, Profile, StageOverhead, TimeCoeffs, load_model,
+    PROFILE_DIR, TEST_MODEL, MemoryCoeffs, ModelShape, Profile, StageOverhead, TimeCoeffs, load_profile,
     saved_tensor_memory, shape_time,
 )
 
@@ -108,7 +109,7 @@ def profile_layer(shape: ModelShape, att_f: np.ndarray, att_b: np.ndarray, repea
     fc = out["fwd"][0]
     fwd_pred = fc.a1 * lengths**2 + fc.a2 * lengths + fc.bs + fc.b1
     (ratio, extra), err = fit(np.stack([fwd_pred, np.ones_like(lengths)], 1), np.array(trc))
-    out["recompute"] = (TimeCoeffs(*(fc.vector() * ratio + np.eye(6)[5] * extra)), {**err, "ratio_to_fwd": ratio})
+    out["recompute"] = (TimeCoeffs(*(fc.vector() * ratio + np.eye(NUM_FEATURES)[F.CHUNKS] * extra)), {**err, "ratio_to_fwd": ratio})
     return out, stack
 
 
@@ -168,10 +169,9 @@ COMPARE_CHUNKS = {
 def compare(shape: ModelShape, spec: str, repeats: int) -> None:
     """Measured vs predicted (``spec``'s coefficients carried to ``shape``) per-layer forward+backward
     of real chunks, and of the output head."""
-    from megatron_epp.cost.model import chunk_features
     from megatron_epp.plan import Chunk, Segment
 
-    base = load_model(spec)
+    base = load_profile(spec)
     profile = shape_time(dataclasses.replace(base, model=dataclasses.replace(shape, name=base.model.name, rope=base.model.rope)))
     stack = LayerStack(shape, num_layers=1)
     print(f"shape: hidden {shape.hidden}, heads {shape.num_heads}, ffn {shape.ffn_hidden}, vocab {shape.vocab}; "
@@ -190,7 +190,8 @@ def compare(shape: ModelShape, spec: str, repeats: int) -> None:
             print(f"{kind:8s} {n:7d} {len(lengths):5d} {max(contexts):6d} {pred:9.2f} {f + b:9.2f} {pred / (f + b) - 1:+7.1%}")
     for n in (512, 2048):
         f, b = time_fwd_bwd(stack.head_loss, lambda n=n: (torch.randn(n, 1, shape.hidden, requires_grad=True),), repeats)
-        feats = np.array([0, 0, n, 0, 0, 1.0])
+        feats = np.zeros(NUM_FEATURES)
+        feats[[F.S, F.CHUNKS]] = n, 1.0  # the head: per token and per chunk
         pred = float(feats @ (profile.head_fwd.vector() + profile.head_bwd.vector()))
         errs.setdefault("head", []).append(pred / (f + b) - 1)
         print(f"{'head':8s} {n:7d} {1:5d} {0:6d} {pred:9.2f} {f + b:9.2f} {pred / (f + b) - 1:+7.1%}")

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from megatron_epp.data.mock_documents import MockDocuments, lengths_from_file, lognormal_lengths
-from megatron_epp.data.sequence_sampler import SequenceSampler, assign_to_ranks
+from megatron_epp.data.sequence_sampler import SequenceSampler
+from megatron_epp.planner.data_parallel import TOKENS, split_data_parallel
 
 SEQ = 512
 LENGTHS = lognormal_lengths(300, median=120, sigma=1.3, max_length=4 * SEQ, seed=0)
@@ -92,18 +93,30 @@ def test_rank_sharding_partitions_the_batch():
 
 def test_balance_beats_round_robin_on_skewed_batch():
     lengths = np.array([4000, 3000, 2500, 800, 600, 400, 300, 200, 100, 100, 50, 50])
-    ranks = assign_to_ranks(lengths, 4)
+    ranks = split_data_parallel(lengths, 4, TOKENS)
     greedy_max = max(lengths[r].sum() for r in ranks)
     round_robin_max = max(lengths[r::4].sum() for r in range(4))
     assert greedy_max < round_robin_max
     assert greedy_max == 4000  # the longest sequence alone is the lower bound
     # longest first: a long sequence arriving last must not land on an already loaded rank
     late_long = np.array([1, 1, 1, 1, 4])
-    assert [late_long[r].sum() for r in assign_to_ranks(late_long, 2)] == [4, 4]
-    # with the len**2 / crossover term a long sequence weighs more than several short ones
+    assert [late_long[r].sum() for r in split_data_parallel(late_long, 2, TOKENS)] == [4, 4]
+    # by modelled work (here attention's s^2 only) a long sequence weighs more than several short ones
     skewed = np.array([8, 4, 4, 4, 4])
-    assert [r.tolist() for r in assign_to_ranks(skewed, 2)] == [[0, 3], [1, 2, 4]]
-    assert [r.tolist() for r in assign_to_ranks(skewed, 2, crossover=1.0)] == [[0], [1, 2, 3, 4]]
+    assert [r.tolist() for r in split_data_parallel(skewed, 2, TOKENS)] == [[0, 3], [1, 2, 4]]
+    quadratic = np.eye(6)[0]
+    assert [r.tolist() for r in split_data_parallel(skewed, 2, quadratic)] == [[0], [1, 2, 3, 4]]
+
+
+def test_sampler_splits_by_the_given_work_vector():
+    lengths = np.array([9, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5]) + 1
+    docs = MockDocuments(lengths, vocab_size=50, seed=0)
+    quadratic = np.eye(6)[0]
+    by_tokens = next(SequenceSampler(docs, 16, 64, seed=1, dp_size=2).iterate())
+    by_work = next(SequenceSampler(docs, 16, 64, seed=1, dp_size=2, work_vector=quadratic).iterate())
+    assert [a.tolist() for a in by_work.assignment] == [a.tolist() for a in split_data_parallel(by_work.seq_lengths, 2, quadratic)]
+    assert [a.tolist() for a in by_tokens.assignment] == [a.tolist() for a in split_data_parallel(by_tokens.seq_lengths, 2, TOKENS)]
+    assert [a.tolist() for a in by_work.assignment] != [a.tolist() for a in by_tokens.assignment]
 
 
 def test_mock_lengths_from_file(tmp_path):

@@ -8,25 +8,25 @@ import numpy as np
 import pytest
 
 from megatron_epp.cost.model import CostModel
-from megatron_epp.cost.profiles import load_model
+from megatron_epp.cost.profiles import load_profile
 from megatron_epp.planner import build_plan
 from megatron_epp.tools.calibration import fit_overhead, simulate_steps, with_overhead
-from megatron_epp.cost.model import chunk_features
+from megatron_epp.cost.features import chunk_features
 from megatron_epp.cost.profiles import Profile, StageOverhead
 
 
 def test_profile_overhead_round_trip_and_default():
-    profile = load_model("test-model")
+    profile = load_profile("test-model")
     d = profile.to_dict()
     d.pop("overhead")
     assert Profile.from_dict(d).overhead == StageOverhead()  # older JSON without the entry
     p = with_overhead(profile, 1.5, 2.5, {"note": "x"})
     assert Profile.from_dict(p.to_dict()).overhead == StageOverhead(1.5, 2.5, {"note": "x"})
-    assert load_model("llama-7b").overhead == StageOverhead()  # analytic: none
+    assert load_profile("llama-7b").overhead == StageOverhead()  # analytic: none
 
 
 def test_overhead_is_added_per_chunk_on_every_stage():
-    profile = with_overhead(load_model("test-model"), 0.0, 0.0)
+    profile = with_overhead(load_profile("test-model"), 0.0, 0.0)
     plan = build_plan([300, 900, 2000, 64, 64], CostModel(profile, 2), 1.0)
     feats = chunk_features(plan.chunks())
     base = CostModel(profile, 2).costs(feats)
@@ -38,7 +38,7 @@ def test_overhead_is_added_per_chunk_on_every_stage():
 
 @pytest.mark.parametrize("true_o", [0.0, 4.0, 20.0])
 def test_fit_recovers_a_known_overhead(true_o):
-    profile = with_overhead(load_model("test-model"), 0.0, 0.0)
+    profile = with_overhead(load_profile("test-model"), 0.0, 0.0)
     cm = CostModel(profile, 2)
     rng = np.random.default_rng(0)
     plans = []
@@ -56,7 +56,7 @@ def test_fit_recovers_a_known_overhead(true_o):
 
 
 def test_fit_with_slowdown_separates_a_uniformly_slower_machine():
-    profile = with_overhead(load_model("test-model"), 0.0, 0.0)
+    profile = with_overhead(load_profile("test-model"), 0.0, 0.0)
     cm = CostModel(profile, 2)
     rng = np.random.default_rng(1)
     plans = [build_plan(np.minimum(rng.lognormal(6, 1.2, size=16).astype(int) + 2, 4096), cm, gb, slice_counts=k)

@@ -10,11 +10,15 @@ import pytest
 
 from megatron_epp.plan import Plan
 from megatron_epp.plan.order import format_stage_ops
-from megatron_epp.planner.baselines import BASELINES, megatron_plan, run_baselines, seq1f1b_plan
-from megatron_epp.planner.cli import main, split_data_parallel
+from megatron_epp.planner.builders import BUILDERS, megatron_plan, plan_batch, seq1f1b_plan
+from megatron_epp.planner.cli import main
+from megatron_epp.planner.compare import BASELINES, run_baselines
+from megatron_epp.planner.config import PlannerConfig
+from megatron_epp.planner.data_parallel import TOKENS, split_data_parallel
+from megatron_epp.cost.features import F
 from megatron_epp.cost.model import CostModel
 from megatron_epp.simulator.flexsp import _layouts
-from megatron_epp.cost.profiles import load_model
+from megatron_epp.cost.profiles import load_profile
 
 LENGTHS = [3000, 1200, 800, 500, 300, 200, 150, 90, 60, 40, 20, 10] * 2
 
@@ -33,7 +37,7 @@ def run_json(capsys, *argv: str) -> dict:
 
 
 def test_cli_json_has_plan_and_every_baseline(lengths_file, capsys, tmp_path):
-    out = run_json(capsys, str(lengths_file), "--model", "test-model", "--stages", "2", "--memory-gb", "0.2",
+    out = run_json(capsys, str(lengths_file), "--epp-profile", "test-model", "--stages", "2", "--epp-memory-budget", "0.2",
                    "--network", "cpu-local", "--max-seq-len", "4096", "--timeline", str(tmp_path / "t.png"), "--plan-out", str(tmp_path / "p.json"))
     for key in ("solve_ms", "num_chunks", "num_pipelines", "recomputed_layers", "predicted_step_ms", "bound_step_ms", "peak_memory_gb", "mip_gap"):
         assert key in out
@@ -47,7 +51,7 @@ def test_cli_json_has_plan_and_every_baseline(lengths_file, capsys, tmp_path):
 
 
 def test_cli_prints_replica_0s_schedule(lengths_file, capsys, tmp_path):
-    main([str(lengths_file), "--model", "test-model", "--stages", "4", "--dp", "2", "--max-seq-len", "4096", "--baselines", "",
+    main([str(lengths_file), "--epp-profile", "test-model", "--stages", "4", "--dp", "2", "--max-seq-len", "4096", "--baselines", "",
           "--print-schedule", "--plan-out", str(tmp_path / "p.json"), "--json"])
     out = capsys.readouterr().out
     table = format_stage_ops(Plan.from_json((tmp_path / "p.json").read_text()))
@@ -57,28 +61,64 @@ def test_cli_prints_replica_0s_schedule(lengths_file, capsys, tmp_path):
 
 def test_cli_rejects_too_long_documents_unless_truncated(lengths_file, capsys):
     with pytest.raises(SystemExit, match="longer than --max-seq-len 1000"):
-        main([str(lengths_file), "--model", "test-model", "--stages", "2", "--max-seq-len", "1000", "--baselines", ""])
-    out = run_json(capsys, str(lengths_file), "--model", "test-model", "--stages", "2", "--max-seq-len", "1000", "--truncate",
-                   "--baselines", "", "--gbs", "10", "--seed", "3", "--memory-gb", "0.5")
+        main([str(lengths_file), "--epp-profile", "test-model", "--stages", "2", "--max-seq-len", "1000", "--baselines", ""])
+    out = run_json(capsys, str(lengths_file), "--epp-profile", "test-model", "--stages", "2", "--max-seq-len", "1000", "--truncate",
+                   "--baselines", "", "--gbs", "10", "--seed", "3", "--epp-memory-budget", "0.5")
     assert out["num_sequences"] == 10 and out["num_tokens"] <= 10 * 1000
 
 
-def test_cli_preset_with_data_parallel_split(lengths_file, capsys):
-    out = run_json(capsys, str(lengths_file), "--model", "llama-7b", "--dp", "2", "--baselines", "megatron")
+def test_cli_preset_with_data_parallel_split(lengths_file, capsys, tmp_path):
+    out = run_json(capsys, str(lengths_file), "--epp-profile", "llama-7b", "--dp", "2", "--baselines", "megatron",
+                   "--plan-out", str(tmp_path / "p.json"))
     assert out["dp"] == 2 and out["predicted_step_ms"] > out["bound_step_ms"] > 0
-    parts = split_data_parallel(np.array(LENGTHS), 2, np.array(LENGTHS, dtype=float))
+    # replica 0 plans the sequences of the one split training makes: by the cost model's work
+    parts = split_data_parallel(np.array(LENGTHS), 2, CostModel(load_profile("llama-7b"), 4, dp=2).work_vector())
     assert sorted(np.concatenate(parts).tolist()) == list(range(len(LENGTHS)))
-    assert abs(sum(np.array(LENGTHS)[parts[0]]) - sum(np.array(LENGTHS)[parts[1]])) <= 10
+    assert json.loads((tmp_path / "p.json").read_text())["seq_lengths"] == np.array(LENGTHS)[parts[0]].tolist()
+    tokens = split_data_parallel(np.array(LENGTHS), 2, TOKENS)
+    assert abs(sum(np.array(LENGTHS)[tokens[0]]) - sum(np.array(LENGTHS)[tokens[1]])) <= 10
+
+
+def test_cli_splits_data_parallel_by_modelled_work(tmp_path, capsys):
+    lengths = np.array([3000, 1200, 800, 500, 300, 200, 150, 90, 60, 40, 20, 10, 5000, 2600, 2500])
+    path = tmp_path / "lengths.txt"
+    path.write_text("\n".join(map(str, lengths)))
+    run_json(capsys, str(path), "--epp-profile", "test-model", "--stages", "2", "--dp", "2", "--epp-memory-budget", "0.5",
+             "--max-seq-len", "8192", "--baselines", "", "--plan-out", str(tmp_path / "p.json"))
+    work = CostModel(load_profile("test-model"), 2, dp=2).work_vector()  # whole sequences: 1 segment, 1 chunk each
+    no_segment = work.copy()
+    no_segment[F.SEGMENTS] = 0.0
+    parts, by_tokens, by_no_segment = (split_data_parallel(lengths, 2, w) for w in (work, TOKENS, no_segment))
+    assert parts[0].tolist() != by_tokens[0].tolist() and parts[0].tolist() != by_no_segment[0].tolist()  # the check discriminates
+    assert json.loads((tmp_path / "p.json").read_text())["seq_lengths"] == lengths[parts[0]].tolist()
+
+
+def test_cli_takes_the_planner_options(lengths_file, capsys):
+    base = [str(lengths_file), "--epp-profile", "test-model", "--stages", "2", "--epp-memory-budget", "0.5", "--max-seq-len", "4096", "--baselines", ""]
+    out = run_json(capsys, *base, "--epp-plan", "megatron", "--epp-recompute", "none")
+    assert out["num_chunks"]["split"] == 0 and out["mip_gap"] == 0.0  # megatron packs whole sequences
+    out = run_json(capsys, *base, "--epp-recompute", "none", "--epp-max-slices", "1", "--epp-time-limit", "0.5")
+    assert out["recomputed_layers"] == 0
+    for bad, message in ((["--epp-max-slices", "0"], "--epp-max-slices must be >= 1"), (["--epp-profile", "nope"], "--epp-profile 'nope'")):
+        with pytest.raises(SystemExit, match=message):
+            main([*base, *bad])
+    with pytest.raises(SystemExit):  # the old spellings are gone
+        main([*base, "--memory-gb", "0.5"])
 
 
 def test_baselines_shapes_and_infeasibility():
-    cm = CostModel(load_model("test-model"), 2)
-    meg = megatron_plan(LENGTHS, cm, 1.0, 4096)
+    cm = CostModel(load_profile("test-model"), 2)
+    config = PlannerConfig(memory_gb=1.0, max_seq_len=4096)
+    meg = megatron_plan(LENGTHS, cm, config)
     assert {c.kind for c in meg.chunks()} == {"batched"} and all(c.num_tokens <= 4096 for c in meg.chunks())
     assert len({r for p in meg.pipelines for row in p.recompute for r in row}) == 1  # uniform recompute
-    s1 = seq1f1b_plan(LENGTHS, cm, 1.0, 4096, k=4)
+    s1 = seq1f1b_plan(LENGTHS, cm, config)  # k = 4 by default
     assert [sum(1 for c in s1.chunks() if any(s.seq == 0 for s in c.segments))] == [4]  # 3000 > 4096/4: 4 slices
-    res = run_baselines(LENGTHS, cm, 0.004, 4096)  # 4 MB: not even the model states fit
+    assert seq1f1b_plan(LENGTHS, cm, PlannerConfig(1.0, 4096, max_slices=2)).builder == "seq1f1b-k2"
+    assert set(BUILDERS) == {"elastic", "megatron", "seq1f1b"}
+    via_registry = plan_batch(LENGTHS, cm, PlannerConfig(1.0, 4096, builder="megatron"))
+    assert via_registry.builder == "megatron" and via_registry.pipelines == meg.pipelines
+    res = run_baselines(LENGTHS, cm, PlannerConfig(0.004, 4096))  # 4 MB: not even the model states fit
     assert not any(r["fits"] for r in res.values())
 
 

@@ -16,7 +16,7 @@ import sys
 import pytest
 
 from megatron_epp.cost.model import CostModel
-from megatron_epp.cost.profiles import load_model, saved_tensor_memory
+from megatron_epp.cost.profiles import load_profile, saved_tensor_memory
 from tests.launch import REPO, free_port, run_env
 
 SHAPES = {
@@ -65,7 +65,7 @@ def test_full_recompute_keeps_only_layer_inputs(measured):
 
 def test_memory_coefficients_follow_the_model_shape():
     """``PlanBuilder`` swaps the profile's shape: the activation coefficients must follow it."""
-    profile = load_model("test-model")
+    profile = load_profile("test-model")
     for hidden, heads, ffn in [(32, 2, 128), (64, 4, 256), (128, 8, 384)]:
         shape = dataclasses.replace(profile.model, hidden=hidden, num_heads=heads, ffn_hidden=ffn)
         m = CostModel(dataclasses.replace(profile, model=shape), 2).profile.memory
@@ -80,11 +80,11 @@ def test_walk_counts_the_recompute_of_the_last_checkpointed_layer():
     (no gradient workspace): in backward the last checkpointed layer recomputes while the earlier
     ones still hold their inputs and the later ones have freed everything."""
     from megatron_epp.plan import Chunk, Pipeline, Segment
-    from megatron_epp.cost.model import chunk_features
+    from megatron_epp.cost.features import chunk_features
     from megatron_epp.simulator.memory import stage_memory
     from megatron_epp.cost.profiles import MemoryCoeffs
 
-    profile = load_model("test-model")
+    profile = load_profile("test-model")
     memory = MemoryCoeffs(10.0, 0.0, 0.0, 1.0, 2.0, 0.0, 0.0, 0.0, 0.0, False, 0.0, bwd_workspace=0.0)
     cm = CostModel(dataclasses.replace(profile, memory=memory), 1, [3])
     pipe = Pipeline([Chunk(0, "batched", [Segment(0, 0, 4)])], [[0]])

@@ -6,15 +6,17 @@ import numpy as np
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from megatron_epp.planner.baselines import megatron_plan, seq1f1b_plan
+from megatron_epp.planner.builders import megatron_plan, seq1f1b_plan
+from megatron_epp.planner.config import PlannerConfig
 from megatron_epp.planner.builder import PlanInfeasible, build_plan
-from megatron_epp.cost.model import CostModel, chunk_features
+from megatron_epp.cost.features import chunk_features
+from megatron_epp.cost.model import CostModel
 from megatron_epp.simulator.memory import pipeline_memory
-from megatron_epp.cost.profiles import GIB, load_model
+from megatron_epp.cost.profiles import GIB, load_profile
 from megatron_epp.simulator.step import simulate
 from megatron_epp.plan.order import sequence_units
 
-PROFILE = load_model("test-model")
+PROFILE = load_profile("test-model")
 
 
 def check_plan(plan, cost_model: CostModel, budget_gb: float) -> None:
@@ -54,11 +56,11 @@ batches = st.lists(st.integers(1, 3000), min_size=1, max_size=40)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(lengths=batches, stages=st.sampled_from([1, 2, 4]), memory_mb=st.integers(30, 400), mode=st.sampled_from(["ilp", "greedy", "full"]))
+@given(lengths=batches, stages=st.sampled_from([1, 2, 4]), memory_mb=st.integers(30, 400), mode=st.sampled_from(["adaptive", "greedy", "full"]))
 def test_epp_plans_are_valid_and_fit(lengths, stages, memory_mb, mode):
     cm = CostModel(PROFILE, stages)
     try:
-        plan = build_plan(lengths, cm, memory_mb / 1024, checkpointing=mode)
+        plan = build_plan(lengths, cm, memory_mb / 1024, recompute=mode)
     except PlanInfeasible:
         assume(False)
     check_plan(plan, cm, memory_mb / 1024)
@@ -69,7 +71,8 @@ def test_epp_plans_are_valid_and_fit(lengths, stages, memory_mb, mode):
 @given(lengths=batches, stages=st.sampled_from([2, 4]), memory_mb=st.integers(50, 400))
 def test_baseline_plans_are_valid_and_fit(lengths, stages, memory_mb):
     cm = CostModel(PROFILE, stages)
-    for make in (lambda: megatron_plan(lengths, cm, memory_mb / 1024, 3000), lambda: seq1f1b_plan(lengths, cm, memory_mb / 1024, 3000, 4)):
+    config = PlannerConfig(memory_mb / 1024, 3000, max_slices=4)
+    for make in (lambda: megatron_plan(lengths, cm, config), lambda: seq1f1b_plan(lengths, cm, config)):
         try:
             plan = make()
         except PlanInfeasible:

@@ -8,9 +8,10 @@ import json
 import numpy as np
 import pytest
 
-from megatron_epp.cost.model import CostModel, chunk_features
+from megatron_epp.cost.features import chunk_features
+from megatron_epp.cost.model import CostModel
 from megatron_epp.plan import Chunk, Segment
-from megatron_epp.cost.profiles import MODEL_PRESETS, Profile, analytic_profile, load_model, shape_time
+from megatron_epp.cost.profiles import MODEL_PRESETS, Profile, analytic_profile, load_profile, shape_time
 
 
 def placed(profile: Profile, **changes) -> Profile:
@@ -19,7 +20,7 @@ def placed(profile: Profile, **changes) -> Profile:
 
 
 def test_identity_at_the_profiles_own_shape():
-    profile = load_model("test-model")
+    profile = load_profile("test-model")
     assert profile.time_model == profile.model
     assert shape_time(profile) is profile
     # the layer count and the name do not change per-layer times
@@ -31,7 +32,7 @@ def test_identity_at_the_profiles_own_shape():
 
 
 def test_hidden_128_scales_by_the_flop_ratio():
-    profile = load_model("test-model")  # hidden 64, ffn 256, GELU MLP, 4 heads, vocab 512
+    profile = load_profile("test-model")  # hidden 64, ffn 256, GELU MLP, 4 heads, vocab 512
     big = CostModel(placed(profile, hidden=128, ffn_hidden=512), 2).profile
     # GEMM FLOPs per token: 2 (h * 3h + h^2 + 2 h f): 98304 at (64, 256), 393216 at (128, 512)
     flops = lambda h, f: 2 * (h * 3 * h + h * h + 2 * h * f)  # noqa: E731
@@ -52,7 +53,7 @@ def test_hidden_128_scales_by_the_flop_ratio():
 
 
 def test_ffn_only_and_swiglu_follow_the_gemm_count():
-    profile = load_model("test-model")
+    profile = load_profile("test-model")
     h = profile.model.hidden
     base = 2 * (4 * h * h + 2 * h * 256)
     ffn = CostModel(placed(profile, ffn_hidden=512), 1).profile
@@ -63,7 +64,7 @@ def test_ffn_only_and_swiglu_follow_the_gemm_count():
 
 
 def test_chunk_times_scale_and_a_shape_round_trip_is_identity():
-    profile = load_model("test-model")
+    profile = load_profile("test-model")
     chunks = [Chunk(0, "batched", [Segment(0, 0, 512), Segment(1, 0, 256)]), Chunk(1, "split", [Segment(2, 1024, 1536)])]
     feats = chunk_features(chunks)
     small, big = CostModel(profile, 1), CostModel(placed(profile, hidden=128, ffn_hidden=512), 1)
@@ -76,7 +77,7 @@ def test_chunk_times_scale_and_a_shape_round_trip_is_identity():
 
 
 def test_time_model_survives_save_and_load(tmp_path):
-    profile = placed(load_model("test-model"), hidden=128, ffn_hidden=512)
+    profile = placed(load_profile("test-model"), hidden=128, ffn_hidden=512)
     path = tmp_path / "p.json"
     profile.save(path)
     assert json.loads(path.read_text())["time_model"]["hidden"] == 64

@@ -1,7 +1,7 @@
 """The notes' cost model (section 4) evaluated for many chunks at once with numpy.
 
-A chunk is reduced to its feature vector ``[sum s^2, sum s*C, sum s, sum C, segments, 1]``; every time
-and memory quantity is a dot product of features with a profile's coefficients.
+A chunk is reduced to its feature vector (:mod:`.features`); every time and memory quantity is a dot
+product of features with a profile's coefficients.
 """
 
 from __future__ import annotations
@@ -11,32 +11,10 @@ from typing import Sequence
 
 import numpy as np
 
-from megatron_epp.plan import Chunk, split_layers
+from megatron_epp.plan import split_layers
+from megatron_epp.cost.features import F, sequence_features
 from megatron_epp.cost.network import NETWORKS, Network
 from megatron_epp.cost.profiles import Profile, TimeCoeffs, shape_memory, shape_time
-
-
-NUM_FEATURES = 6
-
-
-def segment_features(lengths: np.ndarray, contexts: np.ndarray) -> np.ndarray:
-    """Features of single segments (one row per segment), as if each were a chunk of its own."""
-    s = np.asarray(lengths, dtype=float)
-    c = np.asarray(contexts, dtype=float)
-    one = np.ones_like(s)
-    return np.stack([s * s, s * c, s, c, one, one], axis=-1)
-
-
-def chunk_features(chunks: Sequence[Chunk]) -> np.ndarray:
-    """``(n, 6)`` features of chunks (segments summed, one launch constant per chunk)."""
-    rows = [(c.segments, len(c.segments)) for c in chunks]
-    lengths = np.array([s.length for segs, _ in rows for s in segs], dtype=float)
-    contexts = np.array([s.start for segs, _ in rows for s in segs], dtype=float)
-    owner = np.repeat(np.arange(len(rows)), [n for _, n in rows])
-    feats = np.zeros((len(rows), NUM_FEATURES))
-    np.add.at(feats, owner, segment_features(lengths, contexts))
-    feats[:, -1] = 1.0
-    return feats
 
 
 @dataclass
@@ -90,16 +68,16 @@ class CostModel:
         p, m = self.profile, self.profile.memory
         L = self.layers[:, None].astype(float)
         last = (np.arange(self.num_stages) == self.num_stages - 1)[:, None]
-        tokens = feats[:, 2]
-        area = feats[:, 0] + feats[:, 1]
-        context = feats[:, 3]  # a chunk holds at most one slice with context: its length is sum(s*C) / sum(C)
-        slice_tokens = np.divide(feats[:, 1], context, out=np.zeros_like(context), where=context > 0)
-        lone = np.where((context > 0) & (feats[:, 4] == 1), m.lone_slice_token * tokens, 0.0)
+        tokens = feats[:, F.S]
+        area = feats[:, F.SQ] + feats[:, F.SC]
+        context = feats[:, F.C]  # a chunk holds at most one slice with context: its length is sum(s*C) / sum(C)
+        slice_tokens = np.divide(feats[:, F.SC], context, out=np.zeros_like(context), where=context > 0)
+        lone = np.where((context > 0) & (feats[:, F.SEGMENTS] == 1), m.lone_slice_token * tokens, 0.0)
         act = m.act_token * tokens + m.act_area * area + m.act_context * context + m.act_slice * slice_tokens - lone
         return ChunkCosts(
             # + the executor's per-chunk stage overhead (on the constant feature: 1 per chunk, 0 in bound_ms)
-            fwd=L * self.layer_time(feats, p.fwd) + last * self.layer_time(feats, p.head_fwd) + p.overhead.fwd_ms * feats[:, 5],
-            bwd=L * self.layer_time(feats, p.bwd) + last * self.layer_time(feats, p.head_bwd) + p.overhead.bwd_ms * feats[:, 5],
+            fwd=L * self.layer_time(feats, p.fwd) + last * self.layer_time(feats, p.head_fwd) + p.overhead.fwd_ms * feats[:, F.CHUNKS],
+            bwd=L * self.layer_time(feats, p.bwd) + last * self.layer_time(feats, p.head_bwd) + p.overhead.bwd_ms * feats[:, F.CHUNKS],
             rc_layer=self.layer_time(feats, p.recompute),
             act_layer=act,
             ckpt_layer=m.ckpt_token * tokens,
@@ -116,8 +94,8 @@ class CostModel:
         """Compute-only step time: every sequence as one ``C = 0`` segment, no launch constants, no
         bubbles, no recompute, no communication; the slowest stage."""
         L = np.asarray(lengths, dtype=float)
-        feats = np.zeros((len(L), NUM_FEATURES))
-        feats[:, 0], feats[:, 2] = L * L, L
+        feats = sequence_features(L)
+        feats[:, [F.SEGMENTS, F.CHUNKS]] = 0.0  # compute only: no per-segment or per-chunk constants
         c = self.costs(feats)
         return float((c.fwd + c.bwd).sum(axis=1).max())
 

@@ -39,14 +39,6 @@ class Network:
         bw, lat = (self.nvlink_gbps, self.nvlink_latency_us) if intra else (self.a2a_gbps, self.a2a_latency_us)
         return lat * 1e-3 * math.log2(group) + nbytes * (group - 1) / group / (bw * 1e6)
 
-    def ring_ms(self, nbytes: float, group: int) -> float:
-        """Ring pass of ``nbytes`` per GPU around ``group`` GPUs (ring attention, all-gather): g - 1 hops."""
-        if group <= 1:
-            return 0.0
-        intra = group <= self.gpus_per_node
-        bw, lat = (self.nvlink_gbps, self.nvlink_latency_us) if intra else (self.p2p_gbps, self.p2p_latency_us)
-        return (group - 1) * (lat * 1e-3 + nbytes / (bw * 1e6))
-
 
 NETWORKS: dict[str, Network] = {
     "fat-tree": Network("fat-tree", 50.0, 5.0, 40.0, 10.0, description="non-blocking 3-tier fat-tree, 400G per GPU"),

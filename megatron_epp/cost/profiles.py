@@ -64,7 +64,8 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class TimeCoeffs:
-    """Per-layer time coefficients (ms) over the features ``[sum s^2, sum s*C, sum s, sum C, segments, 1]``."""
+    """Per-layer time coefficients (ms) over the features of :mod:`megatron_epp.cost.features`
+    ``[sum s^2, sum s*C, sum s, sum C, segments, chunks]``, in that order."""
 
     a1: float
     a1c: float
@@ -75,10 +76,6 @@ class TimeCoeffs:
 
     def vector(self) -> np.ndarray:
         return np.array([self.a1, self.a1c, self.a2, self.ac, self.bs, self.b1])
-
-    @classmethod
-    def from_vector(cls, v: np.ndarray) -> "TimeCoeffs":
-        return cls(*(float(x) for x in v))
 
 
 @dataclass(frozen=True)
@@ -392,7 +389,7 @@ def shape_time(profile: Profile) -> Profile:
     )
 
 
-def load_model(spec: str, tp: int = 8) -> Profile:
+def load_profile(spec: str, tp: int = 8) -> Profile:
     """A preset name (``llama-7b``/``llama-13b``/``llama-30b``: analytic H100 profile at ``tp``),
     ``test-model`` (the shipped CPU profile) or a profile JSON path."""
     if spec in MODEL_PRESETS:
@@ -401,6 +398,6 @@ def load_model(spec: str, tp: int = 8) -> Profile:
         return Profile.load(PROFILE_DIR / "test-model_cpu.json")
     path = Path(spec)
     if not path.exists():
-        raise ValueError(f"--model {spec!r}: not a preset ({', '.join(MODEL_PRESETS)}, test-model) nor a file")
+        raise ValueError(f"--epp-profile {spec!r}: not a preset ({', '.join(MODEL_PRESETS)}, test-model) nor a file")
     return Profile.load(path)
 

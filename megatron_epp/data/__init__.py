@@ -15,7 +15,6 @@ from megatron_epp.data.sequence_sampler import (
     GlobalBatch,
     SequenceSampler,
     TrainingSequence,
-    assign_to_ranks,
 )
 from megatron_epp.data.tokenizers import (
     ByteTokenizer,
@@ -41,7 +40,6 @@ __all__ = [
     "Tokenizer",
     "TokenizerError",
     "TrainingSequence",
-    "assign_to_ranks",
     "build_tokenizer",
     "lengths_from_file",
     "lognormal_lengths",

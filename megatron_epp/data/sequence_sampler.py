@@ -11,33 +11,13 @@ tokens trains as ``tokens = d[:-1]``, ``labels = d[1:]`` of length ``n``.
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass, field
 from typing import Iterator
 
 import numpy as np
 
 from megatron_epp.data.documents import DocumentSource
-
-
-def assign_to_ranks(
-    seq_lengths: np.ndarray, dp_size: int, crossover: float | None = None
-) -> list[np.ndarray]:
-    """Token-balanced sharding: longest-first, each sequence onto the currently lightest rank.
-
-    A sequence of length ``L`` costs ``L`` (plus ``L**2 / crossover`` when given, for attention's
-    quadratic share). Deterministic (ties go to the lower rank), so every rank computes the same
-    answer. Returns, per rank, the ascending positions of its sequences.
-    """
-    lengths = np.asarray(seq_lengths, dtype=np.float64)
-    cost = lengths if crossover is None else lengths + lengths**2 / crossover
-    loads = [(0.0, rank) for rank in range(dp_size)]
-    owner = np.empty(len(lengths), dtype=np.int64)
-    for i in np.argsort(-cost, kind="stable"):
-        load, rank = heapq.heappop(loads)
-        owner[i] = rank
-        heapq.heappush(loads, (load + cost[i], rank))
-    return [np.flatnonzero(owner == rank) for rank in range(dp_size)]
+from megatron_epp.planner.data_parallel import TOKENS, split_data_parallel
 
 
 @dataclass(frozen=True)
@@ -59,10 +39,6 @@ class GlobalBatch:
     assignment: list[np.ndarray]  # per DP rank: positions into doc_indices
     documents: DocumentSource = field(repr=False, compare=False)
 
-    @property
-    def next_consumed_samples(self) -> int:
-        return self.consumed_samples + len(self.doc_indices)
-
     def positions(self, dp_rank: int | None = None) -> np.ndarray:
         """Positions of ``dp_rank``'s sequences in this batch (all positions for None)."""
         return np.arange(len(self.doc_indices)) if dp_rank is None else self.assignment[dp_rank]
@@ -79,8 +55,9 @@ class GlobalBatch:
 
 class SequenceSampler:
     """Endless, resumable global batches of ``global_batch_size`` whole documents; see the module
-    docstring. ``crossover`` is the balancing cost option of ``assign_to_ranks``; ``truncate`` allows
-    documents longer than the context cap."""
+    docstring. ``work_vector``: how :func:`split_data_parallel` weighs a sequence (training passes the
+    planner's :meth:`CostModel.work_vector`; default: its tokens); ``truncate`` allows documents
+    longer than the context cap."""
 
     def __init__(
         self,
@@ -89,7 +66,7 @@ class SequenceSampler:
         seq_length: int,
         seed: int = 1234,
         dp_size: int = 1,
-        crossover: float | None = None,
+        work_vector: np.ndarray = TOKENS,
         truncate: bool = False,
     ) -> None:
         if global_batch_size < dp_size:
@@ -99,7 +76,7 @@ class SequenceSampler:
         self.seq_length = seq_length
         self.seed = seed
         self.dp_size = dp_size
-        self.crossover = crossover
+        self.work_vector = work_vector
         lengths = np.asarray(documents.lengths, dtype=np.int64)
         self._trainable = np.flatnonzero(lengths >= 2)
         self.num_skipped = len(lengths) - len(self._trainable)
@@ -143,7 +120,7 @@ class SequenceSampler:
         while True:
             doc_indices = self.stream(consumed, self.global_batch_size)
             seq_lengths = self._seq_lengths[doc_indices]
-            assignment = assign_to_ranks(seq_lengths, self.dp_size, self.crossover)
+            assignment = split_data_parallel(seq_lengths, self.dp_size, self.work_vector)
             yield GlobalBatch(consumed, doc_indices, seq_lengths, assignment, self.documents)
             consumed += self.global_batch_size
 

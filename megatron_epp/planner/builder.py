@@ -7,7 +7,7 @@
 2. grouping (:mod:`grouping`) into consecutive 1F1B pipelines. Two finalists: the best candidate
    allowing recompute, and the best that needs none (halving ``T_m`` until one fits); the
    simulator picks between them;
-3. checkpointing (:mod:`checkpointing`) per pipeline on the exact memory walk (:mod:`memory`);
+3. recompute (:mod:`.recompute`) per pipeline on the exact memory walk (:mod:`memory`);
    if no finalist fits even fully checkpointed, ``T_m`` is halved and the search redone;
 4. simulation (:mod:`simulator`) for the predicted numbers in ``Plan.stats``.
 """
@@ -20,9 +20,11 @@ from typing import Sequence
 import numpy as np
 
 from megatron_epp.plan import Chunk, Pipeline, Plan, PlanInfeasible, PlanStats
-from megatron_epp.planner.recompute import MemoryInfeasible, Mode, solve_checkpointing
+from megatron_epp.planner.config import Recompute
+from megatron_epp.planner.recompute import MemoryInfeasible, solve_checkpointing
 from megatron_epp.planner.chunking import Units, build_units
-from megatron_epp.cost.model import CostModel, chunk_features
+from megatron_epp.cost.features import chunk_features, sequence_features
+from megatron_epp.cost.model import CostModel
 from megatron_epp.planner.grouping import group_units
 from megatron_epp.simulator.memory import pipeline_memory
 from megatron_epp.cost.profiles import GIB
@@ -65,7 +67,7 @@ def make_plan(lengths: Sequence[int], cost_model: CostModel, groups: list[Units]
     return Plan(list(map(int, lengths)), cost_model.num_stages, cost_model.layers.tolist(), pipes, builder)
 
 
-def apply_checkpointing(plan: Plan, cost_model: CostModel, budget: float, mode: Mode, time_limit: float, mip_rel_gap: float) -> dict:
+def apply_checkpointing(plan: Plan, cost_model: CostModel, budget: float, mode: Recompute, time_limit: float, mip_rel_gap: float) -> dict:
     """Decide every pipeline's recompute in place; returns the solver's summary."""
     states = cost_model.model_state_bytes()
     gaps, methods, rc = [], set(), 0.0
@@ -118,7 +120,7 @@ def _search(lengths: np.ndarray, cost_model: CostModel, cap: int, balance: bool,
     """Best candidate over the slice counts: ``(score, (slice budget, token cap), groups)``."""
     if balance:
         w = cost_model.work_vector()
-        longest = float(np.array([lengths.max() ** 2, 0, lengths.max(), 0, 1, 1]) @ w)
+        longest = float(sequence_features([lengths.max()])[0] @ w)
         budgets = [(longest / k, cap) for k in slice_counts]
     else:  # fixed-length chunks: search the length instead
         budgets = [(np.inf, t) for t in sorted({max(1, min(cap, int(lengths.max()) // k)) for k in slice_counts}, reverse=True)]
@@ -140,7 +142,7 @@ def build_plan(
     cost_model: CostModel,
     memory_gb: float,
     *,
-    checkpointing: Mode = "ilp",
+    recompute: Recompute = "adaptive",
     balance: bool = True,
     slice_counts: Sequence[int] = SLICE_COUNTS,
     time_limit: float = 0.1,
@@ -149,7 +151,7 @@ def build_plan(
 ) -> Plan:
     """Elastic pipeline plan of one global batch (one data-parallel replica).
 
-    ``memory_gb``: per GPU (GiB). ``checkpointing``: ``"ilp"`` (the integer program), ``"greedy"``,
+    ``memory_gb``: per GPU (GiB). ``recompute``: ``"adaptive"`` (the integer program), ``"greedy"``,
     ``"none"`` or ``"full"``. ``balance=False``: even slices and token-only packing into chunks of
     a searched fixed length (the "w/o workload balance" ablation).
     Raises :class:`PlanInfeasible` if nothing fits.
@@ -166,9 +168,9 @@ def build_plan(
     cache: dict = {}
     while cap >= MIN_CHUNK_TOKENS:
         finalists = []
-        if checkpointing != "none":
+        if recompute != "none":
             finalists.append(_search(L, cost_model, cap, balance, free, True, slice_counts, cache))
-        if checkpointing != "full":  # the best plan that needs no recompute, with smaller chunks if need be
+        if recompute != "full":  # the best plan that needs no recompute, with smaller chunks if need be
             for c in (cap, cap // 2, cap // 4):
                 found = _search(L, cost_model, max(c, MIN_CHUNK_TOKENS), balance, free, False, slice_counts, cache)
                 if np.isfinite(found[0]):
@@ -183,7 +185,7 @@ def build_plan(
         for _, (slice_budget, cap_used), groups in finalists:
             plan = make_plan(L, cost_model, groups, builder)
             try:
-                extra = apply_checkpointing(plan, cost_model, budget, checkpointing, time_limit, mip_rel_gap)
+                extra = apply_checkpointing(plan, cost_model, budget, recompute, time_limit, mip_rel_gap)
             except MemoryInfeasible:
                 continue
             extra.update(slice_budget_ms=slice_budget, token_cap=cap_used)
@@ -191,4 +193,4 @@ def build_plan(
         if plans:
             return min(plans, key=lambda p: p.stats.predicted_step_ms)
         cap //= 2
-    raise PlanInfeasible(f"no {checkpointing!r} plan fits {memory_gb} GB per GPU")
+    raise PlanInfeasible(f"no {recompute!r} plan fits {memory_gb} GB per GPU")

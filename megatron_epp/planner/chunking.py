@@ -18,6 +18,7 @@ from typing import Literal
 import numpy as np
 
 from megatron_epp.plan import Chunk, Segment, chunk_kind
+from megatron_epp.cost.features import F, segment_features, sequence_features
 
 Units = list[list[Chunk]]
 
@@ -30,7 +31,7 @@ def slice_cuts(lengths: np.ndarray, budget: np.ndarray | float, token_cap: int, 
     C = np.zeros_like(L)
     cuts = [C.copy()]
     while (C < L).any():
-        a, b, c = w[0], w[1] * C + w[2], w[3] * C + w[4] + w[5] - tau
+        a, b, c = w[F.SQ], w[F.SC] * C + w[F.S], w[F.C] * C + w[F.SEGMENTS] + w[F.CHUNKS] - tau
         disc = np.sqrt(np.maximum(b * b - 4 * a * c, 0.0))
         s = (-b + disc) / (2 * a) if a > 0 else -c / np.maximum(b, 1e-300)
         s = np.clip(np.rint(s), 1, token_cap).astype(np.int64)
@@ -43,7 +44,7 @@ def slice_cuts(lengths: np.ndarray, budget: np.ndarray | float, token_cap: int, 
 def equal_count_cuts(lengths: np.ndarray, k: int, w: np.ndarray, token_cap: int) -> list[np.ndarray]:
     """Cut every sequence into ``k`` slices of equal work (bisection on the per-sequence budget)."""
     L = np.asarray(lengths, dtype=np.int64)
-    one_chunk = np.stack([L**2, 0 * L, L, 0 * L, 1 + 0 * L, 1 + 0 * L], 1) @ w
+    one_chunk = sequence_features(L) @ w
     lo, hi = one_chunk / (4 * k), one_chunk  # work of one slice lies in between
     for _ in range(40):
         mid = (lo + hi) / 2
@@ -116,9 +117,11 @@ def build_units(
     """Chunk a batch: slice the long sequences and pack the rest. ``cuts`` overrides the slicing
     (sequences with a single slice are then packed); ``balance=False``: even slices, packing by tokens."""
     L = np.asarray(lengths, dtype=np.int64)
-    seg = np.stack([L.astype(float) ** 2, 0 * L, L, 0 * L, 1 + 0 * L, 0 * L], 1) @ w  # one whole segment
+    seg_feats = sequence_features(L)
+    seg_feats[:, F.CHUNKS] = 0.0  # one whole segment, without its chunk's launch constant
+    seg = seg_feats @ w
     if cuts is None:
-        long = (L > token_cap) | (balance & (seg + w[5] > time_budget))
+        long = (L > token_cap) | (balance & (seg + w[F.CHUNKS] > time_budget))
         idx = np.flatnonzero(long)
         sliced = slice_cuts(L[idx], time_budget, token_cap, w) if balance else even_cuts(L[idx], token_cap)
     else:
@@ -133,8 +136,8 @@ def build_units(
     short = short[np.argsort(-L[short], kind="stable")]
     tl = np.array([t.length for t in tails], dtype=float)
     tc = np.array([t.start for t in tails], dtype=float)
-    seed_time = np.stack([tl**2, tl * tc, tl, tc, 1 + 0 * tl, 1 + 0 * tl], 1) @ w if tails else np.zeros(0)
-    where = pack(L[short], seg[short], seed_time, tl, float(w[5]), time_budget, token_cap, key="time" if balance else "tokens")
+    seed_time = segment_features(tl, tc) @ w if tails else np.zeros(0)
+    where = pack(L[short], seg[short], seed_time, tl, float(w[F.CHUNKS]), time_budget, token_cap, key="time" if balance else "tokens")
     buckets: list[list[Segment]] = [[t] for t in tails] + [[] for _ in range(max(where, default=-1) + 1 - len(tails))]
     for i, b in zip(short.tolist(), where):
         buckets[b].append(Segment(i, 0, int(L[i])))

@@ -14,14 +14,21 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from megatron_epp.plan import Plan
+from megatron_epp.plan import Plan, PlanInfeasible
 from megatron_epp.plan.order import format_stage_ops
-from megatron_epp.planner.baselines import BASELINES, run_baselines
-from megatron_epp.planner.builder import PlanInfeasible, build_plan
+from megatron_epp.planner.builders import plan_batch
+from megatron_epp.planner.compare import BASELINES, run_baselines
+from megatron_epp.planner.config import PlannerConfig, add_planner_arguments
+from megatron_epp.planner.data_parallel import split_data_parallel
 from megatron_epp.cost.model import CostModel
 from megatron_epp.cost.network import NETWORKS, get_network
-from megatron_epp.cost.profiles import load_model
+from megatron_epp.cost.profiles import load_profile
 from megatron_epp.simulator.step import simulate
+
+DEFAULTS = {  # epp-plan's defaults of the planner options (pretrain_gpt.py has its own)
+    "epp_plan": "elastic", "epp_memory_budget": 80.0, "epp_profile": "llama-13b", "epp_recompute": "adaptive",
+    "epp_max_slices": None, "epp_time_limit": 0.1,
+}
 
 
 def read_lengths(path: str | Path) -> np.ndarray:
@@ -45,16 +52,6 @@ def select_batch(lengths: np.ndarray, gbs: int | None, seed: int, max_seq_len: i
             )
         lengths = np.minimum(lengths, max_seq_len)
     return lengths
-
-
-def split_data_parallel(lengths: np.ndarray, dp: int, work: np.ndarray) -> list[np.ndarray]:
-    """Longest-processing-time split of the batch over ``dp`` replicas (indices into ``lengths``)."""
-    loads, parts = np.zeros(dp), [[] for _ in range(dp)]
-    for i in np.argsort(-work, kind="stable"):
-        r = int(np.argmin(loads))
-        parts[r].append(i)
-        loads[r] += work[i]
-    return [np.array(sorted(p), dtype=np.int64) for p in parts]
 
 
 @contextmanager
@@ -81,12 +78,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--stages", type=int, default=4, help="pipeline stages P")
     ap.add_argument("--tp", type=int, default=8, help="tensor-parallel size per stage (presets)")
     ap.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
-    ap.add_argument("--model", default="llama-13b", help="llama-7b, llama-13b, llama-30b, test-model or a profile JSON")
-    ap.add_argument("--memory-gb", type=float, default=80.0, help="memory per GPU (GiB)")
     ap.add_argument("--network", default="fat-tree", choices=sorted(NETWORKS))
-    ap.add_argument("--checkpointing", default="ilp", choices=["ilp", "greedy", "none", "full"])
-    ap.add_argument("--time-limit", type=float, default=0.1, help="ILP time limit (s) per pipeline")
-    ap.add_argument("--seq1f1b-k", type=int, default=4)
+    add_planner_arguments(ap, {**DEFAULTS, "epp_max_slices": "the elastic planner's 1,2,3,4,6,...,32; seq1f1b 4"})
+    ap.set_defaults(**DEFAULTS)
     ap.add_argument("--baselines", default=",".join(BASELINES), help="comma-separated; empty for none")
     ap.add_argument("--json", action="store_true", help="print one JSON object on the last line")
     ap.add_argument("--plan-out", help="write the Plan JSON (replica 0) here")
@@ -107,21 +101,21 @@ def _worst(results: list[dict]) -> dict:
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
-    profile = load_model(args.model, args.tp)
+    try:
+        config = PlannerConfig.from_args(args, args.max_seq_len)
+        profile = load_profile(config.profile, args.tp)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}")
     cost_model = CostModel(profile, args.stages, dp=args.dp, network=get_network(args.network))
     lengths = select_batch(read_lengths(args.lengths), args.gbs, args.seed, args.max_seq_len, args.truncate)
-    feats = np.zeros((len(lengths), 6))
-    feats[:, 0], feats[:, 2], feats[:, 5] = lengths.astype(float) ** 2, lengths, 1
-    parts = split_data_parallel(lengths, args.dp, feats @ cost_model.work_vector())
+    parts = split_data_parallel(lengths, args.dp, cost_model.work_vector())
     names = [n for n in args.baselines.split(",") if n]
     with solver_output_to_stderr():
         try:
-            plans: list[Plan] = [
-                build_plan(lengths[p], cost_model, args.memory_gb, checkpointing=args.checkpointing, time_limit=args.time_limit) for p in parts
-            ]
+            plans: list[Plan] = [plan_batch(lengths[p], cost_model, config) for p in parts]
         except PlanInfeasible as e:
             raise SystemExit(f"error: {e}")
-        per_replica = [run_baselines(lengths[p], cost_model, args.memory_gb, args.max_seq_len, args.seq1f1b_k, names) for p in parts]
+        per_replica = [run_baselines(lengths[p], cost_model, config, names) for p in parts]
     baselines = {n: _worst([r[n] for r in per_replica]) for n in names}
     info = [p.stats for p in plans]
     peak = np.max([i.peak_memory_gb for i in info], axis=0)
@@ -139,13 +133,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         "num_chunks": {k: sum(i.num_chunks[k] for i in info) for k in info[0].num_chunks},
         "num_pipelines": sum(i.num_pipelines for i in info),
         "recomputed_layers": sum(i.recomputed_layers for i in info),
-        "mip_gap": max(i.mip_gap for i in info),
+        "mip_gap": max(i.mip_gap or 0.0 for i in info),  # megatron/seq1f1b solve no program
         "predicted_step_ms": max(i.predicted_step_ms for i in info),
         "bound_step_ms": max(i.bound_step_ms for i in info),
         "bubble_ratio": max(i.bubble_ratio for i in info),
         "recompute_ms": max(i.recompute_ms for i in info),
         "peak_memory_gb": peak.tolist(),
-        "memory_budget_gb": args.memory_gb,
+        "memory_budget_gb": config.memory_gb,
         "baselines": baselines,
     }
     print_table(summary)

@@ -11,14 +11,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
-
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
+from megatron_epp.planner.config import Recompute
 from megatron_epp.simulator.memory import StageMemory
-
-Mode = Literal["ilp", "greedy", "none", "full"]
 
 
 class MemoryInfeasible(ValueError):
@@ -104,7 +101,7 @@ def solve_checkpointing(
     rc_layer: np.ndarray,
     layers: np.ndarray,
     budget: float,
-    mode: Mode = "ilp",
+    mode: Recompute = "adaptive",
     time_limit: float = 0.1,
     mip_rel_gap: float = 0.01,
 ) -> CheckpointResult:
@@ -124,7 +121,7 @@ def solve_checkpointing(
     x, gap, method = None, 0.0, "milp"
     if not len(prog.rhs):
         x = np.zeros_like(prog.ub)
-    elif mode == "ilp":
+    elif mode == "adaptive":
         scale = np.maximum(prog.rhs, 1.0)  # rows in units of their own deficit: well conditioned
         res = milp(
             prog.c / max(prog.c.max(), 1e-12),

@@ -17,7 +17,8 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 
 from megatron_epp.plan import PlanInfeasible
-from megatron_epp.cost.model import NUM_FEATURES, CostModel
+from megatron_epp.cost.features import sequence_features
+from megatron_epp.cost.model import CostModel
 from megatron_epp.cost.profiles import GIB, analytic_profile
 
 
@@ -47,8 +48,7 @@ def plan_flexsp(lengths: Sequence[int], cost_model: CostModel, memory_gb: float,
     L = np.sort(np.asarray(lengths, dtype=float))
     edges = np.unique(np.quantile(np.log(L), np.linspace(0, 1, num_buckets + 1)))
     bucket = np.clip(np.searchsorted(edges, np.log(L), side="right") - 1, 0, len(edges) - 2)
-    feats = np.zeros((len(L), NUM_FEATURES))
-    feats[:, 0], feats[:, 2], feats[:, 4], feats[:, 5] = L * L, L, 1, 1
+    feats = sequence_features(L)
     layers = shape.num_layers
     fb = feats @ ((base.fwd.vector() + base.bwd.vector()) * layers + base.head_fwd.vector() + base.head_bwd.vector())
     rc = feats @ base.recompute.vector() * layers

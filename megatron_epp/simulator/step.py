@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from megatron_epp.plan import Plan
-from megatron_epp.cost.model import ChunkCosts, CostModel, chunk_features
+from megatron_epp.cost.features import chunk_features
+from megatron_epp.cost.model import ChunkCosts, CostModel
 from megatron_epp.simulator.memory import peak_memory
 from megatron_epp.plan.order import format_stage_ops, op_label, plan_stage_ops
 

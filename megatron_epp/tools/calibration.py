@@ -59,8 +59,8 @@ def reconstruct_plans(argv: Sequence[str], iterations: int, world_size: int = 2)
     from megatron_epp.training.elastic import PlanBuilder, elastic_sampler
 
     args = parsed_args(argv, world_size)
-    batches = elastic_sampler(args, "train", args.data_parallel_size).iterate(0)
     build = PlanBuilder(args)
+    batches = elastic_sampler(args, "train", args.data_parallel_size, build).iterate(0)
     plans = []
     for _ in range(iterations):
         batch = next(batches)

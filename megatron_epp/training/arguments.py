@@ -6,6 +6,8 @@ import argparse
 import os
 from typing import Sequence
 
+from megatron_epp.planner.config import PlannerConfig, add_planner_arguments
+
 
 class ArgumentError(ValueError):
     """A bad flag or flag combination; ``main`` prints it as one line and exits with status 2."""
@@ -79,19 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("elastic pipeline parallelism")
     g.add_argument("--elastic-pp", action="store_true",
                    help="whole documents per global batch, planned every step into batched/split/hybrid chunks")
-    g.add_argument("--epp-plan", choices=["elastic", "megatron", "seq1f1b"], default=None,
-                   help="plan builder (default elastic): megatron = packing only, seq1f1b = fixed slices")
-    g.add_argument("--epp-max-slices", type=int, default=None, help="most slices per sequence (seq1f1b: k); default 8")
-    g.add_argument("--epp-profile", default=None,
-                   help="cost-model profile: a JSON path, or test-model|llama-7b|llama-13b|llama-30b (default test-model)")
-    g.add_argument("--epp-recompute", choices=["adaptive", "none", "full"], default=None,
-                   help="per-(stage, chunk) recompute: the planner's integer program (default), none, or every layer")
+    add_planner_arguments(g, {**EPP_DEFAULTS, "epp_memory_budget": "90% of GPU memory, or of RAM / ranks on CPU"})
     g.add_argument("--epp-truncate-documents", action="store_true",
                    help="train documents longer than --seq-length (the context cap) on their first --seq-length "
                    "tokens; without it such a document is an error before training")
     g.add_argument("--epp-timeline", default=None, help="directory: the planned timeline picture of every logged step")
-    g.add_argument("--epp-memory-budget", type=float, default=None,
-                   help="GB per device for the planner (default: 90%% of GPU memory, or of RAM / ranks on CPU)")
 
     g = p.add_argument_group("checkpointing")
     g.add_argument("--save", default=None)
@@ -186,7 +180,10 @@ UNSUPPORTED_PARALLELISM = {
     "slices that flow through the pipeline instead (see --epp-max-slices)",
 }
 
-EPP_DEFAULTS = {"epp_plan": "elastic", "epp_max_slices": 8, "epp_profile": "test-model", "epp_recompute": "adaptive"}
+
+EPP_DEFAULTS = {  # pretrain_gpt.py's defaults of the planner options (epp-plan has its own)
+    "epp_plan": "elastic", "epp_max_slices": 8, "epp_profile": "test-model", "epp_recompute": "adaptive", "epp_time_limit": 0.1,
+}
 
 
 def validate_elastic_args(args: argparse.Namespace, world_size: int) -> None:
@@ -203,12 +200,12 @@ def validate_elastic_args(args: argparse.Namespace, world_size: int) -> None:
     for key, value in EPP_DEFAULTS.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    if args.epp_max_slices < 1:
-        raise ArgumentError("--epp-max-slices must be >= 1")
     if args.epp_memory_budget is None:
         args.epp_memory_budget = default_memory_budget_gb(world_size)
-    if args.epp_memory_budget <= 0:
-        raise ArgumentError("--epp-memory-budget must be positive")
+    try:
+        PlannerConfig.from_args(args, args.seq_length)
+    except ValueError as error:
+        raise ArgumentError(str(error)) from None
 
 
 def default_memory_budget_gb(world_size: int) -> float:

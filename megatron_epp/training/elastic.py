@@ -25,41 +25,32 @@ from megatron_epp.training.initialize import Runtime
 from megatron_epp.training.loop import StepFunction
 from megatron_epp.training.metrics import ElasticMetrics
 
-CHECKPOINTING = {"adaptive": "ilp", "none": "none", "full": "full"}  # --epp-recompute -> planner mode
-GIB = 1024**3
-
-
 class PlanBuilder:
     """The ``--epp-plan`` builder on the planner's cost model for this model and pipeline."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         from megatron_epp.cost.model import CostModel
-        from megatron_epp.cost.profiles import load_model
+        from megatron_epp.cost.profiles import load_profile
+        from megatron_epp.planner.config import PlannerConfig
 
-        profile = load_model(args.epp_profile, tp=args.tensor_model_parallel_size)
+        self.config = PlannerConfig.from_args(args, args.seq_length)
+        profile = load_profile(self.config.profile, tp=args.tensor_model_parallel_size)
         shape = dataclasses.replace(
             profile.model, num_layers=args.num_layers, hidden=args.hidden_size, num_heads=args.num_attention_heads,
             ffn_hidden=args.ffn_hidden_size, vocab=args.vocab_size, rope=args.position_embedding_type == "rope",
         )
-        self.args = args
         self.cost_model = CostModel(
             dataclasses.replace(profile, model=shape), args.pipeline_model_parallel_size, dp=args.data_parallel_size
         )
 
     def __call__(self, lengths: list[int]) -> Plan:
-        from megatron_epp.planner import baselines, builder
+        from megatron_epp.planner.builders import plan_batch
 
-        args, memory_gb = self.args, self.args.epp_memory_budget
-        if args.epp_plan == "megatron":
-            return baselines.megatron_plan(lengths, self.cost_model, memory_gb, args.seq_length)
-        if args.epp_plan == "seq1f1b":
-            return baselines.seq1f1b_plan(lengths, self.cost_model, memory_gb, args.seq_length, k=args.epp_max_slices)
-        return builder.build_plan(lengths, self.cost_model, memory_gb, checkpointing=CHECKPOINTING[args.epp_recompute],
-                                  slice_counts=range(1, args.epp_max_slices + 1))
+        return plan_batch(lengths, self.cost_model, self.config)
 
     def predicted_activation_bytes(self, plan: Plan) -> list[float]:
         """Per-stage peak activation bytes (model states excluded) by the planner's exact memory walk."""
-        from megatron_epp.cost.model import chunk_features
+        from megatron_epp.cost.features import chunk_features
         from megatron_epp.simulator.memory import peak_memory
 
         no_states = np.zeros(plan.num_stages)
@@ -84,7 +75,7 @@ def _share_plan(plan: Plan | None, timing: tuple[float, float] | None) -> tuple[
     return Plan.from_json(text), timing
 
 
-class ElasticStep:
+class ElasticTrainStep:
     """A :data:`StepFunction` over a sequence sampler: plan, broadcast, run; keeps the last step's metrics.
 
     The first rank of each model replica plans; the plan for the next global batch is computed in a
@@ -168,22 +159,23 @@ class ElasticStep:
         return self.last_metrics
 
 
-def elastic_sampler(args: argparse.Namespace, split: str, dp_size: int):
-    """The whole-document sampler of ``split`` ('train'/'valid') for ``dp_size`` replicas, or None if
-    the split is empty."""
+def elastic_sampler(args: argparse.Namespace, split: str, dp_size: int, build: PlanBuilder):
+    """The whole-document sampler of ``split`` ('train'/'valid') for ``dp_size`` replicas, split by
+    the planner's modelled work (``build``'s cost model), or None if the split is empty."""
     from megatron_epp.data.sequence_sampler import SequenceSampler
 
     documents = elastic_documents(args, split)
     if documents is None:
         return None
     return SequenceSampler(documents, args.global_batch_size, args.seq_length, seed=args.seed,
-                           dp_size=dp_size, truncate=args.epp_truncate_documents)
+                           dp_size=dp_size, work_vector=build.cost_model.work_vector(), truncate=args.epp_truncate_documents)
 
 
-def elastic_step(args: argparse.Namespace, runtime: Runtime, model, split: str, consumed: int) -> ElasticStep | None:
+def elastic_train_step(args: argparse.Namespace, runtime: Runtime, model, split: str, consumed: int) -> ElasticTrainStep | None:
     """The elastic step function for ``split`` ('train'/'valid'), or None if the split is empty."""
-    sampler = elastic_sampler(args, split, runtime.dp_size)
-    return None if sampler is None else ElasticStep(args, runtime, model, sampler, consumed, PlanBuilder(args))
+    build = PlanBuilder(args)
+    sampler = elastic_sampler(args, split, runtime.dp_size, build)
+    return None if sampler is None else ElasticTrainStep(args, runtime, model, sampler, consumed, build)
 
 
 def check_memory_budget(args: argparse.Namespace) -> None:

@@ -84,9 +84,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def step_for(split: str, consumed: int):
         if args.elastic_pp:
-            from megatron_epp.training.elastic import elastic_step
+            from megatron_epp.training.elastic import elastic_train_step
 
-            return elastic_step(args, runtime, model, split, consumed)
+            return elastic_train_step(args, runtime, model, split, consumed)
         samples = build_samples(args, split)
         if samples is None:
             return None

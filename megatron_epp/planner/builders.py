@@ -1,0 +1,88 @@
+"""The plan builders behind one registry, :data:`BUILDERS` (``--epp-plan``), on the same cost model:
+
+* ``elastic``: the EPP planner (:func:`~megatron_epp.planner.builder.build_plan`);
+* ``megatron``: whole sequences packed into micro-batches of ``max_seq_len`` tokens (best-fit
+  decreasing), one 1F1B pipeline, the same number of checkpointed layers for every micro-batch on
+  every stage (Megatron's ``--recompute-num-layers``), the smallest that fits (notes section 6);
+* ``seq1f1b``: sequences longer than ``max_seq_len / k`` cut into ``k`` slices of equal work, the
+  rest (and the tails) packed into ``max_seq_len / k``-token chunks; one pipeline, uniform recompute.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence
+
+import numpy as np
+
+from megatron_epp.plan import Plan
+from megatron_epp.planner.builder import SLICE_COUNTS, PlanInfeasible, build_plan, finish, make_plan, order_units
+from megatron_epp.planner.chunking import build_units, equal_count_cuts
+from megatron_epp.planner.config import PlannerConfig
+from megatron_epp.cost.features import chunk_features
+from megatron_epp.cost.model import CostModel
+from megatron_epp.simulator.memory import pipeline_memory
+from megatron_epp.cost.profiles import GIB
+
+SEQ1F1B_K = 4  # seq1f1b's slice count when the config sets no max_slices
+
+
+def uniform_recompute(plan: Plan, cost_model: CostModel, budget: float) -> None:
+    """Set the smallest uniform number of checkpointed layers per stage that fits, in place."""
+    states = cost_model.model_state_bytes()
+    mems = [pipeline_memory(p, cost_model.costs(chunk_features(p.chunks)), cost_model.layers, states) for p in plan.pipelines]
+    for r in range(int(cost_model.layers.min()) + 1):
+        if all(sm.during(np.full(len(sm.saving), r)).max() <= budget for pm in mems for sm in pm):
+            for pipe in plan.pipelines:
+                pipe.recompute = [[r] * len(pipe.chunks) for _ in range(plan.num_stages)]
+            return
+    raise PlanInfeasible(f"does not fit {budget / GIB:.0f} GB even with full recompute")
+
+
+def _uniform_plan(lengths: Sequence[int], cost_model: CostModel, memory_gb: float, chunk_tokens: int, cuts, name: str) -> Plan:
+    t0 = time.perf_counter()
+    L = np.asarray(lengths, dtype=np.int64)
+    if L.max() > chunk_tokens and cuts is None:
+        raise PlanInfeasible(f"a sequence of {L.max()} tokens exceeds the micro-batch of {chunk_tokens}")
+    w = cost_model.work_vector()
+    units = build_units(L, w, np.inf, chunk_tokens, balance=False, cuts=cuts)
+    units, _ = order_units(units, w)
+    plan = make_plan(L, cost_model, [units], name)
+    uniform_recompute(plan, cost_model, memory_gb * GIB)
+    return finish(plan, cost_model, memory_gb * GIB, t0, {})
+
+
+def slice_counts(config: PlannerConfig) -> Sequence[int]:
+    """The elastic planner's candidate slice counts: ``1 .. max_slices``, or its default ladder."""
+    return SLICE_COUNTS if config.max_slices is None else range(1, config.max_slices + 1)
+
+
+def elastic_plan(lengths: Sequence[int], cost_model: CostModel, config: PlannerConfig) -> Plan:
+    return build_plan(lengths, cost_model, config.memory_gb, recompute=config.recompute,
+                      slice_counts=slice_counts(config), time_limit=config.time_limit)
+
+
+def megatron_plan(lengths: Sequence[int], cost_model: CostModel, config: PlannerConfig) -> Plan:
+    return _uniform_plan(lengths, cost_model, config.memory_gb, config.max_seq_len, None, "megatron")
+
+
+def seq1f1b_plan(lengths: Sequence[int], cost_model: CostModel, config: PlannerConfig) -> Plan:
+    k = SEQ1F1B_K if config.max_slices is None else config.max_slices
+    max_seq_len = config.max_seq_len
+    L = np.asarray(lengths, dtype=np.int64)
+    slice_tokens = max(max_seq_len // k, 1)
+    long = L > slice_tokens
+    cuts = [np.array([0, n]) for n in L]
+    for i, c in zip(np.flatnonzero(long), equal_count_cuts(L[long], k, cost_model.work_vector(), max_seq_len)):
+        cuts[i] = c
+    return _uniform_plan(L, cost_model, config.memory_gb, slice_tokens, cuts, f"seq1f1b-k{k}")
+
+
+Builder = Callable[[Sequence[int], CostModel, PlannerConfig], Plan]
+BUILDERS: dict[str, Builder] = {"elastic": elastic_plan, "megatron": megatron_plan, "seq1f1b": seq1f1b_plan}
+
+
+def plan_batch(lengths: Sequence[int], cost_model: CostModel, config: PlannerConfig) -> Plan:
+    """The plan of one global batch (one data-parallel replica) by ``config.builder``.
+    Raises :class:`PlanInfeasible` if nothing fits."""
+    return BUILDERS[config.builder](lengths, cost_model, config)

@@ -1,0 +1,74 @@
+"""The planner's settings, one name each: :class:`PlannerConfig`, and their ``--epp-*`` options, shared
+by ``epp-plan`` and ``pretrain_gpt.py --elastic-pp``."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any, Literal
+
+BUILDER_NAMES = ("elastic", "megatron", "seq1f1b")
+RECOMPUTE_MODES = ("adaptive", "greedy", "none", "full")
+Recompute = Literal["adaptive", "greedy", "none", "full"]
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """What a plan builder needs besides the lengths and the cost model.
+
+    ``builder``: ``elastic`` (EPP), ``megatron`` (packing only) or ``seq1f1b`` (fixed slices);
+    ``memory_gb``: per GPU (GiB); ``profile``: the cost-model profile (a preset or a JSON path);
+    ``recompute``: ``adaptive`` (the per-(stage, chunk) integer program), ``greedy`` (its greedy
+    heuristic), ``none`` or ``full``; ``max_slices``: most slices per sequence (seq1f1b: its ``k``),
+    None for the planner's defaults; ``time_limit``: seconds per pipeline for the recompute program;
+    ``max_seq_len``: the context length (megatron's micro-batch tokens).
+    """
+
+    memory_gb: float
+    max_seq_len: int
+    profile: str = "test-model"
+    builder: str = "elastic"
+    recompute: Recompute = "adaptive"
+    max_slices: int | None = None
+    time_limit: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.builder not in BUILDER_NAMES:
+            raise ValueError(f"--epp-plan {self.builder!r}: one of {', '.join(BUILDER_NAMES)}")
+        if self.recompute not in RECOMPUTE_MODES:
+            raise ValueError(f"--epp-recompute {self.recompute!r}: one of {', '.join(RECOMPUTE_MODES)}")
+        if self.memory_gb <= 0:
+            raise ValueError("--epp-memory-budget must be positive")
+        if self.max_slices is not None and self.max_slices < 1:
+            raise ValueError("--epp-max-slices must be >= 1")
+        if self.time_limit <= 0:
+            raise ValueError("--epp-time-limit must be positive")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, max_seq_len: int) -> "PlannerConfig":
+        """From the options of :func:`add_planner_arguments` (defaults filled in)."""
+        return cls(
+            memory_gb=args.epp_memory_budget, max_seq_len=max_seq_len, profile=args.epp_profile, builder=args.epp_plan,
+            recompute=args.epp_recompute, max_slices=args.epp_max_slices, time_limit=args.epp_time_limit,
+        )
+
+
+def add_planner_arguments(group: Any, defaults: dict[str, Any]) -> None:
+    """The ``--epp-*`` planner options on ``group`` (an argparse parser or group), all defaulting to
+    None; ``defaults`` (by dest) is only shown in the help: each command line fills in its own."""
+
+    def note(dest: str) -> str:
+        return f" (default {defaults[dest]})".replace("%", "%%")
+
+    group.add_argument("--epp-plan", choices=BUILDER_NAMES, default=None,
+                       help="plan builder: elastic (EPP), megatron = packing only, seq1f1b = fixed slices" + note("epp_plan"))
+    group.add_argument("--epp-memory-budget", type=float, default=None, help="GB per device for the planner" + note("epp_memory_budget"))
+    group.add_argument("--epp-profile", default=None,
+                       help="cost-model profile: a JSON path, or test-model|llama-7b|llama-13b|llama-30b" + note("epp_profile"))
+    group.add_argument("--epp-recompute", choices=RECOMPUTE_MODES, default=None,
+                       help="per-(stage, chunk) recompute: adaptive = the planner's integer program, greedy = its "
+                       "greedy heuristic, none, or full = every layer" + note("epp_recompute"))
+    group.add_argument("--epp-max-slices", type=int, default=None,
+                       help="most slices per sequence (seq1f1b: its k)" + note("epp_max_slices"))
+    group.add_argument("--epp-time-limit", type=float, default=None,
+                       help="seconds per pipeline for the recompute integer program" + note("epp_time_limit"))
