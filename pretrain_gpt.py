@@ -8,8 +8,9 @@
 import sys
 import warnings
 
-# megatron-core warns at import that the optional GPU extras are absent: expected on CPU machines.
-warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+# megatron-core warns at import that the optional GPU extras are absent: expected on CPU machines, and
+# they would stand before the one-line error of a bad flag.
+warnings.filterwarnings("ignore", message="(Transformer Engine and )?Apex (is|are) not installed")
 
 from megatron_epp.training.main import main  # noqa: E402
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 from typing import Any, Callable
+from megatron.core import package_info
 
 SUPPORTED_MCORE_VERSION = "0.16.1"
 
@@ -24,8 +25,6 @@ class Patch:
 
 
 def mcore_version() -> str:
-    from megatron.core import package_info
-
     return package_info.__version__
 
 

@@ -35,7 +35,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_epp.tools.calibration import REPO, fit_overhead, reconstruct_plans, run_pretrain, simulate_steps  # noqa: E402
+from megatron_epp.tools.calibration import fit_overhead, reconstruct_plans, run_pretrain, simulate_steps  # noqa: E402
 from megatron_epp.cost.profiles import PROFILE_DIR  # noqa: E402
 from megatron_epp.training.metrics import StepMetrics  # noqa: E402
 

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from megatron_epp.planner.builders import megatron_plan, seq1f1b_plan
 from megatron_epp.planner.config import PlannerConfig
-from megatron_epp.planner.builder import PlanInfeasible, build_plan
+from megatron_epp.planner.epp import PlanInfeasible, build_plan
 from megatron_epp.cost.features import chunk_features
 from megatron_epp.cost.model import CostModel
 from megatron_epp.simulator.memory import pipeline_memory

@@ -219,7 +219,7 @@ def test_elastic_plan_is_never_predicted_slower_than_packing_alone():
     import dataclasses
 
     from megatron_epp.data.mock_documents import WIKIPEDIA_LENGTHS, lengths_from_file
-    from megatron_epp.planner.builder import build_plan
+    from megatron_epp.planner.epp import build_plan
 
     profile = load_profile("test-model")
     cm = CostModel(dataclasses.replace(profile, model=dataclasses.replace(profile.model, num_layers=4, vocab=257)), 2)
@@ -228,3 +228,15 @@ def test_elastic_plan_is_never_predicted_slower_than_packing_alone():
         elastic = build_plan(lengths, cm, 0.05, recompute="none")
         packed = build_plan(lengths, cm, 0.05, recompute="none", slice_counts=[1])
         assert elastic.stats.predicted_step_ms <= packed.stats.predicted_step_ms + 1e-6, (seed, elastic.summary())
+
+
+def test_deadlock_shows_where_each_stage_waits_and_the_op_order():
+    """Slices of sequence 0 not consecutive (validate would reject it): the last stage's backward of
+    the second slice comes before its forward."""
+    chunks = [Chunk(0, "split", [Segment(0, 0, 5)]), Chunk(1, "batched", [Segment(1, 0, 3)]), Chunk(2, "split", [Segment(0, 5, 10)])]
+    plan = Plan([10, 3], 2, [1, 1], [Pipeline(chunks, [[0, 0, 0], [0, 0, 0]])])
+    with pytest.raises(ScheduleDeadlock) as failure:
+        simulate(plan, CostModel(load_profile("test-model"), 2, np.array([1, 1])))
+    message = str(failure.value)
+    assert message.startswith("no stage can run its next op: stage 0 at step 3 (B2s), stage 1 at step 2 (B2s); the op order:\n")
+    assert message.endswith("Step 2  F2s      B2s\nStep 3  B2s      F2s\nStep 4  B0s      B0s\nStep 5  B1       B1")

@@ -1,13 +1,13 @@
 """The EPP planner: a batch's sequence lengths -> a Plan (numpy and scipy only, no torch).
 
 Chunking (:mod:`.chunking`), grouping into 1F1B pipelines (:mod:`.grouping`), per-stage recompute
-as an integer program (:mod:`.recompute`), the EPP builder (:mod:`.builder`); the settings
+as an integer program (:mod:`.recompute`), the EPP builder (:mod:`.epp`); the settings
 (:mod:`.config`, ``--epp-*``), the builders elastic|megatron|seq1f1b behind one registry
 (:mod:`.builders`), the data-parallel split (:mod:`.data_parallel`); :mod:`.compare` predicts the
 baselines and ablations on one batch (``epp-plan``, :mod:`.cli`).
 """
 
 from megatron_epp.plan import PlanInfeasible
-from megatron_epp.planner.builder import build_plan
+from megatron_epp.planner.epp import build_plan
 
 __all__ = ["PlanInfeasible", "build_plan"]

@@ -1,6 +1,6 @@
 """The plan builders behind one registry, :data:`BUILDERS` (``--epp-plan``), on the same cost model:
 
-* ``elastic``: the EPP planner (:func:`~megatron_epp.planner.builder.build_plan`);
+* ``elastic``: the EPP planner (:func:`~megatron_epp.planner.epp.build_plan`);
 * ``megatron``: whole sequences packed into micro-batches of ``max_seq_len`` tokens (best-fit
   decreasing), one 1F1B pipeline, the same number of checkpointed layers for every micro-batch on
   every stage (Megatron's ``--recompute-num-layers``), the smallest that fits (notes section 6);
@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from megatron_epp.plan import Plan
-from megatron_epp.planner.builder import SLICE_COUNTS, PlanInfeasible, build_plan, finish, make_plan, order_units
+from megatron_epp.planner.epp import SLICE_COUNTS, PlanInfeasible, build_plan, finish, make_plan, order_units
 from megatron_epp.planner.chunking import build_units, equal_count_cuts
 from megatron_epp.planner.config import PlannerConfig
 from megatron_epp.cost.features import chunk_features

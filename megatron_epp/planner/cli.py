@@ -14,16 +14,17 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from megatron_epp.cost.model import CostModel
+from megatron_epp.cost.network import NETWORKS, get_network
+from megatron_epp.cost.profiles import load_profile
 from megatron_epp.plan import Plan, PlanInfeasible
 from megatron_epp.plan.order import format_stage_ops
 from megatron_epp.planner.builders import plan_batch
 from megatron_epp.planner.compare import BASELINES, run_baselines
 from megatron_epp.planner.config import PlannerConfig, add_planner_arguments
 from megatron_epp.planner.data_parallel import split_data_parallel
-from megatron_epp.cost.model import CostModel
-from megatron_epp.cost.network import NETWORKS, get_network
-from megatron_epp.cost.profiles import load_profile
 from megatron_epp.simulator.step import simulate
+from megatron_epp.simulator.timeline import draw_timeline
 
 DEFAULTS = {  # epp-plan's defaults of the planner options (pretrain_gpt.py has its own)
     "epp_plan": "elastic", "epp_memory_budget": 80.0, "epp_profile": "llama-13b", "epp_recompute": "adaptive",
@@ -148,8 +149,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.plan_out:
         Path(args.plan_out).write_text(plans[0].to_json())
     if args.timeline:
-        from megatron_epp.simulator.timeline import draw_timeline
-
         draw_timeline(simulate(plans[0], cost_model), args.stages, args.timeline)
     if args.json:
         print(json.dumps(summary, separators=(",", ":")))

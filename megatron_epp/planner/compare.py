@@ -13,7 +13,7 @@ from typing import Any, Sequence
 
 from megatron_epp.plan import Plan, PlanInfeasible
 from megatron_epp.cost.model import CostModel
-from megatron_epp.planner.builder import build_plan
+from megatron_epp.planner.epp import build_plan
 from megatron_epp.planner.builders import plan_batch, slice_counts
 from megatron_epp.planner.config import PlannerConfig
 from megatron_epp.simulator.flexsp import plan_flexsp

@@ -23,18 +23,22 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import numpy as np
+from scipy.optimize import least_squares, minimize_scalar
 
-from megatron_epp.plan import Plan
+from megatron_epp.cost.model import CostModel
 from megatron_epp.cost.profiles import Profile, StageOverhead
+from megatron_epp.plan import Plan
+from megatron_epp.simulator.step import simulate
+from megatron_epp.training.arguments import parse_args
+from megatron_epp.training.elastic import PlanBuilder, elastic_sampler
+from megatron_epp.training.main import resolve_vocab_size
 from megatron_epp.training.metrics import StepMetrics, read_metrics
 
-if TYPE_CHECKING:
-    from megatron_epp.cost.model import CostModel
-
 REPO = Path(__file__).resolve().parents[2]
+
 
 def run_pretrain(argv: Sequence[str], nproc: int = 2, timeout: float = 900) -> list[StepMetrics]:
     """Run ``pretrain_gpt.py`` under ``torchrun`` (one thread per rank) and return its logged training
@@ -52,12 +56,10 @@ def run_pretrain(argv: Sequence[str], nproc: int = 2, timeout: float = 900) -> l
         return [m for m in read_metrics(metrics) if m.kind == "train"]
 
 
-def reconstruct_plans(argv: Sequence[str], iterations: int, world_size: int = 2) -> tuple[list[Plan], "CostModel"]:
+def reconstruct_plans(argv: Sequence[str], iterations: int, world_size: int = 2) -> tuple[list[Plan], CostModel]:
     """The plans ``pretrain_gpt.py argv`` runs in its first ``iterations`` steps (data-parallel rank 0),
     rebuilt in this process from the same flags, document stream and planner; and the planner's cost
     model (the profile on this run's model shape and stages)."""
-    from megatron_epp.training.elastic import PlanBuilder, elastic_sampler
-
     args = parsed_args(argv, world_size)
     build = PlanBuilder(args)
     batches = elastic_sampler(args, "train", args.data_parallel_size, build).iterate(0)
@@ -70,9 +72,6 @@ def reconstruct_plans(argv: Sequence[str], iterations: int, world_size: int = 2)
 
 def parsed_args(argv: Sequence[str], world_size: int = 2):
     """``pretrain_gpt.py``'s validated arguments for ``argv`` (vocabulary size resolved), in-process."""
-    from megatron_epp.training.arguments import parse_args
-    from megatron_epp.training.main import resolve_vocab_size
-
     args = parse_args(list(argv), world_size=world_size)
     resolve_vocab_size(args)
     return args
@@ -82,12 +81,9 @@ def with_overhead(profile: Profile, fwd_ms: float, bwd_ms: float, fit: dict | No
     return dataclasses.replace(profile, overhead=StageOverhead(float(fwd_ms), float(bwd_ms), dict(fit or {})))
 
 
-def simulate_steps(plans: Sequence[Plan], cost_model: "CostModel", fwd_ms: float | None = None, bwd_ms: float | None = None) -> np.ndarray:
+def simulate_steps(plans: Sequence[Plan], cost_model: CostModel, fwd_ms: float | None = None, bwd_ms: float | None = None) -> np.ndarray:
     """Simulated step ms of ``plans`` on ``cost_model``, its profile's stage overhead replaced by
     ``fwd_ms``/``bwd_ms`` when given."""
-    from megatron_epp.cost.model import CostModel
-    from megatron_epp.simulator.step import simulate
-
     cm = cost_model
     if fwd_ms is not None:
         cm = CostModel(with_overhead(cm.profile, fwd_ms, bwd_ms or 0.0), cm.num_stages, cm.layers, cm.dp, cm.network)
@@ -112,7 +108,7 @@ class OverheadFit:
         return self.per_chunk_ms * (1 - self.fwd_share)
 
 
-def fit_overhead(plans: Sequence[Plan], measured_ms: Sequence[float], cost_model: "CostModel", fwd_share: float = 0.5,
+def fit_overhead(plans: Sequence[Plan], measured_ms: Sequence[float], cost_model: CostModel, fwd_share: float = 0.5,
                  slowdown: bool = False) -> OverheadFit:
     """Least squares (relative residuals) of the simulated step time against ``measured_ms`` over the
     per-chunk stage overhead ``o`` (split ``fwd_share`` / ``1 - fwd_share`` between forward and
@@ -123,8 +119,6 @@ def fit_overhead(plans: Sequence[Plan], measured_ms: Sequence[float], cost_model
     ``slowdown``: fit ``measured = s * simulated(o)`` instead, with a free factor ``s`` for a machine
     that runs everything ``s`` times slower than when the layers were profiled (other jobs sharing the
     cores): ``o`` then comes out in the profile's units and ``s`` is reported, not modelled."""
-    from scipy.optimize import least_squares, minimize_scalar
-
     y = np.asarray(measured_ms, dtype=float)
 
     def sim(o: float) -> np.ndarray:

@@ -7,6 +7,8 @@ import os
 from typing import Sequence
 
 from megatron_epp.planner.config import PlannerConfig, add_planner_arguments
+import psutil
+import torch
 
 
 class ArgumentError(ValueError):
@@ -209,9 +211,6 @@ def validate_elastic_args(args: argparse.Namespace, world_size: int) -> None:
 
 
 def default_memory_budget_gb(world_size: int) -> float:
-    import psutil
-    import torch
-
     if torch.cuda.is_available():
         return 0.9 * torch.cuda.get_device_properties(0).total_memory / 1024**3
     return 0.9 * psutil.virtual_memory().total / world_size / 1024**3

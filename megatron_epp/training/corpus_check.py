@@ -10,6 +10,7 @@ import argparse
 
 import numpy as np
 
+from megatron_epp.data.documents import DocumentDataset, split_ranges
 from megatron_epp.data.length_stats import LengthStats
 from megatron_epp.training.arguments import ArgumentError
 
@@ -25,7 +26,6 @@ def check_corpus(args: argparse.Namespace) -> str:
     """
     if args.mock_data:
         return "mock documents"
-    from megatron_epp.data.documents import DocumentDataset, split_ranges
 
     docs = DocumentDataset(args.data_path)
     splits = {name: docs.lengths[r.start:r.stop] for name, r in split_ranges(len(docs), args.split).items()}

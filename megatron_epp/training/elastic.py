@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import contextlib
+import dataclasses
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -15,24 +15,31 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from megatron_epp.executor.schedule import forward_backward_elastic
+from megatron_epp.cost.features import chunk_features
+from megatron_epp.cost.model import CostModel
+from megatron_epp.cost.profiles import load_profile
+from megatron_epp.data.documents import DocumentDataset, split_ranges
+from megatron_epp.data.mock_documents import MockDocuments, lognormal_lengths
+from megatron_epp.data.sequence_sampler import SequenceSampler
 from megatron_epp.executor.batches import chunk_batches, elastic_gpt_forward_step
 from megatron_epp.executor.context import ChunkContext
 from megatron_epp.executor.memory_tracker import ActivationMemoryTracker
-from megatron_epp.plan import Plan
+from megatron_epp.executor.schedule import forward_backward_elastic
+from megatron_epp.plan import Plan, PlanInfeasible
+from megatron_epp.planner.builders import plan_batch
+from megatron_epp.planner.config import PlannerConfig
+from megatron_epp.simulator import simulate
+from megatron_epp.simulator.memory import peak_memory
+from megatron_epp.simulator.timeline import draw_timeline
 from megatron_epp.training.arguments import ArgumentError
 from megatron_epp.training.initialize import Runtime
-from megatron_epp.training.loop import StepFunction
 from megatron_epp.training.metrics import ElasticMetrics
+
 
 class PlanBuilder:
     """The ``--epp-plan`` builder on the planner's cost model for this model and pipeline."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        from megatron_epp.cost.model import CostModel
-        from megatron_epp.cost.profiles import load_profile
-        from megatron_epp.planner.config import PlannerConfig
-
         self.config = PlannerConfig.from_args(args, args.seq_length)
         profile = load_profile(self.config.profile, tp=args.tensor_model_parallel_size)
         shape = dataclasses.replace(
@@ -44,24 +51,16 @@ class PlanBuilder:
         )
 
     def __call__(self, lengths: list[int]) -> Plan:
-        from megatron_epp.planner.builders import plan_batch
-
         return plan_batch(lengths, self.cost_model, self.config)
 
     def predicted_activation_bytes(self, plan: Plan) -> list[float]:
         """Per-stage peak activation bytes (model states excluded) by the planner's exact memory walk."""
-        from megatron_epp.cost.features import chunk_features
-        from megatron_epp.simulator.memory import peak_memory
-
         no_states = np.zeros(plan.num_stages)
         peaks = [peak_memory(p, self.cost_model.costs(chunk_features(p.chunks)), self.cost_model.layers, no_states)
                  for p in plan.pipelines]
         return np.max(peaks, axis=0).tolist()
 
     def draw(self, plan: Plan, path: str) -> None:
-        from megatron_epp.simulator import simulate
-        from megatron_epp.simulator.timeline import draw_timeline
-
         draw_timeline(simulate(plan, self.cost_model), plan.num_stages, path, title=plan.summary())
 
 
@@ -76,7 +75,7 @@ def _share_plan(plan: Plan | None, timing: tuple[float, float] | None) -> tuple[
 
 
 class ElasticTrainStep:
-    """A :data:`StepFunction` over a sequence sampler: plan, broadcast, run; keeps the last step's metrics.
+    """A ``training.loop.StepFunction`` over a sequence sampler: plan, broadcast, run; keeps the last step's metrics.
 
     The first rank of each model replica plans; the plan for the next global batch is computed in a
     background thread while this one trains (the summary says whether planning was hidden).
@@ -162,8 +161,6 @@ class ElasticTrainStep:
 def elastic_sampler(args: argparse.Namespace, split: str, dp_size: int, build: PlanBuilder):
     """The whole-document sampler of ``split`` ('train'/'valid') for ``dp_size`` replicas, split by
     the planner's modelled work (``build``'s cost model), or None if the split is empty."""
-    from megatron_epp.data.sequence_sampler import SequenceSampler
-
     documents = elastic_documents(args, split)
     if documents is None:
         return None
@@ -180,8 +177,6 @@ def elastic_train_step(args: argparse.Namespace, runtime: Runtime, model, split:
 
 def check_memory_budget(args: argparse.Namespace) -> None:
     """Fail before any work if no plan fits the budget for documents of the full context length."""
-    from megatron_epp.planner.builder import PlanInfeasible
-
     docs = max(args.global_batch_size // args.data_parallel_size, 1)
     try:
         PlanBuilder(args)([args.seq_length] * docs)
@@ -194,9 +189,6 @@ def check_memory_budget(args: argparse.Namespace) -> None:
 
 def elastic_documents(args: argparse.Namespace, split: str):
     """Whole documents: skewed mock lengths (capped at the context length) or an indexed dataset split."""
-    from megatron_epp.data.documents import DocumentDataset, split_ranges
-    from megatron_epp.data.mock_documents import MockDocuments, lognormal_lengths
-
     if args.mock_data:
         seed = args.seed + (split == "valid")
         lengths = lognormal_lengths(4096, median=max(args.seq_length // 8, 2), sigma=1.2, max_length=args.seq_length + 1, seed=seed)

@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 
 import patches
+from megatron.core import tensor_parallel
+from megatron.core import parallel_state as ps
 
 
 @dataclass(frozen=True)
@@ -58,8 +60,6 @@ def select_device() -> tuple[torch.device, str]:
 
 def set_seed(seed: int, pp_rank: int) -> None:
     """Megatron's seeding: a different stream per pipeline stage, tracked model-parallel RNG."""
-    from megatron.core import tensor_parallel
-
     seed = seed + 100 * pp_rank
     random.seed(seed)
     np.random.seed(seed)
@@ -69,8 +69,6 @@ def set_seed(seed: int, pp_rank: int) -> None:
 
 def initialize(args: argparse.Namespace) -> Runtime:
     """Start torch.distributed (torchrun's env, or a single process) and megatron-core's groups."""
-    from megatron.core import parallel_state as ps
-
     device, backend = select_device()
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -96,8 +94,6 @@ def initialize(args: argparse.Namespace) -> Runtime:
 
 
 def shutdown() -> None:
-    from megatron.core import parallel_state as ps
-
     if dist.is_initialized():
         dist.barrier()
         ps.destroy_model_parallel()

@@ -6,16 +6,23 @@ import argparse
 import sys
 from typing import Sequence
 
-from megatron_epp.data.tokenizers import TokenizerError
+from megatron_epp.data.documents import DocumentDataset, split_ranges
+from megatron_epp.data.gpt_samples import GPTSamples, MockGPTSamples
+from megatron_epp.data.tokenizers import TokenizerError, build_tokenizer
+from megatron_epp.executor.context import ChunkContext
+from megatron_epp.executor.spec import elastic_layer_spec, install_chunk_context
+from megatron_epp.training import checkpointing
 from megatron_epp.training.arguments import ArgumentError, parse_args
 from megatron_epp.training.corpus_check import check_corpus
+from megatron_epp.training.elastic import check_memory_budget, elastic_train_step
+from megatron_epp.training.gpt_step import gpt_forward_step, microbatches
+from megatron_epp.training.initialize import initialize, shutdown
+from megatron_epp.training.loop import build_optimizer, megatron_step, train
+from megatron_epp.training.model import build_model, default_layer_spec
 
 
 def build_samples(args: argparse.Namespace, split: str):
     """Fixed-length GPT samples of ``split`` ('train' or 'valid'): mock data or an indexed dataset."""
-    from megatron_epp.data.documents import DocumentDataset, split_ranges
-    from megatron_epp.data.gpt_samples import GPTSamples, MockGPTSamples
-
     if args.mock_data:
         return MockGPTSamples(args.seq_length, args.vocab_size, seed=args.seed + (split == "valid"))
     docs = DocumentDataset(args.data_path)
@@ -28,8 +35,6 @@ def build_samples(args: argparse.Namespace, split: str):
 
 def resolve_vocab_size(args: argparse.Namespace) -> None:
     """Load ``--tokenizer`` (a file that does not parse is an error) and fill or check ``--vocab-size``."""
-    from megatron_epp.data.tokenizers import build_tokenizer
-
     vocab = build_tokenizer(args.tokenizer).vocab_size
     if args.vocab_size is None:
         args.vocab_size = vocab
@@ -43,25 +48,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         resolve_vocab_size(args)
         corpus = check_corpus(args)
         if args.elastic_pp:
-            from megatron_epp.training.elastic import check_memory_budget
-
             check_memory_budget(args)
     except (ArgumentError, TokenizerError) as error:
         print(error if isinstance(error, ArgumentError) else f"pretrain_gpt.py: error: {error}", file=sys.stderr)
         return 2
 
-    from megatron_epp.training import checkpointing
-    from megatron_epp.training.gpt_step import gpt_forward_step, microbatches
-    from megatron_epp.training.initialize import initialize, shutdown
-    from megatron_epp.training.loop import build_optimizer, megatron_step, train
-    from megatron_epp.training.model import build_model
 
     runtime = initialize(args)
     if args.elastic_pp:
-        from megatron_epp.executor.context import ChunkContext
-        from megatron_epp.executor.spec import elastic_layer_spec, install_chunk_context
-        from megatron_epp.training.model import default_layer_spec
-
         context = ChunkContext()
         model, config = build_model(args, runtime, layer_spec=elastic_layer_spec(default_layer_spec(), context))
         install_chunk_context(model.module, context)
@@ -84,8 +78,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def step_for(split: str, consumed: int):
         if args.elastic_pp:
-            from megatron_epp.training.elastic import elastic_train_step
-
             return elastic_train_step(args, runtime, model, split, consumed)
         samples = build_samples(args, split)
         if samples is None:
