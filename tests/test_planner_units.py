@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from megatron_epp.plan import Chunk, Pipeline, Plan, Segment
-from megatron_epp.planner.recompute import MemoryInfeasible, solve_checkpointing
+from megatron_epp.planner.recompute import MemoryInfeasible, solve_recompute
 from megatron_epp.planner.chunking import build_units, equal_count_cuts, pack, slice_cuts
 from megatron_epp.cost.features import F, chunk_features, segment_features, sequence_features
 from megatron_epp.cost.model import CostModel
@@ -145,7 +145,7 @@ def test_split_slices_keep_kv_until_first_slice_backward():
     assert sm.during([1, 0]).tolist() == [6, 26, 46, 26]
 
 
-# ------------------------------------------------------------------------------------ checkpointing
+# ------------------------------------------------------------------------------------ recompute
 def _brute_force(mems, rc, layers, budget):
     P, n = len(mems), len(rc)
     best = None
@@ -163,26 +163,26 @@ def test_ilp_is_optimal_on_anti_diagonals_and_fits(budget):
     pipe = Pipeline([batched(0, 0, 2), batched(1, 1, 1), batched(2, 2, 2)], [[0] * 3] * 2)
     costs = cm.costs(chunk_features(pipe.chunks))
     mems = pipeline_memory(pipe, costs, cm.layers, np.zeros(2))
-    res = solve_checkpointing(mems, costs.rc_layer, cm.layers, budget)
+    res = solve_recompute(mems, costs.rc_layer, cm.layers, budget)
     r = res.recompute
     assert all(r[0][k] == r[1][k + 1] for k in range(2))
     assert all(sm.during(r[p]).max() <= budget + 1e-9 for p, sm in enumerate(mems))
     assert res.recompute_ms == pytest.approx(_brute_force(mems, costs.rc_layer, cm.layers, budget))
-    greedy = solve_checkpointing(mems, costs.rc_layer, cm.layers, budget, mode="greedy")
+    greedy = solve_recompute(mems, costs.rc_layer, cm.layers, budget, mode="greedy")
     assert all(sm.during(greedy.recompute[p]).max() <= budget + 1e-9 for p, sm in enumerate(mems))
     assert greedy.recompute_ms >= res.recompute_ms - 1e-9 and greedy.gap >= 0
 
 
-def test_checkpointing_infeasible_and_no_recompute_when_it_fits():
+def test_recompute_infeasible_and_no_recompute_when_it_fits():
     cm = toy_cost_model(2, [2, 2])
     pipe = Pipeline([batched(0, 0, 2), batched(1, 1, 2)], [[0] * 2] * 2)
     costs = cm.costs(chunk_features(pipe.chunks))
     mems = pipeline_memory(pipe, costs, cm.layers, np.zeros(2))
-    assert sum(map(sum, solve_checkpointing(mems, costs.rc_layer, cm.layers, 1e6).recompute)) == 0
+    assert sum(map(sum, solve_recompute(mems, costs.rc_layer, cm.layers, 1e6).recompute)) == 0
     with pytest.raises(MemoryInfeasible):
-        solve_checkpointing(mems, costs.rc_layer, cm.layers, 10.0)
+        solve_recompute(mems, costs.rc_layer, cm.layers, 10.0)
     with pytest.raises(MemoryInfeasible):
-        solve_checkpointing(mems, costs.rc_layer, cm.layers, 60.0, mode="none")
+        solve_recompute(mems, costs.rc_layer, cm.layers, 60.0, mode="none")
 
 
 # ------------------------------------------------------------------------------------ grouping

@@ -21,7 +21,7 @@ import numpy as np
 
 from megatron_epp.plan import Chunk, Pipeline, Plan, PlanInfeasible, PlanStats
 from megatron_epp.planner.config import Recompute
-from megatron_epp.planner.recompute import MemoryInfeasible, solve_checkpointing
+from megatron_epp.planner.recompute import MemoryInfeasible, solve_recompute
 from megatron_epp.planner.chunking import Units, build_units
 from megatron_epp.cost.features import chunk_features, sequence_features
 from megatron_epp.cost.model import CostModel
@@ -67,13 +67,13 @@ def make_plan(lengths: Sequence[int], cost_model: CostModel, groups: list[Units]
     return Plan(list(map(int, lengths)), cost_model.num_stages, cost_model.layers.tolist(), pipes, builder)
 
 
-def apply_checkpointing(plan: Plan, cost_model: CostModel, budget: float, mode: Recompute, time_limit: float, mip_rel_gap: float) -> dict:
+def apply_recompute(plan: Plan, cost_model: CostModel, budget: float, mode: Recompute, time_limit: float, mip_rel_gap: float) -> dict:
     """Decide every pipeline's recompute in place; returns the solver's summary."""
     states = cost_model.model_state_bytes()
     gaps, methods, rc = [], set(), 0.0
     for pipe in plan.pipelines:
         costs = cost_model.costs(chunk_features(pipe.chunks))
-        res = solve_checkpointing(pipeline_memory(pipe, costs, cost_model.layers, states), costs.rc_layer, cost_model.layers, budget, mode, time_limit, mip_rel_gap)
+        res = solve_recompute(pipeline_memory(pipe, costs, cost_model.layers, states), costs.rc_layer, cost_model.layers, budget, mode, time_limit, mip_rel_gap)
         pipe.recompute = res.recompute
         gaps.append(res.gap)
         methods.add(res.method)
@@ -185,7 +185,7 @@ def build_plan(
         for _, (slice_budget, cap_used), groups in finalists:
             plan = make_plan(L, cost_model, groups, builder)
             try:
-                extra = apply_checkpointing(plan, cost_model, budget, recompute, time_limit, mip_rel_gap)
+                extra = apply_recompute(plan, cost_model, budget, recompute, time_limit, mip_rel_gap)
             except MemoryInfeasible:
                 continue
             extra.update(slice_budget_ms=slice_budget, token_cap=cap_used)

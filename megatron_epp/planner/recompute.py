@@ -1,4 +1,4 @@
-"""Stage-aware chunk-level checkpointing (notes section 5.3) as an integer program.
+"""Stage-aware chunk-level recompute (activation checkpointing, notes section 5.3) as an integer program.
 
 ``ckpt(p, k)`` layers of chunk ``k`` recompute on stage ``p``. The anti-diagonal tie
 ``ckpt(p, k) = ckpt(p + i, k + i)`` leaves one variable per diagonal ``d = k - p + P - 1``
@@ -28,7 +28,7 @@ class MemoryInfeasible(ValueError):
 
 
 @dataclass
-class CheckpointResult:
+class RecomputeResult:
     recompute: list[list[int]]  # [stage][chunk]
     recompute_ms: float  # total recompute time over all stages
     gap: float  # relative MIP gap of the returned solution (0: proven optimal)
@@ -96,7 +96,7 @@ def _gap_to_lp_bound(prog: _Program, objective: float) -> float:
     return max(0.0, (objective - lp.fun) / objective)
 
 
-def solve_checkpointing(
+def solve_recompute(
     mems: list[StageMemory],
     rc_layer: np.ndarray,
     layers: np.ndarray,
@@ -104,7 +104,7 @@ def solve_checkpointing(
     mode: Recompute = "adaptive",
     time_limit: float = 0.1,
     mip_rel_gap: float = 0.01,
-) -> CheckpointResult:
+) -> RecomputeResult:
     """Recompute decisions of one pipeline. ``mems``: the walk of every stage; ``budget`` bytes/GPU."""
     P, n = len(mems), len(rc_layer)
     full = [[int(layers[p])] * n for p in range(P)]
@@ -114,9 +114,9 @@ def solve_checkpointing(
         if worst > budget:
             raise MemoryInfeasible(p, worst, budget)
     if mode == "none":
-        return CheckpointResult(none, 0.0, 0.0, "none")
+        return RecomputeResult(none, 0.0, 0.0, "none")
     if mode == "full":
-        return CheckpointResult(full, float(rc_layer.sum() * layers.sum()), 0.0, "full")
+        return RecomputeResult(full, float(rc_layer.sum() * layers.sum()), 0.0, "full")
     prog = _program(mems, rc_layer, layers, budget)
     x, gap, method = None, 0.0, "milp"
     if not len(prog.rhs):
@@ -137,4 +137,4 @@ def solve_checkpointing(
         x, method = _greedy(prog), "greedy"
         gap = _gap_to_lp_bound(prog, float(prog.c @ x))
     recompute = x[prog.diag].astype(int)
-    return CheckpointResult(recompute.tolist(), float(prog.c @ x), gap, method)
+    return RecomputeResult(recompute.tolist(), float(prog.c @ x), gap, method)
