@@ -23,7 +23,7 @@ memory per stage, and the ratios baseline / elastic (> 1: elastic is faster / us
 per step over the same batch, median over steps. Each step's time is the median over repeats; the
 first step of every run is warm-up and dropped.
 
-    python scripts/bench_elastic.py [--quick] [--repeats 3] [--iters 6] [--budget-gb 0.05]
+    python scripts/bench_elastic.py [--quick] [--repeats 3] [--iters 6] [--epp-memory-budget 0.05]
 """
 
 from __future__ import annotations
@@ -77,9 +77,9 @@ def run_builder(data: list[str], builder: str, args) -> list:
     argv = ["--elastic-pp", *data, "--pipeline-model-parallel-size", "2", "--num-layers", "4", "--hidden-size", "64",
             "--num-attention-heads", "4", "--seq-length", str(args.seq_length), "--global-batch-size", str(args.gbs),
             "--lr", "3e-3", "--train-iters", str(args.iters + 1), "--log-interval", "1",
-            "--epp-memory-budget", str(args.budget_gb), "--epp-plan", builder]
+            "--epp-memory-budget", str(args.epp_memory_budget), "--epp-plan", builder]
     if builder == "seq1f1b":
-        argv += ["--epp-max-slices", str(args.seq1f1b_k)]
+        argv += ["--epp-max-slices", str(args.epp_max_slices)]
     return run_pretrain(argv)[1:]  # drop the warm-up step
 
 
@@ -101,7 +101,7 @@ def bench_dataset(name: str, args) -> None:
             except RuntimeError as error:
                 failed[b] = str(error)
     print(f"\n== {name}: {len(data) and ' '.join(data[:2])} | cap {args.seq_length}, {args.gbs} documents per step, "
-          f"budget {args.budget_gb} GB per stage, {args.iters} steps x {args.repeats} repeats")
+          f"budget {args.epp_memory_budget} GB per stage, {args.iters} steps x {args.repeats} repeats")
     stats = {}
     for b in args.builders:
         if b in failed:
@@ -142,10 +142,10 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=None, help="measured steps per run (default 5), after one warm-up step")
     ap.add_argument("--datasets", default="stdlib,wiki")
     ap.add_argument("--builders", default=",".join(BUILDERS))
-    ap.add_argument("--budget-gb", type=float, default=0.05, help="--epp-memory-budget for every builder")
+    ap.add_argument("--epp-memory-budget", type=float, default=0.05, help="--epp-memory-budget for every builder")
     ap.add_argument("--seq-length", type=int, default=1024, help="context cap")
     ap.add_argument("--gbs", type=int, default=16, help="documents per global batch")
-    ap.add_argument("--seq1f1b-k", type=int, default=4, help="Seq1F1B's slice count k")
+    ap.add_argument("--epp-max-slices", type=int, default=4, help="Seq1F1B's slice count k")
     ap.add_argument("--wiki-mode", choices=["clip", "scale"], default="clip")
     args = ap.parse_args()
     args.repeats = args.repeats or (1 if args.quick else 2)

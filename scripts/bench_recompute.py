@@ -4,16 +4,16 @@
 Runs pretrain_gpt.py --elastic-pp at pp=2 (CPU, one thread per rank) once per mode on mock
 variable-length documents, and prints per stage the planner's predicted and the measured peak
 activation memory (medians over the steps after the first), recomputed layers and ms/step. ``none``
-is run at ``--budget-gb`` (where it is expected not to fit) and again at ``--none-budget-gb``.
+is run at ``--epp-memory-budget`` (where it is expected not to fit) and again at ``--none-epp-memory-budget``.
 
 Checks, each printed ``ok`` or ``FAIL``:
   * every step, every stage: |predicted / measured - 1| <= ``--tolerance`` (10 %);
   * every step, every stage: model states + measured activations <= the budget the plan was made for
     (up to the log's rounding of activation MB to two decimals);
-  * ``full`` measures the least activation memory of the modes at ``--budget-gb``; its time is shown
+  * ``full`` measures the least activation memory of the modes at ``--epp-memory-budget``; its time is shown
     beside the others' (on CPU per-chunk overhead can make it no slower: reported, not checked).
 
-    python scripts/bench_recompute.py [--hidden-size 64] [--budget-gb 0.02] [--none-budget-gb 0.05]
+    python scripts/bench_recompute.py [--hidden-size 64] [--epp-memory-budget 0.02] [--none-epp-memory-budget 0.05]
         [--iters 8] [extra pretrain_gpt flags]
 """
 
@@ -75,8 +75,8 @@ def verdict(ok: bool) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden-size", type=int, default=64)
-    ap.add_argument("--budget-gb", type=float, default=0.02)
-    ap.add_argument("--none-budget-gb", type=float, default=0.05, help="a budget where --epp-recompute none fits")
+    ap.add_argument("--epp-memory-budget", type=float, default=0.02)
+    ap.add_argument("--none-epp-memory-budget", type=float, default=0.05, help="a budget where --epp-recompute none fits")
     ap.add_argument("--tolerance", type=float, default=0.10)
     ap.add_argument("--iters", type=int, default=8)
     args, extra = ap.parse_known_args()
@@ -87,7 +87,7 @@ def main() -> None:
           f"{'worst err':>9s} {'':4s} {'peak+states MB':>14s}")
     results = {}
     failed = False
-    runs = [("none", args.budget_gb), ("none", args.none_budget_gb), ("adaptive", args.budget_gb), ("full", args.budget_gb)]
+    runs = [("none", args.epp_memory_budget), ("none", args.none_epp_memory_budget), ("adaptive", args.epp_memory_budget), ("full", args.epp_memory_budget)]
     for mode, budget in runs:
         r = run(args.hidden_size, mode, budget, args.iters, extra)
         if "error" in r:
@@ -99,14 +99,14 @@ def main() -> None:
         failed |= r["err"] > tol or not fits
         print(f"{mode:9s} {budget:9.3f} {r['ms']:8.1f} {r['recomputed']:9.0f}  {stages:28s} {r['err']:9.1%} "
               f"{verdict(r['err'] <= tol):4s} {r['total']:8.1f} {verdict(fits):4s}")
-    at = {m: r for (m, b), r in results.items() if b == args.budget_gb}
+    at = {m: r for (m, b), r in results.items() if b == args.epp_memory_budget}
     if "none" not in at and ("adaptive" in at or "full" in at):
-        print(f"none does not fit {args.budget_gb} GB (refused before training); adaptive and full do: expected")
+        print(f"none does not fit {args.epp_memory_budget} GB (refused before training); adaptive and full do: expected")
     if "full" in at:
         least = all(max(at["full"]["max_meas"]) <= max(r["max_meas"]) for r in results.values())
         slowest = all(at["full"]["ms"] >= r["ms"] for r in at.values())
         failed |= not least
-        print(f"full measures the least activation memory: {verdict(least)}; the most time at {args.budget_gb} GB: "
+        print(f"full measures the least activation memory: {verdict(least)}; the most time at {args.epp_memory_budget} GB: "
               f"{'yes' if slowest else 'no'} (" + ", ".join(f"{m} {r['ms']:.0f} ms" for m, r in at.items()) + ")")
     sys.exit(1 if failed else 0)
 

@@ -74,8 +74,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help=f"{len(QUICK)} configurations, 3 steps each")
     ap.add_argument("--iters", type=int, default=None, help="steps per run (default 6, quick 3); the first is dropped")
     ap.add_argument("--configs", default=None, help=f"comma-separated subset of {','.join(CONFIGS)}")
-    ap.add_argument("--profile", default=str(PROFILE_DIR / "test-model_cpu.json"))
-    ap.add_argument("--write", action="store_true", help="store the fitted overhead in --profile")
+    ap.add_argument("--epp-profile", default=str(PROFILE_DIR / "test-model_cpu.json"))
+    ap.add_argument("--write", action="store_true", help="store the fitted overhead in --epp-profile")
     ap.add_argument("--check", action="store_true", help="no fit: the logged prediction (profile as is) vs measured")
     ap.add_argument("--fwd-share", type=float, default=0.5, help="part of the per-chunk overhead put on the forward")
     ap.add_argument("--no-slowdown", action="store_true",
@@ -87,8 +87,8 @@ def main() -> None:
     iters = args.iters or (3 if args.quick else 6)
     tmp = Path(tempfile.mkdtemp(prefix="epp-calib-"))
     snapshot = tmp / "profile.json"  # every run and every rebuilt plan sees the same profile
-    shutil.copy(args.profile, snapshot)
-    print(f"profile {args.profile} (overhead {json.loads(snapshot.read_text()).get('overhead', {}).get('fwd_ms', 0):.3g}"
+    shutil.copy(args.epp_profile, snapshot)
+    print(f"profile {args.epp_profile} (overhead {json.loads(snapshot.read_text()).get('overhead', {}).get('fwd_ms', 0):.3g}"
           f"+{json.loads(snapshot.read_text()).get('overhead', {}).get('bwd_ms', 0):.3g} ms/chunk/stage); "
           f"{iters} steps per run, first dropped; load average {loadavg():.2f}", flush=True)
     loads = [loadavg()]
@@ -148,7 +148,7 @@ def main() -> None:
     errs["after (LOO)"] = loo
     report(rows, y, errs)
     if args.write:
-        path = Path(args.profile)
+        path = Path(args.epp_profile)
         data = json.loads(path.read_text())  # re-read: only the overhead entry changes
         data["overhead"] = {
             "fwd_ms": fit.fwd_ms,

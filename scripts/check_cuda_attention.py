@@ -15,7 +15,7 @@ within 2x the bf16 SDPA error (+1e-3). Speed: median wall ms of the whole layout
 (CUDA events), peak allocated memory, and the ratios sdpa/flash (>1: flash faster).
 
     pip install -r requirements-gpu.txt      # flash-attn 2.8.x on a CUDA torch
-    python scripts/check_cuda_attention.py [--heads 32 --kv-heads 8 --head-dim 128 --repeats 10]
+    python scripts/check_cuda_attention.py [--num-attention-heads 32 --num-query-groups 8 --kv-channels 128 --repeats 10]
 
 ``--cpu-dry-run`` runs the same code on CPU float32 at toy sizes with the tests' reference kernel in
 place of flash-attn (checks the script itself, measures nothing). Exit status 1 if a check fails.
@@ -93,9 +93,9 @@ def timed(run, device: str, repeats: int) -> tuple[float, float]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--num-attention-heads", type=int, default=32)
+    p.add_argument("--num-query-groups", type=int, default=8)
+    p.add_argument("--kv-channels", type=int, default=128)
     p.add_argument("--slice-tokens", type=int, default=8192, help="tokens per slice; layouts scale with it")
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     p.add_argument("--repeats", type=int, default=10)
@@ -107,7 +107,7 @@ def main() -> int:
 
         attention_kernels.load_flash_kernel = lambda: (REFERENCE_KERNEL, "")
         device, dtype = "cpu", torch.float32
-        args.heads, args.kv_heads, args.head_dim, args.slice_tokens, args.repeats = 4, 2, 8, 64, 2
+        args.num_attention_heads, args.num_query_groups, args.kv_channels, args.slice_tokens, args.repeats = 4, 2, 8, 64, 2
     else:
         if not torch.cuda.is_available():
             print("check_cuda_attention: no CUDA device (use --cpu-dry-run to check the script on CPU)", file=sys.stderr)
@@ -118,12 +118,12 @@ def main() -> int:
             return 2
         device, dtype = "cuda", {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
         print(f"flash-attn {kernel.version}, torch {torch.__version__}, {torch.cuda.get_device_name()}")
-    print(f"heads {args.heads}, kv heads {args.kv_heads}, head dim {args.head_dim}, slice {args.slice_tokens} tokens, {dtype}")
+    print(f"heads {args.num_attention_heads}, kv heads {args.num_query_groups}, head dim {args.kv_channels}, slice {args.slice_tokens} tokens, {dtype}")
 
-    attention = make_attention(args.heads, args.kv_heads, args.head_dim)
+    attention = make_attention(args.num_attention_heads, args.num_query_groups, args.kv_channels)
     ok = True
     for name, plan in layouts(args.slice_tokens).items():
-        tensors = random_tensors(plan, args.heads, args.kv_heads, args.head_dim, torch.float32, device, seed=0)
+        tensors = random_tensors(plan, args.num_attention_heads, args.num_query_groups, args.kv_channels, torch.float32, device, seed=0)
         force("sdpa-masked")
         reference = run_plan(attention, plan, tensors, device)  # float32
         low = [[type(t)(*(x.to(dtype) for x in (t.q, t.k, t.v, t.grad_out))) for t in row] for row in tensors]

@@ -6,7 +6,7 @@ layers (8 layers with prefix-K/V attention, plus the output head and loss), one 
 process CPU time (min of repeats). Compares with the cost model's prediction of the same chunk on a
 single stage holding all layers.
 
-    python scripts/cost_model_accuracy.py [--per-kind 6] [--profile PATH]
+    python scripts/cost_model_accuracy.py [--per-kind 6] [--epp-profile PATH]
 """
 
 from __future__ import annotations
@@ -31,13 +31,13 @@ from megatron_epp.tools.layer_bench import LayerStack, init_single_process, time
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--profile", default="test-model")
+    ap.add_argument("--epp-profile", default="test-model")
     ap.add_argument("--per-kind", type=int, default=6)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
     init_single_process()
-    profile = load_profile(args.profile)
+    profile = load_profile(args.epp_profile)
     lengths = np.minimum(np.random.default_rng(args.seed).choice(read_lengths(WIKIPEDIA_LENGTHS), 96), 8192)
     plan = build_plan(lengths, CostModel(profile, 2), 0.25)
     whole = CostModel(profile, 1)  # one stage holding every layer and the head

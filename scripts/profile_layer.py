@@ -18,8 +18,8 @@ Writes the profile JSON (keeping the ``overhead`` block of the file it replaces,
 profile, fitted on real steps by ``scripts/calibrate_step.py``) and prints every fit's error.
 
     python scripts/profile_layer.py --out megatron_epp/cost/profiles/test-model_cpu.json
-    python scripts/profile_layer.py --hidden 128 --out /tmp/h128.json        # another shape
-    python scripts/profile_layer.py --hidden 128 --compare test-model         # check time scaling
+    python scripts/profile_layer.py --hidden-size 128 --out /tmp/h128.json        # another shape
+    python scripts/profile_layer.py --hidden-size 128 --compare test-model         # check time scaling
 
 ``--compare PROFILE`` profiles nothing: it times real chunks (batched, split with context, hybrid)
 through one layer, and the output head, at the given shape and compares them with PROFILE's
@@ -203,16 +203,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="megatron_epp/cost/profiles/test-model_cpu.json")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--hidden", type=int, default=TEST_MODEL.hidden)
-    ap.add_argument("--heads", type=int, default=TEST_MODEL.num_heads)
-    ap.add_argument("--ffn", type=int, default=None, help="default 4 x hidden")
-    ap.add_argument("--vocab", type=int, default=TEST_MODEL.vocab)
+    ap.add_argument("--hidden-size", type=int, default=TEST_MODEL.hidden)
+    ap.add_argument("--num-attention-heads", type=int, default=TEST_MODEL.num_heads)
+    ap.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 x hidden")
+    ap.add_argument("--vocab-size", type=int, default=TEST_MODEL.vocab)
     ap.add_argument("--overhead-from", default=None,
                     help="profile JSON whose 'overhead' block is kept (default: --out if it exists, else the shipped profile)")
     ap.add_argument("--compare", metavar="PROFILE", default=None,
                     help="profile nothing: compare PROFILE, scaled to this shape, with measured chunks")
     args = ap.parse_args()
-    shape = dataclasses.replace(TEST_MODEL, hidden=args.hidden, num_heads=args.heads, ffn_hidden=args.ffn or 4 * args.hidden, vocab=args.vocab)
+    shape = dataclasses.replace(TEST_MODEL, hidden=args.hidden_size, num_heads=args.num_attention_heads, ffn_hidden=args.ffn_hidden_size or 4 * args.hidden_size, vocab=args.vocab_size)
     if shape != TEST_MODEL:
         shape = dataclasses.replace(shape, name=f"{TEST_MODEL.name}-h{shape.hidden}")
     init_single_process()  # one thread before anything is timed
