@@ -111,8 +111,8 @@ class PlanStats:
     predicted_activation_bytes: list[float] | None = None  # per stage, model states excluded
     # the recompute program (elastic builder only)
     mip_gap: float | None = None
-    ckpt_method: str | None = None
-    ilp_recompute_ms: float | None = None
+    recompute_method: str | None = None  # "milp", "greedy", "none", "full", or several joined by +
+    program_recompute_ms: float | None = None  # the recompute time the program minimised
     # the chunking search's choice (elastic builder only)
     slice_budget_ms: float | None = None
     token_cap: int | None = None

@@ -78,7 +78,7 @@ def apply_recompute(plan: Plan, cost_model: CostModel, budget: float, mode: Reco
         gaps.append(res.gap)
         methods.add(res.method)
         rc += res.recompute_ms
-    return {"mip_gap": float(max(gaps)), "ckpt_method": "+".join(sorted(methods)), "ilp_recompute_ms": rc}
+    return {"mip_gap": float(max(gaps)), "recompute_method": "+".join(sorted(methods)), "program_recompute_ms": rc}
 
 
 def finish(plan: Plan, cost_model: CostModel, budget: float, t0: float, extra: dict) -> Plan:
