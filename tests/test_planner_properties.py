@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from megatron_epp.planner.builders import megatron_plan, seq1f1b_plan
+from megatron_epp.planner.builders import megatron_plan, plan_batch, seq1f1b_plan
 from megatron_epp.planner.config import PlannerConfig
 from megatron_epp.planner.epp import PlanInfeasible, build_plan
 from megatron_epp.cost.features import chunk_features
@@ -78,3 +80,26 @@ def test_baseline_plans_are_valid_and_fit(lengths, stages, memory_mb):
         except PlanInfeasible:
             continue
         check_plan(plan, cm, memory_mb / 1024)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lengths=batches, stages=st.sampled_from([2, 4]), memory_mb=st.integers(40, 400))
+def test_elastic_never_predicted_slower_than_a_baseline_it_could_make(lengths, stages, memory_mb):
+    """The elastic builder weighs Megatron packing and Seq1F1B (k = 2, 4, 8) on the same cost model and
+    budget: its plan is never predicted slower than any of them that fits."""
+    cm = CostModel(PROFILE, stages)
+    config = PlannerConfig(memory_mb / 1024, 3000)
+    try:
+        plan = plan_batch(lengths, cm, config)
+    except PlanInfeasible:
+        assume(False)
+    check_plan(plan, cm, memory_mb / 1024)
+    baselines = {"megatron": lambda: megatron_plan(lengths, cm, config)}
+    baselines.update({f"seq1f1b-k{k}": (lambda k=k: seq1f1b_plan(lengths, cm, replace(config, max_slices=k))) for k in (2, 4, 8)})
+    for name, make in baselines.items():
+        try:
+            other = make()
+        except PlanInfeasible:
+            continue
+        assert plan.stats.predicted_step_ms <= other.stats.predicted_step_ms * (1 + 1e-9), (name, plan.stats.candidates_ms)
+        assert name in plan.stats.candidates_ms

@@ -116,6 +116,9 @@ class PlanStats:
     # the chunking search's choice (elastic builder only)
     slice_budget_ms: float | None = None
     token_cap: int | None = None
+    # the elastic builder's choice among its own plan and the baselines' (planner.builders.elastic_plan)
+    chosen: str | None = None  # the builder whose plan won: "epp", "megatron", "seq1f1b-k4", ...
+    candidates_ms: dict[str, float] | None = None  # predicted step ms of every candidate that fits
 
 
 @dataclass
@@ -150,7 +153,7 @@ class Plan:
     def summary(self) -> str:
         counts = self.chunk_counts()
         return (
-            f"plan[{self.builder}] seqs={len(self.seq_lengths)} tokens={self.num_tokens} "
+            f"plan[{self.builder}{'' if self.stats.chosen in (None, self.builder) else ' = ' + self.stats.chosen}] seqs={len(self.seq_lengths)} tokens={self.num_tokens} "
             f"chunks={sum(counts.values())} (batched={counts['batched']} split={counts['split']} "
             f"hybrid={counts['hybrid']}) pipelines={len(self.pipelines)} "
             f"recomputed_layers={self.recomputed_layers()}"

@@ -1,6 +1,8 @@
 """The plan builders behind one registry, :data:`BUILDERS` (``--epp-plan``), on the same cost model:
 
-* ``elastic``: the EPP planner (:func:`~megatron_epp.planner.epp.build_plan`);
+* ``elastic``: the EPP planner (:func:`~megatron_epp.planner.epp.build_plan`), which also weighs the
+  plans below (Megatron packing, Seq1F1B with k = 2, 4, 8) on the same cost model and budget and
+  takes the fastest predicted: it never runs a plan slower than a baseline plan it could have made;
 * ``megatron``: whole sequences packed into micro-batches of ``max_seq_len`` tokens (best-fit
   decreasing), one 1F1B pipeline, the same number of checkpointed layers for every micro-batch on
   every stage (Megatron's ``--recompute-num-layers``), the smallest that fits (notes section 6);
@@ -11,6 +13,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Callable, Sequence
 
 import numpy as np
@@ -25,6 +28,7 @@ from megatron_epp.simulator.memory import pipeline_memory
 from megatron_epp.cost.profiles import GIB
 
 SEQ1F1B_K = 4  # seq1f1b's slice count when the config sets no max_slices
+SEQ1F1B_CANDIDATE_KS = (2, 4, 8)  # the Seq1F1B plans the elastic builder also weighs (the k its users try)
 
 
 def uniform_recompute(plan: Plan, cost_model: CostModel, budget: float) -> None:
@@ -57,9 +61,46 @@ def slice_counts(config: PlannerConfig) -> Sequence[int]:
     return SLICE_COUNTS if config.max_slices is None else range(1, config.max_slices + 1)
 
 
+def baseline_candidates(lengths: Sequence[int], cost_model: CostModel, config: PlannerConfig) -> list[Plan]:
+    """The baseline plans the elastic builder weighs: Megatron packing and Seq1F1B for each k of
+    :data:`SEQ1F1B_CANDIDATE_KS` up to ``max_slices``; those that do not fit are left out. Their
+    uniform recompute is one of the answers the adaptive/greedy programs search over, so only those
+    modes weigh them (``none`` takes them only without recompute; ``full`` never)."""
+    if config.recompute == "full":
+        return []
+    makers = [lambda: megatron_plan(lengths, cost_model, config)]
+    for k in SEQ1F1B_CANDIDATE_KS:
+        if k <= (config.max_slices or max(SEQ1F1B_CANDIDATE_KS)):
+            makers.append(lambda k=k: seq1f1b_plan(lengths, cost_model, replace(config, max_slices=k)))
+    plans = []
+    for make in makers:
+        try:
+            plan = make()
+        except PlanInfeasible:
+            continue
+        if config.recompute != "none" or plan.recomputed_layers() == 0:
+            plans.append(plan)
+    return plans
+
+
 def elastic_plan(lengths: Sequence[int], cost_model: CostModel, config: PlannerConfig) -> Plan:
-    return build_plan(lengths, cost_model, config.memory_gb, recompute=config.recompute,
-                      slice_counts=slice_counts(config), time_limit=config.time_limit)
+    """EPP's own plan, or a baseline plan where that is predicted faster (``stats.chosen``: which)."""
+    t0 = time.perf_counter()
+    candidates, error = [], None
+    try:
+        candidates.append(build_plan(lengths, cost_model, config.memory_gb, recompute=config.recompute,
+                                     slice_counts=slice_counts(config), time_limit=config.time_limit))
+    except PlanInfeasible as infeasible:
+        error = infeasible
+    candidates += baseline_candidates(lengths, cost_model, config)
+    if not candidates:
+        raise error or PlanInfeasible(f"no plan fits {config.memory_gb} GB per GPU")
+    best = min(candidates, key=lambda p: p.stats.predicted_step_ms)  # first wins ties: EPP's own plan
+    best.stats.chosen = best.builder
+    best.stats.candidates_ms = {p.builder: round(p.stats.predicted_step_ms, 3) for p in candidates}
+    best.stats.solve_ms = (time.perf_counter() - t0) * 1e3
+    best.builder = "epp"
+    return best
 
 
 def megatron_plan(lengths: Sequence[int], cost_model: CostModel, config: PlannerConfig) -> Plan:
