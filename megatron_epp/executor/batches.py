@@ -1,13 +1,15 @@
-"""Per-chunk batches of a Plan, the GPT forward step for elastic chunks, and the per-token loss."""
+"""A stage's inputs for a Plan built ahead (per-chunk layouts and batches), the GPT forward step
+for elastic chunks, and the per-token loss."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 from typing import Iterator, Sequence
 
 import torch
 
-from megatron_epp.executor.context import ChunkContext
+from megatron_epp.executor.context import ChunkContext, ChunkLayout, to_device
 from megatron_epp.plan import Plan
 
 Batch = dict[str, torch.Tensor]
@@ -23,7 +25,8 @@ def per_token_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> tupl
 
 
 def chunk_batches(plan: Plan, sequences: Sequence[TokensAndLabels] | None, device: torch.device) -> Iterator[Batch]:
-    """One batch ``[1, tokens]`` per chunk in forward order; empty dicts where the stage has no data."""
+    """One batch ``[1, tokens]`` per chunk in forward order; empty dicts where the stage has no data.
+    ``sequences``: CPU tensors (on CUDA the batches go from pinned memory without blocking)."""
     for chunk in plan.chunks():
         if sequences is None:
             yield {}
@@ -31,10 +34,32 @@ def chunk_batches(plan: Plan, sequences: Sequence[TokensAndLabels] | None, devic
         tokens = torch.cat([sequences[s.seq][0][s.start : s.end] for s in chunk.segments])
         labels = torch.cat([sequences[s.seq][1][s.start : s.end] for s in chunk.segments])
         yield {
-            "tokens": tokens[None].to(device),
-            "labels": labels[None].to(device),
-            "loss_mask": torch.ones(1, tokens.numel(), device=device),
+            "tokens": to_device(tokens[None], device),
+            "labels": to_device(labels[None], device),
+            "loss_mask": to_device(torch.ones(1, tokens.numel()), device),
         }
+
+
+@dataclass
+class StepInputs:
+    """Everything one stage needs per chunk of a plan that does not depend on activations: the
+    chunks' layouts (positions, packing, prefix, recompute count) and batches, built from the plan
+    on the host ahead of the schedule (the training driver builds the next step's while this one
+    trains), so the schedule's per-chunk work is the kernels and the transfers."""
+
+    plan: Plan
+    stage: int
+    layouts: list[list[ChunkLayout]]  # [pipeline][chunk], what forward_backward_elastic takes as layouts=
+    batches: list[Batch]  # one per chunk in forward order (the data iterator's items)
+
+
+def prepare_step(plan: Plan, stage: int, sequences: Sequence[TokensAndLabels] | None, device: torch.device) -> StepInputs:
+    """``stage``'s :class:`StepInputs` for ``plan`` on ``device``."""
+    layouts = [
+        [ChunkLayout.build(c, plan.seq_lengths, device, recompute=count) for c, count in zip(pipe.chunks, pipe.recompute[stage])]
+        for pipe in plan.pipelines
+    ]
+    return StepInputs(plan, stage, layouts, list(chunk_batches(plan, sequences, device)))
 
 
 def elastic_gpt_forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module):

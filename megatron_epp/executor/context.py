@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Iterator
 
+import numpy as np
 import torch
 from megatron.core.utils import get_attr_wrapped_model
 
@@ -55,8 +56,8 @@ def varlen_seqlens(bounds: list[tuple[int, int]], split_index: int | None, conte
         cu_q.append(cu_q[-1] + sq)
         cu_k.append(cu_k[-1] + sk)
     return VarlenSeqlens(
-        cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device=device),
-        cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32, device=device),
+        cu_seqlens_q=to_device(torch.tensor(cu_q, dtype=torch.int32), device),
+        cu_seqlens_k=to_device(torch.tensor(cu_k, dtype=torch.int32), device),
         max_seqlen_q=max(q_lengths),
         max_seqlen_k=max(k_lengths),
     )
@@ -79,6 +80,7 @@ class ChunkLayout:
     keeps_kv: bool  # later slices of the sequence follow: keep this slice's K/V
     device: torch.device
     recompute: int = 0  # layers of this stage that recompute this chunk (the stage's first ones)
+    max_position: int = 0  # the largest of position_ids, known on the host (RoPE's table length without a sync)
 
     @property
     def split_seq(self) -> int | None:
@@ -107,19 +109,32 @@ class ChunkLayout:
 
     @classmethod
     def build(cls, chunk: Chunk, seq_lengths: list[int], device: torch.device, recompute: int = 0) -> "ChunkLayout":
+        """The layout of ``chunk`` from the plan alone (host work: no device sync; on CUDA the
+        positions go from pinned memory without blocking)."""
         cu = chunk.cu_seqlens()
         split = next((i for i, s in enumerate(chunk.segments) if s.length != seq_lengths[s.seq]), None)
         segment = chunk.segments[split] if split is not None else None
+        positions = np.concatenate([np.arange(s.start, s.end, dtype=np.int64) for s in chunk.segments])
         return cls(
             chunk=chunk,
-            position_ids=torch.tensor(chunk.position_ids(), device=device),
+            position_ids=to_device(torch.from_numpy(positions), device),
             bounds=list(zip(cu[:-1], cu[1:])),
             split_index=split,
             context=segment.start if segment is not None else 0,
             keeps_kv=segment is not None and segment.end < seq_lengths[segment.seq],
             device=torch.device(device),
             recompute=recompute,
+            max_position=max(s.end for s in chunk.segments) - 1,
         )
+
+
+def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``host`` (a CPU tensor) on ``device``: on CUDA copied from pinned memory without blocking the
+    host (the copy is ordered on the stream before any kernel that reads it); elsewhere as is."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass

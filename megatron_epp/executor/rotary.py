@@ -1,8 +1,8 @@
 """RoPE at each token's absolute position: a slice starts at C, packed sequences restart at 0.
 
 ``GPTModel._preprocess`` asks its ``rotary_pos_emb`` for positions ``0..s-1``. The wrapper below
-takes the frequencies up to the chunk's largest position and gathers them at the current chunk's
-position ids, which is what RoPE with ``offset = C`` gives a slice and what restarting at 0 gives
+takes the frequencies up to the chunk's largest position (known on the host from the plan) and
+gathers them at the current chunk's position ids, which is what RoPE with ``offset = C`` gives a slice and what restarting at 0 gives
 packed sequences.
 """
 
@@ -27,6 +27,6 @@ class ChunkRotaryEmbedding(torch.nn.Module):
         return self.inner.get_rotary_seq_len(*args, **kwargs)
 
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group: Any = None) -> torch.Tensor:
-        positions = self.context.layout().position_ids
-        freqs = self.inner(int(positions.max()) + 1)
-        return freqs[positions]
+        layout = self.context.layout()
+        freqs = self.inner(layout.max_position + 1)  # the host knows the length: no device sync
+        return freqs[layout.position_ids]

@@ -12,7 +12,7 @@ the global batch's token count, so the loss and gradients equal non-pipelined tr
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from megatron.core import parallel_state
@@ -58,18 +58,23 @@ def forward_backward_elastic(
     p2p_communicator: P2PCommunicator | None = None,
     pg_collection=None,
     plan: Plan,
+    layouts: Sequence[Sequence[ChunkLayout]] | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """Megatron-Core's schedule signature plus ``plan``; ``num_microbatches`` must be its chunk count.
 
     ``data_iterator`` yields one item per chunk in forward order (pipeline by pipeline); the current
-    chunk's layout (positions, packing, prefix) is set from the plan on every stage around each of its
-    forwards and backwards, in the model's chunk context (``ChunkContext.of(model)``). If the step
-    raises, the context is left with no current chunk and no kept K/V.
+    chunk's layout (positions, packing, prefix) is set on every stage around each of its forwards and
+    backwards, in the model's chunk context (``ChunkContext.of(model)``). ``layouts``
+    (``[pipeline][chunk]``, this stage's, e.g. ``prepare_step(...).layouts`` built ahead) or, if None,
+    built here from the plan. If the step raises, the context is left with no current chunk and no
+    kept K/V.
     Returns the last stage's per-chunk loss dicts.
     """
     model = model[0] if isinstance(model, list) else model
     data_iterator = data_iterator[0] if isinstance(data_iterator, list) else data_iterator
     chunks = sum(len(p.chunks) for p in plan.pipelines)
+    if layouts is not None and [len(p) for p in layouts] != [len(p.chunks) for p in plan.pipelines]:
+        raise ValueError("layouts do not match the plan's pipelines and chunks")
     if num_microbatches != chunks:
         raise ValueError(f"num_microbatches={num_microbatches} but the plan has {chunks} chunks")
     pp_group = parallel_state.get_pipeline_model_parallel_group()
@@ -84,7 +89,8 @@ def forward_backward_elastic(
     try:
         with context.step():
             for index, pipe in enumerate(plan.pipelines):
-                runner.run(pipe, on_last_backward=enable_sync if index == len(plan.pipelines) - 1 else None)
+                pipe_layouts = layouts[index] if layouts is not None else runner.build_layouts(pipe)
+                runner.run(pipe, pipe_layouts, on_last_backward=enable_sync if index == len(plan.pipelines) - 1 else None)
     finally:
         enable_sync()
     if forward_only:
@@ -114,12 +120,12 @@ class _StageRunner:
     def shape(self, pipe: Pipeline, pos: int) -> list[tuple[int, int, int]]:
         return [(pipe.chunks[pos].num_tokens, 1, self.config.hidden_size)]
 
-    def run(self, pipe: Pipeline, on_last_backward: Callable[[], None] | None) -> None:
+    def build_layouts(self, pipe: Pipeline) -> list[ChunkLayout]:
+        return [ChunkLayout.build(c, self.plan.seq_lengths, self.device, recompute=count)
+                for c, count in zip(pipe.chunks, pipe.recompute[self.stage])]
+
+    def run(self, pipe: Pipeline, layouts: Sequence[ChunkLayout], on_last_backward: Callable[[], None] | None) -> None:
         ops = [op for op in stage_ops(pipe, self.stage, self.plan.num_stages) if not (self.forward_only and op.kind == "B")]
-        layouts = [
-            ChunkLayout.build(c, self.plan.seq_lengths, self.device, recompute=count)
-            for c, count in zip(pipe.chunks, pipe.recompute[self.stage])
-        ]
         saved: dict[int, tuple[Any, Any]] = {}
         last_backward = max((i for i, op in enumerate(ops) if op.kind == "B"), default=None)
         # Each op receives its input just before it runs and sends its result right after, fused with

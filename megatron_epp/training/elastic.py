@@ -21,7 +21,7 @@ from megatron_epp.cost.profiles import load_profile
 from megatron_epp.data.documents import DocumentDataset, split_ranges
 from megatron_epp.data.mock_documents import MockDocuments, lognormal_lengths
 from megatron_epp.data.sequence_sampler import SequenceSampler
-from megatron_epp.executor.batches import chunk_batches, elastic_gpt_forward_step
+from megatron_epp.executor.batches import elastic_gpt_forward_step, prepare_step
 from megatron_epp.executor.context import ChunkContext
 from megatron_epp.executor.memory_tracker import ActivationMemoryTracker
 from megatron_epp.executor.schedule import forward_backward_elastic
@@ -77,8 +77,11 @@ def _share_plan(plan: Plan | None, timing: tuple[float, float] | None) -> tuple[
 class ElasticTrainStep:
     """A ``training.loop.StepFunction`` over a sequence sampler: plan, broadcast, run; keeps the last step's metrics.
 
-    The first rank of each model replica plans; the plan for the next global batch is computed in a
-    background thread while this one trains (the summary says whether planning was hidden).
+    The first rank of each model replica plans, in a background thread, one global batch ahead. As
+    soon as a step's schedule is done, the next step's plan is shared with every rank of the replica
+    and each rank builds its inputs for it (:func:`prepare_step`: chunk layouts and batches) in a
+    second background thread, while the optimizer steps: the schedule then finds them ready (the
+    summary says whether planning was hidden).
     """
 
     def __init__(self, args: argparse.Namespace, runtime: Runtime, model, sampler, consumed: int, build: PlanBuilder) -> None:
@@ -86,7 +89,9 @@ class ElasticTrainStep:
         self.batches = sampler.iterate(consumed)
         self.plans_here = ps.get_model_parallel_group().rank() == 0
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epp-planner") if self.plans_here else None
+        self.preparer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epp-prepare")
         self.pending: tuple[Any, Future | None] | None = None
+        self.ready: Future | None = None  # the next step's (batch, plan, planning timing, StepInputs)
         self.last_metrics: ElasticMetrics | None = None
         self.last_plan: Plan | None = None
 
@@ -120,21 +125,32 @@ class ElasticTrainStep:
             timing = (plan_ms, (time.perf_counter() - t0) * 1000)
         return (batch, *_share_plan(plan, timing))
 
+    def _prefetch(self) -> None:
+        """Share the next step's plan now (a collective of the replica) and build its inputs in the background."""
+        batch, plan, timing = self._next_planned()
+        self.ready = self.preparer.submit(self._prepare, batch, plan, timing)
+
+    def _prepare(self, batch, plan: Plan, timing):
+        tensors = [(torch.from_numpy(s.tokens), torch.from_numpy(s.labels)) for s in batch.sequences(self.runtime.dp_rank)]
+        return batch, plan, timing, prepare_step(plan, self.runtime.pp_rank, tensors, self.runtime.device)
+
     def __call__(self, forward_only: bool) -> tuple[list[dict[str, torch.Tensor]], int]:
-        batch, plan, (planning_ms, waited_ms) = self._next_planned()
-        sequences = batch.sequences(self.runtime.dp_rank)
-        tensors = [(torch.from_numpy(s.tokens), torch.from_numpy(s.labels)) for s in sequences]
+        if self.ready is None:
+            self._prefetch()
+        batch, plan, (planning_ms, waited_ms), inputs = self.ready.result()
         t1 = time.perf_counter()
         with ActivationMemoryTracker(self.runtime.device, ChunkContext.of(self.model)) if not forward_only else contextlib.nullcontext() as memory:
             losses = forward_backward_elastic(
                 forward_step_func=elastic_gpt_forward_step,
-                data_iterator=chunk_batches(plan, tensors, self.runtime.device),
+                data_iterator=iter(inputs.batches),
                 model=[self.model],
                 num_microbatches=sum(len(p.chunks) for p in plan.pipelines),
                 forward_only=forward_only,
                 plan=plan,
+                layouts=inputs.layouts,
             )
         run_ms = (time.perf_counter() - t1) * 1000
+        self._prefetch()
         self.last_plan = plan
         self.last_metrics = ElasticMetrics(
             plan.summary(), plan.chunk_counts(), len(plan.pipelines), plan.recomputed_layers(), planning_ms, waited_ms,
