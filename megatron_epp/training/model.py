@@ -56,6 +56,9 @@ def transformer_config(args: argparse.Namespace, runtime: Runtime) -> Transforme
         masked_softmax_fusion=runtime.device.type == "cuda",
         gradient_accumulation_fusion=False,
         deallocate_pipeline_outputs=True,
+        # Megatron's batch_p2p_sync calls torch.cuda.synchronize() after every batched p2p (a guard
+        # for a batch_isend_irecv race fixed in PyTorch long ago): a device sync per chunk and stage.
+        batch_p2p_sync=False,
     )
 
 
