@@ -131,6 +131,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "num_sequences": int(len(lengths)),
         "num_tokens": int(lengths.sum()),
         "solve_ms": max(i.solve_ms for i in info),
+        "chosen": sorted({i.chosen or plans[0].builder for i in info}),  # whose plan won (elastic: EPP's own or a baseline's)
         "num_chunks": {k: sum(i.num_chunks[k] for i in info) for k in info[0].num_chunks},
         "num_pipelines": sum(i.num_pipelines for i in info),
         "recomputed_layers": sum(i.recomputed_layers for i in info),
@@ -159,7 +160,7 @@ def print_table(s: dict) -> None:
     out(f"EPP plan: {s['num_sequences']} sequences, {s['num_tokens']} tokens, model {s['model']} ({s['profile_source']} profile, {s['device']}), "
         f"P={s['stages']} TP={s['tp']} DP={s['dp']}, network {s['network']}\n")
     c = s["num_chunks"]
-    out(f"  solve {s['solve_ms']:.1f} ms; chunks batched={c['batched']} split={c['split']} hybrid={c['hybrid']}; pipelines {s['num_pipelines']}; "
+    out(f"  solve {s['solve_ms']:.1f} ms; plan of {'+'.join(s['chosen'])}; chunks batched={c['batched']} split={c['split']} hybrid={c['hybrid']}; pipelines {s['num_pipelines']}; "
         f"recomputed layers {s['recomputed_layers']} (MIP gap {s['mip_gap']:.2%})\n")
     out(f"  predicted step {s['predicted_step_ms']:.1f} ms, bound {s['bound_step_ms']:.1f} ms, bubble {s['bubble_ratio']:.1%}, recompute {s['recompute_ms']:.1f} ms\n")
     out("  peak memory GB per stage: " + " ".join(f"{g:.1f}" for g in s["peak_memory_gb"]) + f" (budget {s['memory_budget_gb']:.0f})\n")
