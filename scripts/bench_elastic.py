@@ -1,165 +1,624 @@
 #!/usr/bin/env python3
-"""Side-by-side: ``--epp-plan elastic`` vs ``megatron`` vs ``seq1f1b`` on the same batches of real lengths.
+"""EPP against Megatron packing and Seq1F1B in the regime EPP is for: long, skewed documents where memory binds.
 
-Runs ``pretrain_gpt.py --elastic-pp`` under torchrun at pp=2 (CPU/gloo, one thread per rank; the
-test model's shape: 4 layers, hidden 64, 4 heads, context cap ``--seq-length`` 1024, 16 documents per
-global batch), once per plan builder and repeat, all at the same memory budget and on the same
-document stream (same data, same seed: step ``i`` trains the same documents under every builder).
-Data sets:
+Every builder runs as its users run it, through ``pretrain_gpt.py --elastic-pp`` under torchrun at pp=2
+(CPU/gloo, one rank per core, ``OMP_NUM_THREADS=1``); model 4 layers (2 per stage), hidden 128, 4 heads,
+FFN 512, byte tokens (vocabulary 257); context cap ``--seq-length`` 8192:
 
-* ``stdlib``: the Python standard library's sources (byte tokens, one file per document); files
-  longer than the cap are truncated to it (``--epp-truncate-documents``);
-* ``wiki``: documents whose lengths are drawn (seeded, with replacement) from
-  ``shared/datasets/wikipedia_lengths.txt.gz``; ``--wiki-mode clip`` (default) keeps the tokenized
-  lengths and clips them to the cap (short documents keep their real size; 21 % of documents hit a
-  cap of 1024), ``--wiki-mode scale`` multiplies them by cap / 128K first (the shape of the length
-  distribution relative to a 128K context; most documents become a few tokens). Tokens are random
-  bytes, written once as an indexed dataset under ``data_cache/bench/``.
+* ``megatron`` (``--epp-plan megatron``): whole documents packed into ``--seq-length``-token
+  micro-batches, one 1F1B pipeline, the same number of recomputed layers for every micro-batch, as
+  many as the budget needs;
+* ``seq1f1b`` (``--epp-plan seq1f1b --epp-max-slices k``), ``k`` fixed per run, each of ``--seq1f1b-k``
+  (default 2, 4, 8) in the first repeat; its best ``k`` (lowest ratio to EPP in that repeat) is the one
+  reported and the only one run in later repeats (all three in every repeat would add a third to the time);
+* ``elastic`` (``--epp-plan elastic``): EPP's planner, adaptive per-chunk recompute.
 
-Per builder it prints the plan (median chunks by kind, pipelines, recomputed layers, predicted ms),
-the medians of the iteration time (whole step: waiting for the plan, pipeline, optimizer), of the
-pipeline time (``measured ms``: ``forward_backward_elastic``) and of the measured peak activation
-memory per stage, and the ratios baseline / elastic (> 1: elastic is faster / uses less memory):
-per step over the same batch, median over steps. Each step's time is the median over repeats; the
-first step of every run is warm-up and dropped.
+Data sets; step ``i`` trains the same documents under every builder and repeat (same data, same seed),
+checked by every run's tokens per step against the batches the script planned in-process:
 
-    python scripts/bench_elastic.py [--quick] [--repeats 3] [--iters 6] [--epp-memory-budget 0.05]
+* ``stdlib``: the Python standard library's sources (``ensure_stdlib_corpus``, byte tokens), 2 files per
+  step, files longer than the cap trained on their first ``--seq-length`` tokens
+  (``--epp-truncate-documents``);
+* ``wiki``: random-byte documents whose lengths are drawn (seeded, with replacement) from
+  ``wikipedia_lengths.txt.gz``, 8 per step; each step's drawn pool is scaled by cap / (its longest
+  length), so every step's longest document reaches the cap and the skew inside a step is Wikipedia's.
+  Per step, not one scale for the whole run: with one scale only the run's one or two longest documents
+  come near the cap, and memory would bind on one step in six (the per-step ratio's median would then
+  measure steps where it does not). The scales are printed and in the JSON (``wiki_step_scales``);
+* ``wiki-nobind``: the same batches as ``wiki`` at a budget where memory does not bind (below).
+
+Memory budget (``--epp-memory-budget``, GB per stage: model states + activations, as the planner counts
+it), chosen from the planner itself, in-process: the planner is deterministic and torch-free, the
+batches come from the run's own sampler and are planned with the run's cost model and planner config,
+as ``megatron_epp.tools.calibration.reconstruct_plans`` rebuilds them. For ``stdlib`` and ``wiki``: the
+smallest budget on a 1/1024 GB grid (bisection) at which EPP's plans need no recompute on any step and
+every builder passes ``pretrain_gpt.py``'s start-up check; printed with the recomputed layers per step of
+every builder there and one grid step below (where EPP recomputes or cannot plan), and whether Megatron
+packing recomputes there (memory binds for it on at least one step). For ``wiki-nobind``: the smallest
+budget at which no builder recomputes on any step, doubled until doubling it again changes no EPP plan
+(memory shapes no plan). ``--epp-memory-budget`` / ``--nobind-memory-budget`` override the choice; the
+same facts are printed at the given value.
+
+Measurement: ``--repeats`` (3) rounds per data set, builder order rotated by one per round to spread
+drift; each run trains one warm-up step (dropped) and ``--iters`` (5) measured steps. A step's time is
+the median over repeats of its pipeline ms (``measured ms`` of the log: ``forward_backward_elastic`` on
+the last stage); ratio = baseline step time / EPP step time, per step, median over steps (> 1: EPP
+faster). Noise floor: EPP against itself, the median over steps and over every pair of EPP's repeats of
+``|t_r / t_r' - 1|`` (needs 2 repeats; a ratio within 1 +- noise is a tie). Per builder the report gives
+the plan (chunks by kind, pipelines, recomputed layers per step), predicted (the planner's, in the
+profiling machine's ms) vs measured pipeline ms, iteration ms, and the measured peak activation memory
+per stage beside its prediction.
+
+Simulated beside measured: the same ratios from the planner's predicted step times of the same plans
+(rebuilt in-process, no torch), so that where a goal is missed the output shows whether the cost model
+agrees. Goals, printed next to the figures, not tuned toward: where memory binds, EPP <= 0.60x
+Megatron's step time (ratio >= 1.67) and <= 0.85x Seq1F1B's at its best k (ratio >= 1.18); where it
+does not, EPP >= 0.97x the better baseline's speed (the smaller ratio >= 0.97) and no loss to packing
+beyond noise.
+
+The last line is one JSON object: per data set ``{"megatron": r, "seq1f1b": r, "seq1f1b_k": k, "noise": n,
+"budget_gb": b, "megatron_recompute_steps": m, "simulated": {"megatron": r, "seq1f1b": r, "seq1f1b_k": k}}``
+(null where a builder did not run) and ``"config"``. Duration on 2 idle cores, estimated from the
+planner's predictions and this machine's measured layer speed (not timed end to end): about 20-25
+minutes with the defaults (33 runs of ~14 s start-up plus their steps); ``--quick`` (1 repeat, 2 steps,
+cap 2048, k = 4 only; 9 runs): about 3 minutes. ``--simulate-only``: budgets and simulated ratios, no
+training (under a minute).
+
+    python scripts/bench_elastic.py [--quick] [--simulate-only] [--datasets stdlib,wiki,wiki-nobind]
+        [--repeats 3] [--iters 5] [--seq-length 8192] [--seq1f1b-k 2,4,8] [--epp-memory-budget GB]
+        [--nobind-memory-budget GB]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
+import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Sequence
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_epp.tools.calibration import REPO, run_pretrain  # noqa: E402
+from megatron_epp.cost.model import CostModel  # noqa: E402
+from megatron_epp.plan import Plan, PlanInfeasible  # noqa: E402
+from megatron_epp.planner.builders import plan_batch  # noqa: E402
+from megatron_epp.planner.config import PlannerConfig  # noqa: E402
+from megatron_epp.training.metrics import StepMetrics  # noqa: E402
 
-BUILDERS = ("elastic", "megatron", "seq1f1b")
+REPO = Path(__file__).resolve().parents[1]
+DATASETS = ("stdlib", "wiki", "wiki-nobind")
+BINDS = {"stdlib": True, "wiki": True, "wiki-nobind": False}
+GRID_GB = 1 / 1024  # budget resolution: exact in binary, so the printed value is the one planned
+MAX_BUDGET_GB = 4096.0
+# goals, as ratios baseline / EPP: EPP <= 0.60x Megatron and <= 0.85x Seq1F1B where memory binds
+GOAL_BIND = {"megatron": 1 / 0.60, "seq1f1b": 1 / 0.85}
+GOAL_NOBIND = 0.97  # EPP >= 0.97x the better baseline's speed: min(ratios) >= 0.97
 
 
-def wiki_dataset(mode: str, cap: int, num_docs: int = 4096, seed: int = 0) -> str:
-    """Indexed dataset of random-byte documents with Wikipedia lengths (clipped or scaled to ``cap``)."""
+def fail(message: str) -> None:
+    raise SystemExit(f"bench_elastic.py: error: {message}")
+
+
+@dataclass(frozen=True)
+class Builder:
+    """One ``--epp-plan`` builder as its users run it (Seq1F1B with its fixed ``k``)."""
+
+    plan: str  # elastic | megatron | seq1f1b
+    k: int | None = None
+
+    @property
+    def name(self) -> str:
+        return f"seq1f1b-k{self.k}" if self.k else self.plan
+
+    def flags(self) -> list[str]:
+        return ["--epp-plan", self.plan] + (["--epp-max-slices", str(self.k)] if self.k else [])
+
+    def config(self, base: PlannerConfig, budget_gb: float) -> PlannerConfig:
+        """``base`` (the run's planner config) for this builder at ``budget_gb``: what its run plans with."""
+        return dataclasses.replace(base, builder=self.plan, memory_gb=budget_gb, max_slices=self.k or base.max_slices)
+
+
+EPP = Builder("elastic")
+
+
+def builders(ks: Sequence[int]) -> list[Builder]:
+    return [EPP, Builder("megatron"), *(Builder("seq1f1b", k) for k in ks)]
+
+
+# --------------------------------------------------------------------------------------------- planning
+def plan_steps(builder: Builder, batches: Sequence[Sequence[int]], cost_model: CostModel, base: PlannerConfig,
+               budget_gb: float) -> list[Plan] | None:
+    """The plans ``builder``'s run makes for ``batches`` at ``budget_gb``, or None if it cannot run there:
+    its start-up check fails (``training.elastic.check_memory_budget``: a full batch of ``--seq-length``
+    documents must be plannable) or a step cannot be planned."""
+    config = builder.config(base, budget_gb)
+    try:
+        plan_batch([config.max_seq_len] * len(batches[0]), cost_model, config)
+        return [plan_batch(list(b), cost_model, config) for b in batches]
+    except PlanInfeasible:
+        return None
+
+
+def recomputed(plans: Sequence[Plan] | None) -> list[int] | None:
+    return None if plans is None else [p.recomputed_layers() for p in plans]
+
+
+def plan_shape(plan: Plan) -> tuple:
+    """What a plan runs (chunks, pipelines, recompute), without its statistics."""
+    return tuple((tuple((c.kind, tuple((s.seq, s.start, s.length) for s in c.segments)) for c in p.chunks),
+                  tuple(map(tuple, p.recompute))) for p in plan.pipelines)
+
+
+def smallest_budget(ok: Callable[[float], bool], what: str) -> tuple[float, float]:
+    """The smallest budget on the :data:`GRID_GB` grid at which ``ok`` holds (bisection: ``ok`` is
+    monotone in the budget for these conditions in practice; the result is checked by the caller),
+    and the grid point below it."""
+    hi = 64
+    while not ok(hi * GRID_GB):
+        hi *= 2
+        if hi * GRID_GB > MAX_BUDGET_GB:
+            fail(f"no budget up to {MAX_BUDGET_GB:.0f} GB per stage {what}")
+    lo = 0  # a budget of 0 never holds anything
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if ok(mid * GRID_GB) else (mid, hi)
+    return hi * GRID_GB, lo * GRID_GB
+
+
+@dataclass
+class BudgetChoice:
+    """The budget of a data set and the facts that justify it (recomputed layers per step, None: cannot run)."""
+
+    budget_gb: float
+    chosen: str  # how it was chosen
+    plans: dict[Builder, list[Plan] | None]  # every builder's plans at budget_gb, per step (None: cannot run)
+    below_gb: float | None = None  # the grid point below the chosen budget (searched budgets only)
+    recompute_below: dict[str, list[int] | None] | None = None
+
+    @property
+    def recompute(self) -> dict[str, list[int] | None]:
+        return {b.name: recomputed(p) for b, p in self.plans.items()}
+
+    def lines(self, binds: bool) -> list[str]:
+        out = [f"budget {self.budget_gb:.4f} GB per stage ({self.chosen})"]
+        if self.below_gb is not None:
+            below = ", ".join(f"{b} {fmt_layers(r)}" for b, r in self.recompute_below.items())
+            out.append(f"  at {self.below_gb:.4f} GB (one grid step below) recomputed layers per step: {below}")
+        out.append("  at the budget, recomputed layers per step: "
+                   + ", ".join(f"{b} {fmt_layers(r)}" for b, r in self.recompute.items()))
+        epp, meg = self.recompute.get(EPP.name), self.recompute.get("megatron")
+        if binds:
+            out.append(f"  EPP needs no recompute: {'yes' if epp is not None and not any(epp) else 'NO'}; Megatron packing "
+                       f"recomputes on {sum(1 for r in meg or [] if r)} of {len(meg or [])} steps (warm-up included)"
+                       + ("" if meg and any(meg) else " -- memory does NOT bind for Megatron here"))
+        else:
+            anything = [b for b, r in self.recompute.items() if r is None or any(r)]
+            out.append("  nothing recomputes for any builder: " + ("yes" if not anything else f"NO ({', '.join(anything)})"))
+        return out
+
+
+def fmt_layers(r: list[int] | None) -> str:
+    return "cannot run" if r is None else "[" + ",".join(map(str, r)) + "]"
+
+
+def choose_bind_budget(specs: Sequence[Builder], batches, cost_model: CostModel, base: PlannerConfig) -> BudgetChoice:
+    """Smallest grid budget at which EPP's plans need no recompute and every builder can run."""
+
+    def ok(b: float) -> bool:
+        epp = recomputed(plan_steps(EPP, batches, cost_model, base, b))
+        return epp is not None and not any(epp) and all(plan_steps(s, batches, cost_model, base, b) is not None for s in specs)
+
+    budget, below = smallest_budget(ok, "lets EPP plan these batches without recompute")
+    return BudgetChoice(budget, "smallest at which EPP's plans need no recompute and every builder can run",
+                        all_plans(specs, batches, cost_model, base, budget), below,
+                        {b.name: recomputed(p) for b, p in all_plans(specs, batches, cost_model, base, below).items()})
+
+
+def choose_nobind_budget(specs: Sequence[Builder], batches, cost_model: CostModel, base: PlannerConfig) -> BudgetChoice:
+    """Smallest grid budget at which no builder recomputes, doubled until EPP's plans no longer change
+    when it doubles again: memory then shapes no plan."""
+
+    def ok(b: float) -> bool:
+        return all((r := recomputed(plan_steps(s, batches, cost_model, base, b))) is not None and not any(r) for s in specs)
+
+    budget, _ = smallest_budget(ok, "lets every builder plan without recompute")
+    shapes = [list(map(plan_shape, plan_steps(EPP, batches, cost_model, base, budget * 2**i))) for i in range(2)]
+    while shapes[0] != shapes[1]:
+        budget *= 2
+        if budget > MAX_BUDGET_GB:
+            fail(f"EPP's plans still change with the budget at {MAX_BUDGET_GB:.0f} GB per stage")
+        shapes = [shapes[1], list(map(plan_shape, plan_steps(EPP, batches, cost_model, base, budget * 2)))]
+    return BudgetChoice(budget, "no builder recomputes and doubling it changes no EPP plan",
+                        all_plans(specs, batches, cost_model, base, budget))
+
+
+def all_plans(specs: Sequence[Builder], batches, cost_model: CostModel, base: PlannerConfig, budget_gb: float) -> dict[Builder, list[Plan] | None]:
+    return {s: plan_steps(s, batches, cost_model, base, budget_gb) for s in specs}
+
+
+# --------------------------------------------------------------------------------------------- statistics
+def step_matrix(runs: Sequence[Sequence[StepMetrics]], value: Callable[[StepMetrics], float]) -> np.ndarray:
+    """``(repeat, step)`` values of the measured steps of every repeat (cut to the shortest run)."""
+    n = min(len(r) for r in runs)
+    return np.array([[value(s) for s in r[:n]] for r in runs], dtype=float)
+
+
+def pipe_ms(s: StepMetrics) -> float:
+    return s.elastic.measured_ms
+
+
+def step_ratios(base: np.ndarray, epp: np.ndarray) -> np.ndarray:
+    """Per step, baseline step time / EPP step time, a step's time being its median over repeats
+    (both ``(repeat, step)``, cut to the common steps)."""
+    n = min(base.shape[1], epp.shape[1])
+    return np.median(base[:, :n], 0) / np.median(epp[:, :n], 0)
+
+
+def paired_ratio(base: np.ndarray, epp: np.ndarray) -> float:
+    """The reported ratio: the median over steps of :func:`step_ratios`."""
+    return float(np.median(step_ratios(base, epp)))
+
+
+def noise_floor(epp: np.ndarray) -> float | None:
+    """Median over steps and pairs of repeats of ``|t_r / t_r' - 1|`` (EPP against itself); None with one repeat."""
+    pairs = list(itertools.combinations(range(epp.shape[0]), 2))
+    if not pairs:
+        return None
+    return float(np.median([abs(epp[r, i] / epp[q, i] - 1) for r, q in pairs for i in range(epp.shape[1])]))
+
+
+def first_repeat_best(measured: dict[Builder, list[list[StepMetrics]]]) -> Builder | None:
+    """Seq1F1B's best k: the builder with the lowest ratio to EPP in the first repeat (where every k
+    runs; later repeats run only this one), or None."""
+    if not measured.get(EPP):
+        return None
+    epp = step_matrix(measured[EPP][:1], pipe_ms)
+    ratios = {b: paired_ratio(step_matrix(runs[:1], pipe_ms), epp) for b, runs in measured.items() if b.plan == "seq1f1b" and runs}
+    return min(ratios, key=ratios.get) if ratios else None
+
+
+def summarize(measured: dict[Builder, list[list[StepMetrics]]], predicted: dict[Builder, list[float]], choice: BudgetChoice) -> dict:
+    """One data set's JSON entry: the measured ratios (null where a builder did not run; Seq1F1B at
+    its best k, over all its repeats), the noise floor, the budget, on how many measured steps
+    Megatron's plan recomputes, and the simulated ratios of the same plans (``predicted``: each
+    builder's predicted ms per measured step; Seq1F1B at the k the simulator finds best)."""
+    meg = choice.recompute.get("megatron")
+    out: dict = {"megatron": None, "seq1f1b": None, "seq1f1b_k": None, "noise": None, "budget_gb": choice.budget_gb,
+                 "megatron_recompute_steps": None if meg is None else sum(1 for r in meg[1:] if r)}
+    if measured.get(EPP):
+        epp = step_matrix(measured[EPP], pipe_ms)
+        out["noise"] = noise_floor(epp)
+        out["megatron"] = next((paired_ratio(step_matrix(r, pipe_ms), epp) for b, r in measured.items() if b.plan == "megatron" and r), None)
+        best = first_repeat_best(measured)
+        if best is not None:
+            out["seq1f1b"], out["seq1f1b_k"] = paired_ratio(step_matrix(measured[best], pipe_ms), epp), best.k
+    sim: dict = {"megatron": None, "seq1f1b": None, "seq1f1b_k": None}
+    if predicted.get(EPP):
+        epp = np.array([predicted[EPP]])
+        ratios = {b: paired_ratio(np.array([p]), epp) for b, p in predicted.items() if b != EPP}
+        sim["megatron"] = next((r for b, r in ratios.items() if b.plan == "megatron"), None)
+        seq = {b.k: r for b, r in ratios.items() if b.plan == "seq1f1b"}
+        if seq:
+            sim["seq1f1b_k"] = min(seq, key=seq.get)
+            sim["seq1f1b"] = seq[sim["seq1f1b_k"]]
+    out["simulated"] = sim
+    return out
+
+
+def show(r: float | None) -> str:
+    return "n/a" if r is None else f"{r:.2f}"
+
+
+def goal_lines(entry: dict, binds: bool) -> list[str]:
+    """The goals beside the measured and simulated ratios of one data set."""
+    sim, noise = entry["simulated"], entry["noise"]
+    ran = any(entry[k] is not None for k in GOAL_BIND)
+    tie = "" if not ran else " (1 repeat: no noise floor)" if noise is None else f" (noise floor {noise:.3f})"
+    if binds:
+        out = []
+        for key, goal in GOAL_BIND.items():
+            k = f" (measured k={entry['seq1f1b_k']}, simulated k={sim['seq1f1b_k']})" if key == "seq1f1b" else ""
+            met = "n/a" if entry[key] is None else ("met" if entry[key] >= goal else "NOT met")
+            out.append(f"  {key:8s} measured {show(entry[key])}{tie}, simulated {show(sim[key])}{k} | goal >= {goal:.2f} "
+                       f"(EPP <= {1 / goal:.2f}x its time): {met}")
+        return out
+    both, sim_both = [entry[k] for k in GOAL_BIND], [sim[k] for k in GOAL_BIND]
+    worst = None if None in both else min(both)
+    met = "n/a" if worst is None else ("met" if worst >= GOAL_NOBIND else "NOT met")
+    out = [f"  better baseline measured {show(worst)}{tie}, simulated {show(None if None in sim_both else min(sim_both))} | "
+           f"goal >= {GOAL_NOBIND:.2f} (EPP >= {GOAL_NOBIND:.2f}x its speed): {met}"]
+    if entry["megatron"] is not None and noise is not None:
+        lost = entry["megatron"] < 1 - noise
+        out.append(f"  megatron measured {entry['megatron']:.2f}: " + ("EPP LOSES to packing beyond noise" if lost else "no loss to packing beyond noise"))
+    return out
+
+
+def builder_lines(b: Builder, runs: list[list[StepMetrics]], predicted: list[float] | None, epp: np.ndarray | None) -> list[str]:
+    """One builder's plan, predicted vs measured ms, iteration ms, activation memory and per-step ratios."""
+    first = runs[0]
+    kinds = {k: np.median([s.elastic.num_chunks[k] for s in first]) for k in ("batched", "split", "hybrid")}
+    pipe = step_matrix(runs, pipe_ms)
+    iters = step_matrix(runs, lambda s: s.iter_ms)
+    logged = np.median([s.elastic.predicted_step_ms for s in first])
+    meas_mb = np.max([s.elastic.measured_activation_bytes for r in runs for s in r], axis=0) / 2**20
+    pred_mb = np.max([s.elastic.predicted_activation_bytes for s in first], axis=0) / 2**20
+    mem = ", ".join(f"{m:.1f}/{p:.1f}" for m, p in zip(meas_mb, pred_mb))
+    ratios = "" if epp is None or b == EPP else " | per step vs EPP " + " ".join(f"{r:.2f}" for r in step_ratios(pipe, epp))
+    in_process = "" if not predicted else f" (plans rebuilt in-process: {np.median(predicted):.0f})"
+    return [f"  {b.name:12s} {len(runs)} repeat(s); plan: {sum(kinds.values()):.0f} chunks (batched {kinds['batched']:.0f}, "
+            f"split {kinds['split']:.0f}, hybrid {kinds['hybrid']:.0f}), {np.median([s.elastic.num_pipelines for s in first]):.0f} "
+            f"pipeline(s), recomputed layers per step {fmt_layers([s.elastic.recomputed_layers for s in first])}",
+            f"  {'':12s} predicted ms {logged:.0f}{in_process} | measured (pipeline) ms {np.median(np.median(pipe, 0)):.0f} | "
+            f"iteration ms {np.median(np.median(iters, 0)):.0f} | act MB per stage measured/predicted {mem}{ratios}"]
+
+
+def report(name: str, measured: dict[Builder, list[list[StepMetrics]]], predicted: dict[Builder, list[float]],
+           choice: BudgetChoice, failed: dict[Builder, str], out: Callable[[str], None] = print) -> dict:
+    """Print one data set's results (per builder, then ratios and goals) and return its JSON entry."""
+    entry = summarize(measured, predicted, choice)
+    out(f"\n== {name}: budget {choice.budget_gb:.4f} GB per stage; ms: medians per step (a step's time: median over repeats); "
+        "act MB: peak over steps")
+    epp = step_matrix(measured[EPP], pipe_ms) if measured.get(EPP) else None
+    for b, runs in measured.items():
+        for line in builder_lines(b, runs, predicted.get(b), epp):
+            out(line)
+        differ = sum(s.elastic.plan != p.summary() for s, p in zip(runs[0], choice.plans[b][1:]))
+        if differ:
+            out(f"  {'':12s} {differ} of {len(runs[0])} logged plans differ from the in-process ones (the simulated ratios "
+                "are about the in-process plans)")
+    for b, why in failed.items():
+        out(f"  {b.name:12s} did not run: {why}")
+    out(f"  ratios baseline / EPP (pipeline ms; median over steps of the per-step ratio; > 1: EPP faster); Megatron's plan "
+        f"recomputes on {entry['megatron_recompute_steps']} of the measured steps; simulated: the planner's predicted ms of the same plans")
+    for line in goal_lines(entry, BINDS[name]):
+        out(line)
+    return entry
+
+
+def report_all(results: dict[str, tuple[BudgetChoice, dict, dict, dict]], config: dict, out: Callable[[str], None] = print) -> None:
+    """Every data set's report (``results``: name -> (budget choice, predicted ms, measured runs, failed
+    builders)), the goals, and last the JSON line."""
+    entries = {name: report(name, measured, predicted, choice, failed, out) for name, (choice, predicted, measured, failed) in results.items()}
+    out(f"\n{config['elapsed_s']} s; load average {config['load_average_end']:.2f} at the end. Goals: EPP <= 0.60x Megatron and "
+        "<= 0.85x Seq1F1B (best k) where memory binds; >= 0.97x the better baseline where it does not.")
+    out(json.dumps({**entries, "config": config}))
+
+
+# --------------------------------------------------------------------------------------------- data
+def wiki_lengths(cap: int, gbs: int, steps: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Training lengths, by document index, of ``steps`` global batches of ``gbs`` documents drawn from
+    the Wikipedia sample, each batch scaled by cap / (its longest drawn length); and those scales.
+    Document ``i`` is placed where ``pretrain_gpt.py``'s sampler (seed ``seed``) takes it for its batch."""
+    from megatron_epp.data.mock_documents import WIKIPEDIA_LENGTHS, MockDocuments, lengths_from_file
+    from megatron_epp.data.sequence_sampler import SequenceSampler
+
+    if not Path(WIKIPEDIA_LENGTHS).is_file():
+        fail(f"{WIKIPEDIA_LENGTHS} not found (set EPP_SHARED_DIR to the directory holding datasets/)")
+    n = gbs * steps
+    raw = lengths_from_file(WIKIPEDIA_LENGTHS, n, seed).reshape(steps, gbs)
+    scales = cap / raw.max(axis=1)
+    scaled = np.clip(np.rint(raw * scales[:, None]), 1, cap).astype(np.int64)
+    # the run's sampler takes its batches in a seeded order: it gives the same order for any n trainable documents
+    order = SequenceSampler(MockDocuments(np.full(n, 2), 257), gbs, cap, seed=seed).stream(0, n)
+    lengths = np.empty(n, dtype=np.int64)
+    lengths[order] = scaled.ravel()
+    return lengths, scales
+
+
+def wiki_dataset(cap: int, gbs: int, steps: int, seed: int) -> str:
+    """An indexed dataset of random-byte documents with :func:`wiki_lengths` (cached under ``data_cache/bench``)."""
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, get_idx_path
-    from megatron_epp.data.mock_documents import WIKIPEDIA_LENGTHS, lengths_from_file
 
-    prefix = REPO / "data_cache" / "bench" / f"wiki_{mode}_{cap}_{num_docs}_{seed}"
-    if Path(get_idx_path(str(prefix))).exists():
-        return str(prefix)
-    prefix.parent.mkdir(parents=True, exist_ok=True)
-    scale = 1.0 if mode == "clip" else cap / 131072
-    # +1: a document of n + 1 tokens trains as n tokens (inputs/labels shifted by one)
-    lengths = lengths_from_file(WIKIPEDIA_LENGTHS, num_docs, seed, scale=scale, max_length=cap + 1)
-    rng = np.random.default_rng(seed)
-    builder = IndexedDatasetBuilder(get_bin_path(str(prefix)), dtype=DType.optimal_dtype(257))
-    for n in lengths:
-        ids = rng.integers(0, 256, size=int(n), dtype=np.int64)
-        builder.add_document(ids, [ids.size])
-    builder.finalize(get_idx_path(str(prefix)))
+    prefix = REPO / "data_cache" / "bench" / f"wiki_per_step_{cap}_{gbs}x{steps}_{seed}"
+    if not Path(get_idx_path(str(prefix))).exists():
+        lengths, _ = wiki_lengths(cap, gbs, steps, seed)
+        prefix.parent.mkdir(parents=True, exist_ok=True)
+        rng = np.random.default_rng(seed)
+        builder = IndexedDatasetBuilder(get_bin_path(str(prefix)), dtype=DType.optimal_dtype(257))
+        for n in lengths:
+            ids = rng.integers(0, 256, size=int(n) + 1, dtype=np.int64)  # n + 1 tokens train as n (labels shifted)
+            builder.add_document(ids, [ids.size])
+        builder.finalize(get_idx_path(str(prefix)))
     return str(prefix)
 
 
-def data_flags(name: str, args) -> list[str]:
+def run_argv(args, name: str) -> list[str]:
+    """``pretrain_gpt.py`` flags of data set ``name``, without budget and builder."""
     if name == "stdlib":
         from megatron_epp.data.stdlib_corpus import ensure_stdlib_corpus
 
-        path = ensure_stdlib_corpus(progress=False)
-        return ["--data-path", path, "--tokenizer", "byte", "--split", "1,0,0", "--epp-truncate-documents"]
-    return ["--data-path", wiki_dataset(args.wiki_mode, args.seq_length), "--tokenizer", "byte", "--split", "1,0,0"]
+        data = ["--data-path", ensure_stdlib_corpus(progress=False), "--epp-truncate-documents"]
+        gbs = args.stdlib_global_batch_size
+    else:
+        data = ["--data-path", wiki_dataset(args.seq_length, args.wiki_global_batch_size, args.iters + 1, args.seed)]
+        gbs = args.wiki_global_batch_size
+    return ["--elastic-pp", *data, "--tokenizer", "byte", "--split", "1,0,0", "--pipeline-model-parallel-size", "2",
+            "--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
+            "--num-attention-heads", str(args.num_attention_heads), "--seq-length", str(args.seq_length),
+            "--global-batch-size", str(gbs), "--seed", str(args.seed), "--lr", "3e-3",
+            "--train-iters", str(args.iters + 1), "--log-interval", "1"]
 
 
-def run_builder(data: list[str], builder: str, args) -> list:
-    argv = ["--elastic-pp", *data, "--pipeline-model-parallel-size", "2", "--num-layers", "4", "--hidden-size", "64",
-            "--num-attention-heads", "4", "--seq-length", str(args.seq_length), "--global-batch-size", str(args.gbs),
-            "--lr", "3e-3", "--train-iters", str(args.iters + 1), "--log-interval", "1",
-            "--epp-memory-budget", str(args.epp_memory_budget), "--epp-plan", builder]
-    if builder == "seq1f1b":
-        argv += ["--epp-max-slices", str(args.epp_max_slices)]
-    return run_pretrain(argv)[1:]  # drop the warm-up step
+def planned_batches(argv: list[str], steps: int):
+    """The lengths of the run's first ``steps`` global batches (its own sampler), the run's planner
+    config and cost model (as ``calibration.reconstruct_plans`` rebuilds them)."""
+    from megatron_epp.tools.calibration import parsed_args
+    from megatron_epp.training.arguments import ArgumentError
+    from megatron_epp.training.elastic import PlanBuilder, elastic_sampler
+
+    try:
+        args = parsed_args([*argv, "--epp-memory-budget", "1"])  # the budget is the builders' to vary
+    except ArgumentError as error:
+        fail(f"the runs' flags would be refused: {str(error).removeprefix('pretrain_gpt.py: error: ')}")
+    build = PlanBuilder(args)
+    stream = elastic_sampler(args, "train", args.data_parallel_size, build).iterate(0)
+    batches = []
+    for _ in range(steps):
+        batch = next(stream)
+        batches.append(batch.seq_lengths[batch.positions(0)].tolist())
+    return batches, build
 
 
-def med(x) -> float:
-    return float(np.median(np.asarray(x, dtype=float)))
+# --------------------------------------------------------------------------------------------- main
+def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="smoke run: 1 repeat, 2 steps, cap 2048, k=4 (~3 min)")
+    ap.add_argument("--simulate-only", action="store_true", help="budgets and the simulated comparison only, no training")
+    ap.add_argument("--datasets", default=",".join(DATASETS), help=f"comma-separated subset of {','.join(DATASETS)}")
+    ap.add_argument("--repeats", type=int, default=None, help="runs per builder and data set (default 3; quick 1)")
+    ap.add_argument("--iters", type=int, default=None, help="measured steps per run after one warm-up step (default 5; quick 2)")
+    ap.add_argument("--seq-length", type=int, default=None, help="context cap (default 8192; quick 2048)")
+    ap.add_argument("--stdlib-global-batch-size", type=int, default=2, help="stdlib documents per step (default 2)")
+    ap.add_argument("--wiki-global-batch-size", type=int, default=8, help="wiki documents per step (default 8)")
+    ap.add_argument("--seq1f1b-k", default=None, help="Seq1F1B's slice counts k, comma-separated (default 2,4,8; quick 4)")
+    ap.add_argument("--epp-memory-budget", type=float, default=None, help="GB per stage for stdlib and wiki (default: chosen by the planner)")
+    ap.add_argument("--nobind-memory-budget", type=float, default=None, help="GB per stage for wiki-nobind (default: chosen by the planner)")
+    ap.add_argument("--num-layers", type=int, default=4, help="(default 4: 2 per stage)")
+    ap.add_argument("--hidden-size", type=int, default=128, help="(default 128; FFN 4x)")
+    ap.add_argument("--num-attention-heads", type=int, default=4, help="(default 4)")
+    ap.add_argument("--seed", type=int, default=1234, help="data order and wiki lengths (default 1234)")
+    args = ap.parse_args(argv)
+    quick = args.quick
+    defaults = {"repeats": (1, 3), "iters": (2, 5), "seq_length": (2048, 8192), "seq1f1b_k": ("4", "2,4,8")}
+    for key, (q, full) in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, q if quick else full)
+    args.datasets = args.datasets.split(",")
+    unknown = [d for d in args.datasets if d not in DATASETS]
+    if unknown:
+        fail(f"--datasets: unknown {', '.join(unknown)} (known: {', '.join(DATASETS)})")
+    try:
+        args.seq1f1b_k = [int(k) for k in args.seq1f1b_k.split(",")]
+    except ValueError:
+        fail(f"--seq1f1b-k {args.seq1f1b_k!r}: comma-separated integers")
+    for flag in ("repeats", "iters", "seq_length", "stdlib_global_batch_size", "wiki_global_batch_size"):
+        if getattr(args, flag) < 1:
+            fail(f"--{flag.replace('_', '-')} must be >= 1")
+    if any(k < 2 for k in args.seq1f1b_k):
+        fail("--seq1f1b-k: every k must be >= 2 (k = 1 is Megatron packing at micro-batches of the cap)")
+    for flag in ("epp_memory_budget", "nobind_memory_budget"):
+        if getattr(args, flag) is not None and getattr(args, flag) <= 0:
+            fail(f"--{flag.replace('_', '-')} must be positive")
+    return args
 
 
-def bench_dataset(name: str, args) -> None:
-    data = data_flags(name, args)
-    runs: dict[str, list[list]] = {b: [] for b in args.builders}
-    failed: dict[str, str] = {}
+def load_average() -> float:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return float("nan")
+
+
+class Progress:
+    """One line per finished run: which, how long, elapsed and an estimate of what is left."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.done, self.t0 = total, 0, time.perf_counter()
+
+    def __call__(self, name: str, repeat: int, repeats: int, builder: Builder, seconds: float, note: str = "") -> None:
+        self.done += 1
+        elapsed = time.perf_counter() - self.t0
+        left = elapsed / self.done * (self.total - self.done)
+        print(f"  [{name}] repeat {repeat + 1}/{repeats} {builder.name:12s} {seconds:5.1f} s{note} | run {self.done}/{self.total}, "
+              f"{elapsed:.0f} s elapsed, ~{left:.0f} s left", flush=True)
+
+
+def measure(name: str, argv: list[str], specs: list[Builder], choice: BudgetChoice, expected_tokens: list[int], args,
+            progress: Progress) -> tuple[dict[Builder, list[list[StepMetrics]]], dict[Builder, str]]:
+    """Every builder's runs (measured steps per repeat, warm-up dropped), builder order rotated per repeat.
+    Every Seq1F1B k runs in the first repeat; later repeats run only the best of them (time)."""
+    from megatron_epp.tools.calibration import run_pretrain
+
+    measured: dict[Builder, list[list[StepMetrics]]] = {b: [] for b in specs}
+    failed = {b: "cannot run at this budget (planned in-process)" for b in specs if choice.plans[b] is None}
     for r in range(args.repeats):
-        order = args.builders[r % len(args.builders):] + args.builders[: r % len(args.builders)]  # rotate: spread drift
-        for b in order:
+        best = first_repeat_best(measured) if r else None
+        order = specs if r == 0 else [b for b in specs if b.plan != "seq1f1b" or b == best]
+        for b in order[r % len(order):] + order[: r % len(order)]:  # rotated: spreads drift over the builders
             if b in failed:
                 continue
+            t0 = time.perf_counter()
             try:
-                runs[b].append(run_builder(data, b, args))
+                steps = run_pretrain([*argv, "--epp-memory-budget", repr(choice.budget_gb), *b.flags()])
             except RuntimeError as error:
                 failed[b] = str(error)
-    print(f"\n== {name}: {len(data) and ' '.join(data[:2])} | cap {args.seq_length}, {args.gbs} documents per step, "
-          f"budget {args.epp_memory_budget} GB per stage, {args.iters} steps x {args.repeats} repeats")
-    stats = {}
-    for b in args.builders:
-        if b in failed:
-            print(f"  {b:9s} does not run: {failed[b]}")
-            continue
-        steps = runs[b]
-        n = min(len(s) for s in steps)
-        iter_ms = np.array([[s[i].iter_ms for s in steps] for i in range(n)])  # (step, repeat)
-        pipe_ms = np.array([[s[i].elastic.measured_ms for s in steps] for i in range(n)])
-        act = np.array([s[i].elastic.measured_activation_bytes for s in steps for i in range(n)]) / 2**20  # (step*repeat, stage)
-        first = steps[0][:n]
-        stats[b] = {"iter": np.median(iter_ms, 1), "pipe": np.median(pipe_ms, 1), "act": np.median(act, 0),
-                    "tokens": [s.tokens for s in first]}
-        kinds = {k: med([s.elastic.num_chunks[k] for s in first]) for k in ("batched", "split", "hybrid")}
-        pred = [s.elastic.predicted_step_ms for s in first if s.elastic.predicted_step_ms is not None]
-        print(f"  {b:9s} plan: {med([sum(s.elastic.num_chunks.values()) for s in first]):.0f} chunks (batched {kinds['batched']:.0f}, split "
-              f"{kinds['split']:.0f}, hybrid {kinds['hybrid']:.0f}), {med([s.elastic.num_pipelines for s in first]):.0f} pipeline(s), "
-              f"{med([s.elastic.recomputed_layers for s in first]):.0f} recomputed layers, predicted {med(pred):.0f} ms (median per step)")
-    if "elastic" not in stats:
-        return
-    e = stats["elastic"]
-    print(f"  {'builder':9s} {'iter ms':>8s} {'pipe ms':>8s} {'act MB per stage':>18s} | {'iter x':>7s} {'pipe x':>7s} {'act x per stage':>16s}")
-    for b, s in stats.items():
-        k = min(len(s["iter"]), len(e["iter"]))
-        same = all(a == c for a, c in zip(s["tokens"][:k], e["tokens"][:k]))
-        ratio_iter = med(s["iter"][:k] / e["iter"][:k])
-        ratio_pipe = med(s["pipe"][:k] / e["pipe"][:k])
-        act = " ".join(f"{a:.1f}" for a in s["act"])
-        ract = " ".join(f"{a / c:.2f}" for a, c in zip(s["act"], e["act"]))
-        print(f"  {b:9s} {med(s['iter']):8.0f} {med(s['pipe']):8.0f} {act:>18s} | {ratio_iter:7.2f} {ratio_pipe:7.2f} {ract:>16s}"
-              + ("" if same else "  (batches differ!)"))
+                progress(name, r, args.repeats, b, time.perf_counter() - t0, " FAILED")
+                continue
+            tokens = [s.tokens for s in steps]
+            if tokens != expected_tokens:  # the batches must be the planned ones, under every builder
+                failed[b] = f"tokens per step {tokens} differ from the planned batches' {expected_tokens}"
+            else:
+                measured[b].append(steps[1:])  # the first step warms up
+            progress(name, r, args.repeats, b, time.perf_counter() - t0)
+    return {b: runs for b, runs in measured.items() if b not in failed}, failed
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="1 repeat of 3 steps (about 2 minutes on 2 cores)")
-    ap.add_argument("--repeats", type=int, default=None, help="runs per builder and data set (default 2)")
-    ap.add_argument("--iters", type=int, default=None, help="measured steps per run (default 5), after one warm-up step")
-    ap.add_argument("--datasets", default="stdlib,wiki")
-    ap.add_argument("--builders", default=",".join(BUILDERS))
-    ap.add_argument("--epp-memory-budget", type=float, default=0.05, help="--epp-memory-budget for every builder")
-    ap.add_argument("--seq-length", type=int, default=1024, help="context cap")
-    ap.add_argument("--gbs", type=int, default=16, help="documents per global batch")
-    ap.add_argument("--epp-max-slices", type=int, default=4, help="Seq1F1B's slice count k")
-    ap.add_argument("--wiki-mode", choices=["clip", "scale"], default="clip")
-    args = ap.parse_args()
-    args.repeats = args.repeats or (1 if args.quick else 2)
-    args.iters = args.iters or (3 if args.quick else 5)
-    args.builders = args.builders.split(",")
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    print(f"bench_elastic: pp=2, 1 thread per rank, {os.cpu_count()} cores, load average {load:.2f} at start")
+def prepare(name: str, args, specs: list[Builder]) -> tuple[list[str], list[list[int]], BudgetChoice, dict[Builder, list[float]]]:
+    """Data set ``name``: the run's flags, its batches (planned in-process), the budget and every
+    builder's predicted step ms per measured step; prints what it found."""
+    argv = run_argv(args, name)
+    batches, build = planned_batches(argv, args.iters + 1)
+    lengths = np.concatenate(batches)
+    print(f"\n== {name}: {len(batches[0])} documents per step, tokens per step {[int(sum(b)) for b in batches]} (first: warm-up), "
+          f"lengths p50 {np.median(lengths):.0f} p90 {np.percentile(lengths, 90):.0f} max {lengths.max()}, "
+          f"{int(np.sum(lengths == args.seq_length))} at the cap", flush=True)
+    if name != "stdlib":
+        _, scales = wiki_lengths(args.seq_length, args.wiki_global_batch_size, args.iters + 1, args.seed)
+        if any(max(b) != args.seq_length for b in batches):
+            fail("the wiki batches are not the ones written (each should reach the cap): the sampler's order changed")
+        print("  wiki: lengths drawn from wikipedia_lengths.txt.gz, each step's scaled by cap / its longest: x"
+              + " x".join(f"{x:.2f}" for x in scales), flush=True)
+    override = args.epp_memory_budget if BINDS[name] else args.nobind_memory_budget
     t0 = time.perf_counter()
-    for name in args.datasets.split(","):
-        bench_dataset(name, args)
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    print(f"\n{time.perf_counter() - t0:.0f} s; load average {load:.2f} at the end. ratios: baseline / elastic, "
-          "median over steps of the per-step ratio (> 1: elastic faster / smaller)")
+    if override is not None:
+        choice = BudgetChoice(override, "given", all_plans(specs, batches, build.cost_model, build.config, override))
+    elif BINDS[name]:
+        choice = choose_bind_budget(specs, batches, build.cost_model, build.config)
+    else:
+        choice = choose_nobind_budget(specs, batches, build.cost_model, build.config)
+    for line in choice.lines(BINDS[name]):
+        print("  " + line)
+    predicted = {b: [p.stats.predicted_step_ms for p in ps[1:]] for b, ps in choice.plans.items() if ps is not None}
+    sim = summarize({}, predicted, choice)["simulated"]
+    print(f"  simulated ({time.perf_counter() - t0:.0f} s of planning in-process), predicted ms median per step: "
+          + ", ".join(f"{b.name} {np.median(p):.0f}" for b, p in predicted.items())
+          + f" | ratios megatron {show(sim['megatron'])}, seq1f1b {show(sim['seq1f1b'])} (k={sim['seq1f1b_k']})", flush=True)
+    return argv, batches, choice, predicted
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse(argv)
+    specs = builders(args.seq1f1b_k)
+    t0 = time.perf_counter()
+    print(f"bench_elastic: pp=2 (torchrun, 1 thread per rank), {args.num_layers} layers, hidden {args.hidden_size}, "
+          f"{args.num_attention_heads} heads, cap {args.seq_length}, {args.iters} measured steps after 1 warm-up x {args.repeats} "
+          f"repeats, builders {', '.join(b.name for b in specs)}; {os.cpu_count()} cores, load average {load_average():.2f} "
+          "(timings need the cores otherwise idle)", flush=True)
+    config = {"seq_length": args.seq_length, "num_layers": args.num_layers, "hidden_size": args.hidden_size,
+              "num_attention_heads": args.num_attention_heads, "pp": 2, "repeats": args.repeats, "iters": args.iters,
+              "global_batch_size": {name: args.stdlib_global_batch_size if name == "stdlib" else args.wiki_global_batch_size
+                                    for name in args.datasets},
+              "seq1f1b_k": args.seq1f1b_k, "seed": args.seed, "load_average_start": load_average()}
+    prepared = {name: prepare(name, args, specs) for name in args.datasets}
+    if any(name != "stdlib" for name in args.datasets):
+        config["wiki_step_scales"] = wiki_lengths(args.seq_length, args.wiki_global_batch_size, args.iters + 1, args.seed)[1].tolist()
+    results = {}
+    progress = None if args.simulate_only else Progress(len(prepared) * (len(specs) + (args.repeats - 1) * (2 + bool(args.seq1f1b_k))))
+    if progress is not None:
+        print(f"\nrunning {progress.total} runs (every Seq1F1B k in the first repeat, then only the best)", flush=True)
+    for name, (argv_d, batches, choice, predicted) in prepared.items():
+        measured, failed = ({}, {}) if progress is None else measure(name, argv_d, specs, choice, [int(sum(b)) for b in batches], args, progress)
+        results[name] = (choice, predicted, measured, failed)
+    config["elapsed_s"] = round(time.perf_counter() - t0)
+    config["load_average_end"] = load_average()
+    report_all(results, config)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,168 @@
+"""scripts/bench_elastic.py's own logic, without torchrun: the budget choice on the planner, the wiki
+batches, the ratios and noise floor on synthetic step records, and the report's last line."""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from megatron_epp.cost.model import CostModel
+from megatron_epp.cost.profiles import load_profile
+from megatron_epp.planner.config import PlannerConfig
+from megatron_epp.training.metrics import ElasticMetrics, StepMetrics
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_elastic.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_elastic", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_elastic"] = module  # dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules["bench_elastic"]
+
+
+CAP = 2048
+BATCHES = [[2048, 700, 120, 30], [2048, 2048, 64, 9], [1500, 300, 40, 2]]  # step 0 is the warm-up
+
+
+@pytest.fixture(scope="module")
+def planner():
+    """The benchmark's model (4 layers, hidden 128, 4 heads, byte vocabulary, pp=2) on the CPU profile,
+    as PlanBuilder places it, and the run's planner config (elastic's default slice limit 8)."""
+    profile = load_profile("test-model", tp=1)
+    shape = dataclasses.replace(profile.model, num_layers=4, hidden=128, num_heads=4, ffn_hidden=512, vocab=257, rope=True)
+    return CostModel(dataclasses.replace(profile, model=shape), 2), PlannerConfig(memory_gb=1.0, max_seq_len=CAP, max_slices=8)
+
+
+@pytest.fixture(scope="module")
+def bind(bench, planner):
+    cost_model, base = planner
+    return bench.choose_bind_budget(bench.builders([2, 4]), BATCHES, cost_model, base)
+
+
+def test_bind_budget_is_the_smallest_at_which_epp_needs_no_recompute_and_megatron_does(bench, bind):
+    choice = bind
+    assert choice.budget_gb == pytest.approx(round(choice.budget_gb / bench.GRID_GB) * bench.GRID_GB)
+    assert choice.below_gb == pytest.approx(choice.budget_gb - bench.GRID_GB)
+    assert choice.recompute["elastic"] == [0, 0, 0]
+    below = choice.recompute_below["elastic"]
+    assert below is None or sum(below) > 0  # minimal: one grid step less and EPP recomputes (or cannot plan)
+    assert sum(choice.recompute["megatron"]) > 0  # memory binds for packing at this budget
+    assert all(plans is not None for plans in choice.plans.values())  # every builder can run there
+    assert any("Megatron packing recomputes on 1 of 3 steps" in line for line in choice.lines(True))
+
+
+def test_nobind_budget_recomputes_nothing_and_fixes_epps_plans(bench, planner, bind):
+    cost_model, base = planner
+    choice = bench.choose_nobind_budget(bench.builders([2, 4]), BATCHES, cost_model, base)
+    assert choice.budget_gb > bind.budget_gb
+    assert all(r == [0, 0, 0] for r in choice.recompute.values())
+    doubled = bench.plan_steps(bench.EPP, BATCHES, cost_model, base, 2 * choice.budget_gb)
+    assert list(map(bench.plan_shape, doubled)) == list(map(bench.plan_shape, choice.plans[bench.EPP]))
+
+
+def test_wiki_batches_each_reach_the_cap_in_the_samplers_order(bench, tmp_path, monkeypatch):
+    from megatron_epp.data import mock_documents
+    from megatron_epp.data.mock_documents import MockDocuments
+    from megatron_epp.data.sequence_sampler import SequenceSampler
+
+    pool = tmp_path / "lengths.txt.gz"  # a skewed pool, small enough to read at once
+    with gzip.open(pool, "wt") as f:
+        f.write("\n".join(str(int(n)) for n in np.random.default_rng(0).lognormal(6, 1.5, 500) + 2))
+    monkeypatch.setattr(mock_documents, "WIKIPEDIA_LENGTHS", pool)
+    gbs, steps, seed = 5, 4, 7
+    lengths, scales = bench.wiki_lengths(CAP, gbs, steps, seed)
+    assert lengths.shape == (gbs * steps,) and scales.shape == (steps,)
+    stream = SequenceSampler(MockDocuments(lengths + 1, 257), gbs, CAP, seed=seed).iterate(0)
+    for step in range(steps):
+        batch = next(stream).seq_lengths
+        assert batch.max() == CAP and batch.min() >= 1
+    assert len(set(np.round(scales, 6))) > 1  # each step's own scale
+
+
+def step(ms: float, plan: str = "plan[x]") -> StepMetrics:
+    return StepMetrics(iteration=2, loss=5.0, train_iters=4, consumed_samples=8, iter_ms=ms + 7, tokens=100, lr=1e-3, grad_norm=1.0,
+                       elastic=ElasticMetrics(plan, {"batched": 2, "split": 1, "hybrid": 0}, 1, 0, 3.0, 0.0, ms / 2, ms,
+                                              [2.0 * 2**20, 1.0 * 2**20], [2 * 2**20, 2**20]))
+
+
+def runs(*repeats: list[float]) -> list[list[StepMetrics]]:
+    return [[step(ms) for ms in rep] for rep in repeats]
+
+
+@pytest.fixture
+def measured(bench):
+    B = bench.Builder
+    return {
+        bench.EPP: runs([100, 200, 300], [110, 220, 330], [90, 180, 270]),  # per step, median over repeats: 100 200 300
+        B("megatron"): runs([250, 400, 900], [260, 420, 880], [240, 380, 920]),  # 2.5 2.0 3.0: median 2.5
+        B("seq1f1b", 2): runs([150, 300, 450]),  # first repeat only: 1.5
+        B("seq1f1b", 4): runs([120, 240, 360], [140, 280, 420], [140, 280, 420]),  # best in the first repeat (1.2); over all: 1.4
+        B("seq1f1b", 8): runs([130, 260, 390]),  # 1.3 < 1.4, but it lost the first repeat: not the reported k
+    }
+
+
+def test_ratios_noise_and_best_k(bench, measured):
+    epp = bench.step_matrix(measured[bench.EPP], bench.pipe_ms)
+    assert epp.shape == (3, 3)
+    meg = bench.step_matrix(measured[bench.Builder("megatron")], bench.pipe_ms)
+    np.testing.assert_allclose(bench.step_ratios(meg, epp), [2.5, 2.0, 3.0])
+    assert bench.paired_ratio(meg, epp) == pytest.approx(2.5)
+    # pairs of EPP's repeats: |100/110 - 1| = 0.091, |100/90 - 1| = 0.111, |110/90 - 1| = 0.222 on every step
+    assert bench.noise_floor(epp) == pytest.approx(1 / 9)
+    assert bench.noise_floor(epp[:1]) is None
+    assert bench.first_repeat_best(measured) == bench.Builder("seq1f1b", 4)
+
+
+def test_report_prints_goals_and_ends_with_the_json_line(bench, planner, measured, capsys):
+    cost_model, base = planner
+    specs = list(measured)
+    choice = bench.BudgetChoice(0.25, "given", bench.all_plans(specs, BATCHES, cost_model, base, 0.25))
+    predicted = {b: [p.stats.predicted_step_ms for p in ps[1:]] for b, ps in choice.plans.items()}
+    results = {name: (choice, predicted, measured, {}) for name in bench.DATASETS}
+    results["wiki"] = (choice, predicted, {b: r for b, r in measured.items() if b.plan != "megatron"},
+                       {bench.Builder("megatron"): "pretrain_gpt.py failed (1): error: x"})
+    bench.report_all(results, {"elapsed_s": 12, "load_average_end": 0.5, "seq_length": CAP})
+    lines = capsys.readouterr().out.strip().splitlines()
+    data = json.loads(lines[-1])
+    assert set(data) == {"stdlib", "wiki", "wiki-nobind", "config"}
+    stdlib = data["stdlib"]
+    assert {"megatron", "seq1f1b", "seq1f1b_k", "noise", "budget_gb", "simulated"} <= set(stdlib)
+    assert stdlib["megatron"] == pytest.approx(2.5) and stdlib["seq1f1b"] == pytest.approx(1.4) and stdlib["seq1f1b_k"] == 4
+    assert stdlib["noise"] == pytest.approx(1 / 9) and stdlib["budget_gb"] == 0.25
+    sim = stdlib["simulated"]
+    epp_ms = np.array(predicted[bench.EPP])
+    assert sim["megatron"] == pytest.approx(np.median(np.array(predicted[bench.Builder("megatron")]) / epp_ms))
+    assert sim["seq1f1b_k"] in (2, 4, 8) and sim["seq1f1b"] == pytest.approx(
+        min(np.median(np.array(predicted[bench.Builder("seq1f1b", k)]) / epp_ms) for k in (2, 4, 8)))
+    assert data["wiki"]["megatron"] is None and data["wiki"]["seq1f1b"] == pytest.approx(1.4)
+    assert data["config"]["seq_length"] == CAP
+    text = "\n".join(lines)
+    assert "megatron did not run: pretrain_gpt.py failed (1): error: x" in " ".join(text.split())
+    assert "goal >= 1.67 (EPP <= 0.60x its time): met" in text  # 2.5 >= 1/0.6
+    assert "goal >= 0.97 (EPP >= 0.97x its speed): met" in text  # min(2.5, 1.4)
+    assert "no loss to packing beyond noise" in text
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--datasets", "stdlib,c4"], "--datasets: unknown c4"),
+    (["--seq1f1b-k", "2,x"], "--seq1f1b-k '2,x'"),
+    (["--seq1f1b-k", "1,4"], "every k must be >= 2"),
+    (["--repeats", "0"], "--repeats must be >= 1"),
+    (["--epp-memory-budget", "-1"], "--epp-memory-budget must be positive"),
+])
+def test_bad_input_is_one_line(bench, argv, says):
+    with pytest.raises(SystemExit) as error:
+        bench.parse(argv)
+    message = str(error.value)
+    assert says in message and "\n" not in message
