@@ -4,13 +4,15 @@
 Runs ``pretrain_gpt.py --elastic-pp`` (pp=2, one thread per rank, the test model's shape: hidden 64,
 4 heads, FFN 256) on plans with many small chunks and with few large ones (stdlib corpus and mock
 documents; EPP at a tight and a loose budget, Megatron packing, Seq1F1B k=8), rebuilds each step's
-plan in-process (checked against the logged summary), and fits the per-chunk stage overhead ``o``
-(ms per chunk per stage, half forward, half backward) by least squares of the simulator's step time
-against the measured one, with a speed factor ``s`` (measured = s x simulated(o)) that absorbs a
-machine running uniformly slower than when the layers were profiled (other jobs on the cores; ``s``
-is reported, not stored; ``--no-slowdown`` fits ``o`` alone) (``measured ms`` of the log: ``forward_backward_elastic`` on the last stage,
-the same span the simulator predicts). Prints predicted vs measured before (``o = 0``) and after,
-per configuration and per data set, with leave-one-configuration-out errors.
+plan in-process (checked against the logged summary; the runs do not calibrate online,
+``--epp-calibrate-interval 0``, so that every step's plan is the profile's), and fits the per-chunk
+stage overhead ``o`` (ms per chunk per stage, half forward, half backward) with a speed factor ``s``
+(measured = s x simulated(o)) that absorbs a machine running uniformly slower or faster than the one
+the layers were profiled on (``s`` is reported, not stored; ``--no-speed-factor`` fits ``o`` alone),
+by the fit the training driver runs online (``megatron_epp.planner.calibration.fit_step_model``, here
+without its pull toward the profile's ``o``) on ``measured ms`` of the log (``forward_backward_elastic``
+on the last stage, the same span the simulator predicts). Prints predicted vs measured before (the
+profile as given) and after, per configuration and per data set, with leave-one-configuration-out errors.
 
     python scripts/calibrate_step.py [--quick] [--write]   # --write stores o in the profile JSON
     python scripts/calibrate_step.py --check               # predicted (logged) vs measured with the profile as is
@@ -35,12 +37,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_epp.tools.calibration import fit_overhead, reconstruct_plans, run_pretrain, simulate_steps  # noqa: E402
+from megatron_epp.planner.calibration import fit_step_model, simulate_steps  # noqa: E402
+from megatron_epp.tools.calibration import reconstruct_plans, run_pretrain  # noqa: E402
 from megatron_epp.cost.profiles import PROFILE_DIR  # noqa: E402
 from megatron_epp.training.metrics import StepMetrics  # noqa: E402
 
 MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "1024",
-         "--global-batch-size", "16", "--lr", "3e-3", "--log-interval", "1", "--pipeline-model-parallel-size", "2"]
+         "--global-batch-size", "16", "--lr", "3e-3", "--log-interval", "1", "--pipeline-model-parallel-size", "2",
+         "--epp-calibrate-interval", "0"]
 # name -> (data set, extra flags): many small chunks and few large ones on each data set
 CONFIGS = {
     "stdlib-epp-0.1GB": ("stdlib", ["--epp-memory-budget", "0.1"]),
@@ -78,8 +82,8 @@ def main() -> None:
     ap.add_argument("--write", action="store_true", help="store the fitted overhead in --epp-profile")
     ap.add_argument("--check", action="store_true", help="no fit: the logged prediction (profile as is) vs measured")
     ap.add_argument("--fwd-share", type=float, default=0.5, help="part of the per-chunk overhead put on the forward")
-    ap.add_argument("--no-slowdown", action="store_true",
-                    help="fit o alone (default: also a speed factor s, measured = s x simulated, for a busy machine)")
+    ap.add_argument("--no-speed-factor", action="store_true",
+                    help="fit o alone (default: also a speed factor s, measured = s x simulated, for another or a busy machine)")
     ap.add_argument("--runs-json", default=None,
                     help="save the parsed runs here; if the file exists, fit on it instead of running again")
     args = ap.parse_args()
@@ -129,23 +133,20 @@ def main() -> None:
         report(rows, y, {"logged": np.array([r[4] for r in rows]) / y - 1})
         return
     plans = [r[2] for r in rows]
-    slow = not args.no_slowdown
-    fit = fit_overhead(plans, y, cost_model, args.fwd_share, slowdown=slow)
+    speed = not args.no_speed_factor
+    fit = fit_step_model(plans, y, cost_model, fwd_share=args.fwd_share, fit_speed=speed)
     # leave one configuration out: fit on the others, predict the held-out one
     loo = np.full(len(rows), np.nan)
     for name in names:
         held = np.array([r[0] == name for r in rows])
         if held.all() or not held.any():
             continue
-        f = fit_overhead([p for p, h in zip(plans, held) if not h], y[~held], cost_model, args.fwd_share, slowdown=slow)
-        loo[held] = f.slowdown * simulate_steps([p for p, h in zip(plans, held) if h], cost_model, f.fwd_ms, f.bwd_ms) / y[held] - 1
-    print(f"\nfit: per-chunk stage overhead {fit.per_chunk_ms:.2f} ms (forward {fit.fwd_ms:.2f}, backward {fit.bwd_ms:.2f}); "
-          f"speed factor s = {fit.slowdown:.2f} (measured / modelled layer speed; 1 on the machine the layers were profiled on, "
-          f"not modelled); a per-step constant fitted alongside o would be {fit.step_const_ms:.1f} ms (diagnostic)")
-    errs = {"before": fit.rel_err_before, "after": fit.rel_err_after}
-    if slow:
-        errs["after x s"] = (1 + fit.rel_err_after) * fit.slowdown - 1
-    errs["after (LOO)"] = loo
+        f = fit_step_model([p for p, h in zip(plans, held) if not h], y[~held], cost_model, fwd_share=args.fwd_share, fit_speed=speed)
+        loo[held] = simulate_steps([p for p, h in zip(plans, held) if h], f.apply(cost_model)) / y[held] - 1
+    print(f"\nfit: per-chunk stage overhead {fit.overhead_ms:.2f} ms (forward {fit.fwd_ms:.2f}, backward {fit.bwd_ms:.2f}, "
+          f"profile ms); speed factor s = {fit.speed_factor:.2f} (measured / modelled; 1 on the machine the layers were "
+          f"profiled on; not stored: the training driver fits it online)")
+    errs = {"before": fit.rel_err_before, "after": fit.rel_err_after, "after (LOO)": loo}
     report(rows, y, errs)
     if args.write:
         path = Path(args.epp_profile)
@@ -164,9 +165,7 @@ def main() -> None:
                 "mean_abs_rel_err_before": float(np.mean(np.abs(fit.rel_err_before))),
                 "mean_abs_rel_err_after": float(np.mean(np.abs(fit.rel_err_after))),
                 "mean_abs_rel_err_loo": float(np.nanmean(np.abs(loo))),
-                "step_const_ms_diagnostic": fit.step_const_ms,
-                "speed_factor_s": fit.slowdown,
-                "mean_abs_rel_err_after_times_s": float(np.mean(np.abs((1 + fit.rel_err_after) * fit.slowdown - 1))),
+                "speed_factor_s": fit.speed_factor,
             },
         }
         path.write_text(json.dumps(data, indent=1) + "\n")

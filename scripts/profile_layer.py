@@ -1,15 +1,22 @@
 """Profile Megatron-Core's transformer layer on this machine and fit the planner's cost model.
 
-Measures, with one thread:
-  * ``scaled_dot_product_attention`` of ``s`` queries over ``C + s`` keys (prefix K/V concatenated,
-    bottom-right causal boolean mask), forward and backward, over an ``(s, C)`` grid: fits the
-    attention coefficients ``a1`` (s^2), ``a1c`` (s*C), ``ac`` (C) and the per-segment constant;
+Measures, with one thread (process CPU time, fastest of ``--repeats``):
   * the layer that trains (the training spec through ``elastic_layer_spec``: ``ChunkRecomputeLayer``,
-    this attention, RoPE when the shape has it) at ``C = 0`` over lengths: fits the linear term
-    ``a2`` and the constant ``b1`` after removing the attention's quadratic part; recompute =
-    (forward+backward recomputing as training does) - (forward+backward), fitted as a ratio of the
-    forward;
-  * the output head (linear + cross entropy) forward/backward;
+    ``ElasticAttention`` with one SDPA call per segment under a bottom-right causal mask, the prefix
+    K/V concatenated for a slice with context, RoPE when the shape has it), forward and backward, on
+    real chunks of every kind: batched (one and many segments), split (a slice of ``s`` tokens over
+    ``C`` tokens of prefix), hybrid (a tail slice packed with short sequences);
+    every coefficient of the cost model (:class:`TimeCoeffs`, the columns ``F`` of
+    ``megatron_epp.cost.features``: ``sum s^2``, ``sum s*C``, ``sum s``, ``sum C``, segments, chunks)
+    is fitted jointly on these chunks' features by non-negative least squares of the relative error.
+    Each term is reported with its bootstrap relative error and its share of the fitted time, and a
+    term fitted to 0 is named in a warning (NNLS clips a term the data would make negative: it must
+    not pass unseen). The fit is checked for a per-slice term the model does not have (a constant
+    per chunk holding a slice with context): the split and hybrid chunks' residuals are refitted
+    with it and the script says whether they ask for it;
+  * recompute = (forward+backward recomputing as training does) - (forward+backward), fitted as a
+    ratio of the forward plus a constant;
+  * the output head (linear + cross entropy) forward/backward, on the per-token and per-chunk columns;
   * the bytes autograd saves per layer and for the head: a check only, the profile's memory block is
     the analytic count (``saved_tensor_memory``, ``derive="saved-tensors-fp32"``), which the planner
     re-derives for any shape; the error of the count against these measurements is reported.
@@ -41,10 +48,9 @@ from scipy.optimize import nnls
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_epp.executor.kernels import segment_attention  # noqa: E402
-from megatron_epp.executor.context import bottom_right_causal_mask  # noqa: E402
 from megatron_epp.tools.layer_bench import LayerStack, init_single_process, saved_bytes, time_fwd_bwd  # noqa: E402
 from megatron_epp.cost.features import NUM_FEATURES, F, chunk_features  # noqa: E402
+from megatron_epp.plan import Chunk, Segment  # noqa: E402
 from megatron_epp.cost.profiles import (  # noqa: E402
     PROFILE_DIR, TEST_MODEL, MemoryCoeffs, ModelShape, Profile, StageOverhead, TimeCoeffs, load_profile,
     saved_tensor_memory, shape_time,
@@ -57,59 +63,92 @@ def fit(X: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, dict[str, float]]:
     scale = np.abs(A).max(axis=0)
     scale[scale == 0] = 1.0
     coef = nnls(A / scale, np.ones_like(y))[0] / scale
-    rel = X @ coef / y - 1.0
-    return coef, {"rms_rel_err": float(np.sqrt(np.mean(rel**2))), "max_rel_err": float(np.max(np.abs(rel))), "points": len(y)}
+    return coef, rel_errors(X @ coef, y)
 
 
-def profile_attention(shape: ModelShape, repeats: int) -> tuple[np.ndarray, np.ndarray, dict]:
-    """Fit ``[a1, a1c, a_lin, ac, bs]`` for attention forward and backward."""
-    heads, d = shape.num_heads, shape.hidden // shape.num_heads
-    rows, tf, tb = [], [], []
-    for s in (64, 256, 512, 1024, 2048, 3072):
-        for c in (0, 1024, 2048, 4096, 8192):
+TERMS = [c.name for c in F]  # the feature columns: SQ SC S C SEGMENTS CHUNKS
+COEFF_NAMES = [f.name for f in dataclasses.fields(TimeCoeffs)]  # their coefficients: a1 a1c a2 ac bs b1
 
-            def make(s: int = s, c: int = c) -> tuple[torch.Tensor, ...]:
-                return tuple(torch.randn(n, 1, heads, d, requires_grad=True) for n in (s, s, s, c, c))
 
-            def run(q, k, v, pk, pv, s: int = s, c: int = c) -> torch.Tensor:
-                return segment_attention(q, torch.cat([pk, k]), torch.cat([pv, v]), bottom_right_causal_mask(s, c))
+def fit_terms(X: np.ndarray, y: np.ndarray, kinds: list[str], boot: int = 200) -> tuple[np.ndarray, dict]:
+    """:func:`fit` on every column of ``X``, with a report: the error overall and per chunk kind, and per
+    term its value, its bootstrap relative error (std over ``boot`` resamples of the chunks / value)
+    and its share of the fitted time of all chunks; ``zero``: the terms with data fitted to exactly 0."""
+    coef, err = fit(X, y)
+    rng = np.random.default_rng(0)
+    draws = np.array([fit(X[i], y[i])[0] for i in (rng.integers(0, len(y), len(y)) for _ in range(boot))])
+    share = (X * coef).sum(axis=0) / (X @ coef).sum()
+    rel = X @ coef / y - 1
+    err["kinds"] = {k: rel_errors((X @ coef)[sel], y[sel]) | {"mean_rel_err": float(rel[sel].mean())}
+                    for k in dict.fromkeys(kinds) for sel in [np.array(kinds) == k]}
+    err["terms"] = {name: {"value": float(c), "rel_std": float(d.std() / c) if c > 0 else None, "share": float(sh)}
+                    for name, c, d, sh in zip(COEFF_NAMES, coef, draws.T, share)}
+    err["zero"] = [COEFF_NAMES[j] + f" ({TERMS[j]})" for j in np.flatnonzero((coef == 0) & (np.abs(X).sum(axis=0) > 0))]
+    return coef, err
 
-            f, b = time_fwd_bwd(run, make, repeats)
-            rows.append([s * s, s * c, s, c, 1.0])
+
+def per_slice_check(X: np.ndarray, y: np.ndarray) -> dict:
+    """Do the split and hybrid chunks ask for a per-slice term (a constant per chunk holding a slice with
+    context, which the model lacks)? Refit with that column; it is asked for when it takes more than a
+    quarter, and more than a point, off their rms error."""
+    ctx = X[:, F.C] > 0
+    without = rel_errors((X @ fit(X, y)[0])[ctx], y[ctx])["rms_rel_err"]
+    Xs = np.column_stack([X, ctx.astype(float)])
+    coef, _ = fit(Xs, y)
+    with_it = rel_errors((Xs @ coef)[ctx], y[ctx])["rms_rel_err"]
+    return {"rms_rel_err_without": without, "rms_rel_err_with": with_it, "ms_per_slice": float(coef[-1]),
+            "asked": bool(with_it < 0.75 * without and without - with_it > 0.01), "points": int(ctx.sum())}
+
+
+# chunks the layer is timed on, by kind: (lengths, contexts), at most one segment with context each;
+# together they vary every feature column independently (many-segment chunks part segments from chunks)
+FIT_CHUNKS = {
+    "batched": [([s], [0]) for s in (32, 64, 128, 256, 512, 1024, 1536, 2048, 3072)]
+    + [([64] * 16, [0] * 16), ([128] * 8, [0] * 8), ([256] * 4, [0] * 4), ([32] * 32, [0] * 32),
+       ([1024, 512, 256, 128, 64, 32], [0] * 6), ([1536, 512], [0, 0])],
+    "split": [([s], [c]) for s in (64, 256, 512, 1024, 2048) for c in (512, 2048, 4096, 8192)],
+    "hybrid": [([512, 256, 128], [1536, 0, 0]), ([256, 1024], [1024, 0]), ([1024, 64, 64, 64], [3072, 0, 0, 0]),
+               ([128, 512, 512], [4096, 0, 0]), ([64] + [32] * 16, [6144] + [0] * 16)],
+}
+
+
+def time_chunk(stack: LayerStack, lengths: list[int], contexts: list[int], repeats: int, checkpoint: bool = False) -> tuple[float, float]:
+    """Forward and backward ms of ``stack`` on the chunk of segments ``(s, C)``."""
+    stack.set_segments(lengths, contexts)
+    n = sum(lengths)
+    return time_fwd_bwd(lambda t: stack(t, checkpoint=checkpoint), lambda: (torch.randn(n, 1, stack.shape.hidden, requires_grad=True),), repeats)
+
+
+def segments_chunk(lengths: list[int], contexts: list[int]) -> Chunk:
+    """The chunk of segments ``(s, C)`` (its kind does not enter its features)."""
+    return Chunk(0, "batched", [Segment(i, c, c + s) for i, (s, c) in enumerate(zip(lengths, contexts))])
+
+
+def profile_layer(shape: ModelShape, repeats: int):
+    """Fit every forward and backward coefficient of the layer jointly on :data:`FIT_CHUNKS`, and the
+    recompute/forward ratio on the batched one-segment chunks."""
+    stack = LayerStack(shape, num_layers=1)
+    kinds, feats, tf, tb, trc = [], [], [], [], []
+    for kind, chunks in FIT_CHUNKS.items():
+        for lengths, contexts in chunks:
+            f, b = time_chunk(stack, lengths, contexts, repeats)
+            kinds.append(kind)
+            feats.append(chunk_features([segments_chunk(lengths, contexts)])[0])
             tf.append(f)
             tb.append(b)
-    X = np.array(rows, dtype=float)
-    cf, ef = fit(X, np.array(tf))
-    cb, eb = fit(X, np.array(tb))
-    return cf, cb, {"attention_fwd": ef, "attention_bwd": eb}
-
-
-def profile_layer(shape: ModelShape, att_f: np.ndarray, att_b: np.ndarray, repeats: int):
-    """Fit the layer's ``a2``/``b1`` (forward, backward) and the recompute/forward ratio."""
-    stack = LayerStack(shape, num_layers=1)
-    lengths = np.array([32, 64, 128, 256, 512, 1024, 1536, 2048, 3072], dtype=float)
-    tf, tb, trc = [], [], []
-    for s in lengths.astype(int):
-        stack.set_segments([s], [0])
-        x = lambda s=s: (torch.randn(s, 1, shape.hidden, requires_grad=True),)
-        f, b = time_fwd_bwd(stack, x, repeats)
-        fck, bck = time_fwd_bwd(lambda t: stack(t, checkpoint=True), x, repeats)
-        tf.append(f)
-        tb.append(b)
-        trc.append(fck + bck - f - b)
+            if kind == "batched" and len(lengths) == 1:
+                fck, bck = time_chunk(stack, lengths, contexts, repeats, checkpoint=True)
+                trc.append(fck + bck - f - b)
+    X = np.array(feats)
     out = {}
-    X = np.stack([lengths, np.ones_like(lengths)], 1)
-    for name, t, att in (("fwd", tf, att_f), ("bwd", tb, att_b)):
-        t = np.array(t)
-        quad = att[0] * lengths**2 + att[4]  # attention's s^2 term and per-segment constant
-        (a2, b1), _ = fit(X, np.maximum(t - quad, 1e-6))
-        pred = quad + a2 * lengths + b1
-        rel = pred / t - 1
-        out[name] = (TimeCoeffs(att[0], att[1], a2, att[3], att[4], b1), {"rms_rel_err": float(np.sqrt(np.mean(rel**2))), "max_rel_err": float(np.abs(rel).max()), "points": len(t)})
-    fc = out["fwd"][0]
-    fwd_pred = fc.a1 * lengths**2 + fc.a2 * lengths + fc.bs + fc.b1
-    (ratio, extra), err = fit(np.stack([fwd_pred, np.ones_like(lengths)], 1), np.array(trc))
-    out["recompute"] = (TimeCoeffs(*(fc.vector() * ratio + np.eye(NUM_FEATURES)[F.CHUNKS] * extra)), {**err, "ratio_to_fwd": ratio})
+    for name, t in (("fwd", tf), ("bwd", tb)):
+        coef, err = fit_terms(X, np.array(t), kinds)
+        out[name] = (TimeCoeffs(*coef), err)
+    single = np.array([k == "batched" and x[F.SEGMENTS] == 1 for k, x in zip(kinds, X)])
+    fwd_pred = X[single] @ out["fwd"][0].vector()
+    (ratio, extra), err = fit(np.stack([fwd_pred, np.ones_like(fwd_pred)], 1), np.array(trc))
+    out["recompute"] = (TimeCoeffs(*(out["fwd"][0].vector() * ratio + np.eye(NUM_FEATURES)[F.CHUNKS] * extra)), {**err, "ratio_to_fwd": ratio})
+    out["per_slice_term"] = {name: per_slice_check(X, np.array(t)) for name, t in (("fwd", tf), ("bwd", tb))}
     return out, stack
 
 
@@ -121,11 +160,12 @@ def profile_head(shape: ModelShape, stack: LayerStack, repeats: int):
         f, b = time_fwd_bwd(stack.head_loss, x, repeats)
         tf.append(f)
         tb.append(b)
-    X = np.stack([lengths, np.ones_like(lengths)], 1)
+    X = np.zeros((len(lengths), NUM_FEATURES))
+    X[:, F.S], X[:, F.CHUNKS] = lengths, 1.0  # the head: per token and per chunk
     res = {}
     for name, t in (("head_fwd", tf), ("head_bwd", tb)):
-        (a2, b1), err = fit(X, np.array(t))
-        res[name] = (TimeCoeffs(0.0, 0.0, a2, 0.0, 0.0, b1), err)
+        coef, err = fit_terms(X, np.array(t), ["head"] * len(lengths))
+        res[name] = (TimeCoeffs(*coef), err)
     return res
 
 
@@ -169,8 +209,6 @@ COMPARE_CHUNKS = {
 def compare(shape: ModelShape, spec: str, repeats: int) -> None:
     """Measured vs predicted (``spec``'s coefficients carried to ``shape``) per-layer forward+backward
     of real chunks, and of the output head."""
-    from megatron_epp.plan import Chunk, Segment
-
     base = load_profile(spec)
     profile = shape_time(dataclasses.replace(base, model=dataclasses.replace(shape, name=base.model.name, rope=base.model.rope)))
     stack = LayerStack(shape, num_layers=1)
@@ -180,14 +218,11 @@ def compare(shape: ModelShape, spec: str, repeats: int) -> None:
     errs = {}
     for kind, chunks in COMPARE_CHUNKS.items():
         for lengths, contexts in chunks:
-            chunk = Chunk(0, kind, [Segment(i, c, c + s) for i, (s, c) in enumerate(zip(lengths, contexts))])
-            feats = chunk_features([chunk])[0]
+            feats = chunk_features([segments_chunk(lengths, contexts)])[0]
             pred = float(feats @ (profile.fwd.vector() + profile.bwd.vector()))
-            stack.set_segments(lengths, contexts)
-            n = sum(lengths)
-            f, b = time_fwd_bwd(stack, lambda n=n: (torch.randn(n, 1, shape.hidden, requires_grad=True),), repeats)
+            f, b = time_chunk(stack, lengths, contexts, repeats)
             errs.setdefault(kind, []).append(pred / (f + b) - 1)
-            print(f"{kind:8s} {n:7d} {len(lengths):5d} {max(contexts):6d} {pred:9.2f} {f + b:9.2f} {pred / (f + b) - 1:+7.1%}")
+            print(f"{kind:8s} {sum(lengths):7d} {len(lengths):5d} {max(contexts):6d} {pred:9.2f} {f + b:9.2f} {pred / (f + b) - 1:+7.1%}")
     for n in (512, 2048):
         f, b = time_fwd_bwd(stack.head_loss, lambda n=n: (torch.randn(n, 1, shape.hidden, requires_grad=True),), repeats)
         feats = np.zeros(NUM_FEATURES)
@@ -197,6 +232,18 @@ def compare(shape: ModelShape, spec: str, repeats: int) -> None:
         print(f"{'head':8s} {n:7d} {1:5d} {0:6d} {pred:9.2f} {f + b:9.2f} {pred / (f + b) - 1:+7.1%}")
     for kind, e in errs.items():
         print(f"{kind:8s} mean err {np.mean(e):+.1%}  mean |err| {np.mean(np.abs(e)):.1%}  max |err| {np.max(np.abs(e)):.1%}")
+
+
+def report_fit(name: str, err: dict) -> None:
+    """One fit's errors, overall, per chunk kind and per term; a warning for every term fitted to 0."""
+    kinds = ", ".join(f"{k} {e['rms_rel_err']:.1%} (mean {e['mean_rel_err']:+.1%})" for k, e in err["kinds"].items())
+    print(f"  {name:9s} rms rel err {err['rms_rel_err']:6.1%}  max {err['max_rel_err']:6.1%}  ({err['points']} chunks; rms by kind: {kinds})")
+    for term, column in zip(err["terms"], TERMS):
+        t = err["terms"][term]
+        spread = f"{t['rel_std']:8.1%}" if t["rel_std"] is not None else f"{'-':>8s}"
+        print(f"      {term:4s} ({column:8s}) {t['value']:11.4g} ms   bootstrap rel err {spread}   share of time {t['share']:6.1%}")
+    for term in err["zero"]:
+        print(f"  WARNING: {name}: {term} fitted to 0 (non-negative least squares clipped it: the chunks give it no time)")
 
 
 def main() -> None:
@@ -222,11 +269,11 @@ def main() -> None:
         return
     overhead_from = Path(args.overhead_from or (args.out if Path(args.out).exists() else PROFILE_DIR / "test-model_cpu.json"))
     overhead = json.loads(overhead_from.read_text()).get("overhead")
-    att_f, att_b, errors = profile_attention(shape, args.repeats)
-    layer, stack = profile_layer(shape, att_f, att_b, args.repeats)
+    layer, stack = profile_layer(shape, args.repeats)
     head = profile_head(shape, stack, args.repeats)
     memory = derived_memory(shape)
-    errors.update({k: v[1] for k, v in {**layer, **head}.items()})
+    errors = {k: v[1] for k, v in {**layer, **head}.items() if k != "per_slice_term"}
+    errors["per_slice_term"] = layer["per_slice_term"]
     errors.update(check_memory(shape, stack, memory))
     profile = Profile(
         model=shape,
@@ -243,9 +290,16 @@ def main() -> None:
         overhead=StageOverhead(**overhead) if overhead else StageOverhead(),
     )
     profile.save(args.out)
-    print(f"wrote {args.out}")
-    for name, e in errors.items():
-        print(f"  {name:18s} rms rel err {e['rms_rel_err']*100:6.2f} %   max {e['max_rel_err']*100:6.2f} %   ({e['points']} points)")
+    print(f"wrote {args.out}\nlayer and head, fitted jointly on the chunk features (non-negative least squares, relative error):")
+    for name in ("fwd", "bwd", "head_fwd", "head_bwd"):
+        report_fit(name, errors[name])
+    for name, check in errors["per_slice_term"].items():
+        verdict = "asked for: the cost model has no such term" if check["asked"] else "not asked for"
+        print(f"  per-slice term ({name}): split/hybrid rms rel err {check['rms_rel_err_without']:.1%} without, "
+              f"{check['rms_rel_err_with']:.1%} with {check['ms_per_slice']:.3g} ms per slice ({check['points']} chunks): {verdict}")
+    for name in ("recompute", "activation_bytes_derived", "logits_bytes_derived"):
+        e = errors[name]
+        print(f"  {name:24s} rms rel err {e['rms_rel_err']:6.1%}   max {e['max_rel_err']:6.1%}   ({e['points']} points)")
 
 
 if __name__ == "__main__":

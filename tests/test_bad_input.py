@@ -40,6 +40,9 @@ def run_pretrain(*flags: str, world_size: int = 1) -> subprocess.CompletedProces
         (["--elastic-pp", "--virtual-pipeline-model-parallel-size", "2"], 1, "interleaved (virtual) pipeline schedule is not supported"),
         (["--elastic-pp", "--context-parallel-size", "2"], 1, "context parallelism is not supported"),
         (["--epp-truncate-documents"], 1, "--epp-truncate-documents needs --elastic-pp"),
+        (["--elastic-pp", "--epp-calibrate-interval", "-1"], 1, "--epp-calibrate-interval -1: must be >= 0 (0 turns calibration off)"),
+        (["--elastic-pp", "--epp-calibrate-interval", "often"], 1, "argument --epp-calibrate-interval: invalid int value: 'often'"),
+        (["--epp-calibrate-interval", "5"], 1, "--epp-calibrate-interval needs --elastic-pp"),
     ],
 )
 def test_bad_flags_give_one_line_error(flags, world_size, message):
@@ -48,6 +51,14 @@ def test_bad_flags_give_one_line_error(flags, world_size, message):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr
     assert proc.stdout == ""  # stopped before the model and the process group (their lines go to stdout)
+
+
+def test_help_lists_the_calibration_flag():
+    proc = run_pretrain("--help")
+    assert proc.returncode == 0
+    text = " ".join(proc.stdout.split())  # argparse wraps the help
+    entry = text.split("--epp-calibrate-interval N ")[-1].split(" --")[0]  # its help, after the usage line
+    assert "0: off" in entry and "(default 20)" in entry, entry
 
 
 def test_missing_data_path(tmp_path):

@@ -1,4 +1,5 @@
-"""Executor-overhead calibration: the overhead in the cost model, the fit recovering it."""
+"""The cost model calibrated on measured steps: the speed factor and per-chunk overhead in the cost
+model, the fit recovering planted values, and the training driver refitting its planner's model."""
 
 from __future__ import annotations
 
@@ -7,12 +8,27 @@ import dataclasses
 import numpy as np
 import pytest
 
-from megatron_epp.cost.model import CostModel
-from megatron_epp.cost.profiles import load_profile
-from megatron_epp.planner import build_plan
-from megatron_epp.tools.calibration import fit_overhead, simulate_steps, with_overhead
 from megatron_epp.cost.features import chunk_features
-from megatron_epp.cost.profiles import Profile, StageOverhead
+from megatron_epp.cost.model import CostModel
+from megatron_epp.cost.profiles import Profile, StageOverhead, load_profile
+from megatron_epp.planner import build_plan
+from megatron_epp.planner.calibration import ONLINE_PRIOR_WEIGHT, fit_step_model, repredict, simulate_steps
+from megatron_epp.simulator import simulate
+from megatron_epp.training.arguments import CALIBRATE_FIRST_STEP, parse_args
+from megatron_epp.training.elastic import PlanBuilder
+from megatron_epp.training.main import resolve_vocab_size
+
+
+def bare_model() -> CostModel:
+    """The test profile on 2 stages without any overhead, on the profile's machine (s = 1)."""
+    return CostModel(load_profile("test-model"), 2).calibrated(1.0, StageOverhead())
+
+
+def varied_plans(cm: CostModel, seed: int) -> list:
+    """Plans with few large and many small chunks (packing only, 8 slices, a tight budget)."""
+    rng = np.random.default_rng(seed)
+    return [build_plan(np.minimum(rng.lognormal(6, 1.2, size=16).astype(int) + 2, 4096), cm, gb, slice_counts=k)
+            for gb, k in ((1.0, [1]), (1.0, [8]), (0.05, range(1, 9)), (1.0, [4]), (1.0, range(1, 9)))]
 
 
 def test_profile_overhead_round_trip_and_default():
@@ -20,48 +36,144 @@ def test_profile_overhead_round_trip_and_default():
     d = profile.to_dict()
     d.pop("overhead")
     assert Profile.from_dict(d).overhead == StageOverhead()  # older JSON without the entry
-    p = with_overhead(profile, 1.5, 2.5, {"note": "x"})
+    p = dataclasses.replace(profile, overhead=StageOverhead(1.5, 2.5, {"note": "x"}))
     assert Profile.from_dict(p.to_dict()).overhead == StageOverhead(1.5, 2.5, {"note": "x"})
     assert load_profile("llama-7b").overhead == StageOverhead()  # analytic: none
 
 
 def test_overhead_is_added_per_chunk_on_every_stage():
-    profile = with_overhead(load_profile("test-model"), 0.0, 0.0)
-    plan = build_plan([300, 900, 2000, 64, 64], CostModel(profile, 2), 1.0)
+    cm = bare_model()
+    plan = build_plan([300, 900, 2000, 64, 64], cm, 1.0)
     feats = chunk_features(plan.chunks())
-    base = CostModel(profile, 2).costs(feats)
-    more = CostModel(with_overhead(profile, 2.0, 3.0), 2).costs(feats)
+    base = cm.costs(feats)
+    more = cm.calibrated(1.0, StageOverhead(2.0, 3.0)).costs(feats)
     np.testing.assert_allclose(more.fwd - base.fwd, 2.0)
     np.testing.assert_allclose(more.bwd - base.bwd, 3.0)
     np.testing.assert_allclose(more.p2p_ms, base.p2p_ms)
 
 
+def test_speed_factor_scales_every_time_and_so_the_step():
+    """The fit rests on this: a step on a model with speed factor s is s times the step at s = 1."""
+    cm = bare_model().calibrated(1.0, StageOverhead(2.0, 3.0))
+    fast = cm.calibrated(2.5, StageOverhead(2.0, 3.0))
+    plan = build_plan([300, 900, 2000, 64, 64], cm, 0.05)
+    feats = chunk_features(plan.chunks())
+    a, b = cm.costs(feats), fast.costs(feats)
+    for name in ("fwd", "bwd", "rc_layer", "p2p_ms"):
+        np.testing.assert_allclose(getattr(b, name), 2.5 * getattr(a, name))
+    np.testing.assert_allclose(b.act_layer, a.act_layer)  # memory does not depend on the machine's speed
+    assert simulate(plan, fast).step_ms == pytest.approx(2.5 * simulate(plan, cm).step_ms)
+    np.testing.assert_allclose(fast.work_vector(), 2.5 * cm.work_vector())
+
+
 @pytest.mark.parametrize("true_o", [0.0, 4.0, 20.0])
 def test_fit_recovers_a_known_overhead(true_o):
-    profile = with_overhead(load_profile("test-model"), 0.0, 0.0)
-    cm = CostModel(profile, 2)
-    rng = np.random.default_rng(0)
-    plans = []
-    for memory_gb, k in ((1.0, range(1, 9)), (0.05, range(1, 9)), (1.0, [1]), (1.0, [8])):
-        lengths = np.minimum(rng.lognormal(6, 1.2, size=16).astype(int) + 2, 4096)
-        plans.append(build_plan(lengths, cm, memory_gb, slice_counts=k))
-    measured = simulate_steps(plans, cm, true_o / 2, true_o / 2)
-    fit = fit_overhead(plans, measured, cm)
-    assert fit.per_chunk_ms == pytest.approx(true_o, abs=0.01)
+    cm = bare_model()
+    plans = varied_plans(cm, 0)
+    measured = simulate_steps(plans, cm.calibrated(1.0, StageOverhead(true_o / 2, true_o / 2)))
+    fit = fit_step_model(plans, measured, cm, fit_speed=False)
+    assert fit.speed_factor == 1.0
+    assert fit.overhead_ms == pytest.approx(true_o, abs=0.01)
     assert np.abs(fit.rel_err_after).max() < 1e-3
     assert fit.fwd_ms == pytest.approx(fit.bwd_ms)
-    # the profile's own overhead is ignored by the fit (it starts from zero)
-    cm2 = CostModel(dataclasses.replace(profile, overhead=StageOverhead(50.0, 50.0)), 2)
-    assert fit_overhead(plans, measured, cm2).per_chunk_ms == pytest.approx(true_o, abs=0.01)
+    # without a prior the fit does not depend on where it starts: from an overhead of 50 ms
+    start = cm.calibrated(1.0, StageOverhead(25.0, 25.0))
+    assert fit_step_model(plans, measured, start, fit_speed=False, fwd_share=0.5).overhead_ms == pytest.approx(true_o, abs=0.01)
 
 
-def test_fit_with_slowdown_separates_a_uniformly_slower_machine():
-    profile = with_overhead(load_profile("test-model"), 0.0, 0.0)
-    cm = CostModel(profile, 2)
-    rng = np.random.default_rng(1)
-    plans = [build_plan(np.minimum(rng.lognormal(6, 1.2, size=16).astype(int) + 2, 4096), cm, gb, slice_counts=k)
-             for gb, k in ((1.0, [1]), (1.0, [8]), (0.05, range(1, 9)), (1.0, [4]))]
-    measured = 2.5 * simulate_steps(plans, cm, 3.0, 3.0)  # everything 2.5x slower, o = 6 ms in profile units
-    fit = fit_overhead(plans, measured, cm, slowdown=True)
-    assert fit.slowdown == pytest.approx(2.5, rel=0.02)
-    assert fit.per_chunk_ms == pytest.approx(6.0, rel=0.05)
+def test_fit_recovers_a_planted_speed_factor_and_overhead():
+    cm = bare_model()
+    plans = varied_plans(cm, 1)
+    measured = 1.5 * simulate_steps(plans, cm.calibrated(1.0, StageOverhead(3.0, 3.0)))  # 1.5x slower, o = 6 profile ms
+    fit = fit_step_model(plans, measured, cm)
+    assert fit.speed_factor == pytest.approx(1.5, rel=0.02)
+    assert fit.overhead_ms == pytest.approx(6.0, rel=0.05)
+    assert np.abs(fit.rel_err_after).max() < 0.01 < np.abs(fit.rel_err_before).min()
+    # the fitted model predicts other plans
+    others = varied_plans(cm, 2)
+    truth = 1.5 * simulate_steps(others, cm.calibrated(1.0, StageOverhead(3.0, 3.0)))
+    np.testing.assert_allclose(simulate_steps(others, fit.apply(cm)), truth, rtol=0.01)
+
+
+def test_one_disturbed_step_does_not_drag_the_fit():
+    cm = bare_model()
+    plans = varied_plans(cm, 3) + varied_plans(cm, 4)
+    measured = 2.0 * simulate_steps(plans, cm.calibrated(1.0, StageOverhead(5.0, 5.0)))
+    measured[3] *= 2.5  # another job took the cores during this step
+    fit = fit_step_model(plans, measured, cm)
+    assert fit.speed_factor == pytest.approx(2.0, rel=0.03)
+    assert fit.rel_err_after[3] == pytest.approx(1 / 2.5 - 1, abs=0.03)  # left as an outlier
+    assert np.abs(np.delete(fit.rel_err_after, 3)).max() < 0.02  # the other steps still fit (plain least squares: 10 %)
+
+
+def test_prior_keeps_the_overhead_when_the_steps_cannot_tell_it_from_the_speed():
+    """Plans of one shape (8 equal sequences, packed): any o fits them with the right s; the online
+    fit keeps the overhead it starts from and gets the speed factor."""
+    start = bare_model().calibrated(1.0, StageOverhead(4.0, 4.0))
+    plans = [build_plan([500] * 8, start, 1.0, slice_counts=[1]) for _ in range(4)]
+    measured = 3.0 * simulate_steps(plans, start)
+    fit = fit_step_model(plans, measured, start, prior_weight=ONLINE_PRIOR_WEIGHT)
+    assert fit.overhead_ms == pytest.approx(8.0, rel=1e-3)
+    assert fit.speed_factor == pytest.approx(3.0, rel=1e-3)
+
+
+def test_fit_rejects_bad_input():
+    cm = bare_model()
+    plans = varied_plans(cm, 0)[:2]
+    with pytest.raises(ValueError, match="one measured time per plan: 2 plans, 1 times"):
+        fit_step_model(plans, [100.0], cm)
+    with pytest.raises(ValueError, match="positive and finite"):
+        fit_step_model(plans, [100.0, 0.0], cm)
+
+
+def test_repredict_moves_a_plan_onto_the_new_calibration():
+    cm = bare_model()
+    plan = build_plan([300, 900, 2000, 64, 64], cm, 0.05)
+    assert (plan.stats.speed_factor, plan.stats.stage_overhead_ms) == (1.0, 0.0)
+    before = plan.stats.predicted_step_ms
+    assert repredict(plan, cm).stats.predicted_step_ms == before  # same calibration: untouched
+    new = cm.calibrated(2.0, StageOverhead(1.0, 2.0))
+    repredict(plan, new)
+    assert plan.stats.predicted_step_ms == pytest.approx(simulate(plan, new).step_ms) and plan.stats.predicted_step_ms > 2 * before
+    assert (plan.stats.speed_factor, plan.stats.stage_overhead_ms) == (2.0, 3.0)
+    assert plan.stats.bound_step_ms == pytest.approx(new.bound_ms(np.array(plan.seq_lengths)))
+
+
+# ----------------------------------------------------------------------------- the training driver's hook
+def plan_builder(*flags: str) -> PlanBuilder:
+    args = parse_args(["--elastic-pp", "--mock-data", "--pipeline-model-parallel-size", "2", "--num-layers", "4",
+                       "--seq-length", "1024", "--global-batch-size", "16", "--epp-memory-budget", "0.05", *flags], world_size=2)
+    resolve_vocab_size(args)
+    return PlanBuilder(args)
+
+
+def test_driver_refits_its_planners_model_after_the_first_steps_and_every_interval():
+    build = plan_builder("--epp-calibrate-interval", "6")  # keeps 6 steps: the warm-up would be among them
+    profile_o = build.cost_model.profile.overhead
+    machine = build.cost_model.calibrated(1.5, profile_o)  # this machine: 1.5x the profile's, the profile's overhead
+    rng = np.random.default_rng(0)
+    fits = {}
+    for step in range(1, 18):
+        plan = build(np.minimum(rng.lognormal(5.5, 1.2, size=16).astype(int) + 2, 1024).tolist())
+        fit = build.observe(plan, simulate(plan, machine).step_ms * (3.0 if step == 1 else 1.0))  # a slow warm-up
+        if fit is not None:
+            fits[step] = fit
+            assert build.cost_model.speed_factor == fit.speed_factor
+    assert sorted(fits) == [CALIBRATE_FIRST_STEP, CALIBRATE_FIRST_STEP + 6, CALIBRATE_FIRST_STEP + 12]
+    assert len(fits[CALIBRATE_FIRST_STEP].rel_err_after) == CALIBRATE_FIRST_STEP - 1  # the warm-up step left out
+    assert len(fits[CALIBRATE_FIRST_STEP + 12].rel_err_after) == 6  # the last 6 steps
+    for fit in fits.values():
+        assert fit.speed_factor == pytest.approx(1.5, rel=0.02)
+        assert fit.overhead_ms == pytest.approx(profile_o.fwd_ms + profile_o.bwd_ms, rel=0.02)
+    # the plans made after a fit predict this machine
+    plan = build(np.minimum(rng.lognormal(5.5, 1.2, size=16).astype(int) + 2, 1024).tolist())
+    assert plan.stats.speed_factor == build.cost_model.speed_factor
+    assert plan.stats.predicted_step_ms == pytest.approx(simulate(plan, machine).step_ms, rel=0.02)
+
+
+def test_driver_does_not_calibrate_with_interval_0():
+    build = plan_builder("--epp-calibrate-interval", "0")
+    model = build.cost_model
+    plan = build([500] * 16)
+    assert all(build.observe(plan, 1000.0) is None for _ in range(30))
+    assert build.cost_model is model

@@ -6,7 +6,7 @@ product of features with a profile's coefficients.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import numpy as np
@@ -14,7 +14,7 @@ import numpy as np
 from megatron_epp.plan import split_layers
 from megatron_epp.cost.features import F, sequence_features
 from megatron_epp.cost.network import NETWORKS, Network
-from megatron_epp.cost.profiles import Profile, TimeCoeffs, shape_memory, shape_time
+from megatron_epp.cost.profiles import Profile, StageOverhead, TimeCoeffs, shape_memory, shape_time
 
 
 @dataclass
@@ -37,7 +37,12 @@ class ChunkCosts:
 
 class CostModel:
     """A profile placed on ``P`` pipeline stages (``layers_per_stage``, even split by default), with
-    ``dp`` data-parallel replicas (optimizer-state sharding) and a network for stage-to-stage sends."""
+    ``dp`` data-parallel replicas (optimizer-state sharding) and a network for stage-to-stage sends.
+
+    ``speed_factor`` ``s``: this machine's time over the profile's (measured = ``s`` x modelled), applied
+    to every time (layers, the profile's per-chunk overhead, transfers); 1 is the machine the profile
+    was taken on. Fitted on measured steps with the overhead (:mod:`megatron_epp.planner.calibration`).
+    """
 
     def __init__(
         self,
@@ -46,6 +51,7 @@ class CostModel:
         layers_per_stage: Sequence[int] | None = None,
         dp: int = 1,
         network: Network | None = None,
+        speed_factor: float = 1.0,
     ) -> None:
         self.profile = shape_time(shape_memory(profile))  # activation memory and time for this model shape
         self.num_stages = num_stages
@@ -54,6 +60,12 @@ class CostModel:
         )
         self.dp = dp
         self.network = network or NETWORKS["fat-tree" if profile.source == "analytic" else "cpu-local"]
+        self.speed_factor = float(speed_factor)
+
+    def calibrated(self, speed_factor: float, overhead: StageOverhead) -> "CostModel":
+        """This model with another speed factor and per-chunk stage overhead (profile ms)."""
+        return CostModel(replace(self.profile, overhead=overhead), self.num_stages, self.layers, self.dp, self.network,
+                         speed_factor)
 
     # ----------------------------------------------------------------------------- time
     def layer_time(self, feats: np.ndarray, coeffs: TimeCoeffs) -> np.ndarray:
@@ -62,10 +74,10 @@ class CostModel:
     def work_vector(self) -> np.ndarray:
         """Coefficients of a chunk's forward + backward time on the whole model (all stages), ms."""
         p = self.profile
-        return (p.fwd.vector() + p.bwd.vector()) * self.layers.sum() + p.head_fwd.vector() + p.head_bwd.vector()
+        return self.speed_factor * ((p.fwd.vector() + p.bwd.vector()) * self.layers.sum() + p.head_fwd.vector() + p.head_bwd.vector())
 
     def costs(self, feats: np.ndarray) -> ChunkCosts:
-        p, m = self.profile, self.profile.memory
+        p, m, s = self.profile, self.profile.memory, self.speed_factor
         L = self.layers[:, None].astype(float)
         last = (np.arange(self.num_stages) == self.num_stages - 1)[:, None]
         tokens = feats[:, F.S]
@@ -76,9 +88,9 @@ class CostModel:
         act = m.act_token * tokens + m.act_area * area + m.act_context * context + m.act_slice * slice_tokens - lone
         return ChunkCosts(
             # + the executor's per-chunk stage overhead (on the constant feature: 1 per chunk, 0 in bound_ms)
-            fwd=L * self.layer_time(feats, p.fwd) + last * self.layer_time(feats, p.head_fwd) + p.overhead.fwd_ms * feats[:, F.CHUNKS],
-            bwd=L * self.layer_time(feats, p.bwd) + last * self.layer_time(feats, p.head_bwd) + p.overhead.bwd_ms * feats[:, F.CHUNKS],
-            rc_layer=self.layer_time(feats, p.recompute),
+            fwd=s * (L * self.layer_time(feats, p.fwd) + last * self.layer_time(feats, p.head_fwd) + p.overhead.fwd_ms * feats[:, F.CHUNKS]),
+            bwd=s * (L * self.layer_time(feats, p.bwd) + last * self.layer_time(feats, p.head_bwd) + p.overhead.bwd_ms * feats[:, F.CHUNKS]),
+            rc_layer=s * self.layer_time(feats, p.recompute),
             act_layer=act,
             ckpt_layer=m.ckpt_token * tokens,
             kv_layer=m.kv_token * tokens,
@@ -86,7 +98,7 @@ class CostModel:
             logits=m.logits_token * tokens,
             embed=m.embed_token * tokens,
             workspace=m.bwd_workspace * act,
-            p2p_ms=self.network.p2p_ms(m.p2p_token * tokens),
+            p2p_ms=s * self.network.p2p_ms(m.p2p_token * tokens),
             tokens=tokens,
         )
 

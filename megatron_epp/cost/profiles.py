@@ -128,7 +128,8 @@ class StageOverhead:
     ``forward_step`` / ``backward_step``, the chunk's layout and masks, the point-to-point calls and
     their synchronisation, the embedding on the first stage, autograd hooks). Fitted on real
     executor steps by ``scripts/calibrate_step.py`` (0 for analytic profiles); ``fit`` holds its
-    provenance (machine, load, runs, errors before/after).
+    provenance (machine, load, runs, errors before/after). The training driver refits it on its own
+    steps, with the machine's speed factor (:mod:`megatron_epp.planner.calibration`).
     """
 
     fwd_ms: float = 0.0

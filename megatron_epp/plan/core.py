@@ -109,6 +109,10 @@ class PlanStats:
     num_pipelines: int | None = None
     recomputed_layers: int | None = None
     predicted_activation_bytes: list[float] | None = None  # per stage, model states excluded
+    # the cost model's calibration the times were predicted with: the speed factor s (measured = s x
+    # modelled; 1 on the profile's machine) and the per-chunk stage overhead o (forward + backward, profile ms)
+    speed_factor: float | None = None
+    stage_overhead_ms: float | None = None
     # the recompute program (elastic builder only)
     mip_gap: float | None = None
     recompute_method: str | None = None  # "milp", "greedy", "none", "full", or several joined by +

@@ -28,7 +28,7 @@ from megatron_epp.cost.model import CostModel
 from megatron_epp.planner.grouping import group_units
 from megatron_epp.simulator.memory import pipeline_memory
 from megatron_epp.cost.profiles import GIB
-from megatron_epp.simulator.step import simulate
+from megatron_epp.simulator.step import SimResult, simulate
 
 SLICE_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 MIN_CHUNK_TOKENS = 64  # below this the token cap is not worth halving further: the batch does not fit
@@ -81,6 +81,20 @@ def apply_recompute(plan: Plan, cost_model: CostModel, budget: float, mode: Reco
     return {"mip_gap": float(max(gaps)), "recompute_method": "+".join(sorted(methods)), "program_recompute_ms": rc}
 
 
+def predicted_times(plan: Plan, cost_model: CostModel, sim: SimResult) -> dict:
+    """The time fields of :class:`PlanStats` for ``plan`` simulated on ``cost_model`` (``sim``), with
+    the calibration they were predicted with."""
+    overhead = cost_model.profile.overhead
+    return dict(
+        predicted_step_ms=sim.step_ms,
+        bound_step_ms=cost_model.bound_ms(np.array(plan.seq_lengths)),
+        bubble_ratio=sim.bubble_ratio,
+        recompute_ms=sim.recompute_ms,
+        speed_factor=cost_model.speed_factor,
+        stage_overhead_ms=overhead.fwd_ms + overhead.bwd_ms,
+    )
+
+
 def finish(plan: Plan, cost_model: CostModel, budget: float, t0: float, extra: dict) -> Plan:
     """Validate, simulate and record the predicted numbers in ``plan.stats``; ``extra``: more
     :class:`PlanStats` fields (the builder's own)."""
@@ -89,11 +103,8 @@ def finish(plan: Plan, cost_model: CostModel, budget: float, t0: float, extra: d
     sim = simulate(plan, cost_model)
     plan.stats = PlanStats(
         **extra,
+        **predicted_times(plan, cost_model, sim),
         solve_ms=solve_ms,
-        predicted_step_ms=sim.step_ms,
-        bound_step_ms=cost_model.bound_ms(np.array(plan.seq_lengths)),
-        bubble_ratio=sim.bubble_ratio,
-        recompute_ms=sim.recompute_ms,
         peak_memory_gb=(sim.peak_memory / GIB).tolist(),
         memory_budget_gb=budget / GIB,
         fits=bool((sim.peak_memory <= budget * (1 + 1e-9)).all()),

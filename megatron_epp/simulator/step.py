@@ -58,8 +58,25 @@ def plan_costs(plan: Plan, cost_model: CostModel) -> list[ChunkCosts]:
 
 def simulate(plan: Plan, cost_model: CostModel, costs: list[ChunkCosts] | None = None) -> SimResult:
     """Simulate one training step of ``plan``."""
-    P = plan.num_stages
     costs = costs or plan_costs(plan, cost_model)
+    events, free = _run(plan, costs)
+    busy = np.zeros(plan.num_stages)
+    for e in events:
+        busy[e.stage] += e.end - e.start
+    states = cost_model.model_state_bytes()
+    peaks = np.max([peak_memory(pipe, c, cost_model.layers, states) for pipe, c in zip(plan.pipelines, costs)], axis=0)
+    return SimResult(float(free.max()), busy, float(sum(e.recompute_ms for e in events)), peaks, events)
+
+
+def step_ms(plan: Plan, cost_model: CostModel) -> float:
+    """The simulated step time of ``plan`` alone, without the memory walk: for fits that simulate the
+    same plans many times."""
+    return float(_run(plan, plan_costs(plan, cost_model))[1].max())
+
+
+def _run(plan: Plan, costs: list[ChunkCosts]) -> tuple[list[Event], np.ndarray]:
+    """Every op of the step as an event, and the time each stage finishes."""
+    P = plan.num_stages
     queues = plan_stage_ops(plan)
     fend = [np.full((P, len(pipe.chunks)), np.nan) for pipe in plan.pipelines]
     bend = [np.full((P, len(pipe.chunks)), np.nan) for pipe in plan.pipelines]
@@ -94,9 +111,4 @@ def simulate(plan: Plan, cost_model: CostModel, costs: list[ChunkCosts] | None =
             waiting = ", ".join(f"stage {p} at step {i} ({op_label(plan.pipelines[q[i][0]], q[i][1])})"
                                 for p, (q, i) in enumerate(zip(queues, nxt)) if i < len(q))
             raise ScheduleDeadlock(f"no stage can run its next op: {waiting}; the op order:\n{format_stage_ops(plan)}")
-    busy = np.zeros(P)
-    for e in events:
-        busy[e.stage] += e.end - e.start
-    states = cost_model.model_state_bytes()
-    peaks = np.max([peak_memory(pipe, c, cost_model.layers, states) for pipe, c in zip(plan.pipelines, costs)], axis=0)
-    return SimResult(float(free.max()), busy, float(sum(e.recompute_ms for e in events)), peaks, events)
+    return events, free

@@ -88,6 +88,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train documents longer than --seq-length (the context cap) on their first --seq-length "
                    "tokens; without it such a document is an error before training")
     g.add_argument("--epp-timeline", default=None, help="directory: the planned timeline picture of every logged step")
+    g.add_argument("--epp-calibrate-interval", type=int, default=None, metavar="N",
+                   help="refit the planner's cost model to this machine (speed factor s and per-chunk stage overhead o) "
+                   f"on the measured steps: after step {CALIBRATE_FIRST_STEP} (step 1 is warm-up and left out), then "
+                   f"every N steps, on the last max(N, {CALIBRATE_FIRST_STEP - 1}) steps; 0: off, the profile as given "
+                   f"(default {CALIBRATE_INTERVAL})")
 
     g = p.add_argument_group("checkpointing")
     g.add_argument("--save", default=None)
@@ -188,8 +193,14 @@ EPP_DEFAULTS = {  # pretrain_gpt.py's defaults of the planner options (epp-plan 
 }
 
 
+# --epp-calibrate-interval: the first fit after this step (the first step is warm-up: lazy initialisation,
+# first-touch allocations), on the steps after the warm-up; then every --epp-calibrate-interval steps
+CALIBRATE_FIRST_STEP = 5
+CALIBRATE_INTERVAL = 20
+
+
 def validate_elastic_args(args: argparse.Namespace, world_size: int) -> None:
-    given = [k for k in (*EPP_DEFAULTS, "epp_memory_budget", "epp_timeline") if getattr(args, k) is not None]
+    given = [k for k in (*EPP_DEFAULTS, "epp_memory_budget", "epp_timeline", "epp_calibrate_interval") if getattr(args, k) is not None]
     given += ["epp_truncate_documents"] if args.epp_truncate_documents else []
     if not args.elastic_pp:
         if given:
@@ -204,6 +215,10 @@ def validate_elastic_args(args: argparse.Namespace, world_size: int) -> None:
             setattr(args, key, value)
     if args.epp_memory_budget is None:
         args.epp_memory_budget = default_memory_budget_gb(world_size)
+    if args.epp_calibrate_interval is None:
+        args.epp_calibrate_interval = CALIBRATE_INTERVAL
+    if args.epp_calibrate_interval < 0:
+        raise ArgumentError(f"--epp-calibrate-interval {args.epp_calibrate_interval}: must be >= 0 (0 turns calibration off)")
     try:
         PlannerConfig.from_args(args, args.seq_length)
     except ValueError as error:

@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import os
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -27,17 +28,19 @@ from megatron_epp.executor.memory_tracker import ActivationMemoryTracker
 from megatron_epp.executor.schedule import forward_backward_elastic
 from megatron_epp.plan import Plan, PlanInfeasible
 from megatron_epp.planner.builders import plan_batch
+from megatron_epp.planner.calibration import ONLINE_PRIOR_WEIGHT, StepFit, fit_step_model, repredict
 from megatron_epp.planner.config import PlannerConfig
 from megatron_epp.simulator import simulate
 from megatron_epp.simulator.memory import peak_memory
 from megatron_epp.simulator.timeline import draw_timeline
-from megatron_epp.training.arguments import ArgumentError
+from megatron_epp.training.arguments import CALIBRATE_FIRST_STEP, ArgumentError
 from megatron_epp.training.initialize import Runtime
 from megatron_epp.training.metrics import ElasticMetrics
 
 
 class PlanBuilder:
-    """The ``--epp-plan`` builder on the planner's cost model for this model and pipeline."""
+    """The ``--epp-plan`` builder on the planner's cost model for this model and pipeline, calibrated to
+    this machine on the measured steps (``--epp-calibrate-interval``)."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.config = PlannerConfig.from_args(args, args.seq_length)
@@ -49,9 +52,38 @@ class PlanBuilder:
         self.cost_model = CostModel(
             dataclasses.replace(profile, model=shape), args.pipeline_model_parallel_size, dp=args.data_parallel_size
         )
+        self.calibrate_interval = args.epp_calibrate_interval
+        self.measured: deque[tuple[Plan, float]] = deque(maxlen=max(self.calibrate_interval, CALIBRATE_FIRST_STEP - 1))
+        self.steps_observed = 0
 
     def __call__(self, lengths: list[int]) -> Plan:
         return plan_batch(lengths, self.cost_model, self.config)
+
+    def observe(self, plan: Plan, measured_ms: float) -> StepFit | None:
+        """Take a training step's plan and measured span (``forward_backward_elastic`` on the last stage,
+        the span the simulator predicts). After step ``CALIBRATE_FIRST_STEP`` and every
+        ``--epp-calibrate-interval`` steps after it, refit the speed factor and the per-chunk stage
+        overhead on the last steps kept (the first step, a warm-up, never is), and plan the following
+        steps on the result; returns the fit when one was made."""
+        if not self.calibrate_interval:
+            return None
+        self.steps_observed += 1
+        if self.steps_observed == 1:
+            return None
+        self.measured.append((plan, measured_ms))
+        since_first = self.steps_observed - CALIBRATE_FIRST_STEP
+        if since_first < 0 or since_first % self.calibrate_interval:
+            return None
+        plans, times = zip(*self.measured)
+        fit = fit_step_model(plans, times, self.cost_model, prior_weight=ONLINE_PRIOR_WEIGHT)
+        # one reference swap: a plan being made in the planning thread keeps the model it started on
+        self.cost_model = fit.apply(self.cost_model)
+        return fit
+
+    def repredict(self, plan: Plan) -> Plan:
+        """``plan``'s predicted times on the current cost model: a plan made one step ahead, before the
+        last calibration, is simulated again, so that every step's prediction uses the latest fit."""
+        return repredict(plan, self.cost_model)
 
     def predicted_activation_bytes(self, plan: Plan) -> list[float]:
         """Per-stage peak activation bytes (model states excluded) by the planner's exact memory walk."""
@@ -94,6 +126,7 @@ class ElasticTrainStep:
         self.ready: Future | None = None  # the next step's (batch, plan, planning timing, StepInputs)
         self.last_metrics: ElasticMetrics | None = None
         self.last_plan: Plan | None = None
+        self.logged_calibration: tuple[float, float] | None = None
 
     def _plan_async(self, batch) -> Future | None:
         if self.pool is None:
@@ -122,6 +155,7 @@ class ElasticTrainStep:
         if future is not None:
             t0 = time.perf_counter()
             plan, plan_ms = future.result()
+            plan = self.build.repredict(plan)
             timing = (plan_ms, (time.perf_counter() - t0) * 1000)
         return (batch, *_share_plan(plan, timing))
 
@@ -150,6 +184,8 @@ class ElasticTrainStep:
                 layouts=inputs.layouts,
             )
         run_ms = (time.perf_counter() - t1) * 1000
+        if not forward_only:
+            self._observe(plan, run_ms)
         self._prefetch()
         self.last_plan = plan
         self.last_metrics = ElasticMetrics(
@@ -160,6 +196,17 @@ class ElasticTrainStep:
         )
         return losses, int(batch.seq_lengths.sum())
 
+    def _observe(self, plan: Plan, run_ms: float) -> None:
+        """Give the planner's calibration this step's measured span: the last stage's, as the log records
+        it, sent to the planning rank. Only that rank calibrates: it alone plans for this model replica
+        and broadcasts the plans, so every rank of the replica runs plans of one (calibrated) model."""
+        if not self.args.epp_calibrate_interval:
+            return
+        span = torch.tensor([run_ms], dtype=torch.float64, device=self.runtime.device)
+        dist.broadcast(span, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+        if self.plans_here:
+            self.build.observe(plan, float(span.item()))
+
     def _gather_stages(self, measured: int) -> list[int]:
         """This rank's measured peak activation bytes, of every stage (gathered over the pipeline)."""
         per_stage: list[Any] = [None] * self.runtime.pp_size
@@ -167,11 +214,19 @@ class ElasticTrainStep:
         return per_stage
 
     def log(self, iteration: int) -> ElasticMetrics:
-        """This step's metrics for the log line and record; with ``--epp-timeline DIR``, also that step's timeline picture."""
+        """This step's metrics for the log line and record, with the calibration its prediction used (and a
+        line on the logging rank when that changed since the last logged step); with ``--epp-timeline
+        DIR``, also that step's timeline picture."""
         if self.args.epp_timeline and self.runtime.rank == 0 and self.last_plan is not None:
             os.makedirs(self.args.epp_timeline, exist_ok=True)
             self.build.draw(self.last_plan, os.path.join(self.args.epp_timeline, f"plan_iter_{iteration:07d}.png"))
-        return self.last_metrics
+        s, o = self.last_plan.stats.speed_factor, self.last_plan.stats.stage_overhead_ms
+        if self.runtime.is_logging_rank and self.logged_calibration not in (None, (s, o)):
+            was_s, was_o = self.logged_calibration
+            print(f" cost model calibrated on this machine's steps: speed factor s {was_s:.3f} -> {s:.3f}, stage overhead "
+                  f"o {was_o:.2f} -> {o:.2f} ms per chunk and stage (profile ms; {s * o:.2f} ms here)", flush=True)
+        self.logged_calibration = (s, o)
+        return dataclasses.replace(self.last_metrics, speed_factor=s, stage_overhead_ms=o)
 
 
 def elastic_sampler(args: argparse.Namespace, split: str, dp_size: int, build: PlanBuilder):
@@ -180,6 +235,8 @@ def elastic_sampler(args: argparse.Namespace, split: str, dp_size: int, build: P
     documents = elastic_documents(args, split)
     if documents is None:
         return None
+    # the work vector of the model as built, never a calibrated one: every rank must split the batch the
+    # same way, and each replica calibrates its own planner
     return SequenceSampler(documents, args.global_batch_size, args.seq_length, seed=args.seed,
                            dp_size=dp_size, work_vector=build.cost_model.work_vector(), truncate=args.epp_truncate_documents)
 

@@ -24,10 +24,14 @@ class ElasticMetrics:
     recomputed_layers: int
     planning_ms: float  # the planner's run for this step's batch
     planning_wait_ms: float  # of which the step waited for (0 when planning overlapped the previous step)
-    predicted_step_ms: float | None
+    predicted_step_ms: float | None  # on this machine once the cost model is calibrated (speed_factor)
     measured_ms: float  # forward_backward_elastic on this rank: every pipeline of the plan
     predicted_activation_bytes: list[float] | None = None  # per stage; training steps only
     measured_activation_bytes: list[int] | None = None
+    # the cost model's calibration the prediction used (--epp-calibrate-interval): the speed factor s
+    # (1: the machine the profile was taken on) and the per-chunk stage overhead o (profile ms)
+    speed_factor: float | None = None
+    stage_overhead_ms: float | None = None
 
     def line(self) -> str:
         hidden = "hidden" if self.planning_wait_ms < 1.0 else f"exposed {self.planning_wait_ms:.1f} ms"

@@ -1,0 +1,147 @@
+#!/usr/bin/env python3
+"""How well the time model predicts this machine's steps once the driver has calibrated it online.
+
+Runs ``pretrain_gpt.py --elastic-pp`` under torchrun (pp=2, CPU/gloo, one thread per rank) on
+held-out configurations: model shapes, context caps, corpora and plan builders other than those the
+shipped profile's overhead was fitted on (``scripts/calibrate_step.py``: hidden 64, 4 layers, cap
+1024, 16 documents). Each configuration runs twice:
+
+* calibrated: the driver's default ``--epp-calibrate-interval``: it fits the speed factor ``s`` and the
+  per-chunk stage overhead ``o`` on its own steps 2..5 (step 1 is warm-up) and plans and predicts the
+  following steps on them (refitting every interval); the error of steps 6..N is reported;
+* static: ``--epp-calibrate-interval 0``, the profile as shipped (its predictions are the profiling
+  machine's times), steps 6..N of that run, for comparison.
+
+Error per step: |predicted / measured - 1| with the log's ``predicted ms`` and ``measured ms`` (the
+span of ``forward_backward_elastic`` on the last stage, which the simulator predicts). Goal: <= 10 %
+on every calibrated step. Prints a table per configuration; the last line is one JSON object with
+the per-configuration median and max errors (calibrated and static) and the fitted ``s`` and ``o``.
+
+    python scripts/time_model_accuracy.py            # 6 configurations x 30 steps, twice
+    python scripts/time_model_accuracy.py --quick    # 3 configurations x 10 steps, twice (a smoke run: ~3 min)
+    python scripts/time_model_accuracy.py --runs-json runs.json   # keep the records; report on them again later
+
+Timings depend on the machine being quiet (other jobs on the cores move a step by 2x): the load
+average is printed before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_elastic import wiki_dataset  # noqa: E402  (scripts/ is this script's directory)
+from megatron_epp.tools.calibration import run_pretrain  # noqa: E402
+from megatron_epp.training.arguments import CALIBRATE_FIRST_STEP  # noqa: E402
+from megatron_epp.training.metrics import StepMetrics  # noqa: E402
+
+GOAL = 0.10
+COMMON = ["--elastic-pp", "--pipeline-model-parallel-size", "2", "--lr", "3e-3", "--log-interval", "1"]
+# name -> (corpus, flags): shapes, caps, corpora and builders away from calibrate_step.py's configurations
+CONFIGS = {
+    "stdlib-h128-cap2048-elastic": ("stdlib", ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4",
+                                               "--seq-length", "2048", "--global-batch-size", "8"]),
+    "wiki-h64-cap512-seq1f1b": ("wiki", ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4",
+                                         "--seq-length", "512", "--global-batch-size", "8", "--epp-plan", "seq1f1b",
+                                         "--epp-memory-budget", "4"]),
+    "mock-h64-8layers-cap2048-tight": ("mock", ["--num-layers", "8", "--hidden-size", "64", "--num-attention-heads", "4",
+                                                "--seq-length", "2048", "--global-batch-size", "8", "--epp-memory-budget", "0.03"]),
+    "mock-h96-cap1536-megatron": ("mock", ["--num-layers", "4", "--hidden-size", "96", "--num-attention-heads", "4",
+                                           "--seq-length", "1536", "--global-batch-size", "16", "--epp-plan", "megatron",
+                                           "--epp-memory-budget", "4"]),
+    "wiki-h128-cap1024-greedy": ("wiki", ["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "8",
+                                          "--seq-length", "1024", "--global-batch-size", "16", "--epp-memory-budget", "0.05",
+                                          "--epp-recompute", "greedy"]),
+    "stdlib-h32-cap4096-elastic": ("stdlib", ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
+                                              "--seq-length", "4096", "--global-batch-size", "4", "--epp-memory-budget", "0.02"]),
+}
+QUICK = ("stdlib-h128-cap2048-elastic", "mock-h64-8layers-cap2048-tight", "mock-h96-cap1536-megatron")
+
+
+def corpus_flags(corpus: str, cap: int) -> list[str]:
+    if corpus == "mock":
+        return ["--mock-data"]
+    if corpus == "wiki":
+        return ["--data-path", wiki_dataset("clip", cap), "--tokenizer", "byte", "--split", "1,0,0"]
+    from megatron_epp.data.stdlib_corpus import ensure_stdlib_corpus
+
+    return ["--data-path", ensure_stdlib_corpus(progress=False), "--tokenizer", "byte", "--split", "1,0,0",
+            "--epp-truncate-documents"]
+
+
+def errors(steps: list, calibrated: bool, name: str) -> np.ndarray:
+    """|predicted / measured - 1| of the steps after the first calibration."""
+    later = [s for s in steps if s.iteration > CALIBRATE_FIRST_STEP]
+    if calibrated and any(s.elastic.speed_factor == 1.0 for s in later):
+        raise RuntimeError(f"{name}: a step after {CALIBRATE_FIRST_STEP} was predicted without calibration")
+    return np.array([abs(s.elastic.predicted_step_ms / s.elastic.measured_ms - 1) for s in later])
+
+
+def loadavg() -> float:
+    return os.getloadavg()[0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help=f"{len(QUICK)} configurations, 10 steps each")
+    ap.add_argument("--iters", type=int, default=None, help="steps per run (default 30, quick 10)")
+    ap.add_argument("--configs", default=None, help=f"comma-separated subset of {','.join(CONFIGS)}")
+    ap.add_argument("--epp-profile", default="test-model", help="cost-model profile of every run")
+    ap.add_argument("--runs-json", default=None,
+                    help="save the runs' metrics records here; if the file exists, report on it instead of running again")
+    args = ap.parse_args()
+    names = args.configs.split(",") if args.configs else list(QUICK if args.quick else CONFIGS)
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        ap.error(f"unknown configuration {unknown[0]!r} (known: {', '.join(CONFIGS)})")
+    iters = args.iters or (10 if args.quick else 30)
+    if iters <= CALIBRATE_FIRST_STEP:
+        ap.error(f"--iters {iters}: needs steps after the first calibration (step {CALIBRATE_FIRST_STEP})")
+    print(f"{len(names)} configurations x {iters} steps, calibrated and static; errors of steps {CALIBRATE_FIRST_STEP + 1}.."
+          f"{iters}; load average {loadavg():.2f}", flush=True)
+    print(f"{'configuration':32s} {'chunks':>6s} {'meas ms':>8s} {'s':>6s} {'o ms':>6s} {'calibrated med/max':>19s} "
+          f"{'static med/max':>15s}", flush=True)
+    saved = json.loads(Path(args.runs_json).read_text()) if args.runs_json and Path(args.runs_json).exists() else None
+    if saved:
+        names, iters = list(saved["runs"]), saved["iters"]
+        print(f"reporting on the runs saved in {args.runs_json}")
+    runs = {}
+    result = {}
+    for name in names:
+        corpus, flags = CONFIGS[name]
+        argv = [*COMMON, *corpus_flags(corpus, int(flags[flags.index("--seq-length") + 1])), *flags,
+                "--train-iters", str(iters), "--epp-profile", args.epp_profile]
+        if saved:
+            calibrated, static = ([StepMetrics.from_dict(d) for d in saved["runs"][name][k]] for k in ("calibrated", "static"))
+        else:
+            calibrated, static = run_pretrain(argv), run_pretrain([*argv, "--epp-calibrate-interval", "0"])
+            runs[name] = {k: [json.loads(m.to_json()) for m in v] for k, v in (("calibrated", calibrated), ("static", static))}
+        cal, sta = errors(calibrated, True, name), errors(static, False, name)
+        last = calibrated[-1].elastic
+        chunks = np.median([sum(s.elastic.num_chunks.values()) for s in calibrated[CALIBRATE_FIRST_STEP:]])
+        measured = np.median([s.elastic.measured_ms for s in calibrated[CALIBRATE_FIRST_STEP:]])
+        result[name] = {
+            "calibrated": {"median": float(np.median(cal)), "max": float(cal.max()), "steps": len(cal)},
+            "static": {"median": float(np.median(sta)), "max": float(sta.max()), "steps": len(sta)},
+            "speed_factor": last.speed_factor, "stage_overhead_ms": last.stage_overhead_ms,
+        }
+        print(f"{name:32s} {chunks:6.0f} {measured:8.0f} {last.speed_factor:6.2f} {last.stage_overhead_ms:6.2f} "
+              f"{np.median(cal):9.1%}/{cal.max():6.1%}    {np.median(sta):6.1%}/{sta.max():6.1%}", flush=True)
+    if args.runs_json and not saved:
+        Path(args.runs_json).write_text(json.dumps({"iters": iters, "runs": runs}) + "\n")
+    worst = max(r["calibrated"]["max"] for r in result.values())
+    print(f"load average {loadavg():.2f}; worst calibrated step {worst:.1%} (goal <= {GOAL:.0%}): "
+          f"{'met' if worst <= GOAL else 'NOT met'}")
+    print(json.dumps({"goal": GOAL, "after_step": CALIBRATE_FIRST_STEP, "iters": iters, "within_goal": worst <= GOAL,
+                      "configs": result}, separators=(",", ":")))
+
+
+if __name__ == "__main__":
+    main()
