@@ -145,14 +145,14 @@ def derived_memory(shape: ModelShape) -> MemoryCoeffs:
 
 def check_memory(shape: ModelShape, stack: LayerStack, memory: MemoryCoeffs) -> dict:
     """Bytes autograd saves per layer (chunks of one segment, with and without context) and for the
-    head, against the derived count (the layer's count includes the prefix K/V it is given)."""
+    head, against the derived count (a slice's count includes the K/V buffer the stack gives it)."""
     m, pred, meas = memory, [], []
     for s, c in [(128, 0), (256, 0), (512, 0), (1024, 0), (2048, 0), (256, 512), (256, 2048), (512, 1024), (1024, 2048)]:
         stack.set_segments([s], [c])
         x = torch.randn(s, 1, shape.hidden, requires_grad=True)
         meas.append(saved_bytes(lambda: stack(x), stack.context))
-        lone = m.lone_slice_token * s if c else 0.0
-        pred.append(m.act_token * s + m.act_area * s * (c + s) + m.act_context * c + (m.act_slice * s if c else 0.0) - lone)
+        lone, buffer = (m.lone_slice_token * s, m.kv_token * (c + s)) if c else (0.0, 0.0)
+        pred.append(m.act_token * s + m.act_area * s * (c + s) + m.act_context * c + (m.act_slice * s if c else 0.0) - lone + buffer)
     logits = saved_bytes(lambda: stack.head_loss(torch.randn(1024, 1, shape.hidden, requires_grad=True))) / 1024
     # the bench head is the output layer + cross entropy (no final layernorm, no loss mask)
     return {"activation_bytes_derived": rel_errors(pred, meas), "logits_bytes_derived": rel_errors([m.logits_token], [logits])}

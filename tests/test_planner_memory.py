@@ -1,6 +1,7 @@
 """The planner's activation memory against what the executor's layers really save (CPU tracker).
 
-The worker runs small plans (batched, split, hybrid chunks; no, partial and full recompute) through
+The worker runs small plans (batched, split, hybrid chunks; sequences in 2 to 4 slices, one or two
+split sequences per plan, a long first slice; no, partial and full recompute) through
 the real executor on one stage of two model shapes, and the planner predicts the same plans from
 the shipped profile with only the shape swapped (as ``PlanBuilder`` does): a wrong checkpointed-layer
 term, an unscaled hidden size or a miscounted attention term shows up as a mismatch.
@@ -46,21 +47,22 @@ def measured(tmp_path_factory):
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_predicted_peak_matches_measured(measured, shape):
     rows = measured[shape]
-    assert len(rows) == 8
+    assert len(rows) == 21
     bad = [r for r in rows if abs(r["pred"] / r["meas"] - 1) > TOLERANCE]
     assert not bad, "\n".join(f"{r['case']} rc={r['rc']}: predicted {r['pred']:.0f} B, measured {r['meas']} B" for r in bad)
 
 
 def test_full_recompute_keeps_only_layer_inputs(measured):
-    """Full recompute must measure (and predict) far less than none on every case."""
+    """Full recompute must measure (and predict) the least of every case (a long first slice
+    recomputed alone can tie it: its recompute is the peak) and far less than none."""
     for rows in measured.values():
         by_case = {}
         for r in rows:
             by_case.setdefault(r["case"], []).append(r)
         for case in by_case.values():
             none = next(r for r in case if not any(r["rc"]))
-            full = min(case, key=lambda r: r["meas"])
-            assert all(full["rc"]) and full["meas"] < 0.7 * none["meas"]
+            full = next(r for r in case if all(r["rc"]))
+            assert full["meas"] == min(r["meas"] for r in case) and full["meas"] < 0.7 * none["meas"]
 
 
 def test_memory_coefficients_follow_the_model_shape():

@@ -11,8 +11,9 @@ Time of one layer on one chunk, with the chunk's segments ``(s, C)`` (length, co
 
 With a flash-style causal kernel ``a1c = 2 * a1``, i.e. ``a1 * ((C + s)^2 - C^2)`` as in the notes;
 an attention with an explicit boolean mask computes the whole ``s x (C + s)`` rectangle, so
-``a1c ~ a1``; the profiler fits both. ``ac`` is a cost per prefix token (concatenating the prefix
-K/V before the attention call; 0 for a GPU kernel reading the cache in place). ``bs`` is a per-segment launch cost (an attention call per
+``a1c ~ a1``; the profiler fits both. ``ac`` is a cost per prefix token outside the attention's
+area (it was fitted while slices concatenated their prefix K/V before the attention call; they now
+read it in place from the sequence's K/V buffer, as a GPU kernel reads a cache). ``bs`` is a per-segment launch cost (an attention call per
 segment on CPU; 0 for a varlen GPU kernel), ``b1`` the per-chunk launch constant.
 
 The time coefficients belong to the shape they were measured at (``Profile.time_model``); a profile
@@ -84,12 +85,14 @@ class MemoryCoeffs:
 
     ``act_token`` / ``act_area`` / ``act_context``: activations one layer keeps for backward per
     token, per unit of attention area ``s * (C + s)`` (0 with flash attention) and per prefix token
-    of a segment (a concatenated copy of the prefix K/V saved by the attention; 0 on GPU).
-    ``act_slice``: per own token of the slice with context (the same copies cover its ``s`` tokens
-    too). ``lone_slice_token``: per token, what a chunk that is only a slice with context does *not*
-    save (its own K and QKV outputs: the attention saves the concatenated copies instead).
-    ``ckpt_token``: what a checkpointed layer keeps (its input). ``kv_token``: what a split slice
-    keeps per token of its chunk for later slices (the storages its kept K/V views hold).
+    of a segment (a copy of the prefix K/V saved by the attention: 0 where, as here, the slice reads
+    its sequence's K/V buffer in place). ``act_slice``: per own token of the slice with context (the
+    same copy covers its ``s`` tokens too). ``lone_slice_token``: per token, what a chunk that is only
+    a slice of a split sequence (any context, the first slice too) does *not* save: its own K/V as
+    the QKV projection produced them, since its attention reads them from the K/V buffer.
+    ``ckpt_token``: what a checkpointed layer keeps (its input). ``kv_token``: a split sequence's K/V
+    buffer per layer and per token of the *whole* sequence (its K and V rows), allocated by the
+    forward of the sequence's first slice and freed, layer by layer, by that slice's backward.
     ``logits_token``: what the output head (final norm, output layer, loss) keeps on the last stage
     per token; ``embed_token``: what the embedding keeps on the first stage per token.
     ``bwd_workspace``: layers of full activations counted as workspace during a backward (gradient
@@ -258,11 +261,12 @@ def analytic_profile(shape: ModelShape, tp: int = 8, acc: Accelerator = H100) ->
 
 def gpu_activation_memory(shape: ModelShape, tp: int) -> dict[str, float]:
     """Megatron's activation count per layer and token (bf16, sequence parallel, flash attention:
-    no quadratic term): ``34 h / tp``; a checkpointed layer keeps its bf16 input."""
-    h = shape.hidden
+    no quadratic term): ``34 h / tp``, of which the attention's K and V (``2 * 2 h_kv / tp``) are what
+    a lone slice reads from its K/V buffer instead; a checkpointed layer keeps its bf16 input."""
+    h, kv = shape.hidden, 2 * 2.0 * shape.kv_hidden / tp
     return {
         "act_token": 34.0 * h / tp, "act_area": 0.0, "act_context": 0.0, "ckpt_token": 2.0 * h / tp,
-        "kv_token": 2 * 2.0 * shape.kv_hidden / tp, "logits_token": 4.0 * shape.vocab / tp,
+        "kv_token": kv, "lone_slice_token": kv, "logits_token": 4.0 * shape.vocab / tp,
     }
 
 
@@ -282,11 +286,12 @@ def saved_tensor_memory(shape: ModelShape, tp: int = 1, b: float = 4.0) -> dict[
     * the output projection's input ``b h``; pre-MLP layernorm ``b h + 8``; fc1's input ``b h``;
       the activation's input ``b f`` (``2 b f`` with SwiGLU); fc2's input ``b f``.
 
-    The slice with context ``C`` attends to K/V concatenated with the prefix: copies of ``C + s``
-    rows, ``2 b h_kv`` each (``act_context`` per prefix token, ``act_slice`` per own token). In a
-    chunk that is only that slice, the K and QKV outputs are then saved by nothing
-    (``lone_slice_token``); a slice with later slices keeps views of them (``kv_token``: their whole
-    storages). A checkpointed layer keeps its input (``b h``). The last stage keeps the final
+    A split sequence's K/V buffer holds ``2 b h_kv`` per token of the whole sequence and layer
+    (``kv_token``: its K and V rows); each slice writes its K/V there and SDPA reads (and saves) the
+    slice's rows ``[0, C + s)`` in place, so no copy of the prefix is saved (``act_context`` =
+    ``act_slice`` = 0). In a chunk that is only a slice, the K after RoPE and the QKV output are then
+    saved by nothing (``lone_slice_token``; without RoPE the query is a view of the QKV output, which
+    stays saved). A checkpointed layer keeps its input (``b h``). The last stage keeps the final
     layernorm (``b h + 8``), the output layer's input (``b h``), the fp32 softmax of the logits
     (``4 V``), the loss's target mask and indices (1 + 8) and the loss mask (4); the first stage the
     token ids (8; and position ids, 8, with learned positions). Measured by
@@ -306,10 +311,9 @@ def saved_tensor_memory(shape: ModelShape, tp: int = 1, b: float = 4.0) -> dict[
         + b * h  # output projection input
         + (2 if shape.swiglu else 1) * b * f + b * f  # activation and fc2 inputs
     )
-    kept = (b * kv + qkv) if shape.rope else qkv
     return {
-        "act_token": per_token, "act_area": b, "act_context": 2 * b * kv, "act_slice": 2 * b * kv,
-        "lone_slice_token": kept if shape.rope else 0.0, "ckpt_token": b * H, "kv_token": kept,
+        "act_token": per_token, "act_area": b, "act_context": 0.0, "act_slice": 0.0,
+        "lone_slice_token": b * kv + qkv if shape.rope else 0.0, "ckpt_token": b * H, "kv_token": 2 * b * kv,
         "logits_token": 2 * b * H + 8 + 4 * shape.vocab / tp + 13, "embed_token": 8.0 if shape.rope else 16.0,
         "bwd_workspace": 0.0,
     }
@@ -339,7 +343,7 @@ def time_scale_factors(ref: ModelShape, shape: ModelShape) -> dict[str, float]:
       not a GEMM (layernorms, biases, activation, residuals, RoPE; linear in ``h``) is lumped in;
     * ``a1``, ``a1c`` (per key-query pair): ``4 h`` FLOPs per pair (``Q K^T`` and ``P V`` over all
       heads), so ``h``; the per-pair softmax and mask work per head is lumped in;
-    * ``ac`` (per prefix token: the prefix K/V copied before the attention call): ``h_kv``;
+    * ``ac`` (per prefix token; fitted when the prefix K/V were copied before the attention call): ``h_kv``;
     * ``bs``, ``b1`` (per segment, per chunk: launches, Python): unchanged;
     * the output head's ``a2``: the logits GEMM, ``h * vocab`` (the softmax over ``vocab`` lumped in).
     """

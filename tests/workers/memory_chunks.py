@@ -4,7 +4,7 @@
 
 One stage (pp = 1: embedding, layers and output head) of the model the flags describe, the
 executor's own layers (``ChunkRecomputeLayer`` + ``ElasticAttention``); each case is a small plan
-(batched, split, hybrid chunks; no, partial and full recompute) run through
+(batched, split, hybrid chunks; sequences in 2 to 4 slices; no, partial and full recompute) run through
 ``forward_backward_elastic`` under :class:`ActivationMemoryTracker`, beside
 ``PlanBuilder.predicted_activation_bytes`` of the same plan. Writes ``[{case, rc, pred, meas}]``.
 """
@@ -37,6 +37,15 @@ CASES = [
     ("batched", [[S(0, 0, 200), S(1, 0, 90)]], ["none", "full"]),
     ("split", [[S(0, 0, 96)], [S(0, 96, 192)], [S(0, 192, 300)]], ["none", ["L", 1, 0], "full"]),
     ("split+hybrid+batched", [[S(0, 0, 150)], [S(0, 150, 300), S(1, 0, 60)], [S(2, 0, 100), S(3, 0, 50)]], ["none", [1, 0, "L"], "full"]),
+    # a split sequence's K/V buffer holds all its tokens from its first slice's forward to that slice's
+    # backward: a peak before the last slice's forward (here at the middle slice's, the batched chunk
+    # still resident) counts it whole; a long first slice recomputed peaks in its own backward,
+    # holding the buffers of its checkpointed layers
+    ("batched-then-split", [[S(0, 0, 250)], [S(1, 0, 30)], [S(1, 30, 60)], [S(1, 60, 90)]], ["none", [0, 0, 1, 0], "full"]),
+    ("long-first-slice", [[S(0, 0, 250)], [S(0, 250, 262)], [S(0, 262, 274)]], ["none", ["L", 0, 0], [1, 0, 0], "full"]),
+    ("batched+split4+hybrid", [[S(0, 0, 40), S(1, 0, 30)], [S(2, 0, 100)], [S(2, 100, 170)], [S(2, 170, 220)], [S(2, 220, 260), S(3, 0, 50)]],
+     ["none", [0, "L", 1, 0, 1], "full"]),
+    ("two-split-sequences", [[S(0, 0, 80)], [S(0, 80, 160)], [S(1, 0, 60)], [S(1, 60, 120), S(2, 0, 30)]], ["none", [1, 0, 0, 1], "full"]),
 ]
 
 
