@@ -11,7 +11,7 @@ Measures, with one thread:
     forward;
   * the output head (linear + cross entropy) forward/backward;
   * the bytes autograd saves per layer and for the head: a check only, the profile's memory block is
-    the analytic count (``saved_tensor_memory``, ``derive="saved-tensors-fp32"``), which the planner
+    the analytic count (``saved_tensor_memory``, ``derive="saved-tensors"``), which the planner
     re-derives for any shape; the error of the count against these measurements is reported.
 
 Writes the profile JSON (keeping the ``overhead`` block of the file it replaces, or of the shipped
@@ -138,8 +138,8 @@ def derived_memory(shape: ModelShape) -> MemoryCoeffs:
     """The profile's memory block: the analytic saved-tensor count for ``shape`` (fp32, CPU), which
     the planner re-derives for the trained shape (``shape_memory``), and fp32 model states."""
     return MemoryCoeffs(
-        **saved_tensor_memory(shape, 1, 4.0), weight=4.0, grad=4.0, optim=8.0, distributed_optimizer=False,
-        p2p_token=4.0 * shape.hidden, derive="saved-tensors-fp32",
+        **saved_tensor_memory(shape, 1), weight=4.0, grad=4.0, optim=8.0, distributed_optimizer=False,
+        p2p_token=4.0 * shape.hidden, derive="saved-tensors",
     )
 
 

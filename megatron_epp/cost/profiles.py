@@ -32,6 +32,7 @@ import numpy as np
 
 PROFILE_DIR = Path(__file__).parent / "profiles"
 GIB = float(2**30)
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}  # activation dtypes the saved-tensor count is measured in
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,7 @@ class ModelShape:
     num_kv_heads: int | None = None
     swiglu: bool = True
     rope: bool = True  # rotary positions (False: learned absolute positions); changes what attention saves
+    dtype: str = "float32"  # the activations' dtype (DTYPE_BYTES): what autograd saves and the K/V buffers hold
 
     @property
     def kv_hidden(self) -> int:
@@ -100,8 +102,8 @@ class MemoryCoeffs:
     parameter: ``weight``, ``grad`` and ``optim`` bytes (the last divided by the data-parallel size
     when ``distributed_optimizer``). ``p2p_token``: bytes one GPU sends per token between stages.
     ``derive``: ``""`` (the numbers as given), or the analytic count the activation coefficients are
-    re-derived from for the profile's model shape (:func:`shape_memory`): ``"saved-tensors-fp32"``
-    (what autograd saves on CPU, counted tensor by tensor) or ``"megatron-gpu"`` (Megatron's
+    re-derived from for the profile's model shape (:func:`shape_memory`): ``"saved-tensors"`` (what
+    autograd saves on CPU, counted tensor by tensor in the shape's dtype) or ``"megatron-gpu"`` (Megatron's
     ``34 h / tp`` with flash attention).
     """
 
@@ -190,11 +192,11 @@ class Profile:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
 
-# Published LLaMA shapes (LLaMA-1 paper, table 2; "30B" is the 32.5B model).
+# Published LLaMA shapes (LLaMA-1 paper, table 2; "30B" is the 32.5B model), trained in bf16.
 MODEL_PRESETS: dict[str, ModelShape] = {
-    "llama-7b": ModelShape("llama-7b", 32, 4096, 32, 11008, 32000),
-    "llama-13b": ModelShape("llama-13b", 40, 5120, 40, 13824, 32000),
-    "llama-30b": ModelShape("llama-30b", 60, 6656, 52, 17920, 32000),
+    "llama-7b": ModelShape("llama-7b", 32, 4096, 32, 11008, 32000, dtype="bfloat16"),
+    "llama-13b": ModelShape("llama-13b", 40, 5120, 40, 13824, 32000, dtype="bfloat16"),
+    "llama-30b": ModelShape("llama-30b", 60, 6656, 52, 17920, 32000, dtype="bfloat16"),
 }
 
 # The CPU test model of the project (fp32, one thread): GPT-style GELU MLP, 8 layers.
@@ -260,8 +262,8 @@ def analytic_profile(shape: ModelShape, tp: int = 8, acc: Accelerator = H100) ->
 
 
 def gpu_activation_memory(shape: ModelShape, tp: int) -> dict[str, float]:
-    """Megatron's activation count per layer and token (bf16, sequence parallel, flash attention:
-    no quadratic term): ``34 h / tp``, of which the attention's K and V (``2 * 2 h_kv / tp``) are what
+    """Megatron's activation count per layer and token (bf16 whatever the shape's dtype, sequence
+    parallel, flash attention: no quadratic term): ``34 h / tp``, of which the attention's K and V (``2 * 2 h_kv / tp``) are what
     a lone slice reads from its K/V buffer instead; a checkpointed layer keeps its bf16 input."""
     h, kv = shape.hidden, 2 * 2.0 * shape.kv_hidden / tp
     return {
@@ -270,20 +272,23 @@ def gpu_activation_memory(shape: ModelShape, tp: int) -> dict[str, float]:
     }
 
 
-def saved_tensor_memory(shape: ModelShape, tp: int = 1, b: float = 4.0) -> dict[str, float]:
+def saved_tensor_memory(shape: ModelShape, tp: int = 1) -> dict[str, float]:
     """Bytes autograd saves for backward, counted tensor by tensor (deduplicated by storage, as
     :class:`~megatron_epp.executor.memory_tracker.ActivationMemoryTracker` counts them), for one
     Megatron-Core local-spec layer with :class:`ElasticAttention` on the SDPA-masked path (CPU),
-    ``b``-byte activations, no dropout. Per token of a chunk, one layer saves:
+    activations of ``b`` bytes (``DTYPE_BYTES`` of the shape's dtype: a model cast to bf16 saves
+    half, except the fp32 logsumexp and logits' softmax), no dropout. Per token of a chunk, one layer
+    saves:
 
-    * input layernorm: its input ``b h`` and fp32 mean and rstd (8); the QKV linear: its input ``b h``;
+    * input layernorm: its input ``b h`` and its mean and rstd (``2 b``: the input's dtype on CPU);
+      the QKV linear: its input ``b h``;
     * RoPE: ``cos`` and ``sin`` of q and of k (4 x ``b d``, ``d = h / heads``); q and k after RoPE
       (``b h`` and ``b h_kv``, new storages) and V as a view of the QKV output (``b (h + 2 h_kv)``);
       without RoPE q, k and v are all views of the QKV output;
     * SDPA (CPU flash kernel, explicit mask): q, k, v, its output (``b h``), the logsumexp (fp32 per
       head) and the boolean mask converted to a float mask, ``b s (C + s)`` per segment: the
       quadratic term (one mask per layer and segment, not per head);
-    * the output projection's input ``b h``; pre-MLP layernorm ``b h + 8``; fc1's input ``b h``;
+    * the output projection's input ``b h``; pre-MLP layernorm ``b h + 2 b``; fc1's input ``b h``;
       the activation's input ``b f`` (``2 b f`` with SwiGLU); fc2's input ``b f``.
 
     A split sequence's K/V buffer holds ``2 b h_kv`` per token of the whole sequence and layer
@@ -292,20 +297,23 @@ def saved_tensor_memory(shape: ModelShape, tp: int = 1, b: float = 4.0) -> dict[
     ``act_slice`` = 0). In a chunk that is only a slice, the K after RoPE and the QKV output are then
     saved by nothing (``lone_slice_token``; without RoPE the query is a view of the QKV output, which
     stays saved). A checkpointed layer keeps its input (``b h``). The last stage keeps the final
-    layernorm (``b h + 8``), the output layer's input (``b h``), the fp32 softmax of the logits
+    layernorm (``b h + 2 b``), the output layer's input (``b h``), the fp32 softmax of the logits
     (``4 V``), the loss's target mask and indices (1 + 8) and the loss mask (4); the first stage the
     token ids (8; and position ids, 8, with learned positions). Measured by
-    ``tests/test_planner_memory.py`` against the tracker on real chunks.
+    ``tests/test_planner_memory.py`` against the tracker on real chunks, fp32 and bf16.
     """
     if shape.num_kv_heads not in (None, shape.num_heads):
         raise ValueError("saved_tensor_memory: grouped-query attention is not counted (K/V are repeated per head)")
+    if shape.dtype not in DTYPE_BYTES:
+        raise ValueError(f"saved_tensor_memory: activations of dtype {shape.dtype} are not counted (known: {', '.join(DTYPE_BYTES)})")
+    b = float(DTYPE_BYTES[shape.dtype])
     H = shape.hidden  # layernorm inputs and outputs are whole on every tensor-parallel rank
     h, kv, heads, f = H / tp, shape.kv_hidden / tp, shape.num_heads / tp, shape.ffn_hidden / tp
     d = h / heads
     qkv = b * (h + 2 * kv)
     attn_views = (4 * b * d + b * h + b * kv + qkv) if shape.rope else qkv  # RoPE's cos/sin, q, k; the QKV output
     per_token = (
-        2 * (b * H + 8)  # the two layernorms
+        2 * (b * H + 2 * b)  # the two layernorms
         + 2 * b * H  # QKV linear and fc1 inputs
         + attn_views + b * h + 4 * heads  # + SDPA output and logsumexp
         + b * h  # output projection input
@@ -314,12 +322,12 @@ def saved_tensor_memory(shape: ModelShape, tp: int = 1, b: float = 4.0) -> dict[
     return {
         "act_token": per_token, "act_area": b, "act_context": 0.0, "act_slice": 0.0,
         "lone_slice_token": b * kv + qkv if shape.rope else 0.0, "ckpt_token": b * H, "kv_token": 2 * b * kv,
-        "logits_token": 2 * b * H + 8 + 4 * shape.vocab / tp + 13, "embed_token": 8.0 if shape.rope else 16.0,
+        "logits_token": 2 * b * H + 2 * b + 4 * shape.vocab / tp + 13, "embed_token": 8.0 if shape.rope else 16.0,
         "bwd_workspace": 0.0,
     }
 
 
-_DERIVATIONS = {"saved-tensors-fp32": lambda shape, tp: saved_tensor_memory(shape, tp, 4.0), "megatron-gpu": gpu_activation_memory}
+_DERIVATIONS = {"saved-tensors": saved_tensor_memory, "megatron-gpu": gpu_activation_memory}
 
 
 def shape_memory(profile: Profile) -> Profile:
