@@ -5,7 +5,7 @@ slice packed with short documents) every chunk runs forward in plan order and ba
 elastic schedule's order through one ``ElasticAttention`` (``tests/attention_harness.py``), with
 each backend forced in turn:
 
-  flash-varlen  one flash_attn_varlen_func call per chunk (prefix K/V packed before the slice)
+  flash-varlen  one flash_attn_varlen_func call per chunk (the slice's K/V buffer rows, prefix first)
   sdpa-causal   SDPA per segment, is_causal without context, explicit mask for the slice
   sdpa-masked   SDPA per segment, explicit bottom-right mask everywhere (the CPU path)
 

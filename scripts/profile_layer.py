@@ -18,7 +18,7 @@ Measures, with one thread (process CPU time, fastest of ``--repeats``):
     ratio of the forward plus a constant;
   * the output head (linear + cross entropy) forward/backward, on the per-token and per-chunk columns;
   * the bytes autograd saves per layer and for the head: a check only, the profile's memory block is
-    the analytic count (``saved_tensor_memory``, ``derive="saved-tensors-fp32"``), which the planner
+    the analytic count (``saved_tensor_memory``, ``derive="saved-tensors"``), which the planner
     re-derives for any shape; the error of the count against these measurements is reported.
 
 Writes the profile JSON (keeping the ``overhead`` block of the file it replaces, or of the shipped
@@ -178,21 +178,21 @@ def derived_memory(shape: ModelShape) -> MemoryCoeffs:
     """The profile's memory block: the analytic saved-tensor count for ``shape`` (fp32, CPU), which
     the planner re-derives for the trained shape (``shape_memory``), and fp32 model states."""
     return MemoryCoeffs(
-        **saved_tensor_memory(shape, 1, 4.0), weight=4.0, grad=4.0, optim=8.0, distributed_optimizer=False,
-        p2p_token=4.0 * shape.hidden, derive="saved-tensors-fp32",
+        **saved_tensor_memory(shape, 1), weight=4.0, grad=4.0, optim=8.0, distributed_optimizer=False,
+        p2p_token=4.0 * shape.hidden, derive="saved-tensors",
     )
 
 
 def check_memory(shape: ModelShape, stack: LayerStack, memory: MemoryCoeffs) -> dict:
     """Bytes autograd saves per layer (chunks of one segment, with and without context) and for the
-    head, against the derived count (the layer's count includes the prefix K/V it is given)."""
+    head, against the derived count (a slice's count includes the K/V buffer the stack gives it)."""
     m, pred, meas = memory, [], []
     for s, c in [(128, 0), (256, 0), (512, 0), (1024, 0), (2048, 0), (256, 512), (256, 2048), (512, 1024), (1024, 2048)]:
         stack.set_segments([s], [c])
         x = torch.randn(s, 1, shape.hidden, requires_grad=True)
         meas.append(saved_bytes(lambda: stack(x), stack.context))
-        lone = m.lone_slice_token * s if c else 0.0
-        pred.append(m.act_token * s + m.act_area * s * (c + s) + m.act_context * c + (m.act_slice * s if c else 0.0) - lone)
+        lone, buffer = (m.lone_slice_token * s, m.kv_token * (c + s)) if c else (0.0, 0.0)
+        pred.append(m.act_token * s + m.act_area * s * (c + s) + m.act_context * c + (m.act_slice * s if c else 0.0) - lone + buffer)
     logits = saved_bytes(lambda: stack.head_loss(torch.randn(1024, 1, shape.hidden, requires_grad=True))) / 1024
     # the bench head is the output layer + cross entropy (no final layernorm, no loss mask)
     return {"activation_bytes_derived": rel_errors(pred, meas), "logits_bytes_derived": rel_errors([m.logits_token], [logits])}

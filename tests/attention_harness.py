@@ -2,7 +2,7 @@
 
 Each chunk gets random leaf ``q``/``k``/``v`` (``[N, 1, heads, d]``) and a random output gradient;
 chunks run forward in plan order and backward in the schedule's backward order (a split sequence's
-slices last-to-first), so the prefix K/V and their gradients (kept leaves, ``_ReceiveLaterSliceGrads``)
+slices last-to-first), so the prefix K/V and their gradients (the sequences' K/V buffers, ``_SliceKV``)
 flow exactly as in training. Each chunk is current in the attention's own context while it runs.
 Used by the CPU contract test and by ``scripts/check_cuda_attention.py``.
 """
@@ -80,7 +80,7 @@ def run_plan(attention: ElasticAttention, plan: Plan, tensors: list[list[ChunkTe
                     outs[pos].backward(row[pos].grad_out)
             results.append([ChunkResult(o.detach(), q.grad, k.grad, v.grad) for o, (q, k, v) in zip(outs, leaves)])
             if context.kv:
-                raise AssertionError(f"prefix K/V not released after the pipeline: {sorted(context.kv)}")
+                raise AssertionError(f"K/V buffers not released after the pipeline: {sorted(context.kv)}")
     return results
 
 

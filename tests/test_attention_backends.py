@@ -5,8 +5,8 @@ of ``flash_attn_varlen_func``'s documented semantics (flash-attn 2.1+ docstring:
 ``(total, heads, d)``, one (q-sequence, k-sequence) pair per ``cu_seqlens`` entry, ``causal=True``
 aligned to the bottom-right corner, GQA by query-head groups), written here with plain torch
 (``einsum`` + ``softmax``, not SDPA). Forcing ``EPP_ATTENTION_BACKEND=flash`` on CPU float32 with
-that reference as the kernel, outputs and gradients (q, k, v, and the prefix-K/V path through kept
-leaves) must equal the SDPA path on random batched/split/hybrid plans, with and without GQA;
+that reference as the kernel, outputs and gradients (q, k, v, and the prefix-K/V path through the
+sequences' K/V buffers) must equal the SDPA path on random batched/split/hybrid plans, with and without GQA;
 misplacing the prefix or leaving it out of ``cu_seqlens_k`` must break the match.
 What this does not check: the real CUDA kernel (``scripts/check_cuda_attention.py`` on a GPU).
 """
@@ -147,15 +147,23 @@ class SeqlensWithoutPrefix(ChunkContext):
 
 def broken(monkeypatch, fault: str) -> tuple[FlashKernel, ChunkContext | None]:
     """Break the flash path's packing on purpose; returns the kernel and the chunk context to run it with."""
+    original_pack = attention_kernels.pack_kv
+
+    def prefix_rows(rows, layout):
+        start, end = layout.bounds[layout.split_index]
+        return rows.shape[0] - (end - start)
+
     if fault == "prefix_after_slice_tokens":
-        def pack_kv(own, prefix, layout):
-            end = layout.bounds[layout.split_index][1]
-            return torch.cat([own[:end], prefix, own[end:]])
+        def pack_kv(own, rows, layout):
+            c = prefix_rows(rows, layout)
+            return original_pack(own, torch.cat([rows[c:], rows[:c]]), layout)
         monkeypatch.setattr(attention_kernels, "pack_kv", pack_kv)
         return REFERENCE_KERNEL, None
-    if fault == "prefix_detached":  # the later slices' gradients never reach the kept leaves
-        original_pack = attention_kernels.pack_kv
-        monkeypatch.setattr(attention_kernels, "pack_kv", lambda own, prefix, layout: original_pack(own, prefix.detach(), layout))
+    if fault == "prefix_detached":  # the later slices' gradients never reach the earlier slices' K/V
+        def pack_kv(own, rows, layout):
+            c = prefix_rows(rows, layout)
+            return original_pack(own, torch.cat([rows[:c].detach(), rows[c:]]), layout)
+        monkeypatch.setattr(attention_kernels, "pack_kv", pack_kv)
         return REFERENCE_KERNEL, None
     if fault == "cu_seqlens_k_without_prefix":  # caught by the reference's argument contract
         return REFERENCE_KERNEL, SeqlensWithoutPrefix()
@@ -212,6 +220,50 @@ def test_flash_call_arguments_and_seqlens_built_once_per_chunk(monkeypatch):
     assert cq1.dtype == ck1.dtype == torch.int32 and ck0.tolist() == [0, 12]
     assert cq1b is cq1 and ck1b is ck1  # built once per chunk, not per layer
     assert kwargs["causal"] is True and kwargs["softmax_scale"] == pytest.approx(8 ** -0.5) and kwargs["dropout_p"] == 0.25
+
+
+def test_sdpa_reads_the_slices_kv_in_place(monkeypatch):
+    """SDPA path: a slice attends to rows of its sequence's K/V buffer, not to a copy (the only
+    ``torch.cat`` joins the segments' outputs); the buffer holds ``2 * kv_hidden * 4`` bytes (fp32 K
+    and V) per token of the whole sequence and layer from the first slice on, and is released by the
+    first slice's backward."""
+    heads, d, lengths = 4, 8, [30, 5]
+    context = ChunkContext()
+    layers = [make_attention(heads, heads, d, layer_number=i, context=context) for i in (1, 2)]
+    chunks = [Chunk(0, "split", [Segment(0, 0, 12)]), Chunk(1, "split", [Segment(0, 12, 20)]),
+              Chunk(2, "hybrid", [Segment(1, 0, 5), Segment(0, 20, 30)])]
+    sdpa, cat = torch.nn.functional.scaled_dot_product_attention, torch.cat
+    outputs, kv_reads, cat_inputs = set(), [], []
+
+    def recording_sdpa(q, k, v, **kwargs):
+        buffers = context.kv_storages()
+        kv_reads.append(all(t.untyped_storage().data_ptr() in buffers for t in (k, v)))
+        out = sdpa(q, k, v, **kwargs)
+        outputs.add(out.untyped_storage().data_ptr())
+        return out
+
+    def recording_cat(tensors, *args, **kwargs):
+        cat_inputs.extend(t.untyped_storage().data_ptr() for t in tensors)
+        return cat(tensors, *args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording_sdpa)
+    monkeypatch.setattr(torch, "cat", recording_cat)
+    gen = torch.Generator().manual_seed(0)
+    runs = []
+    for chunk in chunks:
+        layout = ChunkLayout.build(chunk, lengths, torch.device("cpu"))
+        qkv = [torch.randn(chunk.num_tokens, 1, heads, d, generator=gen, requires_grad=True) for _ in range(3)]
+        with context.running(layout):
+            runs.append((layout, [layer(*qkv) for layer in layers]))
+    monkeypatch.undo()
+    # per layer: the first slice, the second, then the hybrid's whole sequence (its own K/V) and its tail
+    assert kv_reads == [True, True, True, True, False, True, False, True]
+    assert cat_inputs and set(cat_inputs) <= outputs
+    assert sorted(context.kv) == [(0, 1), (0, 2)] and sum(context.kv_storages().values()) == 2 * 30 * 2 * heads * d * 4
+    for layout, outs in reversed(runs):
+        with context.running(layout):
+            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+    assert context.kv == {}
 
 
 def test_bad_backend_value_is_an_error(monkeypatch):

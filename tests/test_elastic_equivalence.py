@@ -4,8 +4,9 @@ The reference is stock Megatron-Core (local spec, no EPP) with every whole seque
 micro-batch in one process. Random plans cover batched, split (1-8 slices) and hybrid chunks,
 1-3 pipelines, pp 1/2/4, dp 2 x pp 2 and tp 2 x pp 2, tied embeddings, RoPE and learned positions:
 38 plans.
-Injected faults (prefix K/V dropped, slices' backward in forward order, attention leaking across
-packed sequences) must each break the match.
+Injected faults (prefix K/V dropped, the prefix K/V gradients later slices accumulate dropped, a
+slice's K/V written at the wrong rows of its buffer, slices' backward in forward order, attention
+leaking across packed sequences) must each break the match.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def test_recompute_with_dropout_replays_the_same_masks(tmp_path):
     assert max(worst_mismatch(plain, unrestored, c) for c in range(cases)) > 1e-3
 
 
-@pytest.mark.parametrize("fault", ["drop_prefix", "forward_order_backward", "leak_packing"])
+@pytest.mark.parametrize("fault", ["drop_prefix", "drop_prefix_grads", "misplaced_kv", "forward_order_backward", "leak_packing"])
 def test_injected_fault_breaks_the_match(tmp_path, references, fault):
     cases = 3
     broken = run(tmp_path / fault, 2, "elastic", cases, "--pipeline-model-parallel-size", "2", "--fault", fault)

@@ -1,9 +1,11 @@
 """The planner's activation memory against what the executor's layers really save (CPU tracker).
 
-The worker runs small plans (batched, split, hybrid chunks; no, partial and full recompute) through
-the real executor on one stage of two model shapes, and the planner predicts the same plans from
-the shipped profile with only the shape swapped (as ``PlanBuilder`` does): a wrong checkpointed-layer
-term, an unscaled hidden size or a miscounted attention term shows up as a mismatch.
+The worker runs small plans (batched, split, hybrid chunks; sequences in 2 to 4 slices, one or two
+split sequences per plan, a long first slice; no, partial and full recompute) through the real
+executor on one stage of three models (two shapes in fp32, one cast to bf16), and the planner
+predicts the same plans from the shipped profile with only the shape (and dtype) swapped (as
+``PlanBuilder`` does): a wrong checkpointed-layer term, an unscaled hidden size, a miscounted
+attention term or a K/V buffer counted at the wrong moment shows up as a mismatch.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from tests.launch import REPO, free_port, run_env
 SHAPES = {
     "h32": ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2"],
     "h128": ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "8", "--ffn-hidden-size", "384"],
+    "h64-bf16": ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--model-dtype", "bfloat16"],
 }
 TOLERANCE = 0.02  # the count is exact on CPU (measured 0.0 %); a regression is tens of percent
 
@@ -46,31 +49,33 @@ def measured(tmp_path_factory):
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_predicted_peak_matches_measured(measured, shape):
     rows = measured[shape]
-    assert len(rows) == 8
+    assert len(rows) == 21
     bad = [r for r in rows if abs(r["pred"] / r["meas"] - 1) > TOLERANCE]
     assert not bad, "\n".join(f"{r['case']} rc={r['rc']}: predicted {r['pred']:.0f} B, measured {r['meas']} B" for r in bad)
 
 
 def test_full_recompute_keeps_only_layer_inputs(measured):
-    """Full recompute must measure (and predict) far less than none on every case."""
+    """Full recompute must measure (and predict) the least of every case (a long first slice
+    recomputed alone can tie it: its recompute is the peak) and far less than none."""
     for rows in measured.values():
         by_case = {}
         for r in rows:
             by_case.setdefault(r["case"], []).append(r)
         for case in by_case.values():
             none = next(r for r in case if not any(r["rc"]))
-            full = min(case, key=lambda r: r["meas"])
-            assert all(full["rc"]) and full["meas"] < 0.7 * none["meas"]
+            full = next(r for r in case if all(r["rc"]))
+            assert full["meas"] == min(r["meas"] for r in case) and full["meas"] < 0.7 * none["meas"]
 
 
 def test_memory_coefficients_follow_the_model_shape():
-    """``PlanBuilder`` swaps the profile's shape: the activation coefficients must follow it."""
+    """``PlanBuilder`` swaps the profile's shape: the activation coefficients must follow it, its dtype included."""
     profile = load_profile("test-model")
     for hidden, heads, ffn in [(32, 2, 128), (64, 4, 256), (128, 8, 384)]:
-        shape = dataclasses.replace(profile.model, hidden=hidden, num_heads=heads, ffn_hidden=ffn)
-        m = CostModel(dataclasses.replace(profile, model=shape), 2).profile.memory
-        want = saved_tensor_memory(shape)
-        assert m.act_token == want["act_token"] and m.ckpt_token == 4.0 * hidden and m.kv_token == want["kv_token"]
+        for dtype, b in [("float32", 4.0), ("bfloat16", 2.0)]:
+            shape = dataclasses.replace(profile.model, hidden=hidden, num_heads=heads, ffn_hidden=ffn, dtype=dtype)
+            m = CostModel(dataclasses.replace(profile, model=shape), 2).profile.memory
+            want = saved_tensor_memory(shape)
+            assert m.act_token == want["act_token"] and m.ckpt_token == b * hidden and m.kv_token == 2 * b * hidden
     small = CostModel(dataclasses.replace(profile, model=dataclasses.replace(profile.model, hidden=32, ffn_hidden=128)), 2)
     assert small.profile.memory.act_token < 0.6 * profile.memory.act_token
 

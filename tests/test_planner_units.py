@@ -23,7 +23,7 @@ IDEAL = Network("ideal", 1e30, 0.0, 1e30, 0.0)
 
 def toy_cost_model(num_stages: int = 2, layers: list[int] | None = None) -> CostModel:
     """1 ms per token per layer forward, 2 backward, recompute = forward; 10 B/token/layer of
-    activations, 1 B kept by a checkpointed layer, 2 B of K/V; no model states, no network."""
+    activations, 1 B kept by a checkpointed layer, 2 B of K/V buffer; no model states, no network."""
     shape = MODEL_PRESETS["llama-7b"]
     zero = TimeCoeffs(0, 0, 0, 0, 0, 0)
     prof = Profile(
@@ -139,10 +139,11 @@ def test_split_slices_keep_kv_until_first_slice_backward():
     costs = cm.costs(chunk_features(pipe.chunks))
     sm = stage_memory(pipe, 0, 1, costs, 1, 0.0)
     assert [f"{o.kind}{o.pos}" for o in sm.ops] == ["F0", "F1", "B1", "B0"]
-    # slice 0: 16 B of activations + 4 B of K/V; slice 1 (the tail): 20 B; workspace in backward
-    assert sm.during([0, 0]).tolist() == [20, 40, 60, 40]
-    # checkpointing slice 0 keeps its input (2 B) and its K/V (4 B)
-    assert sm.during([1, 0]).tolist() == [6, 26, 46, 26]
+    # slice 0: 20 B of activations + the sequence's K/V buffer (2 B x 4 tokens); slice 1 (the tail):
+    # 20 B; workspace in backward
+    assert sm.during([0, 0]).tolist() == [28, 48, 68, 48]
+    # checkpointing slice 0 keeps its input (2 B) and the K/V buffer (8 B); its recompute holds 20 + 8
+    assert sm.during([1, 0]).tolist() == [10, 30, 50, 30]
 
 
 # ------------------------------------------------------------------------------------ recompute
@@ -193,9 +194,10 @@ def test_grouping_separates_long_sequence_only_when_memory_demands():
     costs = cm.costs(chunk_features([c for u in units for c in u]))
     groups, _ = group_units([3, 1, 1, 1, 1], costs, cm.layers, free_bytes=1e9)
     assert groups == [(0, 5)]
-    # every chunk holds 50 B on stage 0 (+ 50 B workspace in backward); in one group the window is
-    # P + K - 1 = 4 chunks (250 B); the long sequence alone needs 200 B, the short ones 2 chunks (150 B)
-    groups, cost = group_units([3, 1, 1, 1, 1], costs, cm.layers, free_bytes=220.0, recompute=False)
+    # every chunk holds 50 B on stage 0 (+ 50 B workspace in backward), a slice of the long sequence
+    # also its 10 B of the K/V buffer; in one group the window is P + K - 1 = 4 chunks (280 B); the
+    # long sequence alone needs 230 B, the short ones 2 chunks (150 B)
+    groups, cost = group_units([3, 1, 1, 1, 1], costs, cm.layers, free_bytes=240.0, recompute=False)
     assert groups == [(0, 1), (1, 5)] and np.isfinite(cost)
 
 

@@ -24,10 +24,10 @@ class ChunkCosts:
     fwd: np.ndarray  # (P, n) forward time on each stage
     bwd: np.ndarray  # (P, n) backward time without recompute
     rc_layer: np.ndarray  # (n,) recompute time of one layer
-    act_layer: np.ndarray  # (n,) activations of one non-checkpointed layer
+    act_layer: np.ndarray  # (n,) activations of one non-checkpointed layer (K/V buffers apart)
     ckpt_layer: np.ndarray  # (n,) what one checkpointed layer keeps
-    kv_layer: np.ndarray  # (n,) K/V of one layer a split slice keeps for later slices
-    kv_shared: np.ndarray  # (n,) the part of kv_layer that the layer's own activations also save
+    kv_layer: np.ndarray  # (n,) one layer's K/V buffer rows of the chunk's slice (all its tokens if C = 0: a first slice)
+    lone_layer: np.ndarray  # (n,) what one layer of a one-segment chunk does not save if it is a slice
     logits: np.ndarray  # (n,) held by the output head on the last stage
     embed: np.ndarray  # (n,) held by the embedding on the first stage
     workspace: np.ndarray  # (n,) extra bytes during the chunk's backward on a stage
@@ -84,8 +84,7 @@ class CostModel:
         area = feats[:, F.SQ] + feats[:, F.SC]
         context = feats[:, F.C]  # a chunk holds at most one slice with context: its length is sum(s*C) / sum(C)
         slice_tokens = np.divide(feats[:, F.SC], context, out=np.zeros_like(context), where=context > 0)
-        lone = np.where((context > 0) & (feats[:, F.SEGMENTS] == 1), m.lone_slice_token * tokens, 0.0)
-        act = m.act_token * tokens + m.act_area * area + m.act_context * context + m.act_slice * slice_tokens - lone
+        act = m.act_token * tokens + m.act_area * area + m.act_context * context + m.act_slice * slice_tokens
         return ChunkCosts(
             # + the executor's per-chunk stage overhead (on the constant feature: 1 per chunk, 0 in bound_ms)
             fwd=s * (L * self.layer_time(feats, p.fwd) + last * self.layer_time(feats, p.head_fwd) + p.overhead.fwd_ms * feats[:, F.CHUNKS]),
@@ -93,8 +92,10 @@ class CostModel:
             rc_layer=s * self.layer_time(feats, p.recompute),
             act_layer=act,
             ckpt_layer=m.ckpt_token * tokens,
-            kv_layer=m.kv_token * tokens,
-            kv_shared=m.kv_token * tokens - lone,
+            # which chunks are slices (a first slice has the features of a whole sequence) is the plan's
+            # to say: the memory walk applies kv_layer and lone_layer to the slices of split sequences
+            kv_layer=m.kv_token * np.where(context > 0, slice_tokens, tokens),
+            lone_layer=np.where(feats[:, F.SEGMENTS] == 1, m.lone_slice_token * tokens, 0.0),
             logits=m.logits_token * tokens,
             embed=m.embed_token * tokens,
             workspace=m.bwd_workspace * act,

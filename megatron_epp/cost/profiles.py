@@ -11,8 +11,9 @@ Time of one layer on one chunk, with the chunk's segments ``(s, C)`` (length, co
 
 With a flash-style causal kernel ``a1c = 2 * a1``, i.e. ``a1 * ((C + s)^2 - C^2)`` as in the notes;
 an attention with an explicit boolean mask computes the whole ``s x (C + s)`` rectangle, so
-``a1c ~ a1``; the profiler fits both. ``ac`` is a cost per prefix token (concatenating the prefix
-K/V before the attention call; 0 for a GPU kernel reading the cache in place). ``bs`` is a per-segment launch cost (an attention call per
+``a1c ~ a1``; the profiler fits both. ``ac`` is a cost per prefix token outside the attention's
+area (it was fitted while slices concatenated their prefix K/V before the attention call; they now
+read it in place from the sequence's K/V buffer, as a GPU kernel reads a cache). ``bs`` is a per-segment launch cost (an attention call per
 segment on CPU; 0 for a varlen GPU kernel), ``b1`` the per-chunk launch constant.
 
 The time coefficients belong to the shape they were measured at (``Profile.time_model``); a profile
@@ -31,6 +32,7 @@ import numpy as np
 
 PROFILE_DIR = Path(__file__).parent / "profiles"
 GIB = float(2**30)
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}  # activation dtypes the saved-tensor count is measured in
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,7 @@ class ModelShape:
     num_kv_heads: int | None = None
     swiglu: bool = True
     rope: bool = True  # rotary positions (False: learned absolute positions); changes what attention saves
+    dtype: str = "float32"  # the activations' dtype (DTYPE_BYTES): what autograd saves and the K/V buffers hold
 
     @property
     def kv_hidden(self) -> int:
@@ -84,12 +87,14 @@ class MemoryCoeffs:
 
     ``act_token`` / ``act_area`` / ``act_context``: activations one layer keeps for backward per
     token, per unit of attention area ``s * (C + s)`` (0 with flash attention) and per prefix token
-    of a segment (a concatenated copy of the prefix K/V saved by the attention; 0 on GPU).
-    ``act_slice``: per own token of the slice with context (the same copies cover its ``s`` tokens
-    too). ``lone_slice_token``: per token, what a chunk that is only a slice with context does *not*
-    save (its own K and QKV outputs: the attention saves the concatenated copies instead).
-    ``ckpt_token``: what a checkpointed layer keeps (its input). ``kv_token``: what a split slice
-    keeps per token of its chunk for later slices (the storages its kept K/V views hold).
+    of a segment (a copy of the prefix K/V saved by the attention: 0 where, as here, the slice reads
+    its sequence's K/V buffer in place). ``act_slice``: per own token of the slice with context (the
+    same copy covers its ``s`` tokens too). ``lone_slice_token``: per token, what a chunk that is only
+    a slice of a split sequence (any context, the first slice too) does *not* save: its own K/V as
+    the QKV projection produced them, since its attention reads them from the K/V buffer.
+    ``ckpt_token``: what a checkpointed layer keeps (its input). ``kv_token``: a split sequence's K/V
+    buffer per layer and per token of the *whole* sequence (its K and V rows), allocated by the
+    forward of the sequence's first slice and freed, layer by layer, by that slice's backward.
     ``logits_token``: what the output head (final norm, output layer, loss) keeps on the last stage
     per token; ``embed_token``: what the embedding keeps on the first stage per token.
     ``bwd_workspace``: layers of full activations counted as workspace during a backward (gradient
@@ -97,8 +102,8 @@ class MemoryCoeffs:
     parameter: ``weight``, ``grad`` and ``optim`` bytes (the last divided by the data-parallel size
     when ``distributed_optimizer``). ``p2p_token``: bytes one GPU sends per token between stages.
     ``derive``: ``""`` (the numbers as given), or the analytic count the activation coefficients are
-    re-derived from for the profile's model shape (:func:`shape_memory`): ``"saved-tensors-fp32"``
-    (what autograd saves on CPU, counted tensor by tensor) or ``"megatron-gpu"`` (Megatron's
+    re-derived from for the profile's model shape (:func:`shape_memory`): ``"saved-tensors"`` (what
+    autograd saves on CPU, counted tensor by tensor in the shape's dtype) or ``"megatron-gpu"`` (Megatron's
     ``34 h / tp`` with flash attention).
     """
 
@@ -188,11 +193,11 @@ class Profile:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
 
-# Published LLaMA shapes (LLaMA-1 paper, table 2; "30B" is the 32.5B model).
+# Published LLaMA shapes (LLaMA-1 paper, table 2; "30B" is the 32.5B model), trained in bf16.
 MODEL_PRESETS: dict[str, ModelShape] = {
-    "llama-7b": ModelShape("llama-7b", 32, 4096, 32, 11008, 32000),
-    "llama-13b": ModelShape("llama-13b", 40, 5120, 40, 13824, 32000),
-    "llama-30b": ModelShape("llama-30b", 60, 6656, 52, 17920, 32000),
+    "llama-7b": ModelShape("llama-7b", 32, 4096, 32, 11008, 32000, dtype="bfloat16"),
+    "llama-13b": ModelShape("llama-13b", 40, 5120, 40, 13824, 32000, dtype="bfloat16"),
+    "llama-30b": ModelShape("llama-30b", 60, 6656, 52, 17920, 32000, dtype="bfloat16"),
 }
 
 # The CPU test model of the project (fp32, one thread): GPT-style GELU MLP, 8 layers.
@@ -258,65 +263,72 @@ def analytic_profile(shape: ModelShape, tp: int = 8, acc: Accelerator = H100) ->
 
 
 def gpu_activation_memory(shape: ModelShape, tp: int) -> dict[str, float]:
-    """Megatron's activation count per layer and token (bf16, sequence parallel, flash attention:
-    no quadratic term): ``34 h / tp``; a checkpointed layer keeps its bf16 input."""
-    h = shape.hidden
+    """Megatron's activation count per layer and token (bf16 whatever the shape's dtype, sequence
+    parallel, flash attention: no quadratic term): ``34 h / tp``, of which the attention's K and V (``2 * 2 h_kv / tp``) are what
+    a lone slice reads from its K/V buffer instead; a checkpointed layer keeps its bf16 input."""
+    h, kv = shape.hidden, 2 * 2.0 * shape.kv_hidden / tp
     return {
         "act_token": 34.0 * h / tp, "act_area": 0.0, "act_context": 0.0, "ckpt_token": 2.0 * h / tp,
-        "kv_token": 2 * 2.0 * shape.kv_hidden / tp, "logits_token": 4.0 * shape.vocab / tp,
+        "kv_token": kv, "lone_slice_token": kv, "logits_token": 4.0 * shape.vocab / tp,
     }
 
 
-def saved_tensor_memory(shape: ModelShape, tp: int = 1, b: float = 4.0) -> dict[str, float]:
+def saved_tensor_memory(shape: ModelShape, tp: int = 1) -> dict[str, float]:
     """Bytes autograd saves for backward, counted tensor by tensor (deduplicated by storage, as
     :class:`~megatron_epp.executor.memory_tracker.ActivationMemoryTracker` counts them), for one
     Megatron-Core local-spec layer with :class:`ElasticAttention` on the SDPA-masked path (CPU),
-    ``b``-byte activations, no dropout. Per token of a chunk, one layer saves:
+    activations of ``b`` bytes (``DTYPE_BYTES`` of the shape's dtype: a model cast to bf16 saves
+    half, except the fp32 logsumexp and logits' softmax), no dropout. Per token of a chunk, one layer
+    saves:
 
-    * input layernorm: its input ``b h`` and fp32 mean and rstd (8); the QKV linear: its input ``b h``;
+    * input layernorm: its input ``b h`` and its mean and rstd (``2 b``: the input's dtype on CPU);
+      the QKV linear: its input ``b h``;
     * RoPE: ``cos`` and ``sin`` of q and of k (4 x ``b d``, ``d = h / heads``); q and k after RoPE
       (``b h`` and ``b h_kv``, new storages) and V as a view of the QKV output (``b (h + 2 h_kv)``);
       without RoPE q, k and v are all views of the QKV output;
     * SDPA (CPU flash kernel, explicit mask): q, k, v, its output (``b h``), the logsumexp (fp32 per
       head) and the boolean mask converted to a float mask, ``b s (C + s)`` per segment: the
       quadratic term (one mask per layer and segment, not per head);
-    * the output projection's input ``b h``; pre-MLP layernorm ``b h + 8``; fc1's input ``b h``;
+    * the output projection's input ``b h``; pre-MLP layernorm ``b h + 2 b``; fc1's input ``b h``;
       the activation's input ``b f`` (``2 b f`` with SwiGLU); fc2's input ``b f``.
 
-    The slice with context ``C`` attends to K/V concatenated with the prefix: copies of ``C + s``
-    rows, ``2 b h_kv`` each (``act_context`` per prefix token, ``act_slice`` per own token). In a
-    chunk that is only that slice, the K and QKV outputs are then saved by nothing
-    (``lone_slice_token``); a slice with later slices keeps views of them (``kv_token``: their whole
-    storages). A checkpointed layer keeps its input (``b h``). The last stage keeps the final
-    layernorm (``b h + 8``), the output layer's input (``b h``), the fp32 softmax of the logits
+    A split sequence's K/V buffer holds ``2 b h_kv`` per token of the whole sequence and layer
+    (``kv_token``: its K and V rows); each slice writes its K/V there and SDPA reads (and saves) the
+    slice's rows ``[0, C + s)`` in place, so no copy of the prefix is saved (``act_context`` =
+    ``act_slice`` = 0). In a chunk that is only a slice, the K after RoPE and the QKV output are then
+    saved by nothing (``lone_slice_token``; without RoPE the query is a view of the QKV output, which
+    stays saved). A checkpointed layer keeps its input (``b h``). The last stage keeps the final
+    layernorm (``b h + 2 b``), the output layer's input (``b h``), the fp32 softmax of the logits
     (``4 V``), the loss's target mask and indices (1 + 8) and the loss mask (4); the first stage the
     token ids (8; and position ids, 8, with learned positions). Measured by
-    ``tests/test_planner_memory.py`` against the tracker on real chunks.
+    ``tests/test_planner_memory.py`` against the tracker on real chunks, fp32 and bf16.
     """
     if shape.num_kv_heads not in (None, shape.num_heads):
         raise ValueError("saved_tensor_memory: grouped-query attention is not counted (K/V are repeated per head)")
+    if shape.dtype not in DTYPE_BYTES:
+        raise ValueError(f"saved_tensor_memory: activations of dtype {shape.dtype} are not counted (known: {', '.join(DTYPE_BYTES)})")
+    b = float(DTYPE_BYTES[shape.dtype])
     H = shape.hidden  # layernorm inputs and outputs are whole on every tensor-parallel rank
     h, kv, heads, f = H / tp, shape.kv_hidden / tp, shape.num_heads / tp, shape.ffn_hidden / tp
     d = h / heads
     qkv = b * (h + 2 * kv)
     attn_views = (4 * b * d + b * h + b * kv + qkv) if shape.rope else qkv  # RoPE's cos/sin, q, k; the QKV output
     per_token = (
-        2 * (b * H + 8)  # the two layernorms
+        2 * (b * H + 2 * b)  # the two layernorms
         + 2 * b * H  # QKV linear and fc1 inputs
         + attn_views + b * h + 4 * heads  # + SDPA output and logsumexp
         + b * h  # output projection input
         + (2 if shape.swiglu else 1) * b * f + b * f  # activation and fc2 inputs
     )
-    kept = (b * kv + qkv) if shape.rope else qkv
     return {
-        "act_token": per_token, "act_area": b, "act_context": 2 * b * kv, "act_slice": 2 * b * kv,
-        "lone_slice_token": kept if shape.rope else 0.0, "ckpt_token": b * H, "kv_token": kept,
-        "logits_token": 2 * b * H + 8 + 4 * shape.vocab / tp + 13, "embed_token": 8.0 if shape.rope else 16.0,
+        "act_token": per_token, "act_area": b, "act_context": 0.0, "act_slice": 0.0,
+        "lone_slice_token": b * kv + qkv if shape.rope else 0.0, "ckpt_token": b * H, "kv_token": 2 * b * kv,
+        "logits_token": 2 * b * H + 2 * b + 4 * shape.vocab / tp + 13, "embed_token": 8.0 if shape.rope else 16.0,
         "bwd_workspace": 0.0,
     }
 
 
-_DERIVATIONS = {"saved-tensors-fp32": lambda shape, tp: saved_tensor_memory(shape, tp, 4.0), "megatron-gpu": gpu_activation_memory}
+_DERIVATIONS = {"saved-tensors": saved_tensor_memory, "megatron-gpu": gpu_activation_memory}
 
 
 def shape_memory(profile: Profile) -> Profile:
@@ -340,7 +352,7 @@ def time_scale_factors(ref: ModelShape, shape: ModelShape) -> dict[str, float]:
       not a GEMM (layernorms, biases, activation, residuals, RoPE; linear in ``h``) is lumped in;
     * ``a1``, ``a1c`` (per key-query pair): ``4 h`` FLOPs per pair (``Q K^T`` and ``P V`` over all
       heads), so ``h``; the per-pair softmax and mask work per head is lumped in;
-    * ``ac`` (per prefix token: the prefix K/V copied before the attention call): ``h_kv``;
+    * ``ac`` (per prefix token; fitted when the prefix K/V were copied before the attention call): ``h_kv``;
     * ``bs``, ``b1`` (per segment, per chunk: launches, Python): unchanged;
     * the output head's ``a2``: the logits GEMM, ``h * vocab`` (the softmax over ``vocab`` lumped in).
     """

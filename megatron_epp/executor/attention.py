@@ -3,7 +3,9 @@
 Every segment attends causally to itself only (a packed chunk costs the sum of its segments'
 squares, not the square of its length); the tokens of a slice (split chunk, or the tail of a hybrid
 chunk) also attend to all K/V of the sequence's earlier slices, placed first in the key order
-(bottom-right causal over its ``C + s`` keys). The kernel is chosen once by
+(bottom-right causal over its ``C + s`` keys). The slice's keys and values are rows ``[0, C + s)`` of
+its sequence's K/V buffer on the layer (:class:`~megatron_epp.executor.context.KVBuffer`), where it
+has written its own K/V: the prefix is read in place, never concatenated. The kernel is chosen once by
 ``EPP_ATTENTION_BACKEND`` (see ``attention_kernels``): on CPU every segment is one SDPA under an
 explicit mask (what the CPU cost profile fits); on CUDA the whole chunk is one flash-attn varlen
 call, or SDPA with ``is_causal`` where there is no context.
@@ -21,39 +23,40 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_epp.executor import kernels
-from megatron_epp.executor.context import ChunkContext, ChunkLayout
+from megatron_epp.executor.context import ChunkContext, ChunkLayout, KVBuffer
 
 
-class _ReceiveLaterSliceGrads(torch.autograd.Function):
-    """Identity on a chunk's K and V; backward adds what later slices accumulated on the kept leaves.
+class _SliceKV(torch.autograd.Function):
+    """A slice's keys and values ``[C + s, b, kv_heads, d]``: rows ``[0, C + s)`` of ``buffer``, after
+    writing its own ``key``/``value`` (``[s, ...]``) at rows ``[C, C + s)``.
 
-    Later slices run backward first (slices go last-to-first), so by the time this slice's backward
-    reaches attention, ``k_leaf.grad``/``v_leaf.grad`` hold the gradients of every later slice.
+    Backward receives the gradients of all ``C + s`` rows: the prefix rows' go to the buffer's
+    accumulator for the earlier slices; the own rows', plus what later slices accumulated for them
+    (slices go backward last-to-first, so all of it is there), are the gradients of ``key``/``value``.
+    The first slice, the last to run backward, then releases the buffer (``on_backward``). A recompute
+    re-runs the forward (the write is a no-op, the first write wins) and only the recomputed graph is
+    run backward, so nothing is counted twice.
     """
 
     @staticmethod
-    def forward(ctx, key, value, k_leaf, v_leaf, start: int, end: int, on_backward: Callable[[], None] | None):
-        ctx.leaves, ctx.span, ctx.on_backward = (k_leaf, v_leaf), (start, end), on_backward
-        return key.view_as(key), value.view_as(value)
+    def forward(ctx, key, value, buffer: KVBuffer, context: int, on_backward: Callable[[], None] | None):
+        buffer.write(context, key, value)
+        ctx.buffer, ctx.context, ctx.on_backward = buffer, context, on_backward
+        return buffer.read(context + key.shape[0])
 
     @staticmethod
     def backward(ctx, grad_key, grad_value):
-        start, end = ctx.span
-        grads = []
-        for grad, leaf in zip((grad_key, grad_value), ctx.leaves):
-            if leaf.grad is not None:
-                grad = grad.clone()
-                grad[start:end] += leaf.grad
-            grads.append(grad)
+        buffer, ctx.buffer = ctx.buffer, None  # the buffer's memory goes with its release, not with this graph
+        grad_key, grad_value = buffer.gradients(ctx.context, grad_key, grad_value)
         if ctx.on_backward is not None:
             ctx.on_backward()
-        return grads[0], grads[1], None, None, None, None, None
+        return grad_key, grad_value, None, None, None
 
 
 class ElasticAttention(MegatronModule):
     """Drop-in for ``SelfAttentionSubmodules.core_attention``: [s, b, heads, dim] in, [s, b, h] out.
 
-    ``context`` (from the layer spec's ``params``) gives the current chunk and keeps the prefix K/V.
+    ``context`` (from the layer spec's ``params``) gives the current chunk and holds the K/V buffers.
     """
 
     def __init__(
@@ -82,29 +85,19 @@ class ElasticAttention(MegatronModule):
         if packed_seq_params is not None or attention_bias is not None:
             raise ValueError("ElasticAttention takes its packing from the current chunk, not packed_seq_params/bias")
         layout = self.context.layout()
-        prefix = None
-        if layout.split_index is not None:
-            prefix, key, value = self._exchange_prefix(layout, key, value)
+        slice_kv = self._slice_kv(layout, key, value) if layout.split_index is not None else None
         dropout = self.dropout_p if self.training else 0.0
         backend = kernels.select_backend(self.backend_request, query.device, query.dtype)
         kwargs = {"deterministic": self.deterministic} if backend == "flash-varlen" else {}
         with tensor_parallel.get_cuda_rng_tracker().fork() if dropout else contextlib.nullcontext():
-            out = kernels.BACKENDS[backend](query, key, value, layout, prefix, dropout, self.softmax_scale, **kwargs)
+            out = kernels.BACKENDS[backend](query, key, value, layout, slice_kv, dropout, self.softmax_scale, **kwargs)
         return out.reshape(out.shape[0], out.shape[1], -1)
 
-    def _exchange_prefix(self, layout: ChunkLayout, key: torch.Tensor, value: torch.Tensor):
-        """``(earlier slices' K/V or None, key, value)``; keeps this slice's K/V for later slices.
-
-        The returned ``key``/``value`` carry :class:`_ReceiveLaterSliceGrads`, through which the kept
-        leaves' gradients reach this slice in its own backward.
-        """
-        store = self.context.store(layout.split_seq, self.layer_number)
-        prefix = store.prefix(layout.context) if layout.context else None
-        if layout.keeps_kv:
-            start, end = layout.bounds[layout.split_index]
-            fresh = (key[start:end].detach().requires_grad_(), value[start:end].detach().requires_grad_())
-            seq, layer = layout.split_seq, self.layer_number
-            k_leaf, v_leaf = self.context.keep(seq, layer, layout.context, fresh)
-            release = (lambda: self.context.release(seq, layer)) if layout.context == 0 else None
-            key, value = _ReceiveLaterSliceGrads.apply(key, value, k_leaf, v_leaf, start, end, release)
-        return prefix, key, value
+    def _slice_kv(self, layout: ChunkLayout, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slice's keys and values from its sequence's K/V buffer on this layer (allocated by the
+        sequence's first slice, released by its backward), its own K/V written there first."""
+        start, end = layout.bounds[layout.split_index]
+        seq, layer = layout.split_seq, self.layer_number
+        buffer = self.context.kv_buffer(seq, layer, layout.seq_length, key)
+        release = (lambda: self.context.release(seq, layer)) if layout.context == 0 else None
+        return _SliceKV.apply(key[start:end], value[start:end], buffer, layout.context, release)

@@ -1,4 +1,4 @@
-"""What the stage is running now: the current chunk's layout, and the prefix K/V of split sequences.
+"""What the stage is running now: the current chunk's layout, and the K/V buffers of split sequences.
 
 One :class:`ChunkContext` per model, created by whoever builds the model: ``elastic_layer_spec(base,
 context)`` hands it to the attention and the recompute layer (``ModuleSpec.params``),
@@ -6,9 +6,10 @@ context)`` hands it to the attention and the recompute layer (``ModuleSpec.param
 the schedule, the forward step and the memory tracker's owner find it (:meth:`ChunkContext.of`).
 The elastic schedule sets the current chunk (from the plan, on every stage) around each forward and
 backward (:meth:`ChunkContext.running`); the attention and rotary modules read it. A step that raises
-leaves nothing behind (:meth:`ChunkContext.step`). Prefix K/V are kept per (sequence, layer) as detached
-leaves: later slices attend to them and accumulate their gradients, which the owning slice adds to
-its own K/V gradient in its backward (see ``elastic_attention``).
+leaves nothing behind (:meth:`ChunkContext.step`). A split sequence has one :class:`KVBuffer` per layer,
+allocated for the whole sequence by its first slice: every slice writes its own K/V into it in place
+and reads its prefix and its own K/V from it in place; later slices accumulate there the gradients of
+earlier slices' K/V, which each slice adds to its own in its backward (see ``elastic_attention``).
 
 What the attention kernels need from a chunk (explicit masks, flash-attn's ``cu_seqlens``) is built
 once per chunk, on first use, and shared by all the stage's layers.
@@ -17,7 +18,7 @@ once per chunk, on first use, and shared by all the stage's layers.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
 from typing import Iterator
 
@@ -77,7 +78,7 @@ class ChunkLayout:
     bounds: list[tuple[int, int]]  # each segment's [start, end) in the packed chunk
     split_index: int | None  # the segment that is a slice of a longer sequence (split/hybrid), else None
     context: int  # tokens of earlier slices (C) that slice attends to
-    keeps_kv: bool  # later slices of the sequence follow: keep this slice's K/V
+    seq_length: int  # the whole length of the sequence that slice belongs to: its K/V buffer's rows (0: no slice)
     device: torch.device
     recompute: int = 0  # layers of this stage that recompute this chunk (the stage's first ones)
     max_position: int = 0  # the largest of position_ids, known on the host (RoPE's table length without a sync)
@@ -121,7 +122,7 @@ class ChunkLayout:
             bounds=list(zip(cu[:-1], cu[1:])),
             split_index=split,
             context=segment.start if segment is not None else 0,
-            keeps_kv=segment is not None and segment.end < seq_lengths[segment.seq],
+            seq_length=seq_lengths[segment.seq] if segment is not None else 0,
             device=torch.device(device),
             recompute=recompute,
             max_position=max(s.end for s in chunk.segments) - 1,
@@ -137,24 +138,73 @@ def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
-@dataclass
-class PrefixKV:
-    """Detached K/V leaves of one sequence on one layer, keyed by slice start (idempotent writes)."""
+def _alias(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    """Rows ``[0, rows)`` of ``tensor`` as a tensor of its own: its storage, but not a view of it, so
+    with an autograd version counter of its own."""
+    alias = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+    return alias.set_(tensor.untyped_storage(), tensor.storage_offset(), (rows, *tensor.shape[1:]), tensor.stride())
 
-    slices: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
-    def prefix(self, context: int) -> tuple[torch.Tensor, torch.Tensor]:
-        starts = sorted(s for s in self.slices if s < context)
-        keys = [self.slices[s][0] for s in starts]
-        values = [self.slices[s][1] for s in starts]
-        got = sum(k.shape[0] for k in keys)
-        if got != context:
-            raise RuntimeError(f"prefix K/V holds {got} tokens, the slice needs {context}: slice order broken")
-        return torch.cat(keys, 0), torch.cat(values, 0)
+class KVBuffer:
+    """K and V of one split sequence on one layer, ``[seq_length, b, kv_heads, head_dim]`` each in the
+    activations' dtype and device, written slice by slice in place; and the gradient later slices
+    accumulate for the rows of earlier slices.
+
+    Rows ``[0, written)`` hold K/V. The slice with context ``C`` writes rows ``[C, C + s)`` once (a
+    recomputed slice finds them written and leaves them: the first write wins) and its attention reads
+    rows ``[0, C + s)``: its prefix, then its own K/V, no copy.
+
+    Version counters: a slice's attention saves the rows it read for its backward, and later slices
+    then write the rows after them. Autograd checks in-place writes per tensor (a view shares its
+    base's counter), not per row, so every read is an alias with a counter of its own (``_alias``:
+    ``Tensor.set_`` on the buffer's storage) and the buffer tensors themselves are only written, never
+    saved. Nothing saved is ever modified: writes start at ``written``, past every row read so far.
+    Unlike ``torch.autograd._unsafe_preserve_version_counter`` around the writes, this exempts only the
+    buffer's own writes: an in-place change of a read alias is still caught.
+    """
+
+    def __init__(self, length: int, like: torch.Tensor) -> None:
+        self.key = torch.empty((length, *like.shape[1:]), dtype=like.dtype, device=like.device)
+        self.value = torch.empty_like(self.key)
+        self.written = 0
+        self.grads: list[torch.Tensor | None] = [None, None]  # K, V: later slices' gradients of earlier rows
+
+    def write(self, start: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Rows ``[start, start + s)`` of K and V, unless a first write already filled them."""
+        end = start + key.shape[0]
+        if end <= self.written:
+            return
+        if start != self.written:
+            raise RuntimeError(f"K/V buffer holds {self.written} tokens, the slice starts at {start}: slice order broken")
+        with torch.no_grad():  # the buffer belongs to no graph: the slices' _SliceKV carries the gradients
+            self.key[start:end].copy_(key)
+            self.value[start:end].copy_(value)
+        self.written = end
+
+    def read(self, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``[0, rows)`` of K and V, in place (aliases: see the class docstring)."""
+        return _alias(self.key, rows), _alias(self.value, rows)
+
+    def gradients(self, start: int, grad_key: torch.Tensor, grad_value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K/V gradients of the slice at ``start``, from those of the rows it read ``[0, start + s)``:
+        its own rows' plus what later slices accumulated for them. Its prefix rows' are accumulated
+        for the earlier slices (in a buffer of all rows, zeroed by the first slice to add, so that
+        only the order of slices, not their lengths, decides what each receives)."""
+        own = []
+        for i, grad in enumerate((grad_key, grad_value)):
+            mine = grad[start:]
+            if self.grads[i] is not None:
+                mine = mine + self.grads[i][start : start + mine.shape[0]]
+            if start:
+                if self.grads[i] is None:
+                    self.grads[i] = torch.zeros_like(self.key)
+                self.grads[i][:start] += grad[:start]
+            own.append(mine)
+        return own[0], own[1]
 
 
 class ChunkContext:
-    """A model's current chunk and its prefix K/V store, owned by the executor.
+    """A model's current chunk and its split sequences' K/V buffers, owned by the executor.
 
     Every elastic layer of the model holds the same context (given to them by the layer spec); the
     schedule reaches it through the model (:meth:`of`). Tests inject faults with a subclass.
@@ -164,8 +214,8 @@ class ChunkContext:
 
     def __init__(self) -> None:
         self.current: ChunkLayout | None = None
-        self.kv: dict[tuple[int, int], PrefixKV] = {}
-        self.kv_version = 0  # changes whenever K/V are kept or released (memory tracking caches on it)
+        self.kv: dict[tuple[int, int], KVBuffer] = {}  # (sequence, layer number) -> its K/V buffer
+        self.kv_version = 0  # changes whenever a K/V buffer is allocated or released (memory tracking caches on it)
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> "ChunkContext":
@@ -194,36 +244,34 @@ class ChunkContext:
 
     @contextlib.contextmanager
     def step(self) -> Iterator["ChunkContext"]:
-        """One schedule step: on any exception, forget the current chunk and release every kept K/V."""
+        """One schedule step: on any exception, forget the current chunk and release every K/V buffer."""
         try:
             yield self
         except BaseException:
             self.clear()
             raise
 
-    def store(self, seq: int, layer: int) -> PrefixKV:
-        return self.kv.setdefault((seq, layer), PrefixKV())
-
-    def keep(self, seq: int, layer: int, start: int, kv: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keep the K/V leaves of the slice at ``start`` for later slices; the first write wins (a
-        recompute gets the kept leaves back, so later slices' gradients keep accumulating on them)."""
-        slices = self.store(seq, layer).slices
-        if start not in slices:
-            slices[start] = kv
+    def kv_buffer(self, seq: int, layer: int, length: int, like: torch.Tensor) -> KVBuffer:
+        """The K/V buffer of ``seq`` on ``layer``: ``length`` rows shaped (past the first dimension),
+        typed and placed like ``like``; allocated by the first call, the sequence's first slice."""
+        buffer = self.kv.get((seq, layer))
+        if buffer is None:
+            buffer = self.kv[seq, layer] = KVBuffer(length, like)
             self.kv_version += 1
-        return slices[start]
+        return buffer
 
     def release(self, seq: int, layer: int) -> None:
         if self.kv.pop((seq, layer), None) is not None:
             self.kv_version += 1
 
     def kv_storages(self) -> dict[int, int]:
-        """``{storage pointer: bytes}`` of the kept K/V (a slice's K and V share their QKV storage)."""
-        storages = (t.untyped_storage() for e in self.kv.values() for kv in e.slices.values() for t in kv)
+        """``{storage pointer: bytes}`` of the K/V buffers (what the slices' attention reads and saves).
+        Their gradient accumulators are gradients, not activations, and are not listed."""
+        storages = (t.untyped_storage() for buffer in self.kv.values() for t in (buffer.key, buffer.value))
         return {st.data_ptr(): st.nbytes() for st in storages}
 
     def clear(self) -> None:
-        """Forget the current chunk and every kept K/V (between independent runs)."""
+        """Forget the current chunk and every K/V buffer (between independent runs)."""
         self.current = None
         self.kv.clear()
         self.kv_version += 1

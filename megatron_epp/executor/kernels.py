@@ -1,7 +1,9 @@
 """The kernels behind :class:`ElasticAttention`, and the one decision of which runs.
 
 Three ways to compute a chunk's attention (block-diagonal causal over its segments, the slice's
-queries also seeing its prefix K/V, placed before its own keys):
+queries also seeing its prefix K/V, placed before its own keys). Every kernel takes the slice's keys
+and values as ``slice_kv``: rows ``[0, C + s)`` of its sequence's K/V buffer (prefix, then its own),
+which stand in for its rows of the chunk's ``key``/``value``:
 
 ``sdpa-masked``
     One ``scaled_dot_product_attention`` per segment with an explicit bottom-right causal mask over
@@ -13,8 +15,9 @@ queries also seeing its prefix K/V, placed before its own keys):
     for the slice with prefix K/V.
 ``flash-varlen``
     CUDA with flash-attn >= 2.1 and fp16/bf16: the whole chunk in ONE ``flash_attn_varlen_func``
-    call, queries packed over all segments, keys/values packed with the slice's prefix K/V before
-    its own tokens, ``cu_seqlens_q``/``cu_seqlens_k`` from the chunk layout, ``causal=True``
+    call, queries packed over all segments, keys/values packed with the slice's buffer rows in place
+    of its own tokens (one copy in a hybrid chunk, none in a split chunk: its keys are the buffer's
+    rows), ``cu_seqlens_q``/``cu_seqlens_k`` from the chunk layout, ``causal=True``
     (bottom-right aligned since flash-attn 2.1, which is what a slice with context needs), GQA native.
 
 ``EPP_ATTENTION_BACKEND=auto|sdpa|flash`` (default ``auto``) is read when the attention is built;
@@ -154,25 +157,23 @@ def segment_attention(q, k, v, mask: torch.Tensor | None, dropout: float = 0.0, 
     return out.permute(2, 0, 1, 3)
 
 
-def _segments(query, key, value, layout: ChunkLayout, prefix):
-    """Each segment's ``(index, q, k, v)``, the slice's K/V with its prefix placed first."""
+def _segments(query, key, value, layout: ChunkLayout, slice_kv):
+    """Each segment's ``(index, q, k, v)``; the slice's K/V are ``slice_kv`` (its buffer's rows, in place)."""
     for index, (start, end) in enumerate(layout.bounds):
-        q, k, v = query[start:end], key[start:end], value[start:end]
-        if index == layout.split_index and prefix is not None:
-            k, v = torch.cat([prefix[0], k]), torch.cat([prefix[1], v])
-        yield index, q, k, v
+        k, v = slice_kv if index == layout.split_index else (key[start:end], value[start:end])
+        yield index, query[start:end], k, v
 
 
-def sdpa_masked(query, key, value, layout: ChunkLayout, prefix, dropout: float, scale: float) -> torch.Tensor:
+def sdpa_masked(query, key, value, layout: ChunkLayout, slice_kv, dropout: float, scale: float) -> torch.Tensor:
     """Every segment one SDPA under its explicit bottom-right causal mask (the CPU path)."""
-    outputs = [segment_attention(q, k, v, layout.masks[i], dropout, scale) for i, q, k, v in _segments(query, key, value, layout, prefix)]
+    outputs = [segment_attention(q, k, v, layout.masks[i], dropout, scale) for i, q, k, v in _segments(query, key, value, layout, slice_kv)]
     return torch.cat(outputs)
 
 
-def sdpa_causal(query, key, value, layout: ChunkLayout, prefix, dropout: float, scale: float) -> torch.Tensor:
+def sdpa_causal(query, key, value, layout: ChunkLayout, slice_kv, dropout: float, scale: float) -> torch.Tensor:
     """SDPA's ``is_causal`` for segments without context, the explicit mask for the slice with prefix."""
     outputs = []
-    for i, q, k, v in _segments(query, key, value, layout, prefix):
+    for i, q, k, v in _segments(query, key, value, layout, slice_kv):
         if k.shape[0] != q.shape[0]:
             outputs.append(segment_attention(q, k, v, layout.slice_mask, dropout, scale))
         else:
@@ -180,13 +181,17 @@ def sdpa_causal(query, key, value, layout: ChunkLayout, prefix, dropout: float, 
     return torch.cat(outputs)
 
 
-def pack_kv(own: torch.Tensor, prefix: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
-    """The chunk's keys (or values) ``[N, heads, d]`` with the slice's prefix inserted before its tokens."""
-    start = layout.bounds[layout.split_index][0]
-    return torch.cat([own[:start], prefix, own[start:]])
+def pack_kv(own: torch.Tensor, slice_rows: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
+    """The chunk's keys (or values) ``[N + C, heads, d]``: ``slice_rows`` (the slice's prefix and own
+    rows, from its buffer) in place of the slice's own tokens; a chunk that is only the slice has
+    exactly those rows, uncopied."""
+    if len(layout.bounds) == 1:
+        return slice_rows
+    start, end = layout.bounds[layout.split_index]
+    return torch.cat([own[:start], slice_rows, own[end:]])
 
 
-def flash_varlen(query, key, value, layout: ChunkLayout, prefix, dropout: float, scale: float, deterministic: bool = False) -> torch.Tensor:
+def flash_varlen(query, key, value, layout: ChunkLayout, slice_kv, dropout: float, scale: float, deterministic: bool = False) -> torch.Tensor:
     """The whole chunk in one ``flash_attn_varlen_func`` call; [N, 1, heads, d] in and out."""
     kernel, why_not = load_flash_kernel()
     if kernel is None:
@@ -194,8 +199,8 @@ def flash_varlen(query, key, value, layout: ChunkLayout, prefix, dropout: float,
     if query.shape[1] != 1:
         raise ValueError(f"flash-varlen packs one sequence row per chunk; got micro-batch {query.shape[1]}")
     q, k, v = query[:, 0], key[:, 0], value[:, 0]
-    if prefix is not None:
-        k, v = pack_kv(k, prefix[0][:, 0], layout), pack_kv(v, prefix[1][:, 0], layout)
+    if slice_kv is not None:
+        k, v = pack_kv(k, slice_kv[0][:, 0], layout), pack_kv(v, slice_kv[1][:, 0], layout)
     meta = layout.varlen
     out = kernel.varlen_func(
         q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,

@@ -2,8 +2,9 @@
 
 CUDA: the allocator's peak above what was allocated when the step began. CPU (no allocator
 statistics): the tensors autograd saves for backward, deduplicated by storage and followed until
-autograd frees them (``saved_tensors_hooks``), plus the prefix K/V kept for later slices;
-parameters are model states and are not counted.
+autograd frees them (``saved_tensors_hooks``), plus the split sequences' K/V buffers (from their
+allocation by a first slice to their release by its backward); parameters are model states and are
+not counted, nor are gradients.
 """
 
 from __future__ import annotations
@@ -28,9 +29,10 @@ class _Saved:
 class ActivationMemoryTracker:
     """``with ActivationMemoryTracker(device, context) as t: step()`` then ``t.peak_bytes``.
 
-    ``context`` is the chunk context whose kept prefix K/V count. On CPU each saved tensor costs
-    O(1): the kept prefix K/V are re-listed only when the store changes (``context.kv_version``), and their bytes not already counted as saved are kept
-    up to date as storages enter and leave the saved set.
+    ``context`` is the chunk context whose K/V buffers count. On CPU each saved tensor costs O(1):
+    the buffers are re-listed only when one is allocated or released (``context.kv_version``), and
+    their bytes not already counted as saved are kept up to date as storages enter and leave the
+    saved set.
     """
 
     def __init__(self, device: torch.device, context: ChunkContext) -> None:
@@ -41,8 +43,8 @@ class ActivationMemoryTracker:
         self._hooks = None
         self._start = 0
         self._kv_version = -1
-        self._kv: dict[int, int] = {}  # kept prefix K/V: storage pointer -> bytes
-        self._kv_unsaved = 0  # bytes of kept K/V storages that are not in ``_live``
+        self._kv: dict[int, int] = {}  # K/V buffers: storage pointer -> bytes
+        self._kv_unsaved = 0  # bytes of K/V buffer storages that are not in ``_live``
 
     def __enter__(self) -> "ActivationMemoryTracker":
         if self.device.type == "cuda":

@@ -4,8 +4,8 @@ The plan gives, per (stage, chunk), how many of the stage's layers recompute the
 backward. For a count ``c`` the stage's first ``c`` layers recompute (local indices ``0..c-1``): the
 choice is deterministic, so the planner's memory model and the runtime agree. The checkpoint is
 megatron-core's ``tensor_parallel.checkpoint`` (dropout RNG restored); the block-level config
-recompute stays off in elastic mode. Prefix K/V a slice keeps for later slices are written once
-(``PrefixKV`` keeps the first write), so a recompute neither duplicates nor replaces them.
+recompute stays off in elastic mode. A slice writes its K/V into its sequence's buffer once
+(``KVBuffer`` keeps the first write), so a recompute neither rewrites nor double-counts them.
 """
 
 from __future__ import annotations

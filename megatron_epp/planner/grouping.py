@@ -34,9 +34,12 @@ def group_units(
     bounds = np.concatenate([[0], np.cumsum(unit_sizes)]).astype(int)
     step = (costs.fwd + costs.bwd).mean(axis=0)
     T = np.concatenate([[0.0], np.cumsum(step)])
-    full = layers[0] * costs.act_layer
-    least = layers[0] * (costs.ckpt_layer + costs.kv_layer) if recompute else full
-    rc_per_byte = costs.rc_layer / np.maximum(costs.act_layer - costs.ckpt_layer - costs.kv_layer, 1e-9)
+    split = np.repeat(np.asarray(unit_sizes) > 1, unit_sizes)  # the chunks of split sequences
+    act = costs.act_layer - costs.lone_layer * split
+    kv = costs.kv_layer * split  # each slice's rows of its sequence's K/V buffer
+    full = layers[0] * (act + kv)
+    least = layers[0] * (costs.ckpt_layer + kv) if recompute else full
+    rc_per_byte = costs.rc_layer / np.maximum(act - costs.ckpt_layer, 1e-9)
     R = np.concatenate([[0.0], np.cumsum(rc_per_byte)])
     best = np.full(U + 1, np.inf)
     best[0] = 0.0

@@ -3,10 +3,11 @@
 The stage holds its model states and, for every chunk whose forward has started and whose backward
 has not finished, what that chunk's layers save for backward: per layer ``act`` bytes, or ``ckpt``
 bytes (the layer input) if the layer is checkpointed; the first stage also the embedding's saved
-ids, the last stage the output head's saved tensors (until the chunk's backward starts). A slice of
-a split sequence with later slices keeps its K/V (``kv``: the storages its kept views hold) from its
-forward until the backward of the sequence's first slice; where the slice's own layers also save
-those storages (``kv_shared``) they are counted once.
+ids, the last stage the output head's saved tensors (until the chunk's backward starts). A split
+sequence has one K/V buffer per layer for all its tokens, allocated by its first slice's forward and
+freed by that slice's backward, which is the sequence's last: it counts with the first slice
+(``buffer``). Its slices' layers do not save their own K/V beside it: a chunk that is only a slice
+saves ``lone_layer`` less.
 
 Memory only grows during a forward and only shrinks during a backward, except where a checkpointed
 layer recomputes. So each op gives the walk one or two *rows* (moments):
@@ -15,10 +16,9 @@ layer recomputes. So each op gives the walk one or two *rows* (moments):
 * ``B``: the start of the backward (plus ``workspace``: gradient buffers, counted where the
   allocator is measured; the recomputed layer's activations stand for them below), and the recompute of the chunk's last checkpointed layer, the first to
   run in backward: the layers after it have already freed what they saved (and the output head its
-  tensors; a first slice's own and its later slices' kept K/V of those layers are released too),
-  the earlier checkpointed layers still hold their inputs and the recomputed layer holds its full
-  activations. With ``c`` checkpointed layers that is ``act - ckpt + c * (ckpt + kv of the layers
-  still kept)``, growing with ``c``.
+  tensors; a first slice its K/V buffers of those layers too), the earlier checkpointed layers still
+  hold their inputs and the recomputed layer holds its full activations. With ``c`` checkpointed
+  layers that is ``act - ckpt + c * (ckpt + buffer)``, growing with ``c``.
 
 Memory at every row is ``base - live @ (saving * recompute)``, linear in the stage's
 checkpointed-layer counts (the planner's decision variables): ``live[r, k]`` is 1 while chunk ``k``
@@ -56,15 +56,16 @@ class StageMemory:
         return out
 
 
-def retained_kv(pipe: Pipeline) -> tuple[np.ndarray, np.ndarray]:
-    """``(retained, first)``: chunk keeps its K/V for later slices; position of its sequence's first slice."""
+def kv_buffers(pipe: Pipeline, kv_layer: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(is_slice, buffer)``: the chunk holds a slice of a split sequence; the bytes of the K/V buffer
+    it allocates per layer (a first slice: its sequence's, the ``kv_layer`` of all its slices; else 0)."""
     n = len(pipe.chunks)
-    retained = np.zeros(n, dtype=bool)
-    first = np.arange(n)
+    is_slice, buffer = np.zeros(n, dtype=bool), np.zeros(n)
     for unit in sequence_units(pipe):
-        retained[unit[:-1]] = True
-        first[unit] = unit[0]
-    return retained, first
+        if len(unit) > 1:
+            is_slice[unit] = True
+            buffer[unit[0]] = kv_layer[unit].sum()
+    return is_slice, buffer
 
 
 def stage_memory(pipe: Pipeline, stage: int, num_stages: int, costs: ChunkCosts, layers: int, state_bytes: float) -> StageMemory:
@@ -74,13 +75,12 @@ def stage_memory(pipe: Pipeline, stage: int, num_stages: int, costs: ChunkCosts,
     fpos, bpos = np.empty(n, dtype=int), np.empty(n, dtype=int)
     for j, op in enumerate(ops):
         (fpos if op.kind == "F" else bpos)[op.pos] = j
-    retained, first = retained_kv(pipe)
-    kv = costs.kv_layer * retained
-    shared = np.minimum(costs.kv_shared, costs.kv_layer) * retained
+    is_slice, buffer = kv_buffers(pipe, costs.kv_layer)
+    act = costs.act_layer - costs.lone_layer * is_slice
     head = costs.logits if stage == num_stages - 1 else np.zeros(n)
     embed = costs.embed if stage == 0 else np.zeros(n)
-    resident = layers * (costs.act_layer - shared) + head + embed
-    saving = np.maximum(costs.act_layer - shared - costs.ckpt_layer, 1e-9)
+    resident = layers * (act + buffer) + head + embed
+    saving = np.maximum(act - costs.ckpt_layer, 1e-9)
 
     # rows: F -> end of forward; B -> start of backward, then its first recompute
     row_op = np.repeat(np.arange(len(ops)), [1 if op.kind == "F" else 2 for op in ops])
@@ -88,22 +88,16 @@ def stage_memory(pipe: Pipeline, stage: int, num_stages: int, costs: ChunkCosts,
     rc_row[1:] = row_op[1:] == row_op[:-1]
     j = row_op[:, None]
     live = ((j >= fpos) & (j <= bpos)).astype(float)
-    kv_live = ((j >= fpos) & (j <= bpos[first])).astype(float)
-    base = state_bytes + live @ resident + kv_live @ (layers * kv)
+    base = state_bytes + live @ resident
     bwd_rows = np.flatnonzero(np.isin(row_op, bpos))
     for r in bwd_rows:
         k = ops[row_op[r]].pos
         if not rc_row[r]:
             base[r] += costs.workspace[k]
             continue
-        # chunk k during the recompute of its last checkpointed layer: act - ckpt + c * (ckpt + kept kv)
-        own_kv = 0.0
-        if retained[k] and first[k] == k:  # the first slice releases its sequence's kept K/V layer by layer
-            seq = (first == k) & retained
-            base[r] -= kv_live[r] @ (layers * kv * seq)
-            own_kv = float(kv[seq].sum())
-        base[r] += embed[k] + costs.act_layer[k] - costs.ckpt_layer[k] - resident[k]
-        live[r, k] = -(costs.ckpt_layer[k] + own_kv) / saving[k]
+        # chunk k during the recompute of its last checkpointed layer: act - ckpt + c * (ckpt + buffer)
+        base[r] += embed[k] + act[k] - costs.ckpt_layer[k] - resident[k]
+        live[r, k] = -(costs.ckpt_layer[k] + buffer[k]) / saving[k]
     return StageMemory(ops, base, live, saving, bwd_rows, row_op)
 
 

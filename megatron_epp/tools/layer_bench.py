@@ -5,8 +5,8 @@ Used by ``scripts/profile_layer.py`` (fits a profile) and ``scripts/cost_model_a
 
 The layers are built through the training spec (``default_layer_spec()`` passed through
 ``elastic_layer_spec``): :class:`ChunkRecomputeLayer` with :class:`ElasticAttention` as core attention
-(one SDPA call per segment on CPU; a slice attends to its prefix K/V through a bottom-right causal
-mask), RoPE (when the shape has it) through the chunk rotary embedding, all reading the stack's own
+(one SDPA call per segment on CPU; a slice attends to its prefix K/V, read in place from its K/V
+buffer, through a bottom-right causal mask), RoPE (when the shape has it) through the chunk rotary embedding, all reading the stack's own
 :class:`ChunkContext`. A checkpointed forward recomputes as training does (the layout's recompute
 count, megatron-core's ``tensor_parallel.checkpoint``).
 """
@@ -27,7 +27,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 import patches
 from megatron_epp.cost.profiles import ModelShape
-from megatron_epp.executor.context import ChunkContext, ChunkLayout
+from megatron_epp.executor.context import ChunkContext, ChunkLayout, KVBuffer
 from megatron_epp.executor.memory_tracker import ActivationMemoryTracker
 from megatron_epp.executor.rotary import ChunkRotaryEmbedding
 from megatron_epp.executor.spec import elastic_layer_spec
@@ -82,10 +82,11 @@ class LayerStack(torch.nn.Module):
         self.head = torch.nn.Linear(shape.hidden, shape.vocab, bias=False)
         self.shape = shape
         self._recompute_layout: ChunkLayout | None = None
+        self._prefixes: list[tuple[KVBuffer, int]] = []  # each slice's buffers and their prefix rows
 
-    def set_segments(self, lengths: Sequence[int], contexts: Sequence[int]) -> list[torch.Tensor]:
-        """Make the segments ``(s, C)`` the current chunk, with random prefix K/V for a slice of
-        context ``C > 0`` (at most one, as in a plan); returns the prefix leaves."""
+    def set_segments(self, lengths: Sequence[int], contexts: Sequence[int]) -> None:
+        """Make the segments ``(s, C)`` the current chunk; a slice of context ``C > 0`` (at most one, as
+        in a plan) gets a K/V buffer per layer whose prefix rows ``[0, C)`` hold random K/V."""
         if sum(c > 0 for c in contexts) > 1:
             raise ValueError("a chunk holds at most one slice with context")
         heads, d = self.shape.num_heads, self.shape.hidden // self.shape.num_heads
@@ -93,16 +94,17 @@ class LayerStack(torch.nn.Module):
         self.context.clear()
         self.context.current = ChunkLayout.build(chunk, [c + s for s, c in zip(lengths, contexts)], torch.device("cpu"))
         self._recompute_layout = dataclasses.replace(self.context.current, recompute=len(self.layers))
-        leaves = []
-        for i, c in enumerate(contexts):
+        self._prefixes = []
+        for i, (s, c) in enumerate(zip(lengths, contexts)):
             for layer in self.layers if c else ():
-                kv = tuple(torch.randn(c, 1, heads, d, requires_grad=True) for _ in range(2))
-                self.context.keep(i, layer.layer_number, 0, kv)
-                leaves += kv
-        return leaves
+                buffer = self.context.kv_buffer(i, layer.layer_number, c + s, torch.empty(0, 1, heads, d))
+                buffer.write(0, torch.randn(c, 1, heads, d), torch.randn(c, 1, heads, d))
+                self._prefixes.append((buffer, c))
 
     def forward(self, x: torch.Tensor, checkpoint: bool = False) -> torch.Tensor:
         """Hidden states ``[s, 1, h]`` through every layer (each recomputing in backward if asked)."""
+        for buffer, c in self._prefixes:
+            buffer.written = c  # so that every timed forward writes its slice's K/V, as a first forward does
         with self.context.running(self._recompute_layout if checkpoint else self.context.layout()):
             rotary = self.rotary(x.shape[0]) if self.rotary is not None else None
             for layer in self.layers:

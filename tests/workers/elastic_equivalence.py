@@ -1,7 +1,8 @@
 """Random elastic plans vs a non-pipelined reference, many cases in one process-group launch.
 
     torchrun ... tests/workers/elastic_equivalence.py OUT --mode reference|elastic --cases N
-        [--fault drop_prefix|leak_packing|forward_order_backward|recompute_without_rng_restore] [pretrain_gpt flags...]
+        [--fault drop_prefix|drop_prefix_grads|misplaced_kv|leak_packing|forward_order_backward|recompute_without_rng_restore]
+        [pretrain_gpt flags...]
 
 ``reference`` (one process): stock Megatron-Core (local spec, no EPP), each whole sequence its own
 micro-batch. ``elastic``: a random valid plan per case (per data-parallel rank) through
@@ -22,7 +23,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_epp.executor.schedule import forward_backward_elastic
 from megatron_epp.executor.batches import chunk_batches, elastic_gpt_forward_step
-from megatron_epp.executor.context import ChunkContext, ChunkLayout
+from megatron_epp.executor.context import ChunkContext, ChunkLayout, KVBuffer
 from megatron_epp.executor.spec import elastic_layer_spec, install_chunk_context
 from megatron_epp.plan import order as schedule_order
 from megatron_epp.training.arguments import parse_args
@@ -35,10 +36,43 @@ from tests.workers.random_plans import random_lengths, random_plan
 
 
 class DropPrefix(ChunkContext):
-    """Slices attend without the K/V of their sequence's earlier slices."""
+    """Slices attend without the K/V of their sequence's earlier slices (each as a whole sequence)."""
 
     def running(self, layout: ChunkLayout):
-        return super().running(layout if layout.split_index is None else dataclasses.replace(layout, context=0))
+        return super().running(layout if layout.split_index is None else dataclasses.replace(layout, split_index=None, context=0))
+
+
+class _PrefixGradsDropped(KVBuffer):
+    def gradients(self, start, grad_key, grad_value):
+        return grad_key[start:], grad_value[start:]
+
+
+class _MisplacedWrite(KVBuffer):
+    def write(self, start, key, value):
+        super().write(start, key.roll(1, 0), value.roll(1, 0))
+
+
+class BrokenBuffers(ChunkContext):
+    """K/V buffers of class ``BUFFER``: put in the context before the first slice asks for them."""
+
+    BUFFER: type[KVBuffer]
+
+    def kv_buffer(self, seq, layer, length, like):
+        if (seq, layer) not in self.kv:
+            self.kv[seq, layer] = self.BUFFER(length, like)
+        return super().kv_buffer(seq, layer, length, like)
+
+
+class DropPrefixGrads(BrokenBuffers):
+    """The gradients later slices compute for the K/V of earlier slices never reach them."""
+
+    BUFFER = _PrefixGradsDropped
+
+
+class MisplacedKV(BrokenBuffers):
+    """Each slice's K/V land one row off in its buffer (rolled within the slice's rows)."""
+
+    BUFFER = _MisplacedWrite
 
 
 class LeakPacking(ChunkContext):
@@ -48,7 +82,9 @@ class LeakPacking(ChunkContext):
         return super().running(layout if layout.split_index is not None else dataclasses.replace(layout, bounds=[(0, layout.chunk.num_tokens)]))
 
 
-BROKEN_CONTEXTS = {"drop_prefix": DropPrefix, "leak_packing": LeakPacking}
+BROKEN_CONTEXTS = {
+    "drop_prefix": DropPrefix, "drop_prefix_grads": DropPrefixGrads, "misplaced_kv": MisplacedKV, "leak_packing": LeakPacking,
+}
 
 
 def inject(fault: str) -> None:

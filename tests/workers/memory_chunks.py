@@ -1,25 +1,28 @@
 """Planner's predicted peak activation memory vs the tracker's measurement on real chunks (one process).
 
-    python tests/workers/memory_chunks.py OUT.json [pretrain_gpt model flags...]
+    python tests/workers/memory_chunks.py OUT.json [--model-dtype float32|bfloat16] [pretrain_gpt model flags...]
 
-One stage (pp = 1: embedding, layers and output head) of the model the flags describe, the
+One stage (pp = 1: embedding, layers and output head) of the model the flags describe, cast to
+``--model-dtype`` (the planner's shape gets the same dtype; training's ``--bf16`` is not used), the
 executor's own layers (``ChunkRecomputeLayer`` + ``ElasticAttention``); each case is a small plan
-(batched, split, hybrid chunks; no, partial and full recompute) run through
+(batched, split, hybrid chunks; sequences in 2 to 4 slices; no, partial and full recompute) run through
 ``forward_backward_elastic`` under :class:`ActivationMemoryTracker`, beside
 ``PlanBuilder.predicted_activation_bytes`` of the same plan. Writes ``[{case, rc, pred, meas}]``.
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import os
-import sys
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MASTER_PORT", str(21000 + os.getpid() % 20000))
 
 import torch  # noqa: E402
 
+from megatron_epp.cost.model import CostModel  # noqa: E402
 from megatron_epp.executor.schedule import forward_backward_elastic  # noqa: E402
 from megatron_epp.executor.batches import chunk_batches, elastic_gpt_forward_step  # noqa: E402
 from megatron_epp.executor.context import ChunkContext  # noqa: E402
@@ -37,6 +40,15 @@ CASES = [
     ("batched", [[S(0, 0, 200), S(1, 0, 90)]], ["none", "full"]),
     ("split", [[S(0, 0, 96)], [S(0, 96, 192)], [S(0, 192, 300)]], ["none", ["L", 1, 0], "full"]),
     ("split+hybrid+batched", [[S(0, 0, 150)], [S(0, 150, 300), S(1, 0, 60)], [S(2, 0, 100), S(3, 0, 50)]], ["none", [1, 0, "L"], "full"]),
+    # a split sequence's K/V buffer holds all its tokens from its first slice's forward to that slice's
+    # backward: a peak before the last slice's forward (here at the middle slice's, the batched chunk
+    # still resident) counts it whole; a long first slice recomputed peaks in its own backward,
+    # holding the buffers of its checkpointed layers
+    ("batched-then-split", [[S(0, 0, 250)], [S(1, 0, 30)], [S(1, 30, 60)], [S(1, 60, 90)]], ["none", [0, 0, 1, 0], "full"]),
+    ("long-first-slice", [[S(0, 0, 250)], [S(0, 250, 262)], [S(0, 262, 274)]], ["none", ["L", 0, 0], [1, 0, 0], "full"]),
+    ("batched+split4+hybrid", [[S(0, 0, 40), S(1, 0, 30)], [S(2, 0, 100)], [S(2, 100, 170)], [S(2, 170, 220)], [S(2, 220, 260), S(3, 0, 50)]],
+     ["none", [0, "L", 1, 0, 1], "full"]),
+    ("two-split-sequences", [[S(0, 0, 80)], [S(0, 80, 160)], [S(1, 0, 60)], [S(1, 60, 120), S(2, 0, 30)]], ["none", [1, 0, 0, 1], "full"]),
 ]
 
 
@@ -52,14 +64,22 @@ def make_plan(chunks: list[list[Segment]], rc, layers: int) -> Plan:
 
 
 def main() -> None:
-    out, flags = sys.argv[1], sys.argv[2:]
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--model-dtype", default="float32", choices=["float32", "bfloat16"])
+    ours, flags = p.parse_known_args()
     args = parse_args(flags + ["--elastic-pp", "--mock-data", "--seq-length", "512", "--epp-memory-budget", "1"], world_size=1)
     args.vocab_size = args.vocab_size or 257
     runtime = initialize(args)
     context = ChunkContext()
     model, _ = build_model(args, runtime, layer_spec=elastic_layer_spec(default_layer_spec(), context))
+    model.to(getattr(torch, ours.model_dtype))
     install_chunk_context(model.module, context)
     build = PlanBuilder(args)
+    cm = build.cost_model
+    if cm.profile.model.dtype != ours.model_dtype:  # the shape PlanBuilder takes from the flags has no cast's dtype
+        shape = dataclasses.replace(cm.profile.model, dtype=ours.model_dtype)
+        build.cost_model = CostModel(dataclasses.replace(cm.profile, model=shape), cm.num_stages, cm.layers, dp=cm.dp)
     gen = torch.Generator().manual_seed(0)
     results = []
     for name, chunks, rcs in CASES:
@@ -75,7 +95,7 @@ def main() -> None:
             model.zero_grad_buffer()
             pred = build.predicted_activation_bytes(plan)[0]
             results.append({"case": name, "rc": plan.pipelines[0].recompute[0], "pred": pred, "meas": tracker.peak_bytes})
-    with open(out, "w") as f:
+    with open(ours.out, "w") as f:
         json.dump(results, f)
 
 
