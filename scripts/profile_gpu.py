@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -230,8 +231,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
-    init_single_process()  # one process group, model-parallel state; on CPU one thread
+    if device.type == "cuda":  # as training sets up a GPU rank (the first contact's layer grid ran this way)
+        torch.cuda.set_device(0)
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
+        torch.distributed.init_process_group("nccl", rank=0, world_size=1)
+    init_single_process()  # the process group (gloo on CPU, one thread) and megatron-core's model-parallel state
     torch.manual_seed(0)
+    if device.type == "cuda":
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(0)  # the RNG tracker the recompute checkpoint reads
     shape = ModelShape(args.name or f"gpu-h{args.hidden_size}", args.num_layers, args.hidden_size, args.num_attention_heads,
                        args.ffn_hidden_size or 4 * args.hidden_size, args.vocab_size, swiglu=False)  # the local spec: GELU MLP
     kernel = kernels.select_backend(kernels.requested_backend(), device, dtype)  # as training chooses (EPP_ATTENTION_BACKEND)
@@ -266,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     for key, e in errors.items():
         print(f"  {key:14s} rms rel err {e['rms_rel_err'] * 100:6.2f} %   max {e['max_rel_err'] * 100:6.2f} %   ({e['points']} points)")
     print(json.dumps({"profile": args.out, "device": name, "worst_rms_rel_err": max(e["rms_rel_err"] for e in errors.values())}))
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     return 0
 
 
