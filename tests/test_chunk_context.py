@@ -22,7 +22,7 @@ from megatron_epp.executor.schedule import forward_backward_elastic
 from megatron_epp.executor.spec import elastic_layer_spec, install_chunk_context
 from megatron_epp.plan import Chunk, Pipeline, Plan, Segment
 from megatron_epp.tools.layer_bench import init_single_process
-from megatron_epp.training.model import default_layer_spec
+from megatron_epp.training.model import elastic_base_layer_spec
 
 VOCAB = 32
 CHUNKS = [
@@ -57,7 +57,7 @@ def model() -> GPTModel:
         hidden_dropout=0.0, attention_dropout=0.0, calculate_per_token_loss=True,
     )
     context = ChunkContext()
-    gpt = GPTModel(config, elastic_layer_spec(default_layer_spec(), context), vocab_size=VOCAB, max_sequence_length=64,
+    gpt = GPTModel(config, elastic_layer_spec(elastic_base_layer_spec(), context), vocab_size=VOCAB, max_sequence_length=64,
                    position_embedding_type="rope")
     install_chunk_context(gpt, context)
     return gpt

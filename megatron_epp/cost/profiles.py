@@ -33,6 +33,7 @@ import numpy as np
 PROFILE_DIR = Path(__file__).parent / "profiles"
 GIB = float(2**30)
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}  # activation dtypes the saved-tensor count is measured in
+PROFILE_SOURCES = ("measured", "analytic")  # a profile's "source": fitted to timings, or FLOPs / peak x MFU
 
 
 @dataclass(frozen=True)
@@ -172,6 +173,13 @@ class Profile:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Profile":
+        # every profile says where its numbers come from: the planner prints it beside its predictions
+        missing = [key for key in ("device", "source") if not d.get(key)]
+        if missing:
+            raise ValueError(f"profile has no {' or '.join(repr(k) for k in missing)}: every profile names its device "
+                             f"and its source ({' or '.join(PROFILE_SOURCES)})")
+        if d["source"] not in PROFILE_SOURCES:
+            raise ValueError(f"profile source {d['source']!r}: expected {' or '.join(PROFILE_SOURCES)}")
         tc = {k: TimeCoeffs(**d[k]) for k in ("fwd", "bwd", "recompute", "head_fwd", "head_bwd")}
         return cls(
             model=ModelShape(**d["model"]),
@@ -190,7 +198,10 @@ class Profile:
 
     @classmethod
     def load(cls, path: str | Path) -> "Profile":
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text()))
+        except ValueError as error:  # JSON that does not parse, or metadata missing
+            raise ValueError(f"{path}: {error}") from None
 
 
 # Published LLaMA shapes (LLaMA-1 paper, table 2; "30B" is the 32.5B model), trained in bf16.

@@ -107,7 +107,7 @@ def check_request(request: str) -> None:
     if request == "flash":
         kernel, why_not = load_flash_kernel()
         if kernel is None:
-            raise AttentionBackendError(f"{ENV}=flash but {why_not}; install requirements-gpu.txt or use {ENV}=auto|sdpa")
+            raise AttentionBackendError(f"{ENV}=flash but {why_not}; install flash-attn (scripts/setup_gpu.sh) or use {ENV}=auto|sdpa")
 
 
 _DECISIONS: dict[tuple[str, str, torch.dtype], str] = {}

@@ -3,7 +3,7 @@
 Used by ``scripts/profile_layer.py`` (fits a profile) and ``scripts/cost_model_accuracy.py``
 (checks it on real chunks).
 
-The layers are built through the training spec (``default_layer_spec()`` passed through
+The layers are built through the training spec (``elastic_base_layer_spec()`` passed through
 ``elastic_layer_spec``): :class:`ChunkRecomputeLayer` with :class:`ElasticAttention` as core attention
 (one SDPA call per segment on CPU; a slice attends to its prefix K/V, read in place from its K/V
 buffer, through a bottom-right causal mask), RoPE (when the shape has it) through the chunk rotary embedding, all reading the stack's own
@@ -32,7 +32,7 @@ from megatron_epp.executor.memory_tracker import ActivationMemoryTracker
 from megatron_epp.executor.rotary import ChunkRotaryEmbedding
 from megatron_epp.executor.spec import elastic_layer_spec
 from megatron_epp.plan import Chunk, Segment
-from megatron_epp.training.model import default_layer_spec
+from megatron_epp.training.model import elastic_base_layer_spec
 
 
 _initialized = False
@@ -61,28 +61,33 @@ class LayerStack(torch.nn.Module):
     forward and its backward (recompute included) run on that chunk.
     """
 
-    def __init__(self, shape: ModelShape, num_layers: int, seed: int = 0) -> None:
+    def __init__(self, shape: ModelShape, num_layers: int, seed: int = 0,
+                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         init_single_process()
         torch.manual_seed(seed)
+        self.device, self.dtype = torch.device(device), dtype
+        on_cpu = self.device.type == "cpu"
         config = TransformerConfig(
             num_layers=num_layers,
             hidden_size=shape.hidden,
             num_attention_heads=shape.num_heads,
             ffn_hidden_size=shape.ffn_hidden,
-            use_cpu_initialization=True,
-            params_dtype=torch.float32,
+            use_cpu_initialization=on_cpu,  # else RoPE's frequencies are made on the current GPU
+            params_dtype=dtype,
+            bf16=dtype == torch.bfloat16,
             hidden_dropout=0.0,
             attention_dropout=0.0,
         )
         self.context = ChunkContext()
-        spec = elastic_layer_spec(default_layer_spec(), self.context)
+        spec = elastic_layer_spec(elastic_base_layer_spec(), self.context)
         self.layers = torch.nn.ModuleList(build_module(spec, config=config, layer_number=i + 1) for i in range(num_layers))
-        self.rotary = ChunkRotaryEmbedding(RotaryEmbedding(config.kv_channels, rotary_percent=1.0, use_cpu_initialization=True), self.context) if shape.rope else None
+        self.rotary = ChunkRotaryEmbedding(RotaryEmbedding(config.kv_channels, rotary_percent=1.0, use_cpu_initialization=on_cpu), self.context) if shape.rope else None
         self.head = torch.nn.Linear(shape.hidden, shape.vocab, bias=False)
         self.shape = shape
         self._recompute_layout: ChunkLayout | None = None
         self._prefixes: list[tuple[KVBuffer, int]] = []  # each slice's buffers and their prefix rows
+        self.to(self.device, dtype)  # every parameter, LayerNorms included, as Float16Module does in training
 
     def set_segments(self, lengths: Sequence[int], contexts: Sequence[int]) -> None:
         """Make the segments ``(s, C)`` the current chunk; a slice of context ``C > 0`` (at most one, as
@@ -92,13 +97,13 @@ class LayerStack(torch.nn.Module):
         heads, d = self.shape.num_heads, self.shape.hidden // self.shape.num_heads
         chunk = Chunk(0, "batched", [Segment(i, c, c + s) for i, (s, c) in enumerate(zip(lengths, contexts))])
         self.context.clear()
-        self.context.current = ChunkLayout.build(chunk, [c + s for s, c in zip(lengths, contexts)], torch.device("cpu"))
+        self.context.current = ChunkLayout.build(chunk, [c + s for s, c in zip(lengths, contexts)], self.device)
         self._recompute_layout = dataclasses.replace(self.context.current, recompute=len(self.layers))
         self._prefixes = []
         for i, (s, c) in enumerate(zip(lengths, contexts)):
             for layer in self.layers if c else ():
-                buffer = self.context.kv_buffer(i, layer.layer_number, c + s, torch.empty(0, 1, heads, d))
-                buffer.write(0, torch.randn(c, 1, heads, d), torch.randn(c, 1, heads, d))
+                buffer = self.context.kv_buffer(i, layer.layer_number, c + s, torch.empty(0, 1, heads, d, device=self.device, dtype=self.dtype))
+                buffer.write(0, *(torch.randn(c, 1, heads, d, device=self.device, dtype=self.dtype) for _ in range(2)))
                 self._prefixes.append((buffer, c))
 
     def forward(self, x: torch.Tensor, checkpoint: bool = False) -> torch.Tensor:
@@ -114,7 +119,7 @@ class LayerStack(torch.nn.Module):
     def head_loss(self, x: torch.Tensor) -> torch.Tensor:
         """Output layer and summed cross entropy (fp32 logits) of hidden states ``[s, 1, h]``."""
         logits = self.head(x).float().view(-1, self.shape.vocab)
-        return F.cross_entropy(logits, torch.zeros(logits.shape[0], dtype=torch.long), reduction="sum")
+        return F.cross_entropy(logits, torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device), reduction="sum")
 
 
 def time_fwd_bwd(run: Callable[..., torch.Tensor], make_inputs: Callable[[], tuple], repeats: int) -> tuple[float, float]:

@@ -48,6 +48,7 @@ class PlanBuilder:
         shape = dataclasses.replace(
             profile.model, num_layers=args.num_layers, hidden=args.hidden_size, num_heads=args.num_attention_heads,
             ffn_hidden=args.ffn_hidden_size, vocab=args.vocab_size, rope=args.position_embedding_type == "rope",
+            dtype="bfloat16" if args.bf16 else "float32",  # what the activations and the K/V buffers are stored in
         )
         self.cost_model = CostModel(
             dataclasses.replace(profile, model=shape), args.pipeline_model_parallel_size, dp=args.data_parallel_size

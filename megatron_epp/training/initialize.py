@@ -43,12 +43,41 @@ class Runtime:
         return self.rank == self.world_size - 1
 
 
+def local_world_size() -> int:
+    """Processes on this node (torchrun's ``LOCAL_WORLD_SIZE``; 1 for a plain process)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def gpu_count() -> int:
+    """CUDA devices this process sees (0 without CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def gpu_oversubscription(local_world_size: int, device_count: int) -> str | None:
+    """Why ``local_world_size`` processes on a node cannot each have their own GPU among
+    ``device_count`` (None: they can, or there is no GPU and they run on the CPU).
+
+    One process per GPU: rank ``r`` of a node takes ``cuda:r``, so more ranks than GPUs would ask
+    for a device that does not exist, and two ranks on one GPU are refused by NCCL ("Duplicate GPU
+    detected"). One GPU means pp=1 (the elastic slicing and packing still run there).
+    """
+    if device_count == 0 or local_world_size <= device_count:
+        return None
+    return (
+        f"{local_world_size} processes on this node but {device_count} GPU{'s' if device_count > 1 else ''}: "
+        f"one process per GPU (torchrun --nproc-per-node {device_count}, or CUDA_VISIBLE_DEVICES)"
+    )
+
+
 def select_device() -> tuple[torch.device, str]:
     """CUDA with NCCL when a GPU is present, else CPU with gloo and the CPU patches.
 
     ``EPP_DISABLE_PATCHES=name,...`` leaves named patches out (to check whether upstream still needs them).
     """
     if torch.cuda.is_available():
+        why = gpu_oversubscription(local_world_size(), gpu_count())
+        if why:
+            raise RuntimeError(why)
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank), "nccl"

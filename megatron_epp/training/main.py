@@ -9,16 +9,16 @@ from typing import Sequence
 from megatron_epp.data.documents import DocumentDataset, split_ranges
 from megatron_epp.data.gpt_samples import GPTSamples, MockGPTSamples
 from megatron_epp.data.tokenizers import TokenizerError, build_tokenizer
+from megatron_epp.cost.profiles import load_profile
 from megatron_epp.executor.context import ChunkContext
-from megatron_epp.executor.spec import elastic_layer_spec, install_chunk_context
 from megatron_epp.training import checkpointing
 from megatron_epp.training.arguments import ArgumentError, parse_args
 from megatron_epp.training.corpus_check import check_corpus
 from megatron_epp.training.elastic import check_memory_budget, elastic_train_step
 from megatron_epp.training.gpt_step import gpt_forward_step, microbatches
-from megatron_epp.training.initialize import initialize, shutdown
+from megatron_epp.training.initialize import gpu_count, gpu_oversubscription, initialize, local_world_size, shutdown
 from megatron_epp.training.loop import build_optimizer, megatron_step, train
-from megatron_epp.training.model import build_model, default_layer_spec
+from megatron_epp.training.model import build_model, layer_spec_summary
 
 
 def build_samples(args: argparse.Namespace, split: str):
@@ -42,12 +42,26 @@ def resolve_vocab_size(args: argparse.Namespace) -> None:
         raise ArgumentError(f"--vocab-size {args.vocab_size} is smaller than the tokenizer's {vocab} tokens")
 
 
+def profile_summary(args: argparse.Namespace) -> str:
+    """Where the planner's cost profile comes from (its ``source`` and ``device``), for the start-up
+    line; a profile that does not load is a bad flag."""
+    try:
+        profile = load_profile(args.epp_profile, tp=args.tensor_model_parallel_size)
+    except (ValueError, OSError, KeyError, TypeError) as error:
+        raise ArgumentError(str(error) if str(error).startswith("--epp-profile") else f"--epp-profile: {error}") from None
+    return f"--epp-profile {args.epp_profile}: {profile.source} on {profile.device} (model {profile.model.name})"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     try:
+        why = gpu_oversubscription(local_world_size(), gpu_count())
+        if why:
+            raise ArgumentError(why)
         args = parse_args(argv)
         resolve_vocab_size(args)
         corpus = check_corpus(args)
         if args.elastic_pp:
+            planner = profile_summary(args)
             check_memory_budget(args)
     except (ArgumentError, TokenizerError) as error:
         print(error if isinstance(error, ArgumentError) else f"pretrain_gpt.py: error: {error}", file=sys.stderr)
@@ -56,9 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     runtime = initialize(args)
     if args.elastic_pp:
-        context = ChunkContext()
-        model, config = build_model(args, runtime, layer_spec=elastic_layer_spec(default_layer_spec(), context))
-        install_chunk_context(model.module, context)
+        model, config = build_model(args, runtime, context=ChunkContext())
     else:
         model, config = build_model(args, runtime)
     optimizer, scheduler = build_optimizer(args, model, config)
@@ -69,11 +81,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(
             f"> GPT: {args.num_layers} layers, hidden {args.hidden_size}, {args.num_attention_heads} heads, "
             f"vocab {args.vocab_size} | tp={args.tensor_model_parallel_size} pp={runtime.pp_size} "
-            f"dp={runtime.dp_size} on {runtime.device.type} | global batch {args.global_batch_size} = "
+            f"dp={runtime.dp_size} on {runtime.device.type} {'bf16' if args.bf16 else 'fp32'} | global batch {args.global_batch_size} = "
             f"{args.num_microbatches} micro-batches x {args.micro_batch_size} x dp {runtime.dp_size}"
             + (f" | resumed at iteration {start[0]}" if args.load else ""),
             flush=True,
         )
+        print(f"> layers: {layer_spec_summary(args.elastic_pp)}", flush=True)
+        if args.elastic_pp:
+            print(f"> planner: {planner}", flush=True)
         print(f"> data: {corpus}", flush=True)
 
     def step_for(split: str, consumed: int):

@@ -1,4 +1,5 @@
-"""TransformerConfig, GPTModel for this pipeline stage, and Megatron-Core's DDP wrapper."""
+"""TransformerConfig, GPTModel for this pipeline stage (cast by Float16Module under ``--bf16``), and
+Megatron-Core's DDP wrapper; which optional GPU kernels (Transformer Engine, fused softmax) it uses."""
 
 from __future__ import annotations
 
@@ -9,26 +10,64 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from megatron_epp.executor.context import ChunkContext
+from megatron_epp.executor.spec import elastic_layer_spec, install_chunk_context
+from megatron_epp.training.extensions import probe_fused_softmax, probe_transformer_engine
 from megatron_epp.training.initialize import Runtime
 
 
+def transformer_engine_unavailable() -> str | None:
+    """Why Transformer Engine's layers are not used here (None: they are, on the stock path)."""
+    return "no CUDA device" if not torch.cuda.is_available() else probe_transformer_engine()
+
+
 def transformer_engine_available() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
+    return transformer_engine_unavailable() is None
+
+
+def fused_softmax_unavailable() -> str | None:
+    """Why Megatron's fused masked softmax is off here (None: it is on). Without apex or the megatron
+    fused kernels, ``masked_softmax_fusion=True`` dies in the first attention on CUDA."""
+    return "no CUDA device" if not torch.cuda.is_available() else probe_fused_softmax()
 
 
 def default_layer_spec() -> ModuleSpec:
-    """Transformer Engine's layer spec when TE is importable on a GPU, else the local one."""
+    """The stock path's layers: Transformer Engine's spec when TE's PyTorch layers import on a GPU, else the local one."""
     if transformer_engine_available():
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec()
     return get_gpt_layer_local_spec()
+
+
+def elastic_base_layer_spec() -> ModuleSpec:
+    """The spec ``elastic_layer_spec`` builds elastic layers on: always Megatron-Core's local one.
+
+    Not TE's even where TE imports: ``ElasticAttention`` inside TE's fused layers (TE LayerNormLinear,
+    its own RoPE/attention plumbing) is untested, and the planner's memory model counts what the
+    local layers save.
+    """
+    return get_gpt_layer_local_spec()
+
+
+def layer_spec_summary(elastic: bool) -> str:
+    """One phrase for the start-up line: which layers and softmax this run uses, and why."""
+    if elastic:
+        spec = "local spec + ElasticAttention"
+        if transformer_engine_available():
+            spec += " (Transformer Engine imports but is not used with --elastic-pp: the elastic layers and the memory model are the local spec's)"
+        return spec
+    if transformer_engine_available():
+        return "Transformer Engine spec"
+    why = transformer_engine_unavailable()
+    spec = "local spec" + ("" if why == "no CUDA device" else f" (no Transformer Engine: {why})")
+    fused = fused_softmax_unavailable()
+    if fused != "no CUDA device":
+        spec += ", fused softmax" if fused is None else f", unfused softmax ({fused})"
+    return spec
 
 
 def transformer_config(args: argparse.Namespace, runtime: Runtime) -> TransformerConfig:
@@ -53,7 +92,8 @@ def transformer_config(args: argparse.Namespace, runtime: Runtime) -> Transforme
         calculate_per_token_loss=True,
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
-        masked_softmax_fusion=runtime.device.type == "cuda",
+        # only where the kernel imports (apex / megatron fused kernels): it is a CUDA extension
+        masked_softmax_fusion=runtime.device.type == "cuda" and fused_softmax_unavailable() is None,
         gradient_accumulation_fusion=False,
         deallocate_pipeline_outputs=True,
         # Megatron's batch_p2p_sync calls torch.cuda.synchronize() after every batched p2p (a guard
@@ -63,13 +103,20 @@ def transformer_config(args: argparse.Namespace, runtime: Runtime) -> Transforme
 
 
 def build_model(
-    args: argparse.Namespace, runtime: Runtime, layer_spec: ModuleSpec | None = None
+    args: argparse.Namespace, runtime: Runtime, context: ChunkContext | None = None
 ) -> tuple[DistributedDataParallel, TransformerConfig]:
-    """This stage's GPTModel on its device, wrapped in Megatron-Core DDP."""
+    """This stage's GPTModel on its device, cast to bf16 by ``Float16Module`` under ``--bf16``,
+    wrapped in Megatron-Core DDP.
+
+    With a ``context`` the layers are elastic (``elastic_layer_spec`` on the local spec) and the
+    context is installed on the GPTModel itself, where ``ChunkContext.of`` finds it through the
+    DDP and Float16Module wrappers (``get_attr_wrapped_model``).
+    """
     config = transformer_config(args, runtime)
+    spec = default_layer_spec() if context is None else elastic_layer_spec(elastic_base_layer_spec(), context)
     model = GPTModel(
         config,
-        layer_spec or default_layer_spec(),
+        spec,
         vocab_size=args.vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=runtime.is_first_stage,
@@ -77,7 +124,14 @@ def build_model(
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type,
     )
+    if context is not None:
+        install_chunk_context(model, context)
     model.to(runtime.device)
+    if args.bf16:
+        # As Megatron-LM: every parameter in bf16, LayerNorms included (CUDA's layer_norm refuses bf16
+        # input with fp32 weights), the first stage's float inputs cast, the last stage's output back
+        # to fp32 for the loss. The optimizer keeps fp32 main params (OptimizerConfig bf16).
+        model = Float16Module(config, model)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
     )

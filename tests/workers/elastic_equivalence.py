@@ -24,13 +24,13 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron_epp.executor.schedule import forward_backward_elastic
 from megatron_epp.executor.batches import chunk_batches, elastic_gpt_forward_step
 from megatron_epp.executor.context import ChunkContext, ChunkLayout, KVBuffer
-from megatron_epp.executor.spec import elastic_layer_spec, install_chunk_context
 from megatron_epp.plan import order as schedule_order
 from megatron_epp.training.arguments import parse_args
 from megatron_epp.training.gpt_step import gpt_forward_step, reduce_losses
 from megatron_epp.training.initialize import initialize, shutdown
 from megatron_epp.training.loop import build_optimizer
-from megatron_epp.training.model import build_model, default_layer_spec
+from megatron_epp.training.model import build_model
+from megatron.core.utils import unwrap_model
 from tests.workers.grad_dump import global_name, set_global_weights
 from tests.workers.random_plans import random_lengths, random_plan
 
@@ -124,15 +124,13 @@ def main() -> None:
     args.vocab_size = args.vocab_size or 64
     runtime = initialize(args)
     elastic = ours.mode == "elastic"
-    context = BROKEN_CONTEXTS.get(ours.fault, ChunkContext)()
-    spec = elastic_layer_spec(default_layer_spec(), context) if elastic else None
-    model, config = build_model(args, runtime, layer_spec=spec)
-    if elastic:
-        install_chunk_context(model.module, context)
+    context = BROKEN_CONTEXTS.get(ours.fault, ChunkContext)() if elastic else None
+    model, config = build_model(args, runtime, context=context)
+    gpt = unwrap_model(model)  # through DDP (and Float16Module with --bf16): parameters by their own names
     if ours.fault and ours.fault not in BROKEN_CONTEXTS:
         inject(ours.fault)
     per_stage = args.num_layers // runtime.pp_size
-    set_global_weights(model.module, runtime.pp_rank, per_stage, runtime.tp_rank, args.tensor_model_parallel_size)
+    set_global_weights(gpt, runtime.pp_rank, per_stage, runtime.tp_rank, args.tensor_model_parallel_size)
     build_optimizer(args, model, config)
     for case in range(ours.cases):
         sequences = case_sequences(case, ours.case_seed, args.vocab_size)
@@ -149,8 +147,9 @@ def main() -> None:
                 model=[model], num_microbatches=sum(len(q.chunks) for q in plan.pipelines), plan=plan,
             )
         else:
-            batches = iter(
-                {"tokens": t[None], "labels": l[None], "loss_mask": torch.ones(1, len(t)), "position_ids": torch.arange(len(t))[None]}
+            batches = iter(  # on the model's device (the stock forward step takes the batch as given)
+                {k: v.to(runtime.device) for k, v in {"tokens": t[None], "labels": l[None], "loss_mask": torch.ones(1, len(t)),
+                                                      "position_ids": torch.arange(len(t))[None]}.items()}
                 for t, l in sequences
             )
             losses = get_forward_backward_func()(
@@ -159,7 +158,7 @@ def main() -> None:
             )
         loss = reduce_losses(losses, ps.get_data_parallel_group())
         if runtime.dp_rank == 0 and runtime.tp_rank == 0:
-            grads = {global_name(n, runtime.pp_rank, per_stage): q.main_grad.detach().clone() for n, q in model.module.named_parameters()}
+            grads = {global_name(n, runtime.pp_rank, per_stage): q.main_grad.detach().cpu().clone() for n, q in gpt.named_parameters()}
             torch.save({"loss": loss, "grads": grads}, f"{ours.out}/case{case}_stage{runtime.pp_rank}.pt")
     shutdown()
 

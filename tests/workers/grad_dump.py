@@ -18,6 +18,7 @@ from megatron_epp.training.initialize import initialize, shutdown
 from megatron_epp.training.loop import build_optimizer, megatron_step
 from megatron_epp.training.main import build_samples, resolve_vocab_size
 from megatron_epp.training.model import build_model
+from megatron.core.utils import unwrap_model
 
 
 def global_name(name: str, pp_rank: int, layers_per_stage: int) -> str:
@@ -50,7 +51,7 @@ def main() -> None:
     runtime = initialize(args)
     model, config = build_model(args, runtime)
     layers_per_stage = args.num_layers // runtime.pp_size
-    set_global_weights(model.module, runtime.pp_rank, layers_per_stage, runtime.tp_rank, args.tensor_model_parallel_size)
+    set_global_weights(unwrap_model(model), runtime.pp_rank, layers_per_stage, runtime.tp_rank, args.tensor_model_parallel_size)
     model.broadcast_params()
     build_optimizer(args, model, config)  # installs finalize_model_grads (DP and tied-embedding sync)
     batches = microbatches(build_samples(args, "train"), 0, args.global_batch_size, args.micro_batch_size, runtime.dp_rank, runtime.dp_size, runtime.device)
@@ -61,7 +62,7 @@ def main() -> None:
     loss = reduce_losses(losses, ps.get_data_parallel_group())
     grads = {
         global_name(n, runtime.pp_rank, layers_per_stage): p.main_grad.detach().clone()
-        for n, p in model.module.named_parameters()
+        for n, p in unwrap_model(model).named_parameters()
     }
     if runtime.dp_rank == 0 and runtime.tp_rank == 0:
         torch.save({"loss": loss, "grads": grads}, f"{out_dir}/stage{runtime.pp_rank}.pt")

@@ -27,12 +27,11 @@ from megatron_epp.executor.schedule import forward_backward_elastic  # noqa: E40
 from megatron_epp.executor.batches import chunk_batches, elastic_gpt_forward_step  # noqa: E402
 from megatron_epp.executor.context import ChunkContext  # noqa: E402
 from megatron_epp.executor.memory_tracker import ActivationMemoryTracker  # noqa: E402
-from megatron_epp.executor.spec import elastic_layer_spec, install_chunk_context  # noqa: E402
 from megatron_epp.plan import Chunk, Pipeline, Plan, Segment, chunk_kind  # noqa: E402
 from megatron_epp.training.arguments import parse_args  # noqa: E402
 from megatron_epp.training.elastic import PlanBuilder  # noqa: E402
 from megatron_epp.training.initialize import initialize  # noqa: E402
-from megatron_epp.training.model import build_model, default_layer_spec  # noqa: E402
+from megatron_epp.training.model import build_model  # noqa: E402
 
 S = Segment
 # name -> chunks (segment lists); recompute counts: "none", "full" or a list per chunk ("L" = all layers)
@@ -72,9 +71,8 @@ def main() -> None:
     args.vocab_size = args.vocab_size or 257
     runtime = initialize(args)
     context = ChunkContext()
-    model, _ = build_model(args, runtime, layer_spec=elastic_layer_spec(default_layer_spec(), context))
+    model, _ = build_model(args, runtime, context=context)
     model.to(getattr(torch, ours.model_dtype))
-    install_chunk_context(model.module, context)
     build = PlanBuilder(args)
     cm = build.cost_model
     if cm.profile.model.dtype != ours.model_dtype:  # the shape PlanBuilder takes from the flags has no cast's dtype

@@ -1,0 +1,200 @@
+#!/usr/bin/env bash
+# One command for a GPU machine (one GPU is enough): install what can be installed offline, then
+# check and measure the CUDA path, each step time-boxed, going on after a failed step, with a
+# summary at the end. About 10 minutes on one H100 with the default limits (25 at most).
+#
+#   bash scripts/gpu_check.sh [--out DIR] [--wheels DIR] [--build-timeout S] [--steps LIST] [--dry-run]
+#
+# Steps (--steps takes a comma-separated subset, in this order):
+#   facts        GPU, driver, torch, what imports
+#   install      scripts/setup_gpu.sh --find-links WHEELS (offline; optional kernels from wheels only
+#                unless --build-timeout S > 0; skipped without --wheels when megatron-core imports)
+#   attention    scripts/check_cuda_attention.py: SDPA paths (and flash-attn varlen where it imports)
+#                in bf16 against fp32, on batched, split and hybrid chunks
+#   equivalence  tests/test_elastic_equivalence.py at pp=1 on CUDA: elastic vs stock Megatron-Core in
+#                fp32 (SDPA, < 1e-5) and bf16 elastic vs fp32 (SDPA, and flash-attn where it runs; < 16 u)
+#   profile      scripts/profile_gpu.py: the layer's cost profile on this GPU (bf16, CUDA events)
+#   train        pretrain_gpt.py --elastic-pp --bf16 at pp=1 under a tight --epp-memory-budget (split
+#                and hybrid chunks, recompute), on the profile just measured (else the analytic llama-7b)
+#
+# --out DIR           everything goes there: <step>.log, install/, profile.json, metrics.jsonl, summary.txt
+#                     (default: runs/gpu_check-<time>)
+# --wheels DIR        wheels (and sdists) for setup_gpu.sh --find-links (default: $EPP_WHEELS, else .whl if present)
+# --build-timeout S   passed to setup_gpu.sh (default 0: wheels only, nothing compiled; flash-attn from
+#                     source alone takes 10-25 min)
+# --dry-run           print the steps' commands and limits, run nothing
+# --cpu-rehearsal     run the same steps on the CPU at toy sizes (attention --cpu-dry-run, a tiny profile
+#                     grid, a tiny model): checks this script's plumbing before device time is spent
+# Without CUDA it refuses with one line (exit 2). Exit 0 when every step passed, 1 otherwise.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+REPO=$PWD
+
+OUT_DIR="" WHEELS=${EPP_WHEELS:-} BUILD_TIMEOUT=0 STEPS="facts,install,attention,equivalence,profile,train" DRY_RUN=0 REHEARSAL=0
+ALL_STEPS=(facts install attention equivalence profile train)
+usage_error() { echo "gpu_check.sh: error: $*" >&2; exit 2; }
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --out) [ $# -ge 2 ] || usage_error "--out needs a directory"; OUT_DIR=$2; shift 2 ;;
+    --wheels) [ $# -ge 2 ] || usage_error "--wheels needs a directory"; WHEELS=$2; shift 2 ;;
+    --build-timeout) [ $# -ge 2 ] || usage_error "--build-timeout needs seconds"; BUILD_TIMEOUT=$2; shift 2 ;;
+    --steps) [ $# -ge 2 ] || usage_error "--steps needs a list"; STEPS=$2; shift 2 ;;
+    --dry-run) DRY_RUN=1; shift ;;
+    --cpu-rehearsal) REHEARSAL=1; shift ;;
+    -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    *) usage_error "unknown option $1 (see --help)" ;;
+  esac
+done
+[[ "$BUILD_TIMEOUT" =~ ^[0-9]+$ ]] || usage_error "--build-timeout $BUILD_TIMEOUT: expected whole seconds"
+IFS=',' read -ra WANTED <<< "$STEPS"
+for step in "${WANTED[@]}"; do
+  [[ " ${ALL_STEPS[*]} " == *" $step "* ]] || usage_error "--steps: unknown step '$step' (known: ${ALL_STEPS[*]})"
+done
+wanted() { [[ ",$STEPS," == *",$1,"* ]]; }
+if [ -z "$WHEELS" ] && [ -d .whl ]; then WHEELS=.whl; fi
+[ -z "$WHEELS" ] || [ -d "$WHEELS" ] || usage_error "--wheels $WHEELS: no such directory"
+OUT_DIR=${OUT_DIR:-runs/gpu_check-$(date +%Y%m%d-%H%M%S)}
+PYTHON=${PYTHON:-python3}
+
+# The training check: one GPU, pp=1, bf16, long mock documents, a budget tight enough to split and recompute.
+TRAIN_FLAGS=(--elastic-pp --pipeline-model-parallel-size 1 --bf16 --mock-data --num-layers 8 --hidden-size 1024
+  --num-attention-heads 16 --seq-length 16384 --global-batch-size 32 --lr 3e-4 --lr-warmup-iters 2 --train-iters 12
+  --log-interval 1 --epp-memory-budget 4)
+# The profile: the training check's shape, the default grid of scripts/profile_gpu.py.
+PROFILE_FLAGS=(--hidden-size 1024 --num-attention-heads 16 --num-layers 8)
+ATTENTION_FLAGS=()
+if [ "$REHEARSAL" = 1 ]; then  # the same steps at toy sizes on the CPU
+  TRAIN_FLAGS=(--elastic-pp --pipeline-model-parallel-size 1 --bf16 --mock-data --num-layers 2 --hidden-size 32
+    --num-attention-heads 4 --seq-length 512 --global-batch-size 8 --lr 5e-3 --lr-warmup-iters 2 --train-iters 8
+    --log-interval 1 --epp-memory-budget 0.004)
+  PROFILE_FLAGS=(--device cpu --hidden-size 32 --num-attention-heads 4 --num-layers 2 --seq-lengths 16,32,64 --contexts 0,32
+    --layer-lengths 16,32,64,128 --head-lengths 16,64 --repeats 2)
+  ATTENTION_FLAGS=(--cpu-dry-run)
+fi
+
+# per step: its time limit (s; 24.5 min in all without builds) and its command
+declare -A LIMIT=([facts]=60 [install]=$((150 + BUILD_TIMEOUT * 2)) [attention]=180 [equivalence]=420 [profile]=300 [train]=360)
+command_of() {
+  case "$1" in
+    facts) echo "nvidia-smi; $PYTHON - (versions; which optional packages import)" ;;
+    install) echo "bash scripts/setup_gpu.sh --find-links ${WHEELS:-<none>} --build-timeout $BUILD_TIMEOUT --log-dir $OUT_DIR/install" ;;
+    attention) echo "$PYTHON scripts/check_cuda_attention.py ${ATTENTION_FLAGS[*]}" ;;
+    equivalence) echo "$PYTHON -m pytest -q -p no:cacheprovider tests/test_elastic_equivalence.py -k pp1" ;;
+    profile) echo "$PYTHON scripts/profile_gpu.py ${PROFILE_FLAGS[*]} --out $OUT_DIR/profile.json" ;;
+    train) echo "$PYTHON -m torch.distributed.run --nproc-per-node 1 pretrain_gpt.py ${TRAIN_FLAGS[*]} --epp-profile <profile.json, else llama-7b> --epp-metrics $OUT_DIR/metrics.jsonl" ;;
+  esac
+}
+
+if [ "$DRY_RUN" = 1 ]; then
+  echo "gpu_check.sh --dry-run: would write $OUT_DIR and run:"
+  for step in "${ALL_STEPS[@]}"; do
+    wanted "$step" && printf '  %-12s (limit %4d s)  %s\n' "$step" "${LIMIT[$step]}" "$(command_of "$step")"
+  done
+  exit 0
+fi
+
+CUDA_FACT=$("$PYTHON" -c 'import torch; print("ok" if torch.cuda.is_available() else f"torch {torch.__version__}: torch.cuda.is_available() is False")' 2>&1 | tail -n 1)
+[ "$CUDA_FACT" = ok ] || [ "$REHEARSAL" = 1 ] || usage_error "no CUDA device ($CUDA_FACT); this script is for a GPU machine (--dry-run shows its steps)"
+
+mkdir -p "$OUT_DIR" || usage_error "--out $OUT_DIR: cannot create it"
+export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1
+RESULTS=() FAILED=0
+
+run_step() {  # run_step NAME COMMAND...: time-boxed, output in OUT_DIR/NAME.log, a result line
+  local name=$1 start=$SECONDS rc=0 status took result; shift
+  echo "=== $name (limit ${LIMIT[$name]} s): $(command_of "$name")"
+  if declare -F "$1" > /dev/null; then  # a function of this script: timeout runs programs, so hand it to a bash
+    set -- bash -c "$(declare -p PYTHON WHEELS BUILD_TIMEOUT OUT_DIR TRAIN_FLAGS REHEARSAL); $(declare -f "$1"); $1"
+  fi
+  timeout -k 20 "${LIMIT[$name]}" "$@" > "$OUT_DIR/$name.log" 2>&1 || rc=$?
+  took=$((SECONDS - start))
+  if [ "$rc" = 0 ]; then status=ok
+  elif [ "$rc" = 124 ] || [ "$rc" = 137 ]; then status=TIMEOUT; FAILED=1
+  else status="FAILED rc=$rc"; FAILED=1
+  fi
+  result=$(result_of "$name" "$rc")
+  RESULTS+=("$(printf '%-12s %-14s %5d s  %s' "$name" "$status" "$took" "$result")")
+  echo "    -> $status in $took s: $result"
+}
+
+result_of() {  # one line from a step's log
+  local log="$OUT_DIR/$1.log"
+  case "$1" in
+    facts) grep -E '^(gpu|torch) ' "$log" | tr '\n' ';' ;;
+    install) grep -E '^> elastic attention|WARNING|error' "$log" | cut -c1-160 | tr '\n' ';' ;;
+    attention) grep -E '^(PASS|FAIL)' "$log" | head -n 3 | tr '\n' ';' ;;
+    equivalence) grep -E '(passed|failed|error|skipped)' "$log" | tail -n 2 | tr '\n' ';' ;;
+    profile) grep -E 'rms rel err' "$log" | awk '{printf "%s %s%%; ", $1, $5}' ;;
+    train) grep -E '^train:' "$log" | tail -n 1 ;;
+  esac
+  [ "$2" = 0 ] || echo " (last line: $(grep -v '^\s*$' "$log" | tail -n 1 | cut -c1-200))"
+}
+
+facts() {
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 || true
+  "$PYTHON" - <<'PY'
+import importlib, sys
+import torch
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print(f"gpu {p.name} cc {p.major}.{p.minor} {p.total_memory / 2**30:.1f} GiB, {torch.cuda.device_count()} device(s)")
+else:
+    print("gpu none (CPU rehearsal)")
+print(f"torch {torch.__version__} cuda {torch.version.cuda} python {sys.version.split()[0]}")
+for name in ("megatron.core", "transformer_engine.pytorch", "flash_attn", "apex", "scaled_masked_softmax_cuda", "matplotlib", "scipy", "pytest"):
+    try:
+        m = importlib.import_module(name)
+        print(f"import {name}: ok {getattr(m, '__version__', '')}")
+    except Exception as error:  # noqa: BLE001
+        print(f"import {name}: no ({type(error).__name__}: {str(error)[:120]})")
+PY
+}
+
+install() {
+  if [ -z "$WHEELS" ]; then
+    if "$PYTHON" -c 'import megatron.core' 2>/dev/null; then
+      echo "no --wheels directory: nothing installed (megatron-core already imports)"
+      "$PYTHON" -c 'import torch; from megatron_epp.executor import kernels; kernels.select_backend("auto", torch.device("cuda" if torch.cuda.is_available() else "cpu"), torch.bfloat16)'
+      return 0
+    fi
+    echo "error: megatron-core does not import and no --wheels directory was given (offline: carry its wheel)"; return 1
+  fi
+  bash scripts/setup_gpu.sh --find-links "$WHEELS" --build-timeout "$BUILD_TIMEOUT" --log-dir "$OUT_DIR/install"
+}
+
+train() {
+  local profile=llama-7b
+  [ "$REHEARSAL" = 1 ] && profile=test-model
+  [ -s "$OUT_DIR/profile.json" ] && profile="$OUT_DIR/profile.json"
+  rm -f "$OUT_DIR/metrics.jsonl"
+  "$PYTHON" -m torch.distributed.run --nproc-per-node 1 --master-addr 127.0.0.1 --master-port 29517 pretrain_gpt.py \
+    "${TRAIN_FLAGS[@]}" --epp-profile "$profile" --epp-metrics "$OUT_DIR/metrics.jsonl" || return $?
+  "$PYTHON" - "$OUT_DIR/metrics.jsonl" <<'PY'
+import math, statistics, sys
+from megatron_epp.training.metrics import read_metrics
+steps = [m for m in read_metrics(sys.argv[1]) if m.kind == "train"]
+losses = [m.loss for m in steps]
+split = sum(m.elastic.num_chunks["split"] for m in steps)
+hybrid = sum(m.elastic.num_chunks["hybrid"] for m in steps)
+ok = len(steps) > 2 and all(map(math.isfinite, losses)) and losses[-1] < losses[0] and split > 0 and hybrid > 0
+tok = statistics.median(m.tokens_per_s for m in steps[1:])
+ratio = statistics.median(m.elastic.measured_ms / m.elastic.predicted_step_ms for m in steps[1:])
+print(f"train: {'ok' if ok else 'FAIL'}: {len(steps)} iterations, loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
+      f"split chunks {split}, hybrid {hybrid}, median {tok:.0f} tokens/s, measured/predicted step x{ratio:.2f}")
+sys.exit(0 if ok else 1)
+PY
+}
+
+echo "gpu_check.sh: steps $STEPS; output in $OUT_DIR"
+wanted facts && run_step facts facts
+wanted install && run_step install install
+wanted attention && run_step attention "$PYTHON" scripts/check_cuda_attention.py "${ATTENTION_FLAGS[@]}"
+wanted equivalence && run_step equivalence "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_elastic_equivalence.py -k pp1
+wanted profile && run_step profile "$PYTHON" scripts/profile_gpu.py "${PROFILE_FLAGS[@]}" --out "$OUT_DIR/profile.json"
+wanted train && run_step train train
+
+{
+  echo "gpu_check.sh summary ($(date -u +%FT%TZ)), output in $OUT_DIR"
+  for line in "${RESULTS[@]}"; do echo "  $line"; done
+} | tee "$OUT_DIR/summary.txt"
+exit $FAILED
