@@ -118,10 +118,11 @@ def attention_grid(shape: ModelShape, kernel: str, timer: Timer, dtype: torch.dt
             layout = ChunkLayout.build(chunk, [c + s], device)
 
             def make(s: int = s, c: int = c) -> tuple[torch.Tensor, ...]:
-                return tuple(torch.randn(n, 1, heads, d, device=device, dtype=dtype, requires_grad=True) for n in (s, s, s, c, c))
+                # a slice's K/V rows as its buffer holds them: the prefix's c rows, then its own s
+                return tuple(torch.randn(n, 1, heads, d, device=device, dtype=dtype, requires_grad=True) for n in (s, c + s, c + s))
 
-            def run(q, k, v, pk, pv, layout: ChunkLayout = layout, c: int = c) -> torch.Tensor:
-                return run_kernel(q, k, v, layout, (pk, pv) if c else None, 0.0, scale)
+            def run(q, k_rows, v_rows, layout: ChunkLayout = layout, c: int = c) -> torch.Tensor:
+                return run_kernel(q, k_rows[c:], v_rows[c:], layout, (k_rows, v_rows) if c else None, 0.0, scale)
 
             f, b = timer.fwd_bwd(run, make)
             rows.append([s * s, s * c, s, c, 1.0])

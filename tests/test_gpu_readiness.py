@@ -132,7 +132,7 @@ def test_one_stage_under_a_tight_budget_still_splits_and_packs():
     from megatron_epp.training.elastic import PlanBuilder
 
     lengths = [512, 400, 60, 30, 20, 10, 200, 5]
-    tight = PlanBuilder(elastic_args("--pipeline-model-parallel-size", "1", "--epp-memory-budget", "0.003"))(lengths).validate()
+    tight = PlanBuilder(elastic_args("--pipeline-model-parallel-size", "1", "--epp-memory-budget", "0.0025"))(lengths).validate()
     assert tight.num_stages == 1 and tight.chunk_counts()["split"] > 0 and tight.chunk_counts()["hybrid"] > 0
     assert tight.recomputed_layers() > 0
     loose = PlanBuilder(elastic_args("--pipeline-model-parallel-size", "1", "--epp-memory-budget", "1"))(lengths)
