@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import inspect
 import json
 import statistics
 import sys
@@ -77,8 +78,11 @@ def main() -> None:
     args = parse_args(defaults + flags, world_size=world)
     runtime = initialize(args)
     context = ChunkContext()
-    model, config = build_model(args, runtime, layer_spec=elastic_layer_spec(default_layer_spec(), context))
-    install_chunk_context(model.module, context)
+    if "context" in inspect.signature(build_model).parameters:
+        model, config = build_model(args, runtime, context=context)
+    else:  # a tree from before build_model took the context (the "before" of README's table)
+        model, config = build_model(args, runtime, layer_spec=elastic_layer_spec(default_layer_spec(), context))
+        install_chunk_context(model.module, context)
     build_optimizer(args, model, config)
     plan = equal_plan(ours.kind, ours.chunks, ours.tokens, runtime.pp_size, args.num_layers)
     rng = np.random.default_rng(0)
