@@ -65,11 +65,11 @@ CONFIGS = {
 QUICK = ("stdlib-h128-cap2048-elastic", "mock-h64-8layers-cap2048-tight", "mock-h96-cap1536-megatron")
 
 
-def corpus_flags(corpus: str, cap: int) -> list[str]:
+def corpus_flags(corpus: str, cap: int, gbs: int, steps: int) -> list[str]:
     if corpus == "mock":
         return ["--mock-data"]
-    if corpus == "wiki":
-        return ["--data-path", wiki_dataset("clip", cap), "--tokenizer", "byte", "--split", "1,0,0"]
+    if corpus == "wiki":  # the benchmark's Wikipedia-length documents (each step's scaled to reach the cap)
+        return ["--data-path", wiki_dataset(cap, gbs, steps, seed=0), "--tokenizer", "byte", "--split", "1,0,0"]
     from megatron_epp.data.stdlib_corpus import ensure_stdlib_corpus
 
     return ["--data-path", ensure_stdlib_corpus(progress=False), "--tokenizer", "byte", "--split", "1,0,0",
@@ -116,7 +116,8 @@ def main() -> None:
     result = {}
     for name in names:
         corpus, flags = CONFIGS[name]
-        argv = [*COMMON, *corpus_flags(corpus, int(flags[flags.index("--seq-length") + 1])), *flags,
+        value = lambda flag: int(flags[flags.index(flag) + 1])  # noqa: E731
+        argv = [*COMMON, *corpus_flags(corpus, value("--seq-length"), value("--global-batch-size"), iters), *flags,
                 "--train-iters", str(iters), "--epp-profile", args.epp_profile]
         if saved:
             calibrated, static = ([StepMetrics.from_dict(d) for d in saved["runs"][name][k]] for k in ("calibrated", "static"))
