@@ -46,10 +46,10 @@ def init_single_process() -> None:
         return
     patches.apply_cpu_patches()
     torch.set_num_threads(1)
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     if not torch.distributed.is_initialized():
-        torch.distributed.init_process_group("gloo", rank=0, world_size=1)
+        # an in-memory store: one process needs no rendezvous port (a port taken by another job on the
+        # machine made concurrent runs fail with EADDRINUSE)
+        torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
     parallel_state.initialize_model_parallel()
     _initialized = True
 
