@@ -50,12 +50,12 @@ sys.path.insert(0, str(REPO / "scripts"))
 import torch  # noqa: E402
 
 from megatron_epp.cost.features import NUM_FEATURES, F  # noqa: E402
-from megatron_epp.cost.profiles import MemoryCoeffs, ModelShape, Profile, TimeCoeffs, gpu_activation_memory  # noqa: E402
+from megatron_epp.cost.profiles import MemoryCoeffs, ModelShape, TimeCoeffs, gpu_activation_memory  # noqa: E402
 from megatron_epp.executor import kernels  # noqa: E402
 from megatron_epp.executor.context import ChunkLayout  # noqa: E402
 from megatron_epp.plan import Chunk, Segment  # noqa: E402
 from megatron_epp.tools.layer_bench import LayerStack, init_single_process  # noqa: E402
-from profile_layer import derived_memory, fit, rel_errors  # noqa: E402  (the CPU profiler's fit, shared)
+from profile_layer import derived_memory, fit, measured_profile, rel_errors  # noqa: E402  (the CPU profiler's fit, shared)
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -255,22 +255,12 @@ def main(argv: list[str] | None = None) -> int:
     layer = layer_terms(stack, att_f, att_b, timer, args.layer_lengths)
     head = head_terms(stack, timer, args.head_lengths)
     errors.update({k: v[1] for k, v in {**layer, **head}.items()})
-    profile = Profile(
-        model=shape,
-        device=name,
-        source="measured",
-        tp=1,
-        fwd=layer["fwd"][0],
-        bwd=layer["bwd"][0],
-        recompute=layer["recompute"][0],
-        head_fwd=head["head_fwd"][0],
-        head_bwd=head["head_bwd"][0],
-        memory=memory_block(shape, dtype),
-        fit={"errors": errors, "torch": torch.__version__, "kernel": kernel, "dtype": args.dtype,
-             "grid": {"seq_lengths": args.seq_lengths, "contexts": args.contexts, "layer_lengths": args.layer_lengths,
-                      "head_lengths": args.head_lengths, "warmup": args.warmup, "repeats": args.repeats},
-             "note": "measured by scripts/profile_gpu.py (medians; CUDA events on GPU, perf_counter on CPU); memory not measured"},
-    )
+    profile = measured_profile(shape, name, layer, head, memory_block(shape, dtype),
+                               {"errors": errors, "torch": torch.__version__, "kernel": kernel, "dtype": args.dtype,
+                                "grid": {"seq_lengths": args.seq_lengths, "contexts": args.contexts, "layer_lengths": args.layer_lengths,
+                                         "head_lengths": args.head_lengths, "warmup": args.warmup, "repeats": args.repeats},
+                                "note": "measured by scripts/profile_gpu.py (medians; CUDA events on GPU, perf_counter on CPU); "
+                                        "memory not measured"})
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     profile.save(args.out)
     print(f"wrote {args.out} ({time.perf_counter() - t0:.1f} s): device {name!r}, source measured")

@@ -246,6 +246,17 @@ def report_fit(name: str, err: dict) -> None:
         print(f"  WARNING: {name}: {term} fitted to 0 (non-negative least squares clipped it: the chunks give it no time)")
 
 
+def measured_profile(shape, device: str, layer: dict, head: dict, memory, fit_info: dict, overhead: StageOverhead | None = None) -> Profile:
+    """The profile JSON's content from fitted ``layer``/``head`` terms (``{name: (TimeCoeffs, errors)}``),
+    shared by this profiler and ``scripts/profile_gpu.py``."""
+    return Profile(
+        model=shape, device=device, source="measured", tp=1,
+        fwd=layer["fwd"][0], bwd=layer["bwd"][0], recompute=layer["recompute"][0],
+        head_fwd=head["head_fwd"][0], head_bwd=head["head_bwd"][0],
+        memory=memory, fit=fit_info, overhead=overhead or StageOverhead(),
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="megatron_epp/cost/profiles/test-model_cpu.json")
@@ -275,20 +286,9 @@ def main() -> None:
     errors = {k: v[1] for k, v in {**layer, **head}.items() if k != "per_slice_term"}
     errors["per_slice_term"] = layer["per_slice_term"]
     errors.update(check_memory(shape, stack, memory))
-    profile = Profile(
-        model=shape,
-        device=f"CPU {platform.processor() or platform.machine()} (1 thread, fp32)",
-        source="measured",
-        tp=1,
-        fwd=layer["fwd"][0],
-        bwd=layer["bwd"][0],
-        recompute=layer["recompute"][0],
-        head_fwd=head["head_fwd"][0],
-        head_bwd=head["head_bwd"][0],
-        memory=memory,
-        fit={"errors": errors, "torch": torch.__version__, "note": "measured by scripts/profile_layer.py"},
-        overhead=StageOverhead(**overhead) if overhead else StageOverhead(),
-    )
+    profile = measured_profile(shape, f"CPU {platform.processor() or platform.machine()} (1 thread, fp32)", layer, head, memory,
+                               {"errors": errors, "torch": torch.__version__, "note": "measured by scripts/profile_layer.py"},
+                               StageOverhead(**overhead) if overhead else StageOverhead())
     profile.save(args.out)
     print(f"wrote {args.out}\nlayer and head, fitted jointly on the chunk features (non-negative least squares, relative error):")
     for name in ("fwd", "bwd", "head_fwd", "head_bwd"):
