@@ -439,7 +439,7 @@ def run_argv(args, name: str) -> list[str]:
     else:
         data = ["--data-path", wiki_dataset(args.seq_length, args.wiki_global_batch_size, args.iters + 1, args.seed)]
         gbs = args.wiki_global_batch_size
-    return ["--elastic-pp", *data, "--tokenizer", "byte", "--split", "1,0,0", "--pipeline-model-parallel-size", "2",
+    return ["--elastic-pp", *data, "--tokenizer-type", "ByteTokenizer", "--split", "1,0,0", "--pipeline-model-parallel-size", "2",
             "--num-layers", str(args.num_layers), "--hidden-size", str(args.hidden_size),
             "--num-attention-heads", str(args.num_attention_heads), "--seq-length", str(args.seq_length),
             "--global-batch-size", str(gbs), "--seed", str(args.seed), "--lr", "3e-3",

@@ -62,7 +62,7 @@ def data_flags(kind: str) -> list[str]:
         return ["--mock-data"]
     from megatron_epp.data.stdlib_corpus import ensure_stdlib_corpus
 
-    return ["--data-path", ensure_stdlib_corpus(progress=False), "--tokenizer", "byte", "--split", "1,0,0",
+    return ["--data-path", ensure_stdlib_corpus(progress=False), "--tokenizer-type", "ByteTokenizer", "--split", "1,0,0",
             "--epp-truncate-documents"]
 
 

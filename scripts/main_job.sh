@@ -4,7 +4,7 @@
 # document per file, built and cached in data_cache/stdlib on first use). Sets MAIN_JOB_ARGS.
 MAIN_JOB_DATA=$("${PYTHON:-python3}" -m megatron_epp.data.stdlib_corpus | tail -n 1)
 MAIN_JOB_ARGS=(
-  --data-path "$MAIN_JOB_DATA" --tokenizer byte
+  --data-path "$MAIN_JOB_DATA" --tokenizer-type ByteTokenizer
   --pipeline-model-parallel-size 2
   --num-layers 4 --hidden-size 128 --num-attention-heads 4
   --elastic-pp --seq-length 2048 --epp-truncate-documents --global-batch-size 8

@@ -3,9 +3,9 @@
 
 Example:
     python scripts/prepare_data.py --input corpus/ --pattern '*.md' --output-prefix data/corpus \
-        --tokenizer byte
+        --tokenizer-type ByteTokenizer
     python scripts/prepare_data.py --input train.jsonl --json-keys text \
-        --tokenizer tokenizer.json --output-prefix data/train --workers 2
+        --tokenizer-type HuggingFaceTokenizer --tokenizer-model tokenizer.json --output-prefix data/train --workers 2
 """
 
 from __future__ import annotations
@@ -20,7 +20,12 @@ warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not i
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_epp.data.prepare import DataError, prepare_dataset  # noqa: E402
-from megatron_epp.data.tokenizers import TokenizerError, build_tokenizer  # noqa: E402
+from megatron_epp.data.tokenizers import (  # noqa: E402
+    TokenizerError,
+    add_tokenizer_arguments,
+    resolve_tokenizer_args,
+    tokenizer_from_args,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -39,12 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="JSONL keys whose values (newline-joined) form a document",
     )
     p.add_argument("--pattern", default="*.txt", help="file glob for directory inputs")
-    p.add_argument("--tokenizer", default="byte", help="'byte' or the path of a tokenizer.json")
-    p.add_argument(
-        "--eod-token",
-        default=None,
-        help="end-of-document token of a tokenizer.json (default: a known one)",
-    )
+    add_tokenizer_arguments(p)
     p.add_argument("--workers", type=int, default=1, help="tokenizer processes")
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     return p.parse_args(argv)
@@ -53,7 +53,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        tokenizer = build_tokenizer(args.tokenizer, args.eod_token)
+        resolve_tokenizer_args(args, "prepare_data.py")
+        tokenizer = tokenizer_from_args(args)
         result = prepare_dataset(
             args.input,
             args.output_prefix,

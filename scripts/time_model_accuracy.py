@@ -69,10 +69,10 @@ def corpus_flags(corpus: str, cap: int, gbs: int, steps: int) -> list[str]:
     if corpus == "mock":
         return ["--mock-data"]
     if corpus == "wiki":  # the benchmark's Wikipedia-length documents (each step's scaled to reach the cap)
-        return ["--data-path", wiki_dataset(cap, gbs, steps, seed=0), "--tokenizer", "byte", "--split", "1,0,0"]
+        return ["--data-path", wiki_dataset(cap, gbs, steps, seed=0), "--tokenizer-type", "ByteTokenizer", "--split", "1,0,0"]
     from megatron_epp.data.stdlib_corpus import ensure_stdlib_corpus
 
-    return ["--data-path", ensure_stdlib_corpus(progress=False), "--tokenizer", "byte", "--split", "1,0,0",
+    return ["--data-path", ensure_stdlib_corpus(progress=False), "--tokenizer-type", "ByteTokenizer", "--split", "1,0,0",
             "--epp-truncate-documents"]
 
 

@@ -90,10 +90,36 @@ def write_corpus(prefix, documents: list[str]) -> str:
 def test_tokenizer_file_that_does_not_parse(tmp_path):
     bad = tmp_path / "tokenizer.json"
     bad.write_text("{not json")
-    proc = run_pretrain(*BASE, "--tokenizer", str(bad))
+    proc = run_pretrain(*BASE, "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(bad))
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"pretrain_gpt.py: error: cannot parse tokenizer file {bad}: "), proc.stderr
+    # the deprecated spelling says so on its own line, then fails the same way
+    proc = run_pretrain(*BASE, "--tokenizer", str(bad))
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        f"pretrain_gpt.py: warning: --tokenizer {bad} is deprecated; use --tokenizer-type HuggingFaceTokenizer --tokenizer-model {bad}",
+        lines[0],
+    ]
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--tokenizer-type", "HuggingFaceTokenizer"], "--tokenizer-type HuggingFaceTokenizer needs --tokenizer-model"),
+        (["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", "/nonexistent/tok.json"],
+         "--tokenizer-model /nonexistent/tok.json: no such file"),
+        (["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "/nonexistent/vocab.json", "--merge-file", "/nonexistent/m.txt"],
+         "--vocab-file /nonexistent/vocab.json: no such file"),
+        (["--tokenizer-type", "SentencePieceTokenizer"], "--tokenizer-type SentencePieceTokenizer is not supported here"),
+        (["--tokenizer", "byte", "--tokenizer-type", "ByteTokenizer"], "deprecated spelling"),
+    ],
+)
+def test_tokenizer_flags(flags, message):
+    proc = run_pretrain(*BASE, *flags)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr
 
 
 @pytest.mark.parametrize("elastic", [[], ["--elastic-pp"]])

@@ -55,7 +55,7 @@ def test_jsonl_with_several_keys(tmp_path):
 
 
 def test_hf_tokenizer_with_workers_matches_serial(tmp_path):
-    tok = build_tokenizer(str(write_word_tokenizer(tmp_path / "tokenizer.json")))
+    tok = build_tokenizer("HuggingFaceTokenizer", str(write_word_tokenizer(tmp_path / "tokenizer.json")))
     src = tmp_path / "data.jsonl"
     src.write_text(
         "".join(json.dumps({"text": "hello world " * (i % 5 + 1)}) + "\n" for i in range(40))
@@ -113,7 +113,9 @@ def test_script_cli(tmp_path, capsys):
                 str(tmp_path / "a.txt"),
                 "--output-prefix",
                 str(tmp_path / "x"),
-                "--tokenizer",
+                "--tokenizer-type",
+                "HuggingFaceTokenizer",
+                "--tokenizer-model",
                 str(bad),
             ]
         )

@@ -1,18 +1,41 @@
-"""Tokenizers: a file-free byte-level tokenizer and a Hugging Face ``tokenizer.json`` wrapper."""
+"""Tokenizers in Megatron-LM's spelling (``--tokenizer-type``), shared by ``pretrain_gpt.py`` and
+``scripts/prepare_data.py``:
+
+* ``ByteTokenizer``: UTF-8 bytes as ids 0..255 and an end-of-document id 256; needs no files.
+* ``HuggingFaceTokenizer --tokenizer-model PATH``: a Hugging Face ``tokenizer.json`` (the file, or a
+  directory holding one), loaded with the ``tokenizers`` package; a directory without one is read by
+  ``transformers.AutoTokenizer`` (local files only, never a download) when ``transformers`` imports.
+* ``GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt``: GPT-2's byte-level BPE
+  (the ``tokenizers`` package's BPE model with byte-level pre-tokenizer and decoder).
+
+The end-of-document token of a file-based tokenizer is the first of :data:`KNOWN_EOD_TOKENS` it has
+(``--eod-token`` names another). The old ``--tokenizer byte|FILE`` still works, with a deprecation line.
+"""
 
 from __future__ import annotations
 
+import argparse
+import os
+import sys
 from pathlib import Path
 from typing import Protocol, Sequence
 
 import tokenizers
+from tokenizers import decoders, models, pre_tokenizers
 
-# Special tokens tried, in order, as the end-of-document token of a tokenizer.json.
+# Special tokens tried, in order, as the end-of-document token of a tokenizer file.
 KNOWN_EOD_TOKENS: tuple[str, ...] = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
+
+TOKENIZER_TYPES = ("ByteTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer")
+# Megatron-LM's other --tokenizer-type values: named in the error, not silently replaced
+MEGATRON_ONLY_TYPES = ("BertWordPieceLowerCase", "BertWordPieceCase", "SentencePieceTokenizer", "GPTSentencePieceTokenizer",
+                       "Llama2Tokenizer", "TikTokenizer", "MultimodalTokenizer", "NullTokenizer")
+# which file flags each type reads; any other given is an error
+_FILES = {"ByteTokenizer": (), "HuggingFaceTokenizer": ("tokenizer_model",), "GPT2BPETokenizer": ("vocab_file", "merge_file")}
 
 
 class TokenizerError(ValueError):
-    """A tokenizer that cannot be built (unparsable file, no end-of-document token)."""
+    """A tokenizer that cannot be built (bad flags, missing or unparsable file, no end-of-document token)."""
 
 
 class Tokenizer(Protocol):
@@ -34,7 +57,7 @@ class Tokenizer(Protocol):
 class ByteTokenizer:
     """UTF-8 bytes as ids 0..255 plus an end-of-document id 256; needs no files."""
 
-    name = "byte"
+    name = "ByteTokenizer"
 
     @property
     def vocab_size(self) -> int:
@@ -53,22 +76,40 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A Hugging Face ``tokenizer.json`` loaded with the ``tokenizers`` package."""
+    """A ``tokenizers.Tokenizer`` (``HuggingFaceTokenizer``'s ``tokenizer.json``, or GPT-2's BPE files)
+    with its end-of-document token."""
 
-    def __init__(self, path: str | Path, eod_token: str | None = None) -> None:
-        self.name = str(path)
-        try:
-            self._tok = tokenizers.Tokenizer.from_file(str(path))
-        except Exception as exc:  # the Rust parser raises a bare Exception
-            raise TokenizerError(f"cannot parse tokenizer file {path}: {exc}") from None
+    def __init__(self, tok: tokenizers.Tokenizer, name: str, eod_token: str | None = None) -> None:
+        self.name = name
+        self._tok = tok
         candidates = (eod_token,) if eod_token else KNOWN_EOD_TOKENS
-        eod = next((i for t in candidates if (i := self._tok.token_to_id(t)) is not None), None)
+        eod = next((i for t in candidates if (i := tok.token_to_id(t)) is not None), None)
         if eod is None:
             raise TokenizerError(
-                f"tokenizer {path} has no end-of-document token among {list(candidates)}; "
-                "name one with --eod-token"
+                f"tokenizer {name} has no end-of-document token among {list(candidates)}; name one with --eod-token"
             )
         self._eod = eod
+
+    @classmethod
+    def from_file(cls, path: str | Path, eod_token: str | None = None) -> "HFTokenizer":
+        """A ``tokenizer.json``."""
+        try:
+            tok = tokenizers.Tokenizer.from_file(str(path))
+        except Exception as exc:  # the Rust parser raises a bare Exception
+            raise TokenizerError(f"cannot parse tokenizer file {path}: {_one_line(exc)}") from None
+        return cls(tok, str(path), eod_token)
+
+    @classmethod
+    def gpt2_bpe(cls, vocab_file: str, merge_file: str, eod_token: str | None = None) -> "HFTokenizer":
+        """GPT-2's byte-level BPE from its ``vocab.json`` and ``merges.txt``."""
+        try:
+            model = models.BPE.from_file(vocab_file, merge_file)
+        except Exception as exc:
+            raise TokenizerError(f"cannot read GPT-2 BPE files {vocab_file}, {merge_file}: {_one_line(exc)}") from None
+        tok = tokenizers.Tokenizer(model)
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        return cls(tok, vocab_file, eod_token)
 
     @property
     def vocab_size(self) -> int:
@@ -85,10 +126,123 @@ class HFTokenizer:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
-def build_tokenizer(name_or_path: str, eod_token: str | None = None) -> Tokenizer:
-    """``"byte"`` for the byte tokenizer, otherwise the path of a ``tokenizer.json``."""
-    if name_or_path == "byte":
+class AutoTokenizerWrapper:
+    """A local Hugging Face tokenizer directory without ``tokenizer.json``, read by
+    ``transformers.AutoTokenizer`` (only when ``transformers`` is installed; never downloads)."""
+
+    def __init__(self, directory: str, eod_token: str | None = None) -> None:
+        try:
+            import transformers  # optional dependency
+        except ImportError:
+            raise TokenizerError(
+                f"--tokenizer-model {directory}: no tokenizer.json in the directory, and transformers (to read its "
+                "other formats) is not installed"
+            ) from None
+        try:
+            self._tok = transformers.AutoTokenizer.from_pretrained(directory, local_files_only=True)
+        except Exception as exc:
+            raise TokenizerError(f"--tokenizer-model {directory}: transformers cannot load it: {_one_line(exc)}") from None
+        self.name = directory
+        eod = self._tok.convert_tokens_to_ids(eod_token) if eod_token else self._tok.eos_token_id
+        if eod is None or eod == self._tok.unk_token_id:
+            raise TokenizerError(f"tokenizer {directory} has no end-of-document token; name one with --eod-token")
+        self._eod = int(eod)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self._tok)
+
+    @property
+    def eod(self) -> int:
+        return self._eod
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False))
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._tok.decode([int(i) for i in ids])
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
+def _require_file(flag: str, path: str) -> None:
+    if not os.path.isfile(path):
+        raise TokenizerError(f"{flag} {path}: no such file")
+
+
+def build_tokenizer(
+    tokenizer_type: str = "ByteTokenizer",
+    tokenizer_model: str | None = None,
+    vocab_file: str | None = None,
+    merge_file: str | None = None,
+    eod_token: str | None = None,
+) -> Tokenizer:
+    """The tokenizer of Megatron's ``--tokenizer-type`` and its file flags; bad combinations, missing
+    or unparsable files are a :class:`TokenizerError` with a one-line message."""
+    if tokenizer_type in MEGATRON_ONLY_TYPES:
+        raise TokenizerError(
+            f"--tokenizer-type {tokenizer_type} is not supported here (supported: {', '.join(TOKENIZER_TYPES)}; "
+            "a Hugging Face tokenizer.json of the same vocabulary works with HuggingFaceTokenizer)"
+        )
+    if tokenizer_type not in TOKENIZER_TYPES:
+        raise TokenizerError(f"--tokenizer-type {tokenizer_type}: unknown (supported: {', '.join(TOKENIZER_TYPES)})")
+    given = {"tokenizer_model": tokenizer_model, "vocab_file": vocab_file, "merge_file": merge_file}
+    for key, value in given.items():
+        flag = "--" + key.replace("_", "-")
+        if value is not None and key not in _FILES[tokenizer_type]:
+            raise TokenizerError(f"{flag} does not apply to --tokenizer-type {tokenizer_type}")
+        if value is None and key in _FILES[tokenizer_type]:
+            raise TokenizerError(f"--tokenizer-type {tokenizer_type} needs {flag}")
+    if eod_token is not None and tokenizer_type == "ByteTokenizer":
+        raise TokenizerError("--eod-token does not apply to --tokenizer-type ByteTokenizer (its end-of-document id is 256)")
+    if tokenizer_type == "ByteTokenizer":
         return ByteTokenizer()
-    if not Path(name_or_path).is_file():
-        raise TokenizerError(f"tokenizer file not found: {name_or_path} (or use 'byte')")
-    return HFTokenizer(name_or_path, eod_token)
+    if tokenizer_type == "GPT2BPETokenizer":
+        _require_file("--vocab-file", vocab_file)
+        _require_file("--merge-file", merge_file)
+        return HFTokenizer.gpt2_bpe(vocab_file, merge_file, eod_token)
+    if os.path.isdir(tokenizer_model):
+        inner = os.path.join(tokenizer_model, "tokenizer.json")
+        if os.path.isfile(inner):
+            return HFTokenizer.from_file(inner, eod_token)
+        return AutoTokenizerWrapper(tokenizer_model, eod_token)
+    _require_file("--tokenizer-model", tokenizer_model)
+    return HFTokenizer.from_file(tokenizer_model, eod_token)
+
+
+def add_tokenizer_arguments(group) -> None:
+    """The tokenizer flags, for every CLI that tokenizes (one spelling across them)."""
+    group.add_argument("--tokenizer-type", default=None, metavar="TYPE",
+                       help=f"{' | '.join(TOKENIZER_TYPES)} (default ByteTokenizer: UTF-8 bytes, vocabulary 257)")
+    group.add_argument("--tokenizer-model", default=None, metavar="PATH",
+                       help="HuggingFaceTokenizer: a tokenizer.json, or a local directory holding one")
+    group.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: GPT-2's vocab.json")
+    group.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: GPT-2's merges.txt")
+    group.add_argument("--eod-token", default=None,
+                       help=f"end-of-document token of a file-based tokenizer (default: the first of {', '.join(KNOWN_EOD_TOKENS)})")
+    group.add_argument("--tokenizer", default=None, metavar="byte|FILE",
+                       help="deprecated: --tokenizer-type ByteTokenizer, or --tokenizer-type HuggingFaceTokenizer --tokenizer-model FILE")
+
+
+def resolve_tokenizer_args(args: argparse.Namespace, prog: str) -> None:
+    """Fill ``--tokenizer-type`` (default ``ByteTokenizer``) and map the deprecated ``--tokenizer`` onto the new
+    flags, printing one deprecation line on stderr; both spellings at once is an error."""
+    if args.tokenizer is not None:
+        if args.tokenizer_type is not None or args.tokenizer_model is not None:
+            raise TokenizerError("--tokenizer is the deprecated spelling of --tokenizer-type/--tokenizer-model: give one of them")
+        if args.tokenizer == "byte":
+            args.tokenizer_type, new = "ByteTokenizer", "--tokenizer-type ByteTokenizer"
+        else:
+            args.tokenizer_type, args.tokenizer_model = "HuggingFaceTokenizer", args.tokenizer
+            new = f"--tokenizer-type HuggingFaceTokenizer --tokenizer-model {args.tokenizer}"
+        print(f"{prog}: warning: --tokenizer {args.tokenizer} is deprecated; use {new}", file=sys.stderr)
+        args.tokenizer = None
+    if args.tokenizer_type is None:
+        args.tokenizer_type = "ByteTokenizer"
+
+
+def tokenizer_from_args(args: argparse.Namespace) -> Tokenizer:
+    """The tokenizer the (resolved) tokenizer flags name."""
+    return build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file, args.eod_token)

@@ -6,6 +6,7 @@ import argparse
 import os
 from typing import Sequence
 
+from megatron_epp.data.tokenizers import TokenizerError, add_tokenizer_arguments, resolve_tokenizer_args
 from megatron_epp.planner.config import PlannerConfig, add_planner_arguments
 import psutil
 import torch
@@ -78,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mock-data", action="store_true", help="synthetic learnable sequences")
     g.add_argument("--data-path", default=None, help="prefix of a Megatron indexed dataset (.bin/.idx)")
     g.add_argument("--split", default="969,30,1", help="train,valid,test weights over documents")
-    g.add_argument("--tokenizer", default="byte", help="'byte' or a tokenizer.json (sets the vocab size)")
+    add_tokenizer_arguments(g)
 
     g = p.add_argument_group("elastic pipeline parallelism")
     g.add_argument("--elastic-pp", action="store_true",
@@ -155,6 +156,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
             f"--micro-batch-size {args.micro_batch_size} x data parallel {args.data_parallel_size}"
         )
     args.num_microbatches = args.global_batch_size // per_step
+    try:
+        resolve_tokenizer_args(args, "pretrain_gpt.py")
+    except TokenizerError as error:
+        raise ArgumentError(str(error)) from None
     if args.mock_data == (args.data_path is not None):
         raise ArgumentError("give exactly one of --mock-data and --data-path")
     if args.data_path is not None:

@@ -8,7 +8,7 @@ from typing import Sequence
 
 from megatron_epp.data.documents import DocumentDataset, split_ranges
 from megatron_epp.data.gpt_samples import GPTSamples, MockGPTSamples
-from megatron_epp.data.tokenizers import TokenizerError, build_tokenizer
+from megatron_epp.data.tokenizers import TokenizerError, tokenizer_from_args
 from megatron_epp.cost.profiles import load_profile
 from megatron_epp.executor.context import ChunkContext
 from megatron_epp.training import checkpointing
@@ -34,8 +34,9 @@ def build_samples(args: argparse.Namespace, split: str):
 
 
 def resolve_vocab_size(args: argparse.Namespace) -> None:
-    """Load ``--tokenizer`` (a file that does not parse is an error) and fill or check ``--vocab-size``."""
-    vocab = build_tokenizer(args.tokenizer).vocab_size
+    """Load the ``--tokenizer-type`` tokenizer (a missing file or one that does not parse is an error) and fill or
+    check ``--vocab-size``."""
+    vocab = tokenizer_from_args(args).vocab_size
     if args.vocab_size is None:
         args.vocab_size = vocab
     elif args.data_path is not None and args.vocab_size < vocab:
