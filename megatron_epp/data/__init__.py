@@ -1,6 +1,7 @@
 """Data layer: tokenizers, indexed-dataset preparation, documents, fixed-length GPT samples and the
 elastic whole-document sampler."""
 
+from megatron_epp.data.blend import Blend, BlendedDocuments, BlendedSamples, BlendError, BlendIndex
 from megatron_epp.data.documents import DocumentDataset, DocumentSource, split_ranges
 from megatron_epp.data.gpt_samples import GPTSamples, MockGPTSamples, sample_dict
 from megatron_epp.data.length_stats import LengthStats
@@ -25,6 +26,11 @@ from megatron_epp.data.tokenizers import (
 )
 
 __all__ = [
+    "Blend",
+    "BlendError",
+    "BlendIndex",
+    "BlendedDocuments",
+    "BlendedSamples",
     "ByteTokenizer",
     "DataError",
     "DocumentDataset",

@@ -7,6 +7,11 @@ counted). Global batch ``j`` after resuming at ``consumed_samples = k`` holds st
 was. A document longer than ``seq_length + 1`` tokens (the context cap) is an error unless
 ``truncate`` is set, which trains its first ``seq_length + 1`` tokens; a document of ``n + 1``
 tokens trains as ``tokens = d[:-1]``, ``labels = d[1:]`` of length ``n``.
+
+Over :class:`~megatron_epp.data.blend.BlendedDocuments` (``--data-path 0.3 A 0.7 B``) the stream position
+first picks a dataset by megatron-core's blending indices (:class:`~megatron_epp.data.blend.BlendIndex`) and
+then that dataset's next whole document from its own endless stream (epoch ``e`` of dataset ``d``: a
+permutation seeded by ``(seed, d, e)``): still a pure function of the position, so resuming is exact.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import Iterator
 
 import numpy as np
 
+from megatron_epp.data.blend import BlendedDocuments, BlendIndex
 from megatron_epp.data.documents import DocumentSource
 from megatron_epp.planner.data_parallel import TOKENS, split_data_parallel
 
@@ -78,40 +84,59 @@ class SequenceSampler:
         self.dp_size = dp_size
         self.work_vector = work_vector
         lengths = np.asarray(documents.lengths, dtype=np.int64)
-        self._trainable = np.flatnonzero(lengths >= 2)
-        self.num_skipped = len(lengths) - len(self._trainable)
-        if not len(self._trainable):
+        blended = isinstance(documents, BlendedDocuments)
+        parts = documents.parts if blended else [range(len(lengths))]
+        self._groups = [np.flatnonzero(lengths[p.start:p.stop] >= 2) + p.start for p in parts]
+        self._blend = BlendIndex(documents.weights) if blended else None
+        trainable = np.concatenate(self._groups)
+        self.num_skipped = len(lengths) - len(trainable)
+        if not len(trainable):
             raise ValueError(
                 f"none of the {len(lengths)} documents has the 2 tokens training needs"
             )
+        empty = [g for g, group in enumerate(self._groups) if not len(group)]
+        if empty:
+            raise ValueError(f"blended dataset {empty[0]} has none of the 2-token documents training needs")
         self._seq_lengths = np.minimum(lengths, seq_length + 1) - 1
-        self.num_truncated = int(np.count_nonzero(lengths[self._trainable] > seq_length + 1))
+        self.num_truncated = int(np.count_nonzero(lengths[trainable] > seq_length + 1))
         if self.num_truncated and not truncate:
             raise ValueError(
-                f"{self.num_truncated} of {len(self._trainable)} documents are longer than the context cap "
+                f"{self.num_truncated} of {len(trainable)} documents are longer than the context cap "
                 f"seq_length {seq_length} (longest {int(lengths.max()) - 1} tokens); truncate=True trains "
                 "their first seq_length tokens"
             )
-        self._cached_epoch: tuple[int, np.ndarray] | None = None
+        self._cached_epochs: dict[int, tuple[int, np.ndarray]] = {}
 
     @property
     def documents_per_epoch(self) -> int:
-        return len(self._trainable)
+        return sum(len(g) for g in self._groups)
 
-    def _epoch_order(self, epoch: int) -> np.ndarray:
-        if self._cached_epoch is None or self._cached_epoch[0] != epoch:
-            perm = np.random.default_rng([self.seed, epoch]).permutation(len(self._trainable))
-            self._cached_epoch = (epoch, self._trainable[perm])
-        return self._cached_epoch[1]
+    def _epoch_order(self, group: int, epoch: int) -> np.ndarray:
+        cached = self._cached_epochs.get(group)
+        if cached is None or cached[0] != epoch:
+            key = [self.seed, epoch] if self._blend is None else [self.seed, group, epoch]
+            perm = np.random.default_rng(key).permutation(len(self._groups[group]))
+            self._cached_epochs[group] = cached = (epoch, self._groups[group][perm])
+        return cached[1]
+
+    def _group_stream(self, group: int, positions: np.ndarray) -> np.ndarray:
+        """Document indices at ``group``'s own stream ``positions`` (epoch after epoch of its documents)."""
+        epochs, offsets = np.divmod(positions, len(self._groups[group]))
+        out = np.empty(len(positions), dtype=np.int64)
+        for epoch in np.unique(epochs):
+            mask = epochs == epoch
+            out[mask] = self._epoch_order(group, int(epoch))[offsets[mask]]
+        return out
 
     def stream(self, start: int, count: int) -> np.ndarray:
         """Document indices at stream positions ``[start, start + count)``."""
-        positions = np.arange(start, start + count)
-        epochs, offsets = np.divmod(positions, len(self._trainable))
+        if self._blend is None:
+            return self._group_stream(0, np.arange(start, start + count))
+        groups, draws = self._blend.locate(start, count)
         out = np.empty(count, dtype=np.int64)
-        for epoch in np.unique(epochs):
-            mask = epochs == epoch
-            out[mask] = self._epoch_order(int(epoch))[offsets[mask]]
+        for group in np.unique(groups):
+            mask = groups == group
+            out[mask] = self._group_stream(int(group), draws[mask])
         return out
 
     def iterate(self, consumed_samples: int = 0) -> Iterator[GlobalBatch]:

@@ -6,6 +6,7 @@ import argparse
 import os
 from typing import Sequence
 
+from megatron_epp.data.blend import Blend, BlendError
 from megatron_epp.data.tokenizers import TokenizerError, add_tokenizer_arguments, resolve_tokenizer_args
 from megatron_epp.planner.config import PlannerConfig, add_planner_arguments
 import psutil
@@ -77,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("data")
     g.add_argument("--mock-data", action="store_true", help="synthetic learnable sequences")
-    g.add_argument("--data-path", default=None, help="prefix of a Megatron indexed dataset (.bin/.idx)")
+    g.add_argument("--data-path", nargs="+", default=None, metavar="[WEIGHT] PREFIX",
+                   help="prefix of a Megatron indexed dataset (.bin/.idx), or a blend: WEIGHT PREFIX pairs (0.3 A 0.7 B)")
     g.add_argument("--split", default="969,30,1", help="train,valid,test weights over documents")
     add_tokenizer_arguments(g)
 
@@ -162,10 +164,16 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         raise ArgumentError(str(error)) from None
     if args.mock_data == (args.data_path is not None):
         raise ArgumentError("give exactly one of --mock-data and --data-path")
+    args.data_blend = None
     if args.data_path is not None:
-        missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(args.data_path + ext)]
-        if missing:
-            raise ArgumentError(f"--data-path {args.data_path}: missing {', '.join(args.data_path + m for m in missing)}")
+        try:
+            args.data_blend = Blend.parse(args.data_path)
+        except BlendError as error:
+            raise ArgumentError(str(error)) from None
+        for prefix in args.data_blend.prefixes:
+            missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
+            if missing:
+                raise ArgumentError(f"--data-path {prefix}: missing {', '.join(prefix + m for m in missing)}")
     if args.load is not None and not os.path.isdir(args.load):
         raise ArgumentError(f"--load {args.load}: no such directory")
     if args.save_interval is not None and args.save is None:

@@ -18,42 +18,59 @@ MIN_DOCUMENT_TOKENS = 2  # a document of n + 1 tokens trains n next-token predic
 
 
 def check_corpus(args: argparse.Namespace) -> str:
-    """Validate ``--data-path`` for this run; return a one-line summary of the train split for the log.
+    """Validate ``--data-path`` (each dataset of a blend) for this run; return a one-line summary of the train
+    split for the log.
 
-    Errors: the train split holds no trainable document; without ``--elastic-pp``, fewer tokens than
-    one ``--seq-length`` sample; with it, a train (or, with ``--eval-interval``, valid) document
-    longer than the context cap ``--seq-length`` unless ``--epp-truncate-documents`` allows it.
+    Errors, per dataset: its train split holds no trainable document (a blended dataset must be able to give its
+    share); without ``--elastic-pp``, a split in use (train; valid with ``--eval-interval`` when some dataset has
+    valid documents) with fewer tokens than one ``--seq-length`` sample; with it, a train (or, with
+    ``--eval-interval``, valid) document longer than the context cap ``--seq-length`` unless
+    ``--epp-truncate-documents`` allows it; a blended dataset with no valid document while another has some.
     """
     if args.mock_data:
         return "mock documents"
 
-    docs = DocumentDataset(args.data_path)
-    splits = {name: docs.lengths[r.start:r.stop] for name, r in split_ranges(len(docs), args.split).items()}
-    lengths = splits["train"]
+    blend = args.data_blend
+    per_prefix = {}
+    for prefix in blend.prefixes:
+        docs = DocumentDataset(prefix)
+        splits = {name: docs.lengths[r.start:r.stop] for name, r in split_ranges(len(docs), args.split).items()}
+        if not np.count_nonzero(splits["train"] >= MIN_DOCUMENT_TOKENS):
+            raise ArgumentError(
+                f"--data-path {prefix}: no document to train on ({len(docs)} documents in the corpus, "
+                f"{len(splits['train'])} in the train split of --split {args.split}, none with {MIN_DOCUMENT_TOKENS}+ tokens)"
+            )
+        per_prefix[prefix] = splits
+    used = ["train"]
+    if args.eval_interval and any(len(splits["valid"]) for splits in per_prefix.values()):
+        used.append("valid")
+        empty = [p for p, splits in per_prefix.items() if not np.count_nonzero(splits["valid"] >= MIN_DOCUMENT_TOKENS)]
+        if empty:
+            raise ArgumentError(
+                f"--data-path {empty[0]}: no validation document under --split {args.split} while other datasets of the "
+                "blend have some; give it a valid share or drop --eval-interval"
+            )
+    for prefix, splits in per_prefix.items():
+        for split in used:
+            if not args.elastic_pp and splits[split].sum() < args.seq_length + 1:
+                raise ArgumentError(
+                    f"--data-path {prefix}: the {split} split holds {int(splits[split].sum())} tokens, fewer than one "
+                    f"sample of --seq-length {args.seq_length} + 1"
+                )
+            too_long = int(np.count_nonzero(splits[split] - 1 > args.seq_length))
+            if args.elastic_pp and too_long and not args.epp_truncate_documents:
+                raise ArgumentError(
+                    f"--data-path {prefix}: {too_long} of {len(splits[split])} {split} documents are longer "
+                    f"than the context cap --seq-length {args.seq_length} (longest {int(splits[split].max()) - 1} "
+                    "tokens); raise --seq-length or pass --epp-truncate-documents to train on their first "
+                    "--seq-length tokens"
+                )
+    lengths = np.concatenate([splits["train"] for splits in per_prefix.values()])
     sequences = lengths[lengths >= MIN_DOCUMENT_TOKENS] - 1
-    if not len(sequences):
-        raise ArgumentError(
-            f"--data-path {args.data_path}: no document to train on ({len(docs)} documents in the corpus, "
-            f"{len(lengths)} in the train split of --split {args.split}, none with {MIN_DOCUMENT_TOKENS}+ tokens)"
-        )
-    summary = f"train split: {LengthStats.of(sequences)}"
+    summary = (f"{blend.describe()}; " if blend.weights is not None else "") + f"train split: {LengthStats.of(sequences)}"
     if len(sequences) < len(lengths):
         summary += f"; {len(lengths) - len(sequences)} empty documents skipped"
-    if not args.elastic_pp:
-        if lengths.sum() < args.seq_length + 1:
-            raise ArgumentError(
-                f"--data-path {args.data_path}: the train split holds {int(lengths.sum())} tokens, fewer than one "
-                f"sample of --seq-length {args.seq_length} + 1"
-            )
-        return summary
-    for split in ("train", "valid") if args.eval_interval else ("train",):
-        too_long = int(np.count_nonzero(splits[split] - 1 > args.seq_length))
-        if too_long and not args.epp_truncate_documents:
-            raise ArgumentError(
-                f"--data-path {args.data_path}: {too_long} of {len(splits[split])} {split} documents are longer "
-                f"than the context cap --seq-length {args.seq_length} (longest {int(splits[split].max()) - 1} "
-                "tokens); raise --seq-length or pass --epp-truncate-documents to train on their first "
-                "--seq-length tokens"
-            )
     too_long = int(np.count_nonzero(sequences > args.seq_length))
-    return summary + (f"; {too_long} truncated to --seq-length {args.seq_length}" if too_long else "")
+    if args.elastic_pp and too_long:
+        summary += f"; {too_long} truncated to --seq-length {args.seq_length}"
+    return summary

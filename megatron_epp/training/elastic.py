@@ -19,7 +19,7 @@ from megatron.core import parallel_state as ps
 from megatron_epp.cost.features import chunk_features
 from megatron_epp.cost.model import CostModel
 from megatron_epp.cost.profiles import load_profile
-from megatron_epp.data.documents import DocumentDataset, split_ranges
+from megatron_epp.data.blend import blended_documents
 from megatron_epp.data.mock_documents import MockDocuments, lognormal_lengths
 from megatron_epp.data.sequence_sampler import SequenceSampler
 from megatron_epp.executor.batches import elastic_gpt_forward_step, prepare_step
@@ -262,11 +262,10 @@ def check_memory_budget(args: argparse.Namespace) -> None:
 
 
 def elastic_documents(args: argparse.Namespace, split: str):
-    """Whole documents: skewed mock lengths (capped at the context length) or an indexed dataset split."""
+    """Whole documents: skewed mock lengths (capped at the context length) or the split of the indexed
+    dataset(s) of ``--data-path`` (blended by weight)."""
     if args.mock_data:
         seed = args.seed + (split == "valid")
         lengths = lognormal_lengths(4096, median=max(args.seq_length // 8, 2), sigma=1.2, max_length=args.seq_length + 1, seed=seed)
         return MockDocuments(lengths, args.vocab_size, seed=seed)
-    docs = DocumentDataset(args.data_path)
-    docs = DocumentDataset(args.data_path, split_ranges(len(docs), args.split)[split])
-    return docs if len(docs) else None
+    return blended_documents(args.data_blend, args.split, split)

@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Sequence
 
-from megatron_epp.data.documents import DocumentDataset, split_ranges
+from megatron_epp.data.blend import BlendedSamples, split_documents
 from megatron_epp.data.gpt_samples import GPTSamples, MockGPTSamples
 from megatron_epp.data.tokenizers import TokenizerError, tokenizer_from_args
 from megatron_epp.cost.profiles import load_profile
@@ -22,15 +22,19 @@ from megatron_epp.training.model import build_model, layer_spec_summary
 
 
 def build_samples(args: argparse.Namespace, split: str):
-    """Fixed-length GPT samples of ``split`` ('train' or 'valid'): mock data or an indexed dataset."""
+    """Fixed-length GPT samples of ``split`` ('train' or 'valid'): mock data, an indexed dataset, or several
+    blended by weight (``--data-path 0.3 A 0.7 B``: each sample drawn whole from one dataset, as megatron-core's
+    ``BlendedDataset``)."""
     if args.mock_data:
         return MockGPTSamples(args.seq_length, args.vocab_size, seed=args.seed + (split == "valid"))
-    docs = DocumentDataset(args.data_path)
-    docs = DocumentDataset(args.data_path, split_ranges(len(docs), args.split)[split])
-    if len(docs) == 0:
-        return None
     needed = (args.train_iters if split == "train" else args.eval_iters * (args.train_iters // (args.eval_interval or args.train_iters) + 1)) * args.global_batch_size
-    return GPTSamples(docs, args.seq_length, seed=args.seed, num_samples=needed)
+    sources = [split_documents(prefix, args.split, split) for prefix in args.data_blend.prefixes]
+    if not sum(len(docs) for docs in sources):
+        return None
+    if args.data_blend.weights is None:
+        return GPTSamples(sources[0], args.seq_length, seed=args.seed, num_samples=needed)
+    return BlendedSamples(lambda d, n: GPTSamples(sources[d], args.seq_length, seed=args.seed, num_samples=n),
+                          args.data_blend.weights, needed)
 
 
 def resolve_vocab_size(args: argparse.Namespace) -> None:
