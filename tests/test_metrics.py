@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from megatron_epp.training.metrics import ElasticMetrics, StepMetrics, read_metrics
 
 MB = 2**20
@@ -41,3 +43,107 @@ def test_records_round_trip_json_lines(tmp_path):
     path.write_text("".join(r.to_json() + "\n" for r in records))
     assert read_metrics(path) == records
     assert '"tokens_per_s": 10000.0' in records[2].to_json()
+
+
+def test_model_flops_match_a_hand_count():
+    from megatron_epp.cost.profiles import ModelShape
+
+    shape = ModelShape("tiny", num_layers=2, hidden=8, num_heads=2, ffn_hidden=32, vocab=10, swiglu=False)
+    # per layer and token: QKV 2*8*24 + projection 2*8*8 + MLP 2*(8*32 + 32*8) = 384 + 128 + 1024 = 1536 FLOPs;
+    # documents of 3 and 1 tokens, causal: 3*4/2 + 1 = 7 query-key pairs at 4*8 FLOPs; head 2*8*10 per token
+    forward = 2 * (1536 * 4 + 4 * 8 * 7) + 2 * 8 * 10 * 4
+    assert shape.training_flops([3, 1]) == 3 * forward == 40128
+    # a 10-token document cut into slices of 4 and 6: the second slice's 6 queries see the 4 earlier keys and
+    # themselves causally, 6*4 + 6*7/2 = 45 pairs, the first 4*5/2 = 10: the whole document's 10*11/2 = 55
+    slices = 3 * (2 * (1536 * 10 + 4 * 8 * (10 + 45)) + 2 * 8 * 10 * 10)
+    assert shape.training_flops([10]) == slices
+    # two 5-token documents packed into one chunk do not attend to each other: 2 * 15 pairs, not 55
+    assert shape.training_flops([5, 5]) == slices - 3 * 2 * 4 * 8 * (55 - 30)
+    gated = ModelShape("tiny", 2, 8, 2, 32, 10, swiglu=True)  # SwiGLU: a third MLP matrix
+    assert gated.training_flops([1]) - shape.training_flops([1]) == 3 * 2 * 2 * 8 * 32
+
+
+def test_throughput_in_the_line_and_scalars():
+    step = elastic_step()
+    step.tflops_per_gpu = 0.01234
+    assert " | tokens/s: 3794 | throughput per GPU (TFLOP/s/GPU): 0.012 | learning rate: " in step.line()
+    scalars = step.scalars()
+    assert scalars["throughput TFLOP/s/GPU"] == 0.01234 and scalars["lm loss"] == 5.157642
+    assert scalars["plan/chunks split"] == 73 and scalars["plan/chunks hybrid"] == 1 and scalars["plan/recomputed layers"] == 0
+    assert scalars["plan/predicted ms"] == 682.3 and scalars["plan/measured ms"] == 3961.0
+    assert scalars["memory/stage 1 predicted activation MB"] == pytest.approx(22.2)
+    assert scalars["memory/stage 0 measured activation MB"] == pytest.approx(23.4, abs=1e-6)
+    assert StepMetrics(4, 2.0, kind="valid").scalars() == {"validation lm loss": 2.0}
+
+
+def logger_args(tmp_path, **change):
+    import argparse
+
+    args = dict(tensorboard_dir=str(tmp_path / "tb"), wandb_project=None, wandb_exp_name=None, wandb_save_dir=None,
+                epp_metrics=None, seed=3, data_blend=object())
+    args.update(change)
+    return argparse.Namespace(**args)
+
+
+def runtime():
+    import torch
+
+    from megatron_epp.training.initialize import Runtime
+
+    return Runtime(torch.device("cpu"), rank=0, world_size=1, pp_rank=0, pp_size=1, tp_rank=0, dp_rank=0, dp_size=1)
+
+
+def test_tensorboard_gets_every_scalar(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from megatron_epp.training.loop import Logger
+
+    logger = Logger(logger_args(tmp_path), runtime())
+    step = elastic_step()
+    logger.record(step)
+    logger.record(StepMetrics(2, 4.5, kind="valid"))
+    logger.close()
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert tags == set(step.scalars()) | {"validation lm loss"}
+    assert {"plan/chunks batched", "plan/pipelines", "memory/stage 1 measured activation MB", "tokens/s", "grad-norm"} <= tags
+    (value,) = events.Scalars("plan/predicted ms")
+    assert (value.step, value.value) == (2, pytest.approx(682.3))
+
+
+def test_wandb_gets_the_same_scalars(tmp_path, monkeypatch):
+    import sys
+    import types
+
+    from megatron_epp.training.loop import Logger
+
+    calls = []
+    fake = types.SimpleNamespace(init=lambda **kw: calls.append(("init", kw)), log=lambda d, step: calls.append(("log", d, step)),
+                                 finish=lambda: calls.append(("finish",)))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    logger = Logger(logger_args(tmp_path, tensorboard_dir=None, wandb_project="epp", wandb_exp_name="run-1",
+                                wandb_save_dir=str(tmp_path / "wb")), runtime())
+    step = elastic_step()
+    logger.record(step)
+    logger.close()
+    (_, init), (_, logged, at), finish = calls
+    assert (init["project"], init["name"], init["dir"]) == ("epp", "run-1", str(tmp_path / "wb"))
+    assert init["config"]["seed"] == 3 and isinstance(init["config"]["data_blend"], str)  # JSON-friendly config
+    assert logged == step.scalars() and at == 2 and finish == ("finish",)
+
+
+def test_wandb_flags_are_checked_before_work(monkeypatch):
+    import sys
+
+    from megatron_epp.training.arguments import ArgumentError, parse_args
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as here: wandb is not installed
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None if name == "wandb" else object())
+    with pytest.raises(ArgumentError, match="--wandb-project p: wandb is not installed"):
+        parse_args(["--mock-data", "--wandb-project", "p"], world_size=1)
+    with pytest.raises(ArgumentError, match="--wandb-exp-name needs --wandb-project"):
+        parse_args(["--mock-data", "--wandb-exp-name", "x"], world_size=1)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: object())  # installed: accepted, dir under --save
+    args = parse_args(["--mock-data", "--wandb-project", "p", "--save", "/tmp/ck"], world_size=1)
+    assert args.wandb_save_dir == "/tmp/ck/wandb"

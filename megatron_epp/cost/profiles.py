@@ -65,6 +65,17 @@ class ModelShape:
         """Forward GEMM FLOPs of one layer per token (2 per multiply-add)."""
         return 2.0 * (self.params_per_layer() - 2 * self.hidden)
 
+    def training_flops(self, seq_lengths) -> float:
+        """Model FLOPs of one training pass (forward + backward = 3 x forward; recompute not counted) over causal
+        sequences of ``seq_lengths`` tokens, each attending only to itself: per layer the GEMMs per token and,
+        per sequence of ``n`` tokens, ``n (n + 1) / 2`` query-key pairs at ``4 h`` FLOPs each (``Q K^T`` and
+        ``P V``); the output layer ``2 h V`` per token. A sequence cut into slices has the same pairs (each
+        slice's queries attend to the slices before it and causally to itself), so it counts as the whole."""
+        n = np.asarray(seq_lengths, dtype=np.float64)
+        tokens, pairs = n.sum(), (n * (n + 1) / 2).sum()
+        layer = self.gemm_flops_per_token() * tokens + 4.0 * self.hidden * pairs
+        return 3.0 * (self.num_layers * layer + 2.0 * self.hidden * self.vocab * tokens)
+
 
 @dataclass(frozen=True)
 class TimeCoeffs:

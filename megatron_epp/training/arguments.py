@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 from typing import Sequence
 
@@ -63,11 +64,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root"], default="cosine")
     g.add_argument("--lr-warmup-iters", type=int, default=0)
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
+    g.add_argument("--lr-warmup-samples", type=int, default=0, help="with --train-samples: warm-up in samples")
+    g.add_argument("--lr-decay-samples", type=int, default=None, help="with --train-samples: decay in samples (default: --train-samples)")
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.95)
     g.add_argument("--clip-grad", type=float, default=1.0)
-    g.add_argument("--train-iters", type=int, default=20)
+    g.add_argument("--train-iters", type=int, default=None, help="default 20 (unless --train-samples)")
+    g.add_argument("--train-samples", type=int, default=None,
+                   help="train this many samples (--elastic-pp: documents) instead of --train-iters: "
+                   "floor(N / --global-batch-size) iterations, as Megatron-LM")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--bf16", action="store_true")
 
@@ -106,7 +112,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--log-interval", type=int, default=1)
     g.add_argument("--eval-interval", type=int, default=None)
     g.add_argument("--eval-iters", type=int, default=2)
-    g.add_argument("--tensorboard-dir", default=None)
+    g.add_argument("--tensorboard-dir", default=None, help="TensorBoard scalars: loss, lr, grad norm, tokens/s, "
+                   "throughput, and with --elastic-pp the plan's statistics and per-stage memory")
+    g.add_argument("--log-throughput", action="store_true",
+                   help="model TFLOP/s per GPU in the log line (the tokens trained, causal attention per document)")
+    g.add_argument("--wandb-project", default=None, help="log the same scalars to this wandb project (needs wandb)")
+    g.add_argument("--wandb-exp-name", default=None, help="the wandb run's name (default: wandb's)")
+    g.add_argument("--wandb-save-dir", default=None, help="wandb's local directory (default: SAVE/wandb with --save)")
     g.add_argument("--epp-metrics", default=None, metavar="FILE",
                    help="append one JSON record per logged step to FILE (default: metrics.jsonl in --tensorboard-dir, "
                         "else in --save; none without either)")
@@ -129,7 +141,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if tp < 1 or pp < 1:
         raise ArgumentError("parallel sizes must be >= 1")
-    if args.train_iters < 1 or args.log_interval < 1:
+    if (args.train_iters is not None and args.train_iters < 1) or args.log_interval < 1:
         raise ArgumentError("--train-iters and --log-interval must be >= 1")
     for flag, value in UNSUPPORTED_PARALLELISM.items():
         if getattr(args, flag) not in (None, 1):
@@ -137,6 +149,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if world_size % (tp * pp):
         raise ArgumentError(f"world size {world_size} is not divisible by tp {tp} x pp {pp}")
     args.data_parallel_size = world_size // (tp * pp)
+    validate_wandb_args(args)
     if args.epp_metrics is None and (args.tensorboard_dir or args.save):
         args.epp_metrics = os.path.join(args.tensorboard_dir or args.save, "metrics.jsonl")
     if args.num_layers % pp:
@@ -184,13 +197,55 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         raise ArgumentError("--recompute-method applies only with --recompute-granularity full")
     if args.recompute_method is not None:
         args.recompute_num_layers = args.recompute_num_layers or 1
+    validate_schedule_args(args)
+    validate_elastic_args(args, world_size)
+
+
+def validate_schedule_args(args: argparse.Namespace) -> None:
+    """Training length and LR schedule in iterations (``--train-iters``, ``--lr-*-iters``) or, as Megatron-LM, in
+    samples (``--train-samples``, ``--lr-*-samples``), never mixed; fills ``train_iters`` and the schedule in
+    samples (``lr_warmup_samples``, ``lr_decay_samples``), what the scheduler counts."""
+    gbs = args.global_batch_size
+    if args.train_samples is not None:
+        if args.train_iters is not None:
+            raise ArgumentError("--train-iters and --train-samples are mutually exclusive: give one")
+        iter_flags = [f for f, given in (("--lr-warmup-iters", args.lr_warmup_iters), ("--lr-decay-iters", args.lr_decay_iters)) if given]
+        if iter_flags:
+            raise ArgumentError(f"{iter_flags[0]} counts iterations; with --train-samples give the schedule in samples "
+                                f"({iter_flags[0].replace('-iters', '-samples')})")
+        args.train_iters = args.train_samples // gbs
+        if args.train_iters < 1:
+            raise ArgumentError(f"--train-samples {args.train_samples} is less than one --global-batch-size {gbs}")
+        args.lr_decay_samples = args.lr_decay_samples or args.train_samples
+        if args.lr_warmup_samples >= args.lr_decay_samples:
+            raise ArgumentError(f"--lr-warmup-samples {args.lr_warmup_samples} must be smaller than --lr-decay-samples "
+                                f"{args.lr_decay_samples} (default: --train-samples)")
+        return
+    sample_flags = [f for f, given in (("--lr-warmup-samples", args.lr_warmup_samples), ("--lr-decay-samples", args.lr_decay_samples)) if given]
+    if sample_flags:
+        raise ArgumentError(f"{sample_flags[0]} applies with --train-samples; with --train-iters give "
+                            f"{sample_flags[0].replace('-samples', '-iters')}")
+    args.train_iters = args.train_iters or 20
     args.lr_decay_iters = args.lr_decay_iters or args.train_iters
     if args.lr_warmup_iters >= args.lr_decay_iters:
         raise ArgumentError(
             f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than --lr-decay-iters "
             f"{args.lr_decay_iters} (default: --train-iters)"
         )
-    validate_elastic_args(args, world_size)
+    args.lr_warmup_samples, args.lr_decay_samples = args.lr_warmup_iters * gbs, args.lr_decay_iters * gbs
+
+
+def validate_wandb_args(args: argparse.Namespace) -> None:
+    if args.wandb_project is None:
+        given = [f for f, v in (("--wandb-exp-name", args.wandb_exp_name), ("--wandb-save-dir", args.wandb_save_dir)) if v]
+        if given:
+            raise ArgumentError(f"{given[0]} needs --wandb-project")
+        return
+    if importlib.util.find_spec("wandb") is None:
+        raise ArgumentError(f"--wandb-project {args.wandb_project}: wandb is not installed (pip install wandb, or drop "
+                            "--wandb-project; --tensorboard-dir logs the same scalars)")
+    if args.wandb_save_dir is None and args.save:
+        args.wandb_save_dir = os.path.join(args.save, "wandb")
 
 
 UNSUPPORTED_PARALLELISM = {

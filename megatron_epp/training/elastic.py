@@ -36,6 +36,7 @@ from megatron_epp.simulator.timeline import draw_timeline
 from megatron_epp.training.arguments import CALIBRATE_FIRST_STEP, ArgumentError
 from megatron_epp.training.initialize import Runtime
 from megatron_epp.training.metrics import ElasticMetrics
+from megatron_epp.training.model import model_shape
 
 
 class PlanBuilder:
@@ -45,13 +46,9 @@ class PlanBuilder:
     def __init__(self, args: argparse.Namespace) -> None:
         self.config = PlannerConfig.from_args(args, args.seq_length)
         profile = load_profile(self.config.profile, tp=args.tensor_model_parallel_size)
-        shape = dataclasses.replace(
-            profile.model, num_layers=args.num_layers, hidden=args.hidden_size, num_heads=args.num_attention_heads,
-            ffn_hidden=args.ffn_hidden_size, vocab=args.vocab_size, rope=args.position_embedding_type == "rope",
-            dtype="bfloat16" if args.bf16 else "float32",  # what the activations and the K/V buffers are stored in
-        )
         self.cost_model = CostModel(
-            dataclasses.replace(profile, model=shape), args.pipeline_model_parallel_size, dp=args.data_parallel_size
+            dataclasses.replace(profile, model=model_shape(args, profile.model.name)), args.pipeline_model_parallel_size,
+            dp=args.data_parallel_size,
         )
         self.calibrate_interval = args.epp_calibrate_interval
         self.measured: deque[tuple[Plan, float]] = deque(maxlen=max(self.calibrate_interval, CALIBRATE_FIRST_STEP - 1))
@@ -169,7 +166,7 @@ class ElasticTrainStep:
         tensors = [(torch.from_numpy(s.tokens), torch.from_numpy(s.labels)) for s in batch.sequences(self.runtime.dp_rank)]
         return batch, plan, timing, prepare_step(plan, self.runtime.pp_rank, tensors, self.runtime.device)
 
-    def __call__(self, forward_only: bool) -> tuple[list[dict[str, torch.Tensor]], int]:
+    def __call__(self, forward_only: bool) -> tuple[list[dict[str, torch.Tensor]], np.ndarray]:
         if self.ready is None:
             self._prefetch()
         batch, plan, (planning_ms, waited_ms), inputs = self.ready.result()
@@ -195,7 +192,7 @@ class ElasticTrainStep:
             None if memory is None else plan.stats.predicted_activation_bytes,
             None if memory is None else self._gather_stages(memory.peak_bytes),
         )
-        return losses, int(batch.seq_lengths.sum())
+        return losses, batch.seq_lengths
 
     def _observe(self, plan: Plan, run_ms: float) -> None:
         """Give the planner's calibration this step's measured span: the last stage's, as the log records

@@ -7,6 +7,7 @@ import os
 import time
 from typing import Any, Callable, Iterator
 
+import numpy as np
 import torch
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import finalize_model_grads
@@ -18,6 +19,7 @@ from megatron_epp.training import checkpointing
 from megatron_epp.training.gpt_step import reduce_losses
 from megatron_epp.training.initialize import Runtime
 from megatron_epp.training.metrics import ElasticMetrics, StepMetrics
+from megatron_epp.training.model import model_shape
 
 
 def build_optimizer(args: argparse.Namespace, model, config) -> tuple[Any, OptimizerParamScheduler]:
@@ -42,12 +44,12 @@ def build_optimizer(args: argparse.Namespace, model, config) -> tuple[Any, Optim
         init_lr=0.0 if args.lr_warmup_iters else args.lr,
         max_lr=args.lr,
         min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters * gbs,
-        lr_decay_steps=args.lr_decay_iters * gbs,
+        lr_warmup_steps=args.lr_warmup_samples,  # the scheduler counts samples, as Megatron-LM's
+        lr_decay_steps=args.lr_decay_samples,
         lr_decay_style=args.lr_decay_style,
         start_wd=args.weight_decay,
         end_wd=args.weight_decay,
-        wd_incr_steps=args.train_iters * gbs,
+        wd_incr_steps=args.train_samples or args.train_iters * gbs,
         wd_incr_style="constant",
     )
     config.finalize_model_grads_func = finalize_model_grads
@@ -55,15 +57,17 @@ def build_optimizer(args: argparse.Namespace, model, config) -> tuple[Any, Optim
     return optimizer, scheduler
 
 
-StepFunction = Callable[[bool], tuple[list[dict[str, torch.Tensor]], int]]
-"""``step(forward_only) -> (last stage's per-micro-batch losses, tokens in the global batch)``."""
+StepFunction = Callable[[bool], tuple[list[dict[str, torch.Tensor]], np.ndarray]]
+"""``step(forward_only) -> (last stage's per-micro-batch losses, the global batch's causal sequence lengths)``:
+every sample of ``--seq-length`` tokens on the stock path (attention spans the sample), every document's trained
+tokens with ``--elastic-pp``."""
 
 
 def megatron_step(args: argparse.Namespace, model, forward_step_func, data_iterator: Iterator) -> StepFunction:
     """One global batch through Megatron-Core's own schedule (1F1B for pp > 1)."""
     forward_backward = get_forward_backward_func()
 
-    def step(forward_only: bool) -> tuple[list[dict[str, torch.Tensor]], int]:
+    def step(forward_only: bool) -> tuple[list[dict[str, torch.Tensor]], np.ndarray]:
         losses = forward_backward(
             forward_step_func=forward_step_func,
             data_iterator=data_iterator,
@@ -73,23 +77,30 @@ def megatron_step(args: argparse.Namespace, model, forward_step_func, data_itera
             micro_batch_size=args.micro_batch_size,
             forward_only=forward_only,
         )
-        return losses, args.global_batch_size * args.seq_length
+        return losses, np.full(args.global_batch_size, args.seq_length, dtype=np.int64)
 
     return step
 
 
 class Logger:
     """Megatron-style iteration lines on the logging rank, the ``--epp-metrics`` JSON lines beside
-    them, optional TensorBoard scalars."""
+    them, and each record's scalars to TensorBoard (``--tensorboard-dir``) and wandb (``--wandb-project``)."""
 
     def __init__(self, args: argparse.Namespace, runtime: Runtime) -> None:
         self.enabled = runtime.is_logging_rank
         self.writer = None
         self.metrics = None
+        self.wandb = None
         if self.enabled and args.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(args.tensorboard_dir)
+        if self.enabled and args.wandb_project:
+            import wandb  # optional: checked by validate_args
+
+            config = {k: v if isinstance(v, (bool, int, float, str, list, type(None))) else str(v) for k, v in vars(args).items()}
+            wandb.init(project=args.wandb_project, name=args.wandb_exp_name, dir=args.wandb_save_dir, config=config)
+            self.wandb = wandb
         if self.enabled and args.epp_metrics:
             os.makedirs(os.path.dirname(os.path.abspath(args.epp_metrics)), exist_ok=True)
             self.metrics = open(args.epp_metrics, "a", buffering=1)
@@ -99,19 +110,22 @@ class Logger:
             print(text, flush=True)
 
     def record(self, m: StepMetrics) -> None:
-        """Print the record's line and append it to the metrics file."""
+        """Print the record's line, append it to the metrics file, and send its scalars."""
         self.print(m.line())
         if self.metrics:
             self.metrics.write(m.to_json() + "\n")
-        if self.writer and m.kind == "valid":
-            self.writer.add_scalar("validation lm loss", m.loss, m.iteration)
-        elif self.writer:
-            for name, value in (("lm loss", m.loss), ("learning-rate", m.lr), ("grad-norm", m.grad_norm), ("tokens/s", m.tokens_per_s)):
+        scalars = m.scalars() if self.writer or self.wandb else {}
+        if self.writer:
+            for name, value in scalars.items():
                 self.writer.add_scalar(name, value, m.iteration)
+        if self.wandb:
+            self.wandb.log(scalars, step=m.iteration)
 
     def close(self) -> None:
         if self.writer:
             self.writer.close()
+        if self.wandb:
+            self.wandb.finish()
         if self.metrics:
             self.metrics.close()
 
@@ -139,11 +153,12 @@ def train(
     logger = Logger(args, runtime)
     dp_group = ps.get_data_parallel_group()
     history: list[float] = []
+    shape = model_shape(args) if args.log_throughput else None
     while iteration < args.train_iters:
         t0 = time.perf_counter()
         model.zero_grad_buffer()
         optimizer.zero_grad()
-        losses, tokens = train_step(False)
+        losses, seq_lengths = train_step(False)
         update_ok, grad_norm, _ = optimizer.step()
         if not update_ok:
             raise FloatingPointError(f"optimizer step skipped at iteration {iteration + 1}")
@@ -155,9 +170,10 @@ def train(
         history.append(loss)
         if iteration % args.log_interval == 0:
             logger.record(StepMetrics(
-                iteration, loss, train_iters=args.train_iters, consumed_samples=consumed, iter_ms=ms, tokens=tokens,
+                iteration, loss, train_iters=args.train_iters, consumed_samples=consumed, iter_ms=ms, tokens=int(seq_lengths.sum()),
                 lr=scheduler.get_lr(optimizer.param_groups[0]), grad_norm=float(grad_norm or 0.0),
                 elastic=step_metrics(iteration) if step_metrics else None,
+                tflops_per_gpu=shape.training_flops(seq_lengths) / (ms / 1000) / runtime.world_size / 1e12 if shape else None,
             ))
         if valid_step and args.eval_interval and iteration % args.eval_interval == 0:
             logger.record(StepMetrics(iteration, evaluate(args, runtime, valid_step, dp_group), kind="valid"))

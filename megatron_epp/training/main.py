@@ -88,7 +88,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"vocab {args.vocab_size} | tp={args.tensor_model_parallel_size} pp={runtime.pp_size} "
             f"dp={runtime.dp_size} on {runtime.device.type} {'bf16' if args.bf16 else 'fp32'} | global batch {args.global_batch_size} = "
             f"{args.num_microbatches} micro-batches x {args.micro_batch_size} x dp {runtime.dp_size}"
-            + (f" | resumed at iteration {start[0]}" if args.load else ""),
+            + (f" | resumed at iteration {start[0]}" if args.load else "")
+            + (f" | --train-samples {args.train_samples}: {args.train_iters} iterations"
+               + (f" ({args.train_samples % args.global_batch_size} samples short of a global batch not trained)"
+                  if args.train_samples % args.global_batch_size else "") if args.train_samples else ""),
             flush=True,
         )
         print(f"> layers: {layer_spec_summary(args.elastic_pp)}", flush=True)

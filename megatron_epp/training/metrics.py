@@ -33,6 +33,19 @@ class ElasticMetrics:
     speed_factor: float | None = None
     stage_overhead_ms: float | None = None
 
+    def scalars(self) -> dict[str, float]:
+        """The plan's statistics as named scalars (TensorBoard, wandb)."""
+        out = {f"plan/chunks {kind}": float(n) for kind, n in self.num_chunks.items()}
+        out.update({"plan/pipelines": float(self.num_pipelines), "plan/recomputed layers": float(self.recomputed_layers),
+                    "plan/planning ms": self.planning_ms, "plan/planning exposed ms": self.planning_wait_ms,
+                    "plan/measured ms": self.measured_ms})
+        if self.predicted_step_ms is not None:
+            out["plan/predicted ms"] = self.predicted_step_ms
+        for name, per_stage in (("predicted", self.predicted_activation_bytes), ("measured", self.measured_activation_bytes)):
+            for stage, value in enumerate(per_stage or ()):
+                out[f"memory/stage {stage} {name} activation MB"] = value / 2**20
+        return out
+
     def line(self) -> str:
         hidden = "hidden" if self.planning_wait_ms < 1.0 else f"exposed {self.planning_wait_ms:.1f} ms"
         text = f"{self.plan} | planning ms: {self.planning_ms:.1f} ({hidden}) | "
@@ -61,6 +74,7 @@ class StepMetrics:
     lr: float | None = None
     grad_norm: float | None = None
     elastic: ElasticMetrics | None = None
+    tflops_per_gpu: float | None = None  # --log-throughput: model FLOPs of the tokens trained / s / GPU, in 1e12
 
     @property
     def tokens_per_s(self) -> float:
@@ -74,9 +88,20 @@ class StepMetrics:
         text = (
             f" iteration {self.iteration:8d}/{self.train_iters:8d} | consumed samples: {self.consumed_samples:10d} | "
             f"elapsed time per iteration (ms): {self.iter_ms:.1f} | tokens/s: {self.tokens_per_s:.0f} | "
-            f"learning rate: {self.lr:.6E} | lm loss: {self.loss:.6E} | grad norm: {self.grad_norm:.4f}"
+            + (f"throughput per GPU (TFLOP/s/GPU): {self.tflops_per_gpu:.3f} | " if self.tflops_per_gpu is not None else "")
+            + f"learning rate: {self.lr:.6E} | lm loss: {self.loss:.6E} | grad norm: {self.grad_norm:.4f}"
         )
         return text + (f" | {self.elastic.line()}" if self.elastic else "")
+
+    def scalars(self) -> dict[str, float]:
+        """What TensorBoard and wandb get, by name."""
+        if self.kind == "valid":
+            return {"validation lm loss": self.loss}
+        out = {"lm loss": self.loss, "learning-rate": self.lr, "grad-norm": self.grad_norm, "tokens/s": self.tokens_per_s,
+               "iteration-time ms": self.iter_ms}
+        if self.tflops_per_gpu is not None:
+            out["throughput TFLOP/s/GPU"] = self.tflops_per_gpu
+        return out | (self.elastic.scalars() if self.elastic else {})
 
     def to_json(self) -> str:
         return json.dumps({"tokens_per_s": self.tokens_per_s if self.kind == "train" else None, **asdict(self)})

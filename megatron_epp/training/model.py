@@ -13,6 +13,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from megatron_epp.cost.profiles import ModelShape
 from megatron_epp.executor.context import ChunkContext
 from megatron_epp.executor.spec import elastic_layer_spec, install_chunk_context
 from megatron_epp.training.extensions import probe_fused_softmax, probe_transformer_engine
@@ -68,6 +69,16 @@ def layer_spec_summary(elastic: bool) -> str:
     if fused != "no CUDA device":
         spec += ", fused softmax" if fused is None else f", unfused softmax ({fused})"
     return spec
+
+
+def model_shape(args: argparse.Namespace, name: str = "pretrain_gpt") -> ModelShape:
+    """The shape of the GPT this driver builds (GELU MLP, multi-head attention), for the planner's cost model and
+    the model FLOPs of ``--log-throughput``."""
+    return ModelShape(
+        name, args.num_layers, args.hidden_size, args.num_attention_heads, args.ffn_hidden_size, args.vocab_size,
+        num_kv_heads=None, swiglu=False, rope=args.position_embedding_type == "rope",
+        dtype="bfloat16" if args.bf16 else "float32",  # what the activations and the K/V buffers are stored in
+    )
 
 
 def transformer_config(args: argparse.Namespace, runtime: Runtime) -> TransformerConfig:

@@ -1,0 +1,36 @@
+"""--train-samples (Megatron-LM: total samples instead of --train-iters) and the LR schedule in samples."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_epp.training.arguments import ArgumentError, parse_args
+
+BASE = ["--mock-data", "--global-batch-size", "8"]
+
+
+def test_iterations_and_schedule_from_samples():
+    args = parse_args([*BASE, "--train-samples", "36", "--lr-warmup-samples", "8", "--lr-decay-samples", "64"], world_size=1)
+    assert args.train_iters == 4  # floor(36 / 8), as Megatron-LM; the start-up line names the 4 samples left over
+    assert (args.lr_warmup_samples, args.lr_decay_samples) == (8, 64)
+    args = parse_args([*BASE, "--train-samples", "40"], world_size=1)
+    assert (args.train_iters, args.lr_warmup_samples, args.lr_decay_samples) == (5, 0, 40)  # decay over all samples
+    args = parse_args([*BASE, "--train-iters", "5", "--lr-warmup-iters", "1"], world_size=1)
+    assert (args.train_samples, args.lr_warmup_samples, args.lr_decay_samples) == (None, 8, 40)  # iterations x batch
+    assert parse_args(BASE, world_size=1).train_iters == 20  # the default without either
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--train-samples", "40", "--train-iters", "5"], "--train-iters and --train-samples are mutually exclusive"),
+        (["--train-samples", "40", "--lr-decay-iters", "5"], "--lr-decay-iters counts iterations; with --train-samples give the schedule in samples (--lr-decay-samples)"),
+        (["--train-samples", "40", "--lr-warmup-iters", "1"], "--lr-warmup-iters counts iterations"),
+        (["--train-iters", "5", "--lr-decay-samples", "40"], "--lr-decay-samples applies with --train-samples; with --train-iters give --lr-decay-iters"),
+        (["--train-samples", "7"], "--train-samples 7 is less than one --global-batch-size 8"),
+        (["--train-samples", "40", "--lr-warmup-samples", "40"], "--lr-warmup-samples 40 must be smaller than --lr-decay-samples 40"),
+    ],
+)
+def test_bad_combinations(flags, message):
+    with pytest.raises(ArgumentError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parse_args([*BASE, *flags], world_size=1)
