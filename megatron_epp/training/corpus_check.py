@@ -10,7 +10,7 @@ import argparse
 
 import numpy as np
 
-from megatron_epp.data.documents import DocumentDataset, split_ranges
+from megatron_epp.data.documents import DocumentDataset, IndexMismatch, split_ranges
 from megatron_epp.data.length_stats import LengthStats
 from megatron_epp.training.arguments import ArgumentError
 
@@ -27,7 +27,10 @@ def check_corpus(args: argparse.Namespace) -> str:
     if args.mock_data:
         return "mock documents"
 
-    docs = DocumentDataset(args.data_path)
+    try:
+        docs = DocumentDataset(args.data_path)
+    except IndexMismatch as error:
+        raise ArgumentError(f"--data-path {args.data_path}: {error}") from None
     splits = {name: docs.lengths[r.start:r.stop] for name, r in split_ranges(len(docs), args.split).items()}
     lengths = splits["train"]
     sequences = lengths[lengths >= MIN_DOCUMENT_TOKENS] - 1
