@@ -21,6 +21,7 @@ from megatron_epp.tools.layer_bench import init_single_process
 from megatron_epp.training.arguments import ArgumentError, parse_args
 from megatron_epp.training.checkpointing import METADATA, TRACKER, check_loadable
 from megatron_epp.training.faults import ExitConditions
+from megatron_epp.training.main import resolve_vocab_size
 from megatron_epp.training.metrics import read_metrics
 from tests.launch import torchrun, torchrun_signalled_after
 from tests.test_bad_input import run_pretrain, write_corpus
@@ -90,7 +91,7 @@ def crashed_save(tmp_path_factory):
     ckpt = tmp_path_factory.mktemp("crash") / "ckpt"
     proc = torchrun(2, *SHORT, "--train-iters", "6", "--save", str(ckpt), "--save-interval", "3",
                     env={"EPP_FAULT_INJECT": "crash_in_save@6:1"}, check=False)
-    assert proc.returncode != 0 and "rank 1 crashes while saving iteration 6" in proc.stdout, proc.stdout[-3000:]
+    assert proc.returncode != 0 and "rank 1 crashes while saving iteration 6" in proc.stderr, proc.stderr[-3000:]
     return ckpt
 
 
@@ -108,7 +109,9 @@ def test_crash_during_save_leaves_the_previous_checkpoint_loadable(crashed_save,
 
 
 def _args(load, *flags: str):
-    return parse_args([*FLAGS, "--load", str(load), *flags], world_size=2)
+    args = parse_args([*FLAGS, "--load", str(load), *flags], world_size=2)
+    resolve_vocab_size(args)  # as main does before check_loadable
+    return args
 
 
 def _break(ckpt, how: str) -> None:

@@ -8,6 +8,7 @@ all of them save the same checkpoint and leave at the same point.
 from __future__ import annotations
 
 import argparse
+import errno
 import math
 import os
 import signal
@@ -101,7 +102,7 @@ def check_finite(iteration: int, local_loss: torch.Tensor | None, grad_buffers, 
 class FaultInjection:
     """Test-only: ``EPP_FAULT_INJECT=KIND@ITERATION[:RANK]`` (read once in main) plants one fault:
     ``nan_loss`` (the last stage's loss of that iteration), ``nan_grad`` (the gradients of ``RANK``,
-    default 0) or ``crash_in_save`` (``RANK`` exits with status 17 after writing its part of that
+    default 0) or ``crash_in_save`` (``RANK`` fails as on a full disk, after writing its part of that
     iteration's checkpoint, before it is committed). No effect when the variable is unset."""
 
     kind: str | None = None
@@ -137,5 +138,4 @@ class FaultInjection:
 
     def crash_in_save(self, iteration: int, rank: int) -> None:
         if self.at("crash_in_save", iteration, rank):
-            print(f"{FAULT_ENV}: rank {rank} crashes while saving iteration {iteration}", flush=True)
-            os._exit(17)
+            raise OSError(errno.ENOSPC, f"{FAULT_ENV}: rank {rank} crashes while saving iteration {iteration}")
