@@ -7,8 +7,13 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
+
+import psutil
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -51,21 +56,89 @@ def logged_losses(stdout: str) -> dict[int, str]:
     return out
 
 
-def torchrun_killed_after(line_prefix: str, nproc: int, script: str, *args: str, timeout: int = 300) -> str:
-    """Start ``torchrun``, SIGKILL its whole process group once a stdout line starts with
-    ``line_prefix`` (stripped), and return the output read until then."""
-    proc = subprocess.Popen(torchrun_command(nproc, script, *args), cwd=REPO, env=run_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+def _start_torchrun(nproc: int, script: str, args: tuple[str, ...], env: dict[str, str] | None, stderr) -> subprocess.Popen:
+    return subprocess.Popen(torchrun_command(nproc, script, *args), cwd=REPO, env=run_env(env), stdout=subprocess.PIPE,
+                            stderr=stderr, text=True, start_new_session=True)
+
+
+def _read_until(proc: subprocess.Popen, line_prefix: str, timeout: float) -> list[str]:
+    """Lines of ``proc``'s stdout up to the first that starts with ``line_prefix`` (stripped); raise if none came."""
     seen: list[str] = []
-    try:
-        deadline = time.monotonic() + timeout
-        for line in proc.stdout:
-            seen.append(line)
-            if line.strip().startswith(line_prefix) or time.monotonic() > deadline:
-                break
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    deadline = time.monotonic() + timeout
+    for line in proc.stdout:
+        seen.append(line)
+        if line.strip().startswith(line_prefix) or time.monotonic() > deadline:
+            break
     if not seen or not seen[-1].strip().startswith(line_prefix):
         raise AssertionError(f"no line starting {line_prefix!r} before the run ended:\n{''.join(seen)[-3000:]}")
+    return seen
+
+
+def _ranks(proc: subprocess.Popen) -> dict[int, psutil.Process]:
+    """torchrun's live workers by global rank (they run in sessions of their own)."""
+    workers = {}
+    try:
+        for child in psutil.Process(proc.pid).children():
+            rank = child.environ().get("RANK")
+            if rank is not None:
+                workers[int(rank)] = child
+    except psutil.Error:  # torchrun or a worker already gone
+        pass
+    return workers
+
+
+def torchrun_killed_after(line_prefix: str, nproc: int, script: str, *args: str, timeout: int = 300) -> str:
+    """Start ``torchrun``, SIGKILL it and every rank once a stdout line starts with ``line_prefix``
+    (stripped), and return the output read until then."""
+    proc = _start_torchrun(nproc, script, args, None, subprocess.DEVNULL)
+    try:
+        seen = _read_until(proc, line_prefix, timeout)
+    finally:
+        ranks = list(_ranks(proc).values())
+        os.killpg(proc.pid, signal.SIGKILL)
+        for rank in ranks:
+            rank.kill()
+        proc.wait()
     return "".join(seen)
+
+
+@dataclass
+class SignalledRun:
+    returncode: int
+    output: str  # stdout and stderr together
+    seconds_to_exit: float  # from the signal to torchrun's exit
+    ranks_left: int  # rank processes still alive after torchrun's exit
+
+
+def torchrun_signalled_after(line_prefix: str, sig: int, ranks: Sequence[int] | None, nproc: int, script: str, *args: str,
+                             env: dict[str, str] | None = None, timeout: int = 300) -> SignalledRun:
+    """Start ``torchrun``; once a stdout line starts with ``line_prefix``, send ``sig`` to the ranks
+    ``ranks`` (None: to torchrun itself, which forwards SIGTERM to its ranks); let the job end by
+    itself (killed after ``timeout`` seconds in all) and time how long it took."""
+    proc = _start_torchrun(nproc, script, args, env, subprocess.STDOUT)
+    start = time.monotonic()
+    try:
+        seen = _read_until(proc, line_prefix, timeout)
+        workers = _ranks(proc)
+        if ranks is None:
+            proc.send_signal(sig)
+        else:
+            for rank in ranks:
+                workers[rank].send_signal(sig)
+        signalled = time.monotonic()
+        rest: list[str] = []
+        reader = threading.Thread(target=lambda: rest.append(proc.stdout.read()), daemon=True)
+        reader.start()
+        proc.wait(timeout=max(1.0, timeout - (signalled - start)))
+        seconds = time.monotonic() - signalled
+        reader.join(timeout=10)
+        left = [w for w in workers.values() if w.is_running() and w.status() != psutil.STATUS_ZOMBIE]
+        for worker in left:
+            worker.kill()
+        return SignalledRun(proc.returncode, "".join(seen + rest), seconds, len(left))
+    finally:
+        if proc.poll() is None:
+            for worker in _ranks(proc).values():
+                worker.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

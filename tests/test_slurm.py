@@ -1,7 +1,8 @@
 """scripts/slurm/train.sbatch on a one-host SLURM cluster (scripts/slurm/local_cluster.sh).
 
 Single node (1 x torchrun with 2 ranks), two nodes (2 x torchrun with 1 rank each, pp=2 across the
-"nodes"), and a failing training that must fail `sbatch --wait`. Each job's log must show every
+"nodes"), a failing training that must fail `sbatch --wait`, and a job stopped by `scancel --signal=TERM`
+that saves, exits 0 and is resumed by a second job. Each job's log must show every
 iteration with a loss: a job that never trained can still exit 0. Without SLURM installed the tests
 skip, except under CI=true, where they fail (bash scripts/setup_env.sh installs it as root).
 """
@@ -10,10 +11,12 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -94,3 +97,28 @@ def test_failing_training_fails_the_job(cluster, tmp_path):
     rc, log = sbatch(cluster, tmp_path / "job.out", *TINY, "--no-such-flag", nodes=1, NPROC_PER_NODE="1")
     assert rc != 0, log[-6000:]
     assert "unrecognized arguments: --no-such-flag" in log, log[-6000:]
+
+
+def test_scancel_saves_and_the_job_resumes(cluster, tmp_path):
+    """`scancel --signal=TERM` of a running job (what `#SBATCH --signal=TERM@120` does before the time
+    limit): the ranks finish the step, save (train.sbatch adds --exit-signal-handler to a run with
+    --save) and the job exits 0; a second job with --load continues from that checkpoint."""
+    ckpt, log = tmp_path / "ckpt", tmp_path / "job.out"
+    run = [*TINY, "--train-iters", "40", "--save", str(ckpt)]
+    cmd = ["sbatch", "--wait", "--parsable", "--nodes=1", f"--output={log}", str(SBATCH), *run]
+    job = subprocess.Popen(cmd, cwd=REPO, env=dict(cluster, MASTER_PORT=str(free_port())), stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    job_id = job.stdout.readline().strip().split(";")[0]
+    deadline = time.monotonic() + 300
+    while not (log.exists() and "iteration        3/" in log.read_text()):
+        assert job.poll() is None and time.monotonic() < deadline, (log.read_text() if log.exists() else "no log")[-4000:]
+        time.sleep(0.2)
+    subprocess.run(["scancel", "--signal=TERM", job_id], env=cluster, check=True, timeout=30)
+    assert job.wait(timeout=300) == 0, log.read_text()[-6000:]
+    text = log.read_text()
+    stopped = int(re.search(r"exiting after iteration (\d+): SIGTERM received", text).group(1))
+    assert 3 <= stopped < 40 and max(logged_losses(text)) == stopped, text[-6000:]
+    assert f"saved checkpoint at iteration {stopped} to" in text
+    rc, resumed = sbatch(cluster, tmp_path / "resumed.out", *run, "--load", str(ckpt), nodes=1)
+    assert rc == 0 and f"resumed at iteration {stopped}" in resumed, resumed[-6000:]
+    assert sorted(logged_losses(resumed)) == list(range(stopped + 1, 41)), resumed[-6000:]

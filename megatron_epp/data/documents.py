@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import struct
 from typing import Protocol
 
 import numpy as np
@@ -9,7 +11,7 @@ from megatron.core.datasets.blended_megatron_dataset_config import (
     convert_split_vector_to_split_matrix,
     parse_and_normalize_split,
 )
-from megatron.core.datasets.indexed_dataset import IndexedDataset
+from megatron.core.datasets.indexed_dataset import _INDEX_HEADER, DType, IndexedDataset
 from megatron.core.datasets.utils import Split
 
 
@@ -33,6 +35,38 @@ def split_ranges(num_docs: int, split: str) -> dict[str, range]:
         s.name: range(int(round(lo * num_docs)), int(round(hi * num_docs)))
         for s, (lo, hi) in zip(Split, bounds)
     }
+
+
+class IndexMismatch(ValueError):
+    """A ``.bin``/``.idx`` pair that cannot be read together (one line: what does not match)."""
+
+
+def check_indexed_dataset(prefix: str) -> None:
+    """Raise :class:`IndexMismatch` unless ``prefix.idx`` is a Megatron index (magic, version 1, a known
+    dtype, its arrays whole) that describes ``prefix.bin`` byte for byte (megatron-core would only fail,
+    or read garbage, at the first sample past the end)."""
+    idx, bin_ = f"{prefix}.idx", f"{prefix}.bin"
+    with open(idx, "rb") as f:
+        header = f.read(34)
+    if len(header) < 34 or header[:9] != _INDEX_HEADER:
+        raise IndexMismatch(f"{idx}: not a Megatron indexed-dataset index (bad magic)")
+    version, code, sequences, documents = struct.unpack("<QBQQ", header[9:])
+    if version != 1:
+        raise IndexMismatch(f"{idx}: index version {version}, only version 1 is read")
+    if code not in {d.value for d in DType}:
+        raise IndexMismatch(f"{idx}: unknown token dtype code {code}")
+    needed = 34 + sequences * (4 + 8) + documents * 8
+    if os.path.getsize(idx) < needed:
+        raise IndexMismatch(f"{idx}: {os.path.getsize(idx)} bytes, its header ({sequences} sequences, "
+                            f"{documents} document bounds) needs {needed}")
+    itemsize = DType.size(DType.dtype_from_code(code))
+    lengths = np.fromfile(idx, np.int32, sequences, offset=34)
+    pointers = np.fromfile(idx, np.int64, sequences, offset=34 + 4 * sequences)
+    expected = int(pointers[-1]) + int(lengths[-1]) * itemsize if sequences else 0
+    actual = os.path.getsize(bin_)
+    if actual != expected:
+        raise IndexMismatch(f"{bin_}: {actual} bytes, but {idx} describes {expected} "
+                            f"({sequences} sequences of {DType.dtype_from_code(code).__name__}): not its index")
 
 
 class IndexedDocuments:
@@ -71,6 +105,7 @@ class DocumentDataset(IndexedDocuments):
                 f"indexed dataset not found: {prefix}.bin/.idx "
                 "(build it with scripts/prepare_data.py)"
             )
+        check_indexed_dataset(prefix)
         self.prefix = prefix
         self._dataset = IndexedDataset(prefix)
         doc_bounds = self._dataset.document_indices.astype(np.int64)

@@ -108,6 +108,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--load", default=None)
     g.add_argument("--save-interval", type=int, default=None)
 
+    g = p.add_argument_group("preemption and faults")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM (preemption, scancel, a SLURM --signal), every rank finishes the current step, "
+                   "saves a checkpoint and exits 0 (needs --save)")
+    g.add_argument("--exit-interval", type=int, default=None, metavar="N",
+                   help="exit after an iteration divisible by N, saving when --save is given")
+    g.add_argument("--exit-duration-in-mins", type=float, default=None, metavar="M",
+                   help="exit after the step during which M minutes since start passed, saving when --save is given")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0, metavar="M",
+                   help="a collective that waits longer (a dead or hung rank) fails the job (default 10)")
+    g.add_argument("--check-for-nan-in-loss-and-grad", action="store_true",
+                   help="a NaN/Inf loss or gradient stops the run before the update, naming the iteration and the rank")
+
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=1)
     g.add_argument("--eval-interval", type=int, default=None)
@@ -191,6 +204,13 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         raise ArgumentError(f"--load {args.load}: no such directory")
     if args.save_interval is not None and args.save is None:
         raise ArgumentError("--save-interval needs --save")
+    if args.exit_signal_handler and args.save is None:
+        raise ArgumentError("--exit-signal-handler needs --save (it saves a checkpoint before exiting)")
+    if args.exit_interval is not None and args.exit_interval < 1:
+        raise ArgumentError(f"--exit-interval {args.exit_interval}: must be >= 1")
+    for flag in ("exit_duration_in_mins", "distributed_timeout_minutes"):
+        if getattr(args, flag) is not None and not getattr(args, flag) > 0:
+            raise ArgumentError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be > 0")
     if args.recompute_granularity == "full" and args.recompute_method is None:
         raise ArgumentError("--recompute-granularity full needs --recompute-method uniform|block")
     if args.recompute_method is not None and args.recompute_granularity != "full":

@@ -1,24 +1,45 @@
 """Save/resume with megatron-core's dist_checkpointing, in Megatron-LM's directory layout.
 
 ``SAVE/iter_0000010/`` holds the sharded model and optimizer, the scheduler, the iteration, the
-consumed samples and every rank's RNG state; ``SAVE/latest_checkpointed_iteration.txt`` names it.
+consumed samples and every rank's RNG state, and ``epp_metadata.json`` (the model shape and the
+parallel layout it was saved with); ``SAVE/latest_checkpointed_iteration.txt`` names it.
+
+A checkpoint is written to ``iter_0000010.tmp/`` and renamed once every rank has written its part,
+the tracker file after it: a run that dies while saving leaves the previous checkpoint named and
+whole. :func:`check_loadable` refuses, before any process group exists, a ``--load`` that is
+truncated (tracker, directory or files missing) or foreign (not ours, another model shape or layout).
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import random
-from typing import Any
+import re
+import shutil
+from typing import Any, Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from torch.distributed.checkpoint import FileSystemReader
 
+from megatron_epp.training.arguments import ArgumentError
 from megatron_epp.training.initialize import Runtime
 
 TRACKER = "latest_checkpointed_iteration.txt"
+METADATA = "epp_metadata.json"
+FORMAT = "megatron-epp checkpoint 1"
+# What a checkpoint must agree on with the run that loads it (a flag this version lacks reads as None on both sides)
+MODEL_SHAPE_ARGS = (
+    "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
+    "position_embedding_type", "vocab_size", "untie_embeddings_and_output_weights", "swiglu", "normalization",
+    "group_query_attention", "num_query_groups", "kv_channels", "add_bias_linear", "rotary_base",
+)
+LAYOUT_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size")
 
 
 def iteration_dir(root: str, iteration: int) -> str:
@@ -62,34 +83,116 @@ def _sharded_state(
     }
 
 
-def save_checkpoint(root: str, model, optimizer, scheduler, runtime: Runtime, iteration: int, consumed: int) -> str:
-    path = iteration_dir(root, iteration)
+def checkpoint_metadata(args: argparse.Namespace, iteration: int) -> dict[str, Any]:
+    """The record saved beside the shards and compared on ``--load``."""
+    return {
+        "format": FORMAT,
+        "iteration": iteration,
+        "model": {k: getattr(args, k, None) for k in MODEL_SHAPE_ARGS},
+        "layout": {k: getattr(args, k) for k in LAYOUT_ARGS},
+    }
+
+
+def save_checkpoint(
+    args: argparse.Namespace, model, optimizer, scheduler, runtime: Runtime, iteration: int, consumed: int,
+    before_commit: Callable[[], None] | None = None,
+) -> str:
+    """Write ``--save``'s ``iter_XXXXXXX.tmp``, then (every rank done) rename it and update the tracker.
+    ``before_commit`` runs on every rank after it has written its part (the test-only crash hook)."""
+    path = iteration_dir(args.save, iteration)
+    tmp = path + ".tmp"
     if runtime.rank == 0:
-        os.makedirs(path, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a run that died while saving
+        os.makedirs(tmp)
     dist.barrier()
-    dist_checkpointing.save(_sharded_state(model, optimizer, scheduler, runtime, iteration, consumed), path)
+    dist_checkpointing.save(_sharded_state(model, optimizer, scheduler, runtime, iteration, consumed), tmp)
+    if before_commit is not None:
+        before_commit()
     dist.barrier()
-    if runtime.rank == 0:  # atomically: a run killed here still leaves the previous checkpoint named
-        with open(os.path.join(root, TRACKER + ".tmp"), "w") as f:
-            f.write(str(iteration))
-        os.replace(os.path.join(root, TRACKER + ".tmp"), os.path.join(root, TRACKER))
+    if runtime.rank == 0:
+        _write_durably(os.path.join(tmp, METADATA), json.dumps(checkpoint_metadata(args, iteration), indent=1))
+        if os.path.isdir(path):  # the same iteration saved again (a resumed run that stops at once)
+            os.replace(path, path + ".old")
+        os.replace(tmp, path)
+        _write_durably(os.path.join(args.save, TRACKER + ".tmp"), str(iteration))
+        os.replace(os.path.join(args.save, TRACKER + ".tmp"), os.path.join(args.save, TRACKER))
+        shutil.rmtree(path + ".old", ignore_errors=True)
     dist.barrier()
     return path
 
 
-def latest_iteration(root: str) -> int | None:
+def _write_durably(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def check_loadable(args: argparse.Namespace) -> int | None:
+    """The iteration ``--load`` resumes from, None when the directory holds no checkpoint yet (a first
+    run with ``--load`` = ``--save``); :class:`ArgumentError` (one line) when it cannot be loaded."""
+    root = args.load
+    where = f"--load {root}"
     tracker = os.path.join(root, TRACKER)
     if not os.path.isfile(tracker):
+        committed = sorted(d for d in os.listdir(root) if re.fullmatch(r"iter_\d{7}", d))
+        if committed:
+            raise ArgumentError(f"{where}: no {TRACKER} beside {', '.join(committed)} (a truncated checkpoint directory)")
         return None
     with open(tracker) as f:
-        return int(f.read().strip())
+        text = f.read().strip()
+    if not text.isdigit():
+        raise ArgumentError(f"{where}: {TRACKER} holds {text[:40]!r}, not an iteration number")
+    iteration = int(text)
+    path = iteration_dir(root, iteration)
+    if not os.path.isdir(path):
+        raise ArgumentError(f"{where}: {TRACKER} names iteration {iteration}, but {path} does not exist")
+    try:
+        with open(os.path.join(path, METADATA)) as f:
+            meta = json.load(f)
+    except (OSError, ValueError):
+        meta = None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise ArgumentError(f"{where}: {path} is not a megatron-epp checkpoint (no valid {METADATA})")
+    if meta["iteration"] != iteration:
+        raise ArgumentError(f"{where}: {path} holds iteration {meta['iteration']}, its name and {TRACKER} say {iteration}")
+    expected = checkpoint_metadata(args, iteration)
+    for part in ("model", "layout"):
+        for key, want in expected[part].items():
+            if meta[part].get(key) != want:
+                raise ArgumentError(
+                    f"{where}: iteration {iteration} was saved with --{key.replace('_', '-')} {meta[part].get(key)}, "
+                    f"this run has {want} (a different {'model shape' if part == 'model' else 'parallel layout'})"
+                )
+    missing = _missing_files(path)
+    if missing:
+        raise ArgumentError(f"{where}: {path} is truncated: {missing}")
+    return iteration
 
 
-def load_checkpoint(root: str, model, optimizer, scheduler, runtime: Runtime) -> tuple[int, int]:
-    """Restore the latest checkpoint under ``root``; return ``(iteration, consumed_samples)``."""
-    iteration = latest_iteration(root)
-    if iteration is None:
-        raise FileNotFoundError(f"--load {root}: no {TRACKER}")
+def _missing_files(path: str) -> str | None:
+    """What of a dist_checkpointing (torch_dist) directory is absent or shorter than its metadata says."""
+    for name in ("metadata.json", "common.pt", ".metadata"):
+        if not os.path.isfile(os.path.join(path, name)):
+            return f"{name} missing"
+    try:
+        storage = FileSystemReader(path).read_metadata().storage_data
+    except Exception as error:  # an unreadable .metadata: whatever torch raises for it
+        return f".metadata unreadable ({type(error).__name__})"
+    needed: dict[str, int] = {}
+    for info in storage.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            return f"{name} missing"
+        if os.path.getsize(file) < size:
+            return f"{name} holds {os.path.getsize(file)} bytes, its metadata needs {size}"
+    return None
+
+
+def load_checkpoint(root: str, iteration: int, model, optimizer, scheduler, runtime: Runtime) -> tuple[int, int]:
+    """Restore ``root``'s ``iteration`` (as :func:`check_loadable` found it); return ``(iteration, consumed_samples)``."""
     template = _sharded_state(model, optimizer, scheduler, runtime, 0, 0, is_loading=True)
     state = dist_checkpointing.load(template, iteration_dir(root, iteration))
     model.module.load_state_dict(state["model"])

@@ -10,7 +10,7 @@ import argparse
 
 import numpy as np
 
-from megatron_epp.data.documents import DocumentDataset, split_ranges
+from megatron_epp.data.documents import DocumentDataset, IndexMismatch, split_ranges
 from megatron_epp.data.length_stats import LengthStats
 from megatron_epp.training.arguments import ArgumentError
 
@@ -33,7 +33,10 @@ def check_corpus(args: argparse.Namespace) -> str:
     blend = args.data_blend
     per_prefix = {}
     for prefix in blend.prefixes:
-        docs = DocumentDataset(prefix)
+        try:
+            docs = DocumentDataset(prefix)
+        except IndexMismatch as error:
+            raise ArgumentError(f"--data-path {prefix}: {error}") from None
         splits = {name: docs.lengths[r.start:r.stop] for name, r in split_ranges(len(docs), args.split).items()}
         if not np.count_nonzero(splits["train"] >= MIN_DOCUMENT_TOKENS):
             raise ArgumentError(

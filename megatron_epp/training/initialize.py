@@ -6,6 +6,7 @@ import argparse
 import os
 import random
 from dataclasses import dataclass
+from datetime import timedelta
 
 import numpy as np
 import torch
@@ -97,7 +98,9 @@ def set_seed(seed: int, pp_rank: int) -> None:
 
 
 def initialize(args: argparse.Namespace) -> Runtime:
-    """Start torch.distributed (torchrun's env, or a single process) and megatron-core's groups."""
+    """Start torch.distributed (torchrun's env, or a single process) and megatron-core's groups; a
+    collective that waits longer than ``--distributed-timeout-minutes`` raises (the rank exits non-zero
+    and torchrun ends the others)."""
     device, backend = select_device()
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -106,8 +109,12 @@ def initialize(args: argparse.Namespace) -> Runtime:
             backend,
             rank=int(os.environ.get("RANK", "0")),
             world_size=int(os.environ.get("WORLD_SIZE", "1")),
+            timeout=timedelta(minutes=args.distributed_timeout_minutes),
         )
-    ps.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    ps.initialize_model_parallel(
+        args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+        distributed_timeout_minutes=args.distributed_timeout_minutes,
+    )
     runtime = Runtime(
         device=device,
         rank=dist.get_rank(),

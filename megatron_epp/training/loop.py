@@ -16,6 +16,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_epp.training import checkpointing
+from megatron_epp.training.faults import ExitConditions, FaultInjection, check_finite
 from megatron_epp.training.gpt_step import reduce_losses
 from megatron_epp.training.initialize import Runtime
 from megatron_epp.training.metrics import ElasticMetrics, StepMetrics
@@ -147,43 +148,69 @@ def train(
     valid_step: StepFunction | None,
     start: tuple[int, int] = (0, 0),
     step_metrics: Callable[[int], ElasticMetrics] | None = None,
+    start_time: float | None = None,
+    faults: FaultInjection = FaultInjection(),
 ) -> list[float]:
-    """Run iterations ``start[0]+1 .. --train-iters``; return the losses seen by every rank."""
+    """Run iterations ``start[0]+1 .. --train-iters``, or until an exit condition (``--exit-*``) holds
+    after one, saving then; return the losses seen by every rank. A NaN/Inf under
+    ``--check-for-nan-in-loss-and-grad`` raises :class:`TrainingFault` on every rank."""
     iteration, consumed = start
     logger = Logger(args, runtime)
+    exits = ExitConditions(args, runtime.device, time.time() if start_time is None else start_time)
     dp_group = ps.get_data_parallel_group()
     history: list[float] = []
     shape = model_shape(args) if args.log_throughput else None
-    while iteration < args.train_iters:
-        t0 = time.perf_counter()
-        model.zero_grad_buffer()
-        optimizer.zero_grad()
-        losses, seq_lengths = train_step(False)
-        update_ok, grad_norm, _ = optimizer.step()
-        if not update_ok:
-            raise FloatingPointError(f"optimizer step skipped at iteration {iteration + 1}")
-        scheduler.step(increment=args.global_batch_size)
-        iteration += 1
-        consumed += args.global_batch_size
-        loss = _broadcast_from_last_stage(reduce_losses(losses, dp_group), runtime)
-        ms = (time.perf_counter() - t0) * 1000
-        history.append(loss)
-        if iteration % args.log_interval == 0:
-            logger.record(StepMetrics(
-                iteration, loss, train_iters=args.train_iters, consumed_samples=consumed, iter_ms=ms, tokens=int(seq_lengths.sum()),
-                lr=scheduler.get_lr(optimizer.param_groups[0]), grad_norm=float(grad_norm or 0.0),
-                elastic=step_metrics(iteration) if step_metrics else None,
-                tflops_per_gpu=shape.training_flops(seq_lengths) / (ms / 1000) / runtime.world_size / 1e12 if shape else None,
-            ))
-        if valid_step and args.eval_interval and iteration % args.eval_interval == 0:
-            logger.record(StepMetrics(iteration, evaluate(args, runtime, valid_step, dp_group), kind="valid"))
-        if args.save and args.save_interval and iteration % args.save_interval == 0:
-            path = checkpointing.save_checkpoint(args.save, model, optimizer, scheduler, runtime, iteration, consumed)
-            logger.print(f" saved checkpoint at iteration {iteration} to {path}")
-    if args.save and not (args.save_interval and iteration % args.save_interval == 0):
-        path = checkpointing.save_checkpoint(args.save, model, optimizer, scheduler, runtime, iteration, consumed)
+    saved_at = None
+
+    def save() -> None:
+        nonlocal saved_at
+        path = checkpointing.save_checkpoint(
+            args, model, optimizer, scheduler, runtime, iteration, consumed,
+            before_commit=lambda: faults.crash_in_save(iteration, runtime.rank),
+        )
+        saved_at = iteration
         logger.print(f" saved checkpoint at iteration {iteration} to {path}")
-    logger.close()
+
+    try:
+        while iteration < args.train_iters:
+            t0 = time.perf_counter()
+            model.zero_grad_buffer()
+            optimizer.zero_grad()
+            losses, seq_lengths = train_step(False)
+            faults.poison_loss(iteration + 1, losses)
+            faults.poison_grads(iteration + 1, runtime.rank, model.buffers)
+            if args.check_for_nan_in_loss_and_grad:
+                local_loss = torch.stack([d["lm loss"] for d in losses]) if losses else None
+                check_finite(iteration + 1, local_loss, model.buffers, runtime.rank, runtime.device)
+            update_ok, grad_norm, _ = optimizer.step()
+            if not update_ok:
+                raise FloatingPointError(f"optimizer step skipped at iteration {iteration + 1}")
+            scheduler.step(increment=args.global_batch_size)
+            iteration += 1
+            consumed += args.global_batch_size
+            loss = _broadcast_from_last_stage(reduce_losses(losses, dp_group), runtime)
+            ms = (time.perf_counter() - t0) * 1000
+            history.append(loss)
+            if iteration % args.log_interval == 0:
+                logger.record(StepMetrics(
+                    iteration, loss, train_iters=args.train_iters, consumed_samples=consumed, iter_ms=ms,
+                    tokens=int(seq_lengths.sum()), lr=scheduler.get_lr(optimizer.param_groups[0]),
+                    grad_norm=float(grad_norm or 0.0), elastic=step_metrics(iteration) if step_metrics else None,
+                    tflops_per_gpu=shape.training_flops(seq_lengths) / (ms / 1000) / runtime.world_size / 1e12 if shape else None,
+                ))
+            if valid_step and args.eval_interval and iteration % args.eval_interval == 0:
+                logger.record(StepMetrics(iteration, evaluate(args, runtime, valid_step, dp_group), kind="valid"))
+            if args.save and args.save_interval and iteration % args.save_interval == 0:
+                save()
+            reason = exits.reason(iteration)
+            if reason:
+                logger.print(f" exiting after iteration {iteration}: {reason}")
+                break
+        if args.save and saved_at != iteration:
+            save()
+    finally:
+        exits.close()
+        logger.close()
     return history
 
 

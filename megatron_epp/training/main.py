@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from typing import Sequence
 
 from megatron_epp.data.blend import BlendedSamples, split_documents
@@ -15,6 +16,7 @@ from megatron_epp.training import checkpointing
 from megatron_epp.training.arguments import ArgumentError, parse_args
 from megatron_epp.training.corpus_check import check_corpus
 from megatron_epp.training.elastic import check_memory_budget, elastic_train_step
+from megatron_epp.training.faults import FaultInjection, TrainingFault
 from megatron_epp.training.gpt_step import gpt_forward_step, microbatches
 from megatron_epp.training.initialize import gpu_count, gpu_oversubscription, initialize, local_world_size, shutdown
 from megatron_epp.training.loop import build_optimizer, megatron_step, train
@@ -58,6 +60,7 @@ def profile_summary(args: argparse.Namespace) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    start_time = time.time()  # --exit-duration-in-mins counts from here
     try:
         why = gpu_oversubscription(local_world_size(), gpu_count())
         if why:
@@ -68,6 +71,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.elastic_pp:
             planner = profile_summary(args)
             check_memory_budget(args)
+        resume = checkpointing.check_loadable(args) if args.load else None
+        faults = FaultInjection.from_env()
     except (ArgumentError, TokenizerError) as error:
         print(error if isinstance(error, ArgumentError) else f"pretrain_gpt.py: error: {error}", file=sys.stderr)
         return 2
@@ -80,15 +85,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         model, config = build_model(args, runtime)
     optimizer, scheduler = build_optimizer(args, model, config)
     start = (0, 0)
-    if args.load:
-        start = checkpointing.load_checkpoint(args.load, model, optimizer, scheduler, runtime)
+    if resume is not None:
+        start = checkpointing.load_checkpoint(args.load, resume, model, optimizer, scheduler, runtime)
     if runtime.is_logging_rank:
         print(
             f"> GPT: {args.num_layers} layers, hidden {args.hidden_size}, {args.num_attention_heads} heads, "
             f"vocab {args.vocab_size} | tp={args.tensor_model_parallel_size} pp={runtime.pp_size} "
             f"dp={runtime.dp_size} on {runtime.device.type} {'bf16' if args.bf16 else 'fp32'} | global batch {args.global_batch_size} = "
             f"{args.num_microbatches} micro-batches x {args.micro_batch_size} x dp {runtime.dp_size}"
-            + (f" | resumed at iteration {start[0]}" if args.load else "")
+            + (f" | resumed at iteration {start[0]}" if resume is not None else "")
+            + (f" | --load {args.load}: no checkpoint yet, starting at iteration 0" if args.load and resume is None else "")
             + (f" | --train-samples {args.train_samples}: {args.train_iters} iterations"
                + (f" ({args.train_samples % args.global_batch_size} samples short of a global batch not trained)"
                   if args.train_samples % args.global_batch_size else "") if args.train_samples else ""),
@@ -109,13 +115,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         return megatron_step(args, model, gpt_forward_step, batches)
 
     train_step = step_for("train", start[1])
-    train(
-        args, runtime, model, optimizer, scheduler,
-        train_step=train_step,
-        valid_step=step_for("valid", 0) if args.eval_interval else None,
-        start=start,
-        step_metrics=train_step.log if args.elastic_pp else None,
-    )
+    try:
+        train(
+            args, runtime, model, optimizer, scheduler,
+            train_step=train_step,
+            valid_step=step_for("valid", 0) if args.eval_interval else None,
+            start=start,
+            step_metrics=train_step.log if args.elastic_pp else None,
+            start_time=start_time,
+            faults=faults,
+        )
+    except TrainingFault as error:  # raised on every rank alike: one line from the logging rank
+        if runtime.is_logging_rank:
+            print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
+        return 1
     shutdown()
     return 0
 

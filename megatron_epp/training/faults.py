@@ -1,0 +1,141 @@
+"""Long runs as a cluster runs them: stopping cleanly on SIGTERM / an iteration / a duration, stopping
+on a NaN/Inf, and the test-only fault injection.
+
+Every decision to stop is taken by all ranks together (one all-reduce at the end of a step), so that
+all of them save the same checkpoint and leave at the same point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megatron_epp.training.arguments import ArgumentError
+
+FAULT_ENV = "EPP_FAULT_INJECT"
+FAULT_KINDS = ("nan_loss", "nan_grad", "crash_in_save")
+
+
+class TrainingFault(RuntimeError):
+    """A condition that stops training with one line on stderr and a non-zero exit (main prints it)."""
+
+
+class SigtermHandler:
+    """``--exit-signal-handler``: SIGTERM only sets a flag on this rank; the ranks agree on it at the end
+    of the step (:meth:`ExitConditions.reason`). Megatron-LM's DistributedSignalHandler does the same."""
+
+    def __init__(self) -> None:
+        self.received = False
+        self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.received = True
+
+    def restore(self) -> None:
+        signal.signal(signal.SIGTERM, self._previous)
+
+
+class ExitConditions:
+    """``--exit-signal-handler``, ``--exit-interval``, ``--exit-duration-in-mins``: whether to save and
+    stop after an iteration. The signal and the duration are agreed on by one all-reduce (max) of
+    ``[SIGTERM seen, minutes elapsed]``, made only when one of them is on."""
+
+    def __init__(self, args: argparse.Namespace, device: torch.device, start_time: float) -> None:
+        self.interval = args.exit_interval
+        self.duration_mins = args.exit_duration_in_mins
+        self.start_time = start_time
+        self.device = device
+        self.handler = SigtermHandler() if args.exit_signal_handler else None
+
+    def reason(self, iteration: int) -> str | None:
+        """Why to stop after ``iteration`` (the same answer on every rank), or None."""
+        if self.handler is not None or self.duration_mins is not None:
+            flags = torch.tensor(
+                [float(self.handler is not None and self.handler.received), (time.time() - self.start_time) / 60],
+                dtype=torch.float64, device=self.device,
+            )
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            if flags[0] > 0:
+                return "SIGTERM received (--exit-signal-handler)"
+            if self.duration_mins is not None and flags[1] > self.duration_mins:
+                return f"{float(flags[1]):.2f} minutes elapsed (--exit-duration-in-mins {self.duration_mins})"
+        if self.interval and iteration % self.interval == 0:
+            return f"--exit-interval {self.interval}"
+        return None
+
+    def close(self) -> None:
+        if self.handler is not None:
+            self.handler.restore()
+
+
+def check_finite(iteration: int, local_loss: torch.Tensor | None, grad_buffers, rank: int, device: torch.device) -> None:
+    """``--check-for-nan-in-loss-and-grad``: raise :class:`TrainingFault` on every rank when some rank's
+    loss (before the data-parallel reduction; last stage only) or gradient buffer holds a NaN/Inf.
+
+    One all-reduce (min) of ``2 * rank + what`` (what: 0 loss, 1 grad; world size x 2 when all is
+    finite) names the first rank that saw one; run before the optimizer step, so no update is applied.
+    """
+    code = 2 * dist.get_world_size()
+    if local_loss is not None and not bool(torch.isfinite(local_loss).all()):
+        code = 2 * rank
+    elif not all(bool(torch.isfinite(buffer.grad_data).all()) for buffer in grad_buffers):
+        code = 2 * rank + 1
+    flag = torch.tensor([code], dtype=torch.int64, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    bad_rank, what = divmod(int(flag.item()), 2)
+    if bad_rank < dist.get_world_size():
+        raise TrainingFault(
+            f"--check-for-nan-in-loss-and-grad: {'the loss' if what == 0 else 'a gradient'} is NaN/Inf at "
+            f"iteration {iteration} on rank {bad_rank}; stopped without updating the parameters"
+        )
+
+
+@dataclass(frozen=True)
+class FaultInjection:
+    """Test-only: ``EPP_FAULT_INJECT=KIND@ITERATION[:RANK]`` (read once in main) plants one fault:
+    ``nan_loss`` (the last stage's loss of that iteration), ``nan_grad`` (the gradients of ``RANK``,
+    default 0) or ``crash_in_save`` (``RANK`` fails as on a full disk, after writing its part of that
+    iteration's checkpoint, before it is committed). No effect when the variable is unset."""
+
+    kind: str | None = None
+    iteration: int = 0
+    rank: int = 0
+
+    @classmethod
+    def from_env(cls) -> FaultInjection:
+        spec = os.environ.get(FAULT_ENV, "")
+        if not spec:
+            return cls()
+        try:
+            kind, at = spec.split("@")
+            iteration, _, rank = at.partition(":")
+            fault = cls(kind, int(iteration), int(rank or 0))
+        except ValueError:
+            fault = cls("?")
+        if fault.kind not in FAULT_KINDS:
+            raise ArgumentError(f"{FAULT_ENV}={spec}: expected KIND@ITERATION[:RANK], KIND one of {', '.join(FAULT_KINDS)}")
+        return fault
+
+    def at(self, kind: str, iteration: int, rank: int | None = None) -> bool:
+        return self.kind == kind and self.iteration == iteration and (rank is None or rank == self.rank)
+
+    def poison_loss(self, iteration: int, losses: list[dict[str, torch.Tensor]]) -> None:
+        if self.at("nan_loss", iteration):
+            for d in losses:
+                d["lm loss"] = d["lm loss"] * math.nan
+
+    def poison_grads(self, iteration: int, rank: int, grad_buffers) -> None:
+        if self.at("nan_grad", iteration, rank):
+            grad_buffers[0].grad_data.view(-1)[0] = math.nan
+
+    def crash_in_save(self, iteration: int, rank: int) -> None:
+        if self.at("crash_in_save", iteration, rank):
+            raise OSError(errno.ENOSPC, f"{FAULT_ENV}: rank {rank} crashes while saving iteration {iteration}")

@@ -1,0 +1,222 @@
+"""Long runs as a cluster runs them (pretrain_gpt.py, torchrun pp=2, tiny model): SIGTERM saves and exits
+0 and the run resumes bit for bit; a killed rank ends the job; a NaN stops the run naming the
+iteration and the rank; a crash while saving leaves the previous checkpoint loadable; a truncated or
+foreign checkpoint and a .bin/.idx that do not match are one-line errors before training.
+
+Faults are planted with the test-only EPP_FAULT_INJECT (megatron_epp/training/faults.py)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import signal
+import time
+
+import pytest
+import torch
+
+from megatron_epp.tools.layer_bench import init_single_process
+from megatron_epp.training.arguments import ArgumentError, parse_args
+from megatron_epp.training.checkpointing import METADATA, TRACKER, check_loadable
+from megatron_epp.training.faults import ExitConditions
+from megatron_epp.training.main import resolve_vocab_size
+from megatron_epp.training.metrics import read_metrics
+from tests.launch import torchrun, torchrun_signalled_after
+from tests.test_bad_input import run_pretrain, write_corpus
+from tests.test_elastic_training import RUN
+
+ITERS = 8
+# bit-identical resumption needs the same plans: no online calibration of the cost model
+SHORT = [*RUN[:RUN.index("--train-iters")], "--train-iters", str(ITERS), *RUN[RUN.index("--train-iters") + 2:],
+         "--epp-calibrate-interval", "0"]
+FLAGS = SHORT[1:]  # without the script
+KILL_TIMEOUT_MINUTES = 1.0
+
+
+def losses(path) -> dict[int, float]:
+    return {m.iteration: m.loss for m in read_metrics(path) if m.kind == "train"}
+
+
+def test_sigterm_saves_at_the_end_of_the_step_exits_0_and_resumes_bit_identical(tmp_path):
+    torchrun(2, *SHORT, "--epp-metrics", str(tmp_path / "straight.jsonl"))
+    straight = losses(tmp_path / "straight.jsonl")
+    ckpt = str(tmp_path / "ckpt")
+    run = torchrun_signalled_after("iteration        3/", signal.SIGTERM, [0, 1], 2, *SHORT, "--exit-signal-handler",
+                                   "--save", ckpt, "--epp-metrics", str(tmp_path / "term.jsonl"))
+    assert run.returncode == 0 and run.ranks_left == 0, run.output[-4000:]
+    stopped = int(re.search(r"exiting after iteration (\d+): SIGTERM received", run.output).group(1))
+    # the step in progress when the signal came (3, or 4 when it came after the ranks agreed on 3) is finished and saved
+    assert stopped in (3, 4) and max(losses(tmp_path / "term.jsonl")) == stopped, run.output[-4000:]
+    assert f"saved checkpoint at iteration {stopped} to" in run.output
+    resumed = torchrun(2, *SHORT, "--load", ckpt, "--epp-metrics", str(tmp_path / "resumed.jsonl")).stdout
+    assert f"resumed at iteration {stopped}" in resumed
+    after = losses(tmp_path / "resumed.jsonl")
+    assert sorted(after) == list(range(stopped + 1, ITERS + 1))
+    assert all(after[i] == straight[i] for i in after), (after, straight)
+
+
+def test_sigkill_of_one_rank_ends_the_job_within_the_timeout(tmp_path):
+    """Rank 0 SIGKILLed mid-run: its peer's next p2p/collective fails on the closed connection and
+    torchrun ends the job, non-zero, in seconds (well within --distributed-timeout-minutes), no rank left;
+    the survivor catches torchrun's SIGTERM (--exit-signal-handler) and still leaves."""
+    run = torchrun_signalled_after(
+        "iteration        2/", signal.SIGKILL, [0], 2, *SHORT, "--train-iters", "1000", "--exit-signal-handler",
+        "--save", str(tmp_path / "ckpt"), "--distributed-timeout-minutes", str(KILL_TIMEOUT_MINUTES),
+    )
+    print(f"SIGKILL of rank 0: job exited {run.returncode} after {run.seconds_to_exit:.1f} s")
+    assert run.returncode != 0 and run.ranks_left == 0, run.output[-4000:]
+    assert run.seconds_to_exit < 60 * KILL_TIMEOUT_MINUTES, run.seconds_to_exit
+
+
+@pytest.mark.parametrize("fault, message", [
+    ("nan_loss@3", "the loss is NaN/Inf at iteration 3 on rank 1"),
+    ("nan_grad@3:0", "a gradient is NaN/Inf at iteration 3 on rank 0"),
+])
+def test_nan_stops_the_run_naming_the_iteration_and_the_rank(tmp_path, fault, message):
+    proc = torchrun(2, *SHORT, "--train-iters", "4", "--check-for-nan-in-loss-and-grad", "--save", str(tmp_path / "ckpt"),
+                    env={"EPP_FAULT_INJECT": fault}, check=False)
+    assert proc.returncode != 0
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("pretrain_gpt.py: error:")]
+    assert ours == [f"pretrain_gpt.py: error: --check-for-nan-in-loss-and-grad: {message}; "
+                    "stopped without updating the parameters"], proc.stderr[-4000:]
+    assert sorted(losses(tmp_path / "ckpt" / "metrics.jsonl")) == [1, 2]  # iteration 3 was never logged
+    assert not (tmp_path / "ckpt" / TRACKER).exists()  # nor saved
+
+
+@pytest.fixture(scope="module")
+def crashed_save(tmp_path_factory):
+    """A run that saved iteration 3 and then crashed (rank 1) while saving iteration 6."""
+    ckpt = tmp_path_factory.mktemp("crash") / "ckpt"
+    proc = torchrun(2, *SHORT, "--train-iters", "6", "--save", str(ckpt), "--save-interval", "3",
+                    env={"EPP_FAULT_INJECT": "crash_in_save@6:1"}, check=False)
+    assert proc.returncode != 0 and "rank 1 crashes while saving iteration 6" in proc.stderr, proc.stderr[-3000:]
+    return ckpt
+
+
+def test_crash_during_save_leaves_the_previous_checkpoint_loadable(crashed_save, tmp_path):
+    assert sorted(p.name for p in crashed_save.iterdir() if p.name.startswith("iter_")) == ["iter_0000003", "iter_0000006.tmp"]
+    assert (crashed_save / TRACKER).read_text() == "3"
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(crashed_save, ckpt)
+    out = torchrun(2, *SHORT, "--train-iters", "100", "--load", str(ckpt), "--save", str(ckpt), "--save-interval", "4",
+                   "--exit-interval", "5").stdout
+    assert "resumed at iteration 3" in out
+    assert [int(i) for i in re.findall(r"saved checkpoint at iteration (\d+)", out)] == [4, 5], out[-3000:]
+    assert "exiting after iteration 5: --exit-interval 5" in out
+    assert (ckpt / TRACKER).read_text() == "5"
+
+
+def _args(load, *flags: str):
+    args = parse_args([*FLAGS, "--load", str(load), *flags], world_size=2)
+    resolve_vocab_size(args)  # as main does before check_loadable
+    return args
+
+
+def _break(ckpt, how: str) -> None:
+    it = ckpt / "iter_0000003"
+    if how == "tracker":
+        (ckpt / TRACKER).write_text("release")
+    elif how == "no tracker":
+        (ckpt / TRACKER).unlink()
+    elif how == "wrong dir":
+        (ckpt / TRACKER).write_text("5")
+    elif how == "shard missing":
+        next(it.glob("__1_*.distcp")).unlink()
+    elif how == "shard short":
+        shard = next(it.glob("__0_*.distcp"))
+        shard.write_bytes(shard.read_bytes()[:100])
+    elif how == "not ours":
+        (it / METADATA).unlink()
+    elif how == "renamed":
+        it.rename(ckpt / "iter_0000002")
+        (ckpt / TRACKER).write_text("2")
+
+
+@pytest.mark.parametrize("how, flags, message", [
+    ("tracker", [], "latest_checkpointed_iteration.txt holds 'release', not an iteration number"),
+    ("no tracker", [], "no latest_checkpointed_iteration.txt beside iter_0000003"),
+    ("wrong dir", [], "names iteration 5, but"),
+    ("shard missing", [], "is truncated: __1_"),
+    ("shard short", [], "bytes, its metadata needs"),
+    ("not ours", [], "is not a megatron-epp checkpoint"),
+    ("renamed", [], "holds iteration 3, its name and latest_checkpointed_iteration.txt say 2"),
+    (None, ["--hidden-size", "64"], "saved with --hidden-size 32, this run has 64 (a different model shape)"),
+    (None, ["--pipeline-model-parallel-size", "1"], "saved with --pipeline-model-parallel-size 2, this run has 1 (a different parallel layout)"),
+])
+def test_truncated_or_foreign_checkpoint_is_refused(crashed_save, tmp_path, how, flags, message):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(crashed_save, ckpt)
+    if how:
+        _break(ckpt, how)
+    with pytest.raises(ArgumentError, match=re.escape(message)):
+        check_loadable(_args(ckpt, *flags))
+    assert check_loadable(_args(crashed_save)) == 3
+
+
+def test_bad_checkpoint_is_one_line_before_training(crashed_save, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(crashed_save, ckpt)
+    _break(ckpt, "shard missing")
+    proc = run_pretrain(*FLAGS, "--load", str(ckpt), world_size=2)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "is truncated: __1_" in lines[0], proc.stderr
+
+
+def test_empty_load_directory_starts_from_scratch(tmp_path):
+    assert check_loadable(_args(tmp_path)) is None  # --load = --save on a job's first run
+
+
+@pytest.mark.parametrize("how, message", [
+    ("bin short", "bytes, but {p}.idx describes"),
+    ("magic", "not a Megatron indexed-dataset index (bad magic)"),
+    ("dtype", "unknown token dtype code 99"),
+    ("idx short", "its header (30 sequences, 31 document bounds) needs"),
+])
+def test_bin_and_idx_that_do_not_match_are_one_line(tmp_path, how, message):
+    prefix = write_corpus(tmp_path / "corpus", ["some text of a document"] * 30)
+    idx, bin_ = tmp_path / "corpus.idx", tmp_path / "corpus.bin"
+    if how == "bin short":
+        bin_.write_bytes(bin_.read_bytes()[:-10])
+    elif how == "magic":
+        idx.write_bytes(b"NOTANIDX!" + idx.read_bytes()[9:])
+    elif how == "dtype":
+        data = bytearray(idx.read_bytes())
+        data[17] = 99
+        idx.write_bytes(bytes(data))
+    elif how == "idx short":
+        idx.write_bytes(idx.read_bytes()[:-8])
+    proc = run_pretrain("--num-layers", "4", "--data-path", prefix, "--split", "1,0,0", "--seq-length", "16")
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message.format(p=prefix) in lines[0], proc.stderr
+
+
+def test_exit_flags_are_checked():
+    for flags, message in ((["--exit-signal-handler"], "--exit-signal-handler needs --save"),
+                           (["--exit-interval", "0"], "--exit-interval 0: must be >= 1"),
+                           (["--distributed-timeout-minutes", "0"], "--distributed-timeout-minutes 0.0: must be > 0")):
+        with pytest.raises(ArgumentError, match=re.escape(message)):
+            parse_args([*FLAGS, *flags], world_size=2)
+
+
+def test_exit_conditions_in_one_process():
+    """--exit-interval, --exit-duration-in-mins and the SIGTERM flag, as one rank decides them (the
+    SIGTERM test above has two ranks agree)."""
+    init_single_process()
+    args = argparse.Namespace(exit_interval=4, exit_duration_in_mins=None, exit_signal_handler=True)
+    exits = ExitConditions(args, torch.device("cpu"), start_time=time.time())
+    try:
+        assert [exits.reason(i) for i in (1, 2, 3)] == [None] * 3
+        assert exits.reason(4) == "--exit-interval 4"
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert exits.reason(5) == "SIGTERM received (--exit-signal-handler)"
+    finally:
+        exits.close()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    args = argparse.Namespace(exit_interval=None, exit_duration_in_mins=0.5, exit_signal_handler=False)
+    assert ExitConditions(args, torch.device("cpu"), start_time=time.time() - 20).reason(1) is None
+    late = ExitConditions(args, torch.device("cpu"), start_time=time.time() - 40).reason(1)
+    assert late is not None and late.endswith("minutes elapsed (--exit-duration-in-mins 0.5)"), late
