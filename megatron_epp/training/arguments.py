@@ -52,8 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="not supported: EPP splits long sequences along the pipeline instead")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="Megatron's sequence parallelism: activations outside attention split along the sequence over "
-                   "the tensor-parallel ranks (needs --tensor-model-parallel-size > 1); with --elastic-pp every chunk "
-                   "is padded to a multiple of the tensor-parallel size")
+                   "the tensor-parallel ranks (needs --tensor-model-parallel-size > 1; not yet with --elastic-pp)")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard the optimizer states (and fp32 main params) over the data-parallel ranks (ZeRO-1)")
     g.add_argument("--overlap-grad-reduce", action="store_true",
@@ -225,6 +224,10 @@ def validate_elastic_args(args: argparse.Namespace, world_size: int) -> None:
         if given:
             raise ArgumentError(f"--{given[0].replace('_', '-')} needs --elastic-pp")
         return
+    if args.sequence_parallel:
+        raise ArgumentError("--sequence-parallel with --elastic-pp is not supported yet (elastic chunks of any token "
+                            "count would need padding to a multiple of --tensor-model-parallel-size); drop it, or "
+                            "train without --elastic-pp")
     if args.recompute_granularity is not None:
         raise ArgumentError("--recompute-granularity does not apply with --elastic-pp (the plan decides recompute per chunk)")
     if args.micro_batch_size != 1:

@@ -18,7 +18,7 @@ from megatron.core import parallel_state as ps
 
 from megatron_epp.cost.features import chunk_features
 from megatron_epp.cost.model import CostModel
-from megatron_epp.cost.profiles import load_profile
+from megatron_epp.cost.profiles import load_profile, megatron_model_state
 from megatron_epp.data.documents import DocumentDataset, split_ranges
 from megatron_epp.data.mock_documents import MockDocuments, lognormal_lengths
 from megatron_epp.data.sequence_sampler import SequenceSampler
@@ -49,9 +49,13 @@ class PlanBuilder:
             profile.model, num_layers=args.num_layers, hidden=args.hidden_size, num_heads=args.num_attention_heads,
             ffn_hidden=args.ffn_hidden_size, vocab=args.vocab_size, rope=args.position_embedding_type == "rope",
             dtype="bfloat16" if args.bf16 else "float32",  # what the activations and the K/V buffers are stored in
+            bias=True, tied_embeddings=not args.untie_embeddings_and_output_weights,
+            learned_positions=args.max_position_embeddings if args.position_embedding_type == "learned_absolute" else 0,
         )
+        memory = dataclasses.replace(profile.memory, **megatron_model_state(shape.dtype, args.use_distributed_optimizer))
         self.cost_model = CostModel(
-            dataclasses.replace(profile, model=shape), args.pipeline_model_parallel_size, dp=args.data_parallel_size
+            dataclasses.replace(profile, model=shape, memory=memory, tp=args.tensor_model_parallel_size),
+            args.pipeline_model_parallel_size, dp=args.data_parallel_size,
         )
         self.calibrate_interval = args.epp_calibrate_interval
         self.measured: deque[tuple[Plan, float]] = deque(maxlen=max(self.calibrate_interval, CALIBRATE_FIRST_STEP - 1))
