@@ -24,6 +24,7 @@ CPU_PATCHES: tuple[Patch, ...] = (
     cpu_devices.CLIP_GRADS,
     cpu_devices.CLIP_GRADS_TYPE,
     cpu_devices.FP16_OPTIMIZER_TYPE,
+    cpu_devices.DISTRIBUTED_OPTIMIZER_TYPE,
     cpu_devices.CHECKPOINT_WRITER,
     cpu_devices.CHECKPOINT_SAVER,
 )

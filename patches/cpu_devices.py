@@ -122,3 +122,11 @@ TIED_EMBEDDING = _scoped_patch(
     "setup_embeddings_and_output_layer moves the shared embedding weight to CUDA before the "
     "first/last-stage all-reduce that gives both copies the same initial values.",
 )
+DISTRIBUTED_OPTIMIZER_TYPE = _scoped_patch(
+    "distributed_optimizer_type_check",
+    "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer",
+    "__init__",
+    tensor_type_reports_cuda,
+    "DistributedOptimizer.__init__ accepts only params whose type() is torch.cuda.{Half,BFloat16,Float}Tensor "
+    "(--use-distributed-optimizer on CPU).",
+)

@@ -73,7 +73,8 @@ def test_profile_json_round_trip_and_shipped_cpu_profile(tmp_path):
 def test_model_states_put_embedding_first_and_head_last():
     cm = CostModel(analytic_profile(MODEL_PRESETS["llama-13b"], 8), 4, dp=2)
     s = cm.model_state_bytes()
-    per_layer = MODEL_PRESETS["llama-13b"].params_per_layer() / 8 * (2 + 4 + 12 / 2)
+    shape = MODEL_PRESETS["llama-13b"]  # norms whole on every tensor-parallel rank, the rest split over 8
+    per_layer = ((shape.params_per_layer() - 2 * shape.hidden) / 8 + 2 * shape.hidden) * (2 + 4 + 12 / 2)
     assert s[1] == pytest.approx(10 * per_layer)
     assert s[0] > s[1] and s[3] > s[1]
 

@@ -114,11 +114,9 @@ class CostModel:
 
     # ----------------------------------------------------------------------------- memory
     def model_state_bytes(self) -> np.ndarray:
-        """Weights, gradients and optimizer states per GPU of every stage (embedding on the first
-        stage, final norm and output layer on the last)."""
-        shape, m = self.profile.model, self.profile.memory
-        params = self.layers * float(shape.params_per_layer())
-        params[0] += shape.vocab * shape.hidden
-        params[-1] += shape.vocab * shape.hidden + shape.hidden
+        """Weights, gradients and optimizer states per GPU of every stage (``ModelShape.rank_parameters``:
+        embedding on the first stage, final norm and output layer on the last), the optimizer's divided
+        over the data-parallel ranks with a distributed optimizer."""
+        m = self.profile.memory
         optim = m.optim / (self.dp if m.distributed_optimizer else 1)
-        return params / self.profile.tp * (m.weight + m.grad + optim)
+        return self.profile.model.rank_parameters(self.layers, self.profile.tp) * (m.weight + m.grad + optim)

@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -50,6 +50,12 @@ class ModelShape:
     swiglu: bool = True
     rope: bool = True  # rotary positions (False: learned absolute positions); changes what attention saves
     dtype: str = "float32"  # the activations' dtype (DTYPE_BYTES): what autograd saves and the K/V buffers hold
+    # parameters beyond the layers' weights, counted by ``rank_parameters`` (model states): biases in every linear
+    # layer and norm (GPT-style; LLaMA-style has none), one embedding table shared with the output layer, and the
+    # rows of a learned position table (0: none, RoPE)
+    bias: bool = False
+    tied_embeddings: bool = False
+    learned_positions: int = 0
 
     @property
     def kv_hidden(self) -> int:
@@ -60,6 +66,21 @@ class ModelShape:
         attn = h * (h + 2 * self.kv_hidden) + h * h
         mlp = (3 if self.swiglu else 2) * h * self.ffn_hidden
         return attn + mlp + 2 * h
+
+    def rank_parameters(self, layers_per_stage: Sequence[int], tp: int) -> np.ndarray:
+        """Parameters one tensor-parallel rank of each pipeline stage holds, exactly as Megatron-Core's GPTModel
+        builds them: the column/row-parallel weights, the column-parallel biases and the vocabulary split by
+        ``tp``; norms, row-parallel biases and learned positions whole on every rank. The first stage holds the
+        embedding (and positions), the last the final norm and the output layer (the embedding itself when tied
+        on one stage; a copy of it on the last stage when tied across stages)."""
+        h, kv, f, b = self.hidden, self.kv_hidden, self.ffn_hidden, int(self.bias)
+        fc1 = (2 if self.swiglu else 1) * f
+        split = h * (h + 2 * kv) + h * h + h * fc1 + f * h + b * (h + 2 * kv + fc1)  # QKV, proj, fc1, fc2 (+ biases)
+        whole = 2 * h * (1 + b) + b * 2 * h  # two norms, proj and fc2 biases
+        params = np.asarray(layers_per_stage, dtype=float) * (split / tp + whole)
+        params[0] += self.vocab * h / tp + self.learned_positions * h
+        params[-1] += h * (1 + b) + (0 if self.tied_embeddings and len(params) == 1 else self.vocab * h / tp)
+        return params
 
     def gemm_flops_per_token(self) -> float:
         """Forward GEMM FLOPs of one layer per token (2 per multiply-add)."""
@@ -135,6 +156,16 @@ class MemoryCoeffs:
     embed_token: float = 0.0
     bwd_workspace: float = 1.0
     derive: str = ""
+
+
+def megatron_model_state(dtype: str, distributed_optimizer: bool) -> dict[str, Any]:
+    """``MemoryCoeffs`` model-state bytes per parameter of this project's Megatron-Core training: the weight in
+    the parameters' dtype; its gradient in fp32 (DDP ``grad_reduce_in_fp32``); Adam's two fp32 moments, plus
+    the fp32 main copy of a bf16 weight; the optimizer's bytes sharded over the data-parallel ranks with
+    ``--use-distributed-optimizer``."""
+    weight = float(DTYPE_BYTES[dtype])
+    return {"weight": weight, "grad": 4.0, "optim": 8.0 + (4.0 if weight < 4 else 0.0),
+            "distributed_optimizer": distributed_optimizer}
 
 
 @dataclass(frozen=True)

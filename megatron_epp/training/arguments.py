@@ -53,6 +53,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Megatron's interleaved schedule: not supported (the elastic schedule runs one model chunk per stage)")
     g.add_argument("--context-parallel-size", type=int, default=None,
                    help="not supported: EPP splits long sequences along the pipeline instead")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="Megatron's sequence parallelism: activations outside attention split along the sequence over "
+                   "the tensor-parallel ranks (needs --tensor-model-parallel-size > 1; not yet with --elastic-pp)")
+    g.add_argument("--use-distributed-optimizer", action="store_true",
+                   help="shard the optimizer states (and fp32 main params) over the data-parallel ranks (ZeRO-1)")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="reduce gradients bucket by bucket while the backward runs (DDP buckets)")
+    g.add_argument("--ddp-bucket-size", type=int, default=None,
+                   help="parameters per DDP gradient bucket with --overlap-grad-reduce "
+                   "(default: megatron-core's, max(4e7, 1e6 x data parallel))")
 
     g = p.add_argument_group("batch")
     g.add_argument("--micro-batch-size", type=int, default=1)
@@ -163,6 +173,14 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         raise ArgumentError(f"world size {world_size} is not divisible by tp {tp} x pp {pp}")
     args.data_parallel_size = world_size // (tp * pp)
     validate_wandb_args(args)
+    if args.sequence_parallel and tp == 1:
+        raise ArgumentError("--sequence-parallel needs --tensor-model-parallel-size > 1 (it splits the sequence over the "
+                            "tensor-parallel ranks; Megatron would silently turn it off at tp 1)")
+    if args.ddp_bucket_size is not None and not args.overlap_grad_reduce:
+        raise ArgumentError("--ddp-bucket-size applies only with --overlap-grad-reduce (without it DDP reduces all "
+                            "gradients in one bucket after the backward)")
+    if args.ddp_bucket_size is not None and args.ddp_bucket_size < 1:
+        raise ArgumentError(f"--ddp-bucket-size {args.ddp_bucket_size}: must be >= 1 parameters")
     if args.epp_metrics is None and (args.tensorboard_dir or args.save):
         args.epp_metrics = os.path.join(args.tensorboard_dir or args.save, "metrics.jsonl")
     if args.num_layers % pp:
@@ -294,6 +312,10 @@ def validate_elastic_args(args: argparse.Namespace, world_size: int) -> None:
         if given:
             raise ArgumentError(f"--{given[0].replace('_', '-')} needs --elastic-pp")
         return
+    if args.sequence_parallel:
+        raise ArgumentError("--sequence-parallel with --elastic-pp is not supported yet (elastic chunks of any token "
+                            "count would need padding to a multiple of --tensor-model-parallel-size); drop it, or "
+                            "train without --elastic-pp")
     if args.recompute_granularity is not None:
         raise ArgumentError("--recompute-granularity does not apply with --elastic-pp (the plan decides recompute per chunk)")
     if args.micro_batch_size != 1:

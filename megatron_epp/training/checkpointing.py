@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from torch.distributed.checkpoint import FileSystemReader
 
 from megatron_epp.training.arguments import ArgumentError
@@ -39,7 +40,11 @@ MODEL_SHAPE_ARGS = (
     "position_embedding_type", "vocab_size", "untie_embeddings_and_output_weights", "swiglu", "normalization",
     "group_query_attention", "num_query_groups", "kv_channels", "add_bias_linear", "rotary_base",
 )
-LAYOUT_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size")
+LAYOUT_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size", "use_distributed_optimizer")
+# --use-distributed-optimizer: each rank's shard of the optimizer states saved in model space (one tensor per
+# parameter, resharded on load), not megatron-core's default flat-range format, which dist_checkpointing
+# 0.16.1 no longer accepts ("ShardedTensor.flattened_range is not supported")
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
 def iteration_dir(root: str, iteration: int) -> str:
@@ -73,7 +78,7 @@ def _sharded_state(
     layout = (runtime.pp_size, runtime.world_size // (runtime.pp_size * runtime.dp_size), runtime.dp_size)
     return {
         "model": model_state,
-        "optimizer": optimizer.sharded_state_dict(model_state, is_loading=is_loading),
+        "optimizer": optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=OPTIMIZER_METADATA),
         "scheduler": scheduler.state_dict(),
         "iteration": iteration,
         "consumed_samples": consumed,
@@ -81,6 +86,33 @@ def _sharded_state(
             "rng_state", _rng_state(), layout, (runtime.pp_rank, runtime.tp_rank, runtime.dp_rank), replica_id=0
         ),
     }
+
+
+def _init_distributed_optimizer_states(optimizer) -> None:
+    """Give a fresh ``DistributedOptimizer`` states to load into. Without Apex or Transformer Engine its
+    ``state_dict`` reads the torch Adam's ``step`` of every parameter, which a freshly built optimizer has
+    not got yet; megatron-core's own dummy initialisation (one zero-gradient step, as its FSDP path does
+    before a load) creates them, and the load then overwrites states, main params and model params."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(opt, DistributedOptimizer) and not opt.optimizer.state:
+            opt._init_optimizer_states_with_dummy_values()
+
+
+def _restore_distributed_optimizer_steps(optimizer) -> None:
+    """After a load, give every parameter's torch Adam state the checkpoint's ``step``, a tensor of its own.
+
+    Without Apex or Transformer Engine, ``DistributedOptimizer.load_state_dict`` puts the checkpoint's
+    step (saved in the param groups) into one tensor shared by all states (torch's Adam increments each
+    parameter's in place: every step would advance it once per parameter), and the ``dp_reshardable``
+    parameter state then overwrites it with the loading template's step (that of the dummy states).
+    Either way the bias correction would differ from the uninterrupted run's."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(opt, DistributedOptimizer):
+            for group in opt.optimizer.param_groups:
+                for param in group["params"]:
+                    state = opt.optimizer.state.get(param)
+                    if state and "step" in state:
+                        state["step"] = torch.tensor(float(group["step"]), dtype=state["step"].dtype)
 
 
 def checkpoint_metadata(args: argparse.Namespace, iteration: int) -> dict[str, Any]:
@@ -193,10 +225,13 @@ def _missing_files(path: str) -> str | None:
 
 def load_checkpoint(root: str, iteration: int, model, optimizer, scheduler, runtime: Runtime) -> tuple[int, int]:
     """Restore ``root``'s ``iteration`` (as :func:`check_loadable` found it); return ``(iteration, consumed_samples)``."""
+    _init_distributed_optimizer_states(optimizer)
     template = _sharded_state(model, optimizer, scheduler, runtime, 0, 0, is_loading=True)
     state = dist_checkpointing.load(template, iteration_dir(root, iteration))
     model.module.load_state_dict(state["model"])
-    optimizer.load_state_dict(state["optimizer"])
+    with torch.no_grad():  # the distributed optimizer copies into its fp32 shards, views of the parameters
+        optimizer.load_state_dict(state["optimizer"])
+    _restore_distributed_optimizer_steps(optimizer)
     scheduler.load_state_dict(state["scheduler"])
     _set_rng_state(state["rng"])
     return state["iteration"], state["consumed_samples"]

@@ -18,7 +18,7 @@ from megatron.core import parallel_state as ps
 
 from megatron_epp.cost.features import chunk_features
 from megatron_epp.cost.model import CostModel
-from megatron_epp.cost.profiles import load_profile
+from megatron_epp.cost.profiles import load_profile, megatron_model_state
 from megatron_epp.data.blend import blended_documents
 from megatron_epp.data.mock_documents import MockDocuments, lognormal_lengths
 from megatron_epp.data.sequence_sampler import SequenceSampler
@@ -46,9 +46,11 @@ class PlanBuilder:
     def __init__(self, args: argparse.Namespace) -> None:
         self.config = PlannerConfig.from_args(args, args.seq_length)
         profile = load_profile(self.config.profile, tp=args.tensor_model_parallel_size)
+        shape = model_shape(args, profile.model.name)
+        memory = dataclasses.replace(profile.memory, **megatron_model_state(shape.dtype, args.use_distributed_optimizer))
         self.cost_model = CostModel(
-            dataclasses.replace(profile, model=model_shape(args, profile.model.name)), args.pipeline_model_parallel_size,
-            dp=args.data_parallel_size,
+            dataclasses.replace(profile, model=shape, memory=memory, tp=args.tensor_model_parallel_size),
+            args.pipeline_model_parallel_size, dp=args.data_parallel_size,
         )
         self.calibrate_interval = args.epp_calibrate_interval
         self.measured: deque[tuple[Plan, float]] = deque(maxlen=max(self.calibrate_interval, CALIBRATE_FIRST_STEP - 1))

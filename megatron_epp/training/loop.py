@@ -36,6 +36,7 @@ def build_optimizer(args: argparse.Namespace, model, config) -> tuple[Any, Optim
             clip_grad=args.clip_grad,
             bf16=args.bf16,
             params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+            use_distributed_optimizer=args.use_distributed_optimizer,
         ),
         [model],
     )

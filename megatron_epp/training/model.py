@@ -78,6 +78,8 @@ def model_shape(args: argparse.Namespace, name: str = "pretrain_gpt") -> ModelSh
         name, args.num_layers, args.hidden_size, args.num_attention_heads, args.ffn_hidden_size, args.vocab_size,
         num_kv_heads=None, swiglu=False, rope=args.position_embedding_type == "rope",
         dtype="bfloat16" if args.bf16 else "float32",  # what the activations and the K/V buffers are stored in
+        bias=True, tied_embeddings=not args.untie_embeddings_and_output_weights,
+        learned_positions=args.max_position_embeddings if args.position_embedding_type == "learned_absolute" else 0,
     )
 
 
@@ -92,6 +94,7 @@ def transformer_config(args: argparse.Namespace, runtime: Runtime) -> Transforme
         attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         pipeline_dtype=dtype,
         params_dtype=dtype,
@@ -144,6 +147,9 @@ def build_model(
         # to fp32 for the loss. The optimizer keeps fp32 main params (OptimizerConfig bf16).
         model = Float16Module(config, model)
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=args.overlap_grad_reduce,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+        bucket_size=args.ddp_bucket_size,
     )
     return DistributedDataParallel(config, ddp_config, model), config

@@ -1,0 +1,62 @@
+"""Model-state bytes of every rank, counted tensor by tensor, beside the planner's prediction.
+
+    torchrun ... tests/workers/model_state.py OUT.json [pretrain_gpt flags, with --elastic-pp]
+
+Counted on each rank: the parameters (in their dtype), their gradients (DDP's ``main_grad``, fp32) and
+the optimizer's state tensors (Adam's moments; fp32 main copies of bf16 weights, i.e. the optimizer's
+parameters that share no storage with the model's). Predicted: ``PlanBuilder(args).cost_model``'s
+``model_state_bytes`` of the rank's stage. The first rank writes every rank's record to OUT.json.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+
+from megatron_epp.training.arguments import parse_args
+from megatron_epp.training.elastic import PlanBuilder
+from megatron_epp.training.initialize import initialize, shutdown
+from megatron_epp.training.loop import build_optimizer
+from megatron_epp.training.model import build_model
+
+
+def nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def main() -> None:
+    out, flags = sys.argv[1], sys.argv[2:]
+    args = parse_args(flags)
+    args.vocab_size = args.vocab_size or 64
+    runtime = initialize(args)
+    model, config = build_model(args, runtime)
+    optimizer, _ = build_optimizer(args, model, config)
+    params = [p for p in model.parameters()]
+    model_storages = {p.untyped_storage().data_ptr() for p in params}
+    states, main_params = [], []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = opt.optimizer
+        opt.init_state_fn(inner, opt.config)  # Adam's moments, as its first step allocates them
+        for group in inner.param_groups:
+            for p in group["params"]:
+                states += [v for k, v in inner.state[p].items() if k != "step"]
+                if p.untyped_storage().data_ptr() not in model_storages:
+                    main_params.append(p)
+    record = {
+        "pp": runtime.pp_rank, "tp": runtime.tp_rank, "dp": runtime.dp_rank,
+        "weight": nbytes(params), "grad": nbytes(p.main_grad for p in params), "optim": nbytes(states) + nbytes(main_params),
+        "predicted": float(PlanBuilder(args).cost_model.model_state_bytes()[runtime.pp_rank]),
+    }
+    records = [None] * dist.get_world_size()
+    dist.all_gather_object(records, record)
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(records, f)
+    shutdown()
+
+
+if __name__ == "__main__":
+    main()
