@@ -38,7 +38,12 @@ PROFILE_SOURCES = ("measured", "analytic")  # a profile's "source": fitted to ti
 
 @dataclass(frozen=True)
 class ModelShape:
-    """A decoder-only transformer's shape (LLaMA-style: SwiGLU MLP, untied output layer)."""
+    """A decoder-only transformer's shape (LLaMA-style: SwiGLU MLP, untied output layer).
+
+    ``num_kv_heads``: K/V heads (grouped-query attention; None: ``num_heads``); ``kv_channels``: the
+    head dimension (None: ``hidden / num_heads``); ``normalization``: ``LayerNorm`` or ``RMSNorm``;
+    ``bias``: the linear layers have biases (``--disable-bias-linear``: False).
+    """
 
     name: str
     num_layers: int
@@ -50,20 +55,39 @@ class ModelShape:
     swiglu: bool = True
     rope: bool = True  # rotary positions (False: learned absolute positions); changes what attention saves
     dtype: str = "float32"  # the activations' dtype (DTYPE_BYTES): what autograd saves and the K/V buffers hold
+    kv_channels: int | None = None
+    normalization: str = "LayerNorm"
+    bias: bool = True
+
+    @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden // self.num_heads
+
+    @property
+    def q_hidden(self) -> int:
+        """The queries' (and the attention output's) width: ``heads x head_dim``."""
+        return self.num_heads * self.head_dim
 
     @property
     def kv_hidden(self) -> int:
-        return self.hidden * (self.num_kv_heads or self.num_heads) // self.num_heads
+        """The keys' (or values') width: ``kv_heads x head_dim``."""
+        return (self.num_kv_heads or self.num_heads) * self.head_dim
+
+    def gemm_params_per_layer(self) -> int:
+        """Weights of the layer's GEMMs: QKV, output projection, MLP (fc1 twice as wide with SwiGLU)."""
+        h = self.hidden
+        return h * (self.q_hidden + 2 * self.kv_hidden) + self.q_hidden * h + (3 if self.swiglu else 2) * h * self.ffn_hidden
 
     def params_per_layer(self) -> int:
-        h = self.hidden
-        attn = h * (h + 2 * self.kv_hidden) + h * h
-        mlp = (3 if self.swiglu else 2) * h * self.ffn_hidden
-        return attn + mlp + 2 * h
+        """Every parameter of a layer: GEMM weights, two norms (weight, and bias for LayerNorm), biases."""
+        h, f = self.hidden, self.ffn_hidden
+        norms = 2 * (2 * h if self.normalization == "LayerNorm" else h)
+        biases = (self.q_hidden + 2 * self.kv_hidden + h + (2 if self.swiglu else 1) * f + h) if self.bias else 0
+        return self.gemm_params_per_layer() + norms + biases
 
     def gemm_flops_per_token(self) -> float:
         """Forward GEMM FLOPs of one layer per token (2 per multiply-add)."""
-        return 2.0 * (self.params_per_layer() - 2 * self.hidden)
+        return 2.0 * self.gemm_params_per_layer()
 
 
 @dataclass(frozen=True)
@@ -204,11 +228,12 @@ class Profile:
             raise ValueError(f"{path}: {error}") from None
 
 
+_LLAMA = {"normalization": "RMSNorm", "bias": False}  # and SwiGLU, RoPE: ModelShape's defaults
 # Published LLaMA shapes (LLaMA-1 paper, table 2; "30B" is the 32.5B model), trained in bf16.
 MODEL_PRESETS: dict[str, ModelShape] = {
-    "llama-7b": ModelShape("llama-7b", 32, 4096, 32, 11008, 32000, dtype="bfloat16"),
-    "llama-13b": ModelShape("llama-13b", 40, 5120, 40, 13824, 32000, dtype="bfloat16"),
-    "llama-30b": ModelShape("llama-30b", 60, 6656, 52, 17920, 32000, dtype="bfloat16"),
+    "llama-7b": ModelShape("llama-7b", 32, 4096, 32, 11008, 32000, dtype="bfloat16", **_LLAMA),
+    "llama-13b": ModelShape("llama-13b", 40, 5120, 40, 13824, 32000, dtype="bfloat16", **_LLAMA),
+    "llama-30b": ModelShape("llama-30b", 60, 6656, 52, 17920, 32000, dtype="bfloat16", **_LLAMA),
 }
 
 # The CPU test model of the project (fp32, one thread): GPT-style GELU MLP, 8 layers.
@@ -289,54 +314,68 @@ def saved_tensor_memory(shape: ModelShape, tp: int = 1) -> dict[str, float]:
     :class:`~megatron_epp.executor.memory_tracker.ActivationMemoryTracker` counts them), for one
     Megatron-Core local-spec layer with :class:`ElasticAttention` on the SDPA-masked path (CPU),
     activations of ``b`` bytes (``DTYPE_BYTES`` of the shape's dtype: a model cast to bf16 saves
-    half, except the fp32 logsumexp and logits' softmax), no dropout. Per token of a chunk, one layer
-    saves:
+    half, except the fp32 logsumexp, RMSNorm's fp32 internals and logits' softmax), no dropout. With
+    ``q = heads x d`` the queries' width (``d`` the head dimension, ``kv_channels``) and ``h_kv`` the
+    K/V heads' (grouped-query attention: fewer K/V heads), per token of a chunk, one layer saves:
 
-    * input layernorm: its input ``b h`` and its mean and rstd (``2 b``: the input's dtype on CPU);
-      the QKV linear: its input ``b h``;
-    * RoPE: ``cos`` and ``sin`` of q and of k (4 x ``b d``, ``d = h / heads``); q and k after RoPE
-      (``b h`` and ``b h_kv``, new storages) and V as a view of the QKV output (``b (h + 2 h_kv)``);
-      without RoPE q, k and v are all views of the QKV output;
-    * SDPA (CPU flash kernel, explicit mask): q, k, v, its output (``b h``), the logsumexp (fp32 per
-      head) and the boolean mask converted to a float mask, ``b s (C + s)`` per segment: the
-      quadratic term (one mask per layer and segment, not per head);
-    * the output projection's input ``b h``; pre-MLP layernorm ``b h + 2 b``; fc1's input ``b h``;
-      the activation's input ``b f`` (``2 b f`` with SwiGLU); fc2's input ``b f``.
+    * each of the two norms: LayerNorm its input ``b h`` and its mean and rstd (``2 b``: the input's
+      dtype on CPU); RMSNorm (PyTorch's composite ``torch.nn.RMSNorm``, computed in fp32) the fp32
+      input, its rstd and the fp32 normalised input before the weight: ``8 h + 4`` in any dtype;
+    * the QKV linear: its input ``b h``;
+    * RoPE: ``cos`` and ``sin`` of q and of k (4 x ``b d``); q and k after RoPE (``b q`` and
+      ``b h_kv``, new storages) and V as a view of the QKV output (``b (q + 2 h_kv)``); without
+      RoPE q, k and v are all views of the QKV output;
+    * SDPA (CPU flash kernel, explicit mask, ``enable_gqa``: the K/V heads as they are, no repeated
+      copies): q, k, v, its output (``b q``), the logsumexp (fp32 per query head) and the boolean mask
+      converted to a float mask, ``b s (C + s)`` per segment: the quadratic term (one mask per layer
+      and segment, not per head);
+    * the output projection's input ``b q``; fc1's input ``b h``; the MLP's activation: GELU its
+      input ``b f`` and fc2's input ``b f``; SwiGLU (megatron-core's unfused ``glu``) fc1's whole
+      output ``2 b f`` (SiLU's input is a view of it), SiLU's output, the linear half plus its offset
+      (a new tensor) and fc2's input, ``b f`` each: ``5 b f``.
 
-    A split sequence's K/V buffer holds ``2 b h_kv`` per token of the whole sequence and layer
-    (``kv_token``: its K and V rows); each slice writes its K/V there and SDPA reads (and saves) the
-    slice's rows ``[0, C + s)`` in place, so no copy of the prefix is saved (``act_context`` =
-    ``act_slice`` = 0). In a chunk that is only a slice, the K after RoPE and the QKV output are then
-    saved by nothing (``lone_slice_token``; without RoPE the query is a view of the QKV output, which
-    stays saved). A checkpointed layer keeps its input (``b h``). The last stage keeps the final
-    layernorm (``b h + 2 b``), the output layer's input (``b h``), the fp32 softmax of the logits
-    (``4 V``), the loss's target mask and indices (1 + 8) and the loss mask (4); the first stage the
-    token ids (8; and position ids, 8, with learned positions). Measured by
-    ``tests/test_planner_memory.py`` against the tracker on real chunks, fp32 and bf16.
+    Biases save nothing (``--disable-bias-linear`` changes no activation). A split sequence's K/V
+    buffer holds ``2 b h_kv`` per token of the whole sequence and layer (``kv_token``: its K and V rows);
+    each slice writes its K/V there and SDPA reads (and saves) the slice's rows ``[0, C + s)`` in place,
+    so no copy of the prefix is saved (``act_context`` = ``act_slice`` = 0). In a chunk that is only a
+    slice, the K after RoPE and the QKV output are then saved by nothing (``lone_slice_token``; without
+    RoPE the query is a view of the QKV output, which stays saved). A checkpointed layer keeps its input
+    (``b h``). The last stage keeps the final norm (as above), the output layer's input (``b h``), the
+    fp32 softmax of the logits (``4 V``), the loss's target mask and indices (1 + 8) and the loss mask
+    (4); the first stage the token ids (8; and position ids, 8, with learned positions). Measured by
+    ``tests/test_planner_memory.py`` against the tracker on real chunks, fp32 and bf16, GPT- and
+    LLaMA-style.
     """
-    if shape.num_kv_heads not in (None, shape.num_heads):
-        raise ValueError("saved_tensor_memory: grouped-query attention is not counted (K/V are repeated per head)")
     if shape.dtype not in DTYPE_BYTES:
         raise ValueError(f"saved_tensor_memory: activations of dtype {shape.dtype} are not counted (known: {', '.join(DTYPE_BYTES)})")
+    if shape.normalization not in NORM_SAVED:
+        raise ValueError(f"saved_tensor_memory: normalization {shape.normalization} is not counted (known: {', '.join(NORM_SAVED)})")
     b = float(DTYPE_BYTES[shape.dtype])
-    H = shape.hidden  # layernorm inputs and outputs are whole on every tensor-parallel rank
-    h, kv, heads, f = H / tp, shape.kv_hidden / tp, shape.num_heads / tp, shape.ffn_hidden / tp
-    d = h / heads
-    qkv = b * (h + 2 * kv)
-    attn_views = (4 * b * d + b * h + b * kv + qkv) if shape.rope else qkv  # RoPE's cos/sin, q, k; the QKV output
+    H = shape.hidden  # norm inputs and outputs are whole on every tensor-parallel rank
+    q, kv, heads, f, d = shape.q_hidden / tp, shape.kv_hidden / tp, shape.num_heads / tp, shape.ffn_hidden / tp, shape.head_dim
+    norm = NORM_SAVED[shape.normalization](b, H)
+    qkv = b * (q + 2 * kv)
+    attn_views = (4 * b * d + b * q + b * kv + qkv) if shape.rope else qkv  # RoPE's cos/sin, q, k; the QKV output
     per_token = (
-        2 * (b * H + 2 * b)  # the two layernorms
+        2 * norm  # the two norms
         + 2 * b * H  # QKV linear and fc1 inputs
-        + attn_views + b * h + 4 * heads  # + SDPA output and logsumexp
-        + b * h  # output projection input
-        + (2 if shape.swiglu else 1) * b * f + b * f  # activation and fc2 inputs
+        + attn_views + b * q + 4 * heads  # + SDPA output and logsumexp
+        + b * q  # output projection input
+        + (5 if shape.swiglu else 2) * b * f  # the MLP's activation and fc2 inputs
     )
     return {
         "act_token": per_token, "act_area": b, "act_context": 0.0, "act_slice": 0.0,
         "lone_slice_token": b * kv + qkv if shape.rope else 0.0, "ckpt_token": b * H, "kv_token": 2 * b * kv,
-        "logits_token": 2 * b * H + 2 * b + 4 * shape.vocab / tp + 13, "embed_token": 8.0 if shape.rope else 16.0,
+        "logits_token": norm + b * H + 4 * shape.vocab / tp + 13, "embed_token": 8.0 if shape.rope else 16.0,
         "bwd_workspace": 0.0,
     }
+
+
+# bytes one norm saves per token, from the activations' bytes ``b`` and the hidden size (saved_tensor_memory)
+NORM_SAVED = {
+    "LayerNorm": lambda b, h: b * h + 2 * b,  # input; mean and rstd in the input's dtype
+    "RMSNorm": lambda b, h: 8.0 * h + 4.0,  # fp32 input (a copy unless fp32), fp32 rstd, fp32 normalised input
+}
 
 
 _DERIVATIONS = {"saved-tensors": saved_tensor_memory, "megatron-gpu": gpu_activation_memory}
@@ -359,17 +398,20 @@ def time_scale_factors(ref: ModelShape, shape: ModelShape) -> dict[str, float]:
     FLOPs (same device, same tensor-parallel size, same kernels assumed):
 
     * ``a2`` (per token): the layer's GEMM FLOPs per token, ``2 (h (h + 2 h_kv) + h^2 + k h f)``
-      (QKV, output projection, MLP with ``k`` = 2, or 3 with SwiGLU): everything per token that is
-      not a GEMM (layernorms, biases, activation, residuals, RoPE; linear in ``h``) is lumped in;
-    * ``a1``, ``a1c`` (per key-query pair): ``4 h`` FLOPs per pair (``Q K^T`` and ``P V`` over all
-      heads), so ``h``; the per-pair softmax and mask work per head is lumped in;
+      (QKV, output projection, MLP with ``k`` = 2, or 3 with SwiGLU; ``h_kv`` the K/V heads' width with
+      grouped-query attention; with ``kv_channels`` the query width ``heads x head_dim`` in place of
+      ``h`` where it applies): everything per token that is not a GEMM (layernorms, biases, activation, residuals, RoPE; linear in ``h``) is lumped in;
+    * ``a1``, ``a1c`` (per key-query pair): ``4 heads d`` FLOPs per pair (``Q K^T`` and ``P V`` over all
+      query heads, whatever the K/V heads: grouped-query attention shares K/V, not the products), so
+      ``q_hidden = heads x head_dim`` (``h`` without ``kv_channels``); the per-pair softmax and mask
+      work per head is lumped in;
     * ``ac`` (per prefix token; fitted when the prefix K/V were copied before the attention call): ``h_kv``;
     * ``bs``, ``b1`` (per segment, per chunk: launches, Python): unchanged;
     * the output head's ``a2``: the logits GEMM, ``h * vocab`` (the softmax over ``vocab`` lumped in).
     """
     return {
         "a2": shape.gemm_flops_per_token() / ref.gemm_flops_per_token(),
-        "a1": shape.hidden / ref.hidden,
+        "a1": shape.q_hidden / ref.q_hidden,
         "ac": shape.kv_hidden / ref.kv_hidden,
         "head": shape.hidden * shape.vocab / (ref.hidden * ref.vocab),
     }

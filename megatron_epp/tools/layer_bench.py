@@ -73,6 +73,12 @@ class LayerStack(torch.nn.Module):
             hidden_size=shape.hidden,
             num_attention_heads=shape.num_heads,
             ffn_hidden_size=shape.ffn_hidden,
+            num_query_groups=shape.num_kv_heads,
+            kv_channels=shape.kv_channels,
+            gated_linear_unit=shape.swiglu,
+            activation_func=F.silu if shape.swiglu else F.gelu,
+            normalization=shape.normalization,
+            add_bias_linear=shape.bias,
             use_cpu_initialization=on_cpu,  # else RoPE's frequencies are made on the current GPU
             params_dtype=dtype,
             bf16=dtype == torch.bfloat16,
@@ -80,7 +86,7 @@ class LayerStack(torch.nn.Module):
             attention_dropout=0.0,
         )
         self.context = ChunkContext()
-        spec = elastic_layer_spec(elastic_base_layer_spec(), self.context)
+        spec = elastic_layer_spec(elastic_base_layer_spec(shape.normalization), self.context)
         self.layers = torch.nn.ModuleList(build_module(spec, config=config, layer_number=i + 1) for i in range(num_layers))
         self.rotary = ChunkRotaryEmbedding(RotaryEmbedding(config.kv_channels, rotary_percent=1.0, use_cpu_initialization=on_cpu), self.context) if shape.rope else None
         self.head = torch.nn.Linear(shape.hidden, shape.vocab, bias=False)
@@ -94,7 +100,7 @@ class LayerStack(torch.nn.Module):
         in a plan) gets a K/V buffer per layer whose prefix rows ``[0, C)`` hold random K/V."""
         if sum(c > 0 for c in contexts) > 1:
             raise ValueError("a chunk holds at most one slice with context")
-        heads, d = self.shape.num_heads, self.shape.hidden // self.shape.num_heads
+        heads, d = self.shape.num_kv_heads or self.shape.num_heads, self.shape.head_dim
         chunk = Chunk(0, "batched", [Segment(i, c, c + s) for i, (s, c) in enumerate(zip(lengths, contexts))])
         self.context.clear()
         self.context.current = ChunkLayout.build(chunk, [c + s for s, c in zip(lengths, contexts)], self.device)

@@ -48,6 +48,8 @@ class PlanBuilder:
         shape = dataclasses.replace(
             profile.model, num_layers=args.num_layers, hidden=args.hidden_size, num_heads=args.num_attention_heads,
             ffn_hidden=args.ffn_hidden_size, vocab=args.vocab_size, rope=args.position_embedding_type == "rope",
+            num_kv_heads=args.num_query_groups if args.group_query_attention else None, kv_channels=args.kv_channels,
+            swiglu=args.swiglu, normalization=args.normalization, bias=not args.disable_bias_linear,
             dtype="bfloat16" if args.bf16 else "float32",  # what the activations and the K/V buffers are stored in
         )
         self.cost_model = CostModel(

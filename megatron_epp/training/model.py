@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 import torch
+import torch.nn.functional as F
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -34,23 +35,24 @@ def fused_softmax_unavailable() -> str | None:
     return "no CUDA device" if not torch.cuda.is_available() else probe_fused_softmax()
 
 
-def default_layer_spec() -> ModuleSpec:
-    """The stock path's layers: Transformer Engine's spec when TE's PyTorch layers import on a GPU, else the local one."""
+def default_layer_spec(normalization: str = "LayerNorm") -> ModuleSpec:
+    """The stock path's layers: Transformer Engine's spec when TE's PyTorch layers import on a GPU, else the local one
+    (``normalization``: ``LayerNorm`` or ``RMSNorm``; TE's layers read it from the ``TransformerConfig``)."""
     if transformer_engine_available():
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec()
-    return get_gpt_layer_local_spec()
+    return get_gpt_layer_local_spec(normalization=normalization)
 
 
-def elastic_base_layer_spec() -> ModuleSpec:
+def elastic_base_layer_spec(normalization: str = "LayerNorm") -> ModuleSpec:
     """The spec ``elastic_layer_spec`` builds elastic layers on: always Megatron-Core's local one.
 
     Not TE's even where TE imports: ``ElasticAttention`` inside TE's fused layers (TE LayerNormLinear,
     its own RoPE/attention plumbing) is untested, and the planner's memory model counts what the
-    local layers save.
+    local layers save. ``RMSNorm`` is PyTorch's ``torch.nn.RMSNorm`` (megatron-core's ``WrappedTorchNorm``).
     """
-    return get_gpt_layer_local_spec()
+    return get_gpt_layer_local_spec(normalization=normalization)
 
 
 def layer_spec_summary(elastic: bool) -> str:
@@ -80,6 +82,14 @@ def transformer_config(args: argparse.Namespace, runtime: Runtime) -> Transforme
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std,
+        # LLaMA-style architecture: SwiGLU, RMSNorm, grouped-query attention, head dimension, no biases
+        gated_linear_unit=args.swiglu,
+        activation_func=F.silu if args.swiglu else F.gelu,
+        normalization=args.normalization,
+        layernorm_epsilon=args.norm_epsilon,
+        num_query_groups=args.num_query_groups if args.group_query_attention else None,
+        kv_channels=args.kv_channels,
+        add_bias_linear=not args.disable_bias_linear,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         pipeline_dtype=dtype,
@@ -113,7 +123,8 @@ def build_model(
     DDP and Float16Module wrappers (``get_attr_wrapped_model``).
     """
     config = transformer_config(args, runtime)
-    spec = default_layer_spec() if context is None else elastic_layer_spec(elastic_base_layer_spec(), context)
+    spec = (default_layer_spec(args.normalization) if context is None
+            else elastic_layer_spec(elastic_base_layer_spec(args.normalization), context))
     model = GPTModel(
         config,
         spec,
@@ -123,6 +134,7 @@ def build_model(
         post_process=runtime.is_last_stage,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type,
+        rotary_base=args.rotary_base,
     )
     if context is not None:
         install_chunk_context(model, context)
