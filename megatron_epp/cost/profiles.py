@@ -126,7 +126,10 @@ class MemoryCoeffs:
     buffers: 1 where the allocator is measured, 0 where saved tensors are). Model states per
     parameter: ``weight``, ``grad`` and ``optim`` bytes (the last divided by the data-parallel size
     when ``distributed_optimizer``). ``p2p_token``: bytes one GPU sends per token between stages.
-    ``derive``: ``""`` (the numbers as given), or the analytic count the activation coefficients are
+    ``recompute_input_token``: what a recomputing layer holds beside its own saved tensors and its kept
+    input (``ckpt_token``) per token, where those do not share the kept input's storage (RMSNorm on a
+    bf16 input saves an fp32 copy of it, not the input: ``b h``; 0 where the first norm saves the
+    input itself). ``derive``: ``""`` (the numbers as given), or the analytic count the activation coefficients are
     re-derived from for the profile's model shape (:func:`shape_memory`): ``"saved-tensors"`` (what
     autograd saves on CPU, counted tensor by tensor in the shape's dtype) or ``"megatron-gpu"`` (Megatron's
     ``34 h / tp`` with flash attention).
@@ -148,6 +151,7 @@ class MemoryCoeffs:
     embed_token: float = 0.0
     bwd_workspace: float = 1.0
     derive: str = ""
+    recompute_input_token: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -368,6 +372,8 @@ def saved_tensor_memory(shape: ModelShape, tp: int = 1) -> dict[str, float]:
         "lone_slice_token": b * kv + qkv if shape.rope else 0.0, "ckpt_token": b * H, "kv_token": 2 * b * kv,
         "logits_token": norm + b * H + 4 * shape.vocab / tp + 13, "embed_token": 8.0 if shape.rope else 16.0,
         "bwd_workspace": 0.0,
+        # the recomputed layer's first norm saves its input itself, except RMSNorm's fp32 copy of a bf16 input
+        "recompute_input_token": b * H if shape.normalization == "RMSNorm" and b != 4 else 0.0,
     }
 
 
