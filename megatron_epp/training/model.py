@@ -72,6 +72,21 @@ def layer_spec_summary(elastic: bool) -> str:
     return spec
 
 
+def architecture_summary(args: argparse.Namespace) -> str:
+    """One phrase for the start-up line: MLP, norm, attention heads, biases, positions."""
+    heads = args.num_attention_heads
+    groups = args.num_query_groups if args.group_query_attention else heads
+    attention = f"grouped-query attention {heads}:{groups}" if groups != heads else f"{heads}-head attention"
+    parts = [
+        "SwiGLU MLP" if args.swiglu else "GELU MLP",
+        f"{args.normalization} (eps {args.norm_epsilon:g})",
+        attention + f", head dim {args.kv_channels or args.hidden_size // heads}",
+        "no biases" if args.disable_bias_linear else "biases",
+        f"RoPE base {args.rotary_base}" if args.position_embedding_type == "rope" else "learned positions",
+    ]
+    return ", ".join(parts)
+
+
 def transformer_config(args: argparse.Namespace, runtime: Runtime) -> TransformerConfig:
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     return TransformerConfig(
