@@ -16,6 +16,7 @@ from megatron.core.utils import unwrap_model
 from megatron_epp.executor.context import ChunkContext
 from megatron_epp.tools.layer_bench import init_single_process
 from megatron_epp.training.arguments import parse_args
+from megatron_epp.training.elastic import PlanBuilder
 from megatron_epp.training.initialize import Runtime
 from megatron_epp.training.metrics import read_metrics
 from megatron_epp.training.model import build_model
@@ -67,6 +68,21 @@ def test_llama_flags_reach_the_model(elastic):
     assert not [n for n, _ in gpt.named_parameters() if n.endswith("bias")]
     rotary = gpt.rotary_pos_emb.inner if elastic else gpt.rotary_pos_emb
     torch.testing.assert_close(rotary.inv_freq, 500000.0 ** (-torch.arange(0, 16, 2, dtype=torch.float32) / 16))
+    if elastic:  # the planner's shape (PlanBuilder, from the same flags) counts the layer's parameters exactly
+        shape = PlanBuilder(args).cost_model.profile.model
+        assert (shape.num_kv_heads, shape.kv_channels, shape.swiglu, shape.normalization, shape.bias) == (2, 16, True, "RMSNorm", False)
+        assert shape.params_per_layer() == sum(p.numel() for p in layer.parameters())
+
+
+def test_gpt_style_parameter_count():
+    """The planner's per-layer parameter count with LayerNorm and biases, against megatron-core's layer."""
+    init_single_process()
+    args = parse_args(["--mock-data", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--elastic-pp"], world_size=1)
+    args.vocab_size = 64
+    runtime = Runtime(torch.device("cpu"), rank=0, world_size=1, pp_rank=0, pp_size=1, tp_rank=0, dp_rank=0, dp_size=1)
+    model, _ = build_model(args, runtime, context=ChunkContext())
+    shape = PlanBuilder(args).cost_model.profile.model
+    assert shape.params_per_layer() == sum(p.numel() for p in unwrap_model(model).decoder.layers[0].parameters())
 
 
 @pytest.mark.parametrize(

@@ -304,11 +304,17 @@ def analytic_profile(shape: ModelShape, tp: int = 8, acc: Accelerator = H100) ->
 
 def gpu_activation_memory(shape: ModelShape, tp: int) -> dict[str, float]:
     """Megatron's activation count per layer and token (bf16 whatever the shape's dtype, sequence
-    parallel, flash attention: no quadratic term): ``34 h / tp``, of which the attention's K and V (``2 * 2 h_kv / tp``) are what
-    a lone slice reads from its K/V buffer instead; a checkpointed layer keeps its bf16 input."""
-    h, kv = shape.hidden, 2 * 2.0 * shape.kv_hidden / tp
+    parallel, flash attention: no quadratic term), ``34 h / tp`` for a GPT layer: the attention's
+    QKV input ``2 h``, Q ``2 q``, K and V ``2 * 2 h_kv``, the output projection's input ``2 q`` and a
+    dropout mask ``h``; the MLP's fc1 input ``2 h``, activation input ``2 f`` (SwiGLU: fc1's whole
+    output, ``4 f``), fc2 input ``2 f`` and a dropout mask ``h``; the two norms' inputs ``4 h``
+    (``q = heads x head_dim``, ``h_kv`` the K/V heads' width: GQA saves smaller K and V). K and V are
+    what a lone slice reads from its K/V buffer instead; a checkpointed layer keeps its bf16 input."""
+    h, q, f, kv = shape.hidden, shape.q_hidden, shape.ffn_hidden, 2 * 2.0 * shape.kv_hidden / tp
+    attention = 2 * h + 2 * q + 2 * q + h
+    mlp = 2 * h + (4 if shape.swiglu else 2) * f + 2 * f + h
     return {
-        "act_token": 34.0 * h / tp, "act_area": 0.0, "act_context": 0.0, "ckpt_token": 2.0 * h / tp,
+        "act_token": (attention + mlp + 4 * h) / tp + kv, "act_area": 0.0, "act_context": 0.0, "ckpt_token": 2.0 * h / tp,
         "kv_token": kv, "lone_slice_token": kv, "logits_token": 4.0 * shape.vocab / tp,
     }
 
