@@ -121,6 +121,6 @@ class CostModel:
         shape, m = self.profile.model, self.profile.memory
         params = self.layers * float(shape.params_per_layer())
         params[0] += shape.vocab * shape.hidden
-        params[-1] += shape.vocab * shape.hidden + shape.hidden
+        params[-1] += shape.vocab * shape.hidden + shape.norm_params  # the output layer and the final norm
         optim = m.optim / (self.dp if m.distributed_optimizer else 1)
         return params / self.profile.tp * (m.weight + m.grad + optim)

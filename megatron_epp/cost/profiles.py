@@ -78,10 +78,15 @@ class ModelShape:
         h = self.hidden
         return h * (self.q_hidden + 2 * self.kv_hidden) + self.q_hidden * h + (3 if self.swiglu else 2) * h * self.ffn_hidden
 
+    @property
+    def norm_params(self) -> int:
+        """One norm's parameters: a weight, and a bias for LayerNorm."""
+        return (2 if self.normalization == "LayerNorm" else 1) * self.hidden
+
     def params_per_layer(self) -> int:
-        """Every parameter of a layer: GEMM weights, two norms (weight, and bias for LayerNorm), biases."""
+        """Every parameter of a layer: GEMM weights, two norms, biases."""
         h, f = self.hidden, self.ffn_hidden
-        norms = 2 * (2 * h if self.normalization == "LayerNorm" else h)
+        norms = 2 * self.norm_params
         biases = (self.q_hidden + 2 * self.kv_hidden + h + (2 if self.swiglu else 1) * f + h) if self.bias else 0
         return self.gemm_params_per_layer() + norms + biases
 
