@@ -58,6 +58,7 @@ def test_llama_flags_reach_the_model(elastic):
     model, config = build_model(args, runtime, context=ChunkContext() if elastic else None)
     assert (config.gated_linear_unit, config.activation_func, config.normalization, config.layernorm_epsilon) == (True, F.silu, "RMSNorm", 1e-6)
     assert (config.num_query_groups, config.kv_channels, config.add_bias_linear) == (2, 16, False)
+    assert parse_args(["--mock-data", "--hidden-size", "4096", "--num-attention-heads", "32", "--swiglu"], world_size=1).ffn_hidden_size == 10880
     gpt = unwrap_model(model)
     layer = gpt.decoder.layers[0]
     norms = [m for m in gpt.modules() if isinstance(m, torch.nn.RMSNorm)]
@@ -97,6 +98,7 @@ def test_gpt_style_parameter_count():
         (["--norm-epsilon", "0"], 1, "--norm-epsilon 0.0: must be > 0"),
         (["--kv-channels", "7"], 1, "--kv-channels 7: RoPE needs an even head dimension"),
         (["--hidden-size", "30"], 1, "--hidden-size must be divisible by --num-attention-heads (or give --kv-channels)"),
+        (["--swiglu", "--hidden-size", "16"], 1, "--swiglu with --hidden-size 16: give --ffn-hidden-size"),
         (["--position-embedding-type", "learned_absolute", "--rotary-base", "500000"], 1,
          "--rotary-base applies only with --position-embedding-type rope"),
     ],

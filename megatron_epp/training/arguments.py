@@ -33,7 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-layers", type=int, default=4)
     g.add_argument("--hidden-size", type=int, default=64)
     g.add_argument("--num-attention-heads", type=int, default=4)
-    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 4 x hidden size")
+    g.add_argument("--ffn-hidden-size", type=int, default=None,
+                   help="default: 4 x hidden size; with --swiglu 8/3 x hidden size rounded down to a multiple of 64 (Megatron-LM's)")
     g.add_argument("--seq-length", type=int, default=128)
     g.add_argument("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
     g.add_argument("--position-embedding-type", choices=["rope", "learned_absolute"], default="rope")
@@ -152,7 +153,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if args.num_attention_heads % tp:
         raise ArgumentError("--num-attention-heads must be divisible by --tensor-model-parallel-size")
     validate_architecture(args)
-    args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
+    if args.ffn_hidden_size is None:  # as Megatron-LM: SwiGLU's three GEMMs at the parameters of GELU's two, in multiples of 64
+        args.ffn_hidden_size = int(4 * args.hidden_size * 2 / 3 / 64) * 64 if args.swiglu else 4 * args.hidden_size
+        if args.ffn_hidden_size < 1:
+            raise ArgumentError(f"--swiglu with --hidden-size {args.hidden_size}: give --ffn-hidden-size (the default rounds 8/3 x hidden down to 64s: 0)")
     args.max_position_embeddings = args.max_position_embeddings or args.seq_length
     if args.max_position_embeddings < args.seq_length:
         raise ArgumentError("--max-position-embeddings is smaller than --seq-length")
