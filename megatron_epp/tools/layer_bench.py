@@ -32,7 +32,7 @@ from megatron_epp.executor.memory_tracker import ActivationMemoryTracker
 from megatron_epp.executor.rotary import ChunkRotaryEmbedding
 from megatron_epp.executor.spec import elastic_layer_spec
 from megatron_epp.plan import Chunk, Segment
-from megatron_epp.training.model import elastic_base_layer_spec
+from megatron_epp.training.model import architecture_config, elastic_base_layer_spec
 
 
 _initialized = False
@@ -73,12 +73,8 @@ class LayerStack(torch.nn.Module):
             hidden_size=shape.hidden,
             num_attention_heads=shape.num_heads,
             ffn_hidden_size=shape.ffn_hidden,
-            num_query_groups=shape.num_kv_heads,
-            kv_channels=shape.kv_channels,
-            gated_linear_unit=shape.swiglu,
-            activation_func=F.silu if shape.swiglu else F.gelu,
-            normalization=shape.normalization,
-            add_bias_linear=shape.bias,
+            **architecture_config(swiglu=shape.swiglu, normalization=shape.normalization, num_query_groups=shape.num_kv_heads,
+                                  kv_channels=shape.kv_channels, bias=shape.bias),
             use_cpu_initialization=on_cpu,  # else RoPE's frequencies are made on the current GPU
             params_dtype=dtype,
             bf16=dtype == torch.bfloat16,

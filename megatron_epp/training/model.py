@@ -87,6 +87,17 @@ def architecture_summary(args: argparse.Namespace) -> str:
     return ", ".join(parts)
 
 
+def architecture_config(*, swiglu: bool, normalization: str, num_query_groups: int | None, kv_channels: int | None,
+                        bias: bool) -> dict:
+    """``TransformerConfig``'s fields for a GPT- or LLaMA-style layer: SwiGLU (gated SiLU) or GELU MLP,
+    LayerNorm or RMSNorm, K/V heads (None: one per query head), head dimension (None: hidden / heads),
+    biases of the linear layers. Shared by the training model and ``tools.layer_bench``."""
+    return {
+        "gated_linear_unit": swiglu, "activation_func": F.silu if swiglu else F.gelu, "normalization": normalization,
+        "num_query_groups": num_query_groups, "kv_channels": kv_channels, "add_bias_linear": bias,
+    }
+
+
 def transformer_config(args: argparse.Namespace, runtime: Runtime) -> TransformerConfig:
     dtype = torch.bfloat16 if args.bf16 else torch.float32
     return TransformerConfig(
@@ -97,14 +108,11 @@ def transformer_config(args: argparse.Namespace, runtime: Runtime) -> Transforme
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std,
-        # LLaMA-style architecture: SwiGLU, RMSNorm, grouped-query attention, head dimension, no biases
-        gated_linear_unit=args.swiglu,
-        activation_func=F.silu if args.swiglu else F.gelu,
-        normalization=args.normalization,
+        **architecture_config(
+            swiglu=args.swiglu, normalization=args.normalization, kv_channels=args.kv_channels,
+            num_query_groups=args.num_query_groups if args.group_query_attention else None, bias=not args.disable_bias_linear,
+        ),
         layernorm_epsilon=args.norm_epsilon,
-        num_query_groups=args.num_query_groups if args.group_query_attention else None,
-        kv_channels=args.kv_channels,
-        add_bias_linear=not args.disable_bias_linear,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         pipeline_dtype=dtype,
