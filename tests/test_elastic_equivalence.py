@@ -3,10 +3,11 @@
 The reference is stock Megatron-Core (local spec, no EPP) with every whole sequence as its own
 micro-batch in one process. Random plans cover batched, split (1-8 slices) and hybrid chunks,
 1-3 pipelines, pp 1/2/4, dp 2 x pp 2 and tp 2 x pp 2, tied embeddings, RoPE and learned positions:
-38 plans.
+38 plans; and a LLaMA-style model (SwiGLU, RMSNorm, grouped-query attention 2:1, no biases, rotary base
+500000) at pp 2 with random recompute: 6 plans.
 Injected faults (prefix K/V dropped, the prefix K/V gradients later slices accumulate dropped, a
 slice's K/V written at the wrong rows of its buffer, slices' backward in forward order, attention
-leaking across packed sequences) must each break the match.
+leaking across packed sequences, query heads reading the wrong K/V group) must each break the match.
 
 In bf16 (``Float16Module``) the elastic pipeline is held to a bound derived from bf16's precision
 against the same fp32 reference, on the SDPA path and, where flash-attn runs (CUDA), on the
@@ -25,6 +26,9 @@ from tests.launch import torchrun
 MODEL = ["--mock-data", "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
          "--seq-length", "64", "--max-position-embeddings", "64"]
 CASES = 8
+# LLaMA-style: SwiGLU, RMSNorm, grouped-query attention 2:1, no biases, rotary base 500000
+LLAMA = ["--swiglu", "--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--group-query-attention",
+         "--num-query-groups", "2", "--disable-bias-linear", "--rotary-base", "500000"]
 
 
 def run(out: Path, nproc: int, mode: str, cases: int, *flags: str, env: dict[str, str] | None = None) -> Path:
@@ -63,10 +67,9 @@ def worst_mismatch(reference: Path, elastic: Path, case: int) -> float:
 @pytest.fixture(scope="module")
 def references(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("reference")
-    return {
-        pos: run(root / pos, 1, "reference", CASES, "--position-embedding-type", pos)
-        for pos in ("rope", "learned_absolute")
-    }
+    refs = {pos: run(root / pos, 1, "reference", CASES, "--position-embedding-type", pos) for pos in ("rope", "learned_absolute")}
+    refs["llama"] = run(root / "llama", 1, "reference", CASES, *LLAMA)
+    return refs
 
 
 @pytest.mark.parametrize(
@@ -80,6 +83,22 @@ def test_random_plans_match_reference(tmp_path, references, nproc, pp, tp, cases
                   "--tensor-model-parallel-size", str(tp), "--position-embedding-type", position)
     for case in range(cases):
         assert worst_mismatch(references[position], elastic, case) < 1e-5, f"case {case}"
+
+
+def test_llama_style_random_plans_match_reference(tmp_path, references):
+    """SwiGLU, RMSNorm, GQA (SDPA ``enable_gqa``, K/V buffers of the K/V heads only), no biases, rotary
+    base 500000, at pp 2 with random recompute: the loss and gradients of stock Megatron-Core."""
+    cases = 6
+    elastic = run(tmp_path / "llama", 2, "elastic", cases, "--pipeline-model-parallel-size", "2", "--random-recompute", *LLAMA)
+    for case in range(cases):
+        assert worst_mismatch(references["llama"], elastic, case) < 1e-5, f"case {case}"
+
+
+def test_llama_style_wrong_kv_heads_break_the_match(tmp_path, references):
+    """Query heads reading the wrong K/V group (K/V heads tiled instead of each shared by consecutive
+    query heads) must break the match."""
+    broken = run(tmp_path / "gqa", 2, "elastic", 3, "--pipeline-model-parallel-size", "2", *LLAMA, "--fault", "gqa_tiled_heads")
+    assert max(worst_mismatch(references["llama"], broken, c) for c in range(3)) > 1e-2
 
 
 def test_random_recompute_matches_reference(tmp_path, references):

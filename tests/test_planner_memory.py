@@ -2,7 +2,8 @@
 
 The worker runs small plans (batched, split, hybrid chunks; sequences in 2 to 4 slices, one or two
 split sequences per plan, a long first slice; no, partial and full recompute) through the real
-executor on one stage of three models (two shapes in fp32, one cast to bf16), and the planner
+executor on one stage of five models (two GPT shapes in fp32, one cast to bf16; a LLaMA-style shape, SwiGLU,
+RMSNorm, grouped-query attention, its own head dimension, no biases, in fp32 and one in bf16), and the planner
 predicts the same plans from the shipped profile with only the shape (and dtype) swapped (as
 ``PlanBuilder`` does): a wrong checkpointed-layer term, an unscaled hidden size, a miscounted
 attention term or a K/V buffer counted at the wrong moment shows up as a mismatch.
@@ -25,6 +26,13 @@ SHAPES = {
     "h32": ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2"],
     "h128": ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "8", "--ffn-hidden-size", "384"],
     "h64-bf16": ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--model-dtype", "bfloat16"],
+    # LLaMA-style: SwiGLU, RMSNorm, GQA 4:1, head dimension 16 (queries 128 wide on hidden 64), no biases, rotary base
+    "llama": ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8", "--kv-channels", "16",
+              "--group-query-attention", "--num-query-groups", "2", "--swiglu", "--ffn-hidden-size", "96",
+              "--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--disable-bias-linear", "--rotary-base", "500000"],
+    "llama-bf16": ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--group-query-attention",
+                   "--num-query-groups", "2", "--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear",
+                   "--model-dtype", "bfloat16"],
 }
 TOLERANCE = 0.02  # the count is exact on CPU (measured 0.0 %); a regression is tens of percent
 

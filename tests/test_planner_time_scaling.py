@@ -63,6 +63,24 @@ def test_ffn_only_and_swiglu_follow_the_gemm_count():
     assert glu.fwd.a2 / profile.fwd.a2 == pytest.approx(2 * (4 * h * h + 3 * h * 256) / base)
 
 
+def test_gqa_head_dim_norm_and_bias_follow_the_flop_count():
+    """Grouped-query attention shrinks the K/V projections (not the attention's products); a head
+    dimension of its own (``--kv-channels``) widens Q and the output projection and the products;
+    RMSNorm and biases change no GEMM."""
+    profile = load_profile("test-model")  # hidden 64, 4 heads of 16, ffn 256
+    h, f = 64, 256
+    base = 2 * (h * 3 * h + h * h + 2 * h * f)
+    gqa = CostModel(placed(profile, num_kv_heads=1), 1).profile  # K/V 16 wide
+    assert gqa.fwd.a2 / profile.fwd.a2 == pytest.approx(2 * (h * (h + 2 * 16) + h * h + 2 * h * f) / base)
+    assert gqa.fwd.a1 == profile.fwd.a1 and gqa.fwd.a1c == profile.fwd.a1c  # 4 heads x 16 per pair still
+    assert gqa.fwd.ac == pytest.approx(profile.fwd.ac / 4)  # per prefix token: the K/V width
+    wide = CostModel(placed(profile, kv_channels=32), 1).profile  # Q, K, V 128 wide on hidden 64
+    assert wide.fwd.a2 / profile.fwd.a2 == pytest.approx(2 * (h * 3 * 128 + 128 * h + 2 * h * f) / base)
+    assert wide.fwd.a1 == pytest.approx(2 * profile.fwd.a1) and wide.fwd.ac == pytest.approx(2 * profile.fwd.ac)
+    same = CostModel(placed(profile, normalization="RMSNorm", bias=False), 1).profile
+    assert same.fwd.vector().tolist() == profile.fwd.vector().tolist()
+
+
 def test_chunk_times_scale_and_a_shape_round_trip_is_identity():
     profile = load_profile("test-model")
     chunks = [Chunk(0, "batched", [Segment(0, 0, 512), Segment(1, 0, 256)]), Chunk(1, "split", [Segment(2, 1024, 1536)])]

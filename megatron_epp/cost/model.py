@@ -26,6 +26,7 @@ class ChunkCosts:
     rc_layer: np.ndarray  # (n,) recompute time of one layer
     act_layer: np.ndarray  # (n,) activations of one non-checkpointed layer (K/V buffers apart)
     ckpt_layer: np.ndarray  # (n,) what one checkpointed layer keeps
+    rc_input: np.ndarray  # (n,) what a recomputing layer holds beside its saved tensors and its kept input (0: they share it)
     kv_layer: np.ndarray  # (n,) one layer's K/V buffer rows of the chunk's slice (all its tokens if C = 0: a first slice)
     lone_layer: np.ndarray  # (n,) what one layer of a one-segment chunk does not save if it is a slice
     logits: np.ndarray  # (n,) held by the output head on the last stage
@@ -92,6 +93,7 @@ class CostModel:
             rc_layer=s * self.layer_time(feats, p.recompute),
             act_layer=act,
             ckpt_layer=m.ckpt_token * tokens,
+            rc_input=m.recompute_input_token * tokens,
             # which chunks are slices (a first slice has the features of a whole sequence) is the plan's
             # to say: the memory walk applies kv_layer and lone_layer to the slices of split sequences
             kv_layer=m.kv_token * np.where(context > 0, slice_tokens, tokens),

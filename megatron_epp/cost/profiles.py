@@ -38,7 +38,12 @@ PROFILE_SOURCES = ("measured", "analytic")  # a profile's "source": fitted to ti
 
 @dataclass(frozen=True)
 class ModelShape:
-    """A decoder-only transformer's shape (LLaMA-style: SwiGLU MLP, untied output layer)."""
+    """A decoder-only transformer's shape (LLaMA-style: SwiGLU MLP, untied output layer).
+
+    ``num_kv_heads``: K/V heads (grouped-query attention; None: ``num_heads``); ``kv_channels``: the
+    head dimension (None: ``hidden / num_heads``); ``normalization``: ``LayerNorm`` or ``RMSNorm``;
+    ``bias``: the linear layers have biases (``--disable-bias-linear``: False).
+    """
 
     name: str
     num_layers: int
@@ -50,22 +55,44 @@ class ModelShape:
     swiglu: bool = True
     rope: bool = True  # rotary positions (False: learned absolute positions); changes what attention saves
     dtype: str = "float32"  # the activations' dtype (DTYPE_BYTES): what autograd saves and the K/V buffers hold
-    # parameters beyond the layers' weights, counted by ``rank_parameters`` (model states): biases in every linear
-    # layer and norm (GPT-style; LLaMA-style has none), one embedding table shared with the output layer, and the
-    # rows of a learned position table (0: none, RoPE)
-    bias: bool = False
+    kv_channels: int | None = None
+    normalization: str = "LayerNorm"
+    bias: bool = True
+    # parameters beyond the layers' weights, counted by ``rank_parameters`` (model states): one embedding table
+    # shared with the output layer, and the rows of a learned position table (0: none, RoPE)
     tied_embeddings: bool = False
     learned_positions: int = 0
 
     @property
+    def head_dim(self) -> int:
+        return self.kv_channels or self.hidden // self.num_heads
+
+    @property
+    def q_hidden(self) -> int:
+        """The queries' (and the attention output's) width: ``heads x head_dim``."""
+        return self.num_heads * self.head_dim
+
+    @property
     def kv_hidden(self) -> int:
-        return self.hidden * (self.num_kv_heads or self.num_heads) // self.num_heads
+        """The keys' (or values') width: ``kv_heads x head_dim``."""
+        return (self.num_kv_heads or self.num_heads) * self.head_dim
+
+    def gemm_params_per_layer(self) -> int:
+        """Weights of the layer's GEMMs: QKV, output projection, MLP (fc1 twice as wide with SwiGLU)."""
+        h = self.hidden
+        return h * (self.q_hidden + 2 * self.kv_hidden) + self.q_hidden * h + (3 if self.swiglu else 2) * h * self.ffn_hidden
+
+    @property
+    def norm_params(self) -> int:
+        """One norm's parameters: a weight, and a bias for LayerNorm."""
+        return (2 if self.normalization == "LayerNorm" else 1) * self.hidden
 
     def params_per_layer(self) -> int:
-        h = self.hidden
-        attn = h * (h + 2 * self.kv_hidden) + h * h
-        mlp = (3 if self.swiglu else 2) * h * self.ffn_hidden
-        return attn + mlp + 2 * h
+        """Every parameter of a layer: GEMM weights, two norms, biases."""
+        h, f = self.hidden, self.ffn_hidden
+        norms = 2 * self.norm_params
+        biases = (self.q_hidden + 2 * self.kv_hidden + h + (2 if self.swiglu else 1) * f + h) if self.bias else 0
+        return self.gemm_params_per_layer() + norms + biases
 
     def rank_parameters(self, layers_per_stage: Sequence[int], tp: int) -> np.ndarray:
         """Parameters one tensor-parallel rank of each pipeline stage holds, exactly as Megatron-Core's GPTModel
@@ -73,28 +100,28 @@ class ModelShape:
         ``tp``; norms, row-parallel biases and learned positions whole on every rank. The first stage holds the
         embedding (and positions), the last the final norm and the output layer (the embedding itself when tied
         on one stage; a copy of it on the last stage when tied across stages)."""
-        h, kv, f, b = self.hidden, self.kv_hidden, self.ffn_hidden, int(self.bias)
+        h, q, kv, f, b = self.hidden, self.q_hidden, self.kv_hidden, self.ffn_hidden, int(self.bias)
         fc1 = (2 if self.swiglu else 1) * f
-        split = h * (h + 2 * kv) + h * h + h * fc1 + f * h + b * (h + 2 * kv + fc1)  # QKV, proj, fc1, fc2 (+ biases)
-        whole = 2 * h * (1 + b) + b * 2 * h  # two norms, proj and fc2 biases
+        split = h * (q + 2 * kv) + q * h + h * fc1 + f * h + b * (q + 2 * kv + fc1)  # QKV, proj, fc1, fc2 (+ biases)
+        whole = 2 * self.norm_params + b * 2 * h  # two norms, proj and fc2 biases
         params = np.asarray(layers_per_stage, dtype=float) * (split / tp + whole)
         params[0] += self.vocab * h / tp + self.learned_positions * h
-        params[-1] += h * (1 + b) + (0 if self.tied_embeddings and len(params) == 1 else self.vocab * h / tp)
+        params[-1] += self.norm_params + (0 if self.tied_embeddings and len(params) == 1 else self.vocab * h / tp)
         return params
 
     def gemm_flops_per_token(self) -> float:
         """Forward GEMM FLOPs of one layer per token (2 per multiply-add)."""
-        return 2.0 * (self.params_per_layer() - 2 * self.hidden)
+        return 2.0 * self.gemm_params_per_layer()
 
     def training_flops(self, seq_lengths) -> float:
         """Model FLOPs of one training pass (forward + backward = 3 x forward; recompute not counted) over causal
         sequences of ``seq_lengths`` tokens, each attending only to itself: per layer the GEMMs per token and,
-        per sequence of ``n`` tokens, ``n (n + 1) / 2`` query-key pairs at ``4 h`` FLOPs each (``Q K^T`` and
+        per sequence of ``n`` tokens, ``n (n + 1) / 2`` query-key pairs at ``4 heads x head_dim`` FLOPs each (``Q K^T`` and
         ``P V``); the output layer ``2 h V`` per token. A sequence cut into slices has the same pairs (each
         slice's queries attend to the slices before it and causally to itself), so it counts as the whole."""
         n = np.asarray(seq_lengths, dtype=np.float64)
         tokens, pairs = n.sum(), (n * (n + 1) / 2).sum()
-        layer = self.gemm_flops_per_token() * tokens + 4.0 * self.hidden * pairs
+        layer = self.gemm_flops_per_token() * tokens + 4.0 * self.q_hidden * pairs
         return 3.0 * (self.num_layers * layer + 2.0 * self.hidden * self.vocab * tokens)
 
 
@@ -134,7 +161,10 @@ class MemoryCoeffs:
     buffers: 1 where the allocator is measured, 0 where saved tensors are). Model states per
     parameter: ``weight``, ``grad`` and ``optim`` bytes (the last divided by the data-parallel size
     when ``distributed_optimizer``). ``p2p_token``: bytes one GPU sends per token between stages.
-    ``derive``: ``""`` (the numbers as given), or the analytic count the activation coefficients are
+    ``recompute_input_token``: what a recomputing layer holds beside its own saved tensors and its kept
+    input (``ckpt_token``) per token, where those do not share the kept input's storage (RMSNorm on a
+    bf16 input saves an fp32 copy of it, not the input: ``b h``; 0 where the first norm saves the
+    input itself). ``derive``: ``""`` (the numbers as given), or the analytic count the activation coefficients are
     re-derived from for the profile's model shape (:func:`shape_memory`): ``"saved-tensors"`` (what
     autograd saves on CPU, counted tensor by tensor in the shape's dtype) or ``"megatron-gpu"`` (Megatron's
     ``34 h / tp`` with flash attention).
@@ -156,6 +186,7 @@ class MemoryCoeffs:
     embed_token: float = 0.0
     bwd_workspace: float = 1.0
     derive: str = ""
+    recompute_input_token: float = 0.0
 
 
 def megatron_model_state(dtype: str, distributed_optimizer: bool) -> dict[str, Any]:
@@ -246,11 +277,12 @@ class Profile:
             raise ValueError(f"{path}: {error}") from None
 
 
+_LLAMA = {"normalization": "RMSNorm", "bias": False}  # and SwiGLU, RoPE: ModelShape's defaults
 # Published LLaMA shapes (LLaMA-1 paper, table 2; "30B" is the 32.5B model), trained in bf16.
 MODEL_PRESETS: dict[str, ModelShape] = {
-    "llama-7b": ModelShape("llama-7b", 32, 4096, 32, 11008, 32000, dtype="bfloat16"),
-    "llama-13b": ModelShape("llama-13b", 40, 5120, 40, 13824, 32000, dtype="bfloat16"),
-    "llama-30b": ModelShape("llama-30b", 60, 6656, 52, 17920, 32000, dtype="bfloat16"),
+    "llama-7b": ModelShape("llama-7b", 32, 4096, 32, 11008, 32000, dtype="bfloat16", **_LLAMA),
+    "llama-13b": ModelShape("llama-13b", 40, 5120, 40, 13824, 32000, dtype="bfloat16", **_LLAMA),
+    "llama-30b": ModelShape("llama-30b", 60, 6656, 52, 17920, 32000, dtype="bfloat16", **_LLAMA),
 }
 
 # The CPU test model of the project (fp32, one thread): GPT-style GELU MLP, 8 layers.
@@ -317,11 +349,17 @@ def analytic_profile(shape: ModelShape, tp: int = 8, acc: Accelerator = H100) ->
 
 def gpu_activation_memory(shape: ModelShape, tp: int) -> dict[str, float]:
     """Megatron's activation count per layer and token (bf16 whatever the shape's dtype, sequence
-    parallel, flash attention: no quadratic term): ``34 h / tp``, of which the attention's K and V (``2 * 2 h_kv / tp``) are what
-    a lone slice reads from its K/V buffer instead; a checkpointed layer keeps its bf16 input."""
-    h, kv = shape.hidden, 2 * 2.0 * shape.kv_hidden / tp
+    parallel, flash attention: no quadratic term), ``34 h / tp`` for a GPT layer: the attention's
+    QKV input ``2 h``, Q ``2 q``, K and V ``2 * 2 h_kv``, the output projection's input ``2 q`` and a
+    dropout mask ``h``; the MLP's fc1 input ``2 h``, activation input ``2 f`` (SwiGLU: fc1's whole
+    output, ``4 f``), fc2 input ``2 f`` and a dropout mask ``h``; the two norms' inputs ``4 h``
+    (``q = heads x head_dim``, ``h_kv`` the K/V heads' width: GQA saves smaller K and V). K and V are
+    what a lone slice reads from its K/V buffer instead; a checkpointed layer keeps its bf16 input."""
+    h, q, f, kv = shape.hidden, shape.q_hidden, shape.ffn_hidden, 2 * 2.0 * shape.kv_hidden / tp
+    attention = 2 * h + 2 * q + 2 * q + h
+    mlp = 2 * h + (4 if shape.swiglu else 2) * f + 2 * f + h
     return {
-        "act_token": 34.0 * h / tp, "act_area": 0.0, "act_context": 0.0, "ckpt_token": 2.0 * h / tp,
+        "act_token": (attention + mlp + 4 * h) / tp + kv, "act_area": 0.0, "act_context": 0.0, "ckpt_token": 2.0 * h / tp,
         "kv_token": kv, "lone_slice_token": kv, "logits_token": 4.0 * shape.vocab / tp,
     }
 
@@ -331,54 +369,70 @@ def saved_tensor_memory(shape: ModelShape, tp: int = 1) -> dict[str, float]:
     :class:`~megatron_epp.executor.memory_tracker.ActivationMemoryTracker` counts them), for one
     Megatron-Core local-spec layer with :class:`ElasticAttention` on the SDPA-masked path (CPU),
     activations of ``b`` bytes (``DTYPE_BYTES`` of the shape's dtype: a model cast to bf16 saves
-    half, except the fp32 logsumexp and logits' softmax), no dropout. Per token of a chunk, one layer
-    saves:
+    half, except the fp32 logsumexp, RMSNorm's fp32 internals and logits' softmax), no dropout. With
+    ``q = heads x d`` the queries' width (``d`` the head dimension, ``kv_channels``) and ``h_kv`` the
+    K/V heads' (grouped-query attention: fewer K/V heads), per token of a chunk, one layer saves:
 
-    * input layernorm: its input ``b h`` and its mean and rstd (``2 b``: the input's dtype on CPU);
-      the QKV linear: its input ``b h``;
-    * RoPE: ``cos`` and ``sin`` of q and of k (4 x ``b d``, ``d = h / heads``); q and k after RoPE
-      (``b h`` and ``b h_kv``, new storages) and V as a view of the QKV output (``b (h + 2 h_kv)``);
-      without RoPE q, k and v are all views of the QKV output;
-    * SDPA (CPU flash kernel, explicit mask): q, k, v, its output (``b h``), the logsumexp (fp32 per
-      head) and the boolean mask converted to a float mask, ``b s (C + s)`` per segment: the
-      quadratic term (one mask per layer and segment, not per head);
-    * the output projection's input ``b h``; pre-MLP layernorm ``b h + 2 b``; fc1's input ``b h``;
-      the activation's input ``b f`` (``2 b f`` with SwiGLU); fc2's input ``b f``.
+    * each of the two norms: LayerNorm its input ``b h`` and its mean and rstd (``2 b``: the input's
+      dtype on CPU); RMSNorm (PyTorch's composite ``torch.nn.RMSNorm``, computed in fp32) the fp32
+      input, its rstd and the fp32 normalised input before the weight: ``8 h + 4`` in any dtype;
+    * the QKV linear: its input ``b h``;
+    * RoPE: ``cos`` and ``sin`` of q and of k (4 x ``b d``); q and k after RoPE (``b q`` and
+      ``b h_kv``, new storages) and V as a view of the QKV output (``b (q + 2 h_kv)``); without
+      RoPE q, k and v are all views of the QKV output;
+    * SDPA (CPU flash kernel, explicit mask, ``enable_gqa``: the K/V heads as they are, no repeated
+      copies): q, k, v, its output (``b q``), the logsumexp (fp32 per query head) and the boolean mask
+      converted to a float mask, ``b s (C + s)`` per segment: the quadratic term (one mask per layer
+      and segment, not per head);
+    * the output projection's input ``b q``; fc1's input ``b h``; the MLP's activation: GELU its
+      input ``b f`` and fc2's input ``b f``; SwiGLU (megatron-core's unfused ``glu``) fc1's whole
+      output ``2 b f`` (SiLU's input is a view of it), SiLU's output, the linear half plus its offset
+      (a new tensor) and fc2's input, ``b f`` each: ``5 b f``.
 
-    A split sequence's K/V buffer holds ``2 b h_kv`` per token of the whole sequence and layer
-    (``kv_token``: its K and V rows); each slice writes its K/V there and SDPA reads (and saves) the
-    slice's rows ``[0, C + s)`` in place, so no copy of the prefix is saved (``act_context`` =
-    ``act_slice`` = 0). In a chunk that is only a slice, the K after RoPE and the QKV output are then
-    saved by nothing (``lone_slice_token``; without RoPE the query is a view of the QKV output, which
-    stays saved). A checkpointed layer keeps its input (``b h``). The last stage keeps the final
-    layernorm (``b h + 2 b``), the output layer's input (``b h``), the fp32 softmax of the logits
-    (``4 V``), the loss's target mask and indices (1 + 8) and the loss mask (4); the first stage the
-    token ids (8; and position ids, 8, with learned positions). Measured by
-    ``tests/test_planner_memory.py`` against the tracker on real chunks, fp32 and bf16.
+    Biases save nothing (``--disable-bias-linear`` changes no activation). A split sequence's K/V
+    buffer holds ``2 b h_kv`` per token of the whole sequence and layer (``kv_token``: its K and V rows);
+    each slice writes its K/V there and SDPA reads (and saves) the slice's rows ``[0, C + s)`` in place,
+    so no copy of the prefix is saved (``act_context`` = ``act_slice`` = 0). In a chunk that is only a
+    slice, the K after RoPE and the QKV output are then saved by nothing (``lone_slice_token``; without
+    RoPE the query is a view of the QKV output, which stays saved). A checkpointed layer keeps its input
+    (``b h``). The last stage keeps the final norm (as above), the output layer's input (``b h``), the
+    fp32 softmax of the logits (``4 V``), the loss's target mask and indices (1 + 8) and the loss mask
+    (4); the first stage the token ids (8; and position ids, 8, with learned positions). Measured by
+    ``tests/test_planner_memory.py`` against the tracker on real chunks, fp32 and bf16, GPT- and
+    LLaMA-style.
     """
-    if shape.num_kv_heads not in (None, shape.num_heads):
-        raise ValueError("saved_tensor_memory: grouped-query attention is not counted (K/V are repeated per head)")
     if shape.dtype not in DTYPE_BYTES:
         raise ValueError(f"saved_tensor_memory: activations of dtype {shape.dtype} are not counted (known: {', '.join(DTYPE_BYTES)})")
+    if shape.normalization not in NORM_SAVED:
+        raise ValueError(f"saved_tensor_memory: normalization {shape.normalization} is not counted (known: {', '.join(NORM_SAVED)})")
     b = float(DTYPE_BYTES[shape.dtype])
-    H = shape.hidden  # layernorm inputs and outputs are whole on every tensor-parallel rank
-    h, kv, heads, f = H / tp, shape.kv_hidden / tp, shape.num_heads / tp, shape.ffn_hidden / tp
-    d = h / heads
-    qkv = b * (h + 2 * kv)
-    attn_views = (4 * b * d + b * h + b * kv + qkv) if shape.rope else qkv  # RoPE's cos/sin, q, k; the QKV output
+    H = shape.hidden  # norm inputs and outputs are whole on every tensor-parallel rank
+    q, kv, heads, f, d = shape.q_hidden / tp, shape.kv_hidden / tp, shape.num_heads / tp, shape.ffn_hidden / tp, shape.head_dim
+    norm = NORM_SAVED[shape.normalization](b, H)
+    qkv = b * (q + 2 * kv)
+    attn_views = (4 * b * d + b * q + b * kv + qkv) if shape.rope else qkv  # RoPE's cos/sin, q, k; the QKV output
     per_token = (
-        2 * (b * H + 2 * b)  # the two layernorms
+        2 * norm  # the two norms
         + 2 * b * H  # QKV linear and fc1 inputs
-        + attn_views + b * h + 4 * heads  # + SDPA output and logsumexp
-        + b * h  # output projection input
-        + (2 if shape.swiglu else 1) * b * f + b * f  # activation and fc2 inputs
+        + attn_views + b * q + 4 * heads  # + SDPA output and logsumexp
+        + b * q  # output projection input
+        + (5 if shape.swiglu else 2) * b * f  # the MLP's activation and fc2 inputs
     )
     return {
         "act_token": per_token, "act_area": b, "act_context": 0.0, "act_slice": 0.0,
         "lone_slice_token": b * kv + qkv if shape.rope else 0.0, "ckpt_token": b * H, "kv_token": 2 * b * kv,
-        "logits_token": 2 * b * H + 2 * b + 4 * shape.vocab / tp + 13, "embed_token": 8.0 if shape.rope else 16.0,
+        "logits_token": norm + b * H + 4 * shape.vocab / tp + 13, "embed_token": 8.0 if shape.rope else 16.0,
         "bwd_workspace": 0.0,
+        # the recomputed layer's first norm saves its input itself, except RMSNorm's fp32 copy of a bf16 input
+        "recompute_input_token": b * H if shape.normalization == "RMSNorm" and b != 4 else 0.0,
     }
+
+
+# bytes one norm saves per token, from the activations' bytes ``b`` and the hidden size (saved_tensor_memory)
+NORM_SAVED = {
+    "LayerNorm": lambda b, h: b * h + 2 * b,  # input; mean and rstd in the input's dtype
+    "RMSNorm": lambda b, h: 8.0 * h + 4.0,  # fp32 input (a copy unless fp32), fp32 rstd, fp32 normalised input
+}
 
 
 _DERIVATIONS = {"saved-tensors": saved_tensor_memory, "megatron-gpu": gpu_activation_memory}
@@ -401,17 +455,20 @@ def time_scale_factors(ref: ModelShape, shape: ModelShape) -> dict[str, float]:
     FLOPs (same device, same tensor-parallel size, same kernels assumed):
 
     * ``a2`` (per token): the layer's GEMM FLOPs per token, ``2 (h (h + 2 h_kv) + h^2 + k h f)``
-      (QKV, output projection, MLP with ``k`` = 2, or 3 with SwiGLU): everything per token that is
-      not a GEMM (layernorms, biases, activation, residuals, RoPE; linear in ``h``) is lumped in;
-    * ``a1``, ``a1c`` (per key-query pair): ``4 h`` FLOPs per pair (``Q K^T`` and ``P V`` over all
-      heads), so ``h``; the per-pair softmax and mask work per head is lumped in;
+      (QKV, output projection, MLP with ``k`` = 2, or 3 with SwiGLU; ``h_kv`` the K/V heads' width with
+      grouped-query attention; with ``kv_channels`` the query width ``heads x head_dim`` in place of
+      ``h`` where it applies): everything per token that is not a GEMM (layernorms, biases, activation, residuals, RoPE; linear in ``h``) is lumped in;
+    * ``a1``, ``a1c`` (per key-query pair): ``4 heads d`` FLOPs per pair (``Q K^T`` and ``P V`` over all
+      query heads, whatever the K/V heads: grouped-query attention shares K/V, not the products), so
+      ``q_hidden = heads x head_dim`` (``h`` without ``kv_channels``); the per-pair softmax and mask
+      work per head is lumped in;
     * ``ac`` (per prefix token; fitted when the prefix K/V were copied before the attention call): ``h_kv``;
     * ``bs``, ``b1`` (per segment, per chunk: launches, Python): unchanged;
     * the output head's ``a2``: the logits GEMM, ``h * vocab`` (the softmax over ``vocab`` lumped in).
     """
     return {
         "a2": shape.gemm_flops_per_token() / ref.gemm_flops_per_token(),
-        "a1": shape.hidden / ref.hidden,
+        "a1": shape.q_hidden / ref.q_hidden,
         "ac": shape.kv_hidden / ref.kv_hidden,
         "head": shape.hidden * shape.vocab / (ref.hidden * ref.vocab),
     }

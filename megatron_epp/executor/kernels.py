@@ -148,12 +148,14 @@ def reset_decisions() -> None:
 
 def segment_attention(q, k, v, mask: torch.Tensor | None, dropout: float = 0.0, scale: float | None = None, causal: bool = False) -> torch.Tensor:
     """One segment's attention, [s, b, heads, d] in and out, under a bottom-right causal ``mask``
-    (or, with ``mask=None, causal=True``, SDPA's own causal mask: the same when keys = queries)."""
+    (or, with ``mask=None, causal=True``, SDPA's own causal mask: the same when keys = queries).
+    ``k``/``v`` may have fewer heads than ``q`` (grouped-query attention: query head ``i`` reads K/V
+    head ``i // (heads / kv_heads)``), passed to SDPA as they are (``enable_gqa``)."""
     q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-    if k.shape[1] != q.shape[1]:  # grouped-query attention
-        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal and mask is None, scale=scale)
+    out = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal and mask is None, scale=scale,
+        enable_gqa=k.shape[1] != q.shape[1],  # grouped-query attention: the K/V heads are shared, never repeated
+    )
     return out.permute(2, 0, 1, 3)
 
 

@@ -18,7 +18,8 @@ layer recomputes. So each op gives the walk one or two *rows* (moments):
   run in backward: the layers after it have already freed what they saved (and the output head its
   tensors; a first slice its K/V buffers of those layers too), the earlier checkpointed layers still
   hold their inputs and the recomputed layer holds its full activations. With ``c`` checkpointed
-  layers that is ``act - ckpt + c * (ckpt + buffer)``, growing with ``c``.
+  layers that is ``act - ckpt + c * (ckpt + buffer)``, growing with ``c`` (plus ``rc_input`` where the
+  recomputed layer saves a copy of its kept input, not the input itself: RMSNorm on bf16).
 
 Memory at every row is ``base - live @ (saving * recompute)``, linear in the stage's
 checkpointed-layer counts (the planner's decision variables): ``live[r, k]`` is 1 while chunk ``k``
@@ -96,7 +97,8 @@ def stage_memory(pipe: Pipeline, stage: int, num_stages: int, costs: ChunkCosts,
             base[r] += costs.workspace[k]
             continue
         # chunk k during the recompute of its last checkpointed layer: act - ckpt + c * (ckpt + buffer)
-        base[r] += embed[k] + act[k] - costs.ckpt_layer[k] - resident[k]
+        # (+ rc_input where the recomputed layer's saved tensors do not share its kept input)
+        base[r] += embed[k] + act[k] - costs.ckpt_layer[k] + costs.rc_input[k] - resident[k]
         live[r, k] = -(costs.ckpt_layer[k] + buffer[k]) / saving[k]
     return StageMemory(ops, base, live, saving, bwd_rows, row_op)
 

@@ -32,7 +32,7 @@ from megatron_epp.executor.memory_tracker import ActivationMemoryTracker
 from megatron_epp.executor.rotary import ChunkRotaryEmbedding
 from megatron_epp.executor.spec import elastic_layer_spec
 from megatron_epp.plan import Chunk, Segment
-from megatron_epp.training.model import elastic_base_layer_spec
+from megatron_epp.training.model import architecture_config, elastic_base_layer_spec
 
 
 _initialized = False
@@ -73,6 +73,8 @@ class LayerStack(torch.nn.Module):
             hidden_size=shape.hidden,
             num_attention_heads=shape.num_heads,
             ffn_hidden_size=shape.ffn_hidden,
+            **architecture_config(swiglu=shape.swiglu, normalization=shape.normalization, num_query_groups=shape.num_kv_heads,
+                                  kv_channels=shape.kv_channels, bias=shape.bias),
             use_cpu_initialization=on_cpu,  # else RoPE's frequencies are made on the current GPU
             params_dtype=dtype,
             bf16=dtype == torch.bfloat16,
@@ -80,7 +82,7 @@ class LayerStack(torch.nn.Module):
             attention_dropout=0.0,
         )
         self.context = ChunkContext()
-        spec = elastic_layer_spec(elastic_base_layer_spec(), self.context)
+        spec = elastic_layer_spec(elastic_base_layer_spec(shape.normalization), self.context)
         self.layers = torch.nn.ModuleList(build_module(spec, config=config, layer_number=i + 1) for i in range(num_layers))
         self.rotary = ChunkRotaryEmbedding(RotaryEmbedding(config.kv_channels, rotary_percent=1.0, use_cpu_initialization=on_cpu), self.context) if shape.rope else None
         self.head = torch.nn.Linear(shape.hidden, shape.vocab, bias=False)
@@ -94,7 +96,7 @@ class LayerStack(torch.nn.Module):
         in a plan) gets a K/V buffer per layer whose prefix rows ``[0, C)`` hold random K/V."""
         if sum(c > 0 for c in contexts) > 1:
             raise ValueError("a chunk holds at most one slice with context")
-        heads, d = self.shape.num_heads, self.shape.hidden // self.shape.num_heads
+        heads, d = self.shape.num_kv_heads or self.shape.num_heads, self.shape.head_dim
         chunk = Chunk(0, "batched", [Segment(i, c, c + s) for i, (s, c) in enumerate(zip(lengths, contexts))])
         self.context.clear()
         self.context.current = ChunkLayout.build(chunk, [c + s for s, c in zip(lengths, contexts)], self.device)

@@ -36,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-layers", type=int, default=4)
     g.add_argument("--hidden-size", type=int, default=64)
     g.add_argument("--num-attention-heads", type=int, default=4)
-    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default: 4 x hidden size")
+    g.add_argument("--ffn-hidden-size", type=int, default=None,
+                   help="default: 4 x hidden size; with --swiglu 8/3 x hidden size rounded down to a multiple of 64 (Megatron-LM's)")
     g.add_argument("--seq-length", type=int, default=128)
     g.add_argument("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
     g.add_argument("--position-embedding-type", choices=["rope", "learned_absolute"], default="rope")
@@ -45,6 +46,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--hidden-dropout", type=float, default=0.0)
     g.add_argument("--attention-dropout", type=float, default=0.0)
     g.add_argument("--init-method-std", type=float, default=0.02)
+    # LLaMA-style architecture (Megatron-LM's names)
+    g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (gated SiLU: fc1 is 2 x --ffn-hidden-size wide)")
+    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
+    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--group-query-attention", action="store_true", help="grouped-query attention (needs --num-query-groups)")
+    g.add_argument("--num-query-groups", type=int, default=None, help="K/V heads with --group-query-attention")
+    g.add_argument("--kv-channels", type=int, default=None, help="head dimension (default: --hidden-size / --num-attention-heads)")
+    g.add_argument("--disable-bias-linear", action="store_true", help="no biases in the linear layers")
+    g.add_argument("--rotary-base", type=int, default=None, help=f"RoPE's base (theta; default {ROTARY_BASE})")
 
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
@@ -185,11 +195,15 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         args.epp_metrics = os.path.join(args.tensorboard_dir or args.save, "metrics.jsonl")
     if args.num_layers % pp:
         raise ArgumentError(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
-    if args.hidden_size % args.num_attention_heads:
-        raise ArgumentError("--hidden-size must be divisible by --num-attention-heads")
+    if args.kv_channels is None and args.hidden_size % args.num_attention_heads:
+        raise ArgumentError("--hidden-size must be divisible by --num-attention-heads (or give --kv-channels)")
     if args.num_attention_heads % tp:
         raise ArgumentError("--num-attention-heads must be divisible by --tensor-model-parallel-size")
-    args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
+    validate_architecture(args)
+    if args.ffn_hidden_size is None:  # as Megatron-LM: SwiGLU's three GEMMs at the parameters of GELU's two, in multiples of 64
+        args.ffn_hidden_size = int(4 * args.hidden_size * 2 / 3 / 64) * 64 if args.swiglu else 4 * args.hidden_size
+        if args.ffn_hidden_size < 1:
+            raise ArgumentError(f"--swiglu with --hidden-size {args.hidden_size}: give --ffn-hidden-size (the default rounds 8/3 x hidden down to 64s: 0)")
     args.max_position_embeddings = args.max_position_embeddings or args.seq_length
     if args.max_position_embeddings < args.seq_length:
         raise ArgumentError("--max-position-embeddings is smaller than --seq-length")
@@ -285,6 +299,34 @@ def validate_wandb_args(args: argparse.Namespace) -> None:
     if args.wandb_save_dir is None and args.save:
         args.wandb_save_dir = os.path.join(args.save, "wandb")
 
+
+def validate_architecture(args: argparse.Namespace) -> None:
+    """The LLaMA-style flags: grouped-query attention, head dimension, norm epsilon, rotary base."""
+    heads, tp = args.num_attention_heads, args.tensor_model_parallel_size
+    if args.num_query_groups is not None and not args.group_query_attention:
+        raise ArgumentError("--num-query-groups needs --group-query-attention")
+    if args.group_query_attention:
+        groups = args.num_query_groups
+        if groups is None:
+            raise ArgumentError("--group-query-attention needs --num-query-groups N")
+        if groups < 1 or heads % groups:
+            raise ArgumentError(f"--num-attention-heads {heads} is not divisible by --num-query-groups {groups}")
+        if groups % tp:
+            raise ArgumentError(f"--num-query-groups {groups} is not divisible by --tensor-model-parallel-size {tp}")
+    if args.kv_channels is not None and args.kv_channels < 1:
+        raise ArgumentError(f"--kv-channels {args.kv_channels}: must be >= 1")
+    if args.kv_channels is not None and args.position_embedding_type == "rope" and args.kv_channels % 2:
+        raise ArgumentError(f"--kv-channels {args.kv_channels}: RoPE needs an even head dimension")
+    if not args.norm_epsilon > 0:
+        raise ArgumentError(f"--norm-epsilon {args.norm_epsilon}: must be > 0")
+    if args.rotary_base is not None and args.position_embedding_type != "rope":
+        raise ArgumentError("--rotary-base applies only with --position-embedding-type rope")
+    if args.rotary_base is not None and args.rotary_base < 1:
+        raise ArgumentError(f"--rotary-base {args.rotary_base}: must be >= 1")
+    args.rotary_base = args.rotary_base or ROTARY_BASE
+
+
+ROTARY_BASE = 10000  # Megatron-LM's default RoPE base
 
 UNSUPPORTED_PARALLELISM = {
     "virtual_pipeline_model_parallel_size": "the interleaved (virtual) pipeline schedule is not supported; "

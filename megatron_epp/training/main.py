@@ -20,7 +20,7 @@ from megatron_epp.training.faults import FaultInjection, TrainingFault
 from megatron_epp.training.gpt_step import gpt_forward_step, microbatches
 from megatron_epp.training.initialize import gpu_count, gpu_oversubscription, initialize, local_world_size, shutdown
 from megatron_epp.training.loop import build_optimizer, megatron_step, train
-from megatron_epp.training.model import build_model, layer_spec_summary, transformer_engine_unavailable
+from megatron_epp.training.model import architecture_summary, build_model, layer_spec_summary, transformer_engine_unavailable
 
 
 def build_samples(args: argparse.Namespace, split: str):
@@ -103,6 +103,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   if args.train_samples % args.global_batch_size else "") if args.train_samples else ""),
             flush=True,
         )
+        print(f"> architecture: {architecture_summary(args)}", flush=True)
         print(f"> layers: {layer_spec_summary(args.elastic_pp)}", flush=True)
         if args.elastic_pp:
             print(f"> planner: {planner}", flush=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 import torch
+import torch.nn.functional as F
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -35,23 +36,24 @@ def fused_softmax_unavailable() -> str | None:
     return "no CUDA device" if not torch.cuda.is_available() else probe_fused_softmax()
 
 
-def default_layer_spec() -> ModuleSpec:
-    """The stock path's layers: Transformer Engine's spec when TE's PyTorch layers import on a GPU, else the local one."""
+def default_layer_spec(normalization: str = "LayerNorm") -> ModuleSpec:
+    """The stock path's layers: Transformer Engine's spec when TE's PyTorch layers import on a GPU, else the local one
+    (``normalization``: ``LayerNorm`` or ``RMSNorm``; TE's layers read it from the ``TransformerConfig``)."""
     if transformer_engine_available():
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec()
-    return get_gpt_layer_local_spec()
+    return get_gpt_layer_local_spec(normalization=normalization)
 
 
-def elastic_base_layer_spec() -> ModuleSpec:
+def elastic_base_layer_spec(normalization: str = "LayerNorm") -> ModuleSpec:
     """The spec ``elastic_layer_spec`` builds elastic layers on: always Megatron-Core's local one.
 
     Not TE's even where TE imports: ``ElasticAttention`` inside TE's fused layers (TE LayerNormLinear,
     its own RoPE/attention plumbing) is untested, and the planner's memory model counts what the
-    local layers save.
+    local layers save. ``RMSNorm`` is PyTorch's ``torch.nn.RMSNorm`` (megatron-core's ``WrappedTorchNorm``).
     """
-    return get_gpt_layer_local_spec()
+    return get_gpt_layer_local_spec(normalization=normalization)
 
 
 def layer_spec_summary(elastic: bool) -> str:
@@ -72,15 +74,43 @@ def layer_spec_summary(elastic: bool) -> str:
 
 
 def model_shape(args: argparse.Namespace, name: str = "pretrain_gpt") -> ModelShape:
-    """The shape of the GPT this driver builds (GELU MLP, multi-head attention), for the planner's cost model and
-    the model FLOPs of ``--log-throughput``."""
+    """The shape of the GPT- or LLaMA-style model this driver builds, for the planner's cost model and the model
+    FLOPs of ``--log-throughput``."""
     return ModelShape(
         name, args.num_layers, args.hidden_size, args.num_attention_heads, args.ffn_hidden_size, args.vocab_size,
-        num_kv_heads=None, swiglu=False, rope=args.position_embedding_type == "rope",
+        num_kv_heads=args.num_query_groups if args.group_query_attention else None, kv_channels=args.kv_channels,
+        swiglu=args.swiglu, normalization=args.normalization, bias=not args.disable_bias_linear,
+        rope=args.position_embedding_type == "rope",
         dtype="bfloat16" if args.bf16 else "float32",  # what the activations and the K/V buffers are stored in
-        bias=True, tied_embeddings=not args.untie_embeddings_and_output_weights,
+        tied_embeddings=not args.untie_embeddings_and_output_weights,
         learned_positions=args.max_position_embeddings if args.position_embedding_type == "learned_absolute" else 0,
     )
+
+
+def architecture_summary(args: argparse.Namespace) -> str:
+    """One phrase for the start-up line: MLP, norm, attention heads, biases, positions."""
+    heads = args.num_attention_heads
+    groups = args.num_query_groups if args.group_query_attention else heads
+    attention = f"grouped-query attention {heads}:{groups}" if groups != heads else f"{heads}-head attention"
+    parts = [
+        "SwiGLU MLP" if args.swiglu else "GELU MLP",
+        f"{args.normalization} (eps {args.norm_epsilon:g})",
+        attention + f", head dim {args.kv_channels or args.hidden_size // heads}",
+        "no biases" if args.disable_bias_linear else "biases",
+        f"RoPE base {args.rotary_base}" if args.position_embedding_type == "rope" else "learned positions",
+    ]
+    return ", ".join(parts)
+
+
+def architecture_config(*, swiglu: bool, normalization: str, num_query_groups: int | None, kv_channels: int | None,
+                        bias: bool) -> dict:
+    """``TransformerConfig``'s fields for a GPT- or LLaMA-style layer: SwiGLU (gated SiLU) or GELU MLP,
+    LayerNorm or RMSNorm, K/V heads (None: one per query head), head dimension (None: hidden / heads),
+    biases of the linear layers. Shared by the training model and ``tools.layer_bench``."""
+    return {
+        "gated_linear_unit": swiglu, "activation_func": F.silu if swiglu else F.gelu, "normalization": normalization,
+        "num_query_groups": num_query_groups, "kv_channels": kv_channels, "add_bias_linear": bias,
+    }
 
 
 def transformer_config(args: argparse.Namespace, runtime: Runtime) -> TransformerConfig:
@@ -93,6 +123,11 @@ def transformer_config(args: argparse.Namespace, runtime: Runtime) -> Transforme
         hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std,
+        **architecture_config(
+            swiglu=args.swiglu, normalization=args.normalization, kv_channels=args.kv_channels,
+            num_query_groups=args.num_query_groups if args.group_query_attention else None, bias=not args.disable_bias_linear,
+        ),
+        layernorm_epsilon=args.norm_epsilon,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         sequence_parallel=args.sequence_parallel,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
@@ -127,7 +162,8 @@ def build_model(
     DDP and Float16Module wrappers (``get_attr_wrapped_model``).
     """
     config = transformer_config(args, runtime)
-    spec = default_layer_spec() if context is None else elastic_layer_spec(elastic_base_layer_spec(), context)
+    spec = (default_layer_spec(args.normalization) if context is None
+            else elastic_layer_spec(elastic_base_layer_spec(args.normalization), context))
     model = GPTModel(
         config,
         spec,
@@ -137,6 +173,7 @@ def build_model(
         post_process=runtime.is_last_stage,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type,
+        rotary_base=args.rotary_base,
     )
     if context is not None:
         install_chunk_context(model, context)

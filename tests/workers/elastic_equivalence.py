@@ -1,7 +1,7 @@
 """Random elastic plans vs a non-pipelined reference, many cases in one process-group launch.
 
     torchrun ... tests/workers/elastic_equivalence.py OUT --mode reference|elastic --cases N
-        [--fault drop_prefix|drop_prefix_grads|misplaced_kv|leak_packing|forward_order_backward|recompute_without_rng_restore]
+        [--fault drop_prefix|drop_prefix_grads|misplaced_kv|leak_packing|forward_order_backward|recompute_without_rng_restore|gqa_tiled_heads]
         [pretrain_gpt flags...]
 
 ``reference`` (one process): stock Megatron-Core (local spec, no EPP), each whole sequence its own
@@ -98,6 +98,16 @@ def inject(fault: str) -> None:
         recompute_layer.tensor_parallel = type("TP", (), {"checkpoint": staticmethod(checkpoint)})
     elif fault == "forward_order_backward":
         schedule_order.backward_order = lambda pipe: list(range(len(pipe.chunks)))
+    elif fault == "gqa_tiled_heads":
+        from megatron_epp.executor import kernels
+
+        attend = kernels.segment_attention
+
+        def tiled(q, k, v, *rest, **kwargs):  # K/V heads tiled (0 1 0 1), not shared by consecutive query heads (0 0 1 1)
+            repeat = q.shape[2] // k.shape[2]
+            return attend(q, k.repeat(1, 1, repeat, 1), v.repeat(1, 1, repeat, 1), *rest, **kwargs)
+
+        kernels.segment_attention = tiled
     else:
         raise ValueError(fault)
 
