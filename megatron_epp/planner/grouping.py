@@ -16,11 +16,11 @@ import numpy as np
 from megatron_epp.cost.model import ChunkCosts
 
 
-def _running_window_max(x: np.ndarray, start: int, window: int) -> np.ndarray:
-    """``out[e]`` = max over ``q <= e`` of ``sum(x[max(start, q - window) : q])``, for ``e > start``."""
-    S = np.concatenate([[0.0], np.cumsum(x)])
-    q = np.arange(start + 1, len(x) + 1)
-    return np.maximum.accumulate(S[q] - S[np.maximum(start, q - window)])
+def _running_window_max(S: np.ndarray, start: int, window: int, ends: np.ndarray) -> np.ndarray:
+    """``out[e]`` = max over ``start < q <= e`` of ``sum(x[max(start, q - window) : q])`` for every
+    ``e`` of ``ends``, where ``S`` is the prefix sum of ``x`` (``S[0] = 0``)."""
+    q = np.arange(start + 1, ends[-1] + 1)
+    return np.maximum.accumulate(S[q] - S[np.maximum(start, q - window)])[ends - start - 1]
 
 
 def group_units(
@@ -41,6 +41,7 @@ def group_units(
     least = layers[0] * (costs.ckpt_layer + kv) if recompute else full
     rc_per_byte = costs.rc_layer / np.maximum(act - costs.ckpt_layer, 1e-9)
     R = np.concatenate([[0.0], np.cumsum(rc_per_byte)])
+    S_full, S_least = (np.concatenate([[0.0], np.cumsum(x)]) for x in (full, least))
     best = np.full(U + 1, np.inf)
     best[0] = 0.0
     back = np.zeros(U + 1, dtype=int)
@@ -50,16 +51,23 @@ def group_units(
         s = bounds[i]
         window = P + unit_sizes[i] - 1
         ends = bounds[i + 1 :]  # chunk end of groups [i, j) for j = i+1 .. U
+        workspace = np.maximum.accumulate(costs.act_layer[s:])[ends - s - 1]
+        # the floor grows with the group: from the first group that cannot fit on, none can
+        fits = np.searchsorted(_running_window_max(S_least, s, window, ends) + workspace > free_bytes, True)
+        if not fits:
+            continue
+        ends, workspace = ends[:fits], workspace[:fits]
         n = ends - s
-        workspace = np.maximum.accumulate(costs.act_layer[s:])[n - 1]
-        peak = _running_window_max(full, s, window)[n - 1] + workspace
-        floor = _running_window_max(least, s, window)[n - 1] + workspace
+        peak = _running_window_max(S_full, s, window, ends) + workspace
         rc_ms = np.maximum(peak - free_bytes, 0.0) * (R[ends] - R[s]) / n
-        cost = (P - 1) * (T[ends] - T[s]) / n + np.where(floor > free_bytes, np.inf, rc_ms)
+        cost = (P - 1) * (T[ends] - T[s]) / n + rc_ms
         cand = best[i] + cost
-        better = cand < best[i + 1 :]
-        best[i + 1 :][better] = cand[better]
-        back[i + 1 :][better] = i
+        seg = best[i + 1 : i + 1 + len(ends)]
+        better = cand < seg
+        seg[better] = cand[better]
+        back[i + 1 : i + 1 + len(ends)][better] = i
+    if not np.isfinite(best[U]):
+        return [], float("inf")
     groups, j = [], U
     while j > 0:
         groups.append((int(back[j]), j))
