@@ -36,6 +36,8 @@ from megatron_epp.simulator.step import SimResult, simulate
 
 SLICE_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 MIN_CHUNK_TOKENS = 64  # the smallest token cap searched
+REGROUP_TRIES = 3  # regroupings of a finalist the exact walk finds short of memory
+FINALIST_TRIES = 8  # candidates of a family tried, best estimate first, until the exact memory walk fits one
 CAP_RATIO = 2.0  # the token caps searched: a geometric grid of this ratio ...
 CAP_FLOOR_FRACTION = 1 / 32  # ... down to this fraction of the smaller of the longest sequence and the memory cap
 
@@ -162,11 +164,12 @@ class _Search:
             self.cache[key] = units, self.cost_model.costs(feats)
         return self.cache[key]
 
-    def score(self, budget_t: float, cap: int, balance: bool, recompute: bool) -> tuple[float, list[Units] | None]:
+    def score(self, budget_t: float, cap: int, balance: bool, recompute: bool, margin: float = 0.0) -> tuple[float, list[Units] | None]:
         """Proxy score of one chunking: slowest stage's compute plus the grouping overhead (bubbles,
-        estimated recompute); infinite (and no groups) if no grouping fits."""
+        estimated recompute); infinite (and no groups) if no grouping fits. ``margin``: bytes the
+        grouping keeps free beyond its estimate (what the exact walk found it short)."""
         units, costs = self.units(budget_t, cap, balance)
-        groups, overhead = group_units([len(u) for u in units], costs, self.cost_model.layers, self.free, recompute)
+        groups, overhead = group_units([len(u) for u in units], costs, self.cost_model.layers, self.free - margin, recompute)
         if not np.isfinite(overhead):
             return np.inf, None
         return float((costs.fwd + costs.bwd).sum(axis=1).max()) + overhead, [units[a:b] for a, b in groups]
@@ -186,35 +189,38 @@ def token_caps(longest: int, memory_cap: int) -> list[int]:
     return sorted(caps, reverse=True)
 
 
-def _family(search: _Search, balance: bool, recompute: bool, caps: list[int], start_cap: int, slice_counts: Sequence[int]):
-    """Best candidate of one family: ``(score, (slice budget, cap, balance), groups)``, or None when
-    none fits. ``balance``: slice budgets ``work(longest) / K``; a full scan of every ``K`` at
+def _family(search: _Search, balance: bool, recompute: bool, caps: list[int], start_cap: int, slice_counts: Sequence[int]) -> list:
+    """Candidates of one family that the grouping estimate fits, best first: ``(score, (slice budget,
+    cap, balance), groups)``. ``balance``: slice budgets ``work(longest) / K``; a full scan of every ``K`` at
     ``start_cap``, of every cap at the best ``K``, and of every ``K`` at the best cap (no early stop).
     Else fixed-length chunks of every cap and of ``longest / K`` tokens."""
     longest = int(search.lengths.max())
-    best = None
+    found: dict = {}
 
     def scan(keys) -> None:
-        nonlocal best
         for t, c in keys:
-            score, groups = search.score(t, c, balance, recompute)
-            if groups is not None and (best is None or score < best[0]):
-                best = (score, (t, c, balance), groups)
+            if (t, c, balance) not in found:
+                score, groups = search.score(t, c, balance, recompute)
+                if groups is not None:
+                    found[t, c, balance] = (score, (t, c, balance), groups)
+
+    def ranked() -> list:
+        return sorted(found.values(), key=lambda f: f[0])
 
     if not balance:
         scan([(np.inf, t) for t in sorted({max(1, min(caps[0], longest // k)) for k in slice_counts} | set(caps), reverse=True)])
-        return best
+        return ranked()
     work = float(sequence_features([longest])[0] @ search.cost_model.work_vector())
     scan([(work / k, start_cap) for k in slice_counts])
+    if not found:  # nothing fits at the start: the whole grid
+        scan([(work / k, c) for c in caps for k in slice_counts])
     for _ in range(2):  # every cap at the best slice budget, then every slice budget at the best cap
-        if best is None:
-            scan([(work / k, c) for c in caps for k in slice_counts])  # nothing fits at the start: the whole grid
-            return best
-        t, c = best[1][:2]
-        scan([(t, cap) for cap in caps])
-        t, c = best[1][:2]
-        scan([(work / k, c) for k in slice_counts])
-    return best
+        if found:
+            t = ranked()[0][1][0]
+            scan([(t, cap) for cap in caps])
+            c = ranked()[0][1][1]
+            scan([(work / k, c) for k in slice_counts])
+    return ranked()
 
 
 def build_plan(
@@ -225,7 +231,7 @@ def build_plan(
     recompute: Recompute = "adaptive",
     balance: bool = True,
     slice_counts: Sequence[int] = SLICE_COUNTS,
-    time_limit: float = 0.1,
+    time_limit: float = 1.0,
     mip_rel_gap: float = 0.01,
     builder: str = "epp",
 ) -> Plan:
@@ -255,28 +261,47 @@ def build_plan(
     search = _Search(L, cost_model, budget - cost_model.model_state_bytes()[0])
     flags = [f for f, allowed in ((True, recompute != "none"), (False, recompute != "full")) if allowed]
     start_cap = min(memory_cap, caps[0])
-    finalists = [_family(search, b, rc, caps if rc else [c for c in caps if c <= start_cap], start_cap, slice_counts)
+    finalists = [(rc, _family(search, b, rc, caps if rc else [c for c in caps if c <= start_cap], start_cap, slice_counts))
                  for b in ((True, False) if balance else (False,)) for rc in flags]
     if balance and recompute != "full":  # packing only: one slice budget, the longest sequence's work
-        finalists.append(_family(search, True, False, [start_cap], start_cap, [1]))
-    seen, plans, reasons = set(), [], []
+        finalists.append((False, _family(search, True, False, [start_cap], start_cap, [1])))
     modes = [recompute] + (["full"] if recompute in ("adaptive", "greedy") else [])
-    for found in finalists:
-        if found is None or (found[1], tuple(map(len, found[2]))) in seen:
-            continue
-        seen.add((found[1], tuple(map(len, found[2]))))
-        (slice_budget, cap_used, _), groups = found[1], found[2]
-        for mode in modes:
-            plan = make_plan(L, cost_model, groups, builder)
+
+    def evaluate(found: tuple, rc: bool) -> list[Plan]:
+        """The finalist's plans (its recompute, and the full variant), regrouped with the margin the
+        exact walk finds the grouping estimate short by; raises MemoryInfeasible if it stays short."""
+        (slice_budget, cap_used, balanced), groups = found[1], found[2]
+        margin = 0.0
+        for attempt in range(REGROUP_TRIES):
             try:
-                extra = apply_recompute(plan, cost_model, budget, mode, time_limit, mip_rel_gap)
+                out: list[Plan] = []
+                for mode in modes:
+                    if out and out[-1].recomputed_layers() == 0:
+                        break  # needs no recompute: the full variant is only slower
+                    plan = make_plan(L, cost_model, groups, builder)
+                    extra = apply_recompute(plan, cost_model, budget, mode, time_limit, mip_rel_gap)
+                    extra.update(slice_budget_ms=slice_budget, token_cap=cap_used)
+                    out.append(finish(plan, cost_model, budget, t0, extra, validate=False))
+                return out
+            except MemoryInfeasible as e:
+                margin += e.excess_bytes
+                groups = search.score(slice_budget, cap_used, balanced, rc, margin)[1]
+                if groups is None or attempt == REGROUP_TRIES - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    seen, plans, reasons = set(), [], []
+    for rc, family in finalists:
+        for found in family[:FINALIST_TRIES]:  # the best by the estimate that the exact walk fits
+            key = (found[1], tuple(map(len, found[2])))
+            if key in seen:
+                break
+            seen.add(key)
+            try:
+                plans += evaluate(found, rc)
+                break
             except MemoryInfeasible as e:
                 reasons.append(str(e))
-                break
-            if mode == "full" and plans and plans[-1].recomputed_layers() == 0:
-                break  # needs no recompute: the full variant is slower
-            extra.update(slice_budget_ms=slice_budget, token_cap=cap_used)
-            plans.append(finish(plan, cost_model, budget, t0, extra, validate=False))
     if not plans:
         why = reasons[0] if reasons else f"no grouping fits even with chunks of {caps[-1]} tokens"
         raise PlanInfeasible(f"no {recompute!r} plan fits {memory_gb} GB per GPU: {why}")

@@ -21,8 +21,8 @@ from megatron_epp.planner.config import Recompute
 from megatron_epp.simulator.memory import StageMemory
 
 
-NODE_LIMIT = 2000  # branch-and-bound nodes per program: the deterministic work limit
-NONZEROS_PER_SECOND = 20_000  # the wall-clock safety limit: ``time_limit`` seconds per this many nonzeros
+NODE_LIMIT = 500  # branch-and-bound nodes per program: the deterministic work limit
+NONZEROS_PER_SECOND = 10_000  # the wall-clock safety limit: ``time_limit`` seconds per this many nonzeros
 
 
 class MemoryInfeasible(ValueError):
@@ -32,6 +32,7 @@ class MemoryInfeasible(ValueError):
     def __init__(self, stage: int, need_bytes: float, budget_bytes: float) -> None:
         super().__init__(f"stage {stage} needs {need_bytes / 2**30:.2f} GB > budget {budget_bytes / 2**30:.2f} GB")
         self.stage = stage
+        self.excess_bytes = need_bytes - budget_bytes
 
 
 @dataclass
@@ -123,7 +124,7 @@ def solve_recompute(
     layers: np.ndarray,
     budget: float,
     mode: Recompute = "adaptive",
-    time_limit: float = 0.1,
+    time_limit: float = 1.0,
     mip_rel_gap: float = 0.01,
 ) -> RecomputeResult:
     """Recompute decisions of one pipeline. ``mems``: the walk of every stage; ``budget`` bytes/GPU.
