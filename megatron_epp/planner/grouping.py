@@ -6,8 +6,8 @@ and cool-down ``(P - 1) * mean chunk time`` plus an estimate of the recompute it
 stage 0 holds ``P + K_max - 1`` chunks in flight (``K_max`` = chunks of the group's first unit), and
 the whole K/V buffer of every split sequence with a slice in the window (a sequence's slices run
 backward last to first, so its first slice, which holds the buffer, stays in flight longest); the
-excess of the largest such window over the budget is recomputed at the group's average recompute
-time per saved byte; a group that does not fit even fully checkpointed costs infinity. The exact
+excess of the largest such window over the budget is recomputed in each of the group's ``n / window``
+windows at the group's average recompute time per saved byte; a group that does not fit even fully checkpointed costs infinity. The exact
 walk and the integer program then decide the real recompute of each chosen group.
 """
 
@@ -68,7 +68,8 @@ def group_units(
         ends, workspace = ends[:fits], workspace[:fits]
         n = ends - s
         peak = _running_window_max(S_full, inside, s, window, ends) + workspace
-        rc_ms = np.maximum(peak - free_bytes, 0.0) * (R[ends] - R[s]) / n
+        # the excess is saved in every window of the group: about n / window times
+        rc_ms = np.maximum(peak - free_bytes, 0.0) * (R[ends] - R[s]) / n * np.maximum(1.0, n / window)
         cost = (P - 1) * (T[ends] - T[s]) / n + rc_ms
         cand = best[i] + cost
         seg = best[i + 1 : i + 1 + len(ends)]
