@@ -29,7 +29,7 @@ from megatron_epp.planner.recompute import MemoryInfeasible, solve_recompute
 from megatron_epp.planner.chunking import PACK_RELAX, Units, build_units
 from megatron_epp.cost.features import F, chunk_features, sequence_features
 from megatron_epp.cost.model import ChunkCosts, CostModel
-from megatron_epp.planner.grouping import group_units
+from megatron_epp.planner.grouping import group_units_both
 from megatron_epp.simulator.memory import pipeline_memory
 from megatron_epp.cost.profiles import GIB
 from megatron_epp.simulator.step import SimResult, simulate
@@ -152,7 +152,8 @@ class _Search:
     lengths: np.ndarray
     cost_model: CostModel
     free: float  # stage 0's budget minus its model states
-    cache: dict = field(default_factory=dict)
+    cache: dict = field(default_factory=dict)  # chunkings by (slice budget, cap, balance)
+    groupings: dict = field(default_factory=dict)  # their groupings with and without recompute
 
     def units(self, budget_t: float, cap: int, balance: bool) -> tuple[Units, ChunkCosts]:
         w = self.cost_model.work_vector()
@@ -169,7 +170,10 @@ class _Search:
         estimated recompute); infinite (and no groups) if no grouping fits. ``margin``: bytes the
         grouping keeps free beyond its estimate (what the exact walk found it short)."""
         units, costs = self.units(budget_t, cap, balance)
-        groups, overhead = group_units([len(u) for u in units], costs, self.cost_model.layers, self.free - margin, recompute)
+        key = (id(units), margin)  # one grouping per distinct chunking (equivalent caps share one)
+        if key not in self.groupings:
+            self.groupings[key] = group_units_both([len(u) for u in units], costs, self.cost_model.layers, self.free - margin)
+        groups, overhead = self.groupings[key][recompute]
         if not np.isfinite(overhead):
             return np.inf, None
         return float((costs.fwd + costs.bwd).sum(axis=1).max()) + overhead, [units[a:b] for a, b in groups]

@@ -33,6 +33,14 @@ def group_units(
     consecutive groups; returns ``[(first_unit, end_unit), ...]`` and the estimated overhead (ms).
     ``free_bytes``: stage 0's budget minus its model states; ``recompute=False``: a group must fit
     without checkpointing."""
+    return group_units_both(unit_sizes, costs, layers, free_bytes)[recompute]
+
+
+def group_units_both(
+    unit_sizes: list[int], costs: ChunkCosts, layers: np.ndarray, free_bytes: float
+) -> dict[bool, tuple[list[tuple[int, int]], float]]:
+    """:func:`group_units` with recompute allowed (``True``) and without (``False``) in one pass:
+    ``([], inf)`` where no grouping fits."""
     P, U = len(layers), len(unit_sizes)
     bounds = np.concatenate([[0], np.cumsum(unit_sizes)]).astype(int)
     step = (costs.fwd + costs.bwd).mean(axis=0)
@@ -47,15 +55,15 @@ def group_units(
     unit_of = np.repeat(np.arange(U), unit_sizes)
     inside = np.append(np.where(bounds[unit_of] < np.arange(len(act)), unit_buffer[unit_of], 0.0), 0.0)
     full = layers[0] * act + buffer
-    least = layers[0] * costs.ckpt_layer + buffer if recompute else full
+    least = layers[0] * costs.ckpt_layer + buffer
     rc_per_byte = costs.rc_layer / np.maximum(act - costs.ckpt_layer, 1e-9)
     R = np.concatenate([[0.0], np.cumsum(rc_per_byte)])
     S_full, S_least = (np.concatenate([[0.0], np.cumsum(x)]) for x in (full, least))
-    best = np.full(U + 1, np.inf)
-    best[0] = 0.0
-    back = np.zeros(U + 1, dtype=int)
+    best = {flag: np.full(U + 1, np.inf) for flag in (True, False)}
+    back = {flag: np.zeros(U + 1, dtype=int) for flag in (True, False)}
+    best[True][0] = best[False][0] = 0.0
     for i in range(U):
-        if not np.isfinite(best[i]):
+        if not (np.isfinite(best[True][i]) or np.isfinite(best[False][i])):
             continue
         s = bounds[i]
         window = P + unit_sizes[i] - 1
@@ -68,18 +76,20 @@ def group_units(
         ends, workspace = ends[:fits], workspace[:fits]
         n = ends - s
         peak = _running_window_max(S_full, inside, s, window, ends) + workspace
+        bubbles = (P - 1) * (T[ends] - T[s]) / n
         # the excess is saved in every window of the group: about n / window times
         rc_ms = np.maximum(peak - free_bytes, 0.0) * (R[ends] - R[s]) / n * np.maximum(1.0, n / window)
-        cost = (P - 1) * (T[ends] - T[s]) / n + rc_ms
-        cand = best[i] + cost
-        seg = best[i + 1 : i + 1 + len(ends)]
-        better = cand < seg
-        seg[better] = cand[better]
-        back[i + 1 : i + 1 + len(ends)][better] = i
-    if not np.isfinite(best[U]):
-        return [], float("inf")
-    groups, j = [], U
-    while j > 0:
-        groups.append((int(back[j]), j))
-        j = back[j]
-    return groups[::-1], float(best[U])
+        for flag, cost in ((True, bubbles + rc_ms), (False, bubbles[: np.searchsorted(peak > free_bytes, True)])):
+            cand = best[flag][i] + cost
+            seg = best[flag][i + 1 : i + 1 + len(cand)]
+            better = cand < seg
+            seg[better] = cand[better]
+            back[flag][i + 1 : i + 1 + len(cand)][better] = i
+    out = {}
+    for flag in (True, False):
+        groups, j = [], U
+        while j > 0 and np.isfinite(best[flag][U]):
+            groups.append((int(back[flag][j]), j))
+            j = back[flag][j]
+        out[flag] = (groups[::-1], float(best[flag][U]))
+    return out
