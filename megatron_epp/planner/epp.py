@@ -37,6 +37,7 @@ from megatron_epp.simulator.step import SimResult, simulate
 SLICE_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 MIN_CHUNK_TOKENS = 64  # the smallest token cap searched
 REGROUP_TRIES = 3  # regroupings of a finalist the exact walk finds short of memory
+FINALISTS_PER_FAMILY = 1  # candidates of a family simulated: the estimate ranks them only roughly
 FINALIST_TRIES = 8  # candidates of a family tried, best estimate first, until the exact memory walk fits one
 CAP_RATIO = 2.0  # the token caps searched: a geometric grid of this ratio ...
 CAP_FLOOR_FRACTION = 1 / 32  # ... down to this fraction of the smaller of the longest sequence and the memory cap
@@ -182,10 +183,10 @@ class _Search:
 def token_caps(longest: int, memory_cap: int) -> list[int]:
     """The chunk token caps searched, largest first: a geometric grid (ratio :data:`CAP_RATIO`) from the
     longest sequence down to :data:`CAP_FLOOR_FRACTION` of the smaller of it and the memory cap
-    (never below :data:`MIN_CHUNK_TOKENS`), and the memory cap itself."""
+    (never below :data:`MIN_CHUNK_TOKENS`), and the memory cap itself, its half and its quarter."""
     top = max(int(longest), MIN_CHUNK_TOKENS)
     floor = max(MIN_CHUNK_TOKENS, int(min(top, memory_cap) * CAP_FLOOR_FRACTION))
-    caps = {min(memory_cap, top)}
+    caps = {max(MIN_CHUNK_TOKENS, min(memory_cap, top) // d) for d in (1, 2, 4)}
     c = float(top)
     while c >= floor:
         caps.add(int(c))
@@ -196,7 +197,8 @@ def token_caps(longest: int, memory_cap: int) -> list[int]:
 def _family(search: _Search, balance: bool, recompute: bool, caps: list[int], start_cap: int, slice_counts: Sequence[int]) -> list:
     """Candidates of one family that the grouping estimate fits, best first: ``(score, (slice budget,
     cap, balance), groups)``. ``balance``: slice budgets ``work(longest) / K``; a full scan of every ``K`` at
-    ``start_cap``, of every cap at the best ``K``, and of every ``K`` at the best cap (no early stop).
+    ``start_cap`` (if none fits there, the caps downwards with the fewest and the most slices until one
+    does), then of every cap at the best ``K`` and of every ``K`` at the best cap, twice (no early stop).
     Else fixed-length chunks of every cap and of ``longest / K`` tokens."""
     longest = int(search.lengths.max())
     found: dict = {}
@@ -216,8 +218,10 @@ def _family(search: _Search, balance: bool, recompute: bool, caps: list[int], st
         return ranked()
     work = float(sequence_features([longest])[0] @ search.cost_model.work_vector())
     scan([(work / k, start_cap) for k in slice_counts])
-    if not found:  # nothing fits at the start: the whole grid
-        scan([(work / k, c) for c in caps for k in slice_counts])
+    for c in caps:  # nothing fits at the start: down the caps (the fewest and the most slices) until one does
+        if found:
+            break
+        scan([(work / k, c) for k in sorted({min(slice_counts), max(slice_counts)})])
     for _ in range(2):  # every cap at the best slice budget, then every slice budget at the best cap
         if found:
             t = ranked()[0][1][0]
@@ -296,16 +300,22 @@ def build_plan(
 
     seen, plans, reasons = set(), [], []
     for rc, family in finalists:
+        kept = 0
         for found in family[:FINALIST_TRIES]:  # the best by the estimate that the exact walk fits
-            key = (found[1], tuple(map(len, found[2])))
+            # one chunking under several keys (a cap that binds everywhere makes the slice budget moot):
+            # identified by its first chunk, which the search's cache shares
+            key = (id(found[2][0][0][0]), tuple(map(len, found[2])))
             if key in seen:
-                break
+                continue
             seen.add(key)
             try:
                 plans += evaluate(found, rc)
-                break
             except MemoryInfeasible as e:
                 reasons.append(str(e))
+                continue
+            kept += 1
+            if kept == FINALISTS_PER_FAMILY:
+                break
     if not plans:
         why = reasons[0] if reasons else f"no grouping fits even with chunks of {caps[-1]} tokens"
         raise PlanInfeasible(f"no {recompute!r} plan fits {memory_gb} GB per GPU: {why}")
