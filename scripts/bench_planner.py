@@ -1,13 +1,19 @@
 """Planner benchmark: solve time (one core) and predicted step time of EPP versus every baseline.
 
-1. Solve time: ``build_plan`` for 512 sequences sampled from the Wikipedia lengths (cap 128K,
-   P = 4, LLaMA-13B analytic H100 profile, TP = 8, 80 GB), median over seeds, ILP included; also
-   at a tight budget where the ILP has work to do. Reports wall time and the process's CPU time
-   (the latter is what one core costs when other processes share the machine) and the MIP gap.
+1. Planning time: the elastic builder (``plan_batch``: EPP's search, its finalists' recompute and
+   simulation, and the Megatron / Seq1F1B candidates it weighs) for ``--timing-sequences`` (2048:
+   about 2M tokens) sequences sampled from the Wikipedia lengths (cap 128K, P = 4, LLaMA-13B analytic
+   H100 profile, TP = 8), at the memory budget and at 20 GB where the ILP has work to do; one
+   batch per seed. Reports the process's CPU time (what one core costs when other processes share
+   the machine; ``--cpu N`` pins the process to core N) and wall time: median, p90, max, and the
+   spread (max / min) as the noise.
 2. Comparison: for Wikipedia and a heavier-tailed code-like mix, at 32K/64K/128K caps, the
    predicted step time of EPP and of each baseline, as ratios to EPP and to the compute bound.
 
-    python scripts/bench_planner.py [--network fat-tree] [--seeds 3]
+    python scripts/bench_planner.py [--network fat-tree] [--seeds 3] [--cpu 0]
+
+The last line is one JSON object: ``{"planning": {"<GB>": {"cpu_ms": {...}, "wall_ms": {...}}},
+"comparison": [{"data", "cap", "epp_ms", "bound_ms", "<system>": step / EPP step}, ...]}``.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ[var] = "1"
 
 import argparse  # noqa: E402
+import json  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -31,6 +38,7 @@ from megatron_epp.cost.model import CostModel  # noqa: E402
 from megatron_epp.cost.network import get_network  # noqa: E402
 from megatron_epp.cost.profiles import load_profile  # noqa: E402
 from megatron_epp.planner import build_plan  # noqa: E402
+from megatron_epp.planner.builders import plan_batch  # noqa: E402
 from megatron_epp.planner.compare import BASELINES, run_baselines  # noqa: E402
 from megatron_epp.planner.config import PlannerConfig  # noqa: E402
 from megatron_epp.data.mock_documents import WIKIPEDIA_LENGTHS  # noqa: E402
@@ -47,18 +55,24 @@ def code_like(n: int, rng: np.random.Generator) -> np.ndarray:
     return np.maximum(np.where(rng.random(n) < 0.04, tail, body), 1).astype(np.int64)
 
 
-def solve_times(pool: np.ndarray, cm: CostModel, memory_gb: float, seeds: int) -> tuple[list[float], list[float], float, int]:
-    """Wall and CPU ms of ``build_plan`` per seed, the largest MIP gap, recomputed layers in all."""
+def solve_times(pool: np.ndarray, cm: CostModel, config: PlannerConfig, n: int, seeds: int) -> tuple[list[float], list[float], float, int]:
+    """Wall and CPU ms of ``plan_batch`` per seed (``n`` sequences each), the largest MIP gap,
+    recomputed layers in all."""
     wall, cpu, gap, recomputed = [], [], 0.0, 0
     for seed in range(seeds):
-        lengths = np.minimum(np.random.default_rng(seed).choice(pool, 512), 131072)
+        lengths = np.minimum(np.random.default_rng(seed).choice(pool, n), config.max_seq_len)
         t0, c0 = time.perf_counter(), time.process_time()
-        plan = build_plan(lengths, cm, memory_gb)
+        plan = plan_batch(lengths, cm, config)
         wall.append((time.perf_counter() - t0) * 1e3)
         cpu.append((time.process_time() - c0) * 1e3)
-        gap = max(gap, plan.stats.mip_gap)
+        gap = max(gap, plan.stats.mip_gap or 0.0)
         recomputed += plan.stats.recomputed_layers
     return wall, cpu, gap, recomputed
+
+
+def spread(ms: list[float]) -> dict:
+    return {"median": round(statistics.median(ms), 1), "p90": round(float(np.percentile(ms, 90)), 1),
+            "max": round(max(ms), 1), "max_over_min": round(max(ms) / min(ms), 2)}
 
 
 def main() -> None:
@@ -67,19 +81,29 @@ def main() -> None:
     ap.add_argument("--epp-profile", default="llama-13b", help="cost-model profile (as epp-plan's)")
     ap.add_argument("--epp-memory-budget", type=float, default=80.0, help="GB per GPU (as epp-plan's)")
     ap.add_argument("--seeds", type=int, default=3, help="batches averaged per comparison cell")
-    ap.add_argument("--timing-seeds", type=int, default=21)
+    ap.add_argument("--timing-seeds", type=int, default=11)
+    ap.add_argument("--timing-sequences", type=int, default=2048, help="sequences per timed batch")
+    ap.add_argument("--timing-only", action="store_true", help="skip the comparison (part 2)")
+    ap.add_argument("--cpu", type=int, help="pin the process to this core (as taskset -c)")
     args = ap.parse_args()
+    if args.cpu is not None:
+        os.sched_setaffinity(0, {args.cpu})
     cm = CostModel(load_profile(args.epp_profile, 8), 4, network=get_network(args.network))
     wiki = read_lengths(WIKIPEDIA_LENGTHS)
 
-    print(f"== solve time: 512 Wikipedia sequences, cap 128K, P=4, {args.epp_profile} TP=8, one core ==")
+    n = args.timing_sequences
+    print(f"== planning time: {n} Wikipedia sequences, cap 128K, P=4, {args.epp_profile} TP=8, one core, {args.timing_seeds} batches ==")
+    planning = {}
     for mem in (args.epp_memory_budget, 20.0):
-        wall, cpu, gap, rc = solve_times(wiki, cm, mem, args.timing_seeds)
-        print(f"  {mem:5.0f} GB: wall median {statistics.median(wall):6.1f} ms  p90 {np.percentile(wall, 90):6.1f} ms | "
-              f"CPU median {statistics.median(cpu):6.1f} ms  max {max(cpu):6.1f} ms  "
+        config = PlannerConfig(mem, 131072, args.epp_profile)
+        wall, cpu, gap, rc = solve_times(wiki, cm, config, n, args.timing_seeds)
+        planning[f"{mem:g}"] = {"cpu_ms": spread(cpu), "wall_ms": spread(wall)}
+        print(f"  {mem:5.0f} GB: CPU median {statistics.median(cpu):6.1f} ms  p90 {np.percentile(cpu, 90):6.1f} ms  max {max(cpu):6.1f} ms "
+              f"(max/min {max(cpu) / min(cpu):.2f}) | wall median {statistics.median(wall):6.1f} ms  max {max(wall):6.1f} ms  "
               f"(largest MIP gap {gap:.2%}, {rc / len(wall):.0f} recomputed layers per plan)")
 
-    pools = {"wikipedia": wiki, "code-like": code_like(1_000_000, np.random.default_rng(12345))}
+    comparison = []
+    pools = {} if args.timing_only else {"wikipedia": wiki, "code-like": code_like(1_000_000, np.random.default_rng(12345))}
     names = ("epp",) + BASELINES
     print(f"\n== predicted step time, GBS 512, P=4, TP=8, {args.epp_memory_budget:.0f} GB, network {args.network}; mean of {args.seeds} batches ==")
     print("   ratios: step / EPP step (>1: EPP faster) | step / compute bound")
@@ -100,6 +124,9 @@ def main() -> None:
                 v = np.mean(rows[n])
                 cells.append(f"{n} {'OOM':>11s}" if np.isnan(v) else f"{n} {v / epp:4.2f}|{v / b:4.2f}")
             print(f"  {data:9s} {cap // 1024:3d}K  EPP {epp:8.0f} ms  bound {b:8.0f} ms\n     " + "  ".join(cells[1:]))
+            comparison.append({"data": data, "cap": cap, "epp_ms": round(float(epp), 1), "bound_ms": round(float(b), 1),
+                               **{k: (None if np.isnan(np.mean(rows[k])) else round(float(np.mean(rows[k]) / epp), 3)) for k in names[1:]}})
+    print(json.dumps({"planning": planning, "comparison": comparison}))
 
 
 if __name__ == "__main__":

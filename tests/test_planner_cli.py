@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from megatron_epp.plan import Plan
+from megatron_epp.plan import Plan, PlanInfeasible
 from megatron_epp.plan.order import format_stage_ops
 from megatron_epp.planner.builders import BUILDERS, megatron_plan, plan_batch, seq1f1b_plan
 from megatron_epp.planner.cli import main
@@ -126,3 +126,28 @@ def test_flexsp_layouts_cover_the_gpus():
     layouts = _layouts(8)
     assert [8] in layouts and [1] * 8 in layouts and [4, 2, 2] in layouts
     assert all(sum(x) == 8 and len(set(x)) <= 2 for x in layouts)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--epp-profile", "llama-30b", "--stages", "7"], "--stages 7: the 60 layers of llama-30b do not divide into 7 pipeline stages"),
+    (["--epp-profile", "llama-13b", "--tp", "3"], "--tp 3: the 40 attention heads of llama-13b do not divide into 3"),
+    (["--epp-profile", "llama-30b", "--tp", "8"], "--tp 8: the 52 attention heads of llama-30b do not divide into 8"),
+    (["--epp-profile", "test-model", "--tp", "8"], "--tp 8: the profile 'CPU x86_64 (1 thread, fp32)' was measured at TP=1"),
+    (["--tp", "0"], "--stages, --tp and --dp must be >= 1"),
+])
+def test_cli_rejects_a_layout_the_model_cannot_take(lengths_file, capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        main([str(lengths_file), *argv])
+    assert str(e.value) == f"error: {message}" or str(e.value).startswith(f"error: {message}")
+
+
+def test_a_batch_that_cannot_fit_is_one_line_with_the_reason(tmp_path):
+    """30B on 4 stages at TP=8 and 20 GB: the model states take 17.3 GB; a 256K sequence needs at least
+    its checkpointed layer inputs (15 layers x 1664 B x 262144 tokens = 6.1 GB) more: refused before any search."""
+    cm = CostModel(load_profile("llama-30b", 8), 4)
+    with pytest.raises(PlanInfeasible) as e:
+        plan_batch([262144, 1000, 500], cm, PlannerConfig(20.0, 262144))
+    assert str(e.value) == ("model states take 17.3 of 20.0 GB per GPU on stage 3; the longest sequence (262144 tokens) needs "
+                            "at least 6.1 GB more (its K/V buffer if split, its checkpointed layer inputs if whole)")
+    with pytest.raises(PlanInfeasible, match=r"^model states take 17.3 of 16.0 GB per GPU on stage \d: nothing fits$"):
+        plan_batch([1000], cm, PlannerConfig(16.0, 262144))

@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from megatron_epp.planner.builders import megatron_plan, plan_batch, seq1f1b_plan
+from megatron_epp.planner.compare import run_baselines
 from megatron_epp.planner.config import PlannerConfig
 from megatron_epp.planner.epp import PlanInfeasible, build_plan
 from megatron_epp.cost.features import chunk_features
@@ -66,7 +67,7 @@ def test_epp_plans_are_valid_and_fit(lengths, stages, memory_mb, mode):
     except PlanInfeasible:
         assume(False)
     check_plan(plan, cm, memory_mb / 1024)
-    assert plan.stats.fits and plan.stats.predicted_step_ms >= plan.stats.bound_step_ms * 0.5
+    assert plan.stats.fits and plan.stats.predicted_step_ms >= plan.stats.bound_step_ms * (1 - 1e-9)
 
 
 @settings(max_examples=30, deadline=None)
@@ -103,3 +104,26 @@ def test_elastic_never_predicted_slower_than_a_baseline_it_could_make(lengths, s
             continue
         assert plan.stats.predicted_step_ms <= other.stats.predicted_step_ms * (1 + 1e-9), (name, plan.stats.candidates_ms)
         assert name in plan.stats.candidates_ms
+
+
+ABLATIONS_AND_PACKING = ("epp-no-ckpt", "epp-full-ckpt", "epp-no-balance", "megatron", "seq1f1b")
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lengths=batches, stages=st.sampled_from([1, 2, 4]), memory_mb=st.integers(40, 400), max_slices=st.sampled_from([None, 4]))
+def test_epp_never_predicted_slower_than_its_ablations_or_packing_and_never_below_the_bound(lengths, stages, memory_mb, max_slices):
+    """On the same cost model and budget, EPP's plan is predicted no slower than each of its ablations
+    (without checkpointing, with full checkpointing, without workload balance) and than Megatron
+    packing and Seq1F1B; and no plan is predicted faster than the bound."""
+    cm = CostModel(PROFILE, stages)
+    config = PlannerConfig(memory_mb / 1024, 3000, max_slices=max_slices)
+    try:
+        plan = plan_batch(lengths, cm, config)
+    except PlanInfeasible:
+        assume(False)
+    epp, bound = plan.stats.predicted_step_ms, plan.stats.bound_step_ms
+    assert epp >= bound * (1 - 1e-9)
+    for name, other in run_baselines(lengths, cm, config, ABLATIONS_AND_PACKING).items():
+        if other["fits"]:
+            assert epp <= other["predicted_step_ms"] * (1 + 1e-9), (name, other["predicted_step_ms"], plan.stats.candidates_ms)
+            assert other["predicted_step_ms"] >= bound * (1 - 1e-9), name

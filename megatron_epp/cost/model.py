@@ -12,7 +12,7 @@ from typing import Sequence
 import numpy as np
 
 from megatron_epp.plan import split_layers
-from megatron_epp.cost.features import F, sequence_features
+from megatron_epp.cost.features import F
 from megatron_epp.cost.network import NETWORKS, Network
 from megatron_epp.cost.profiles import Profile, StageOverhead, TimeCoeffs, shape_memory, shape_time
 
@@ -106,13 +106,32 @@ class CostModel:
         )
 
     def bound_ms(self, lengths: np.ndarray) -> float:
-        """Compute-only step time: every sequence as one ``C = 0`` segment, no launch constants, no
-        bubbles, no recompute, no communication; the slowest stage."""
-        L = np.asarray(lengths, dtype=float)
-        feats = sequence_features(L)
-        feats[:, [F.SEGMENTS, F.CHUNKS]] = 0.0  # compute only: no per-segment or per-chunk constants
-        c = self.costs(feats)
-        return float((c.fwd + c.bwd).sum(axis=1).max())
+        """A lower bound on the step time of every plan of ``lengths`` on this model: per stage, the
+        least compute its layers can cost over every way of cutting the sequences into chunks, no
+        bubbles, no recompute, no communication; the slowest stage.
+
+        Per sequence of ``n`` tokens cut into slices ``s_i`` with prefixes ``C_i``: ``sum s_i = n``
+        and ``sum s_i^2 + 2 sum s_i C_i = n^2``, so with ``Q = sum s_i^2`` in ``[n, n^2]`` its
+        attention costs ``a1 Q + a1c (n^2 - Q) / 2``, linear in ``Q``: the cheaper end is taken (one
+        chunk where ``a1c >= 2 a1``, as a causal kernel's; one-token slices where the kernel computes
+        the whole rectangle, ``a1c ~ a1``). The per-prefix-token term is at least 0 (``sum C`` in
+        ``[0, n (n - 1) / 2]``), a sequence has at least one segment, and the per-chunk constants
+        (launches, the executor's overhead: what packing saves) count as 0; a negative coefficient
+        counts at its most negative (every slice one token)."""
+        n = np.asarray(lengths, dtype=float)
+        p, s = self.profile, self.speed_factor
+        last = np.arange(self.num_stages) == self.num_stages - 1
+
+        def least(c: TimeCoeffs) -> float:  # the least total of one layer's (or the head's) time over chunkings
+            quad = np.minimum(c.a1 * n * n, c.a1c * n * n / 2 + (c.a1 - c.a1c / 2) * n)
+            prefix = min(c.ac, 0.0) * n * (n - 1) / 2
+            segments = np.where(c.bs >= 0, c.bs, c.bs * n)
+            chunks = min(c.b1, 0.0) * n
+            return float((quad + c.a2 * n + prefix + segments + chunks).sum())
+
+        per_stage = self.layers * (least(p.fwd) + least(p.bwd)) + last * (least(p.head_fwd) + least(p.head_bwd))
+        overhead = min(p.overhead.fwd_ms + p.overhead.bwd_ms, 0.0) * n.sum()
+        return float(s * (per_stage + overhead).max())
 
     # ----------------------------------------------------------------------------- memory
     def model_state_bytes(self) -> np.ndarray:

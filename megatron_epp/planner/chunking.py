@@ -21,6 +21,7 @@ from megatron_epp.plan import Chunk, Segment, chunk_kind
 from megatron_epp.cost.features import F, segment_features, sequence_features
 
 Units = list[list[Chunk]]
+PACK_RELAX = 0.1  # how far past the slice budget a bucket may be filled when no bucket fits
 
 
 def slice_cuts(lengths: np.ndarray, budget: np.ndarray | float, token_cap: int, w: np.ndarray) -> list[np.ndarray]:
@@ -66,14 +67,15 @@ def pack(
     chunk_time: float,
     time_budget: float,
     token_cap: int,
-    relax: float = 0.1,
+    relax: float = PACK_RELAX,
     key: Literal["time", "tokens"] = "time",
 ) -> list[int]:
     """Best-fit decreasing: bucket index of every item (items in the given order, longest first).
 
     Buckets ``0 .. len(seed_time) - 1`` are the seeds; a new bucket costs ``chunk_time``. ``key``:
     fit by time left (workload balance) or by tokens left (fixed-length packing). Buckets are kept
-    sorted by what is left, so the best fit is a bisection.
+    sorted by what is left, so the best fit is a bisection; buckets without room for the smallest item
+    are dropped from the search.
     """
     by_time = key == "time"
     btime, btok = [float(t) for t in seed_time], [int(t) for t in seed_tokens]
@@ -81,16 +83,23 @@ def pack(
     def left(b: int) -> float:
         return time_budget - btime[b] if by_time else token_cap - btok[b]
 
-    order = sorted((left(b), b) for b in range(len(btime)))
+    smallest = int(sizes.min()) if len(sizes) else 0
+    order = sorted((left(b), b) for b in range(len(btime)) if btok[b] + smallest <= token_cap)
     out = []
     for it, sz in zip(item_time.tolist(), sizes.tolist()):
         j = bisect.bisect_left(order, (it if by_time else sz, -1))
-        choice = next((k for k in range(j, len(order)) if btok[order[k][1]] + sz <= token_cap and btime[order[k][1]] + it <= time_budget), None)
+        choice = None
+        for k in range(j, len(order)):  # the best fit by the key within the other limit
+            b = order[k][1]
+            if btok[b] + sz <= token_cap and btime[b] + it <= time_budget:
+                choice = k
+                break
         if choice is None and by_time:  # relax the time budget: least overflow first
             for k in range(j - 1, -1, -1):
-                if btime[order[k][1]] + it > time_budget * (1 + relax):
+                b = order[k][1]
+                if btime[b] + it > time_budget * (1 + relax):
                     break
-                if btok[order[k][1]] + sz <= token_cap:
+                if btok[b] + sz <= token_cap:
                     choice = k
                     break
         if choice is None:
@@ -101,7 +110,8 @@ def pack(
             b = order.pop(choice)[1]
         btime[b] += it
         btok[b] += sz
-        bisect.insort(order, (left(b), b))
+        if btok[b] + smallest <= token_cap:  # a bucket without room for the smallest item is left out
+            bisect.insort(order, (left(b), b))
         out.append(b)
     return out
 

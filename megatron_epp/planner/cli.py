@@ -16,7 +16,7 @@ import numpy as np
 
 from megatron_epp.cost.model import CostModel
 from megatron_epp.cost.network import NETWORKS, get_network
-from megatron_epp.cost.profiles import load_profile
+from megatron_epp.cost.profiles import Profile, load_profile
 from megatron_epp.plan import Plan, PlanInfeasible
 from megatron_epp.plan.order import format_stage_ops
 from megatron_epp.planner.builders import plan_batch
@@ -26,9 +26,10 @@ from megatron_epp.planner.data_parallel import split_data_parallel
 from megatron_epp.simulator.step import simulate
 from megatron_epp.simulator.timeline import draw_timeline
 
+PRESET_TP = 8  # the presets' tensor-parallel size unless --tp says otherwise
 DEFAULTS = {  # epp-plan's defaults of the planner options (pretrain_gpt.py has its own)
     "epp_plan": "elastic", "epp_memory_budget": 80.0, "epp_profile": "llama-13b", "epp_recompute": "adaptive",
-    "epp_max_slices": None, "epp_time_limit": 0.1,
+    "epp_max_slices": None, "epp_time_limit": 1.0,
 }
 
 
@@ -77,7 +78,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-seq-len", type=int, default=131072)
     ap.add_argument("--truncate", action="store_true", help="cut documents longer than --max-seq-len")
     ap.add_argument("--stages", type=int, default=4, help="pipeline stages P")
-    ap.add_argument("--tp", type=int, default=8, help="tensor-parallel size per stage (presets)")
+    ap.add_argument("--tp", type=int, default=None,
+                    help="tensor-parallel size per stage (default: 8 for the presets, a profile JSON's own)")
     ap.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
     ap.add_argument("--network", default="fat-tree", choices=sorted(NETWORKS))
     add_planner_arguments(ap, {**DEFAULTS, "epp_max_slices": "the elastic planner's 1,2,3,4,6,...,32; seq1f1b 4"})
@@ -89,6 +91,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--print-schedule", action="store_true",
                     help="print replica 0's op order: one column per stage, F/B + chunk id + s (split) or h (hybrid)")
     return ap.parse_args(argv)
+
+
+def check_layout(profile: Profile, tp: int | None, stages: int) -> None:
+    """The layout's rules, each a one-line ``ValueError``: the layers divide into the
+    stages, the attention heads into the tensor-parallel ranks (Megatron's rules), ``--tp`` that of a
+    profile measured at one size."""
+    shape = profile.model
+    if tp is not None and tp != profile.tp:
+        raise ValueError(f"--tp {tp}: the profile {profile.device!r} was measured at TP={profile.tp}")
+    if shape.num_layers % stages:
+        raise ValueError(f"--stages {stages}: the {shape.num_layers} layers of {shape.name} do not divide into {stages} pipeline stages")
+    if shape.num_heads % profile.tp:
+        raise ValueError(f"--tp {profile.tp}: the {shape.num_heads} attention heads of {shape.name} do not divide into {profile.tp} tensor-parallel ranks")
 
 
 def _worst(results: list[dict]) -> dict:
@@ -104,7 +119,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     try:
         config = PlannerConfig.from_args(args, args.max_seq_len)
-        profile = load_profile(config.profile, args.tp)
+        if min(args.stages, args.dp, 1 if args.tp is None else args.tp) < 1:
+            raise ValueError("--stages, --tp and --dp must be >= 1")
+        profile = load_profile(config.profile, PRESET_TP if args.tp is None else args.tp)
+        check_layout(profile, args.tp, args.stages)
     except ValueError as e:
         raise SystemExit(f"error: {e}")
     cost_model = CostModel(profile, args.stages, dp=args.dp, network=get_network(args.network))
@@ -126,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "device": profile.device,
         "network": args.network,
         "stages": args.stages,
-        "tp": args.tp,
+        "tp": profile.tp,
         "dp": args.dp,
         "num_sequences": int(len(lengths)),
         "num_tokens": int(lengths.sum()),

@@ -20,7 +20,8 @@ class PlannerConfig:
     ``memory_gb``: per GPU (GiB); ``profile``: the cost-model profile (a preset or a JSON path);
     ``recompute``: ``adaptive`` (the per-(stage, chunk) integer program), ``greedy`` (its greedy
     heuristic), ``none`` or ``full``; ``max_slices``: most slices per sequence (seq1f1b: its ``k``),
-    None for the planner's defaults; ``time_limit``: seconds per pipeline for the recompute program;
+    None for the planner's defaults; ``time_limit``: the recompute program's wall-clock safety limit,
+    seconds per 10,000 nonzeros (at least this; a deterministic node limit bounds the solve first);
     ``max_seq_len``: the context length (megatron's micro-batch tokens).
     """
 
@@ -30,7 +31,7 @@ class PlannerConfig:
     builder: str = "elastic"
     recompute: Recompute = "adaptive"
     max_slices: int | None = None
-    time_limit: float = 0.1
+    time_limit: float = 1.0
 
     def __post_init__(self) -> None:
         if self.builder not in BUILDER_NAMES:
@@ -71,4 +72,5 @@ def add_planner_arguments(group: Any, defaults: dict[str, Any]) -> None:
     group.add_argument("--epp-max-slices", type=int, default=None,
                        help="most slices per sequence (seq1f1b: its k)" + note("epp_max_slices"))
     group.add_argument("--epp-time-limit", type=float, default=None,
-                       help="seconds per pipeline for the recompute integer program" + note("epp_time_limit"))
+                       help="wall-clock safety limit of the recompute integer program: seconds per 10,000 nonzeros of the "
+                       "program, at least this (a deterministic node limit bounds the solve first)" + note("epp_time_limit"))

@@ -1,20 +1,24 @@
 """``build_plan``: the elastic pipeline planner (the paper's sequence processor), end to end.
 
-1. chunking (:mod:`chunking`) for every candidate slice count ``K``: slice budget
-   ``T_t = work(longest sequence) / K``, token cap ``T_m`` from memory (:func:`token_cap`); each
-   candidate is scored by its slowest stage's compute plus the grouping overhead (bubbles and
-   estimated recompute);
-2. grouping (:mod:`grouping`) into consecutive 1F1B pipelines. Two finalists: the best candidate
-   allowing recompute, and the best that needs none (halving ``T_m`` until one fits); the
-   simulator picks between them;
-3. recompute (:mod:`.recompute`) per pipeline on the exact memory walk (:mod:`memory`);
-   if no finalist fits even fully checkpointed, ``T_m`` is halved and the search redone;
-4. simulation (:mod:`simulator`) for the predicted numbers in ``Plan.stats``.
+0. a batch that cannot fit whatever the plan (model states, the longest sequence's least memory)
+   is refused with the reason (:func:`check_fits`);
+1. chunking (:mod:`chunking`) over a grid: slice budgets ``T_t = work(longest sequence) / K`` for
+   every slice count ``K``, and token caps ``T_m`` from the longest sequence down a geometric grid
+   (:func:`token_caps`, the memory cap :func:`token_cap` included); fixed-length chunks (no
+   workload balance) over the same caps. Each chunking is scored by its slowest stage's compute
+   plus the grouping overhead (bubbles and estimated recompute); one that no grouping fits is dropped;
+2. grouping (:mod:`grouping`) into consecutive 1F1B pipelines. Finalists: the best of each family
+   (balanced or fixed-length chunks, recompute allowed or not) and the packing-only chunking;
+3. recompute (:mod:`.recompute`) per pipeline on the exact memory walk (:mod:`memory`), and the
+   full-recompute variant;
+4. simulation (:mod:`simulator`) of every finalist: the fastest predicted step wins, its numbers in
+   ``Plan.stats``.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import numpy as np
@@ -22,25 +26,28 @@ import numpy as np
 from megatron_epp.plan import Chunk, Pipeline, Plan, PlanInfeasible, PlanStats
 from megatron_epp.planner.config import Recompute
 from megatron_epp.planner.recompute import MemoryInfeasible, solve_recompute
-from megatron_epp.planner.chunking import Units, build_units
-from megatron_epp.cost.features import chunk_features, sequence_features
-from megatron_epp.cost.model import CostModel
-from megatron_epp.planner.grouping import group_units
+from megatron_epp.planner.chunking import PACK_RELAX, Units, build_units
+from megatron_epp.cost.features import F, chunk_features, sequence_features
+from megatron_epp.cost.model import ChunkCosts, CostModel
+from megatron_epp.planner.grouping import group_units_both
 from megatron_epp.simulator.memory import pipeline_memory
 from megatron_epp.cost.profiles import GIB
 from megatron_epp.simulator.step import SimResult, simulate
 
 SLICE_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
-MIN_CHUNK_TOKENS = 64  # below this the token cap is not worth halving further: the batch does not fit
+MIN_CHUNK_TOKENS = 64  # the smallest token cap searched
+REGROUP_TRIES = 3  # regroupings of a finalist the exact walk finds short of memory
+FINALISTS_PER_FAMILY = 1  # candidates of a family simulated: the estimate ranks them only roughly
+FINALIST_TRIES = 8  # candidates of a family tried, best estimate first, until the exact memory walk fits one
+CAP_RATIO = 2.0  # the token caps searched: a geometric grid of this ratio ...
+CAP_FLOOR_FRACTION = 1 / 32  # ... down to this fraction of the smaller of the longest sequence and the memory cap
 
 
 def token_cap(cost_model: CostModel, budget: float) -> int:
     """Largest chunk (one sequence) whose activations on stage 0, ``P`` chunks in flight without
     recompute, fit beside the model states: the default bucket token cap ``T_m``."""
     m, L0, P = cost_model.profile.memory, float(cost_model.layers[0]), cost_model.num_stages
-    free = (budget - cost_model.model_state_bytes()[0]) / P
-    if free <= 0:
-        raise PlanInfeasible(f"model states alone need {cost_model.model_state_bytes()[0] / GIB:.1f} GB per GPU on stage 0")
+    free = max(budget - cost_model.model_state_bytes()[0], 0.0) / P
     a, b = L0 * m.act_area, L0 * m.act_token
     t = free / b if a == 0 else (-b + np.sqrt(b * b + 4 * a * free)) / (2 * a)
     return max(int(t), 1)
@@ -95,10 +102,11 @@ def predicted_times(plan: Plan, cost_model: CostModel, sim: SimResult) -> dict:
     )
 
 
-def finish(plan: Plan, cost_model: CostModel, budget: float, t0: float, extra: dict) -> Plan:
-    """Validate, simulate and record the predicted numbers in ``plan.stats``; ``extra``: more
-    :class:`PlanStats` fields (the builder's own)."""
-    plan.validate()
+def finish(plan: Plan, cost_model: CostModel, budget: float, t0: float, extra: dict, validate: bool = True) -> Plan:
+    """Validate (unless the caller validates the plan it keeps), simulate and record the predicted
+    numbers in ``plan.stats``; ``extra``: more :class:`PlanStats` fields (the builder's own)."""
+    if validate:
+        plan.validate()
     solve_ms = (time.perf_counter() - t0) * 1e3
     sim = simulate(plan, cost_model)
     plan.stats = PlanStats(
@@ -115,37 +123,112 @@ def finish(plan: Plan, cost_model: CostModel, budget: float, t0: float, extra: d
     return plan
 
 
-def _candidate(lengths: np.ndarray, cost_model: CostModel, budget_t: float, cap: int, balance: bool, free: float, recompute: bool, cache: dict):
-    """Chunk with one slice budget and group: ``(score, groups)``, score = slowest stage's compute
-    plus the grouping overhead (infinite if no grouping fits). ``cache`` keeps the chunkings."""
-    if (budget_t, cap) not in cache:
-        w = cost_model.work_vector()
-        units, feats = order_units(build_units(lengths, w, budget_t, cap, balance), w)
-        cache[budget_t, cap] = units, cost_model.costs(feats)
-    units, costs = cache[budget_t, cap]
-    groups, overhead = group_units([len(u) for u in units], costs, cost_model.layers, free, recompute)
-    return float((costs.fwd + costs.bwd).sum(axis=1).max()) + overhead, [units[a:b] for a, b in groups]
+def least_sequence_bytes(cost_model: CostModel, n: int) -> np.ndarray:
+    """Per stage, a lower bound on what one sequence of ``n`` tokens holds besides the model states
+    in any plan: split, its K/V buffer (``kv_token`` per token and layer); whole, every layer's input
+    even if all are checkpointed (``ckpt_token``); the cheaper of the two."""
+    m = cost_model.profile.memory
+    return cost_model.layers * min(m.kv_token, m.ckpt_token) * float(n)
 
 
-def _search(lengths: np.ndarray, cost_model: CostModel, cap: int, balance: bool, free: float, recompute: bool, slice_counts: Sequence[int], cache: dict):
-    """Best candidate over the slice counts: ``(score, (slice budget, token cap), groups)``."""
-    if balance:
-        w = cost_model.work_vector()
-        longest = float(sequence_features([lengths.max()])[0] @ w)
-        budgets = [(longest / k, cap) for k in slice_counts]
-    else:  # fixed-length chunks: search the length instead
-        budgets = [(np.inf, t) for t in sorted({max(1, min(cap, int(lengths.max()) // k)) for k in slice_counts}, reverse=True)]
-    best = (np.inf, budgets[0], None)
-    worse = 0
-    for t, m in budgets:  # scores are about unimodal in K: stop after two worse in a row
-        score, groups = _candidate(lengths, cost_model, t, m, balance, free, recompute, cache)
-        if score < best[0] or best[2] is None:
-            best, worse = (score, (t, m), groups), 0
-        else:
-            worse += 1
-            if worse == 2:
-                break
-    return best
+def check_fits(lengths: np.ndarray, cost_model: CostModel, budget: float) -> None:
+    """Raise :class:`PlanInfeasible` with the reason in one line when the batch cannot fit whatever
+    the plan: the model states alone, or with the least the longest sequence needs."""
+    states, n = cost_model.model_state_bytes(), int(lengths.max())
+    need = states + least_sequence_bytes(cost_model, n)
+    p = int(np.argmax(need - budget))
+    if states[p] >= budget:
+        raise PlanInfeasible(f"model states take {states[p] / GIB:.1f} of {budget / GIB:.1f} GB per GPU on stage {p}: nothing fits")
+    if need[p] > budget:
+        raise PlanInfeasible(
+            f"model states take {states[p] / GIB:.1f} of {budget / GIB:.1f} GB per GPU on stage {p}; the longest sequence "
+            f"({n} tokens) needs at least {(need[p] - states[p]) / GIB:.1f} GB more (its K/V buffer if split, its "
+            f"checkpointed layer inputs if whole)")
+
+
+@dataclass
+class _Search:
+    """The chunkings of one batch, computed once and shared by every family of candidates."""
+
+    lengths: np.ndarray
+    cost_model: CostModel
+    free: float  # stage 0's budget minus its model states
+    cache: dict = field(default_factory=dict)  # chunkings by (slice budget, cap, balance)
+    groupings: dict = field(default_factory=dict)  # their groupings with and without recompute
+
+    def units(self, budget_t: float, cap: int, balance: bool) -> tuple[Units, ChunkCosts]:
+        w = self.cost_model.work_vector()
+        if balance and (w >= 0).all() and w[F.S] > 0:  # no chunk holds more tokens than its relaxed budget's worth:
+            cap = min(cap, int(budget_t * (1 + PACK_RELAX) / w[F.S]) + 1)  # larger caps give the same chunking
+        key = (budget_t, cap, balance)
+        if key not in self.cache:
+            units, feats = order_units(build_units(self.lengths, w, budget_t, cap, balance), w)
+            self.cache[key] = units, self.cost_model.costs(feats)
+        return self.cache[key]
+
+    def score(self, budget_t: float, cap: int, balance: bool, recompute: bool, margin: float = 0.0) -> tuple[float, list[Units] | None]:
+        """Proxy score of one chunking: slowest stage's compute plus the grouping overhead (bubbles,
+        estimated recompute); infinite (and no groups) if no grouping fits. ``margin``: bytes the
+        grouping keeps free beyond its estimate (what the exact walk found it short)."""
+        units, costs = self.units(budget_t, cap, balance)
+        key = (id(units), margin)  # one grouping per distinct chunking (equivalent caps share one)
+        if key not in self.groupings:
+            self.groupings[key] = group_units_both([len(u) for u in units], costs, self.cost_model.layers, self.free - margin)
+        groups, overhead = self.groupings[key][recompute]
+        if not np.isfinite(overhead):
+            return np.inf, None
+        return float((costs.fwd + costs.bwd).sum(axis=1).max()) + overhead, [units[a:b] for a, b in groups]
+
+
+def token_caps(longest: int, memory_cap: int) -> list[int]:
+    """The chunk token caps searched, largest first: a geometric grid (ratio :data:`CAP_RATIO`) from the
+    longest sequence down to :data:`CAP_FLOOR_FRACTION` of the smaller of it and the memory cap
+    (never below :data:`MIN_CHUNK_TOKENS`), and the memory cap itself, its half and its quarter."""
+    top = max(int(longest), MIN_CHUNK_TOKENS)
+    floor = max(MIN_CHUNK_TOKENS, int(min(top, memory_cap) * CAP_FLOOR_FRACTION))
+    caps = {max(MIN_CHUNK_TOKENS, min(memory_cap, top) // d) for d in (1, 2, 4)}
+    c = float(top)
+    while c >= floor:
+        caps.add(int(c))
+        c /= CAP_RATIO
+    return sorted(caps, reverse=True)
+
+
+def _family(search: _Search, balance: bool, recompute: bool, caps: list[int], start_cap: int, slice_counts: Sequence[int]) -> list:
+    """Candidates of one family that the grouping estimate fits, best first: ``(score, (slice budget,
+    cap, balance), groups)``. ``balance``: slice budgets ``work(longest) / K``; a full scan of every ``K`` at
+    ``start_cap`` (if none fits there, the caps downwards with the fewest and the most slices until one
+    does), then of every cap at the best ``K`` and of every ``K`` at the best cap, twice (no early stop).
+    Else fixed-length chunks of every cap and of ``longest / K`` tokens."""
+    longest = int(search.lengths.max())
+    found: dict = {}
+
+    def scan(keys) -> None:
+        for t, c in keys:
+            if (t, c, balance) not in found:
+                score, groups = search.score(t, c, balance, recompute)
+                if groups is not None:
+                    found[t, c, balance] = (score, (t, c, balance), groups)
+
+    def ranked() -> list:
+        return sorted(found.values(), key=lambda f: f[0])
+
+    if not balance:
+        scan([(np.inf, t) for t in sorted({max(1, min(caps[0], longest // k)) for k in slice_counts} | set(caps), reverse=True)])
+        return ranked()
+    work = float(sequence_features([longest])[0] @ search.cost_model.work_vector())
+    scan([(work / k, start_cap) for k in slice_counts])
+    for c in caps:  # nothing fits at the start: down the caps (the fewest and the most slices) until one does
+        if found:
+            break
+        scan([(work / k, c) for k in sorted({min(slice_counts), max(slice_counts)})])
+    for _ in range(2):  # every cap at the best slice budget, then every slice budget at the best cap
+        if found:
+            t = ranked()[0][1][0]
+            scan([(t, cap) for cap in caps])
+            c = ranked()[0][1][1]
+            scan([(work / k, c) for k in slice_counts])
+    return ranked()
 
 
 def build_plan(
@@ -156,7 +239,7 @@ def build_plan(
     recompute: Recompute = "adaptive",
     balance: bool = True,
     slice_counts: Sequence[int] = SLICE_COUNTS,
-    time_limit: float = 0.1,
+    time_limit: float = 1.0,
     mip_rel_gap: float = 0.01,
     builder: str = "epp",
 ) -> Plan:
@@ -165,43 +248,78 @@ def build_plan(
     ``memory_gb``: per GPU (GiB). ``recompute``: ``"adaptive"`` (the integer program), ``"greedy"``,
     ``"none"`` or ``"full"``. ``balance=False``: even slices and token-only packing into chunks of
     a searched fixed length (the "w/o workload balance" ablation).
-    Raises :class:`PlanInfeasible` if nothing fits.
+
+    Candidates: four families, workload-balanced or fixed-length chunks (the latter only) each with
+    or without recompute allowed (per ``recompute``), each searched over every slice count and token
+    cap of :func:`token_caps`; the best of each family by the proxy score, and the packing-only
+    chunking, are finalists; each finalist gets its recompute (in ``adaptive``/``greedy`` mode also
+    the full-recompute variant of those that need some) and is simulated; the fastest wins. The
+    finalists of the ablations ``recompute="none"``, ``"full"`` and ``balance=False`` are among
+    those of the default, so it is never predicted slower than they are.
+    Raises :class:`PlanInfeasible` (the reason in one line) if nothing fits.
     """
     t0 = time.perf_counter()
     L = np.asarray(lengths, dtype=np.int64)
     if len(L) == 0 or (L < 1).any():
         raise PlanInfeasible("the batch must hold sequences of at least one token")
     budget = memory_gb * GIB
-    cap = token_cap(cost_model, budget)
-    if cap < MIN_CHUNK_TOKENS:
-        raise PlanInfeasible(f"{memory_gb} GB per GPU leaves room for chunks of only {cap} tokens")
-    free = budget - cost_model.model_state_bytes()[0]
-    cache: dict = {}
-    while cap >= MIN_CHUNK_TOKENS:
-        finalists = []
-        if recompute != "none":
-            finalists.append(_search(L, cost_model, cap, balance, free, True, slice_counts, cache))
-        if recompute != "full":  # the best plan that needs no recompute, with smaller chunks if need be
-            for c in (cap, cap // 2, cap // 4):
-                found = _search(L, cost_model, max(c, MIN_CHUNK_TOKENS), balance, free, False, slice_counts, cache)
-                if np.isfinite(found[0]):
-                    finalists.append(found)
-                    break
-            # The search's proxy score can prefer slices that the simulated step does not: the
-            # packing-only candidate (one slice budget = the longest sequence) is always simulated too.
-            packed = _search(L, cost_model, cap, balance, free, False, [1], cache) if balance else (np.inf, None, None)
-            if np.isfinite(packed[0]) and all(packed[1] != f[1] for f in finalists):
-                finalists.append(packed)
-        plans = []
-        for _, (slice_budget, cap_used), groups in finalists:
-            plan = make_plan(L, cost_model, groups, builder)
+    check_fits(L, cost_model, budget)
+    memory_cap = token_cap(cost_model, budget)
+    caps = token_caps(int(L.max()), memory_cap)
+    search = _Search(L, cost_model, budget - cost_model.model_state_bytes()[0])
+    flags = [f for f, allowed in ((True, recompute != "none"), (False, recompute != "full")) if allowed]
+    start_cap = min(memory_cap, caps[0])
+    finalists = [(rc, _family(search, b, rc, caps if rc else [c for c in caps if c <= start_cap], start_cap, slice_counts))
+                 for b in ((True, False) if balance else (False,)) for rc in flags]
+    if balance and recompute != "full":  # packing only: one slice budget, the longest sequence's work
+        finalists.append((False, _family(search, True, False, [start_cap], start_cap, [1])))
+    modes = [recompute] + (["full"] if recompute in ("adaptive", "greedy") else [])
+
+    def evaluate(found: tuple, rc: bool) -> list[Plan]:
+        """The finalist's plans (its recompute, and the full variant), regrouped with the margin the
+        exact walk finds the grouping estimate short by; raises MemoryInfeasible if it stays short."""
+        (slice_budget, cap_used, balanced), groups = found[1], found[2]
+        margin = 0.0
+        for attempt in range(REGROUP_TRIES):
             try:
-                extra = apply_recompute(plan, cost_model, budget, recompute, time_limit, mip_rel_gap)
-            except MemoryInfeasible:
+                out: list[Plan] = []
+                for mode in modes:
+                    if out and out[-1].recomputed_layers() == 0:
+                        break  # needs no recompute: the full variant is only slower
+                    plan = make_plan(L, cost_model, groups, builder)
+                    extra = apply_recompute(plan, cost_model, budget, mode, time_limit, mip_rel_gap)
+                    extra.update(slice_budget_ms=slice_budget, token_cap=cap_used)
+                    out.append(finish(plan, cost_model, budget, t0, extra, validate=False))
+                return out
+            except MemoryInfeasible as e:
+                margin += e.excess_bytes
+                groups = search.score(slice_budget, cap_used, balanced, rc, margin)[1]
+                if groups is None or attempt == REGROUP_TRIES - 1:
+                    raise
+        raise AssertionError("unreachable")
+
+    seen, plans, reasons = set(), [], []
+    for rc, family in finalists:
+        kept = 0
+        for found in family[:FINALIST_TRIES]:  # the best by the estimate that the exact walk fits
+            # one chunking under several keys (a cap that binds everywhere makes the slice budget moot):
+            # identified by its first chunk, which the search's cache shares
+            key = (id(found[2][0][0][0]), tuple(map(len, found[2])))
+            if key in seen:
                 continue
-            extra.update(slice_budget_ms=slice_budget, token_cap=cap_used)
-            plans.append(finish(plan, cost_model, budget, t0, extra))
-        if plans:
-            return min(plans, key=lambda p: p.stats.predicted_step_ms)
-        cap //= 2
-    raise PlanInfeasible(f"no {recompute!r} plan fits {memory_gb} GB per GPU")
+            seen.add(key)
+            try:
+                plans += evaluate(found, rc)
+            except MemoryInfeasible as e:
+                reasons.append(str(e))
+                continue
+            kept += 1
+            if kept == FINALISTS_PER_FAMILY:
+                break
+    if not plans:
+        why = reasons[0] if reasons else f"no grouping fits even with chunks of {caps[-1]} tokens"
+        raise PlanInfeasible(f"no {recompute!r} plan fits {memory_gb} GB per GPU: {why}")
+    best = min(plans, key=lambda p: p.stats.predicted_step_ms)  # first wins ties
+    best.validate()
+    best.stats.solve_ms = (time.perf_counter() - t0) * 1e3
+    return best

@@ -3,9 +3,11 @@
 Units (the chunks of one split sequence, or one batched chunk) are sorted by chunk count, most
 first. A group ``[i, j)`` of consecutive units runs as one 1F1B pipeline; its cost is its warm-up
 and cool-down ``(P - 1) * mean chunk time`` plus an estimate of the recompute it needs to fit:
-stage 0 holds ``P + K_max - 1`` chunks in flight (``K_max`` = chunks of the group's first unit), the
-excess of the largest such window over the budget is recomputed at the group's average recompute
-time per saved byte; a group that does not fit even fully checkpointed costs infinity. The exact
+stage 0 holds ``P + K_max - 1`` chunks in flight (``K_max`` = chunks of the group's first unit), and
+the whole K/V buffer of every split sequence with a slice in the window (a sequence's slices run
+backward last to first, so its first slice, which holds the buffer, stays in flight longest); the
+excess of the largest such window over the budget is recomputed in each of the group's ``n / window``
+windows at the group's average recompute time per saved byte; a group that does not fit even fully checkpointed costs infinity. The exact
 walk and the integer program then decide the real recompute of each chosen group.
 """
 
@@ -16,11 +18,12 @@ import numpy as np
 from megatron_epp.cost.model import ChunkCosts
 
 
-def _running_window_max(x: np.ndarray, start: int, window: int) -> np.ndarray:
-    """``out[e]`` = max over ``q <= e`` of ``sum(x[max(start, q - window) : q])``, for ``e > start``."""
-    S = np.concatenate([[0.0], np.cumsum(x)])
-    q = np.arange(start + 1, len(x) + 1)
-    return np.maximum.accumulate(S[q] - S[np.maximum(start, q - window)])
+def _running_window_max(S: np.ndarray, extra: np.ndarray, start: int, window: int, ends: np.ndarray) -> np.ndarray:
+    """``out[e]`` = max over ``start < q <= e`` of ``sum(x[a : q]) + extra[a]``, ``a = max(start, q - window)``,
+    for every ``e`` of ``ends``, where ``S`` is the prefix sum of ``x`` (``S[0] = 0``)."""
+    q = np.arange(start + 1, ends[-1] + 1)
+    a = np.maximum(start, q - window)
+    return np.maximum.accumulate(S[q] - S[a] + extra[a])[ends - start - 1]
 
 
 def group_units(
@@ -30,38 +33,63 @@ def group_units(
     consecutive groups; returns ``[(first_unit, end_unit), ...]`` and the estimated overhead (ms).
     ``free_bytes``: stage 0's budget minus its model states; ``recompute=False``: a group must fit
     without checkpointing."""
+    return group_units_both(unit_sizes, costs, layers, free_bytes)[recompute]
+
+
+def group_units_both(
+    unit_sizes: list[int], costs: ChunkCosts, layers: np.ndarray, free_bytes: float
+) -> dict[bool, tuple[list[tuple[int, int]], float]]:
+    """:func:`group_units` with recompute allowed (``True``) and without (``False``) in one pass:
+    ``([], inf)`` where no grouping fits."""
     P, U = len(layers), len(unit_sizes)
     bounds = np.concatenate([[0], np.cumsum(unit_sizes)]).astype(int)
     step = (costs.fwd + costs.bwd).mean(axis=0)
     T = np.concatenate([[0.0], np.cumsum(step)])
     split = np.repeat(np.asarray(unit_sizes) > 1, unit_sizes)  # the chunks of split sequences
     act = costs.act_layer - costs.lone_layer * split
-    kv = costs.kv_layer * split  # each slice's rows of its sequence's K/V buffer
-    full = layers[0] * (act + kv)
-    least = layers[0] * (costs.ckpt_layer + kv) if recompute else full
+    # a split sequence's K/V buffer is held from its first slice's forward to that slice's backward,
+    # its last: all of it counts at the first slice, and in a window that starts inside the unit
+    unit_buffer = layers[0] * np.add.reduceat(costs.kv_layer * split, bounds[:-1])
+    buffer = np.zeros(len(act))
+    buffer[bounds[:-1]] = unit_buffer
+    unit_of = np.repeat(np.arange(U), unit_sizes)
+    inside = np.append(np.where(bounds[unit_of] < np.arange(len(act)), unit_buffer[unit_of], 0.0), 0.0)
+    full = layers[0] * act + buffer
+    least = layers[0] * costs.ckpt_layer + buffer
     rc_per_byte = costs.rc_layer / np.maximum(act - costs.ckpt_layer, 1e-9)
     R = np.concatenate([[0.0], np.cumsum(rc_per_byte)])
-    best = np.full(U + 1, np.inf)
-    best[0] = 0.0
-    back = np.zeros(U + 1, dtype=int)
+    S_full, S_least = (np.concatenate([[0.0], np.cumsum(x)]) for x in (full, least))
+    best = {flag: np.full(U + 1, np.inf) for flag in (True, False)}
+    back = {flag: np.zeros(U + 1, dtype=int) for flag in (True, False)}
+    best[True][0] = best[False][0] = 0.0
     for i in range(U):
-        if not np.isfinite(best[i]):
+        if not (np.isfinite(best[True][i]) or np.isfinite(best[False][i])):
             continue
         s = bounds[i]
         window = P + unit_sizes[i] - 1
         ends = bounds[i + 1 :]  # chunk end of groups [i, j) for j = i+1 .. U
+        workspace = np.maximum.accumulate(costs.act_layer[s:])[ends - s - 1]
+        # the floor grows with the group: from the first group that cannot fit on, none can
+        fits = np.searchsorted(_running_window_max(S_least, inside, s, window, ends) + workspace > free_bytes, True)
+        if not fits:
+            continue
+        ends, workspace = ends[:fits], workspace[:fits]
         n = ends - s
-        workspace = np.maximum.accumulate(costs.act_layer[s:])[n - 1]
-        peak = _running_window_max(full, s, window)[n - 1] + workspace
-        floor = _running_window_max(least, s, window)[n - 1] + workspace
-        rc_ms = np.maximum(peak - free_bytes, 0.0) * (R[ends] - R[s]) / n
-        cost = (P - 1) * (T[ends] - T[s]) / n + np.where(floor > free_bytes, np.inf, rc_ms)
-        cand = best[i] + cost
-        better = cand < best[i + 1 :]
-        best[i + 1 :][better] = cand[better]
-        back[i + 1 :][better] = i
-    groups, j = [], U
-    while j > 0:
-        groups.append((int(back[j]), j))
-        j = back[j]
-    return groups[::-1], float(best[U])
+        peak = _running_window_max(S_full, inside, s, window, ends) + workspace
+        bubbles = (P - 1) * (T[ends] - T[s]) / n
+        # the excess is saved in every window of the group: about n / window times
+        rc_ms = np.maximum(peak - free_bytes, 0.0) * (R[ends] - R[s]) / n * np.maximum(1.0, n / window)
+        for flag, cost in ((True, bubbles + rc_ms), (False, bubbles[: np.searchsorted(peak > free_bytes, True)])):
+            cand = best[flag][i] + cost
+            seg = best[flag][i + 1 : i + 1 + len(cand)]
+            better = cand < seg
+            seg[better] = cand[better]
+            back[flag][i + 1 : i + 1 + len(cand)][better] = i
+    out = {}
+    for flag in (True, False):
+        groups, j = [], U
+        while j > 0 and np.isfinite(best[flag][U]):
+            groups.append((int(back[flag][j]), j))
+            j = back[flag][j]
+        out[flag] = (groups[::-1], float(best[flag][U]))
+    return out

@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from scipy import sparse
 
 from megatron_epp.plan import Pipeline
 from megatron_epp.cost.model import ChunkCosts
@@ -44,7 +45,7 @@ class StageMemory:
 
     ops: list[Op]
     base: np.ndarray  # (m,) memory at row r with no recompute
-    live: np.ndarray  # (m, n) multiplier of chunk k's per-layer saving at row r (1: resident)
+    live: sparse.csr_array  # (m, n) multiplier of chunk k's per-layer saving at row r (1: resident); sparse: few chunks are in flight at once
     saving: np.ndarray  # (n,) bytes freed per checkpointed layer of chunk k
     bwd_rows: np.ndarray  # rows of the backwards (memory peaks: nothing is freed before them)
     row_op: np.ndarray  # (m,) the op of each row
@@ -74,8 +75,10 @@ def stage_memory(pipe: Pipeline, stage: int, num_stages: int, costs: ChunkCosts,
     ops = stage_ops(pipe, stage, num_stages)
     n = len(pipe.chunks)
     fpos, bpos = np.empty(n, dtype=int), np.empty(n, dtype=int)
-    for j, op in enumerate(ops):
-        (fpos if op.kind == "F" else bpos)[op.pos] = j
+    is_bwd = np.array([op.kind == "B" for op in ops])
+    pos = np.array([op.pos for op in ops])
+    fpos[pos[~is_bwd]] = np.flatnonzero(~is_bwd)
+    bpos[pos[is_bwd]] = np.flatnonzero(is_bwd)
     is_slice, buffer = kv_buffers(pipe, costs.kv_layer)
     act = costs.act_layer - costs.lone_layer * is_slice
     head = costs.logits if stage == num_stages - 1 else np.zeros(n)
@@ -84,22 +87,28 @@ def stage_memory(pipe: Pipeline, stage: int, num_stages: int, costs: ChunkCosts,
     saving = np.maximum(act - costs.ckpt_layer, 1e-9)
 
     # rows: F -> end of forward; B -> start of backward, then its first recompute
-    row_op = np.repeat(np.arange(len(ops)), [1 if op.kind == "F" else 2 for op in ops])
-    rc_row = np.zeros(len(row_op), dtype=bool)
-    rc_row[1:] = row_op[1:] == row_op[:-1]
-    j = row_op[:, None]
-    live = ((j >= fpos) & (j <= bpos)).astype(float)
-    base = state_bytes + live @ resident
-    bwd_rows = np.flatnonzero(np.isin(row_op, bpos))
-    for r in bwd_rows:
-        k = ops[row_op[r]].pos
-        if not rc_row[r]:
-            base[r] += costs.workspace[k]
-            continue
-        # chunk k during the recompute of its last checkpointed layer: act - ckpt + c * (ckpt + buffer)
-        # (+ rc_input where the recomputed layer's saved tensors do not share its kept input)
-        base[r] += embed[k] + act[k] - costs.ckpt_layer[k] + costs.rc_input[k] - resident[k]
-        live[r, k] = -(costs.ckpt_layer[k] + buffer[k]) / saving[k]
+    per_op = np.where(is_bwd, 2, 1)
+    row_op = np.repeat(np.arange(len(ops)), per_op)
+    first_row = np.concatenate([[0], np.cumsum(per_op)[:-1]])
+    # chunk k is resident from the row of its forward to the last row (its recompute) of its backward
+    lo, hi = first_row[fpos], first_row[bpos] + 1
+    m = len(row_op)
+    counts = hi - lo + 1
+    indptr = np.concatenate([[0], np.cumsum(counts)])
+    indices = np.repeat(lo - indptr[:-1], counts) + np.arange(indptr[-1])
+    data = np.ones(indptr[-1])
+    diff = np.zeros(m + 1)
+    np.add.at(diff, lo, resident)
+    np.add.at(diff, hi + 1, -resident)
+    base = state_bytes + np.cumsum(diff)[:m]
+    bwd_rows = np.sort(np.concatenate([first_row[bpos], first_row[bpos] + 1]))
+    start_rows = first_row[bpos]
+    base[start_rows] += costs.workspace
+    # chunk k during the recompute of its last checkpointed layer: act - ckpt + c * (ckpt + buffer)
+    # (+ rc_input where the recomputed layer's saved tensors do not share its kept input)
+    base[hi] += embed + act - costs.ckpt_layer + costs.rc_input - resident
+    data[indptr[1:] - 1] = -(costs.ckpt_layer + buffer) / saving
+    live = sparse.csc_array((data, indices, indptr), shape=(m, n)).tocsr()
     return StageMemory(ops, base, live, saving, bwd_rows, row_op)
 
 

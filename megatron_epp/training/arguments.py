@@ -337,7 +337,7 @@ UNSUPPORTED_PARALLELISM = {
 
 
 EPP_DEFAULTS = {  # pretrain_gpt.py's defaults of the planner options (epp-plan has its own)
-    "epp_plan": "elastic", "epp_max_slices": 8, "epp_profile": "test-model", "epp_recompute": "adaptive", "epp_time_limit": 0.1,
+    "epp_plan": "elastic", "epp_max_slices": 8, "epp_profile": "test-model", "epp_recompute": "adaptive", "epp_time_limit": 1.0,
 }
 
 
