@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from megatron_epp.cost.clusters import COMM_OVERLAP, INTRA_MODES, Cluster, stage_profile
+from megatron_epp.cost.clusters import COMM_OVERLAP, INTRA_MODES, Cluster, get_cluster, stage_profile
 from megatron_epp.cost.model import CostModel
 from megatron_epp.cost.profiles import ModelShape
 from megatron_epp.plan import Plan, PlanInfeasible
@@ -163,7 +163,7 @@ def evaluate_layout(lengths: np.ndarray, shape: ModelShape, cluster: Cluster, la
 
 
 SYSTEM_INTRA = {"epp": INTRA_MODES, "megatron": ("tp",), "seq1f1b": ("tp",)}  # Megatron and Seq1F1B have no Ulysses SP
-MAX_EVALUATED = 6  # layouts planned by an expensive system after the proxy ranking (exhaustive: all)
+MAX_EVALUATED = 4  # layouts planned by an expensive system after the proxy ranking (exhaustive: all)
 
 
 def search_layout(lengths: Sequence[int], shape: ModelShape, cluster: Cluster, system: str, config: PlannerConfig,
@@ -213,3 +213,35 @@ def search_layout(lengths: Sequence[int], shape: ModelShape, cluster: Cluster, s
         raise PlanInfeasible(f"{system}: no layout of {cluster.world_size} GPUs fits {config.memory_gb} GB per GPU")
     ranked = sorted(evaluated, key=lambda r: (r.step_ms, str(r.layout)))
     return LayoutChoice(ranked[0], ranked[1] if len(ranked) > 1 else None, ranked, skipped)
+
+
+def cluster_for_world(cluster: Cluster, world_size: int) -> Cluster:
+    """``cluster``'s nodes resized to ``world_size`` GPUs: one partial node, or whole nodes."""
+    if world_size <= cluster.gpus_per_node:
+        return cluster.with_nodes(1, world_size)
+    if world_size % cluster.gpus_per_node:
+        raise ValueError(f"world size {world_size} is not a whole number of {cluster.name}'s {cluster.gpus_per_node}-GPU nodes")
+    return cluster.with_nodes(world_size // cluster.gpus_per_node)
+
+
+def describe_choice(choice: LayoutChoice, cluster: Cluster) -> list[str]:
+    """Lines that report a layout search: the best layout, why (the runner-up), the others, and last
+    the best layout's ``pretrain_gpt.py`` flags (for an SP layout: a note that it is simulated only)."""
+    best = choice.best
+    lines = [f"layout search on {cluster.name} ({cluster.num_nodes} x {cluster.gpus_per_node} GPUs): best {best.layout}, "
+             f"predicted step {best.step_ms:.1f} ms (bound {best.bound_ms:.1f} ms, DP sync {best.sync_ms:.1f} ms); {choice.reason}"]
+    lines += [f"  {r.layout}: {r.step_ms:.1f} ms" for r in choice.evaluated[1:]]
+    lines += [f"  {name}: not planned ({why})" for name, why in sorted(choice.skipped.items())]
+    try:
+        lines.append(" ".join(best.layout.flags()))
+    except ValueError as note:
+        lines.append(f"# {note}")
+    return lines
+
+
+def search_for_world(lengths: Sequence[int], shape: ModelShape, cluster_name: str, world_size: int, config: PlannerConfig,
+                     runnable_only: bool) -> tuple[LayoutChoice, Cluster]:
+    """EPP's best layout for ``world_size`` GPUs of the preset ``cluster_name``; ``runnable_only``: TP
+    layouts (what ``pretrain_gpt.py`` runs), else TP and Ulysses SP."""
+    cluster = cluster_for_world(get_cluster(cluster_name), world_size)
+    return search_layout(lengths, shape, cluster, "epp", config, intra_modes=("tp",) if runnable_only else None), cluster

@@ -177,6 +177,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
             f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than --lr-decay-iters "
             f"{args.lr_decay_iters} (default: --train-iters)"
         )
+    if args.epp_cluster and not args.epp_search_layout:
+        raise ArgumentError("--epp-cluster applies only with --epp-search-layout")
     validate_elastic_args(args, world_size)
 
 
