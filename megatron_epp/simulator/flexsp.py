@@ -135,11 +135,13 @@ def assign_microbatch(lengths: np.ndarray, base: Profile, n_gpu: int, net: Netwo
     Over the bucket counts (each bucket costed at its upper limit), HiGHS chooses how many groups of
     each power-of-two size to open (``n_d``, any mix, at most ``N`` GPUs) and how many sequences of
     each bucket go to groups of each size (``x[b, d]``), minimising ``z`` with every size class's mean
-    group time ``<= z`` (``sum_b T[b, d] x[b, d] + K_d n_d <= z n_d``, the product linearised over a
-    one-hot ``n_d``), no sequence alone slower than ``z``, and the class's memory within ``n_d`` groups'
-    budgets, no sequence over one group's budget. The real sequences of each bucket then go, longest
-    first, to the classes the MILP gave it (largest groups first) and, inside a class, onto the
-    least-loaded group whose memory still holds them; if none does, the micro-batch does not fit."""
+    group time ``<= z`` (``sum_b T[b, d] x[b, d] + K_d n_d <= z n_d``), no sequence alone slower than
+    ``z``, and the class's memory within its ``n_d`` groups' budgets, no sequence over one group's
+    budget: for a fixed ``z`` these constraints are linear, so ``z`` is found by bisection over small
+    feasibility MILPs (:func:`_bisect_groups`; deterministic, each solved to optimality). The real
+    sequences of each bucket then go, longest first, to the classes the MILP gave it (largest groups
+    first) and, inside a class, onto the least-loaded group whose memory still holds them; if none
+    does, the micro-batch does not fit."""
     bucket, upper = _buckets(lengths, num_buckets)
     B = len(upper)
     counts = np.bincount(bucket, minlength=B).astype(float)
@@ -158,75 +160,31 @@ def assign_microbatch(lengths: np.ndarray, base: Profile, n_gpu: int, net: Netwo
     allowed = Mem <= free
     if any(counts[b] and not allowed[b].any() for b in range(B)):
         return None
-    big = float((counts[:, None] * np.where(allowed, T, 0.0)).max(axis=1).sum() + K.max())  # z never needs more
-    nmax = [min(n_gpu // ds, len(lengths)) for ds in sizes]
-    # variables: x[b, s] (B*S int), a[b, s] (B*S bin), w[s, j] j = 0..nmax_s (bin: n_s = j), u[s, j] = z w[s, j], z
-    nx = B * S
-    w_off = [2 * nx + sum(n + 1 for n in nmax[:s]) for s in range(S)]
-    nw = sum(n + 1 for n in nmax)
-    u_shift = nw  # u[s, j] sits nw after w[s, j]
-    nv = 2 * nx + 2 * nw + 1
-    zi = nv - 1
-    A, lo, hi = [], [], []
+    # the same terms on the real lengths, for the placement
+    real = (c.work + (c.rc if mode == "full" else 0.0))[:, None] / d[None, :] + a2a_calls * np.array(
+        [[net.alltoall_ms(c.a2a_bytes[i] / ds, int(ds)) - _lat(net, int(ds)) for ds in d] for i in range(len(lengths))])
 
-    def row(entries: dict[int, float], lb: float, ub: float) -> None:
-        r = np.zeros(nv)
-        for k, v in entries.items():
-            r[k] += v
-        A.append(r)
-        lo.append(lb)
-        hi.append(ub)
+    def place(x: np.ndarray, n: np.ndarray):
+        """The real sequences onto ``n[s]`` groups of each size as ``x`` says; ``(groups, slowest)``."""
+        groups: list[tuple[int, list[int]]] = [(sizes[s], []) for s in reversed(range(S)) for _ in range(n[s])]
+        size_of = [sizes.index(dg) for dg, _ in groups]
+        load = np.array([K[s] for s in size_of])
+        mem = np.zeros(len(groups))
+        for b in range(B):
+            idx = np.flatnonzero(bucket == b)
+            idx = idx[np.argsort(-lengths[idx], kind="stable")]
+            classes = [s for s in reversed(range(S)) for _ in range(int(x[b, s]))]
+            for i, s in zip(idx, classes):
+                fits = [g for g in range(len(groups)) if size_of[g] == s and mem[g] + c.mem[mode][i] / sizes[s] <= free]
+                if not fits:
+                    return None
+                g = min(fits, key=lambda g: load[g])
+                groups[g][1].append(int(i))
+                load[g] += real[i, s]
+                mem[g] += c.mem[mode][i] / sizes[s]
+        return [(dg, np.array(m, dtype=int)) for dg, m in groups if m], float(max(load[g] for g in range(len(groups)) if groups[g][1]))
 
-    for b in range(B):
-        row({b * S + s: 1.0 for s in range(S)}, counts[b], counts[b])
-        for s in range(S):
-            row({b * S + s: 1.0, nx + b * S + s: -counts[b]}, -np.inf, 0.0)  # x > 0 only if a = 1
-            row({zi: 1.0, nx + b * S + s: -T[b, s]}, 0.0, np.inf)  # z >= T[b, s] if a = 1
-    gpus: dict[int, float] = {}
-    for s in range(S):
-        js = range(nmax[s] + 1)
-        row({w_off[s] + j: 1.0 for j in js}, 1.0, 1.0)
-        time_row = {b * S + s: T[b, s] for b in range(B)}
-        mem_row = {b * S + s: Mem[b, s] for b in range(B)}
-        for j in js:
-            w, u = w_off[s] + j, w_off[s] + j + u_shift
-            gpus[w] = float(sizes[s] * j)
-            row({u: 1.0, w: -big}, -np.inf, 0.0)  # u <= big w
-            row({u: 1.0, zi: -1.0}, -np.inf, 0.0)  # u <= z
-            row({u: 1.0, zi: -1.0, w: -big}, -big, np.inf)  # u >= z - big (1 - w)
-            time_row[w] = K[s] * j
-            time_row[u] = -float(j)
-            mem_row[w] = -free * j
-        row(time_row, -np.inf, 0.0)
-        row(mem_row, -np.inf, 0.0)
-    row(gpus, 1.0, float(n_gpu))
-    ub = np.concatenate([np.where(allowed, counts[:, None], 0.0).ravel(), np.ones(nx), np.ones(nw), np.full(nw, big), [np.inf]])
-    cost = np.zeros(nv)
-    cost[zi] = 1.0
-    integrality = np.concatenate([np.ones(2 * nx + nw), np.zeros(nw + 1)])
-    res = milp(cost, constraints=[LinearConstraint(np.array(A), lo, hi)], bounds=Bounds(0, ub), integrality=integrality,
-               options={"time_limit": time_limit, "mip_rel_gap": MIP_GAP})
-    if res.x is None:
-        return None
-    x = np.round(res.x[:nx]).reshape(B, S)
-    n = [int(round(sum(j * res.x[w_off[s] + j] for j in range(nmax[s] + 1)))) for s in range(S)]
-    groups: list[tuple[int, list[int]]] = [(sizes[s], []) for s in reversed(range(S)) for _ in range(n[s])]
-    load = np.zeros(len(groups))
-    mem = np.zeros(len(groups))
-    per_real = c.work + (c.rc if mode == "full" else 0.0)
-    for b in range(B):
-        idx = np.flatnonzero(bucket == b)
-        idx = idx[np.argsort(-lengths[idx], kind="stable")]
-        classes = [s for s in reversed(range(S)) for _ in range(int(x[b, s]))]
-        for i, s in zip(idx, classes):
-            fits = [g for g, (dg, _) in enumerate(groups) if dg == sizes[s] and mem[g] + c.mem[mode][i] / dg <= free]
-            if not fits:
-                return None
-            g = min(fits, key=lambda g: load[g])
-            groups[g][1].append(int(i))
-            load[g] += per_real[i] / sizes[s]
-            mem[g] += c.mem[mode][i] / sizes[s]
-    return [(dg, np.array(m, dtype=int)) for dg, m in groups if m]
+    return _bisect_groups(T, K, Mem, allowed, counts, sizes, n_gpu, free, time_limit, place)
 
 
 def _lat(net: Network, d: int) -> float:
@@ -304,3 +262,70 @@ def plan_flexsp(lengths: Sequence[int], cost_model: CostModel, memory_gb: float,
 def _accelerator_of(prof: Profile) -> Accelerator:
     """The accelerator an analytic profile was built for (its device name), H100 by default."""
     return next((acc for acc in (A800, H100_SXM, H100) if prof.device.startswith(acc.name)), H100)
+
+
+def _bisect_groups(T: np.ndarray, K: np.ndarray, Mem: np.ndarray, allowed: np.ndarray, counts: np.ndarray, sizes: list[int],
+                   n_gpu: int, free: float, time_limit: float, place, rel_tol: float = MIP_GAP / 4):
+    """The least ``z`` (to ``rel_tol``) for which an assignment exists: bisection over ``z``, each step a
+    small feasibility MILP (HiGHS) in ``x[b, s]`` (sequences of bucket ``b`` on groups of size ``s``)
+    and ``n[s]`` (groups of size ``s``): ``sum_b T x + K n <= z n`` per size, a sequence alone no slower
+    than ``z`` (``x[b, s] = 0`` where ``T[b, s] > z``), ``sum_b Mem x <= free n``, ``sum_s d_s n_s <= N``.
+    A ``z`` counts as feasible only if ``place(x, n)`` puts the real sequences on the groups with the
+    slowest group within ``z`` (the class means of the MILP say nothing of single groups). Returns the
+    placement of the least feasible ``z`` found, or None."""
+    B, S = T.shape
+    d = np.array(sizes, dtype=float)
+    nv = B * S + S
+    # rows: B covers; per size: time, memory, and two packing cuts (an item over (z - K)/2 fills a group
+    # alone, items over (z - K)/3 go at most two to a group); the GPU count
+    A = np.zeros((B + 4 * S + 1, nv))
+    for b in range(B):
+        A[b, b * S:(b + 1) * S] = 1.0
+    for s in range(S):
+        A[B + 4 * s + 1, s:B * S:S] = Mem[:, s]
+        A[B + 4 * s + 1, B * S + s] = -free
+        A[B + 4 * s + 2, B * S + s] = -1.0
+        A[B + 4 * s + 3, B * S + s] = -2.0
+    A[-1, B * S:] = d
+    lo_b = np.concatenate([counts, np.repeat([-np.inf], 4 * S), [1.0]])
+    hi_b = np.concatenate([counts, np.zeros(4 * S), [float(n_gpu)]])
+    integrality = np.ones(nv)
+    cost = np.concatenate([np.zeros(B * S), -d])  # among the feasible, the most GPUs (more groups to spread the real lengths)
+    best: list = [None]  # the placement with the fastest slowest group seen at any z
+
+    def feasible(z: float):
+        for s in range(S):
+            A[B + 4 * s, :] = 0.0
+            A[B + 4 * s, s:B * S:S] = T[:, s]
+            A[B + 4 * s, B * S + s] = K[s] - z
+            A[B + 4 * s + 2, s:B * S:S] = T[:, s] > (z - K[s]) / 2
+            A[B + 4 * s + 3, s:B * S:S] = T[:, s] > (z - K[s]) / 3
+        ok = allowed & (T + K[None, :] <= z)
+        if any(counts[b] and not ok[b].any() for b in range(B)):
+            return None
+        ub = np.concatenate([np.where(ok, counts[:, None], 0.0).ravel(), [n_gpu // ds for ds in sizes]])
+        res = milp(cost, constraints=[LinearConstraint(A, lo_b, hi_b)], bounds=Bounds(0, ub), integrality=integrality,
+                   options={"time_limit": time_limit})
+        if res.x is None:
+            return None
+        placed = place(np.round(res.x[:B * S]).reshape(B, S), np.round(res.x[B * S:]).astype(int))
+        if placed is not None and (best[0] is None or placed[1] < best[0][1]):
+            best[0] = placed
+        return placed if placed is not None and placed[1] <= z else None
+
+    finite = np.where(allowed, T * d[None, :], np.inf)
+    lo = float((counts * finite.min(axis=1)).sum() / n_gpu)  # all GPUs busy on the cheapest placements
+    hi = float((counts[:, None] * np.where(allowed, T, 0.0)).max(axis=1).sum() + K.max())
+    hi = max(hi, lo) * 1.001
+    found = feasible(hi)
+    if found is None:
+        return None if best[0] is None else best[0][0]
+    hi = found[1]
+    while hi - lo > rel_tol * hi:
+        mid = 0.5 * (lo + hi)
+        sol = feasible(mid)
+        if sol is None:
+            lo = mid
+        else:
+            hi = sol[1]
+    return best[0][0]
