@@ -17,7 +17,6 @@ from megatron_epp.planner.config import PlannerConfig
 from megatron_epp.planner.data_parallel import TOKENS, split_data_parallel
 from megatron_epp.cost.features import F
 from megatron_epp.cost.model import CostModel
-from megatron_epp.simulator.flexsp import _layouts
 from megatron_epp.cost.profiles import load_profile
 
 LENGTHS = [3000, 1200, 800, 500, 300, 200, 150, 90, 60, 40, 20, 10] * 2
@@ -121,11 +120,6 @@ def test_baselines_shapes_and_infeasibility():
     res = run_baselines(LENGTHS, cm, PlannerConfig(0.004, 4096))  # 4 MB: not even the model states fit
     assert not any(r["fits"] for r in res.values())
 
-
-def test_flexsp_layouts_cover_the_gpus():
-    layouts = _layouts(8)
-    assert [8] in layouts and [1] * 8 in layouts and [4, 2, 2] in layouts
-    assert all(sum(x) == 8 and len(set(x)) <= 2 for x in layouts)
 
 
 @pytest.mark.parametrize("argv, message", [

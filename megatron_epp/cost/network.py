@@ -32,12 +32,15 @@ class Network:
         return self.p2p_latency_us * 1e-3 + nbytes / (self.p2p_gbps * 1e6)
 
     def alltoall_ms(self, nbytes: float, group: int) -> float:
-        """All-to-all of ``nbytes`` per GPU in a group of ``group`` GPUs ((g-1)/g of it leaves the GPU)."""
+        """All-to-all of ``nbytes`` per GPU in a group of ``group`` GPUs ((g-1)/g of it leaves the GPU):
+        the share for GPUs of the same node at NVLink speed, the rest at ``a2a_gbps``, both at once."""
         if group <= 1:
             return 0.0
-        intra = group <= self.gpus_per_node
-        bw, lat = (self.nvlink_gbps, self.nvlink_latency_us) if intra else (self.a2a_gbps, self.a2a_latency_us)
-        return lat * 1e-3 * math.log2(group) + nbytes * (group - 1) / group / (bw * 1e6)
+        local = min(group, self.gpus_per_node)
+        intra = nbytes * (local - 1) / group / (self.nvlink_gbps * 1e6)
+        inter = nbytes * (group - local) / group / (self.a2a_gbps * 1e6)
+        lat = self.nvlink_latency_us if group <= self.gpus_per_node else self.a2a_latency_us
+        return lat * 1e-3 * math.log2(group) + max(intra, inter)
 
 
 NETWORKS: dict[str, Network] = {

@@ -16,12 +16,13 @@ import numpy as np
 
 from megatron_epp.cost.model import CostModel
 from megatron_epp.cost.network import NETWORKS, get_network
-from megatron_epp.cost.profiles import Profile, load_profile
+from megatron_epp.cost.profiles import MODEL_PRESETS, Profile, load_profile
 from megatron_epp.plan import Plan, PlanInfeasible
 from megatron_epp.plan.order import format_stage_ops
 from megatron_epp.planner.builders import plan_batch
 from megatron_epp.planner.compare import BASELINES, run_baselines
-from megatron_epp.planner.config import PlannerConfig, add_planner_arguments
+from megatron_epp.planner.config import DEFAULT_CLUSTER, PlannerConfig, add_planner_arguments
+from megatron_epp.planner.layout import describe_choice, search_for_world
 from megatron_epp.planner.data_parallel import split_data_parallel
 from megatron_epp.simulator.step import simulate
 from megatron_epp.simulator.timeline import draw_timeline
@@ -125,8 +126,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         check_layout(profile, args.tp, args.stages)
     except ValueError as e:
         raise SystemExit(f"error: {e}")
-    cost_model = CostModel(profile, args.stages, dp=args.dp, network=get_network(args.network))
     lengths = select_batch(read_lengths(args.lengths), args.gbs, args.seed, args.max_seq_len, args.truncate)
+    if args.epp_search_layout or args.epp_cluster:
+        return print_layout_search(args, config, lengths)
+    cost_model = CostModel(profile, args.stages, dp=args.dp, network=get_network(args.network))
     parts = split_data_parallel(lengths, args.dp, cost_model.work_vector())
     names = [n for n in args.baselines.split(",") if n]
     with solver_output_to_stderr():
@@ -171,6 +174,23 @@ def main(argv: Sequence[str] | None = None) -> None:
         draw_timeline(simulate(plans[0], cost_model), args.stages, args.timeline)
     if args.json:
         print(json.dumps(summary, separators=(",", ":")))
+
+
+def print_layout_search(args: argparse.Namespace, config: PlannerConfig, lengths: np.ndarray) -> None:
+    """``--epp-search-layout``: EPP's best layout (TP or Ulysses SP x PP x DP) for the world size
+    ``--tp x --stages x --dp`` on the ``--epp-cluster`` preset; the last line is its flags."""
+    if not args.epp_search_layout:
+        raise SystemExit("error: --epp-cluster applies only with --epp-search-layout")
+    if config.profile not in MODEL_PRESETS:
+        raise SystemExit(f"error: --epp-search-layout needs a model preset --epp-profile ({', '.join(MODEL_PRESETS)})")
+    world = args.tp * args.stages * args.dp
+    with solver_output_to_stderr():
+        try:
+            choice, cluster = search_for_world(lengths, MODEL_PRESETS[config.profile], args.epp_cluster or DEFAULT_CLUSTER,
+                                               world, config, runnable_only=False)
+        except (PlanInfeasible, ValueError) as e:
+            raise SystemExit(f"error: {e}")
+    print("\n".join(describe_choice(choice, cluster)))
 
 
 def print_table(s: dict) -> None:

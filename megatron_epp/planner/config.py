@@ -7,7 +7,10 @@ import argparse
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from megatron_epp.cost.clusters import CLUSTERS
+
 BUILDER_NAMES = ("elastic", "megatron", "seq1f1b")
+DEFAULT_CLUSTER = "h100-ib-gpu"  # --epp-search-layout's cluster preset
 RECOMPUTE_MODES = ("adaptive", "greedy", "none", "full")
 Recompute = Literal["adaptive", "greedy", "none", "full"]
 
@@ -74,3 +77,8 @@ def add_planner_arguments(group: Any, defaults: dict[str, Any]) -> None:
     group.add_argument("--epp-time-limit", type=float, default=None,
                        help="wall-clock safety limit of the recompute integer program: seconds per 10,000 nonzeros of the "
                        "program, at least this (a deterministic node limit bounds the solve first)" + note("epp_time_limit"))
+    group.add_argument("--epp-search-layout", action="store_true", default=None,
+                       help="search the parallel layout (TP or Ulysses SP x PP x DP) for this world size, model and "
+                       "length distribution on the --epp-cluster preset; print the best flags and exit")
+    group.add_argument("--epp-cluster", default=None, choices=sorted(CLUSTERS),
+                       help=f"cluster preset of --epp-search-layout (default {DEFAULT_CLUSTER})")

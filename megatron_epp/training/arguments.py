@@ -250,6 +250,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if args.recompute_method is not None:
         args.recompute_num_layers = args.recompute_num_layers or 1
     validate_schedule_args(args)
+    if args.epp_cluster and not args.epp_search_layout:
+        raise ArgumentError("--epp-cluster applies only with --epp-search-layout")
     validate_elastic_args(args, world_size)
 
 

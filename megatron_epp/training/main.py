@@ -13,11 +13,12 @@ from megatron_epp.data.tokenizers import TokenizerError, tokenizer_from_args
 from megatron_epp.cost.profiles import load_profile
 from megatron_epp.executor.context import ChunkContext
 from megatron_epp.training import checkpointing
-from megatron_epp.training.arguments import ArgumentError, parse_args
+from megatron_epp.training.arguments import ArgumentError, parse_args, world_size_from_env
 from megatron_epp.training.corpus_check import check_corpus
 from megatron_epp.training.elastic import check_memory_budget, elastic_train_step
 from megatron_epp.training.faults import FaultInjection, TrainingFault
 from megatron_epp.training.gpt_step import gpt_forward_step, microbatches
+from megatron_epp.training.layout_search import driver_layout_search
 from megatron_epp.training.initialize import gpu_count, gpu_oversubscription, initialize, local_world_size, shutdown
 from megatron_epp.training.loop import build_optimizer, megatron_step, train
 from megatron_epp.training.model import architecture_summary, build_model, layer_spec_summary, transformer_engine_unavailable
@@ -71,6 +72,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 "spec (torch LayerNorm) refuses sequence parallelism")
         resolve_vocab_size(args)
         corpus = check_corpus(args)
+        if args.epp_search_layout:
+            print("\n".join(driver_layout_search(args, world_size_from_env())), flush=True)
+            return 0
         if args.elastic_pp:
             planner = profile_summary(args)
             check_memory_budget(args)

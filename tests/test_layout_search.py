@@ -1,0 +1,87 @@
+"""The parallel layout search on a toy cluster where every layout can be enumerated, and its flags."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from megatron_epp.cost.clusters import A800, Cluster, sp_profile, tp_profile
+from megatron_epp.cost.profiles import ModelShape
+from megatron_epp.plan import PlanInfeasible
+from megatron_epp.planner.cli import main as epp_plan
+from megatron_epp.planner.config import PlannerConfig
+from megatron_epp.planner.layout import Layout, enumerate_layouts, evaluate_layout, search_layout
+from megatron_epp.training.main import main as pretrain_gpt
+
+SHAPE = ModelShape("toy", 4, 512, 8, 2048, 1000, dtype="bfloat16")
+TOY = Cluster("toy", A800, 80.0, 2, 2, 200.0, 6.25)  # 2 nodes x 2 GPUs
+
+
+def lengths() -> np.ndarray:
+    return np.minimum(np.random.default_rng(3).lognormal(np.log(2000), 1.2, 48).astype(np.int64) + 16, 32768)
+
+
+def test_enumeration_covers_every_layout():
+    got = {str(x) for x in enumerate_layouts(SHAPE, TOY)}
+    assert got == {"TP1xPP1xDP4", "TP1xPP2xDP2", "TP1xPP4xDP1", "TP2xPP1xDP2", "TP2xPP2xDP1", "SP2xPP1xDP2", "SP2xPP2xDP1"}
+
+
+@pytest.mark.parametrize("memory_gb", [80.0, 0.5])
+def test_search_returns_the_enumerated_best(memory_gb):
+    L = lengths()
+    config = PlannerConfig(memory_gb=memory_gb, max_seq_len=32768)
+    steps = {}
+    for layout in enumerate_layouts(SHAPE, TOY):
+        try:
+            r = evaluate_layout(L, SHAPE, TOY, layout, "epp", config)
+        except PlanInfeasible:
+            continue
+        assert r.bound_ms <= r.step_ms  # the bound the search prunes with is a lower bound
+        steps[str(layout)] = r.step_ms
+    best = min(steps, key=steps.get)
+    for kw in ({}, {"exhaustive": True}, {"max_evaluated": 2}):
+        choice = search_layout(L, SHAPE, TOY, "epp", config, **kw)
+        assert str(choice.best.layout) == best and choice.best.step_ms == pytest.approx(steps[best])
+        assert "beats" in choice.reason
+        if kw.get("exhaustive"):  # the proxy ranking may leave the runner-up out, never the best here
+            assert choice.runner_up.step_ms == pytest.approx(sorted(steps.values())[1])
+
+
+def test_megatron_and_seq1f1b_search_tp_layouts_only():
+    choice = search_layout(lengths(), SHAPE, TOY, "megatron", PlannerConfig(memory_gb=80.0, max_seq_len=32768), exhaustive=True)
+    assert all(r.layout.intra == "tp" for r in choice.evaluated)
+
+
+def test_sp_stage_moves_an_eighth_of_tp_bytes():
+    big = ModelShape("big", 4, 4096, 32, 11008, 32000, dtype="bfloat16")
+    node8 = Cluster("n8", A800, 80.0, 8, 1, 200.0, 6.25)
+    tp, sp, one = tp_profile(big, node8, 8), sp_profile(big, node8, 8, 4, overlap=0.5), tp_profile(big, node8, 1)
+    tp_comm = tp.fwd.a2 - one.fwd.a2 / 8  # per token: TP's exposed collectives (half of them, overlap 0.5)
+    sp_comm = sp.fwd.a2 - one.fwd.a2 / 8  # SP's all-to-alls (not overlapped)
+    assert sp_comm == pytest.approx(tp_comm * 2 / 8, rel=1e-6)
+
+
+def test_flags():
+    assert Layout("tp", 2, 4, 1).flags() == ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4"]
+    with pytest.raises(ValueError, match="simulated only"):
+        Layout("sp", 2, 4, 1).flags()
+
+
+def test_epp_plan_and_pretrain_gpt_print_the_best_flags(tmp_path, capsys, monkeypatch):
+    path = tmp_path / "lengths.txt"
+    path.write_text("\n".join(map(str, lengths())))
+    epp_plan([str(path), "--epp-profile", "llama-7b", "--tp", "8", "--stages", "1", "--dp", "2", "--max-seq-len", "32768",
+              "--epp-search-layout", "--epp-cluster", "h100-ib-gpu"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[0].startswith("layout search on h100-ib-gpu (2 x 8 GPUs): best ")
+    assert out[-1].startswith("--tensor-model-parallel-size ") or out[-1].startswith("# ")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    rc = pretrain_gpt(["--mock-data", "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "4096",
+                       "--global-batch-size", "16", "--bf16", "--epp-search-layout", "--epp-cluster", "a800-ib-node"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert rc == 0 and out[-1].split()[::2] == ["--tensor-model-parallel-size", "--pipeline-model-parallel-size"]
+    size, pp = int(out[-1].split()[1]), int(out[-1].split()[3])
+    assert 4 % (size * pp) == 0
+    assert pretrain_gpt(["--mock-data", "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4",
+                         "--epp-cluster", "a800-ib-node"]) == 2
+    assert "--epp-cluster applies only with --epp-search-layout" in capsys.readouterr().err
