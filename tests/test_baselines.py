@@ -86,7 +86,7 @@ def test_megatron_layout_step_equals_hand_computation():
     res = evaluate_layout(np.array([1000, 600, 300]), SHAPE, NODE2, Layout("tp", 1, 1, 2), "megatron", config)
     # replicas by work: [1000] and [600, 300] packed into one 2048-token micro-batch; no recompute needed
     per_replica = [chunk_ms([(1000, 0)]), chunk_ms([(600, 0), (300, 0)])]
-    sync = 0.5 * (nvlink_gather_ms(4.0 * (params() + SHAPE.hidden)) + nvlink_gather_ms(2.0 * (params() + SHAPE.hidden)))
+    sync = 0.5 * (nvlink_gather_ms(4.0 * (params() + SHAPE.norm_params)) + nvlink_gather_ms(2.0 * (params() + SHAPE.norm_params)))
     assert res.sync_ms == pytest.approx(sync, rel=1e-9)
     assert res.step_ms == pytest.approx(max(per_replica) + sync, rel=1e-9)
     assert res.recomputed_layers == 0

@@ -174,7 +174,8 @@ def search_layout(lengths: Sequence[int], shape: ModelShape, cluster: Cluster, s
     Unless ``exhaustive``: layouts whose lower bound is no better than the runner-up's step are not
     planned (exact), and when more than ``max_evaluated`` remain, only the ``max_evaluated`` best by a
     cheap proxy, the Megatron-packing step on the same layout, are planned by ``system`` (for
-    ``megatron`` itself the proxy is the answer: exact)."""
+    ``megatron`` itself the proxy is the answer: exact), and every layout the proxy cannot rank
+    (Megatron packing does not fit it: where memory binds, EPP's recompute and slicing may)."""
     L = np.asarray(lengths, dtype=np.int64)
     bounds, skipped = [], {}
     for layout in enumerate_layouts(shape, cluster, intra_modes or SYSTEM_INTRA[system], len(L)):
@@ -194,7 +195,9 @@ def search_layout(lengths: Sequence[int], shape: ModelShape, cluster: Cluster, s
                 proxy[name] = evaluate_layout(L, shape, cluster, layout, "megatron", config, overlap).step_ms
             except PlanInfeasible:
                 proxy[name] = np.inf
-        keep = sorted(bounds, key=lambda b: (proxy[b[1]], b[0], b[1]))[:max_evaluated]
+        # a layout the proxy cannot rank (Megatron packing does not fit it) is planned: the proxy says nothing of it
+        ranked = sorted((b for b in bounds if np.isfinite(proxy[b[1]])), key=lambda b: (proxy[b[1]], b[0], b[1]))
+        keep = ranked[:max_evaluated] + [b for b in bounds if not np.isfinite(proxy[b[1]])]
         for _, name, _ in bounds:
             if all(name != k[1] for k in keep):
                 skipped[name] = f"proxy (Megatron packing) {proxy[name]:.0f} ms outside the best {max_evaluated}"
