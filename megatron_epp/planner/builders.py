@@ -1,7 +1,7 @@
 """The plan builders behind one registry, :data:`BUILDERS` (``--epp-plan``), on the same cost model:
 
 * ``elastic``: the EPP planner (:func:`~megatron_epp.planner.epp.build_plan`), which also weighs the
-  plans below (Megatron packing, Seq1F1B with k = 2, 4, 8) on the same cost model and budget and
+  plans below (Megatron packing, Seq1F1B with k = 2, 4, 8, 16 up to ``max_slices``) on the same cost model and budget and
   takes the fastest predicted: it never runs a plan slower than a baseline plan it could have made;
 * ``megatron``: whole sequences packed into micro-batches of ``max_seq_len`` tokens (best-fit
   decreasing), one 1F1B pipeline, the same number of checkpointed layers for every micro-batch on
@@ -28,7 +28,7 @@ from megatron_epp.simulator.memory import pipeline_memory
 from megatron_epp.cost.profiles import GIB
 
 SEQ1F1B_K = 4  # seq1f1b's slice count when the config sets no max_slices
-SEQ1F1B_CANDIDATE_KS = (2, 4, 8)  # the Seq1F1B plans the elastic builder also weighs (the k its users try)
+SEQ1F1B_KS = (2, 4, 8, 16)  # Seq1F1B's fixed slice counts: the baseline reports its best, the elastic builder weighs each
 
 
 def uniform_recompute(plan: Plan, cost_model: CostModel, budget: float) -> None:
@@ -63,14 +63,14 @@ def slice_counts(config: PlannerConfig) -> Sequence[int]:
 
 def baseline_candidates(lengths: Sequence[int], cost_model: CostModel, config: PlannerConfig) -> list[Plan]:
     """The baseline plans the elastic builder weighs: Megatron packing and Seq1F1B for each k of
-    :data:`SEQ1F1B_CANDIDATE_KS` up to ``max_slices``; those that do not fit are left out. Their
+    :data:`SEQ1F1B_KS` up to ``max_slices``; those that do not fit are left out. Their
     uniform recompute is one of the answers the adaptive/greedy programs search over, so only those
     modes weigh them (``none`` takes them only without recompute; ``full`` never)."""
     if config.recompute == "full":
         return []
     makers = [lambda: megatron_plan(lengths, cost_model, config)]
-    for k in SEQ1F1B_CANDIDATE_KS:
-        if k <= (config.max_slices or max(SEQ1F1B_CANDIDATE_KS)):
+    for k in SEQ1F1B_KS:
+        if k <= (config.max_slices or max(SEQ1F1B_KS)):
             makers.append(lambda k=k: seq1f1b_plan(lengths, cost_model, replace(config, max_slices=k)))
     plans = []
     for make in makers:

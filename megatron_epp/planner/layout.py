@@ -26,11 +26,10 @@ from megatron_epp.cost.clusters import COMM_OVERLAP, INTRA_MODES, Cluster, get_c
 from megatron_epp.cost.model import CostModel
 from megatron_epp.cost.profiles import ModelShape
 from megatron_epp.plan import Plan, PlanInfeasible
-from megatron_epp.planner.builders import megatron_plan, plan_batch, seq1f1b_plan
+from megatron_epp.planner.builders import SEQ1F1B_KS, megatron_plan, plan_batch, seq1f1b_plan
 from megatron_epp.planner.config import PlannerConfig
 from megatron_epp.planner.data_parallel import split_data_parallel
 
-SEQ1F1B_KS = (2, 4, 8, 16)  # the fixed slice counts Seq1F1B is run with; the best is reported
 
 
 @dataclass(frozen=True)
