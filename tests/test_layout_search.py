@@ -39,12 +39,39 @@ def test_search_returns_the_enumerated_best(memory_gb):
         assert r.bound_ms <= r.step_ms  # the bound the search prunes with is a lower bound
         steps[str(layout)] = r.step_ms
     best = min(steps, key=steps.get)
-    for kw in ({}, {"exhaustive": True}, {"max_evaluated": 2}):
+    for kw in ({}, {"exhaustive": True}):
         choice = search_layout(L, SHAPE, TOY, "epp", config, **kw)
         assert str(choice.best.layout) == best and choice.best.step_ms == pytest.approx(steps[best])
         assert "beats" in choice.reason
         if kw.get("exhaustive"):  # the proxy ranking may leave the runner-up out, never the best here
             assert choice.runner_up.step_ms == pytest.approx(sorted(steps.values())[1])
+
+
+@pytest.mark.parametrize("memory_gb", [80.0, 0.5])
+def test_a_capped_search_never_loses_to_a_baseline_best_layout(memory_gb):
+    """However few layouts EPP plans (``max_evaluated=1``), its choice is no slower than Megatron's or Seq1F1B's
+    best layout: the proxy that ranks layouts is the better baseline step, an upper bound of EPP's there."""
+    L = lengths()
+    config = PlannerConfig(memory_gb=memory_gb, max_seq_len=32768)
+    epp = search_layout(L, SHAPE, TOY, "epp", config, max_evaluated=1)
+    proxy = {}
+    for layout in enumerate_layouts(SHAPE, TOY):
+        steps = []
+        for baseline in ("megatron", "seq1f1b"):
+            try:
+                steps.append(evaluate_layout(L, SHAPE, TOY, layout, baseline, config).step_ms)
+            except PlanInfeasible:
+                pass
+        proxy[str(layout)] = min(steps, default=np.inf)
+    # planned: the layout of the best baseline step, and those no baseline plan fits (the proxy cannot rank them)
+    allowed = {min(proxy, key=proxy.get)} | {name for name, step in proxy.items() if not np.isfinite(step)}
+    assert {str(r.layout) for r in epp.evaluated} <= allowed
+    for baseline in ("megatron", "seq1f1b"):
+        try:
+            other = search_layout(L, SHAPE, TOY, baseline, config, exhaustive=True)
+        except PlanInfeasible:
+            continue
+        assert epp.best.step_ms <= other.best.step_ms * (1 + 1e-9), baseline
 
 
 def test_megatron_and_seq1f1b_search_tp_layouts_only():

@@ -162,6 +162,10 @@ def evaluate_layout(lengths: np.ndarray, shape: ModelShape, cluster: Cluster, la
 
 
 SYSTEM_INTRA = {"epp": INTRA_MODES, "megatron": ("tp",), "seq1f1b": ("tp",)}  # Megatron and Seq1F1B have no Ulysses SP
+# the cheap plans that rank layouts before the expensive system plans the best few: for EPP the best of Megatron
+# packing and Seq1F1B on the layout, an upper bound of EPP's step there (the elastic builder weighs both plans), so
+# EPP's chosen layout is never slower than either baseline's best layout
+PROXIES = {"epp": ("megatron", "seq1f1b"), "seq1f1b": ("megatron",)}
 MAX_EVALUATED = 4  # layouts planned by an expensive system after the proxy ranking (exhaustive: all)
 
 
@@ -172,9 +176,9 @@ def search_layout(lengths: Sequence[int], shape: ModelShape, cluster: Cluster, s
 
     Unless ``exhaustive``: layouts whose lower bound is no better than the runner-up's step are not
     planned (exact), and when more than ``max_evaluated`` remain, only the ``max_evaluated`` best by a
-    cheap proxy, the Megatron-packing step on the same layout, are planned by ``system`` (for
-    ``megatron`` itself the proxy is the answer: exact), and every layout the proxy cannot rank
-    (Megatron packing does not fit it: where memory binds, EPP's recompute and slicing may)."""
+    cheap proxy (:data:`PROXIES`: the best baseline step on the same layout) are planned by ``system``
+    (for ``megatron`` itself the proxy is the answer: exact), and every layout the proxy cannot rank
+    (no proxy plan fits it: where memory binds, EPP's recompute and slicing may)."""
     L = np.asarray(lengths, dtype=np.int64)
     bounds, skipped = [], {}
     for layout in enumerate_layouts(shape, cluster, intra_modes or SYSTEM_INTRA[system], len(L)):
@@ -190,16 +194,19 @@ def search_layout(lengths: Sequence[int], shape: ModelShape, cluster: Cluster, s
     if not exhaustive and system != "megatron" and len(bounds) > max_evaluated:
         proxy = {}
         for _, name, layout in bounds:
-            try:
-                proxy[name] = evaluate_layout(L, shape, cluster, layout, "megatron", config, overlap).step_ms
-            except PlanInfeasible:
-                proxy[name] = np.inf
-        # a layout the proxy cannot rank (Megatron packing does not fit it) is planned: the proxy says nothing of it
+            proxy[name] = np.inf
+            for baseline in PROXIES[system]:
+                try:
+                    step = evaluate_layout(L, shape, cluster, layout, baseline, config, overlap).step_ms
+                except PlanInfeasible:
+                    continue
+                proxy[name] = min(proxy[name], step)
+        # a layout the proxy cannot rank (no proxy plan fits it) is planned: the proxy says nothing of it
         ranked = sorted((b for b in bounds if np.isfinite(proxy[b[1]])), key=lambda b: (proxy[b[1]], b[0], b[1]))
         keep = ranked[:max_evaluated] + [b for b in bounds if not np.isfinite(proxy[b[1]])]
         for _, name, _ in bounds:
             if all(name != k[1] for k in keep):
-                skipped[name] = f"proxy (Megatron packing) {proxy[name]:.0f} ms outside the best {max_evaluated}"
+                skipped[name] = f"proxy ({'/'.join(PROXIES[system])}) {proxy[name]:.0f} ms outside the best {max_evaluated}"
         bounds = keep
     evaluated: list[LayoutResult] = []
     for bound, name, layout in sorted(bounds, key=lambda b: (b[0], b[1])):
