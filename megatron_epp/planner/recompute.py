@@ -30,7 +30,7 @@ class MemoryInfeasible(ValueError):
     ``"none"``, without checkpointing)."""
 
     def __init__(self, stage: int, need_bytes: float, budget_bytes: float) -> None:
-        super().__init__(f"stage {stage} needs {need_bytes / 2**30:.2f} GB > budget {budget_bytes / 2**30:.2f} GB")
+        super().__init__(f"stage {stage} needs {need_bytes / 2**30:.3g} GB > budget {budget_bytes / 2**30:.3g} GB")
         self.stage = stage
         self.excess_bytes = need_bytes - budget_bytes
 
