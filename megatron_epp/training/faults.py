@@ -83,12 +83,12 @@ def check_finite(iteration: int, local_loss: torch.Tensor | None, grad_buffers, 
     One all-reduce (min) of ``2 * rank + what`` (what: 0 loss, 1 grad; world size x 2 when all is
     finite) names the first rank that saw one; run before the optimizer step, so no update is applied.
     """
-    code = 2 * dist.get_world_size()
-    if local_loss is not None and not bool(torch.isfinite(local_loss).all()):
-        code = 2 * rank
-    elif not all(bool(torch.isfinite(buffer.grad_data).all()) for buffer in grad_buffers):
-        code = 2 * rank + 1
-    flag = torch.tensor([code], dtype=torch.int64, device=device)
+    # decided on the device: one host read in all (after the all-reduce), not one per gradient buffer
+    ok = torch.ones((), dtype=torch.bool, device=device)
+    loss_ok = torch.isfinite(local_loss).all() if local_loss is not None else ok
+    grads_ok = torch.stack([torch.isfinite(b.grad_data).all() for b in grad_buffers]).all() if grad_buffers else ok
+    flag = torch.where(loss_ok, torch.where(grads_ok, 2 * dist.get_world_size(), 2 * rank + 1), 2 * rank)
+    flag = flag.to(torch.int64).reshape(1)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     bad_rank, what = divmod(int(flag.item()), 2)
     if bad_rank < dist.get_world_size():
