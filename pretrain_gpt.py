@@ -12,7 +12,21 @@ import warnings
 # they would stand before the one-line error of a bad flag.
 warnings.filterwarnings("ignore", message="(Transformer Engine and )?Apex (is|are) not installed")
 
-from megatron_epp.training.main import main  # noqa: E402
+from megatron_epp.training.arguments import ArgumentError, parse_args  # noqa: E402
+
+
+def run() -> int:
+    try:
+        args = parse_args(sys.argv[1:])
+    except ArgumentError as error:
+        print(error, file=sys.stderr)
+        return 2
+    # The trainer (megatron-core, the executor) is imported once the flags have parsed: a bad flag is answered
+    # without megatron-core's import, seconds per process.
+    from megatron_epp.training.main import main
+
+    return main(args)
+
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())

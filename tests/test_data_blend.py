@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from megatron.core.datasets import helpers
 
-from megatron_epp.data.blend import Blend, BlendedDocuments, BlendedSamples, BlendError, BlendIndex, blended_documents
+from megatron_epp.data.blend import BlendedDocuments, BlendedSamples, BlendIndex, blended_documents
+from megatron_epp.data.data_path import Blend, BlendError
 from megatron_epp.data.documents import DocumentDataset
 from megatron_epp.data.gpt_samples import GPTSamples
 from megatron_epp.data.mock_documents import MockDocuments, lognormal_lengths

@@ -1,56 +1,8 @@
-"""Data layer: tokenizers, indexed-dataset preparation, documents, fixed-length GPT samples and the
-elastic whole-document sampler."""
+"""Data layer: tokenizers (:mod:`.tokenizers`), indexed-dataset preparation (:mod:`.prepare`), documents
+(:mod:`.documents`), fixed-length GPT samples (:mod:`.gpt_samples`), ``--data-path`` blends (:mod:`.data_path`,
+:mod:`.blend`) and the elastic whole-document sampler (:mod:`.sequence_sampler`).
 
-from megatron_epp.data.blend import Blend, BlendedDocuments, BlendedSamples, BlendError, BlendIndex
-from megatron_epp.data.documents import DocumentDataset, DocumentSource, split_ranges
-from megatron_epp.data.gpt_samples import GPTSamples, MockGPTSamples, sample_dict
-from megatron_epp.data.length_stats import LengthStats
-from megatron_epp.data.mock_documents import (
-    MockDocuments,
-    lengths_from_file,
-    lognormal_lengths,
-    progression_tokens,
-)
-from megatron_epp.data.prepare import DataError, PrepareResult, prepare_dataset
-from megatron_epp.data.sequence_sampler import (
-    GlobalBatch,
-    SequenceSampler,
-    TrainingSequence,
-)
-from megatron_epp.data.tokenizers import (
-    ByteTokenizer,
-    HFTokenizer,
-    Tokenizer,
-    TokenizerError,
-    build_tokenizer,
-)
-
-__all__ = [
-    "Blend",
-    "BlendError",
-    "BlendIndex",
-    "BlendedDocuments",
-    "BlendedSamples",
-    "ByteTokenizer",
-    "DataError",
-    "DocumentDataset",
-    "DocumentSource",
-    "GPTSamples",
-    "GlobalBatch",
-    "HFTokenizer",
-    "LengthStats",
-    "MockDocuments",
-    "MockGPTSamples",
-    "PrepareResult",
-    "SequenceSampler",
-    "Tokenizer",
-    "TokenizerError",
-    "TrainingSequence",
-    "build_tokenizer",
-    "lengths_from_file",
-    "lognormal_lengths",
-    "prepare_dataset",
-    "progression_tokens",
-    "sample_dict",
-    "split_ranges",
-]
+Import the module you need: this package imports nothing itself, so the light modules (the ``--data-path``
+parser, the tokenizers) load without torch's data utilities and megatron-core, and a bad flag is answered
+before those are imported.
+"""

@@ -7,7 +7,7 @@ import importlib.util
 import os
 from typing import Sequence
 
-from megatron_epp.data.blend import Blend, BlendError
+from megatron_epp.data.data_path import Blend, BlendError
 from megatron_epp.data.tokenizers import TokenizerError, add_tokenizer_arguments, resolve_tokenizer_args
 from megatron_epp.planner.config import PlannerConfig, add_planner_arguments
 import psutil

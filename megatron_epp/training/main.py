@@ -60,13 +60,14 @@ def profile_summary(args: argparse.Namespace) -> str:
     return f"--epp-profile {args.epp_profile}: {profile.source} on {profile.device} (model {profile.model.name})"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | argparse.Namespace | None = None) -> int:
+    """pretrain_gpt.py: ``argv`` are its flags, or already parsed by :func:`~megatron_epp.training.arguments.parse_args`."""
     start_time = time.time()  # --exit-duration-in-mins counts from here
     try:
+        args = argv if isinstance(argv, argparse.Namespace) else parse_args(argv)
         why = gpu_oversubscription(local_world_size(), gpu_count())
         if why:
             raise ArgumentError(why)
-        args = parse_args(argv)
         if args.sequence_parallel and (why := transformer_engine_unavailable()):
             raise ArgumentError(f"--sequence-parallel needs Transformer Engine's layers ({why}): megatron-core's local "
                                 "spec (torch LayerNorm) refuses sequence parallelism")
