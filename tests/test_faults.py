@@ -21,7 +21,6 @@ from megatron_epp.tools.layer_bench import init_single_process
 from megatron_epp.training.arguments import ArgumentError, parse_args
 from megatron_epp.training.checkpointing import METADATA, TRACKER, check_loadable
 from megatron_epp.training.faults import ExitConditions
-from megatron_epp.training.main import resolve_vocab_size
 from megatron_epp.training.metrics import read_metrics
 from tests.launch import torchrun, torchrun_signalled_after
 from tests.test_bad_input import run_pretrain, write_corpus
@@ -109,9 +108,7 @@ def test_crash_during_save_leaves_the_previous_checkpoint_loadable(crashed_save,
 
 
 def _args(load, *flags: str):
-    args = parse_args([*FLAGS, "--load", str(load), *flags], world_size=2)
-    resolve_vocab_size(args)  # as main does before check_loadable
-    return args
+    return parse_args([*FLAGS, "--load", str(load), *flags], world_size=2)
 
 
 def _break(ckpt, how: str) -> None:

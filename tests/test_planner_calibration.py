@@ -16,7 +16,6 @@ from megatron_epp.planner.calibration import ONLINE_PRIOR_WEIGHT, fit_step_model
 from megatron_epp.simulator import simulate
 from megatron_epp.training.arguments import CALIBRATE_FIRST_STEP, parse_args
 from megatron_epp.training.elastic import PlanBuilder
-from megatron_epp.training.main import resolve_vocab_size
 
 
 def bare_model() -> CostModel:
@@ -143,7 +142,6 @@ def test_repredict_moves_a_plan_onto_the_new_calibration():
 def plan_builder(*flags: str) -> PlanBuilder:
     args = parse_args(["--elastic-pp", "--mock-data", "--pipeline-model-parallel-size", "2", "--num-layers", "4",
                        "--seq-length", "1024", "--global-batch-size", "16", "--epp-memory-budget", "0.05", *flags], world_size=2)
-    resolve_vocab_size(args)
     return PlanBuilder(args)
 
 

@@ -24,7 +24,6 @@ from megatron_epp.cost.model import CostModel
 from megatron_epp.plan import Plan
 from megatron_epp.training.arguments import parse_args
 from megatron_epp.training.elastic import PlanBuilder, elastic_sampler
-from megatron_epp.training.main import resolve_vocab_size
 from megatron_epp.training.metrics import StepMetrics, read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -63,6 +62,4 @@ def reconstruct_plans(argv: Sequence[str], iterations: int, world_size: int = 2)
 
 def parsed_args(argv: Sequence[str], world_size: int = 2):
     """``pretrain_gpt.py``'s validated arguments for ``argv`` (vocabulary size resolved), in-process."""
-    args = parse_args(list(argv), world_size=world_size)
-    resolve_vocab_size(args)
-    return args
+    return parse_args(list(argv), world_size=world_size)

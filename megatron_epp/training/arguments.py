@@ -8,7 +8,7 @@ import os
 from typing import Sequence
 
 from megatron_epp.data.data_path import Blend, BlendError
-from megatron_epp.data.tokenizers import TokenizerError, add_tokenizer_arguments, resolve_tokenizer_args
+from megatron_epp.data.tokenizers import TokenizerError, add_tokenizer_arguments, resolve_tokenizer_args, tokenizer_from_args
 from megatron_epp.planner.config import PlannerConfig, add_planner_arguments
 import psutil
 import torch
@@ -158,6 +158,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def resolve_vocab_size(args: argparse.Namespace) -> None:
+    """Load the ``--tokenizer-type`` tokenizer (a missing file or one that does not parse is a
+    :class:`TokenizerError`) and fill or check ``--vocab-size``."""
+    vocab = tokenizer_from_args(args).vocab_size
+    if args.vocab_size is None:
+        args.vocab_size = vocab
+    elif args.data_path is not None and args.vocab_size < vocab:
+        raise ArgumentError(f"--vocab-size {args.vocab_size} is smaller than the tokenizer's {vocab} tokens")
+
+
 def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
@@ -218,6 +228,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     args.num_microbatches = args.global_batch_size // per_step
     try:
         resolve_tokenizer_args(args, "pretrain_gpt.py")
+        resolve_vocab_size(args)
     except TokenizerError as error:
         raise ArgumentError(str(error)) from None
     if args.mock_data == (args.data_path is not None):

@@ -9,7 +9,7 @@ from typing import Sequence
 
 from megatron_epp.data.blend import BlendedSamples, split_documents
 from megatron_epp.data.gpt_samples import GPTSamples, MockGPTSamples
-from megatron_epp.data.tokenizers import TokenizerError, tokenizer_from_args
+from megatron_epp.data.tokenizers import TokenizerError
 from megatron_epp.cost.profiles import load_profile
 from megatron_epp.executor.context import ChunkContext
 from megatron_epp.training import checkpointing
@@ -40,16 +40,6 @@ def build_samples(args: argparse.Namespace, split: str):
                           args.data_blend.weights, needed)
 
 
-def resolve_vocab_size(args: argparse.Namespace) -> None:
-    """Load the ``--tokenizer-type`` tokenizer (a missing file or one that does not parse is an error) and fill or
-    check ``--vocab-size``."""
-    vocab = tokenizer_from_args(args).vocab_size
-    if args.vocab_size is None:
-        args.vocab_size = vocab
-    elif args.data_path is not None and args.vocab_size < vocab:
-        raise ArgumentError(f"--vocab-size {args.vocab_size} is smaller than the tokenizer's {vocab} tokens")
-
-
 def profile_summary(args: argparse.Namespace) -> str:
     """Where the planner's cost profile comes from (its ``source`` and ``device``), for the start-up
     line; a profile that does not load is a bad flag."""
@@ -71,7 +61,6 @@ def main(argv: Sequence[str] | argparse.Namespace | None = None) -> int:
         if args.sequence_parallel and (why := transformer_engine_unavailable()):
             raise ArgumentError(f"--sequence-parallel needs Transformer Engine's layers ({why}): megatron-core's local "
                                 "spec (torch LayerNorm) refuses sequence parallelism")
-        resolve_vocab_size(args)
         corpus = check_corpus(args)
         if args.epp_search_layout:
             print("\n".join(driver_layout_search(args, world_size_from_env())), flush=True)

@@ -16,7 +16,7 @@ from megatron_epp.training.arguments import parse_args
 from megatron_epp.training.gpt_step import gpt_forward_step, microbatches, reduce_losses
 from megatron_epp.training.initialize import initialize, shutdown
 from megatron_epp.training.loop import build_optimizer, megatron_step
-from megatron_epp.training.main import build_samples, resolve_vocab_size
+from megatron_epp.training.main import build_samples
 from megatron_epp.training.model import build_model
 from megatron.core.utils import unwrap_model
 
@@ -47,7 +47,6 @@ def set_global_weights(model: torch.nn.Module, pp_rank: int, layers_per_stage: i
 def main() -> None:
     out_dir, flags = sys.argv[1], sys.argv[2:]
     args = parse_args(flags)
-    resolve_vocab_size(args)
     runtime = initialize(args)
     model, config = build_model(args, runtime)
     layers_per_stage = args.num_layers // runtime.pp_size
