@@ -20,7 +20,7 @@ LLAMA_STYLE_REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 LLAMA_STYLE_DATA=$(cd "$LLAMA_STYLE_REPO" && PYTHONPATH="$LLAMA_STYLE_REPO${PYTHONPATH:+:$PYTHONPATH}" \
   "${PYTHON:-python3}" -m megatron_epp.data.stdlib_corpus | tail -n 1)
 LLAMA_STYLE_ARGS=(
-  --data-path "$LLAMA_STYLE_DATA" --tokenizer byte
+  --data-path "$LLAMA_STYLE_DATA" --tokenizer-type ByteTokenizer
   --pipeline-model-parallel-size 2
   --num-layers 4 --hidden-size 128 --num-attention-heads 8
   --group-query-attention --num-query-groups 2
