@@ -177,6 +177,10 @@ def test_driver_does_not_calibrate_with_interval_0():
     plan = build([500] * 16)
     assert all(build.observe(plan, 1000.0) is None for _ in range(30))
     assert build.cost_model is model
+    # a checkpoint's calibration is not taken either: off means the profile as given
+    build.load_state_dict({"steps_observed": 7, "calibration": (2.0, 1.0, 1.0), "next_step_calibration": (2.0, 1.0, 1.0),
+                           "measured": []})
+    assert build.cost_model is model and build.next_step_model is model
 
 
 def made(plan) -> dict:

@@ -96,7 +96,10 @@ class PlanBuilder:
                 "measured": [(plan.to_json(), ms) for plan, ms in self.measured]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from :meth:`state_dict`'s calibration (a checkpoint's)."""
+        """Continue from :meth:`state_dict`'s calibration (a checkpoint's); with ``--epp-calibrate-interval 0``
+        keep the profile as given."""
+        if not self.calibrate_interval:
+            return
         base = self.cost_model
         self.cost_model = base.calibrated(state["calibration"][0], StageOverhead(*state["calibration"][1:]))
         self.next_step_model = base.calibrated(state["next_step_calibration"][0], StageOverhead(*state["next_step_calibration"][1:]))
