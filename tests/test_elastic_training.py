@@ -39,6 +39,10 @@ def test_elastic_trains_and_matches_megatron_packing(tmp_path):
         assert sum(e.num_chunks.values()) == int(e.plan.split(" chunks=")[1].split()[0]) and e.num_pipelines >= 1
         assert e.predicted_step_ms > 0 and e.measured_ms > 0 and e.planning_ms > 0 and e.planning_wait_ms >= 0
         assert len(e.predicted_activation_bytes) == len(e.measured_activation_bytes) == 2
+    # the planner's time inside each step's span: a part of the next step's plan's (made while the step ran)
+    for m, after in zip(elastic, elastic[1:]):
+        assert 0 <= m.elastic.planning_overlap_ms <= after.elastic.planning_ms, m.iteration
+    assert any(m.elastic.planning_overlap_ms > 0 for m in elastic)
     # the driver calibrated its cost model on the measured steps (--epp-calibrate-interval, default 20): after
     # steps 5, 25 and 45, each change announced by one line, the steps after it predicted on the new fit
     calibrations = [(m.elastic.speed_factor, m.elastic.stage_overhead_ms) for m in elastic]

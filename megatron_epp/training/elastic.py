@@ -128,9 +128,9 @@ def _calibration(cost_model: CostModel) -> tuple[float, float, float]:
     return cost_model.speed_factor, o.fwd_ms, o.bwd_ms
 
 
-def _share_plan(plan: Plan | None, timing: tuple[float, float] | None) -> tuple[Plan, tuple[float, float]]:
+def _share_plan(plan: Plan | None, timing: tuple[float, float, float] | None) -> tuple[Plan, tuple[float, float, float]]:
     """Give every rank of this model replica (all stages, all tensor ranks) the plan of its first rank
-    and its ``(planning ms, of which waited ms)``."""
+    and its ``(planning ms, of which waited ms, of which inside the last step's span)``."""
     group = ps.get_model_parallel_group()
     box = [(plan.to_json(), timing) if plan is not None else None]
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
@@ -159,6 +159,8 @@ class ElasticTrainStep:
         self.last_metrics: ElasticMetrics | None = None
         self.last_plan: Plan | None = None
         self.logged_calibration: tuple[float, float] | None = None
+        self.span: tuple[float, float] | None = None  # the last step's forward_backward_elastic (perf_counter)
+        self.overlap_ms = 0.0  # the planner's time inside it (the planning rank's, shared with the plan)
 
     def _plan_async(self, batch, cost_model: CostModel) -> Future | None:
         """Plan ``batch`` on ``cost_model`` (the model as this step left it, whatever a later fit makes it)."""
@@ -166,18 +168,19 @@ class ElasticTrainStep:
             return None
         lengths = batch.seq_lengths[batch.positions(self.runtime.dp_rank)].tolist()
 
-        def plan() -> tuple[Plan, float]:
+        def plan() -> tuple[Plan, float, tuple[float, float]]:
             t0 = time.perf_counter()
             result = self.build(lengths, cost_model).validate()
             elapsed_ms = (time.perf_counter() - t0) * 1000
             result.stats.predicted_activation_bytes = self.build.predicted_activation_bytes(result)
-            return result, elapsed_ms
+            return result, elapsed_ms, (t0, t0 + elapsed_ms / 1000)
 
         return self.pool.submit(plan)
 
     def _next_planned(self):
-        """This step's batch, plan and ``(planning ms, waited ms)`` (waiting for the planner only if it
-        is still running)."""
+        """This step's batch, plan and ``(planning ms, waited ms, planning ms inside the last step's span)``
+        (waiting for the planner only if it is still running): the plan was made while the last step ran,
+        on the planning rank's core."""
         if self.pending is None:  # the first step of this process: planned as the run planned it (a resumed run's too)
             first = next(self.batches)
             self.pending = (first, self._plan_async(first, self.build.next_step_model))
@@ -187,14 +190,16 @@ class ElasticTrainStep:
         plan, timing = None, None
         if future is not None:
             t0 = time.perf_counter()
-            plan, plan_ms = future.result()
+            plan, plan_ms, (start, end) = future.result()
             plan = self.build.repredict(plan)
-            timing = (plan_ms, (time.perf_counter() - t0) * 1000)
+            overlap = max(0.0, min(end, self.span[1]) - max(start, self.span[0])) * 1000 if self.span else 0.0
+            timing = (plan_ms, (time.perf_counter() - t0) * 1000, overlap)
         return (batch, *_share_plan(plan, timing))
 
     def _prefetch(self) -> None:
         """Share the next step's plan now (a collective of the replica) and build its inputs in the background."""
         batch, plan, timing = self._next_planned()
+        self.overlap_ms = timing[2]
         self.ready = self.preparer.submit(self._prepare, batch, plan, timing)
 
     def _prepare(self, batch, plan: Plan, timing):
@@ -204,7 +209,7 @@ class ElasticTrainStep:
     def __call__(self, forward_only: bool) -> tuple[list[dict[str, torch.Tensor]], np.ndarray]:
         if self.ready is None:
             self._prefetch()
-        batch, plan, (planning_ms, waited_ms), inputs = self.ready.result()
+        batch, plan, (planning_ms, waited_ms, _), inputs = self.ready.result()
         t1 = time.perf_counter()
         with ActivationMemoryTracker(self.runtime.device, ChunkContext.of(self.model)) if not forward_only else contextlib.nullcontext() as memory:
             losses = forward_backward_elastic(
@@ -216,7 +221,8 @@ class ElasticTrainStep:
                 plan=plan,
                 layouts=inputs.layouts,
             )
-        run_ms = (time.perf_counter() - t1) * 1000
+        self.span = (t1, time.perf_counter())
+        run_ms = (self.span[1] - t1) * 1000
         if not forward_only:
             self._observe(plan, run_ms)
         self._prefetch()
@@ -226,6 +232,7 @@ class ElasticTrainStep:
             plan.stats.predicted_step_ms, run_ms,
             None if memory is None else plan.stats.predicted_activation_bytes,
             None if memory is None else self._gather_stages(memory.peak_bytes),
+            planning_overlap_ms=self.overlap_ms,
         )
         return losses, batch.seq_lengths
 
