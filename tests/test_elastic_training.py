@@ -39,6 +39,10 @@ def test_elastic_trains_and_matches_megatron_packing(tmp_path):
         assert sum(e.num_chunks.values()) == int(e.plan.split(" chunks=")[1].split()[0]) and e.num_pipelines >= 1
         assert e.predicted_step_ms > 0 and e.measured_ms > 0 and e.planning_ms > 0 and e.planning_wait_ms >= 0
         assert len(e.predicted_activation_bytes) == len(e.measured_activation_bytes) == 2
+    # the planner's time inside each step's span: a part of the next step's plan's (made while the step ran)
+    for m, after in zip(elastic, elastic[1:]):
+        assert 0 <= m.elastic.planning_overlap_ms <= after.elastic.planning_ms, m.iteration
+    assert any(m.elastic.planning_overlap_ms > 0 for m in elastic)
     # the driver calibrated its cost model on the measured steps (--epp-calibrate-interval, default 20): after
     # steps 5, 25 and 45, each change announced by one line, the steps after it predicted on the new fit
     calibrations = [(m.elastic.speed_factor, m.elastic.stage_overhead_ms) for m in elastic]
@@ -60,20 +64,24 @@ def test_planning_overlaps_training_and_timelines_are_drawn(tmp_path):
 
 
 def test_killed_elastic_run_resumes_with_the_uninterrupted_losses(tmp_path):
-    """SIGKILL every rank mid-run (after iteration 7, last checkpoint at 4); --load repeats 5..12 exactly.
-    Bit for bit needs the same plans: the cost model is not calibrated online, which would plan on the
-    measured times of each run."""
-    run = [a for a in RUN] + ["--epp-calibrate-interval", "0"]
+    """SIGKILL every rank mid-run (after iteration 9, last checkpoint at 5, the planner's first calibration);
+    --load repeats 6..8 of the killed run exactly: the same plans, predicted on the same calibration (restored
+    from the checkpoint, not refitted on the resumed run's own times), the same losses bit for bit."""
+    run = [a for a in RUN]
     run[run.index("--train-iters") + 1] = "12"
-    torchrun(2, *run, "--epp-metrics", str(tmp_path / "straight.jsonl"))
-    straight = {m.iteration: m.loss for m in read_metrics(tmp_path / "straight.jsonl")}
-    killed = torchrun_killed_after("iteration        7/", 2, *run, "--save", str(tmp_path / "ckpt"), "--save-interval", "4")
-    assert "saved checkpoint at iteration 4" in killed and "saved checkpoint at iteration 8" not in killed
+    killed = torchrun_killed_after("iteration        9/", 2, *run, "--save", str(tmp_path / "ckpt"), "--save-interval", "5",
+                                   "--epp-metrics", str(tmp_path / "killed.jsonl"))
+    assert "saved checkpoint at iteration 5" in killed and "saved checkpoint at iteration 10" not in killed
     resumed = torchrun(2, *run, "--load", str(tmp_path / "ckpt"), "--epp-metrics", str(tmp_path / "resumed.jsonl")).stdout
-    assert "resumed at iteration 4" in resumed
-    resumed_losses = {m.iteration: m.loss for m in read_metrics(tmp_path / "resumed.jsonl")}
-    assert sorted(resumed_losses) == list(range(5, 13))
-    assert all(resumed_losses[i] == straight[i] for i in resumed_losses), (resumed_losses, straight)
+    assert "resumed at iteration 5" in resumed
+    before = {m.iteration: m for m in read_metrics(tmp_path / "killed.jsonl")}
+    after = {m.iteration: m for m in read_metrics(tmp_path / "resumed.jsonl")}
+    assert sorted(after) == list(range(6, 13)) and {6, 7, 8} <= set(before)
+    assert before[6].elastic.speed_factor != before[5].elastic.speed_factor  # calibrated after step 5
+    for i in (6, 7, 8):
+        b, a = before[i], after[i]
+        assert (a.loss, a.elastic.plan, a.elastic.speed_factor, a.elastic.stage_overhead_ms, a.elastic.predicted_step_ms) == \
+            (b.loss, b.elastic.plan, b.elastic.speed_factor, b.elastic.stage_overhead_ms, b.elastic.predicted_step_ms), i
 
 
 def test_measured_activation_memory_follows_the_prediction_and_recompute(tmp_path):

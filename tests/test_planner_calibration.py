@@ -175,3 +175,56 @@ def test_driver_does_not_calibrate_with_interval_0():
     plan = build([500] * 16)
     assert all(build.observe(plan, 1000.0) is None for _ in range(30))
     assert build.cost_model is model
+    # a checkpoint's calibration is not taken either: off means the profile as given
+    build.load_state_dict({"steps_observed": 7, "calibration": (2.0, 1.0, 1.0), "next_step_calibration": (2.0, 1.0, 1.0),
+                           "measured": []})
+    assert build.cost_model is model and build.next_step_model is model
+
+
+def made(plan) -> dict:
+    """What a plan is, without how long its search took."""
+    return {**plan.to_dict(), "stats": {**plan.to_dict()["stats"], "solve_ms": None}}
+
+
+def test_a_restored_calibration_plans_and_refits_as_the_saved_run():
+    """Resume (training.checkpointing saves ``state_dict`` on every rank): the restored planner holds the saved
+    calibration, plans its first two steps as the run did (the first on the model of the fit before the
+    checkpoint's: plans are made one step ahead), and its next fit is on the saved spans, at the run's step."""
+    interval = 3
+    flags = ("--epp-calibrate-interval", str(interval), "--epp-memory-budget", "0.015")  # memory binds: chunks vary
+    run = plan_builder(*flags)
+    o = run.cost_model.profile.overhead
+    machine = run.cost_model.calibrated(1.5, StageOverhead(3 * o.fwd_ms, 3 * o.bwd_ms))  # slower, 3x the overhead
+    rng = np.random.default_rng(1)
+    saved_at = CALIBRATE_FIRST_STEP + interval  # a checkpoint after the second fit
+    refit = saved_at + interval
+    batches = [np.minimum(rng.lognormal(5.5, 1.2, size=16).astype(int) + 2, 1024).tolist() for _ in range(refit)]
+    plans, fits = {(run, 1): run(batches[0]), (run, 2): run(batches[1])}, {}
+
+    def step(build: PlanBuilder, k: int) -> None:
+        """Step ``k`` as the driver runs it: observe, then plan step k + 2 on the model it leaves."""
+        fits[build, k] = build.observe(plans[build, k], simulate(plans[build, k], machine).step_ms)
+        if k + 2 <= refit:
+            plans[build, k + 2] = build(batches[k + 1], build.cost_model)
+
+    for k in range(1, saved_at + 1):
+        step(run, k)
+    saved = run.state_dict()
+    resumed = plan_builder(*flags)
+    resumed.load_state_dict(saved)
+    assert resumed.state_dict() == saved and saved["steps_observed"] == saved_at
+    assert resumed.cost_model.speed_factor == run.cost_model.speed_factor != fits[run, CALIBRATE_FIRST_STEP].speed_factor
+    # the step after the checkpoint was planned on the first fit, the one after it on the second
+    plans[resumed, saved_at + 1] = resumed(batches[saved_at], resumed.next_step_model)
+    plans[resumed, saved_at + 2] = resumed(batches[saved_at + 1], resumed.cost_model)
+    for k in (saved_at + 1, saved_at + 2):
+        assert made(plans[resumed, k]) == made(plans[run, k]), k
+    assert made(plans[run, saved_at + 1]) != made(resumed(batches[saved_at], resumed.cost_model)), \
+        "planned on the latest fit, the step's plan would be the same: the test would show nothing"
+    for k in range(saved_at + 1, refit + 1):
+        step(run, k)
+        step(resumed, k)
+    assert [k for (b, k), f in fits.items() if b is resumed and f] == [refit]
+    # the first step of the resumed process is a warm-up, left out: the fit is on saved steps and the later ones
+    assert len(fits[resumed, refit].rel_err_after) == max(interval, CALIBRATE_FIRST_STEP - 1) == len(fits[run, refit].rel_err_after)
+    assert fits[resumed, refit].speed_factor == pytest.approx(fits[run, refit].speed_factor, rel=0.02)

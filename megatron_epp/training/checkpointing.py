@@ -1,7 +1,7 @@
 """Save/resume with megatron-core's dist_checkpointing, in Megatron-LM's directory layout.
 
 ``SAVE/iter_0000010/`` holds the sharded model and optimizer, the scheduler, the iteration, the
-consumed samples and every rank's RNG state, and ``epp_metadata.json`` (the model shape and the
+consumed samples, every rank's RNG state and (``--elastic-pp``) its planner's calibration, and ``epp_metadata.json`` (the model shape and the
 parallel layout it was saved with); ``SAVE/latest_checkpointed_iteration.txt`` names it.
 
 A checkpoint is written to ``iter_0000010.tmp/`` and renamed once every rank has written its part,
@@ -45,6 +45,7 @@ LAYOUT_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "da
 # parameter, resharded on load), not megatron-core's default flat-range format, which dist_checkpointing
 # 0.16.1 no longer accepts ("ShardedTensor.flattened_range is not supported")
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+PLANNER_KEY = "epp_planner_state"
 
 
 def iteration_dir(root: str, iteration: int) -> str:
@@ -71,20 +72,22 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 
 def _sharded_state(
-    model, optimizer, scheduler, runtime: Runtime, iteration: int, consumed: int, is_loading: bool = False
+    model, optimizer, scheduler, runtime: Runtime, iteration: int, consumed: int, is_loading: bool = False,
+    planner_state: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """What a checkpoint holds; ``is_loading`` makes the optimizer build its (still empty) state first."""
     model_state = model.module.sharded_state_dict()
     layout = (runtime.pp_size, runtime.world_size // (runtime.pp_size * runtime.dp_size), runtime.dp_size)
+    here = (runtime.pp_rank, runtime.tp_rank, runtime.dp_rank)
     return {
         "model": model_state,
         "optimizer": optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=OPTIMIZER_METADATA),
         "scheduler": scheduler.state_dict(),
         "iteration": iteration,
         "consumed_samples": consumed,
-        "rng": ShardedObject(
-            "rng_state", _rng_state(), layout, (runtime.pp_rank, runtime.tp_rank, runtime.dp_rank), replica_id=0
-        ),
+        "rng": ShardedObject("rng_state", _rng_state(), layout, here, replica_id=0),
+        # the elastic planner's online calibration (training.elastic.PlanBuilder.state_dict; None without --elastic-pp)
+        "planner": ShardedObject(PLANNER_KEY, planner_state, layout, here, replica_id=0),
     }
 
 
@@ -127,17 +130,18 @@ def checkpoint_metadata(args: argparse.Namespace, iteration: int) -> dict[str, A
 
 def save_checkpoint(
     args: argparse.Namespace, model, optimizer, scheduler, runtime: Runtime, iteration: int, consumed: int,
-    before_commit: Callable[[], None] | None = None,
+    before_commit: Callable[[], None] | None = None, planner_state: dict[str, Any] | None = None,
 ) -> str:
     """Write ``--save``'s ``iter_XXXXXXX.tmp``, then (every rank done) rename it and update the tracker.
-    ``before_commit`` runs on every rank after it has written its part (the test-only crash hook)."""
+    ``before_commit`` runs on every rank after it has written its part (the test-only crash hook);
+    ``planner_state``: this rank's planner calibration (``--elastic-pp``)."""
     path = iteration_dir(args.save, iteration)
     tmp = path + ".tmp"
     if runtime.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a run that died while saving
         os.makedirs(tmp)
     dist.barrier()
-    dist_checkpointing.save(_sharded_state(model, optimizer, scheduler, runtime, iteration, consumed), tmp)
+    dist_checkpointing.save(_sharded_state(model, optimizer, scheduler, runtime, iteration, consumed, planner_state=planner_state), tmp)
     if before_commit is not None:
         before_commit()
     dist.barrier()
@@ -223,15 +227,22 @@ def _missing_files(path: str) -> str | None:
     return None
 
 
-def load_checkpoint(root: str, iteration: int, model, optimizer, scheduler, runtime: Runtime) -> tuple[int, int]:
-    """Restore ``root``'s ``iteration`` (as :func:`check_loadable` found it); return ``(iteration, consumed_samples)``."""
+def load_checkpoint(
+    root: str, iteration: int, model, optimizer, scheduler, runtime: Runtime
+) -> tuple[int, int, dict[str, Any] | None]:
+    """Restore ``root``'s ``iteration`` (as :func:`check_loadable` found it); return ``(iteration, consumed_samples,
+    this rank's planner calibration)`` (None if the run saved none: no ``--elastic-pp``, or a checkpoint from
+    before calibration was saved)."""
     _init_distributed_optimizer_states(optimizer)
+    path = iteration_dir(root, iteration)
     template = _sharded_state(model, optimizer, scheduler, runtime, 0, 0, is_loading=True)
-    state = dist_checkpointing.load(template, iteration_dir(root, iteration))
+    if not any(key.startswith(PLANNER_KEY + "/") for key in FileSystemReader(path).read_metadata().state_dict_metadata):
+        del template["planner"]
+    state = dist_checkpointing.load(template, path)
     model.module.load_state_dict(state["model"])
     with torch.no_grad():  # the distributed optimizer copies into its fp32 shards, views of the parameters
         optimizer.load_state_dict(state["optimizer"])
     _restore_distributed_optimizer_steps(optimizer)
     scheduler.load_state_dict(state["scheduler"])
     _set_rng_state(state["rng"])
-    return state["iteration"], state["consumed_samples"]
+    return state["iteration"], state["consumed_samples"], state.get("planner")

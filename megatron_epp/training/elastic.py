@@ -18,7 +18,7 @@ from megatron.core import parallel_state as ps
 
 from megatron_epp.cost.features import chunk_features
 from megatron_epp.cost.model import CostModel
-from megatron_epp.cost.profiles import load_profile, megatron_model_state
+from megatron_epp.cost.profiles import StageOverhead, load_profile, megatron_model_state
 from megatron_epp.data.blend import blended_documents
 from megatron_epp.data.mock_documents import MockDocuments, lognormal_lengths
 from megatron_epp.data.sequence_sampler import SequenceSampler
@@ -54,21 +54,28 @@ class PlanBuilder:
         )
         self.calibrate_interval = args.epp_calibrate_interval
         self.measured: deque[tuple[Plan, float]] = deque(maxlen=max(self.calibrate_interval, CALIBRATE_FIRST_STEP - 1))
-        self.steps_observed = 0
+        self.steps_observed = 0  # training steps of the run (a resumed run's count on from its checkpoint)
+        self.warmed_up = False  # the first step of this process has been observed (never fitted on)
+        # the cost model the step after the last observed one was planned on (plans are made one step ahead,
+        # before the fit that follows the step being run)
+        self.next_step_model = self.cost_model
 
-    def __call__(self, lengths: list[int]) -> Plan:
-        return plan_batch(lengths, self.cost_model, self.config)
+    def __call__(self, lengths: list[int], cost_model: CostModel | None = None) -> Plan:
+        """The plan of ``lengths`` on ``cost_model`` (default: the current one)."""
+        return plan_batch(lengths, cost_model or self.cost_model, self.config)
 
     def observe(self, plan: Plan, measured_ms: float) -> StepFit | None:
         """Take a training step's plan and measured span (``forward_backward_elastic`` on the last stage,
         the span the simulator predicts). After step ``CALIBRATE_FIRST_STEP`` and every
         ``--epp-calibrate-interval`` steps after it, refit the speed factor and the per-chunk stage
-        overhead on the last steps kept (the first step, a warm-up, never is), and plan the following
-        steps on the result; returns the fit when one was made."""
+        overhead on the last steps kept (the first step of each process, a warm-up, never is), and plan the
+        following steps on the result; returns the fit when one was made."""
         if not self.calibrate_interval:
             return None
         self.steps_observed += 1
-        if self.steps_observed == 1:
+        self.next_step_model = self.cost_model
+        if not self.warmed_up:
+            self.warmed_up = True
             return None
         self.measured.append((plan, measured_ms))
         since_first = self.steps_observed - CALIBRATE_FIRST_STEP
@@ -79,6 +86,26 @@ class PlanBuilder:
         # one reference swap: a plan being made in the planning thread keeps the model it started on
         self.cost_model = fit.apply(self.cost_model)
         return fit
+
+    def state_dict(self) -> dict[str, Any]:
+        """The calibration, for a checkpoint: what a run resumed from it needs to plan and refit as this run
+        would (same batches and the same measured times given): the current and the next step's cost model
+        (as ``(s, o forward, o backward)``), the step count, and the steps the next fit uses."""
+        return {"steps_observed": self.steps_observed, "calibration": _calibration(self.cost_model),
+                "next_step_calibration": _calibration(self.next_step_model),
+                "measured": [(plan.to_json(), ms) for plan, ms in self.measured]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state_dict`'s calibration (a checkpoint's); with ``--epp-calibrate-interval 0``
+        keep the profile as given."""
+        if not self.calibrate_interval:
+            return
+        base = self.cost_model
+        self.cost_model = base.calibrated(state["calibration"][0], StageOverhead(*state["calibration"][1:]))
+        self.next_step_model = base.calibrated(state["next_step_calibration"][0], StageOverhead(*state["next_step_calibration"][1:]))
+        self.steps_observed = state["steps_observed"]
+        self.measured.clear()
+        self.measured.extend((Plan.from_json(text), ms) for text, ms in state["measured"])
 
     def repredict(self, plan: Plan) -> Plan:
         """``plan``'s predicted times on the current cost model: a plan made one step ahead, before the
@@ -96,9 +123,14 @@ class PlanBuilder:
         draw_timeline(simulate(plan, self.cost_model), plan.num_stages, path, title=plan.summary())
 
 
-def _share_plan(plan: Plan | None, timing: tuple[float, float] | None) -> tuple[Plan, tuple[float, float]]:
+def _calibration(cost_model: CostModel) -> tuple[float, float, float]:
+    o = cost_model.profile.overhead
+    return cost_model.speed_factor, o.fwd_ms, o.bwd_ms
+
+
+def _share_plan(plan: Plan | None, timing: tuple[float, float, float] | None) -> tuple[Plan, tuple[float, float, float]]:
     """Give every rank of this model replica (all stages, all tensor ranks) the plan of its first rank
-    and its ``(planning ms, of which waited ms)``."""
+    and its ``(planning ms, of which waited ms, of which inside the last step's span)``."""
     group = ps.get_model_parallel_group()
     box = [(plan.to_json(), timing) if plan is not None else None]
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
@@ -127,41 +159,47 @@ class ElasticTrainStep:
         self.last_metrics: ElasticMetrics | None = None
         self.last_plan: Plan | None = None
         self.logged_calibration: tuple[float, float] | None = None
+        self.span: tuple[float, float] | None = None  # the last step's forward_backward_elastic (perf_counter)
+        self.overlap_ms = 0.0  # the planner's time inside it (the planning rank's, shared with the plan)
 
-    def _plan_async(self, batch) -> Future | None:
+    def _plan_async(self, batch, cost_model: CostModel) -> Future | None:
+        """Plan ``batch`` on ``cost_model`` (the model as this step left it, whatever a later fit makes it)."""
         if self.pool is None:
             return None
         lengths = batch.seq_lengths[batch.positions(self.runtime.dp_rank)].tolist()
 
-        def plan() -> tuple[Plan, float]:
+        def plan() -> tuple[Plan, float, tuple[float, float]]:
             t0 = time.perf_counter()
-            result = self.build(lengths).validate()
+            result = self.build(lengths, cost_model).validate()
             elapsed_ms = (time.perf_counter() - t0) * 1000
             result.stats.predicted_activation_bytes = self.build.predicted_activation_bytes(result)
-            return result, elapsed_ms
+            return result, elapsed_ms, (t0, t0 + elapsed_ms / 1000)
 
         return self.pool.submit(plan)
 
     def _next_planned(self):
-        """This step's batch, plan and ``(planning ms, waited ms)`` (waiting for the planner only if it
-        is still running)."""
-        if self.pending is None:
+        """This step's batch, plan and ``(planning ms, waited ms, planning ms inside the last step's span)``
+        (waiting for the planner only if it is still running): the plan was made while the last step ran,
+        on the planning rank's core."""
+        if self.pending is None:  # the first step of this process: planned as the run planned it (a resumed run's too)
             first = next(self.batches)
-            self.pending = (first, self._plan_async(first))
+            self.pending = (first, self._plan_async(first, self.build.next_step_model))
         batch, future = self.pending
         upcoming = next(self.batches)
-        self.pending = (upcoming, self._plan_async(upcoming))
+        self.pending = (upcoming, self._plan_async(upcoming, self.build.cost_model))
         plan, timing = None, None
         if future is not None:
             t0 = time.perf_counter()
-            plan, plan_ms = future.result()
+            plan, plan_ms, (start, end) = future.result()
             plan = self.build.repredict(plan)
-            timing = (plan_ms, (time.perf_counter() - t0) * 1000)
+            overlap = max(0.0, min(end, self.span[1]) - max(start, self.span[0])) * 1000 if self.span else 0.0
+            timing = (plan_ms, (time.perf_counter() - t0) * 1000, overlap)
         return (batch, *_share_plan(plan, timing))
 
     def _prefetch(self) -> None:
         """Share the next step's plan now (a collective of the replica) and build its inputs in the background."""
         batch, plan, timing = self._next_planned()
+        self.overlap_ms = timing[2]
         self.ready = self.preparer.submit(self._prepare, batch, plan, timing)
 
     def _prepare(self, batch, plan: Plan, timing):
@@ -171,7 +209,7 @@ class ElasticTrainStep:
     def __call__(self, forward_only: bool) -> tuple[list[dict[str, torch.Tensor]], np.ndarray]:
         if self.ready is None:
             self._prefetch()
-        batch, plan, (planning_ms, waited_ms), inputs = self.ready.result()
+        batch, plan, (planning_ms, waited_ms, _), inputs = self.ready.result()
         t1 = time.perf_counter()
         with ActivationMemoryTracker(self.runtime.device, ChunkContext.of(self.model)) if not forward_only else contextlib.nullcontext() as memory:
             losses = forward_backward_elastic(
@@ -183,7 +221,8 @@ class ElasticTrainStep:
                 plan=plan,
                 layouts=inputs.layouts,
             )
-        run_ms = (time.perf_counter() - t1) * 1000
+        self.span = (t1, time.perf_counter())
+        run_ms = (self.span[1] - t1) * 1000
         if not forward_only:
             self._observe(plan, run_ms)
         self._prefetch()
@@ -193,6 +232,7 @@ class ElasticTrainStep:
             plan.stats.predicted_step_ms, run_ms,
             None if memory is None else plan.stats.predicted_activation_bytes,
             None if memory is None else self._gather_stages(memory.peak_bytes),
+            planning_overlap_ms=self.overlap_ms,
         )
         return losses, batch.seq_lengths
 
@@ -206,6 +246,10 @@ class ElasticTrainStep:
         dist.broadcast(span, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
         if self.plans_here:
             self.build.observe(plan, float(span.item()))
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's planner calibration, for a checkpoint (:meth:`PlanBuilder.state_dict`)."""
+        return self.build.state_dict()
 
     def _gather_stages(self, measured: int) -> list[int]:
         """This rank's measured peak activation bytes, of every stage (gathered over the pipeline)."""
@@ -241,10 +285,14 @@ def elastic_sampler(args: argparse.Namespace, split: str, dp_size: int, build: P
                            dp_size=dp_size, work_vector=build.cost_model.work_vector(), truncate=args.epp_truncate_documents)
 
 
-def elastic_train_step(args: argparse.Namespace, runtime: Runtime, model, split: str, consumed: int) -> ElasticTrainStep | None:
-    """The elastic step function for ``split`` ('train'/'valid'), or None if the split is empty."""
+def elastic_train_step(args: argparse.Namespace, runtime: Runtime, model, split: str, consumed: int,
+                       planner_state: dict[str, Any] | None = None) -> ElasticTrainStep | None:
+    """The elastic step function for ``split`` ('train'/'valid'), or None if the split is empty; its planner
+    continues from ``planner_state`` (:meth:`PlanBuilder.state_dict`, a checkpoint's) when given."""
     build = PlanBuilder(args)
     sampler = elastic_sampler(args, split, runtime.dp_size, build)
+    if planner_state is not None:
+        build.load_state_dict(planner_state)
     return None if sampler is None else ElasticTrainStep(args, runtime, model, sampler, consumed, build)
 
 

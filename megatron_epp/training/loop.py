@@ -151,10 +151,12 @@ def train(
     step_metrics: Callable[[int], ElasticMetrics] | None = None,
     start_time: float | None = None,
     faults: FaultInjection = FaultInjection(),
+    planner_state: Callable[[], dict[str, Any]] | None = None,
 ) -> list[float]:
     """Run iterations ``start[0]+1 .. --train-iters``, or until an exit condition (``--exit-*``) holds
     after one, saving then; return the losses seen by every rank. A NaN/Inf under
-    ``--check-for-nan-in-loss-and-grad`` raises :class:`TrainingFault` on every rank."""
+    ``--check-for-nan-in-loss-and-grad`` raises :class:`TrainingFault` on every rank. ``planner_state``: this
+    rank's planner calibration, saved in every checkpoint (``--elastic-pp``)."""
     iteration, consumed = start
     logger = Logger(args, runtime)
     exits = ExitConditions(args, runtime.device, time.time() if start_time is None else start_time)
@@ -168,6 +170,7 @@ def train(
         path = checkpointing.save_checkpoint(
             args, model, optimizer, scheduler, runtime, iteration, consumed,
             before_commit=lambda: faults.crash_in_save(iteration, runtime.rank),
+            planner_state=planner_state() if planner_state else None,
         )
         saved_at = iteration
         logger.print(f" saved checkpoint at iteration {iteration} to {path}")

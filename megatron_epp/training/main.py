@@ -81,9 +81,10 @@ def main(argv: Sequence[str] | argparse.Namespace | None = None) -> int:
     else:
         model, config = build_model(args, runtime)
     optimizer, scheduler = build_optimizer(args, model, config)
-    start = (0, 0)
+    start, planner_state = (0, 0), None
     if resume is not None:
-        start = checkpointing.load_checkpoint(args.load, resume, model, optimizer, scheduler, runtime)
+        iteration, consumed, planner_state = checkpointing.load_checkpoint(args.load, resume, model, optimizer, scheduler, runtime)
+        start = (iteration, consumed)
     if runtime.is_logging_rank:
         print(
             f"> GPT: {args.num_layers} layers, hidden {args.hidden_size}, {args.num_attention_heads} heads, "
@@ -105,7 +106,7 @@ def main(argv: Sequence[str] | argparse.Namespace | None = None) -> int:
 
     def step_for(split: str, consumed: int):
         if args.elastic_pp:
-            return elastic_train_step(args, runtime, model, split, consumed)
+            return elastic_train_step(args, runtime, model, split, consumed, planner_state if split == "train" else None)
         samples = build_samples(args, split)
         if samples is None:
             return None
@@ -120,6 +121,7 @@ def main(argv: Sequence[str] | argparse.Namespace | None = None) -> int:
             valid_step=step_for("valid", 0) if args.eval_interval else None,
             start=start,
             step_metrics=train_step.log if args.elastic_pp else None,
+            planner_state=train_step.state_dict if args.elastic_pp else None,
             start_time=start_time,
             faults=faults,
         )

@@ -32,6 +32,9 @@ class ElasticMetrics:
     # (1: the machine the profile was taken on) and the per-chunk stage overhead o (profile ms)
     speed_factor: float | None = None
     stage_overhead_ms: float | None = None
+    # the planner's time (planning the next step, in a thread on the planning rank's core) inside this step's
+    # forward_backward_elastic span on that rank: the time model does not count it
+    planning_overlap_ms: float | None = None
 
     def scalars(self) -> dict[str, float]:
         """The plan's statistics as named scalars (TensorBoard, wandb)."""
