@@ -32,7 +32,9 @@ ITERS = 8
 SHORT = [*RUN[:RUN.index("--train-iters")], "--train-iters", str(ITERS), *RUN[RUN.index("--train-iters") + 2:],
          "--epp-calibrate-interval", "0"]
 FLAGS = SHORT[1:]  # without the script
-KILL_TIMEOUT_MINUTES = 1.0
+DP2_SHARDED = ["--pipeline-model-parallel-size", "1", "--use-distributed-optimizer"]
+HANG_TIMEOUT_MINUTES = 0.25  # --distributed-timeout-minutes of the hang case
+TORCHRUN_GRACE_S = 30  # torchrun's wait between the SIGTERM and the SIGKILL it sends the ranks left
 
 
 def losses(path) -> dict[int, float]:
@@ -40,34 +42,50 @@ def losses(path) -> dict[int, float]:
 
 
 def test_sigterm_saves_at_the_end_of_the_step_exits_0_and_resumes_bit_identical(tmp_path):
-    torchrun(2, *SHORT, "--epp-metrics", str(tmp_path / "straight.jsonl"))
+    """Data parallel 2 with --use-distributed-optimizer (each rank saves its shard of the Adam states; the
+    elastic sampler resumes at the consumed samples of both replicas); pp 2 resumes in the tests below and in
+    tests/test_elastic_training.py."""
+    run = [*SHORT, *DP2_SHARDED]
+    torchrun(2, *run, "--epp-metrics", str(tmp_path / "straight.jsonl"))
     straight = losses(tmp_path / "straight.jsonl")
     ckpt = str(tmp_path / "ckpt")
-    run = torchrun_signalled_after("iteration        3/", signal.SIGTERM, [0, 1], 2, *SHORT, "--exit-signal-handler",
-                                   "--save", ckpt, "--epp-metrics", str(tmp_path / "term.jsonl"))
-    assert run.returncode == 0 and run.ranks_left == 0, run.output[-4000:]
-    stopped = int(re.search(r"exiting after iteration (\d+): SIGTERM received", run.output).group(1))
+    term = torchrun_signalled_after("iteration        3/", signal.SIGTERM, [0, 1], 2, *run, "--exit-signal-handler",
+                                    "--save", ckpt, "--epp-metrics", str(tmp_path / "term.jsonl"))
+    assert term.returncode == 0 and term.ranks_left == 0, term.output[-4000:]
+    stopped = int(re.search(r"exiting after iteration (\d+): SIGTERM received", term.output).group(1))
+    print(f"SIGTERM after iteration 3: saved iteration {stopped}, exit {term.returncode} after {term.seconds_to_exit:.1f} s")
     # the step in progress when the signal came (3, or 4 when it came after the ranks agreed on 3) is finished and saved
-    assert stopped in (3, 4) and max(losses(tmp_path / "term.jsonl")) == stopped, run.output[-4000:]
-    assert f"saved checkpoint at iteration {stopped} to" in run.output
-    resumed = torchrun(2, *SHORT, "--load", ckpt, "--epp-metrics", str(tmp_path / "resumed.jsonl")).stdout
-    assert f"resumed at iteration {stopped}" in resumed
+    assert stopped in (3, 4) and max(losses(tmp_path / "term.jsonl")) == stopped, term.output[-4000:]
+    assert f"saved checkpoint at iteration {stopped} to" in term.output
+    resumed = torchrun(2, *run, "--load", ckpt, "--epp-metrics", str(tmp_path / "resumed.jsonl")).stdout
+    assert "dp=2 on " in resumed and f"resumed at iteration {stopped}" in resumed
     after = losses(tmp_path / "resumed.jsonl")
     assert sorted(after) == list(range(stopped + 1, ITERS + 1))
     assert all(after[i] == straight[i] for i in after), (after, straight)
 
 
-def test_sigkill_of_one_rank_ends_the_job_within_the_timeout(tmp_path):
-    """Rank 0 SIGKILLed mid-run: its peer's next p2p/collective fails on the closed connection and
-    torchrun ends the job, non-zero, in seconds (well within --distributed-timeout-minutes), no rank left;
-    the survivor catches torchrun's SIGTERM (--exit-signal-handler) and still leaves."""
-    run = torchrun_signalled_after(
-        "iteration        2/", signal.SIGKILL, [0], 2, *SHORT, "--train-iters", "1000", "--exit-signal-handler",
-        "--save", str(tmp_path / "ckpt"), "--distributed-timeout-minutes", str(KILL_TIMEOUT_MINUTES),
-    )
-    print(f"SIGKILL of rank 0: job exited {run.returncode} after {run.seconds_to_exit:.1f} s")
+@pytest.mark.parametrize("fault", ["sigkill", "hang"])
+def test_a_dead_or_hung_rank_ends_the_job(tmp_path, fault):
+    """sigkill: rank 0 SIGKILLed after iteration 2; its peer's next p2p/collective fails on the closed
+    connection, the survivor leaves (its --exit-signal-handler catches torchrun's SIGTERM and it still goes)
+    and torchrun ends the job non-zero in seconds, no rank left.
+    hang: rank 0 stops answering at iteration 3 (EPP_FAULT_INJECT=hang@3:0; alive, its connections open): its
+    peer's receive times out after --distributed-timeout-minutes, and the job ends non-zero then, not later.
+    Both end before torchrun's own 30 s grace between its SIGTERM and SIGKILL would have to end a rank."""
+    timeout_s = 60 * HANG_TIMEOUT_MINUTES
+    if fault == "sigkill":
+        run = torchrun_signalled_after("iteration        2/", signal.SIGKILL, [0], 2, *SHORT, "--train-iters", "1000",
+                                       "--exit-signal-handler", "--save", str(tmp_path / "ckpt"))
+    else:
+        run = torchrun_signalled_after("iteration        2/", signal.SIGKILL, [], 2, *SHORT, "--train-iters", "1000",
+                                       "--distributed-timeout-minutes", str(HANG_TIMEOUT_MINUTES),
+                                       env={"EPP_FAULT_INJECT": "hang@3:0"}, timeout=120)
+    print(f"{fault} of rank 0: job exited {run.returncode} {run.seconds_to_exit:.1f} s after iteration 2")
     assert run.returncode != 0 and run.ranks_left == 0, run.output[-4000:]
-    assert run.seconds_to_exit < 60 * KILL_TIMEOUT_MINUTES, run.seconds_to_exit
+    if fault == "sigkill":
+        assert run.seconds_to_exit < TORCHRUN_GRACE_S, run.seconds_to_exit
+    else:
+        assert timeout_s <= run.seconds_to_exit < timeout_s + TORCHRUN_GRACE_S, run.seconds_to_exit
 
 
 @pytest.mark.parametrize("fault, message", [

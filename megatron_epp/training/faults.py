@@ -21,7 +21,7 @@ import torch.distributed as dist
 from megatron_epp.training.arguments import ArgumentError
 
 FAULT_ENV = "EPP_FAULT_INJECT"
-FAULT_KINDS = ("nan_loss", "nan_grad", "crash_in_save")
+FAULT_KINDS = ("nan_loss", "nan_grad", "crash_in_save", "hang")
 
 
 class TrainingFault(RuntimeError):
@@ -102,8 +102,10 @@ def check_finite(iteration: int, local_loss: torch.Tensor | None, grad_buffers, 
 class FaultInjection:
     """Test-only: ``EPP_FAULT_INJECT=KIND@ITERATION[:RANK]`` (read once in main) plants one fault:
     ``nan_loss`` (the last stage's loss of that iteration), ``nan_grad`` (the gradients of ``RANK``,
-    default 0) or ``crash_in_save`` (``RANK`` fails as on a full disk, after writing its part of that
-    iteration's checkpoint, before it is committed). No effect when the variable is unset."""
+    default 0), ``crash_in_save`` (``RANK`` fails as on a full disk, after writing its part of that
+    iteration's checkpoint, before it is committed) or ``hang`` (``RANK`` stops answering at the start of that
+    iteration, as a rank stuck in a kernel or on a lost node, until it is killed). No effect when the variable
+    is unset."""
 
     kind: str | None = None
     iteration: int = 0
@@ -135,6 +137,11 @@ class FaultInjection:
     def poison_grads(self, iteration: int, rank: int, grad_buffers) -> None:
         if self.at("nan_grad", iteration, rank):
             grad_buffers[0].grad_data.view(-1)[0] = math.nan
+
+    def hang(self, iteration: int, rank: int) -> None:
+        if self.at("hang", iteration, rank):
+            while True:
+                time.sleep(60)
 
     def crash_in_save(self, iteration: int, rank: int) -> None:
         if self.at("crash_in_save", iteration, rank):
