@@ -8,6 +8,7 @@ Faults are planted with the test-only EPP_FAULT_INJECT (megatron_epp/training/fa
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -19,7 +20,7 @@ import torch
 
 from megatron_epp.tools.layer_bench import init_single_process
 from megatron_epp.training.arguments import ArgumentError, parse_args
-from megatron_epp.training.checkpointing import METADATA, TRACKER, check_loadable
+from megatron_epp.training.checkpointing import METADATA, TRACKER, check_loadable, checkpoint_metadata, data_change
 from megatron_epp.training.faults import ExitConditions
 from megatron_epp.training.main import resolve_vocab_size
 from megatron_epp.training.metrics import read_metrics
@@ -118,16 +119,21 @@ def test_crash_during_save_leaves_the_previous_checkpoint_loadable(crashed_save,
     assert (crashed_save / TRACKER).read_text() == "3"
     ckpt = tmp_path / "ckpt"
     shutil.copytree(crashed_save, ckpt)
+    # resumed on another data stream (--seed): allowed, with the one warning line of test_a_resume_on_other_data_...
     out = torchrun(2, *SHORT, "--train-iters", "100", "--load", str(ckpt), "--save", str(ckpt), "--save-interval", "4",
-                   "--exit-interval", "5").stdout
+                   "--exit-interval", "5", "--seed", "7").stdout
     assert "resumed at iteration 3" in out
+    assert [line for line in out.splitlines() if "warning:" in line] == [
+        f"> warning: --load {ckpt}: iteration 3 was trained on other data (--seed 1234 -> 7); training goes on at "
+        "sample 24 of this run's stream, as in Megatron-LM: samples drawn before are not replayed or skipped by dataset, "
+        "so some documents may repeat and others never come"], out[-3000:]
     assert [int(i) for i in re.findall(r"saved checkpoint at iteration (\d+)", out)] == [4, 5], out[-3000:]
     assert "exiting after iteration 5: --exit-interval 5" in out
     assert (ckpt / TRACKER).read_text() == "5"
 
 
-def _args(load, *flags: str):
-    args = parse_args([*FLAGS, "--load", str(load), *flags], world_size=2)
+def _args(load, *flags: str, base: list[str] = FLAGS):
+    args = parse_args([*base, "--load", str(load), *flags], world_size=2)
     resolve_vocab_size(args)  # as main does before check_loadable
     return args
 
@@ -181,6 +187,37 @@ def test_bad_checkpoint_is_one_line_before_training(crashed_save, tmp_path):
     assert proc.returncode == 2 and proc.stdout == "", proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "is truncated: __1_" in lines[0], proc.stderr
+
+
+def test_a_resume_on_other_data_is_one_warning_line(crashed_save, tmp_path):
+    """The checkpoint records its data stream: the --data-path blend (prefixes, normalised weights), the sampler's
+    settings and position (consumed samples). Resuming on another blend or sampler setting is allowed, as in
+    Megatron-LM (annealing on another mixture), with one warning line naming each change (main prints it: the
+    crash test above resumes with another --seed)."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(crashed_save, ckpt)
+    meta_file = ckpt / "iter_0000003" / METADATA
+    meta = json.loads(meta_file.read_text())
+    assert meta["data"] == {"blend": None, "split": "969,30,1", "seed": 1234, "seq_length": 512, "global_batch_size": 8}
+    assert meta["consumed_samples"] == 3 * 8
+    assert data_change(_args(ckpt), 3) is None
+    a, b = (write_corpus(tmp_path / name, [f"document {i} of {name}" for i in range(40)]) for name in ("a", "b"))
+    on_data = [f for f in FLAGS if f != "--mock-data"]
+    saved_on = _args(ckpt, "--data-path", "0.3", a, "0.7", b, base=on_data)
+    meta["data"] = checkpoint_metadata(saved_on, 3)["data"]  # as if trained on 0.3 a 0.7 b
+    meta_file.write_text(json.dumps(meta))
+    assert meta["data"]["blend"] == {"prefixes": [a, b], "weights": [0.3, 0.7]}
+    assert check_loadable(saved_on) == 3 and data_change(saved_on, 3) is None
+    assert data_change(_args(ckpt, "--data-path", "3", a, "7", b, base=on_data), 3) is None  # the same normalised blend
+    tail = "; training goes on at sample 24 of this run's stream, as in Megatron-LM"
+    note = data_change(_args(ckpt, "--data-path", "0.5", a, "0.5", b, "--global-batch-size", "4", base=on_data), 3)
+    assert note.startswith(f"warning: --load {ckpt}: iteration 3 was trained on other data (--data-path blend of 0.3 {a}, "
+                           f"0.7 {b} -> blend of 0.5 {a}, 0.5 {b}; --global-batch-size 8 -> 4){tail}"), note
+    note = data_change(_args(ckpt, "--data-path", a, base=on_data), 3)
+    assert f"(--data-path blend of 0.3 {a}, 0.7 {b} -> {a}){tail}" in note, note
+    note = data_change(_args(ckpt, "--seed", "7", "--seq-length", "256"), 3)
+    assert f"(--data-path blend of 0.3 {a}, 0.7 {b} -> --mock-data; --seed 1234 -> 7; --seq-length 512 -> 256){tail}" in note, note
+    assert "\n" not in note
 
 
 def test_empty_load_directory_starts_from_scratch(tmp_path):
