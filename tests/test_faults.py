@@ -37,6 +37,7 @@ FLAGS = SHORT[1:]  # without the script
 DP2_SHARDED = ["--pipeline-model-parallel-size", "1", "--use-distributed-optimizer"]
 HANG_TIMEOUT_MINUTES = 0.25  # --distributed-timeout-minutes of the hang case
 TORCHRUN_GRACE_S = 30  # torchrun's wait between the SIGTERM and the SIGKILL it sends the ranks left
+KILL_BOUND_S = 20  # a SIGKILLed rank's job ends by itself in seconds, well before that grace would end it
 
 
 def losses(path) -> dict[int, float]:
@@ -85,7 +86,7 @@ def test_a_dead_or_hung_rank_ends_the_job(tmp_path, fault):
     print(f"{fault} of rank 0: job exited {run.returncode} {run.seconds_to_exit:.1f} s after iteration 2")
     assert run.returncode != 0 and run.ranks_left == 0, run.output[-4000:]
     if fault == "sigkill":
-        assert run.seconds_to_exit < TORCHRUN_GRACE_S, run.seconds_to_exit
+        assert run.seconds_to_exit < KILL_BOUND_S, run.seconds_to_exit
     else:
         assert timeout_s <= run.seconds_to_exit < timeout_s + TORCHRUN_GRACE_S, run.seconds_to_exit
 
