@@ -8,6 +8,7 @@ Faults are planted with the test-only EPP_FAULT_INJECT (megatron_epp/training/fa
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -19,7 +20,8 @@ import torch
 
 from megatron_epp.tools.layer_bench import init_single_process
 from megatron_epp.training.arguments import ArgumentError, parse_args
-from megatron_epp.training.checkpointing import METADATA, TRACKER, check_loadable
+from megatron_epp.training.checkpointing import METADATA, TRACKER, check_loadable, checkpoint_metadata, data_change
+from megatron_epp.training.corpus_check import check_corpus
 from megatron_epp.training.faults import ExitConditions
 from megatron_epp.training.metrics import read_metrics
 from tests.launch import torchrun, torchrun_signalled_after
@@ -31,7 +33,10 @@ ITERS = 8
 SHORT = [*RUN[:RUN.index("--train-iters")], "--train-iters", str(ITERS), *RUN[RUN.index("--train-iters") + 2:],
          "--epp-calibrate-interval", "0"]
 FLAGS = SHORT[1:]  # without the script
-KILL_TIMEOUT_MINUTES = 1.0
+DP2_SHARDED = ["--pipeline-model-parallel-size", "1", "--use-distributed-optimizer"]
+HANG_TIMEOUT_MINUTES = 0.25  # --distributed-timeout-minutes of the hang case
+TORCHRUN_GRACE_S = 30  # torchrun's wait between the SIGTERM and the SIGKILL it sends the ranks left
+KILL_BOUND_S = 20  # a SIGKILLed rank's job ends by itself in seconds, well before that grace would end it
 
 
 def losses(path) -> dict[int, float]:
@@ -39,34 +44,50 @@ def losses(path) -> dict[int, float]:
 
 
 def test_sigterm_saves_at_the_end_of_the_step_exits_0_and_resumes_bit_identical(tmp_path):
-    torchrun(2, *SHORT, "--epp-metrics", str(tmp_path / "straight.jsonl"))
+    """Data parallel 2 with --use-distributed-optimizer (each rank saves its shard of the Adam states; the
+    elastic sampler resumes at the consumed samples of both replicas); pp 2 resumes in the tests below and in
+    tests/test_elastic_training.py."""
+    run = [*SHORT, *DP2_SHARDED]
+    torchrun(2, *run, "--epp-metrics", str(tmp_path / "straight.jsonl"))
     straight = losses(tmp_path / "straight.jsonl")
     ckpt = str(tmp_path / "ckpt")
-    run = torchrun_signalled_after("iteration        3/", signal.SIGTERM, [0, 1], 2, *SHORT, "--exit-signal-handler",
-                                   "--save", ckpt, "--epp-metrics", str(tmp_path / "term.jsonl"))
-    assert run.returncode == 0 and run.ranks_left == 0, run.output[-4000:]
-    stopped = int(re.search(r"exiting after iteration (\d+): SIGTERM received", run.output).group(1))
+    term = torchrun_signalled_after("iteration        3/", signal.SIGTERM, [0, 1], 2, *run, "--exit-signal-handler",
+                                    "--save", ckpt, "--epp-metrics", str(tmp_path / "term.jsonl"))
+    assert term.returncode == 0 and term.ranks_left == 0, term.output[-4000:]
+    stopped = int(re.search(r"exiting after iteration (\d+): SIGTERM received", term.output).group(1))
+    print(f"SIGTERM after iteration 3: saved iteration {stopped}, exit {term.returncode} after {term.seconds_to_exit:.1f} s")
     # the step in progress when the signal came (3, or 4 when it came after the ranks agreed on 3) is finished and saved
-    assert stopped in (3, 4) and max(losses(tmp_path / "term.jsonl")) == stopped, run.output[-4000:]
-    assert f"saved checkpoint at iteration {stopped} to" in run.output
-    resumed = torchrun(2, *SHORT, "--load", ckpt, "--epp-metrics", str(tmp_path / "resumed.jsonl")).stdout
-    assert f"resumed at iteration {stopped}" in resumed
+    assert stopped in (3, 4) and max(losses(tmp_path / "term.jsonl")) == stopped, term.output[-4000:]
+    assert f"saved checkpoint at iteration {stopped} to" in term.output
+    resumed = torchrun(2, *run, "--load", ckpt, "--epp-metrics", str(tmp_path / "resumed.jsonl")).stdout
+    assert "dp=2 on " in resumed and f"resumed at iteration {stopped}" in resumed
     after = losses(tmp_path / "resumed.jsonl")
     assert sorted(after) == list(range(stopped + 1, ITERS + 1))
     assert all(after[i] == straight[i] for i in after), (after, straight)
 
 
-def test_sigkill_of_one_rank_ends_the_job_within_the_timeout(tmp_path):
-    """Rank 0 SIGKILLed mid-run: its peer's next p2p/collective fails on the closed connection and
-    torchrun ends the job, non-zero, in seconds (well within --distributed-timeout-minutes), no rank left;
-    the survivor catches torchrun's SIGTERM (--exit-signal-handler) and still leaves."""
-    run = torchrun_signalled_after(
-        "iteration        2/", signal.SIGKILL, [0], 2, *SHORT, "--train-iters", "1000", "--exit-signal-handler",
-        "--save", str(tmp_path / "ckpt"), "--distributed-timeout-minutes", str(KILL_TIMEOUT_MINUTES),
-    )
-    print(f"SIGKILL of rank 0: job exited {run.returncode} after {run.seconds_to_exit:.1f} s")
+@pytest.mark.parametrize("fault", ["sigkill", "hang"])
+def test_a_dead_or_hung_rank_ends_the_job(tmp_path, fault):
+    """sigkill: rank 0 SIGKILLed after iteration 2; its peer's next p2p/collective fails on the closed
+    connection, the survivor leaves (its --exit-signal-handler catches torchrun's SIGTERM and it still goes)
+    and torchrun ends the job non-zero in seconds, no rank left.
+    hang: rank 0 stops answering at iteration 3 (EPP_FAULT_INJECT=hang@3:0; alive, its connections open): its
+    peer's receive times out after --distributed-timeout-minutes, and the job ends non-zero then, not later.
+    Both end before torchrun's own 30 s grace between its SIGTERM and SIGKILL would have to end a rank."""
+    timeout_s = 60 * HANG_TIMEOUT_MINUTES
+    if fault == "sigkill":
+        run = torchrun_signalled_after("iteration        2/", signal.SIGKILL, [0], 2, *SHORT, "--train-iters", "1000",
+                                       "--exit-signal-handler", "--save", str(tmp_path / "ckpt"))
+    else:
+        run = torchrun_signalled_after("iteration        2/", signal.SIGKILL, [], 2, *SHORT, "--train-iters", "1000",
+                                       "--distributed-timeout-minutes", str(HANG_TIMEOUT_MINUTES),
+                                       env={"EPP_FAULT_INJECT": "hang@3:0"}, timeout=120)
+    print(f"{fault} of rank 0: job exited {run.returncode} {run.seconds_to_exit:.1f} s after iteration 2")
     assert run.returncode != 0 and run.ranks_left == 0, run.output[-4000:]
-    assert run.seconds_to_exit < 60 * KILL_TIMEOUT_MINUTES, run.seconds_to_exit
+    if fault == "sigkill":
+        assert run.seconds_to_exit < KILL_BOUND_S, run.seconds_to_exit
+    else:
+        assert timeout_s <= run.seconds_to_exit < timeout_s + TORCHRUN_GRACE_S, run.seconds_to_exit
 
 
 @pytest.mark.parametrize("fault, message", [
@@ -99,16 +120,21 @@ def test_crash_during_save_leaves_the_previous_checkpoint_loadable(crashed_save,
     assert (crashed_save / TRACKER).read_text() == "3"
     ckpt = tmp_path / "ckpt"
     shutil.copytree(crashed_save, ckpt)
+    # resumed on another data stream (--seed): allowed, with the one warning line of test_a_resume_on_other_data_...
     out = torchrun(2, *SHORT, "--train-iters", "100", "--load", str(ckpt), "--save", str(ckpt), "--save-interval", "4",
-                   "--exit-interval", "5").stdout
+                   "--exit-interval", "5", "--seed", "7").stdout
     assert "resumed at iteration 3" in out
+    assert [line for line in out.splitlines() if "warning:" in line] == [
+        f"> warning: --load {ckpt}: iteration 3 was trained on other data (--seed 1234 -> 7); training goes on at "
+        "sample 24 of this run's stream, as in Megatron-LM: samples drawn before are not replayed or skipped by dataset, "
+        "so some documents may repeat and others never come"], out[-3000:]
     assert [int(i) for i in re.findall(r"saved checkpoint at iteration (\d+)", out)] == [4, 5], out[-3000:]
     assert "exiting after iteration 5: --exit-interval 5" in out
     assert (ckpt / TRACKER).read_text() == "5"
 
 
-def _args(load, *flags: str):
-    return parse_args([*FLAGS, "--load", str(load), *flags], world_size=2)
+def _args(load, *flags: str, base: list[str] = FLAGS):
+    return parse_args([*base, "--load", str(load), *flags], world_size=2)
 
 
 def _break(ckpt, how: str) -> None:
@@ -162,6 +188,37 @@ def test_bad_checkpoint_is_one_line_before_training(crashed_save, tmp_path):
     assert len(lines) == 1 and "is truncated: __1_" in lines[0], proc.stderr
 
 
+def test_a_resume_on_other_data_is_one_warning_line(crashed_save, tmp_path):
+    """The checkpoint records its data stream: the --data-path blend (prefixes, normalised weights), the sampler's
+    settings and position (consumed samples). Resuming on another blend or sampler setting is allowed, as in
+    Megatron-LM (annealing on another mixture), with one warning line naming each change (main prints it: the
+    crash test above resumes with another --seed)."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(crashed_save, ckpt)
+    meta_file = ckpt / "iter_0000003" / METADATA
+    meta = json.loads(meta_file.read_text())
+    assert meta["data"] == {"blend": None, "split": "969,30,1", "seed": 1234, "seq_length": 512, "global_batch_size": 8}
+    assert meta["consumed_samples"] == 3 * 8
+    assert data_change(_args(ckpt), 3) is None
+    a, b = (write_corpus(tmp_path / name, [f"document {i} of {name}" for i in range(40)]) for name in ("a", "b"))
+    on_data = [f for f in FLAGS if f != "--mock-data"]
+    saved_on = _args(ckpt, "--data-path", "0.3", a, "0.7", b, base=on_data)
+    meta["data"] = checkpoint_metadata(saved_on, 3)["data"]  # as if trained on 0.3 a 0.7 b
+    meta_file.write_text(json.dumps(meta))
+    assert meta["data"]["blend"] == {"prefixes": [a, b], "weights": [0.3, 0.7]}
+    assert check_loadable(saved_on) == 3 and data_change(saved_on, 3) is None
+    assert data_change(_args(ckpt, "--data-path", "3", a, "7", b, base=on_data), 3) is None  # the same normalised blend
+    tail = "; training goes on at sample 24 of this run's stream, as in Megatron-LM"
+    note = data_change(_args(ckpt, "--data-path", "0.5", a, "0.5", b, "--global-batch-size", "4", base=on_data), 3)
+    assert note.startswith(f"warning: --load {ckpt}: iteration 3 was trained on other data (--data-path blend of 0.3 {a}, "
+                           f"0.7 {b} -> blend of 0.5 {a}, 0.5 {b}; --global-batch-size 8 -> 4){tail}"), note
+    note = data_change(_args(ckpt, "--data-path", a, base=on_data), 3)
+    assert f"(--data-path blend of 0.3 {a}, 0.7 {b} -> {a}){tail}" in note, note
+    note = data_change(_args(ckpt, "--seed", "7", "--seq-length", "256"), 3)
+    assert f"(--data-path blend of 0.3 {a}, 0.7 {b} -> --mock-data; --seed 1234 -> 7; --seq-length 512 -> 256){tail}" in note, note
+    assert "\n" not in note
+
+
 def test_empty_load_directory_starts_from_scratch(tmp_path):
     assert check_loadable(_args(tmp_path)) is None  # --load = --save on a job's first run
 
@@ -185,10 +242,15 @@ def test_bin_and_idx_that_do_not_match_are_one_line(tmp_path, how, message):
         idx.write_bytes(bytes(data))
     elif how == "idx short":
         idx.write_bytes(idx.read_bytes()[:-8])
-    proc = run_pretrain("--num-layers", "4", "--data-path", prefix, "--split", "1,0,0", "--seq-length", "16")
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and message.format(p=prefix) in lines[0], proc.stderr
+    flags = ["--num-layers", "4", "--data-path", prefix, "--split", "1,0,0", "--seq-length", "16"]
+    if how == "bin short":  # what pretrain_gpt.py prints, once; the other cases in-process
+        proc = run_pretrain(*flags)
+        assert proc.returncode == 2, proc.stderr
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and message.format(p=prefix) in lines[0], proc.stderr
+    else:
+        with pytest.raises(ArgumentError, match=re.escape(message.format(p=prefix))):
+            check_corpus(parse_args(flags, world_size=1))
 
 
 def test_exit_flags_are_checked():

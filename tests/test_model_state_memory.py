@@ -14,30 +14,33 @@ MODEL = ["--elastic-pp", "--mock-data", "--num-layers", "4", "--hidden-size", "3
          "--seq-length", "64", "--global-batch-size", "4", "--epp-memory-budget", "1"]
 
 
-def records(tmp_path, *flags: str) -> list[dict]:
-    out = tmp_path / ("states" + "".join(flags).replace("-", "_") + ".json")
-    torchrun(4, "tests/workers/model_state.py", str(out), *MODEL, *flags, timeout=180)
+LAYOUTS = {
+    "pp2-fp32": ["--pipeline-model-parallel-size", "2"],
+    "tp2-bf16-learned": ["--tensor-model-parallel-size", "2", "--bf16", "--position-embedding-type", "learned_absolute"],
+}
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS))
+def records(request, tmp_path_factory) -> dict[str, list[dict]]:
+    """Every rank's records of a layout (4 ranks: dp 2), ``plain`` and ``sharded`` (--use-distributed-optimizer),
+    from one launch shared by the tests below."""
+    out = tmp_path_factory.mktemp(request.param) / "states.json"
+    torchrun(4, "tests/workers/model_state.py", str(out), *MODEL, *LAYOUTS[request.param], timeout=180)
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("flags", [
-    ["--pipeline-model-parallel-size", "2"],
-    ["--tensor-model-parallel-size", "2", "--bf16", "--position-embedding-type", "learned_absolute"],
-], ids=["pp2-fp32", "tp2-bf16-learned"])
-def test_model_states_predicted_byte_for_byte(tmp_path, flags):
-    for r in records(tmp_path, *flags):
+def test_model_states_predicted_byte_for_byte(records):
+    for r in records["plain"]:
         assert r["weight"] + r["grad"] + r["optim"] == r["predicted"], r
 
 
-@pytest.mark.parametrize("flags", [
-    ["--pipeline-model-parallel-size", "2"], ["--tensor-model-parallel-size", "2", "--bf16"],
-], ids=["pp2-fp32", "tp2-bf16"])
-def test_distributed_optimizer_states_divided_over_data_parallel(tmp_path, flags):
+def test_distributed_optimizer_states_divided_over_data_parallel(records):
     """The optimizer's states (and bf16's fp32 main params) are sharded over dp = 2: together the two data-parallel
     ranks of a stage hold what the prediction gives them; each holds its half up to where the parameters' boundaries
     cut the shards (megatron-core aligns parameters in the shared buffer)."""
-    plain = {(r["pp"], r["tp"], r["dp"]): r for r in records(tmp_path, *flags)}
-    sharded = records(tmp_path, *flags, "--use-distributed-optimizer")
+    plain = {(r["pp"], r["tp"], r["dp"]): r for r in records["plain"]}
+    sharded = records["sharded"]
+    assert {r["dp"] for r in sharded} == {0, 1}
     for r in sharded:
         full = plain[r["pp"], r["tp"], r["dp"]]
         assert (r["weight"], r["grad"]) == (full["weight"], full["grad"])

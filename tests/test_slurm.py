@@ -119,6 +119,9 @@ def test_scancel_saves_and_the_job_resumes(cluster, tmp_path):
     stopped = int(re.search(r"exiting after iteration (\d+): SIGTERM received", text).group(1))
     assert 3 <= stopped < 40 and max(logged_losses(text)) == stopped, text[-6000:]
     assert f"saved checkpoint at iteration {stopped} to" in text
-    rc, resumed = sbatch(cluster, tmp_path / "resumed.out", *run, "--load", str(ckpt), nodes=1)
+    # the second job trains two steps (--exit-interval) rather than the 40 - stopped left: that it resumes is the point
+    rc, resumed = sbatch(cluster, tmp_path / "resumed.out", *run, "--load", str(ckpt), "--exit-interval", str(stopped + 2),
+                         nodes=1)
     assert rc == 0 and f"resumed at iteration {stopped}" in resumed, resumed[-6000:]
-    assert sorted(logged_losses(resumed)) == list(range(stopped + 1, 41)), resumed[-6000:]
+    assert sorted(logged_losses(resumed)) == [stopped + 1, stopped + 2], resumed[-6000:]
+    assert f"saved checkpoint at iteration {stopped + 2} to" in resumed, resumed[-6000:]

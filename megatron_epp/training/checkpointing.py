@@ -1,13 +1,16 @@
 """Save/resume with megatron-core's dist_checkpointing, in Megatron-LM's directory layout.
 
 ``SAVE/iter_0000010/`` holds the sharded model and optimizer, the scheduler, the iteration, the
-consumed samples, every rank's RNG state and (``--elastic-pp``) its planner's calibration, and ``epp_metadata.json`` (the model shape and the
-parallel layout it was saved with); ``SAVE/latest_checkpointed_iteration.txt`` names it.
+consumed samples, every rank's RNG state and (``--elastic-pp``) its planner's calibration, and
+``epp_metadata.json`` (the model shape and the parallel layout it was saved with, and the data stream it
+was trained on: the ``--data-path`` blend and the sampler's settings and position);
+``SAVE/latest_checkpointed_iteration.txt`` names it.
 
 A checkpoint is written to ``iter_0000010.tmp/`` and renamed once every rank has written its part,
 the tracker file after it: a run that dies while saving leaves the previous checkpoint named and
 whole. :func:`check_loadable` refuses, before any process group exists, a ``--load`` that is
-truncated (tracker, directory or files missing) or foreign (not ours, another model shape or layout).
+truncated (tracker, directory or files missing) or foreign (not ours, another model shape or layout);
+:func:`data_change` words, as a warning, a resume on another data stream (Megatron-LM allows it).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from torch.distributed.checkpoint import FileSystemReader
 
+from megatron_epp.data.blend import Blend
 from megatron_epp.training.arguments import ArgumentError
 from megatron_epp.training.initialize import Runtime
 
@@ -41,6 +45,8 @@ MODEL_SHAPE_ARGS = (
     "group_query_attention", "num_query_groups", "kv_channels", "add_bias_linear", "rotary_base",
 )
 LAYOUT_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size", "use_distributed_optimizer")
+# What the sample stream is a function of, besides the blend and its position (the consumed samples)
+SAMPLER_ARGS = ("split", "seed", "seq_length", "global_batch_size")
 # --use-distributed-optimizer: each rank's shard of the optimizer states saved in model space (one tensor per
 # parameter, resharded on load), not megatron-core's default flat-range format, which dist_checkpointing
 # 0.16.1 no longer accepts ("ShardedTensor.flattened_range is not supported")
@@ -118,13 +124,25 @@ def _restore_distributed_optimizer_steps(optimizer) -> None:
                         state["step"] = torch.tensor(float(group["step"]), dtype=state["step"].dtype)
 
 
-def checkpoint_metadata(args: argparse.Namespace, iteration: int) -> dict[str, Any]:
+def data_record(args: argparse.Namespace) -> dict[str, Any]:
+    """The data stream a run trains on: the ``--data-path`` blend (prefixes, normalised weights; None for
+    ``--mock-data``) and the sampler's settings (its position is the checkpoint's consumed samples)."""
+    blend = args.data_blend
+    return {
+        "blend": None if blend is None else {"prefixes": list(blend.prefixes), "weights": blend.weights and list(blend.weights)},
+        **{k: getattr(args, k) for k in SAMPLER_ARGS},
+    }
+
+
+def checkpoint_metadata(args: argparse.Namespace, iteration: int, consumed_samples: int | None = None) -> dict[str, Any]:
     """The record saved beside the shards and compared on ``--load``."""
     return {
         "format": FORMAT,
         "iteration": iteration,
         "model": {k: getattr(args, k, None) for k in MODEL_SHAPE_ARGS},
         "layout": {k: getattr(args, k) for k in LAYOUT_ARGS},
+        "data": data_record(args),
+        "consumed_samples": consumed_samples,
     }
 
 
@@ -146,7 +164,7 @@ def save_checkpoint(
         before_commit()
     dist.barrier()
     if runtime.rank == 0:
-        _write_durably(os.path.join(tmp, METADATA), json.dumps(checkpoint_metadata(args, iteration), indent=1))
+        _write_durably(os.path.join(tmp, METADATA), json.dumps(checkpoint_metadata(args, iteration, consumed), indent=1))
         if os.path.isdir(path):  # the same iteration saved again (a resumed run that stops at once)
             os.replace(path, path + ".old")
         os.replace(tmp, path)
@@ -183,11 +201,7 @@ def check_loadable(args: argparse.Namespace) -> int | None:
     path = iteration_dir(root, iteration)
     if not os.path.isdir(path):
         raise ArgumentError(f"{where}: {TRACKER} names iteration {iteration}, but {path} does not exist")
-    try:
-        with open(os.path.join(path, METADATA)) as f:
-            meta = json.load(f)
-    except (OSError, ValueError):
-        meta = None
+    meta = _read_metadata(path)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise ArgumentError(f"{where}: {path} is not a megatron-epp checkpoint (no valid {METADATA})")
     if meta["iteration"] != iteration:
@@ -204,6 +218,43 @@ def check_loadable(args: argparse.Namespace) -> int | None:
     if missing:
         raise ArgumentError(f"{where}: {path} is truncated: {missing}")
     return iteration
+
+
+def _read_metadata(path: str) -> Any:
+    try:
+        with open(os.path.join(path, METADATA)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _describe_blend(blend: dict[str, Any] | None) -> str:
+    if blend is None:
+        return "--mock-data"
+    return Blend(tuple(blend["prefixes"]), blend["weights"] and tuple(blend["weights"])).describe()
+
+
+def data_change(args: argparse.Namespace, iteration: int) -> str | None:
+    """One warning line when this run's data stream differs from the one ``--load``'s ``iteration`` (as
+    :func:`check_loadable` found it) was trained on: another ``--data-path`` blend (prefixes or weights) or
+    sampler setting. None when they agree (or the checkpoint predates the record).
+
+    Not an error: Megatron-LM compares only the model and the parallel layout on load and rebuilds the blend
+    from the new flags at the checkpoint's consumed samples, which is how a job anneals on another mixture.
+    The stream then goes on from that position of the new blend's stream: what was drawn before is not
+    tracked per dataset, so some documents may come again and others never."""
+    meta = _read_metadata(iteration_dir(args.load, iteration))
+    saved = meta.get("data") if isinstance(meta, dict) else None
+    if saved is None:
+        return None
+    now = data_record(args)
+    changes = [f"--data-path {_describe_blend(saved['blend'])} -> {_describe_blend(now['blend'])}"] if saved["blend"] != now["blend"] else []
+    changes += [f"--{k.replace('_', '-')} {saved[k]} -> {now[k]}" for k in SAMPLER_ARGS if saved.get(k) != now[k]]
+    if not changes:
+        return None
+    return (f"warning: --load {args.load}: iteration {iteration} was trained on other data ({'; '.join(changes)}); "
+            f"training goes on at sample {meta['consumed_samples']} of this run's stream, as in Megatron-LM: samples "
+            "drawn before are not replayed or skipped by dataset, so some documents may repeat and others never come")
 
 
 def _missing_files(path: str) -> str | None:

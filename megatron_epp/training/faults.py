@@ -21,7 +21,7 @@ import torch.distributed as dist
 from megatron_epp.training.arguments import ArgumentError
 
 FAULT_ENV = "EPP_FAULT_INJECT"
-FAULT_KINDS = ("nan_loss", "nan_grad", "crash_in_save")
+FAULT_KINDS = ("nan_loss", "nan_grad", "crash_in_save", "hang")
 
 
 class TrainingFault(RuntimeError):
@@ -82,6 +82,18 @@ def check_finite(iteration: int, local_loss: torch.Tensor | None, grad_buffers, 
 
     One all-reduce (min) of ``2 * rank + what`` (what: 0 loss, 1 grad; world size x 2 when all is
     finite) names the first rank that saw one; run before the optimizer step, so no update is applied.
+
+    Why not megatron-core's ``DistributedDataParallelConfig(check_for_nan_in_grad=True)`` for the gradient
+    part (0.16.1, ``_ParamAndGradBucketGroup.check_grads``): it goes through the rerun state machine, which in
+    its default (disabled) mode raises a RuntimeError on the one rank that saw the NaN, before the
+    data-parallel reduction; the other ranks learn of it only when that rank's exit breaks their next
+    collective: no agreed stop, and tracebacks rather than one line. Its
+    message names the state machine's own iteration counter (-1 unless the training loop drives the machine's
+    ``should_run_forward_backward``, which neither schedule here does) and calls
+    ``torch.cuda.current_device()``, which fails on a CPU-only build before the message is made. It reads one
+    norm per bucket on the host, and sees no loss (Megatron-LM checks the loss in its own training loop).
+    What it has and this check lacks: it looks before the reduction, so it names the replica where a NaN
+    arose; here, after it, the rank named is the lowest that holds one (with dp > 1, maybe a replica of it).
     """
     # decided on the device: one host read in all (after the all-reduce), not one per gradient buffer
     ok = torch.ones((), dtype=torch.bool, device=device)
@@ -102,8 +114,10 @@ def check_finite(iteration: int, local_loss: torch.Tensor | None, grad_buffers, 
 class FaultInjection:
     """Test-only: ``EPP_FAULT_INJECT=KIND@ITERATION[:RANK]`` (read once in main) plants one fault:
     ``nan_loss`` (the last stage's loss of that iteration), ``nan_grad`` (the gradients of ``RANK``,
-    default 0) or ``crash_in_save`` (``RANK`` fails as on a full disk, after writing its part of that
-    iteration's checkpoint, before it is committed). No effect when the variable is unset."""
+    default 0), ``crash_in_save`` (``RANK`` fails as on a full disk, after writing its part of that
+    iteration's checkpoint, before it is committed) or ``hang`` (``RANK`` stops answering at the start of that
+    iteration, as a rank stuck in a kernel or on a lost node, until it is killed). No effect when the variable
+    is unset."""
 
     kind: str | None = None
     iteration: int = 0
@@ -135,6 +149,11 @@ class FaultInjection:
     def poison_grads(self, iteration: int, rank: int, grad_buffers) -> None:
         if self.at("nan_grad", iteration, rank):
             grad_buffers[0].grad_data.view(-1)[0] = math.nan
+
+    def hang(self, iteration: int, rank: int) -> None:
+        if self.at("hang", iteration, rank):
+            while True:
+                time.sleep(60)
 
     def crash_in_save(self, iteration: int, rank: int) -> None:
         if self.at("crash_in_save", iteration, rank):

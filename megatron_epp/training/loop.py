@@ -177,6 +177,7 @@ def train(
 
     try:
         while iteration < args.train_iters:
+            faults.hang(iteration + 1, runtime.rank)
             t0 = time.perf_counter()
             model.zero_grad_buffer()
             optimizer.zero_grad()

@@ -69,6 +69,7 @@ def main(argv: Sequence[str] | argparse.Namespace | None = None) -> int:
             planner = profile_summary(args)
             check_memory_budget(args)
         resume = checkpointing.check_loadable(args) if args.load else None
+        data_note = checkpointing.data_change(args, resume) if resume is not None else None
         faults = FaultInjection.from_env()
     except (ArgumentError, TokenizerError) as error:
         print(error if isinstance(error, ArgumentError) else f"pretrain_gpt.py: error: {error}", file=sys.stderr)
@@ -103,6 +104,8 @@ def main(argv: Sequence[str] | argparse.Namespace | None = None) -> int:
         if args.elastic_pp:
             print(f"> planner: {planner}", flush=True)
         print(f"> data: {corpus}", flush=True)
+        if data_note:
+            print(f"> {data_note}", flush=True)
 
     def step_for(split: str, consumed: int):
         if args.elastic_pp:

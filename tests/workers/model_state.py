@@ -1,11 +1,13 @@
-"""Model-state bytes of every rank, counted tensor by tensor, beside the planner's prediction.
+"""Model-state bytes of every rank, counted tensor by tensor, beside the planner's prediction, without and
+with ``--use-distributed-optimizer`` (a model and optimizer built for each, in one launch).
 
     torchrun ... tests/workers/model_state.py OUT.json [pretrain_gpt flags, with --elastic-pp]
 
 Counted on each rank: the parameters (in their dtype), their gradients (DDP's ``main_grad``, fp32) and
 the optimizer's state tensors (Adam's moments; fp32 main copies of bf16 weights, i.e. the optimizer's
 parameters that share no storage with the model's). Predicted: ``PlanBuilder(args).cost_model``'s
-``model_state_bytes`` of the rank's stage. The first rank writes every rank's record to OUT.json.
+``model_state_bytes`` of the rank's stage. The first rank writes every rank's records to OUT.json:
+``{"plain": [...], "sharded": [...]}``, one record per rank each.
 """
 
 from __future__ import annotations
@@ -27,11 +29,8 @@ def nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def main() -> None:
-    out, flags = sys.argv[1], sys.argv[2:]
-    args = parse_args(flags)
-    args.vocab_size = args.vocab_size or 64
-    runtime = initialize(args)
+def rank_record(args, runtime) -> dict:
+    """This rank's counted and predicted bytes for a model and optimizer built from ``args``."""
     model, config = build_model(args, runtime)
     optimizer, _ = build_optimizer(args, model, config)
     params = [p for p in model.parameters()]
@@ -45,16 +44,27 @@ def main() -> None:
                 states += [v for k, v in inner.state[p].items() if k != "step"]
                 if p.untyped_storage().data_ptr() not in model_storages:
                     main_params.append(p)
-    record = {
+    return {
         "pp": runtime.pp_rank, "tp": runtime.tp_rank, "dp": runtime.dp_rank,
         "weight": nbytes(params), "grad": nbytes(p.main_grad for p in params), "optim": nbytes(states) + nbytes(main_params),
         "predicted": float(PlanBuilder(args).cost_model.model_state_bytes()[runtime.pp_rank]),
     }
-    records = [None] * dist.get_world_size()
-    dist.all_gather_object(records, record)
+
+
+def main() -> None:
+    out, flags = sys.argv[1], sys.argv[2:]
+    args = parse_args(flags)
+    args.vocab_size = args.vocab_size or 64
+    runtime = initialize(args)
+    result = {}
+    for name, sharded in (("plain", False), ("sharded", True)):
+        args.use_distributed_optimizer = sharded
+        records = [None] * dist.get_world_size()
+        dist.all_gather_object(records, rank_record(args, runtime))
+        result[name] = records
     if dist.get_rank() == 0:
         with open(out, "w") as f:
-            json.dump(records, f)
+            json.dump(result, f)
     shutdown()
 
 
