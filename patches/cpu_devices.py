@@ -72,6 +72,18 @@ GRAD_BUFFER = _module_patch(
     "_ParamAndGradBuffer allocates param/grad buffers on torch.cuda.current_device() and bucket "
     "groups use torch.cuda streams.",
 )
+SEQUENCE_PARALLEL_MAPPINGS = _module_patch(
+    "sequence_parallel_mappings_cpu",
+    "megatron.core.tensor_parallel.mappings",
+    "_gather_along_first_dim / _reduce_scatter_along_first_dim (sequence parallelism's all-gather and "
+    "reduce-scatter) allocate their outputs on torch.cuda.current_device().",
+)
+SEQUENCE_PARALLEL_LINEAR = _module_patch(
+    "sequence_parallel_linear_cpu",
+    "megatron.core.tensor_parallel.layers",
+    "LinearWithGradAccumulationAndAsyncCommunication.backward allocates the all-gathered input of a "
+    "sequence-parallel linear on torch.cuda.current_device().",
+)
 ROTARY = _module_patch(
     "rotary_cpu",
     "megatron.core.models.common.embeddings.rotary_pos_embedding",

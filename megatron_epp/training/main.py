@@ -21,7 +21,7 @@ from megatron_epp.training.gpt_step import gpt_forward_step, microbatches
 from megatron_epp.training.layout_search import driver_layout_search
 from megatron_epp.training.initialize import gpu_count, gpu_oversubscription, initialize, local_world_size, shutdown
 from megatron_epp.training.loop import build_optimizer, megatron_step, train
-from megatron_epp.training.model import architecture_summary, build_model, layer_spec_summary, transformer_engine_unavailable
+from megatron_epp.training.model import architecture_summary, build_model, layer_spec_summary
 
 
 def build_samples(args: argparse.Namespace, split: str):
@@ -67,9 +67,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         if why:
             raise ArgumentError(why)
         args = parse_args(argv)
-        if args.sequence_parallel and (why := transformer_engine_unavailable()):
-            raise ArgumentError(f"--sequence-parallel needs Transformer Engine's layers ({why}): megatron-core's local "
-                                "spec (torch LayerNorm) refuses sequence parallelism")
         resolve_vocab_size(args)
         corpus = check_corpus(args)
         if args.epp_search_layout:
