@@ -105,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             flush=True,
         )
         print(f"> architecture: {architecture_summary(args)}", flush=True)
-        print(f"> layers: {layer_spec_summary(args.elastic_pp)}", flush=True)
+        print(f"> layers: {layer_spec_summary(args.elastic_pp, args.sequence_parallel and args.tensor_model_parallel_size)}", flush=True)
         if args.elastic_pp:
             print(f"> planner: {planner}", flush=True)
         print(f"> data: {corpus}", flush=True)

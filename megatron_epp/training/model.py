@@ -94,13 +94,21 @@ def elastic_base_layer_spec(normalization: str = "LayerNorm") -> ModuleSpec:
     return local_layer_spec(normalization)
 
 
-def layer_spec_summary(elastic: bool) -> str:
-    """One phrase for the start-up line: which layers and softmax this run uses, and why."""
+def layer_spec_summary(elastic: bool, sequence_parallel: int = 0) -> str:
+    """One phrase for the start-up line: which layers and softmax this run uses, and why; with ``sequence_parallel``
+    (the tensor-parallel size under ``--sequence-parallel``, else 0), how the tokens are split."""
     if elastic:
         spec = "local spec + ElasticAttention"
         if transformer_engine_available():
             spec += " (Transformer Engine imports but is not used with --elastic-pp: the elastic layers and the memory model are the local spec's)"
+        if sequence_parallel:
+            spec += (f" | sequence parallel over {sequence_parallel} ranks: each chunk padded at its end to a multiple of "
+                     f"{sequence_parallel} tokens (a segment of its own, loss mask 0; per step in the plan line)")
         return spec
+    return _stock_spec_summary() + (f" | sequence parallel over {sequence_parallel} ranks" if sequence_parallel else "")
+
+
+def _stock_spec_summary() -> str:
     if transformer_engine_available():
         return "Transformer Engine spec"
     why = transformer_engine_unavailable()
