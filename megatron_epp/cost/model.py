@@ -107,7 +107,7 @@ class CostModel:
             logits=m.logits_token * tokens,
             embed=m.embed_token * tokens,
             workspace=m.bwd_workspace * act,
-            p2p_ms=s * self.network.p2p_ms(m.p2p_token * tokens / (p.tp if p.sequence_parallel else 1)),  # SP: a rank's share
+            p2p_ms=s * self.network.p2p_ms(m.p2p_token * tokens),
             tokens=tokens,
         )
 
