@@ -18,6 +18,7 @@ CPU_PATCHES: tuple[Patch, ...] = (
     cpu_devices.P2P,
     cpu_devices.ATTENTION_MASK,
     cpu_devices.GLOBAL_BUFFER,
+    cpu_devices.SEQUENCE_PARALLEL,
     cpu_devices.GRAD_BUFFER,
     cpu_devices.ROTARY,
     cpu_devices.OPTIMIZER,

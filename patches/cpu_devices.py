@@ -17,12 +17,15 @@ from patches._cpu_torch import CpuTorch, tensor_cuda_is_identity, tensor_type_re
 from patches._registry import Patch, replace, require_supported_version, resolve_owner
 
 
-def _module_patch(name: str, module: str, why: str) -> Patch:
-    def apply() -> None:
-        require_supported_version(name, module)
-        replace(module, "torch", CpuTorch())
+def _module_patch(name: str, module: str | tuple[str, ...], why: str) -> Patch:
+    modules = (module,) if isinstance(module, str) else module
 
-    return Patch(name, f"{module} (module-global torch)", why, apply)
+    def apply() -> None:
+        require_supported_version(name, ", ".join(modules))
+        for one in modules:
+            replace(one, "torch", CpuTorch())
+
+    return Patch(name, f"{', '.join(modules)} (module-global torch)", why, apply)
 
 
 def _scoped_patch(
@@ -71,6 +74,13 @@ GRAD_BUFFER = _module_patch(
     "megatron.core.distributed.param_and_grad_buffer",
     "_ParamAndGradBuffer allocates param/grad buffers on torch.cuda.current_device() and bucket "
     "groups use torch.cuda streams.",
+)
+SEQUENCE_PARALLEL = _module_patch(
+    "sequence_parallel_cpu",
+    ("megatron.core.tensor_parallel.mappings", "megatron.core.tensor_parallel.layers"),
+    "sequence parallelism's collectives allocate on torch.cuda.current_device(): _gather_along_first_dim / "
+    "_reduce_scatter_along_first_dim their outputs, LinearWithGradAccumulationAndAsyncCommunication.backward "
+    "the all-gathered input of a sequence-parallel linear.",
 )
 ROTARY = _module_patch(
     "rotary_cpu",

@@ -2,12 +2,15 @@
 
 The reference is stock Megatron-Core (local spec, no EPP) with every whole sequence as its own
 micro-batch in one process. Random plans cover batched, split (1-8 slices) and hybrid chunks,
-1-3 pipelines, pp 1/2/4, dp 2 x pp 2 and tp 2 x pp 2, tied embeddings, RoPE and learned positions:
-38 plans; and a LLaMA-style model (SwiGLU, RMSNorm, grouped-query attention 2:1, no biases, rotary base
-500000) at pp 2 with random recompute: 6 plans.
+1-3 pipelines, pp 1/2/4, dp 2 x pp 2 and tp 2 x pp 2 with ``--sequence-parallel`` (chunks padded to an
+even token count), tied embeddings, RoPE and learned positions: 38 plans; and a LLaMA-style model (SwiGLU,
+RMSNorm, grouped-query attention 2:1, no biases, rotary base 500000) at pp 2 with random recompute: 6
+plans, and at tp 2 with ``--sequence-parallel`` (SwiGLU's fc1 split per rank in both halves): 6 plans.
 Injected faults (prefix K/V dropped, the prefix K/V gradients later slices accumulate dropped, a
 slice's K/V written at the wrong rows of its buffer, slices' backward in forward order, attention
-leaking across packed sequences, query heads reading the wrong K/V group) must each break the match.
+leaking across packed sequences, query heads reading the wrong K/V group; under sequence parallelism the
+norms' gradients not summed over the tensor-parallel ranks, the padding tokens counted in the loss) must
+each break the match.
 
 In bf16 (``Float16Module``) the elastic pipeline is held to a bound derived from bf16's precision
 against the same fp32 reference, on the SDPA path and, where flash-attn runs (CUDA), on the
@@ -22,6 +25,7 @@ import pytest
 import torch
 
 from tests.launch import torchrun
+from tests.workers.grad_dump import tensor_parallel_shard
 
 MODEL = ["--mock-data", "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
          "--seq-length", "64", "--max-position-embeddings", "64"]
@@ -37,29 +41,30 @@ def run(out: Path, nproc: int, mode: str, cases: int, *flags: str, env: dict[str
     return out
 
 
-def load(out: Path, case: int) -> tuple[float, dict[str, torch.Tensor]]:
-    stages = [torch.load(p) for p in sorted(out.glob(f"case{case}_stage*.pt"))]
+def load(out: Path, case: int, fault: str = "") -> tuple[float, dict[str, torch.Tensor]]:
+    stages = [torch.load(p) for p in sorted(out.glob(f"{fault + '_' if fault else ''}case{case}_stage*.pt"))]
     grads: dict[str, torch.Tensor] = {}
     for stage in reversed(stages):  # the first stage's (all-reduced) tied embedding wins
         grads.update(stage["grads"])
     return stages[-1]["loss"], grads
 
 
-def tensor_parallel_shard(full: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
+def rank0_shard(full: torch.Tensor, shard: torch.Tensor, name: str, gated: bool) -> torch.Tensor:
     """The slice of a full gradient that tensor-parallel rank 0 holds (same tensor without TP)."""
     for dim, (n, m) in enumerate(zip(full.shape, shard.shape)):
         if n != m:
-            return full.chunk(n // m, dim)[0]
+            return tensor_parallel_shard(full, name, dim, 0, n // m, gated)
     return full
 
 
-def worst_mismatch(reference: Path, elastic: Path, case: int) -> float:
-    (ref_loss, ref), (loss, grads) = load(reference, case), load(elastic, case)
+def worst_mismatch(reference: Path, elastic: Path, case: int, fault: str = "", gated: bool = False) -> float:
+    """The largest relative difference, loss or any gradient (``gated``: the models are SwiGLU)."""
+    (ref_loss, ref), (loss, grads) = load(reference, case), load(elastic, case, fault)
     assert grads.keys() == ref.keys()
     loss_rel = abs(loss - ref_loss) / abs(ref_loss)
     diffs = []
     for name, full in ref.items():
-        g = tensor_parallel_shard(full, grads[name])
+        g = rank0_shard(full, grads[name], name, gated)
         diffs.append(float((grads[name] - g).norm() / g.norm().clamp_min(1e-12)))
     return max([loss_rel] + diffs)
 
@@ -73,14 +78,16 @@ def references(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.mark.parametrize(
-    "nproc, pp, tp, cases, position",
-    [(1, 1, 1, 8, "rope"), (2, 2, 1, 8, "rope"), (4, 4, 1, 6, "rope"), (4, 2, 1, 6, "rope"),
-     (4, 2, 2, 4, "rope"), (2, 2, 1, 6, "learned_absolute")],
-    ids=["pp1", "pp2", "pp4", "dp2xpp2", "tp2xpp2", "pp2-learned"],
+    "nproc, pp, tp, cases, position, flags",
+    [(1, 1, 1, 8, "rope", []), (2, 2, 1, 8, "rope", []), (4, 4, 1, 6, "rope", []), (4, 2, 1, 6, "rope", []),
+     (4, 2, 2, 4, "rope", ["--sequence-parallel"]), (2, 2, 1, 6, "learned_absolute", [])],
+    ids=["pp1", "pp2", "pp4", "dp2xpp2", "tp2xpp2-sp", "pp2-learned"],
 )
-def test_random_plans_match_reference(tmp_path, references, nproc, pp, tp, cases, position):
+def test_random_plans_match_reference(tmp_path, references, nproc, pp, tp, cases, position, flags):
+    """tp 2 x pp 2 runs with ``--sequence-parallel``: stage-to-stage tensors of ``[tokens / 2, 1, h]``, chunks
+    of an odd token count padded by one token."""
     elastic = run(tmp_path / "elastic", nproc, "elastic", cases, "--pipeline-model-parallel-size", str(pp),
-                  "--tensor-model-parallel-size", str(tp), "--position-embedding-type", position)
+                  "--tensor-model-parallel-size", str(tp), "--position-embedding-type", position, *flags)
     for case in range(cases):
         assert worst_mismatch(references[position], elastic, case) < 1e-5, f"case {case}"
 
@@ -92,6 +99,22 @@ def test_llama_style_random_plans_match_reference(tmp_path, references):
     elastic = run(tmp_path / "llama", 2, "elastic", cases, "--pipeline-model-parallel-size", "2", "--random-recompute", *LLAMA)
     for case in range(cases):
         assert worst_mismatch(references["llama"], elastic, case) < 1e-5, f"case {case}"
+
+
+def test_sequence_parallel_llama_style_random_plans_match_reference(tmp_path, references):
+    """tp 2 with ``--sequence-parallel``, LLaMA-style: SwiGLU under tensor parallelism (each rank holds its share
+    of both halves of fc1, set and compared as such), RMSNorm as ``TorchNorm``, grouped-query attention with one
+    K/V head per rank; random plans whose chunks of an odd token count are padded by one token (checked: some
+    are). In the same launch, the first cases again under each fault, which must break the match: the norms'
+    gradients not summed over the tensor-parallel ranks, the padding tokens counted in the loss."""
+    cases, faulty = 6, 2
+    elastic = run(tmp_path / "sp", 2, "elastic", cases, "--tensor-model-parallel-size", "2", "--sequence-parallel",
+                  "--sp-fault-cases", str(faulty), *LLAMA)
+    assert sum(torch.load(p)["padding"] for p in elastic.glob("case*_stage0.pt")) > 0
+    for case in range(cases):
+        assert worst_mismatch(references["llama"], elastic, case, gated=True) < 1e-5, f"case {case}"
+    for fault in ("sp_norm_grads_not_reduced", "sp_padding_in_loss"):
+        assert max(worst_mismatch(references["llama"], elastic, c, fault, gated=True) for c in range(faulty)) > 1e-2, fault
 
 
 def test_llama_style_wrong_kv_heads_break_the_match(tmp_path, references):

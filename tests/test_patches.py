@@ -11,7 +11,9 @@ from tests.launch import torchrun
 TINY = ["pretrain_gpt.py", "--mock-data", "--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2",
         "--seq-length", "16", "--global-batch-size", "4", "--micro-batch-size", "2", "--train-iters", "1",
         "--pipeline-model-parallel-size", "2"]
-SCENARIO_FLAGS = {"bf16_optimizer_type_check": ["--bf16"], "distributed_optimizer_type_check": ["--use-distributed-optimizer"]}
+SCENARIO_FLAGS = {"bf16_optimizer_type_check": ["--bf16"], "distributed_optimizer_type_check": ["--use-distributed-optimizer"],
+                  "sequence_parallel_cpu": ["--pipeline-model-parallel-size", "1", "--tensor-model-parallel-size", "2",
+                                            "--sequence-parallel", "--vocab-size", "64"]}
 NEEDS_CHECKPOINT = {"checkpoint_writer_cpu", "checkpoint_saver_cpu"}
 
 

@@ -54,3 +54,14 @@ def chunk_features(chunks: Sequence[Chunk]) -> np.ndarray:
     np.add.at(feats, owner, segment_features(lengths, contexts))
     feats[:, F.CHUNKS] = 1.0
     return feats
+
+
+def padded_features(feats: np.ndarray, multiple: int) -> np.ndarray:
+    """``feats`` of chunks each padded at its end to a multiple of ``multiple`` tokens, the padding a segment of
+    its own without prefix (what the executor runs under sequence parallelism: ``ChunkLayout.build``)."""
+    pad = -feats[:, F.S] % multiple
+    out = feats.copy()
+    out[:, F.SQ] += pad * pad
+    out[:, F.S] += pad
+    out[:, F.SEGMENTS] += pad > 0
+    return out

@@ -12,7 +12,7 @@ from typing import Sequence
 import numpy as np
 
 from megatron_epp.plan import split_layers
-from megatron_epp.cost.features import F
+from megatron_epp.cost.features import F, padded_features
 from megatron_epp.cost.network import NETWORKS, Network
 from megatron_epp.cost.profiles import Profile, StageOverhead, TimeCoeffs, shape_memory, shape_time
 
@@ -78,7 +78,13 @@ class CostModel:
         return self.speed_factor * ((p.fwd.vector() + p.bwd.vector()) * self.layers.sum() + p.head_fwd.vector() + p.head_bwd.vector())
 
     def costs(self, feats: np.ndarray) -> ChunkCosts:
+        """Time and memory of chunks of features ``feats``; under sequence parallelism each chunk padded to a
+        multiple of ``tp`` tokens (time and activations count the padding; a split sequence's K/V buffer holds
+        only its own tokens)."""
         p, m, s = self.profile, self.profile.memory, self.speed_factor
+        own_tokens = feats[:, F.S]
+        if p.sequence_parallel:
+            feats = padded_features(feats, p.tp)
         L = self.layers[:, None].astype(float)
         last = (np.arange(self.num_stages) == self.num_stages - 1)[:, None]
         tokens = feats[:, F.S]
@@ -96,7 +102,7 @@ class CostModel:
             rc_input=m.recompute_input_token * tokens,
             # which chunks are slices (a first slice has the features of a whole sequence) is the plan's
             # to say: the memory walk applies kv_layer and lone_layer to the slices of split sequences
-            kv_layer=m.kv_token * np.where(context > 0, slice_tokens, tokens),
+            kv_layer=m.kv_token * np.where(context > 0, slice_tokens, own_tokens),
             lone_layer=np.where(feats[:, F.SEGMENTS] == 1, m.lone_slice_token * tokens, 0.0),
             logits=m.logits_token * tokens,
             embed=m.embed_token * tokens,

@@ -236,6 +236,10 @@ class Profile:
     # profile placed on another shape (``replace(profile, model=...)``) keeps it, and
     # :func:`shape_time` rescales the coefficients from it to ``model``.
     time_model: ModelShape | None = None
+    # Megatron's sequence parallelism at ``tp`` > 1 (``--sequence-parallel``): the activations outside attention are
+    # split over the tensor-parallel ranks, and every chunk is padded to a multiple of ``tp`` tokens
+    # (``CostModel.costs``); counted by the ``saved-tensors`` derivation
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.time_model is None:
@@ -263,6 +267,7 @@ class Profile:
             fit=dict(d.get("fit", {})),
             overhead=StageOverhead(**d["overhead"]) if "overhead" in d else StageOverhead(),
             time_model=ModelShape(**d["time_model"]) if d.get("time_model") else None,
+            sequence_parallel=bool(d.get("sequence_parallel", False)),
             **tc,
         )
 
@@ -364,7 +369,7 @@ def gpu_activation_memory(shape: ModelShape, tp: int) -> dict[str, float]:
     }
 
 
-def saved_tensor_memory(shape: ModelShape, tp: int = 1) -> dict[str, float]:
+def saved_tensor_memory(shape: ModelShape, tp: int = 1, sequence_parallel: bool = False) -> dict[str, float]:
     """Bytes autograd saves for backward, counted tensor by tensor (deduplicated by storage, as
     :class:`~megatron_epp.executor.memory_tracker.ActivationMemoryTracker` counts them), for one
     Megatron-Core local-spec layer with :class:`ElasticAttention` on the SDPA-masked path (CPU),
@@ -397,34 +402,43 @@ def saved_tensor_memory(shape: ModelShape, tp: int = 1) -> dict[str, float]:
     RoPE the query is a view of the QKV output, which stays saved). A checkpointed layer keeps its input
     (``b h``). The last stage keeps the final norm (as above), the output layer's input (``b h``), the
     fp32 softmax of the logits (``4 V``), the loss's target mask and indices (1 + 8) and the loss mask
-    (4); the first stage the token ids (8; and position ids, 8, with learned positions). Measured by
+    (4); the first stage the token ids (8; and position ids, 8, with learned positions; at tp > 1 the ids
+    shifted to the rank's vocabulary share and the boolean mask of the ids outside it, 8 + 1). Measured by
     ``tests/test_planner_memory.py`` against the tracker on real chunks, fp32 and bf16, GPT- and
-    LLaMA-style.
+    LLaMA-style, and at tp 2 with sequence parallelism.
+
+    With ``sequence_parallel`` each tensor-parallel rank holds ``1 / tp`` of a chunk's tokens outside attention:
+    the norms' saved tensors, the QKV and fc1 inputs (megatron-core's sequence-parallel linear saves its input
+    shard and all-gathers it again in backward), a checkpointed layer's input, the final norm's and the output
+    layer's inputs and RMSNorm's recompute copy are divided by ``tp``; attention and the MLP's activations are
+    over the whole (gathered) chunk with ``heads / tp`` and ``ffn / tp`` as without it; the ids, the loss's
+    targets and mask are whole on every rank. The counts are per token of the padded chunk (``CostModel.costs``).
     """
     if shape.dtype not in DTYPE_BYTES:
         raise ValueError(f"saved_tensor_memory: activations of dtype {shape.dtype} are not counted (known: {', '.join(DTYPE_BYTES)})")
     if shape.normalization not in NORM_SAVED:
         raise ValueError(f"saved_tensor_memory: normalization {shape.normalization} is not counted (known: {', '.join(NORM_SAVED)})")
     b = float(DTYPE_BYTES[shape.dtype])
+    sp = tp if sequence_parallel else 1  # the share of a chunk's tokens a rank holds outside attention
     H = shape.hidden  # norm inputs and outputs are whole on every tensor-parallel rank
     q, kv, heads, f, d = shape.q_hidden / tp, shape.kv_hidden / tp, shape.num_heads / tp, shape.ffn_hidden / tp, shape.head_dim
-    norm = NORM_SAVED[shape.normalization](b, H)
+    norm = NORM_SAVED[shape.normalization](b, H) / sp
     qkv = b * (q + 2 * kv)
     attn_views = (4 * b * d + b * q + b * kv + qkv) if shape.rope else qkv  # RoPE's cos/sin, q, k; the QKV output
     per_token = (
         2 * norm  # the two norms
-        + 2 * b * H  # QKV linear and fc1 inputs
+        + 2 * b * H / sp  # QKV linear and fc1 inputs
         + attn_views + b * q + 4 * heads  # + SDPA output and logsumexp
         + b * q  # output projection input
         + (5 if shape.swiglu else 2) * b * f  # the MLP's activation and fc2 inputs
     )
     return {
         "act_token": per_token, "act_area": b, "act_context": 0.0, "act_slice": 0.0,
-        "lone_slice_token": b * kv + qkv if shape.rope else 0.0, "ckpt_token": b * H, "kv_token": 2 * b * kv,
-        "logits_token": norm + b * H + 4 * shape.vocab / tp + 13, "embed_token": 8.0 if shape.rope else 16.0,
+        "lone_slice_token": b * kv + qkv if shape.rope else 0.0, "ckpt_token": b * H / sp, "kv_token": 2 * b * kv,
+        "logits_token": norm + b * H / sp + 4 * shape.vocab / tp + 13, "embed_token": (8.0 if shape.rope else 16.0) + (tp > 1),
         "bwd_workspace": 0.0,
         # the recomputed layer's first norm saves its input itself, except RMSNorm's fp32 copy of a bf16 input
-        "recompute_input_token": b * H if shape.normalization == "RMSNorm" and b != 4 else 0.0,
+        "recompute_input_token": b * H / sp if shape.normalization == "RMSNorm" and b != 4 else 0.0,
     }
 
 
@@ -447,7 +461,8 @@ def shape_memory(profile: Profile) -> Profile:
         return profile
     if derive not in _DERIVATIONS:
         raise ValueError(f"unknown memory derivation {derive!r} (known: {', '.join(_DERIVATIONS)})")
-    return replace(profile, memory=replace(profile.memory, **_DERIVATIONS[derive](profile.model, profile.tp)))
+    sp = {"sequence_parallel": profile.sequence_parallel} if derive == "saved-tensors" else {}  # megatron-gpu assumes it
+    return replace(profile, memory=replace(profile.memory, **_DERIVATIONS[derive](profile.model, profile.tp, **sp)))
 
 
 def time_scale_factors(ref: ModelShape, shape: ModelShape) -> dict[str, float]:

@@ -9,7 +9,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from megatron_epp.executor.context import ChunkContext, ChunkLayout, to_device
+from megatron_epp.executor.context import ChunkContext, ChunkLayout, padding_tokens, to_device
 from megatron_epp.plan import Plan
 
 Batch = dict[str, torch.Tensor]
@@ -24,19 +24,23 @@ def per_token_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> tupl
     return loss, count.int(), {"lm loss": torch.stack([loss.detach(), count.detach()])}
 
 
-def chunk_batches(plan: Plan, sequences: Sequence[TokensAndLabels] | None, device: torch.device) -> Iterator[Batch]:
+def chunk_batches(plan: Plan, sequences: Sequence[TokensAndLabels] | None, device: torch.device, multiple: int = 1) -> Iterator[Batch]:
     """One batch ``[1, tokens]`` per chunk in forward order; empty dicts where the stage has no data.
-    ``sequences``: CPU tensors (on CUDA the batches go from pinned memory without blocking)."""
+    ``sequences``: CPU tensors (on CUDA the batches go from pinned memory without blocking). ``multiple``: as
+    ``ChunkLayout.build``'s; the padding tokens are token 0 with label 0 and loss mask 0."""
     for chunk in plan.chunks():
         if sequences is None:
             yield {}
             continue
-        tokens = torch.cat([sequences[s.seq][0][s.start : s.end] for s in chunk.segments])
-        labels = torch.cat([sequences[s.seq][1][s.start : s.end] for s in chunk.segments])
+        pad = torch.zeros(padding_tokens(chunk.num_tokens, multiple), dtype=sequences[0][0].dtype)
+        tokens = torch.cat([sequences[s.seq][0][s.start : s.end] for s in chunk.segments] + [pad])
+        labels = torch.cat([sequences[s.seq][1][s.start : s.end] for s in chunk.segments] + [pad])
+        loss_mask = torch.ones(1, tokens.numel())
+        loss_mask[:, chunk.num_tokens :] = 0
         yield {
             "tokens": to_device(tokens[None], device),
             "labels": to_device(labels[None], device),
-            "loss_mask": to_device(torch.ones(1, tokens.numel()), device),
+            "loss_mask": to_device(loss_mask, device),
         }
 
 
@@ -53,13 +57,16 @@ class StepInputs:
     batches: list[Batch]  # one per chunk in forward order (the data iterator's items)
 
 
-def prepare_step(plan: Plan, stage: int, sequences: Sequence[TokensAndLabels] | None, device: torch.device) -> StepInputs:
-    """``stage``'s :class:`StepInputs` for ``plan`` on ``device``."""
+def prepare_step(plan: Plan, stage: int, sequences: Sequence[TokensAndLabels] | None, device: torch.device,
+                 multiple: int = 1) -> StepInputs:
+    """``stage``'s :class:`StepInputs` for ``plan`` on ``device``, every chunk padded to a multiple of
+    ``multiple`` tokens (``token_multiple(config)``: sequence parallelism)."""
     layouts = [
-        [ChunkLayout.build(c, plan.seq_lengths, device, recompute=count) for c, count in zip(pipe.chunks, pipe.recompute[stage])]
+        [ChunkLayout.build(c, plan.seq_lengths, device, recompute=count, multiple=multiple)
+         for c, count in zip(pipe.chunks, pipe.recompute[stage])]
         for pipe in plan.pipelines
     ]
-    return StepInputs(plan, stage, layouts, list(chunk_batches(plan, sequences, device)))
+    return StepInputs(plan, stage, layouts, list(chunk_batches(plan, sequences, device, multiple)))
 
 
 def elastic_gpt_forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module):

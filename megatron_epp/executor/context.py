@@ -82,6 +82,12 @@ class ChunkLayout:
     device: torch.device
     recompute: int = 0  # layers of this stage that recompute this chunk (the stage's first ones)
     max_position: int = 0  # the largest of position_ids, known on the host (RoPE's table length without a sync)
+    padding: int = 0  # tokens after the chunk's own, a segment of their own (sequence parallelism: see ``build``)
+
+    @property
+    def num_tokens(self) -> int:
+        """The chunk's tokens as the layers see them: its own plus the padding."""
+        return self.chunk.num_tokens + self.padding
 
     @property
     def split_seq(self) -> int | None:
@@ -109,24 +115,44 @@ class ChunkLayout:
         return varlen_seqlens(self.bounds, self.split_index, self.context, self.device)
 
     @classmethod
-    def build(cls, chunk: Chunk, seq_lengths: list[int], device: torch.device, recompute: int = 0) -> "ChunkLayout":
+    def build(cls, chunk: Chunk, seq_lengths: list[int], device: torch.device, recompute: int = 0, multiple: int = 1) -> "ChunkLayout":
         """The layout of ``chunk`` from the plan alone (host work: no device sync; on CUDA the
-        positions go from pinned memory without blocking)."""
+        positions go from pinned memory without blocking).
+
+        ``multiple``: the token count the layers see must be a multiple of it (the tensor-parallel size under
+        sequence parallelism, which splits every chunk's tokens evenly over the tensor-parallel ranks). The chunk
+        is then padded at its end with ``padding_tokens(n, multiple)`` tokens as a segment of their own (positions
+        from 0): they attend only to each other and come after every real token, so no real token attends to them;
+        their loss mask is 0 (``chunk_batches``), so they change neither the loss nor any gradient."""
         cu = chunk.cu_seqlens()
+        padding = padding_tokens(cu[-1], multiple)
         split = next((i for i, s in enumerate(chunk.segments) if s.length != seq_lengths[s.seq]), None)
         segment = chunk.segments[split] if split is not None else None
-        positions = np.concatenate([np.arange(s.start, s.end, dtype=np.int64) for s in chunk.segments])
+        positions = np.concatenate([np.arange(s.start, s.end, dtype=np.int64) for s in chunk.segments] + [np.arange(padding)])
+        bounds = list(zip(cu[:-1], cu[1:])) + ([(cu[-1], cu[-1] + padding)] if padding else [])
         return cls(
             chunk=chunk,
             position_ids=to_device(torch.from_numpy(positions), device),
-            bounds=list(zip(cu[:-1], cu[1:])),
+            bounds=bounds,
             split_index=split,
             context=segment.start if segment is not None else 0,
             seq_length=seq_lengths[segment.seq] if segment is not None else 0,
             device=torch.device(device),
             recompute=recompute,
-            max_position=max(s.end for s in chunk.segments) - 1,
+            max_position=max(max(s.end for s in chunk.segments), padding) - 1,
+            padding=padding,
         )
+
+
+def padding_tokens(tokens: int, multiple: int) -> int:
+    """Tokens to add to a chunk of ``tokens`` to make it a multiple of ``multiple``."""
+    return -tokens % multiple
+
+
+def token_multiple(config) -> int:
+    """What every chunk's token count must be a multiple of for a model of ``config`` (a ``TransformerConfig``):
+    the tensor-parallel size under sequence parallelism, else 1."""
+    return config.tensor_model_parallel_size if config.sequence_parallel else 1
 
 
 def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:

@@ -3,8 +3,9 @@
 The op order per stage comes from :mod:`megatron_epp.plan.order` (warm-up
 ``P - p - 1 + K_max - 1``, then one forward / one backward, then cool-down). Compute and
 communication reuse megatron-core's ``forward_step`` / ``backward_step`` and ``P2PCommunicator``;
-each transfer carries the chunk's own shape ``[tokens, 1, hidden]``, known to both sides from the
-plan, so no shape handshake is needed. Pipelines (sequence groups) run one after another with
+each transfer carries the chunk's own shape ``[tokens, 1, hidden]`` (under sequence parallelism
+``[tokens / tp, 1, hidden]``, the chunk padded to a multiple of tp: ``ChunkLayout.build``), known to
+both sides from the plan, so no shape handshake is needed. Pipelines (sequence groups) run one after another with
 gradient accumulation; gradients are reduced once per step (``finalize_model_grads``) and divided by
 the global batch's token count, so the loss and gradients equal non-pipelined training.
 """
@@ -20,7 +21,7 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.pipeline_parallel.schedules import backward_step, deallocate_output_tensor, forward_step
 from megatron.core.utils import get_model_config, get_model_type
 
-from megatron_epp.executor.context import ChunkContext, ChunkLayout
+from megatron_epp.executor.context import ChunkContext, ChunkLayout, token_multiple
 from megatron_epp.plan import Pipeline, Plan
 from megatron_epp.plan.order import Op, stage_ops
 
@@ -66,8 +67,9 @@ def forward_backward_elastic(
     chunk's layout (positions, packing, prefix) is set on every stage around each of its forwards and
     backwards, in the model's chunk context (``ChunkContext.of(model)``). ``layouts``
     (``[pipeline][chunk]``, this stage's, e.g. ``prepare_step(...).layouts`` built ahead) or, if None,
-    built here from the plan. If the step raises, the context is left with no current chunk and no
-    kept K/V.
+    built here from the plan; under sequence parallelism every layout's token count must be a multiple of the
+    tensor-parallel size (``ChunkLayout.build(..., multiple=token_multiple(config))`` pads it). If the step
+    raises, the context is left with no current chunk and no kept K/V.
     Returns the last stage's per-chunk loss dicts.
     """
     model = model[0] if isinstance(model, list) else model
@@ -81,6 +83,10 @@ def forward_backward_elastic(
     if plan.num_stages != pp_group.size():
         raise ValueError(f"plan is for {plan.num_stages} stages, the pipeline has {pp_group.size()}")
     config = get_model_config(model)
+    multiple = token_multiple(config)
+    if layouts is not None and any(layout.num_tokens % multiple for pipe in layouts for layout in pipe):
+        raise ValueError(f"sequence parallelism splits every chunk over {multiple} tensor-parallel ranks: build the "
+                         f"layouts with multiple={multiple} (ChunkLayout.build pads each chunk)")
     comm = p2p_communicator or P2PCommunicator(pp_group=pp_group, config=config)
     context = ChunkContext.of(model)
     runner = _StageRunner(forward_step_func, data_iterator, model, context, config, comm, plan, forward_only, collect_non_loss_data)
@@ -116,12 +122,13 @@ class _StageRunner:
         self.losses: list[dict[str, torch.Tensor]] = []
         self.microbatch = 0
         self.num_chunks = sum(len(p.chunks) for p in plan.pipelines)
+        self.multiple = token_multiple(config)  # sequence parallelism: each rank holds 1/tp of a chunk's tokens
 
-    def shape(self, pipe: Pipeline, pos: int) -> list[tuple[int, int, int]]:
-        return [(pipe.chunks[pos].num_tokens, 1, self.config.hidden_size)]
+    def shape(self, layouts: Sequence[ChunkLayout], pos: int) -> list[tuple[int, int, int]]:
+        return [(layouts[pos].num_tokens // self.multiple, 1, self.config.hidden_size)]
 
     def build_layouts(self, pipe: Pipeline) -> list[ChunkLayout]:
-        return [ChunkLayout.build(c, self.plan.seq_lengths, self.device, recompute=count)
+        return [ChunkLayout.build(c, self.plan.seq_lengths, self.device, recompute=count, multiple=self.multiple)
                 for c, count in zip(pipe.chunks, pipe.recompute[self.stage])]
 
     def run(self, pipe: Pipeline, layouts: Sequence[ChunkLayout], on_last_backward: Callable[[], None] | None) -> None:
@@ -130,13 +137,13 @@ class _StageRunner:
         last_backward = max((i for i, op in enumerate(ops) if op.kind == "B"), default=None)
         # Each op receives its input just before it runs and sends its result right after, fused with
         # the next op's receive where 1F1B pairs them (send F -> recv B, send B -> recv F).
-        incoming = self._receive(pipe, ops[0])
+        incoming = self._receive(layouts, ops[0])
         for i, op in enumerate(ops):
             nxt = ops[i + 1] if i + 1 < len(ops) else None
             if op.kind == "F":
                 with self.context.running(layouts[op.pos]):
                     input_tensor, output = incoming, self._forward(incoming, op.pos)
-                incoming = self._send_then_receive("F", output, pipe, nxt)
+                incoming = self._send_then_receive("F", output, layouts, nxt)
                 if not self.forward_only:
                     saved[op.pos] = (input_tensor, output)
                     deallocate_output_tensor(output[0], self.config.deallocate_pipeline_outputs)
@@ -146,7 +153,7 @@ class _StageRunner:
                 input_tensor, output = saved.pop(op.pos)
                 with self.context.running(layouts[op.pos]):
                     grad = backward_step(input_tensor, output, incoming, self.model_type, self.config)
-                incoming = self._send_then_receive("B", grad, pipe, nxt)
+                incoming = self._send_then_receive("B", grad, layouts, nxt)
 
     def _forward(self, input_tensor, pos: int):
         output, num_tokens = forward_step(
@@ -158,21 +165,21 @@ class _StageRunner:
         self.total_tokens += num_tokens
         return output
 
-    def _receive(self, pipe: Pipeline, op: Op | None):
+    def _receive(self, layouts: Sequence[ChunkLayout], op: Op | None):
         if op is None:
             return None
         if op.kind == "F":
-            return self.comm.recv_forward(self.shape(pipe, op.pos), self.first)
-        return self.comm.recv_backward(self.shape(pipe, op.pos), self.last)
+            return self.comm.recv_forward(self.shape(layouts, op.pos), self.first)
+        return self.comm.recv_backward(self.shape(layouts, op.pos), self.last)
 
-    def _send_then_receive(self, kind: str, tensor, pipe: Pipeline, nxt: Op | None):
+    def _send_then_receive(self, kind: str, tensor, layouts: Sequence[ChunkLayout], nxt: Op | None):
         """Send a forward output / input grad, and receive what the next op needs (fused when 1F1B pairs them)."""
         if kind == "F":
             if nxt is not None and nxt.kind == "B":
-                return self.comm.send_forward_recv_backward(tensor, self.shape(pipe, nxt.pos), self.last)
+                return self.comm.send_forward_recv_backward(tensor, self.shape(layouts, nxt.pos), self.last)
             self.comm.send_forward(tensor, self.last)
         else:
             if nxt is not None and nxt.kind == "F":
-                return self.comm.send_backward_recv_forward(tensor, self.shape(pipe, nxt.pos), self.first)
+                return self.comm.send_backward_recv_forward(tensor, self.shape(layouts, nxt.pos), self.first)
             self.comm.send_backward(tensor, self.first)
-        return self._receive(pipe, nxt)
+        return self._receive(layouts, nxt)

@@ -65,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="not supported: EPP splits long sequences along the pipeline instead")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="Megatron's sequence parallelism: activations outside attention split along the sequence over "
-                   "the tensor-parallel ranks (needs --tensor-model-parallel-size > 1; not yet with --elastic-pp)")
+                   "the tensor-parallel ranks (needs --tensor-model-parallel-size > 1; with --elastic-pp each chunk is padded to a "
+                   "multiple of it)")
     g.add_argument("--use-distributed-optimizer", action="store_true",
                    help="shard the optimizer states (and fp32 main params) over the data-parallel ranks (ZeRO-1)")
     g.add_argument("--overlap-grad-reduce", action="store_true",
@@ -196,6 +197,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if args.sequence_parallel and tp == 1:
         raise ArgumentError("--sequence-parallel needs --tensor-model-parallel-size > 1 (it splits the sequence over the "
                             "tensor-parallel ranks; Megatron would silently turn it off at tp 1)")
+    if args.sequence_parallel and not args.elastic_pp and args.seq_length % tp:
+        raise ArgumentError(f"--sequence-parallel: --seq-length {args.seq_length} is not divisible by "
+                            f"--tensor-model-parallel-size {tp} (each rank holds an equal share of every sample)")
     if args.ddp_bucket_size is not None and not args.overlap_grad_reduce:
         raise ArgumentError("--ddp-bucket-size applies only with --overlap-grad-reduce (without it DDP reduces all "
                             "gradients in one bucket after the backward)")
@@ -367,10 +371,6 @@ def validate_elastic_args(args: argparse.Namespace, world_size: int) -> None:
         if given:
             raise ArgumentError(f"--{given[0].replace('_', '-')} needs --elastic-pp")
         return
-    if args.sequence_parallel:
-        raise ArgumentError("--sequence-parallel with --elastic-pp is not supported yet (elastic chunks of any token "
-                            "count would need padding to a multiple of --tensor-model-parallel-size); drop it, or "
-                            "train without --elastic-pp")
     if args.recompute_granularity is not None:
         raise ArgumentError("--recompute-granularity does not apply with --elastic-pp (the plan decides recompute per chunk)")
     if args.micro_batch_size != 1:

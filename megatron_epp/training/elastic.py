@@ -15,6 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
+from megatron.core.utils import get_model_config
 
 from megatron_epp.cost.features import chunk_features
 from megatron_epp.cost.model import CostModel
@@ -23,7 +24,7 @@ from megatron_epp.data.blend import blended_documents
 from megatron_epp.data.mock_documents import MockDocuments, lognormal_lengths
 from megatron_epp.data.sequence_sampler import SequenceSampler
 from megatron_epp.executor.batches import elastic_gpt_forward_step, prepare_step
-from megatron_epp.executor.context import ChunkContext
+from megatron_epp.executor.context import ChunkContext, token_multiple
 from megatron_epp.executor.memory_tracker import ActivationMemoryTracker
 from megatron_epp.executor.schedule import forward_backward_elastic
 from megatron_epp.plan import Plan, PlanInfeasible
@@ -49,7 +50,8 @@ class PlanBuilder:
         shape = model_shape(args, profile.model.name)
         memory = dataclasses.replace(profile.memory, **megatron_model_state(shape.dtype, args.use_distributed_optimizer))
         self.cost_model = CostModel(
-            dataclasses.replace(profile, model=shape, memory=memory, tp=args.tensor_model_parallel_size),
+            dataclasses.replace(profile, model=shape, memory=memory, tp=args.tensor_model_parallel_size,
+                                sequence_parallel=args.sequence_parallel),
             args.pipeline_model_parallel_size, dp=args.data_parallel_size,
         )
         self.calibrate_interval = args.epp_calibrate_interval
@@ -204,7 +206,8 @@ class ElasticTrainStep:
 
     def _prepare(self, batch, plan: Plan, timing):
         tensors = [(torch.from_numpy(s.tokens), torch.from_numpy(s.labels)) for s in batch.sequences(self.runtime.dp_rank)]
-        return batch, plan, timing, prepare_step(plan, self.runtime.pp_rank, tensors, self.runtime.device)
+        return batch, plan, timing, prepare_step(plan, self.runtime.pp_rank, tensors, self.runtime.device,
+                                                 token_multiple(get_model_config(self.model)))
 
     def __call__(self, forward_only: bool) -> tuple[list[dict[str, torch.Tensor]], np.ndarray]:
         if self.ready is None:
@@ -233,6 +236,7 @@ class ElasticTrainStep:
             None if memory is None else plan.stats.predicted_activation_bytes,
             None if memory is None else self._gather_stages(memory.peak_bytes),
             planning_overlap_ms=self.overlap_ms,
+            padding_tokens=sum(layout.padding for pipe in inputs.layouts for layout in pipe),
         )
         return losses, batch.seq_lengths
 

@@ -21,7 +21,7 @@ from megatron_epp.training.gpt_step import gpt_forward_step, microbatches
 from megatron_epp.training.layout_search import driver_layout_search
 from megatron_epp.training.initialize import gpu_count, gpu_oversubscription, initialize, local_world_size, shutdown
 from megatron_epp.training.loop import build_optimizer, megatron_step, train
-from megatron_epp.training.model import architecture_summary, build_model, layer_spec_summary, transformer_engine_unavailable
+from megatron_epp.training.model import architecture_summary, build_model, layer_spec_summary
 
 
 def build_samples(args: argparse.Namespace, split: str):
@@ -58,9 +58,6 @@ def main(argv: Sequence[str] | argparse.Namespace | None = None) -> int:
         why = gpu_oversubscription(local_world_size(), gpu_count())
         if why:
             raise ArgumentError(why)
-        if args.sequence_parallel and (why := transformer_engine_unavailable()):
-            raise ArgumentError(f"--sequence-parallel needs Transformer Engine's layers ({why}): megatron-core's local "
-                                "spec (torch LayerNorm) refuses sequence parallelism")
         corpus = check_corpus(args)
         if args.epp_search_layout:
             print("\n".join(driver_layout_search(args, world_size_from_env())), flush=True)
@@ -100,7 +97,7 @@ def main(argv: Sequence[str] | argparse.Namespace | None = None) -> int:
             flush=True,
         )
         print(f"> architecture: {architecture_summary(args)}", flush=True)
-        print(f"> layers: {layer_spec_summary(args.elastic_pp)}", flush=True)
+        print(f"> layers: {layer_spec_summary(args.elastic_pp, args.sequence_parallel and args.tensor_model_parallel_size)}", flush=True)
         if args.elastic_pp:
             print(f"> planner: {planner}", flush=True)
         print(f"> data: {corpus}", flush=True)

@@ -35,13 +35,14 @@ class ElasticMetrics:
     # the planner's time (planning the next step, in a thread on the planning rank's core) inside this step's
     # forward_backward_elastic span on that rank: the time model does not count it
     planning_overlap_ms: float | None = None
+    padding_tokens: int = 0  # --sequence-parallel: tokens added to the step's chunks (each to a multiple of tp)
 
     def scalars(self) -> dict[str, float]:
         """The plan's statistics as named scalars (TensorBoard, wandb)."""
         out = {f"plan/chunks {kind}": float(n) for kind, n in self.num_chunks.items()}
         out.update({"plan/pipelines": float(self.num_pipelines), "plan/recomputed layers": float(self.recomputed_layers),
                     "plan/planning ms": self.planning_ms, "plan/planning exposed ms": self.planning_wait_ms,
-                    "plan/measured ms": self.measured_ms})
+                    "plan/measured ms": self.measured_ms, "plan/padding tokens": float(self.padding_tokens)})
         if self.predicted_step_ms is not None:
             out["plan/predicted ms"] = self.predicted_step_ms
         for name, per_stage in (("predicted", self.predicted_activation_bytes), ("measured", self.measured_activation_bytes)):
@@ -51,7 +52,8 @@ class ElasticMetrics:
 
     def line(self) -> str:
         hidden = "hidden" if self.planning_wait_ms < 1.0 else f"exposed {self.planning_wait_ms:.1f} ms"
-        text = f"{self.plan} | planning ms: {self.planning_ms:.1f} ({hidden}) | "
+        text = f"{self.plan} | " + (f"SP padding: {self.padding_tokens} tokens | " if self.padding_tokens else "")
+        text += f"planning ms: {self.planning_ms:.1f} ({hidden}) | "
         if self.predicted_step_ms is not None:
             text += f"predicted ms: {self.predicted_step_ms:.1f} | "
         text += f"measured ms: {self.measured_ms:.1f}"

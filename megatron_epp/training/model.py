@@ -4,6 +4,7 @@ Megatron-Core's DDP wrapper; which optional GPU kernels (Transformer Engine, fus
 from __future__ import annotations
 
 import argparse
+import copy
 
 import torch
 import torch.nn.functional as F
@@ -13,6 +14,8 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.torch_norm import WrappedTorchNorm
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
 from megatron_epp.cost.profiles import ModelShape
 from megatron_epp.executor.context import ChunkContext
@@ -36,6 +39,40 @@ def fused_softmax_unavailable() -> str | None:
     return "no CUDA device" if not torch.cuda.is_available() else probe_fused_softmax()
 
 
+class TorchNorm:
+    """megatron-core's ``WrappedTorchNorm`` (PyTorch's ``LayerNorm`` or ``RMSNorm``, per ``config.normalization``)
+    that also runs under sequence parallelism, where megatron-core's asserts it does not: each tensor-parallel rank
+    normalises its own tokens (a norm is per token), and its weight and bias are tagged ``sequence_parallel`` as
+    megatron-core's own SP norms tag theirs, so ``finalize_model_grads`` sums their gradients over the
+    tensor-parallel group (each rank saw only its share of the tokens)."""
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **kwargs) -> torch.nn.Module:
+        unsharded = copy.copy(config)  # a shallow copy: the norm itself is the same with or without SP
+        unsharded.sequence_parallel = False
+        norm = WrappedTorchNorm(unsharded, hidden_size, eps, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def local_layer_spec(normalization: str = "LayerNorm") -> ModuleSpec:
+    """Megatron-Core's local layer spec with :class:`TorchNorm` where it has ``WrappedTorchNorm`` (always with
+    RMSNorm; with LayerNorm where apex's fused norm does not import): the local spec under ``--sequence-parallel``."""
+    spec = get_gpt_layer_local_spec(normalization=normalization)
+    for name in ("input_layernorm", "pre_mlp_layernorm"):
+        if getattr(spec.submodules, name) is WrappedTorchNorm:
+            setattr(spec.submodules, name, TorchNorm)
+    return spec
+
+
+def decoder_spec(layer: ModuleSpec, config: TransformerConfig) -> ModuleSpec | TransformerBlockSubmodules:
+    """What ``GPTModel`` builds its decoder from: for a layer with :class:`TorchNorm`, this stage's layers and a
+    :class:`TorchNorm` as the final norm (megatron-core's default would be ``WrappedTorchNorm`` here); else ``layer``."""
+    if layer.submodules.input_layernorm is not TorchNorm:
+        return layer
+    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=TorchNorm)
+
+
 def default_layer_spec(normalization: str = "LayerNorm") -> ModuleSpec:
     """The stock path's layers: Transformer Engine's spec when TE's PyTorch layers import on a GPU, else the local one
     (``normalization``: ``LayerNorm`` or ``RMSNorm``; TE's layers read it from the ``TransformerConfig``)."""
@@ -43,7 +80,7 @@ def default_layer_spec(normalization: str = "LayerNorm") -> ModuleSpec:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
         return get_gpt_layer_with_transformer_engine_spec()
-    return get_gpt_layer_local_spec(normalization=normalization)
+    return local_layer_spec(normalization)
 
 
 def elastic_base_layer_spec(normalization: str = "LayerNorm") -> ModuleSpec:
@@ -51,18 +88,27 @@ def elastic_base_layer_spec(normalization: str = "LayerNorm") -> ModuleSpec:
 
     Not TE's even where TE imports: ``ElasticAttention`` inside TE's fused layers (TE LayerNormLinear,
     its own RoPE/attention plumbing) is untested, and the planner's memory model counts what the
-    local layers save. ``RMSNorm`` is PyTorch's ``torch.nn.RMSNorm`` (megatron-core's ``WrappedTorchNorm``).
+    local layers save. ``RMSNorm`` is PyTorch's ``torch.nn.RMSNorm`` (:class:`TorchNorm`: megatron-core's
+    ``WrappedTorchNorm``, sequence-parallel aware).
     """
-    return get_gpt_layer_local_spec(normalization=normalization)
+    return local_layer_spec(normalization)
 
 
-def layer_spec_summary(elastic: bool) -> str:
-    """One phrase for the start-up line: which layers and softmax this run uses, and why."""
+def layer_spec_summary(elastic: bool, sequence_parallel: int = 0) -> str:
+    """One phrase for the start-up line: which layers and softmax this run uses, and why; with ``sequence_parallel``
+    (the tensor-parallel size under ``--sequence-parallel``, else 0), how the tokens are split."""
     if elastic:
         spec = "local spec + ElasticAttention"
         if transformer_engine_available():
             spec += " (Transformer Engine imports but is not used with --elastic-pp: the elastic layers and the memory model are the local spec's)"
+        if sequence_parallel:
+            spec += (f" | sequence parallel over {sequence_parallel} ranks: each chunk padded at its end to a multiple of "
+                     f"{sequence_parallel} tokens (a segment of its own, loss mask 0; per step in the plan line)")
         return spec
+    return _stock_spec_summary() + (f" | sequence parallel over {sequence_parallel} ranks" if sequence_parallel else "")
+
+
+def _stock_spec_summary() -> str:
     if transformer_engine_available():
         return "Transformer Engine spec"
     why = transformer_engine_unavailable()
@@ -166,7 +212,7 @@ def build_model(
             else elastic_layer_spec(elastic_base_layer_spec(args.normalization), context))
     model = GPTModel(
         config,
-        spec,
+        decoder_spec(spec, config),
         vocab_size=args.vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=runtime.is_first_stage,

@@ -2,12 +2,15 @@
 
     torchrun ... tests/workers/elastic_equivalence.py OUT --mode reference|elastic --cases N
         [--fault drop_prefix|drop_prefix_grads|misplaced_kv|leak_packing|forward_order_backward|recompute_without_rng_restore|gqa_tiled_heads]
-        [pretrain_gpt flags...]
+        [--sp-fault-cases K] [pretrain_gpt flags...]
 
 ``reference`` (one process): stock Megatron-Core (local spec, no EPP), each whole sequence its own
 micro-batch. ``elastic``: a random valid plan per case (per data-parallel rank) through
 ``forward_backward_elastic``. Both save loss and gradients by global parameter name per case.
 Faults in what the layers see of a chunk come from a broken chunk context given to the model.
+``--sp-fault-cases K`` (with ``--sequence-parallel``): after the N cases, the first K again under each of
+``SP_FAULTS`` in the same launch (saved as ``FAULT_case...``). Each case also saves the padding tokens its
+plan's chunks got on this rank (``padding``).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_epp.executor.schedule import forward_backward_elastic
 from megatron_epp.executor.batches import chunk_batches, elastic_gpt_forward_step
-from megatron_epp.executor.context import ChunkContext, ChunkLayout, KVBuffer
+from megatron_epp.executor.context import ChunkContext, ChunkLayout, KVBuffer, padding_tokens, token_multiple
 from megatron_epp.plan import order as schedule_order
 from megatron_epp.training.arguments import parse_args
 from megatron_epp.training.gpt_step import gpt_forward_step, reduce_losses
@@ -79,7 +82,7 @@ class LeakPacking(ChunkContext):
     """Whole sequences packed in one chunk attend across each other (one causal block)."""
 
     def running(self, layout: ChunkLayout):
-        return super().running(layout if layout.split_index is not None else dataclasses.replace(layout, bounds=[(0, layout.chunk.num_tokens)]))
+        return super().running(layout if layout.split_index is not None else dataclasses.replace(layout, bounds=[(0, layout.num_tokens)]))
 
 
 BROKEN_CONTEXTS = {
@@ -112,6 +115,26 @@ def inject(fault: str) -> None:
         raise ValueError(fault)
 
 
+# sequence parallelism, checked in the launch of the good cases: the norms' gradients not summed over the
+# tensor-parallel ranks (their sequence_parallel tag dropped); the padding tokens counted in the loss
+SP_FAULTS = ("sp_norm_grads_not_reduced", "sp_padding_in_loss")
+
+
+def untag_sequence_parallel_norms(gpt: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """Drop the ``sequence_parallel`` tag of the norms' parameters (``finalize_model_grads`` then leaves each rank
+    with the gradient of its own tokens only); returns them, to tag again."""
+    params = [q for n, q in gpt.named_parameters() if "layernorm" in n and getattr(q, "sequence_parallel", False)]
+    for q in params:
+        q.sequence_parallel = False
+    return params
+
+
+def padding_in_loss(batches):
+    """Every token of every chunk counted in the loss, the padding too."""
+    for batch in batches:
+        yield {**batch, "loss_mask": torch.ones_like(batch["loss_mask"])} if batch else batch
+
+
 def case_sequences(case: int, seed: int, vocab: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     rng = np.random.default_rng([seed, case])
     out = []
@@ -128,6 +151,7 @@ def main() -> None:
     p.add_argument("--cases", type=int, required=True)
     p.add_argument("--case-seed", type=int, default=0)
     p.add_argument("--fault", default=None)
+    p.add_argument("--sp-fault-cases", type=int, default=0, help="the first K cases again under each of SP_FAULTS")
     p.add_argument("--random-recompute", action="store_true", help="random per (stage, chunk) recompute counts")
     ours, flags = p.parse_known_args()
     args = parse_args(flags)
@@ -140,11 +164,17 @@ def main() -> None:
     if ours.fault and ours.fault not in BROKEN_CONTEXTS:
         inject(ours.fault)
     per_stage = args.num_layers // runtime.pp_size
-    set_global_weights(gpt, runtime.pp_rank, per_stage, runtime.tp_rank, args.tensor_model_parallel_size)
+    set_global_weights(gpt, runtime.pp_rank, per_stage, runtime.tp_rank, args.tensor_model_parallel_size, args.swiglu)
     build_optimizer(args, model, config)
-    for case in range(ours.cases):
+    runs = [(case, None) for case in range(ours.cases)]
+    if ours.sp_fault_cases:
+        if not args.sequence_parallel:
+            raise ValueError("--sp-fault-cases needs --sequence-parallel")
+        runs += [(case, fault) for fault in SP_FAULTS for case in range(ours.sp_fault_cases)]
+    for case, fault in runs:
         sequences = case_sequences(case, ours.case_seed, args.vocab_size)
         model.zero_grad_buffer()
+        padding = 0
         if elastic:
             mine = sequences[runtime.dp_rank :: runtime.dp_size]
             plan = random_plan(np.random.default_rng([ours.case_seed, case, runtime.dp_rank, 7]), [len(t) for t, _ in mine], runtime.pp_size, per_stage)
@@ -152,10 +182,17 @@ def main() -> None:
                 rng = np.random.default_rng([ours.case_seed, case, runtime.dp_rank, 11])
                 for pipe in plan.pipelines:
                     pipe.recompute = rng.integers(0, per_stage + 1, size=(runtime.pp_size, len(pipe.chunks))).tolist()
+            multiple = token_multiple(config)
+            padding = sum(padding_tokens(c.num_tokens, multiple) for c in plan.chunks())
+            batches = chunk_batches(plan, mine, runtime.device, multiple)
+            untagged = untag_sequence_parallel_norms(gpt) if fault == "sp_norm_grads_not_reduced" else []
             losses = forward_backward_elastic(
-                forward_step_func=elastic_gpt_forward_step, data_iterator=chunk_batches(plan, mine, runtime.device),
+                forward_step_func=elastic_gpt_forward_step,
+                data_iterator=padding_in_loss(batches) if fault == "sp_padding_in_loss" else batches,
                 model=[model], num_microbatches=sum(len(q.chunks) for q in plan.pipelines), plan=plan,
             )
+            for q in untagged:
+                q.sequence_parallel = True
         else:
             batches = iter(  # on the model's device (the stock forward step takes the batch as given)
                 {k: v.to(runtime.device) for k, v in {"tokens": t[None], "labels": l[None], "loss_mask": torch.ones(1, len(t)),
@@ -169,7 +206,8 @@ def main() -> None:
         loss = reduce_losses(losses, ps.get_data_parallel_group())
         if runtime.dp_rank == 0 and runtime.tp_rank == 0:
             grads = {global_name(n, runtime.pp_rank, per_stage): q.main_grad.detach().cpu().clone() for n, q in gpt.named_parameters()}
-            torch.save({"loss": loss, "grads": grads}, f"{ours.out}/case{case}_stage{runtime.pp_rank}.pt")
+            prefix = f"{fault}_" if fault else ""
+            torch.save({"loss": loss, "grads": grads, "padding": padding}, f"{ours.out}/{prefix}case{case}_stage{runtime.pp_rank}.pt")
     shutdown()
 
 

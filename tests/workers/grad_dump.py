@@ -30,8 +30,19 @@ def global_name(name: str, pp_rank: int, layers_per_stage: int) -> str:
     return ".".join(parts)
 
 
-def set_global_weights(model: torch.nn.Module, pp_rank: int, layers_per_stage: int, tp_rank: int = 0, tp_size: int = 1) -> None:
-    """Every parameter from its global name; a tensor-parallel shard is its rank's slice of the full tensor."""
+def tensor_parallel_shard(full: torch.Tensor, name: str, dim: int, tp_rank: int, tp_size: int, gated: bool) -> torch.Tensor:
+    """Rank ``tp_rank``'s shard (split along ``dim``) of the full (non-tensor-parallel) tensor of parameter ``name``.
+    With a gated MLP (SwiGLU) fc1's output rows are ``[gate; up]``, and megatron-core gives each rank its share of
+    both halves (``[gate_r; up_r]``), not a contiguous block of rows."""
+    if gated and name.split(".")[-2] == "linear_fc1" and dim == 0:
+        return torch.cat([half.chunk(tp_size, 0)[tp_rank] for half in full.chunk(2, 0)])
+    return full.chunk(tp_size, dim)[tp_rank]
+
+
+def set_global_weights(model: torch.nn.Module, pp_rank: int, layers_per_stage: int, tp_rank: int = 0, tp_size: int = 1,
+                       gated: bool = False) -> None:
+    """Every parameter from its global name; a tensor-parallel shard is its rank's slice of the full tensor
+    (``gated``: the model's MLP is gated, SwiGLU: see :func:`tensor_parallel_shard`)."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             g = torch.Generator().manual_seed(zlib.crc32(global_name(name, pp_rank, layers_per_stage).encode()))
@@ -41,7 +52,7 @@ def set_global_weights(model: torch.nn.Module, pp_rank: int, layers_per_stage: i
             if dim >= 0:
                 shape[dim] *= tp_size
             full = base + 0.05 * torch.randn(shape, generator=g)
-            p.copy_(full.chunk(tp_size, dim)[tp_rank] if dim >= 0 else full)
+            p.copy_(tensor_parallel_shard(full, name, dim, tp_rank, tp_size, gated) if dim >= 0 else full)
 
 
 def main() -> None:
@@ -50,7 +61,8 @@ def main() -> None:
     runtime = initialize(args)
     model, config = build_model(args, runtime)
     layers_per_stage = args.num_layers // runtime.pp_size
-    set_global_weights(unwrap_model(model), runtime.pp_rank, layers_per_stage, runtime.tp_rank, args.tensor_model_parallel_size)
+    set_global_weights(unwrap_model(model), runtime.pp_rank, layers_per_stage, runtime.tp_rank, args.tensor_model_parallel_size,
+                       args.swiglu)
     model.broadcast_params()
     build_optimizer(args, model, config)  # installs finalize_model_grads (DP and tied-embedding sync)
     batches = microbatches(build_samples(args, "train"), 0, args.global_batch_size, args.micro_batch_size, runtime.dp_rank, runtime.dp_size, runtime.device)

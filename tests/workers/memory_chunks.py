@@ -1,13 +1,15 @@
 """Planner's predicted peak activation memory vs the tracker's measurement on real chunks (one process).
 
     python tests/workers/memory_chunks.py OUT.json [--model-dtype float32|bfloat16] [pretrain_gpt model flags...]
+    torchrun --nproc-per-node 2 tests/workers/memory_chunks.py OUT.json --tensor-model-parallel-size 2 --sequence-parallel ...
 
 One stage (pp = 1: embedding, layers and output head) of the model the flags describe, cast to
 ``--model-dtype`` (the planner's shape gets the same dtype; training's ``--bf16`` is not used), the
 executor's own layers (``ChunkRecomputeLayer`` + ``ElasticAttention``); each case is a small plan
 (batched, split, hybrid chunks; sequences in 2 to 4 slices; no, partial and full recompute) run through
 ``forward_backward_elastic`` under :class:`ActivationMemoryTracker`, beside
-``PlanBuilder.predicted_activation_bytes`` of the same plan. Writes ``[{case, rc, pred, meas}]``.
+``PlanBuilder.predicted_activation_bytes`` of the same plan. Writes ``[{case, rc, pred, meas}]`` (tensor-parallel
+rank 0's, under torchrun: a tensor-parallel stage, its chunks padded under sequence parallelism).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch  # noqa: E402
 from megatron_epp.cost.model import CostModel  # noqa: E402
 from megatron_epp.executor.schedule import forward_backward_elastic  # noqa: E402
 from megatron_epp.executor.batches import chunk_batches, elastic_gpt_forward_step  # noqa: E402
-from megatron_epp.executor.context import ChunkContext  # noqa: E402
+from megatron_epp.executor.context import ChunkContext, token_multiple  # noqa: E402
 from megatron_epp.executor.memory_tracker import ActivationMemoryTracker  # noqa: E402
 from megatron_epp.plan import Chunk, Pipeline, Plan, Segment, chunk_kind  # noqa: E402
 from megatron_epp.training.arguments import parse_args  # noqa: E402
@@ -48,6 +50,9 @@ CASES = [
     ("batched+split4+hybrid", [[S(0, 0, 40), S(1, 0, 30)], [S(2, 0, 100)], [S(2, 100, 170)], [S(2, 170, 220)], [S(2, 220, 260), S(3, 0, 50)]],
      ["none", [0, "L", 1, 0, 1], "full"]),
     ("two-split-sequences", [[S(0, 0, 80)], [S(0, 80, 160)], [S(1, 0, 60)], [S(1, 60, 120), S(2, 0, 30)]], ["none", [1, 0, 0, 1], "full"]),
+    # chunks of odd token counts (padded under sequence parallelism at tp 2): a packed chunk, a first slice
+    # alone (its padding segment makes it keep its own K/V), a hybrid tail
+    ("odd-chunks", [[S(0, 0, 77), S(1, 0, 30)], [S(2, 0, 51)], [S(2, 51, 100), S(3, 0, 20)]], ["none", [1, 0, "L"], "full"]),
 ]
 
 
@@ -67,11 +72,12 @@ def main() -> None:
     p.add_argument("out")
     p.add_argument("--model-dtype", default="float32", choices=["float32", "bfloat16"])
     ours, flags = p.parse_known_args()
-    args = parse_args(flags + ["--elastic-pp", "--mock-data", "--seq-length", "512", "--epp-memory-budget", "1"], world_size=1)
+    args = parse_args(flags + ["--elastic-pp", "--mock-data", "--seq-length", "512", "--epp-memory-budget", "1"],
+                      world_size=int(os.environ.get("WORLD_SIZE", "1")))
     args.vocab_size = args.vocab_size or 257
     runtime = initialize(args)
     context = ChunkContext()
-    model, _ = build_model(args, runtime, context=context)
+    model, config = build_model(args, runtime, context=context)
     model.to(getattr(torch, ours.model_dtype))
     build = PlanBuilder(args)
     cm = build.cost_model
@@ -87,14 +93,15 @@ def main() -> None:
             with ActivationMemoryTracker(torch.device("cpu"), context) as tracker:
                 forward_backward_elastic(
                     forward_step_func=elastic_gpt_forward_step,
-                    data_iterator=chunk_batches(plan, [(d[:-1], d[1:]) for d in docs], runtime.device),
+                    data_iterator=chunk_batches(plan, [(d[:-1], d[1:]) for d in docs], runtime.device, token_multiple(config)),
                     model=[model], num_microbatches=len(plan.pipelines[0].chunks), plan=plan,
                 )
             model.zero_grad_buffer()
             pred = build.predicted_activation_bytes(plan)[0]
             results.append({"case": name, "rc": plan.pipelines[0].recompute[0], "pred": pred, "meas": tracker.peak_bytes})
-    with open(ours.out, "w") as f:
-        json.dump(results, f)
+    if runtime.rank == 0:
+        with open(ours.out, "w") as f:
+            json.dump(results, f)
 
 
 if __name__ == "__main__":
