@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
     g.add_argument("--position-embedding-type", choices=["rope", "learned_absolute"], default="rope")
     g.add_argument("--vocab-size", type=int, default=None, help="default: the tokenizer's (byte: 257)")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="pad the vocabulary (embedding and output layer rows) up to a multiple of this x "
+                        "--tensor-model-parallel-size, as Megatron-LM (the padded rows are never a label)")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--hidden-dropout", type=float, default=0.0)
     g.add_argument("--attention-dropout", type=float, default=0.0)
@@ -163,6 +166,8 @@ def resolve_vocab_size(args: argparse.Namespace) -> None:
     """Load the ``--tokenizer-type`` tokenizer (a missing file or one that does not parse is a
     :class:`TokenizerError`) and fill or check ``--vocab-size``."""
     vocab = tokenizer_from_args(args).vocab_size
+    if args.make_vocab_size_divisible_by < 1:
+        raise ArgumentError(f"--make-vocab-size-divisible-by {args.make_vocab_size_divisible_by}: must be >= 1")
     if args.vocab_size is None:
         args.vocab_size = vocab
     elif args.data_path is not None and args.vocab_size < vocab:

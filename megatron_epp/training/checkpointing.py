@@ -42,7 +42,7 @@ FORMAT = "megatron-epp checkpoint 1"
 MODEL_SHAPE_ARGS = (
     "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
     "position_embedding_type", "vocab_size", "untie_embeddings_and_output_weights", "swiglu", "normalization",
-    "group_query_attention", "num_query_groups", "kv_channels", "add_bias_linear", "rotary_base",
+    "group_query_attention", "num_query_groups", "kv_channels", "add_bias_linear", "rotary_base", "make_vocab_size_divisible_by",
 )
 LAYOUT_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size", "use_distributed_optimizer")
 # What the sample stream is a function of, besides the blend and its position (the consumed samples)

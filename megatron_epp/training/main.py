@@ -21,7 +21,7 @@ from megatron_epp.training.gpt_step import gpt_forward_step, microbatches
 from megatron_epp.training.layout_search import driver_layout_search
 from megatron_epp.training.initialize import gpu_count, gpu_oversubscription, initialize, local_world_size, shutdown
 from megatron_epp.training.loop import build_optimizer, megatron_step, train
-from megatron_epp.training.model import architecture_summary, build_model, layer_spec_summary
+from megatron_epp.training.model import architecture_summary, build_model, layer_spec_summary, padded_vocab_size
 
 
 def build_samples(args: argparse.Namespace, split: str):
@@ -86,7 +86,9 @@ def main(argv: Sequence[str] | argparse.Namespace | None = None) -> int:
     if runtime.is_logging_rank:
         print(
             f"> GPT: {args.num_layers} layers, hidden {args.hidden_size}, {args.num_attention_heads} heads, "
-            f"vocab {args.vocab_size} | tp={args.tensor_model_parallel_size} pp={runtime.pp_size} "
+            f"vocab {args.vocab_size}"
+            + (f" (padded to {padded_vocab_size(args)})" if padded_vocab_size(args) != args.vocab_size else "")
+            + f" | tp={args.tensor_model_parallel_size} pp={runtime.pp_size} "
             f"dp={runtime.dp_size} on {runtime.device.type} {'bf16' if args.bf16 else 'fp32'} | global batch {args.global_batch_size} = "
             f"{args.num_microbatches} micro-batches x {args.micro_batch_size} x dp {runtime.dp_size}"
             + (f" | resumed at iteration {start[0]}" if resume is not None else "")

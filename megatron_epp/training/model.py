@@ -119,11 +119,19 @@ def _stock_spec_summary() -> str:
     return spec
 
 
+def padded_vocab_size(args: argparse.Namespace) -> int:
+    """``--vocab-size`` padded up to a multiple of ``--make-vocab-size-divisible-by`` x tp, as Megatron-LM pads it:
+    the output layer splits evenly over the tensor-parallel ranks (megatron-core requires it) and its GEMM is
+    aligned; the extra rows are never a label."""
+    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    return -(-args.vocab_size // multiple) * multiple
+
+
 def model_shape(args: argparse.Namespace, name: str = "pretrain_gpt") -> ModelShape:
     """The shape of the GPT- or LLaMA-style model this driver builds, for the planner's cost model and the model
     FLOPs of ``--log-throughput``."""
     return ModelShape(
-        name, args.num_layers, args.hidden_size, args.num_attention_heads, args.ffn_hidden_size, args.vocab_size,
+        name, args.num_layers, args.hidden_size, args.num_attention_heads, args.ffn_hidden_size, padded_vocab_size(args),
         num_kv_heads=args.num_query_groups if args.group_query_attention else None, kv_channels=args.kv_channels,
         swiglu=args.swiglu, normalization=args.normalization, bias=not args.disable_bias_linear,
         rope=args.position_embedding_type == "rope",
@@ -213,7 +221,7 @@ def build_model(
     model = GPTModel(
         config,
         decoder_spec(spec, config),
-        vocab_size=args.vocab_size,
+        vocab_size=padded_vocab_size(args),
         max_sequence_length=args.max_position_embeddings,
         pre_process=runtime.is_first_stage,
         post_process=runtime.is_last_stage,
