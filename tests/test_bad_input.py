@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from megatron_epp.training.arguments import parse_args
+from megatron_epp.training.model import model_shape, padded_vocab_size
 from tests.launch import REPO, run_env
 
 BASE = ["--mock-data", "--num-layers", "4"]
@@ -48,6 +50,7 @@ def run_pretrain(*flags: str, world_size: int = 1) -> subprocess.CompletedProces
         (["--elastic-pp", "--epp-calibrate-interval", "-1"], 1, "--epp-calibrate-interval -1: must be >= 0 (0 turns calibration off)"),
         (["--elastic-pp", "--epp-calibrate-interval", "often"], 1, "argument --epp-calibrate-interval: invalid int value: 'often'"),
         (["--epp-calibrate-interval", "5"], 1, "--epp-calibrate-interval needs --elastic-pp"),
+        (["--make-vocab-size-divisible-by", "0"], 1, "--make-vocab-size-divisible-by 0: must be >= 1"),
     ],
 )
 def test_bad_flags_give_one_line_error(flags, world_size, message):
@@ -56,6 +59,15 @@ def test_bad_flags_give_one_line_error(flags, world_size, message):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr
     assert proc.stdout == ""  # stopped before the model and the process group (their lines go to stdout)
+
+
+@pytest.mark.parametrize("flags, world_size, padded", [
+    ([], 1, 384), (["--tensor-model-parallel-size", "2"], 2, 512), (["--make-vocab-size-divisible-by", "1"], 1, 257),
+    (["--vocab-size", "1000", "--make-vocab-size-divisible-by", "8", "--tensor-model-parallel-size", "4"], 4, 1024),
+])
+def test_vocabulary_is_padded_as_megatron_pads_it(flags, world_size, padded):
+    args = parse_args([*BASE, *flags], world_size=world_size)
+    assert padded_vocab_size(args) == model_shape(args).vocab == padded
 
 
 def test_help_lists_the_calibration_flag():
