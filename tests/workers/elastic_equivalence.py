@@ -154,8 +154,9 @@ def main() -> None:
     p.add_argument("--sp-fault-cases", type=int, default=0, help="the first K cases again under each of SP_FAULTS")
     p.add_argument("--random-recompute", action="store_true", help="random per (stage, chunk) recompute counts")
     ours, flags = p.parse_known_args()
-    args = parse_args(flags)
-    args.vocab_size = args.vocab_size or 64
+    # a small vocabulary, padded alike at every tp (64 is a multiple of 32 x tp for tp <= 2): the reference
+    # and the tensor-parallel runs are the same model; the test's flags come after and win
+    args = parse_args(["--vocab-size", "64", "--make-vocab-size-divisible-by", "32", *flags])
     runtime = initialize(args)
     elastic = ours.mode == "elastic"
     context = BROKEN_CONTEXTS.get(ours.fault, ChunkContext)() if elastic else None

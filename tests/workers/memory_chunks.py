@@ -74,7 +74,6 @@ def main() -> None:
     ours, flags = p.parse_known_args()
     args = parse_args(flags + ["--elastic-pp", "--mock-data", "--seq-length", "512", "--epp-memory-budget", "1"],
                       world_size=int(os.environ.get("WORLD_SIZE", "1")))
-    args.vocab_size = args.vocab_size or 257
     runtime = initialize(args)
     context = ChunkContext()
     model, config = build_model(args, runtime, context=context)
