@@ -7,6 +7,10 @@
    batch per seed. Reports the process's CPU time (what one core costs when other processes share
    the machine; ``--cpu N`` pins the process to core N) and wall time: median, p90, max, and the
    spread (max / min) as the noise.
+   ``--scale-test``: also ``tests/test_planner_scale.py``'s heavy-tailed batch (2048 log-normal
+   lengths, median 3.2K, sigma 1.9, cap 64K: 22M tokens) at 80 / 40 / 20 GB. ``--layout-search``: also
+   the layout search on (``search_layout`` for EPP, 2048 Wikipedia sequences, the 32-GPU
+   ``a800-ib-node`` cluster, 80 GB), ``--layout-seeds`` batches (goal: under 10 s).
 2. Comparison: for Wikipedia and a heavier-tailed code-like mix, at 32K/64K/128K caps, the
    predicted step time of EPP and of each baseline, as ratios to EPP and to the compute bound.
 
@@ -36,7 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_epp.cost.model import CostModel  # noqa: E402
 from megatron_epp.cost.network import get_network  # noqa: E402
-from megatron_epp.cost.profiles import load_profile  # noqa: E402
+from megatron_epp.cost.clusters import get_cluster  # noqa: E402
+from megatron_epp.cost.profiles import MODEL_PRESETS, load_profile  # noqa: E402
+from megatron_epp.planner.layout import search_layout  # noqa: E402
 from megatron_epp.planner import build_plan  # noqa: E402
 from megatron_epp.planner.builders import plan_batch  # noqa: E402
 from megatron_epp.planner.compare import BASELINES, run_baselines  # noqa: E402
@@ -85,6 +91,9 @@ def main() -> None:
     ap.add_argument("--timing-sequences", type=int, default=2048, help="sequences per timed batch")
     ap.add_argument("--timing-only", action="store_true", help="skip the comparison (part 2)")
     ap.add_argument("--cpu", type=int, help="pin the process to this core (as taskset -c)")
+    ap.add_argument("--scale-test", action="store_true", help="also time the heavy-tailed batch of tests/test_planner_scale.py")
+    ap.add_argument("--layout-search", action="store_true", help="also time the layout search (EPP, 32 A800 GPUs)")
+    ap.add_argument("--layout-seeds", type=int, default=3)
     args = ap.parse_args()
     if args.cpu is not None:
         os.sched_setaffinity(0, {args.cpu})
@@ -101,6 +110,25 @@ def main() -> None:
         print(f"  {mem:5.0f} GB: CPU median {statistics.median(cpu):6.1f} ms  p90 {np.percentile(cpu, 90):6.1f} ms  max {max(cpu):6.1f} ms "
               f"(max/min {max(cpu) / min(cpu):.2f}) | wall median {statistics.median(wall):6.1f} ms  max {max(wall):6.1f} ms  "
               f"(largest MIP gap {gap:.2%}, {rc / len(wall):.0f} recomputed layers per plan)")
+
+    if args.scale_test:
+        lengths = np.clip(np.rint(np.random.default_rng(0).lognormal(np.log(3200), 1.9, n)), 2, 65536).astype(np.int64)
+        for mem in (80.0, 40.0, 20.0):
+            c0 = time.process_time()
+            plan_batch(lengths, cm, PlannerConfig(mem, 65536, args.epp_profile))
+            cpu = (time.process_time() - c0) * 1e3
+            planning[f"scale-test/{mem:g}"] = {"cpu_ms": spread([cpu])}
+            print(f"  heavy-tailed {n} sequences ({lengths.sum() / 1e6:.1f}M tokens), cap 64K, {mem:5.0f} GB: CPU {cpu:8.1f} ms")
+    if args.layout_search:
+        shape, cluster = MODEL_PRESETS[args.epp_profile], get_cluster("a800-ib-node")
+        cpu = []
+        for seed in range(args.layout_seeds):
+            lengths = np.minimum(np.random.default_rng(seed).choice(wiki, n), 131072)
+            c0 = time.process_time()
+            choice = search_layout(lengths, shape, cluster, "epp", PlannerConfig(args.epp_memory_budget, 131072, args.epp_profile))
+            cpu.append((time.process_time() - c0) * 1e3)
+            print(f"  layout search, {n} Wikipedia sequences, {cluster.name}: CPU {cpu[-1]:8.1f} ms ({choice.reason})")
+        planning["layout-search"] = {"cpu_ms": spread(cpu)}
 
     comparison = []
     pools = {} if args.timing_only else {"wikipedia": wiki, "code-like": code_like(1_000_000, np.random.default_rng(12345))}

@@ -12,6 +12,12 @@ cost term that makes it so. Ratios are baseline / EPP (> 1: EPP faster).
 
     python scripts/paper_grid.py             # the whole grid; writes README's "Paper grid" section
     python scripts/paper_grid.py --quick     # one small cell, for the tests (README untouched)
+    python scripts/paper_grid.py --cells grid.jsonl   # each finished cell appended there; a re-run resumes
+
+With ``--cells FILE`` each cell is appended to FILE (one JSON line) as soon as it is done, and the cells
+already in FILE (same data, model, cap, cluster, gbs, memory, overlap and seed) are read back instead of
+run again: a long grid can be stopped and resumed, and ``--report-only`` writes the table of the cells
+done so far.
 
 The last line is one JSON object: ``{"cells": [{"data", "model", "cap", "cluster", "epp_ms",
 "flexsp", "seq1f1b", "megatron", "bound"}, ...], "headline": {...}}`` (ratios to EPP; null where a
@@ -122,6 +128,20 @@ def _run_job(job: tuple) -> dict:
     return run_cell(*job)
 
 
+BOUND_GAP = 1.15  # EPP further than this above its bound gets its reason in one line
+
+
+def why_far_from_bound(cell: dict) -> str:
+    """Which term puts EPP's step more than :data:`BOUND_GAP` above its compute-only bound (one line)."""
+    e = cell["systems"]["epp"]
+    bubble, rc = e["bubble"] * e["step_ms"], e["recompute_ms"]
+    rest = e["step_ms"] - e["bound_ms"] - bubble - rc  # per-chunk constants, TP/SP communication the bound leaves out
+    terms = {"pipeline bubbles": bubble, "recompute": rc, "per-chunk constants and communication outside the bound": rest}
+    worst = max(terms, key=terms.get)
+    return (f"EPP {e['step_ms'] / 1e3:.1f} s = {e['step_ms'] / e['bound_ms']:.2f}x its bound {e['bound_ms'] / 1e3:.1f} s on {e['layout']}: "
+            + ", ".join(f"{k} {v / 1e3:.1f} s" for k, v in sorted(terms.items(), key=lambda kv: -kv[1])) + f" (mostly {worst})")
+
+
 def why_baseline_wins(cell: dict, name: str) -> str:
     """The cost term that makes a baseline faster than EPP (one line)."""
     e, b = cell["systems"]["epp"], cell["systems"][name]
@@ -197,6 +217,17 @@ def write_readme(path: Path, text: str) -> None:
     path.write_text(readme)
 
 
+CELL_KEYS = ("data", "model", "cap", "cluster", "gbs", "memory_gb", "overlap", "seed")
+
+
+def load_cells(path: Path | None) -> dict:
+    """Cells already done, from a ``--cells`` file, by :data:`CELL_KEYS`."""
+    if path is None or not path.exists():
+        return {}
+    cells = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {tuple(c[k] for k in CELL_KEYS): c for c in cells}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="one small cell (7B, 48K, 64 GitHub-like documents, IB per node)")
@@ -212,19 +243,34 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--jobs", type=int, default=1, help="cells run in parallel processes (the times reported are per cell, CPU)")
     ap.add_argument("--readme", default=None, help="README to write the table into (default README.md; none with --quick)")
+    ap.add_argument("--cells", type=Path, default=None, help="JSON-lines file: finished cells appended, those already there not re-run")
+    ap.add_argument("--report-only", action="store_true", help="with --cells: the table of the cells done so far, nothing run")
     args = ap.parse_args(argv)
+    if args.report_only and args.cells is None:
+        ap.error("--report-only needs --cells")
     if args.quick:
         args.models, args.caps, args.data, args.clusters, args.gbs = "llama-7b", "49152", "github", "a800-ib-node", 64
     t0 = time.perf_counter()
     pools = {d: length_pool(d, args.seed) for d in args.data.split(",")}
-    jobs = [(data, batch(pool, args.gbs, cap, args.seed), model, cap, cl, args.memory_gb, args.overlap, args.flexsp_time_limit, args.exhaustive)
-            for cl in args.clusters.split(",") for data, pool in pools.items() for model in args.models.split(",") for cap in map(int, args.caps.split(","))]
-    cells = []
+    grid = [(cl, data, model, cap) for cl in args.clusters.split(",") for data in pools for model in args.models.split(",")
+            for cap in map(int, args.caps.split(","))]
+    done = load_cells(args.cells)
+
+    def key(cl: str, data: str, model: str, cap: int) -> tuple:
+        return (data, model, cap, cl, args.gbs, args.memory_gb, args.overlap, args.seed)
+
+    jobs = [(data, batch(pools[data], args.gbs, cap, args.seed), model, cap, cl, args.memory_gb, args.overlap, args.flexsp_time_limit, args.exhaustive)
+            for cl, data, model, cap in grid if key(cl, data, model, cap) not in done and not args.report_only]
     with solver_output_to_stderr(), (multiprocessing.get_context("fork").Pool(args.jobs) if args.jobs > 1 else contextlib.nullcontext()) as pool:
-        for cell in (pool.imap(_run_job, jobs) if args.jobs > 1 else map(_run_job, jobs)):
-            cells.append(cell)
+        for cell in (pool.imap_unordered(_run_job, jobs) if args.jobs > 1 else map(_run_job, jobs)):
+            cell.update(gbs=args.gbs, memory_gb=args.memory_gb, overlap=args.overlap, seed=args.seed)
+            done[tuple(cell[k] for k in CELL_KEYS)] = cell
+            if args.cells is not None:
+                with args.cells.open("a") as f:
+                    f.write(json.dumps(cell, default=float) + "\n")
             print(f"# {cell['data']} {cell['model']} {cell['cap'] // 1024}K {cell['cluster']}: " + ", ".join(
                 f"{n} {s['step_ms'] / 1e3:.1f} s" if s["fits"] else f"{n} -" for n, s in cell["systems"].items()), file=sys.stderr, flush=True)
+    cells = [done[key(*g)] for g in grid if key(*g) in done]  # the grid's order
     rows = [ratios(c) for c in cells]
     head = headline(rows, args.clusters.split(","))
     wins = [f"- {c['data']} {c['model']} {c['cap'] // 1024}K {c['cluster']}: {why_baseline_wins(c, n)}"
@@ -233,10 +279,15 @@ def main(argv: list[str] | None = None) -> None:
     for cl, h in head.items():
         summary.append(f"- {cl}: " + "; ".join(
             f"{n} {v['geomean']}x (max {v['max']}x) vs {v['paper']}x{'' if v['within_20pct'] else ' (not within 20 %)'}" for n, v in h.items()))
+    far = [f"- {c['data']} {c['model']} {c['cap'] // 1024}K {c['cluster']}: {why_far_from_bound(c)}"
+           for c, r in zip(cells, rows) if r["bound"] and 1 / r["bound"] > BOUND_GAP]
+    missing = len(grid) - len(cells)
     text = "\n".join([table(cells), "", *summary, "", "Where a baseline is faster:" if wins else "No baseline is faster than EPP in any cell.", *wins, "",
+                      f"Where EPP is more than {BOUND_GAP}x its bound:" if far else f"EPP is within {BOUND_GAP}x of its bound in every cell.", *far, "",
+                      *([f"{missing} of the {len(grid)} cells not run yet."] if missing else []),
                       f"gbs {args.gbs}, {args.memory_gb:.0f} GB per GPU, collective overlap {args.overlap}, seed {args.seed}; "
-                      f"grid run in {time.perf_counter() - t0:.0f} s wall with {args.jobs} process(es), "
-                      f"{sum(s.get('search_s', 0.0) for c in cells for s in c['systems'].values()):.0f} s of per-cell search time in all."])
+                      f"this run {time.perf_counter() - t0:.0f} s wall with {args.jobs} process(es); "
+                      f"{sum(s.get('search_s', 0.0) for c in cells for s in c['systems'].values()):.0f} s of per-cell search time over the cells shown."])
     print(text)
     readme = args.readme or (None if args.quick else str(ROOT / "README.md"))
     if readme:

@@ -24,22 +24,39 @@ Units = list[list[Chunk]]
 PACK_RELAX = 0.1  # how far past the slice budget a bucket may be filled when no bucket fits
 
 
-def slice_cuts(lengths: np.ndarray, budget: np.ndarray | float, token_cap: int, w: np.ndarray) -> list[np.ndarray]:
-    """Cut points ``[0, c1, ..., L]`` of every sequence: slices of work ``budget`` (per sequence or
-    one for all) and at most ``token_cap`` tokens, the last slice the remainder. ``w``: work vector."""
+def _cut_steps(lengths: np.ndarray, budget: np.ndarray | float, token_cap: int, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The cut points of :func:`slice_cuts`, flat: ``(sequence, point)`` pairs of every sequence's
+    points after its 0, in cut order (a sequence is left out once cut to its end)."""
     L = np.asarray(lengths, dtype=np.int64)
     tau = np.broadcast_to(np.asarray(budget, dtype=float), L.shape)
-    C = np.zeros_like(L)
-    cuts = [C.copy()]
-    while (C < L).any():
-        a, b, c = w[F.SQ], w[F.SC] * C + w[F.S], w[F.C] * C + w[F.SEGMENTS] + w[F.CHUNKS] - tau
+    active = np.flatnonzero(L > 0)
+    C = np.zeros(len(active), dtype=np.int64)
+    rows, points = [], []
+    while len(active):
+        a, b, c = w[F.SQ], w[F.SC] * C + w[F.S], w[F.C] * C + w[F.SEGMENTS] + w[F.CHUNKS] - tau[active]
         disc = np.sqrt(np.maximum(b * b - 4 * a * c, 0.0))
         s = (-b + disc) / (2 * a) if a > 0 else -c / np.maximum(b, 1e-300)
         s = np.clip(np.rint(s), 1, token_cap).astype(np.int64)
-        C = np.minimum(C + s, L)
-        cuts.append(C.copy())
-    cut_matrix = np.stack(cuts, axis=1)
-    return [np.unique(row) for row in cut_matrix]
+        C = np.minimum(C + s, L[active])
+        rows.append(active)
+        points.append(C)
+        going = C < L[active]
+        active, C = active[going], C[going]
+    if not rows:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    rows_flat, points_flat = np.concatenate(rows), np.concatenate(points)
+    order = np.argsort(rows_flat, kind="stable")
+    return rows_flat[order], points_flat[order]
+
+
+def slice_cuts(lengths: np.ndarray, budget: np.ndarray | float, token_cap: int, w: np.ndarray) -> list[np.ndarray]:
+    """Cut points ``[0, c1, ..., L]`` of every sequence: slices of work ``budget`` (per sequence or
+    one for all) and at most ``token_cap`` tokens, the last slice the remainder. ``w``: work vector."""
+    n = len(lengths)
+    rows, points = _cut_steps(lengths, budget, token_cap, w)
+    counts = np.bincount(rows, minlength=n)
+    flat = np.insert(points, np.concatenate([[0], np.cumsum(counts)[:-1]]) if n else [], 0)  # each sequence's 0 first
+    return np.split(flat, np.cumsum(counts + 1)[:-1]) if n else []
 
 
 def equal_count_cuts(lengths: np.ndarray, k: int, w: np.ndarray, token_cap: int) -> list[np.ndarray]:
@@ -49,7 +66,7 @@ def equal_count_cuts(lengths: np.ndarray, k: int, w: np.ndarray, token_cap: int)
     lo, hi = one_chunk / (4 * k), one_chunk  # work of one slice lies in between
     for _ in range(40):
         mid = (lo + hi) / 2
-        too_many = np.array([len(c) - 1 > k for c in slice_cuts(L, mid, token_cap, w)])
+        too_many = np.bincount(_cut_steps(L, mid, token_cap, w)[0], minlength=len(L)) > k  # slices per sequence
         lo, hi = np.where(too_many, mid, lo), np.where(too_many, hi, mid)
     return slice_cuts(L, hi, token_cap, w)
 
@@ -140,8 +157,9 @@ def build_units(
     long_units: Units = []
     tails = []
     for i, c in zip(idx.tolist(), sliced):
-        long_units.append([Chunk(-1, "split", [Segment(i, int(a), int(b))]) for a, b in zip(c[:-2], c[1:-1])])
-        tails.append(Segment(i, int(c[-2]), int(c[-1])))
+        c = c.tolist()
+        long_units.append([Chunk(-1, "split", [Segment(i, a, b)]) for a, b in zip(c[:-2], c[1:-1])])
+        tails.append(Segment(i, c[-2], c[-1]))
     short = np.setdiff1d(np.arange(len(L)), idx)
     short = short[np.argsort(-L[short], kind="stable")]
     tl = np.array([t.length for t in tails], dtype=float)
@@ -149,9 +167,9 @@ def build_units(
     seed_time = segment_features(tl, tc) @ w if tails else np.zeros(0)
     where = pack(L[short], seg[short], seed_time, tl, float(w[F.CHUNKS]), time_budget, token_cap, key="time" if balance else "tokens")
     buckets: list[list[Segment]] = [[t] for t in tails] + [[] for _ in range(max(where, default=-1) + 1 - len(tails))]
-    for i, b in zip(short.tolist(), where):
-        buckets[b].append(Segment(i, 0, int(L[i])))
     seq_lengths = L.tolist()
+    for i, b in zip(short.tolist(), where):
+        buckets[b].append(Segment(i, 0, seq_lengths[i]))
     chunks = [Chunk(-1, chunk_kind(b, seq_lengths), b) for b in buckets]
     for unit, tail_chunk in zip(long_units, chunks):
         unit.append(tail_chunk)
