@@ -1,6 +1,7 @@
 """``pretrain_gpt.py --epp-search-layout``: the best parallel layout for this run, printed as flags.
 
-The model is the one the flags describe (GELU MLP as the driver builds it, bf16 with ``--bf16``), the
+The model is the one the flags describe (:func:`~megatron_epp.training.model.model_shape`: SwiGLU, RMSNorm, GQA,
+biases, the padded vocabulary, bf16 with ``--bf16``, as the driver builds it), the
 lengths a global batch of the train split's documents (``--data-path``, or the mock documents),
 capped at ``--seq-length``, the cluster the ``--epp-cluster`` preset resized to the world size, the
 planner's settings the ``--epp-*`` flags given (the budget: ``--epp-memory-budget``, else the preset's
@@ -15,19 +16,17 @@ import argparse
 import numpy as np
 
 from megatron_epp.cost.clusters import get_cluster
-from megatron_epp.cost.profiles import ModelShape
 from megatron_epp.plan import PlanInfeasible
 from megatron_epp.planner.config import DEFAULT_CLUSTER, PlannerConfig
 from megatron_epp.planner.layout import describe_choice, search_for_world
 from megatron_epp.training.arguments import ArgumentError
 from megatron_epp.training.elastic import elastic_documents
+from megatron_epp.training.model import model_shape
 
 
 def driver_layout_search(args: argparse.Namespace, world_size: int) -> list[str]:
     """The report lines; the last is the best layout's flags. Raises :class:`ArgumentError`."""
-    shape = ModelShape("pretrain_gpt", args.num_layers, args.hidden_size, args.num_attention_heads, args.ffn_hidden_size,
-                       args.vocab_size, swiglu=False, rope=args.position_embedding_type == "rope",
-                       dtype="bfloat16" if args.bf16 else "float32")
+    shape = model_shape(args)
     cluster = args.epp_cluster or DEFAULT_CLUSTER
     docs = elastic_documents(args, "train")
     lengths = np.minimum(np.asarray(docs.lengths, dtype=np.int64) - 1, args.seq_length)
