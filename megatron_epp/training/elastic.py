@@ -156,6 +156,7 @@ class ElasticTrainStep:
         self.plans_here = ps.get_model_parallel_group().rank() == 0
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epp-planner") if self.plans_here else None
         self.preparer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epp-prepare")
+        self.token_multiple = token_multiple(get_model_config(model))  # each chunk padded to it (sequence parallelism)
         self.pending: tuple[Any, Future | None] | None = None
         self.ready: Future | None = None  # the next step's (batch, plan, planning timing, StepInputs)
         self.last_metrics: ElasticMetrics | None = None
@@ -206,8 +207,7 @@ class ElasticTrainStep:
 
     def _prepare(self, batch, plan: Plan, timing):
         tensors = [(torch.from_numpy(s.tokens), torch.from_numpy(s.labels)) for s in batch.sequences(self.runtime.dp_rank)]
-        return batch, plan, timing, prepare_step(plan, self.runtime.pp_rank, tensors, self.runtime.device,
-                                                 token_multiple(get_model_config(self.model)))
+        return batch, plan, timing, prepare_step(plan, self.runtime.pp_rank, tensors, self.runtime.device, self.token_multiple)
 
     def __call__(self, forward_only: bool) -> tuple[list[dict[str, torch.Tensor]], np.ndarray]:
         if self.ready is None:
