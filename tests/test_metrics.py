@@ -31,6 +31,8 @@ def test_the_log_line_is_printed_from_the_record():
     assert elastic_step().line() == LINE
     exposed = elastic_step(planning_wait_ms=12.34, predicted_step_ms=None, measured_activation_bytes=None).line()
     assert exposed.endswith("recomputed_layers=0 | planning ms: 132.3 (exposed 12.3 ms) | measured ms: 3961.0")
+    for padding, said in ((1, "SP padding: 1 token | "), (3, "SP padding: 3 tokens | ")):
+        assert f"recomputed_layers=0 | {said}planning ms:" in elastic_step(padding_tokens=padding).line()
     plain = StepMetrics(2, 5.157642, train_iters=6, consumed_samples=32, iter_ms=3999.3, tokens=15172, lr=2.25e-3, grad_norm=2.2691)
     assert plain.line() == LINE.split(" | plan[")[0]
     assert StepMetrics(4, 2.0, kind="valid").line() == " validation loss at iteration 4 | lm loss value: 2.000000E+00 | lm loss PPL: 7.389056E+00"

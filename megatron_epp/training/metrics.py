@@ -52,7 +52,7 @@ class ElasticMetrics:
 
     def line(self) -> str:
         hidden = "hidden" if self.planning_wait_ms < 1.0 else f"exposed {self.planning_wait_ms:.1f} ms"
-        text = f"{self.plan} | " + (f"SP padding: {self.padding_tokens} tokens | " if self.padding_tokens else "")
+        text = f"{self.plan} | " + (f"SP padding: {self.padding_tokens} token{'s' if self.padding_tokens > 1 else ''} | " if self.padding_tokens else "")
         text += f"planning ms: {self.planning_ms:.1f} ({hidden}) | "
         if self.predicted_step_ms is not None:
             text += f"predicted ms: {self.predicted_step_ms:.1f} | "
