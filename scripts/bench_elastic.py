@@ -299,9 +299,12 @@ def summarize(measured: dict[Builder, list[list[StepMetrics]]], predicted: dict[
         best = first_repeat_best(measured)
         if best is not None:
             out["seq1f1b"], out["seq1f1b_k"] = paired_ratio(step_matrix(measured[best], pipe_ms), epp), best.k
-    sim: dict = {"megatron": None, "seq1f1b": None, "seq1f1b_k": None}
+    sim: dict = {"megatron": None, "seq1f1b": None, "seq1f1b_k": None, "epp_over_bound": None}
     if predicted.get(EPP):
         epp = np.array([predicted[EPP]])
+        # EPP's predicted step over its compute-only bound (no bubble, recompute or per-chunk constants):
+        # what any plan could still gain, median over the measured steps
+        sim["epp_over_bound"] = float(np.median(epp[0] / [p.stats.bound_step_ms for p in choice.plans[EPP][1:]]))
         ratios = {b: paired_ratio(np.array([p]), epp) for b, p in predicted.items() if b != EPP}
         sim["megatron"] = next((r for b, r in ratios.items() if b.plan == "megatron"), None)
         seq = {b.k: r for b, r in ratios.items() if b.plan == "seq1f1b"}
@@ -589,7 +592,8 @@ def prepare(name: str, args, specs: list[Builder]) -> tuple[list[str], list[list
     sim = summarize({}, predicted, choice)["simulated"]
     print(f"  simulated ({time.perf_counter() - t0:.0f} s of planning in-process), predicted ms median per step: "
           + ", ".join(f"{b.name} {np.median(p):.0f}" for b, p in predicted.items())
-          + f" | ratios megatron {show(sim['megatron'])}, seq1f1b {show(sim['seq1f1b'])} (k={sim['seq1f1b_k']})", flush=True)
+          + f" | ratios megatron {show(sim['megatron'])}, seq1f1b {show(sim['seq1f1b'])} (k={sim['seq1f1b_k']})"
+          + f" | EPP / its compute bound {show(sim['epp_over_bound'])}", flush=True)
     return argv, batches, choice, predicted
 
 

@@ -146,6 +146,8 @@ def test_report_prints_goals_and_ends_with_the_json_line(bench, planner, measure
     assert sim["megatron"] == pytest.approx(np.median(np.array(predicted[bench.Builder("megatron")]) / epp_ms))
     assert sim["seq1f1b_k"] in (2, 4, 8) and sim["seq1f1b"] == pytest.approx(
         min(np.median(np.array(predicted[bench.Builder("seq1f1b", k)]) / epp_ms) for k in (2, 4, 8)))
+    bounds = [p.stats.bound_step_ms for p in choice.plans[bench.EPP][1:]]
+    assert sim["epp_over_bound"] == pytest.approx(np.median(epp_ms / bounds)) and sim["epp_over_bound"] >= 1.0
     assert data["wiki"]["megatron"] is None and data["wiki"]["seq1f1b"] == pytest.approx(1.4)
     assert data["config"]["seq_length"] == CAP
     text = "\n".join(lines)
