@@ -1,4 +1,8 @@
-"""Bad flags fail fast with one line on stderr and a non-zero exit, before any process group work."""
+"""Bad flags fail fast with one line on stderr and a non-zero exit, before any process group work.
+
+Two cases run pretrain_gpt.py as a process (a flag refused by the parser, before megatron-core's import; a data path
+refused after it: nothing else reaches stderr or stdout, exit status 2); the other cases run its entry point in this
+process (the ``pretrain_in_process`` fixture of tests/conftest.py: the same code, no process start per case)."""
 
 from __future__ import annotations
 
@@ -53,8 +57,8 @@ def run_pretrain(*flags: str, world_size: int = 1) -> subprocess.CompletedProces
         (["--make-vocab-size-divisible-by", "0"], 1, "--make-vocab-size-divisible-by 0: must be >= 1"),
     ],
 )
-def test_bad_flags_give_one_line_error(flags, world_size, message):
-    proc = run_pretrain(*BASE, *flags, world_size=world_size)
+def test_bad_flags_give_one_line_error(pretrain_in_process, flags, world_size, message):
+    proc = pretrain_in_process(*BASE, *flags, world_size=world_size)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr
@@ -70,24 +74,33 @@ def test_vocabulary_is_padded_as_megatron_pads_it(flags, world_size, padded):
     assert padded_vocab_size(args) == model_shape(args).vocab == padded
 
 
-def test_help_lists_the_calibration_flag():
-    proc = run_pretrain("--help")
+def test_help_lists_the_calibration_flag(pretrain_in_process):
+    proc = pretrain_in_process("--help")
     assert proc.returncode == 0
     text = " ".join(proc.stdout.split())  # argparse wraps the help
     entry = text.split("--epp-calibrate-interval N ")[-1].split(" --")[0]  # its help, after the usage line
     assert "0: off" in entry and "(default 20)" in entry, entry
 
 
+def test_a_bad_flag_is_one_line_from_the_process():
+    """pretrain_gpt.py as a user runs it: a flag the parser refuses (before megatron-core's import) is one line on
+    stderr, nothing on stdout, exit status 2."""
+    proc = run_pretrain(*BASE, "--bogus-flag")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == ["pretrain_gpt.py: error: unrecognized arguments: --bogus-flag"], proc.stderr
+
+
 def test_missing_data_path(tmp_path):
+    """As a process too: refused after megatron-core's import (its import-time warnings stay off stderr)."""
     proc = run_pretrain("--num-layers", "4", "--data-path", str(tmp_path / "corpus"))
-    assert proc.returncode == 2
+    assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [
         f"pretrain_gpt.py: error: --data-path {tmp_path / 'corpus'}: missing {tmp_path / 'corpus'}.bin, {tmp_path / 'corpus'}.idx"
     ]
 
 
-def test_mock_and_data_path_are_exclusive(tmp_path):
-    proc = run_pretrain(*BASE, "--data-path", str(tmp_path / "x"))
+def test_mock_and_data_path_are_exclusive(pretrain_in_process, tmp_path):
+    proc = pretrain_in_process(*BASE, "--data-path", str(tmp_path / "x"))
     assert proc.returncode == 2 and "exactly one of --mock-data and --data-path" in proc.stderr
 
 
@@ -104,15 +117,15 @@ def write_corpus(prefix, documents: list[str]) -> str:
     return str(prefix)
 
 
-def test_tokenizer_file_that_does_not_parse(tmp_path):
+def test_tokenizer_file_that_does_not_parse(pretrain_in_process, tmp_path):
     bad = tmp_path / "tokenizer.json"
     bad.write_text("{not json")
-    proc = run_pretrain(*BASE, "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(bad))
+    proc = pretrain_in_process(*BASE, "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(bad))
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"pretrain_gpt.py: error: cannot parse tokenizer file {bad}: "), proc.stderr
     # the deprecated spelling says so on its own line, then fails the same way
-    proc = run_pretrain(*BASE, "--tokenizer", str(bad))
+    proc = pretrain_in_process(*BASE, "--tokenizer", str(bad))
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         f"pretrain_gpt.py: warning: --tokenizer {bad} is deprecated; use --tokenizer-type HuggingFaceTokenizer --tokenizer-model {bad}",
@@ -132,33 +145,33 @@ def test_tokenizer_file_that_does_not_parse(tmp_path):
         (["--tokenizer", "byte", "--tokenizer-type", "ByteTokenizer"], "deprecated spelling"),
     ],
 )
-def test_tokenizer_flags(flags, message):
-    proc = run_pretrain(*BASE, *flags)
+def test_tokenizer_flags(pretrain_in_process, flags, message):
+    proc = pretrain_in_process(*BASE, *flags)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr
 
 
 @pytest.mark.parametrize("elastic", [[], ["--elastic-pp"]])
-def test_train_split_without_documents(tmp_path, elastic):
+def test_train_split_without_documents(pretrain_in_process, tmp_path, elastic):
     prefix = write_corpus(tmp_path / "corpus", ["some text"] * 3)
-    proc = run_pretrain("--num-layers", "4", "--data-path", prefix, "--split", "0,1,0", *elastic)
+    proc = pretrain_in_process("--num-layers", "4", "--data-path", prefix, "--split", "0,1,0", *elastic)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "no document to train on (3 documents in the corpus, 0 in the train split" in lines[0], proc.stderr
 
 
-def test_corpus_smaller_than_one_sample(tmp_path):
+def test_corpus_smaller_than_one_sample(pretrain_in_process, tmp_path):
     prefix = write_corpus(tmp_path / "corpus", ["x"] * 3)
-    proc = run_pretrain("--num-layers", "4", "--data-path", prefix, "--split", "1,0,0")
+    proc = pretrain_in_process("--num-layers", "4", "--data-path", prefix, "--split", "1,0,0")
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "the train split holds 6 tokens, fewer than one sample of --seq-length 128" in lines[0], proc.stderr
 
 
-def test_document_longer_than_context_cap_needs_truncate_flag(tmp_path):
+def test_document_longer_than_context_cap_needs_truncate_flag(pretrain_in_process, tmp_path):
     prefix = write_corpus(tmp_path / "corpus", ["a" * 50, "b" * 300, "c" * 400] * 10)
-    proc = run_pretrain("--num-layers", "4", "--data-path", prefix, "--split", "1,0,0", "--elastic-pp", "--seq-length", "128")
+    proc = pretrain_in_process("--num-layers", "4", "--data-path", prefix, "--split", "1,0,0", "--elastic-pp", "--seq-length", "128")
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "20 of 30 train documents are longer than the context cap --seq-length 128 (longest 400" in lines[0]

@@ -15,7 +15,10 @@ ELASTIC = ["pretrain_gpt.py", "--elastic-pp", "--bf16", "--mock-data", "--num-la
            "--log-interval", "1",
            # the budgets below make split and hybrid chunks for the byte vocabulary unpadded (257 rows; padded
            # to 384 the logits of this 32-wide model take a third more of them)
-           "--make-vocab-size-divisible-by", "1"]
+           "--make-vocab-size-divisible-by", "1",
+           # the recompute program of a degenerate finalist (every sequence in 1-token chunks) runs to its wall-clock
+           # safety limit at these budgets: seconds a step, the same plans without it (the planner is tested elsewhere)
+           "--epp-time-limit", "0.05"]
 STOCK = ["pretrain_gpt.py", "--bf16", "--mock-data", "--pipeline-model-parallel-size", "2", "--num-layers", "2",
          "--hidden-size", "32", "--seq-length", "64", "--global-batch-size", "8", "--micro-batch-size", "2", "--lr", "5e-3",
          "--lr-warmup-iters", "2", "--train-iters", "12", "--log-interval", "1"]

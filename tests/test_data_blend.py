@@ -156,12 +156,10 @@ def test_stock_blend_draws_fixed_length_samples_by_weight(tmp_path):
         (["0.3", "{a}", "0.7", "{b}"], "--data-path {b}: the train split holds 6 tokens, fewer than one sample of --seq-length 128"),
     ],
 )
-def test_driver_rejects_bad_blends_before_work(tmp_path, data_path, message):
-    from tests.test_bad_input import run_pretrain
-
+def test_driver_rejects_bad_blends_before_work(pretrain_in_process, tmp_path, data_path, message):
     names = {"a": write_corpus(tmp_path / "a", ["some text"] * 30), "b": write_corpus(tmp_path / "b", ["x"] * 3),
              "missing": str(tmp_path / "missing")}
-    proc = run_pretrain("--num-layers", "4", "--split", "1,0,0", "--data-path", *(t.format(**names) for t in data_path))
+    proc = pretrain_in_process("--num-layers", "4", "--split", "1,0,0", "--data-path", *(t.format(**names) for t in data_path))
     assert proc.returncode == 2 and proc.stdout == ""
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message.format(**names) in lines[0], proc.stderr

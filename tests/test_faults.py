@@ -25,7 +25,7 @@ from megatron_epp.training.corpus_check import check_corpus
 from megatron_epp.training.faults import ExitConditions
 from megatron_epp.training.metrics import read_metrics
 from tests.launch import torchrun, torchrun_signalled_after
-from tests.test_bad_input import run_pretrain, write_corpus
+from tests.test_bad_input import write_corpus
 from tests.test_elastic_training import RUN
 
 ITERS = 8
@@ -178,11 +178,11 @@ def test_truncated_or_foreign_checkpoint_is_refused(crashed_save, tmp_path, how,
     assert check_loadable(_args(crashed_save)) == 3
 
 
-def test_bad_checkpoint_is_one_line_before_training(crashed_save, tmp_path):
+def test_bad_checkpoint_is_one_line_before_training(pretrain_in_process, crashed_save, tmp_path):
     ckpt = tmp_path / "ckpt"
     shutil.copytree(crashed_save, ckpt)
     _break(ckpt, "shard missing")
-    proc = run_pretrain(*FLAGS, "--load", str(ckpt), world_size=2)
+    proc = pretrain_in_process(*FLAGS, "--load", str(ckpt), world_size=2)
     assert proc.returncode == 2 and proc.stdout == "", proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "is truncated: __1_" in lines[0], proc.stderr
@@ -229,7 +229,7 @@ def test_empty_load_directory_starts_from_scratch(tmp_path):
     ("dtype", "unknown token dtype code 99"),
     ("idx short", "its header (30 sequences, 31 document bounds) needs"),
 ])
-def test_bin_and_idx_that_do_not_match_are_one_line(tmp_path, how, message):
+def test_bin_and_idx_that_do_not_match_are_one_line(pretrain_in_process, tmp_path, how, message):
     prefix = write_corpus(tmp_path / "corpus", ["some text of a document"] * 30)
     idx, bin_ = tmp_path / "corpus.idx", tmp_path / "corpus.bin"
     if how == "bin short":
@@ -243,8 +243,8 @@ def test_bin_and_idx_that_do_not_match_are_one_line(tmp_path, how, message):
     elif how == "idx short":
         idx.write_bytes(idx.read_bytes()[:-8])
     flags = ["--num-layers", "4", "--data-path", prefix, "--split", "1,0,0", "--seq-length", "16"]
-    if how == "bin short":  # what pretrain_gpt.py prints, once; the other cases in-process
-        proc = run_pretrain(*flags)
+    if how == "bin short":  # what pretrain_gpt.py prints, once; the other cases through check_corpus
+        proc = pretrain_in_process(*flags)
         assert proc.returncode == 2, proc.stderr
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and message.format(p=prefix) in lines[0], proc.stderr

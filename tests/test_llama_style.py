@@ -21,7 +21,6 @@ from megatron_epp.training.initialize import Runtime
 from megatron_epp.training.metrics import read_metrics
 from megatron_epp.training.model import build_model
 from tests.launch import REPO, free_port, run_env
-from tests.test_bad_input import run_pretrain
 
 
 def test_llama_style_example_trains_with_falling_loss(tmp_path):
@@ -103,8 +102,8 @@ def test_gpt_style_parameter_count():
          "--rotary-base applies only with --position-embedding-type rope"),
     ],
 )
-def test_bad_llama_flags_give_one_line_error(flags, world_size, message):
-    proc = run_pretrain("--mock-data", "--num-layers", "4", *flags, world_size=world_size)
+def test_bad_llama_flags_give_one_line_error(pretrain_in_process, flags, world_size, message):
+    proc = pretrain_in_process("--mock-data", "--num-layers", "4", *flags, world_size=world_size)
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr

@@ -8,20 +8,47 @@ import torch
 
 from tests.launch import torchrun
 from tests.test_elastic_equivalence import rank0_shard
+from tests.workers.grad_dump import RUN_SEPARATOR
 
 COMMON = ["--mock-data", "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
           "--seq-length", "32", "--global-batch-size", "8", "--micro-batch-size", "2", "--vocab-size", "256"]
+ROPE, LEARNED = ["--position-embedding-type", "rope"], ["--position-embedding-type", "learned_absolute"]
+PP2, PP4 = ["--pipeline-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "4"]
+# name: (processes, flags). The runs of one process count share a launch (tests/workers/grad_dump.py: one process
+# start for several layouts, each on its own model-parallel groups).
+RUNS = {
+    "pp1-rope": (1, ROPE),
+    "pp1-learned_absolute": (1, LEARNED),
+    "pp2-rope": (2, [*ROPE, *PP2]),
+    "pp2-learned_absolute": (2, [*LEARNED, *PP2]),
+    # stock Megatron-Core's sequence parallelism on the local spec (TorchNorm: norm gradients summed over tp)
+    "tp2sp-rope": (2, [*ROPE, "--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    "pp2-rope-seed7": (2, [*ROPE, *PP2, "--seed", "7"]),  # another batch
+    "pp4-rope": (4, [*ROPE, *PP4]),
+    "dp2pp2-rope": (4, [*ROPE, *PP2]),
+}
 
 
-def dump(tmp_path, name: str, nproc: int, *flags: str) -> tuple[float, dict[str, torch.Tensor]]:
-    out = tmp_path / name
-    out.mkdir()
-    torchrun(nproc, "tests/workers/grad_dump.py", str(out), *COMMON, *flags)
+def load(out) -> tuple[float, dict[str, torch.Tensor]]:
     stages = [torch.load(p) for p in sorted(out.glob("stage*.pt"))]
     grads: dict[str, torch.Tensor] = {}
     for stage in reversed(stages):  # the first stage's tied embedding wins (it is the all-reduced one)
         grads.update(stage["grads"])
     return stages[-1]["loss"], grads
+
+
+@pytest.fixture(scope="module")
+def dumps(tmp_path_factory) -> dict[str, tuple[float, dict[str, torch.Tensor]]]:
+    """Every run of ``RUNS``: ``{name: (loss, gradients by global parameter name)}``, one launch per process count."""
+    root = tmp_path_factory.mktemp("dumps")
+    for nproc in sorted({n for n, _ in RUNS.values()}):
+        argv: list[str] = []
+        for name, (n, flags) in RUNS.items():
+            if n == nproc:
+                (root / name).mkdir()
+                argv += [*([RUN_SEPARATOR] if argv else []), str(root / name), *COMMON, *flags]
+        torchrun(nproc, "tests/workers/grad_dump.py", *argv)
+    return {name: load(root / name) for name in RUNS}
 
 
 def assert_same(reference: tuple[float, dict], other: tuple[float, dict]) -> None:
@@ -35,20 +62,25 @@ def assert_same(reference: tuple[float, dict], other: tuple[float, dict]) -> Non
 
 
 @pytest.mark.parametrize("position", ["rope", "learned_absolute"])
-def test_pipeline_layouts_match_single_stage(tmp_path, position):
-    flags = ["--position-embedding-type", position]
-    reference = dump(tmp_path, "pp1", 1, *flags)
+def test_pipeline_layouts_match_single_stage(dumps, position):
+    reference = dumps[f"pp1-{position}"]
     assert reference[1]["embedding.word_embeddings.weight"].abs().sum() > 0
-    assert_same(reference, dump(tmp_path, "pp2", 2, *flags, "--pipeline-model-parallel-size", "2"))
-    if position == "rope":
-        assert_same(reference, dump(tmp_path, "pp4", 4, *flags, "--pipeline-model-parallel-size", "4"))
-        assert_same(reference, dump(tmp_path, "dp2pp2", 4, *flags, "--pipeline-model-parallel-size", "2"))
-        # stock Megatron-Core's sequence parallelism on the local spec (TorchNorm: norm gradients summed over tp)
-        assert_same(reference, dump(tmp_path, "tp2sp", 2, *flags, "--tensor-model-parallel-size", "2", "--sequence-parallel"))
+    layouts = ["pp2", "pp4", "dp2pp2", "tp2sp"] if position == "rope" else ["pp2"]
+    for layout in layouts:
+        try:
+            assert_same(reference, dumps[f"{layout}-{position}"])
+        except AssertionError as error:
+            raise AssertionError(f"{layout} differs from pp1 ({position}): {error}") from error
 
 
-def test_comparison_detects_a_different_batch(tmp_path):
+def test_comparison_detects_a_different_batch(dumps):
     """The comparison is sharp: one changed sample (another seed) breaks it."""
-    reference = dump(tmp_path, "a", 1)
     with pytest.raises(AssertionError):
-        assert_same(reference, dump(tmp_path, "b", 2, "--pipeline-model-parallel-size", "2", "--seed", "7"))
+        assert_same(dumps["pp1-rope"], dumps["pp2-rope-seed7"])
+
+
+def test_the_learned_position_runs_differ_from_rope(dumps):
+    """The runs of one launch are their own: the position embedding each asked for was built (another loss)."""
+    assert dumps["pp1-learned_absolute"][0] != dumps["pp1-rope"][0]
+    assert "embedding.position_embeddings.weight" in dumps["pp1-learned_absolute"][1]
+    assert "embedding.position_embeddings.weight" not in dumps["pp1-rope"][1]

@@ -2,7 +2,9 @@
 
 Launched by tests under torchrun. Parameters are set from their *global* name (layer numbers
 offset by the stage), so every parallel layout starts from identical weights.
-    torchrun --nproc-per-node N tests/workers/grad_dump.py OUT_DIR [pretrain_gpt flags...]
+    torchrun --nproc-per-node N tests/workers/grad_dump.py OUT_DIR [pretrain_gpt flags...] [:: OUT_DIR [flags...]]...
+Several runs (separated by ``::``) share the launch (one process start): each builds its own model-parallel
+groups (same world size), model and optimizer, dumps, and tears the groups down for the next.
 """
 
 from __future__ import annotations
@@ -18,7 +20,10 @@ from megatron_epp.training.initialize import initialize, shutdown
 from megatron_epp.training.loop import build_optimizer, megatron_step
 from megatron_epp.training.main import build_samples
 from megatron_epp.training.model import build_model
+from megatron.core import parallel_state as ps
 from megatron.core.utils import unwrap_model
+
+RUN_SEPARATOR = "::"
 
 
 def global_name(name: str, pp_rank: int, layers_per_stage: int) -> str:
@@ -55,8 +60,7 @@ def set_global_weights(model: torch.nn.Module, pp_rank: int, layers_per_stage: i
             p.copy_(tensor_parallel_shard(full, name, dim, tp_rank, tp_size, gated) if dim >= 0 else full)
 
 
-def main() -> None:
-    out_dir, flags = sys.argv[1], sys.argv[2:]
+def dump(out_dir: str, flags: list[str]) -> None:
     args = parse_args(flags)
     runtime = initialize(args)
     model, config = build_model(args, runtime)
@@ -68,8 +72,6 @@ def main() -> None:
     batches = microbatches(build_samples(args, "train"), 0, args.global_batch_size, args.micro_batch_size, runtime.dp_rank, runtime.dp_size, runtime.device)
     model.zero_grad_buffer()
     losses, _ = megatron_step(args, model, gpt_forward_step, batches)(False)
-    from megatron.core import parallel_state as ps
-
     loss = reduce_losses(losses, ps.get_data_parallel_group())
     grads = {
         global_name(n, runtime.pp_rank, layers_per_stage): p.main_grad.detach().clone()
@@ -77,6 +79,25 @@ def main() -> None:
     }
     if runtime.dp_rank == 0 and runtime.tp_rank == 0:
         torch.save({"loss": loss, "grads": grads}, f"{out_dir}/stage{runtime.pp_rank}.pt")
+
+
+def split_runs(argv: list[str]) -> list[tuple[str, list[str]]]:
+    """``OUT_DIR flags... :: OUT_DIR flags...`` -> ``[(OUT_DIR, flags), ...]``."""
+    runs, run = [], []
+    for arg in [*argv, RUN_SEPARATOR]:
+        if arg == RUN_SEPARATOR:
+            runs.append((run[0], run[1:]))
+            run = []
+        else:
+            run.append(arg)
+    return runs
+
+
+def main() -> None:
+    for i, (out_dir, flags) in enumerate(split_runs(sys.argv[1:])):
+        if i:
+            ps.destroy_model_parallel()  # the process group stays: the next run's initialize builds new groups on it
+        dump(out_dir, flags)
     shutdown()
 
 

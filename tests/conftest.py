@@ -1,0 +1,38 @@
+"""Fixtures shared by the test modules."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import pretrain_gpt
+from megatron_epp.training import main as training_main
+
+
+@pytest.fixture
+def pretrain_in_process(monkeypatch, capsys):
+    """``pretrain_gpt.py FLAGS`` through its own entry point (``pretrain_gpt.run``) in this process, answered as
+    :func:`tests.test_bad_input.run_pretrain` answers (exit status, stdout, stderr) without a process start and
+    megatron-core's import per case (seconds each). Flags that get past every check stop where the process group
+    would start, and fail the test: a bad flag must be refused before that."""
+
+    def accepted(args):
+        raise AssertionError("the flags were accepted: pretrain_gpt.py went on to start its process group")
+
+    monkeypatch.setattr(training_main, "initialize", accepted)
+
+    def run(*flags: str, world_size: int = 1) -> subprocess.CompletedProcess:
+        monkeypatch.setenv("WORLD_SIZE", str(world_size))
+        monkeypatch.setenv("RANK", "0")
+        monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *flags])
+        capsys.readouterr()
+        try:
+            returncode = pretrain_gpt.run()
+        except SystemExit as exit_:  # argparse's --help
+            returncode = exit_.code
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(sys.argv, returncode, out, err)
+
+    return run
