@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec
 from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -77,8 +77,6 @@ def default_layer_spec(normalization: str = "LayerNorm") -> ModuleSpec:
     """The stock path's layers: Transformer Engine's spec when TE's PyTorch layers import on a GPU, else the local one
     (``normalization``: ``LayerNorm`` or ``RMSNorm``; TE's layers read it from the ``TransformerConfig``)."""
     if transformer_engine_available():
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-
         return get_gpt_layer_with_transformer_engine_spec()
     return local_layer_spec(normalization)
 
