@@ -67,7 +67,7 @@ def layouts(scale: int) -> dict[str, Plan]:
 
 
 def force(backend: str) -> None:
-    attention_kernels.select_backend = lambda request, device, dtype: backend
+    attention_kernels.select_backend = lambda request, device, dtype, decided=None: backend
 
 
 def synchronize(device: str) -> None:

@@ -70,9 +70,9 @@ REFERENCE_KERNEL = FlashKernel(reference_flash_attn_varlen_func, "reference", de
 @pytest.fixture(autouse=True)
 def fresh_decisions(monkeypatch):
     monkeypatch.delenv(attention_kernels.ENV, raising=False)
-    attention_kernels.reset_decisions()
+    attention_kernels.reset_flash_probe()
     yield
-    attention_kernels.reset_decisions()
+    attention_kernels.reset_flash_probe()
 
 
 def use_kernel(monkeypatch, kernel: FlashKernel | None, why_not: str = "flash-attn does not import (test)") -> None:
@@ -124,7 +124,7 @@ def test_sdpa_causal_path_matches_masked(monkeypatch):
     """The CUDA SDPA path's maths (is_causal where there is no context), run on CPU."""
     sdpa = {}
     for name in ("sdpa-masked", "sdpa-causal"):
-        monkeypatch.setattr(attention_kernels, "select_backend", lambda request, device, dtype, name=name: name)
+        monkeypatch.setattr(attention_kernels, "select_backend", lambda request, device, dtype, decided=None, name=name: name)
         sdpa[name] = [run_backend(monkeypatch, "auto", plan, 4, 2, seed=case) for case, plan in plans(6)]
     for case, (causal, masked) in enumerate(zip(sdpa["sdpa-causal"], sdpa["sdpa-masked"])):
         assert max(worst_errors(causal, masked).values()) < TOL, f"case {case}"
@@ -189,6 +189,21 @@ def test_contract_test_catches_prefix_faults(monkeypatch, fault):
             continue
         caught += max(worst_errors(flash, sdpa).values()) > 1e-2
     assert checked >= 2 and caught == checked
+
+
+def test_kernel_decided_once_per_model_on_its_context(monkeypatch, capsys):
+    """The attention kernel is the model's decision (kept on its ChunkContext, no module state): its layers print
+    it once; another model decides (and prints) for itself."""
+    use_kernel(monkeypatch, None)
+    chunk = Chunk(0, "batched", [Segment(0, 0, 4)])
+    for context in (ChunkContext(), ChunkContext()):
+        layers = [make_attention(4, 4, 8, layer_number=i, context=context) for i in (1, 2, 3)]
+        with context.running(ChunkLayout.build(chunk, [4], torch.device("cpu"))):
+            for _ in range(2):
+                for layer in layers:
+                    layer(*(torch.randn(4, 1, 4, 8) for _ in range(3)))
+        assert context.attention_backends == {("auto", "cpu", torch.float32): "sdpa-masked"}
+    assert capsys.readouterr().out.count("> elastic attention: sdpa-masked") == 2
 
 
 def test_flash_call_arguments_and_seqlens_built_once_per_chunk(monkeypatch):
@@ -286,7 +301,7 @@ def test_flash_attn_older_than_2_1_is_refused(monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_attn", fake)
     kernel, why_not = attention_kernels.load_flash_kernel()
     assert kernel is None and "2.0.9 < 2.1" in why_not and "bottom-right" in why_not
-    attention_kernels.reset_decisions()
+    attention_kernels.reset_flash_probe()
     fake.__version__ = "2.8.3"
     kernel, _ = attention_kernels.load_flash_kernel()
     assert kernel.version == "2.8.3" and kernel.varlen_func is reference_flash_attn_varlen_func
@@ -307,17 +322,20 @@ def test_flash_requested_on_cpu_float32_fails_at_first_forward(monkeypatch):
 def test_auto_and_sdpa_choices(monkeypatch, capsys):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     use_kernel(monkeypatch, None)
-    assert attention_kernels.select_backend("auto", cpu, torch.float32) == "sdpa-masked"
-    assert attention_kernels.select_backend("auto", cpu, torch.float32) == "sdpa-masked"  # decided once
-    assert attention_kernels.select_backend("auto", cuda, torch.bfloat16) == "sdpa-causal"
-    attention_kernels.reset_decisions()
+    decided: dict = {}  # a model's record (ChunkContext.attention_backends)
+    assert attention_kernels.select_backend("auto", cpu, torch.float32, decided) == "sdpa-masked"
+    assert attention_kernels.select_backend("auto", cpu, torch.float32, decided) == "sdpa-masked"  # decided once
+    assert attention_kernels.select_backend("auto", cuda, torch.bfloat16, decided) == "sdpa-causal"
+    first = capsys.readouterr().out.splitlines()
+    assert len(first) == 2  # printed once per decision
+    assert first[0] == "> elastic attention: sdpa-masked (EPP_ATTENTION_BACKEND=auto, cpu float32; no flash: flash-attn does not import (test))"
+    attention_kernels.reset_flash_probe()
     use_kernel(monkeypatch, FlashKernel(reference_flash_attn_varlen_func, "2.8.3", min_capability=None))
     assert attention_kernels.select_backend("auto", cuda, torch.bfloat16) == "flash-varlen"
     assert attention_kernels.select_backend("auto", cuda, torch.float32) == "sdpa-causal"
     assert attention_kernels.select_backend("auto", cpu, torch.float32) == "sdpa-masked"  # the CPU path stays
     assert attention_kernels.select_backend("sdpa", cuda, torch.bfloat16) == "sdpa-causal"
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0] == "> elastic attention: sdpa-masked (EPP_ATTENTION_BACKEND=auto, cpu float32; no flash: flash-attn does not import (test))"
     assert "> elastic attention: flash-varlen (EPP_ATTENTION_BACKEND=auto, cuda bfloat16; flash-attn 2.8.3)" in lines
     assert "> elastic attention: sdpa-causal (EPP_ATTENTION_BACKEND=auto, cuda float32; no flash: dtype float32, flash-attn takes float16/bfloat16)" in lines
-    assert len(lines) == 6
+    assert len(lines) == 4  # no record: decided (and printed) at each call

@@ -242,6 +242,7 @@ class ChunkContext:
         self.current: ChunkLayout | None = None
         self.kv: dict[tuple[int, int], KVBuffer] = {}  # (sequence, layer number) -> its K/V buffer
         self.kv_version = 0  # changes whenever a K/V buffer is allocated or released (memory tracking caches on it)
+        self.attention_backends: dict = {}  # the attention kernel decided per (request, device type, dtype): once per model
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> "ChunkContext":

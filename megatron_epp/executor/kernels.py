@@ -110,17 +110,17 @@ def check_request(request: str) -> None:
             raise AttentionBackendError(f"{ENV}=flash but {why_not}; install flash-attn (scripts/setup_gpu.sh) or use {ENV}=auto|sdpa")
 
 
-_DECISIONS: dict[tuple[str, str, torch.dtype], str] = {}
+def select_backend(request: str, device: torch.device, dtype: torch.dtype,
+                   decided: dict[tuple[str, str, torch.dtype], str] | None = None) -> str:
+    """``flash-varlen``, ``sdpa-causal`` or ``sdpa-masked`` for tensors of ``device``/``dtype``, printed
+    (first rank only) with its reason.
 
-
-def select_backend(request: str, device: torch.device, dtype: torch.dtype) -> str:
-    """``flash-varlen``, ``sdpa-causal`` or ``sdpa-masked`` for tensors of ``device``/``dtype``.
-
-    Decided once per (request, device type, dtype) and printed (first rank only) with its reason.
+    ``decided``: the caller's record of earlier decisions (a model's :class:`ChunkContext` keeps one, so
+    each (request, device type, dtype) is decided and printed once per model); None: decide now.
     """
     key = (request, device.type, dtype)
-    if key in _DECISIONS:
-        return _DECISIONS[key]
+    if decided is not None and key in decided:
+        return decided[key]
     kernel, why_not = load_flash_kernel()
     if kernel is not None:
         why_not = kernel.unsupported(device, dtype) or ""
@@ -133,16 +133,16 @@ def select_backend(request: str, device: torch.device, dtype: torch.dtype) -> st
         choice, reason = sdpa, "flash-attn not requested"
     else:
         choice, reason = ("flash-varlen", f"flash-attn {kernel.version}") if not why_not else (sdpa, f"no flash: {why_not}")
-    _DECISIONS[key] = choice
+    if decided is not None:
+        decided[key] = choice
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()) or torch.distributed.get_rank() == 0:
         dtype_name = str(dtype).removeprefix("torch.")
         print(f"> elastic attention: {choice} ({ENV}={request}, {device.type} {dtype_name}; {reason})", flush=True)
     return choice
 
 
-def reset_decisions() -> None:
-    """Forget the decisions and the flash-attn probe (tests)."""
-    _DECISIONS.clear()
+def reset_flash_probe() -> None:
+    """Forget the flash-attn probe (tests that swap the installed flash-attn)."""
     _probe_flash.cache_clear()
 
 
