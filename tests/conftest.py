@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import warnings
 
 import pytest
 
@@ -15,8 +16,9 @@ from megatron_epp.training import main as training_main
 def pretrain_in_process(monkeypatch, capsys):
     """``pretrain_gpt.py FLAGS`` through its own entry point (``pretrain_gpt.run``) in this process, answered as
     :func:`tests.test_bad_input.run_pretrain` answers (exit status, stdout, stderr) without a process start and
-    megatron-core's import per case (seconds each). Flags that get past every check stop where the process group
-    would start, and fail the test: a bad flag must be refused before that."""
+    megatron-core's import per case (seconds each). A warning raised on the way is added to stderr as Python's default
+    filters would print it to a user (as the process would show it). Flags that get past every check stop where the
+    process group would start, and fail the test: a bad flag must be refused before that."""
 
     def accepted(args):
         raise AssertionError("the flags were accepted: pretrain_gpt.py went on to start its process group")
@@ -28,11 +30,16 @@ def pretrain_in_process(monkeypatch, capsys):
         monkeypatch.setenv("RANK", "0")
         monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *flags])
         capsys.readouterr()
-        try:
-            returncode = pretrain_gpt.run()
-        except SystemExit as exit_:  # argparse's --help
-            returncode = exit_.code
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default")
+            for hidden in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+                warnings.filterwarnings("ignore", category=hidden)  # Python's default filters hide these from a user
+            try:
+                returncode = pretrain_gpt.run()
+            except SystemExit as exit_:  # argparse's --help
+                returncode = exit_.code
         out, err = capsys.readouterr()
+        err += "".join(warnings.formatwarning(w.message, w.category, w.filename, w.lineno) for w in caught)
         return subprocess.CompletedProcess(sys.argv, returncode, out, err)
 
     return run

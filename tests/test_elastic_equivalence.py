@@ -26,6 +26,7 @@ import torch
 
 from tests.launch import torchrun
 from tests.workers.grad_dump import tensor_parallel_shard
+from tests.workers.runs import RUN_SEPARATOR
 
 MODEL = ["--mock-data", "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
          "--seq-length", "64", "--max-position-embeddings", "64"]
@@ -35,10 +36,46 @@ LLAMA = ["--swiglu", "--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--
          "--num-query-groups", "2", "--disable-bias-linear", "--rotary-base", "500000"]
 
 
-def run(out: Path, nproc: int, mode: str, cases: int, *flags: str, env: dict[str, str] | None = None) -> Path:
-    out.mkdir()
-    torchrun(nproc, "tests/workers/elastic_equivalence.py", str(out), "--mode", mode, "--cases", str(cases), *MODEL, *flags, env=env)
-    return out
+PP2 = ["--pipeline-model-parallel-size", "2"]
+DROPOUT = ["--hidden-dropout", "0.2", "--attention-dropout", "0.2", *PP2]
+SP_FAULT_CASES = 2  # the first cases of the sequence-parallel run again under each of its faults
+FAULTS = ["drop_prefix", "drop_prefix_grads", "misplaced_kv", "forward_order_backward", "leak_packing"]
+
+
+def layout(pp: int, tp: int, position: str, *flags: str) -> list[str]:
+    return ["--pipeline-model-parallel-size", str(pp), "--tensor-model-parallel-size", str(tp), "--position-embedding-type", position, *flags]
+
+
+# Every run the tests below compare: name -> (processes, mode, cases, worker flags). The runs of one process count
+# share one launch (tests/workers/elastic_equivalence.py takes several, separated by ::): a process start each
+# would be most of this module's time.
+RUNS: dict[str, tuple[int, str, int, list[str]]] = {
+    # stock Megatron-Core, each whole sequence its own micro-batch
+    "reference-rope": (1, "reference", CASES, ["--position-embedding-type", "rope"]),
+    "reference-learned_absolute": (1, "reference", CASES, ["--position-embedding-type", "learned_absolute"]),
+    "reference-llama": (1, "reference", CASES, LLAMA),
+    "reference-bf16": (1, "reference", CASES, ["--bf16"]),
+    # random plans (test_random_plans_match_reference)
+    "pp1": (1, "elastic", 8, layout(1, 1, "rope")),
+    "pp2": (2, "elastic", 8, layout(2, 1, "rope")),
+    "pp4": (4, "elastic", 6, layout(4, 1, "rope")),
+    "dp2xpp2": (4, "elastic", 6, layout(2, 1, "rope")),
+    "tp2xpp2-sp": (4, "elastic", 4, layout(2, 2, "rope", "--sequence-parallel")),
+    "pp2-learned": (2, "elastic", 6, layout(2, 1, "learned_absolute")),
+    "llama": (2, "elastic", 6, [*PP2, "--random-recompute", *LLAMA]),
+    "llama-sp": (2, "elastic", 6, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--sp-fault-cases", str(SP_FAULT_CASES), *LLAMA]),
+    "llama-gqa_tiled_heads": (2, "elastic", 3, [*PP2, *LLAMA, "--fault", "gqa_tiled_heads"]),
+    "recompute": (2, "elastic", 6, [*PP2, "--random-recompute"]),
+    "dropout-plain": (2, "elastic", 4, DROPOUT),
+    "dropout-recompute": (2, "elastic", 4, [*DROPOUT, "--random-recompute"]),
+    "dropout-recompute_without_rng_restore": (2, "elastic", 4, [*DROPOUT, "--random-recompute", "--fault", "recompute_without_rng_restore"]),
+    **{f"fault-{fault}": (2, "elastic", 3, [*PP2, "--fault", fault]) for fault in FAULTS},
+    # bf16 (Float16Module) against the fp32 reference
+    "bf16-pp2-sdpa": (2, "elastic", CASES, [*PP2, "--bf16", "--attention-backend", "sdpa"]),
+    "bf16-pp1-sdpa": (1, "elastic", CASES, ["--pipeline-model-parallel-size", "1", "--bf16", "--attention-backend", "sdpa"]),
+    "bf16-pp1-flash": (1, "elastic", CASES, ["--pipeline-model-parallel-size", "1", "--bf16", "--attention-backend", "flash"]),
+    "bf16-drop_prefix": (2, "elastic", 3, [*PP2, "--bf16", "--fault", "drop_prefix"]),
+}
 
 
 def load(out: Path, case: int, fault: str = "") -> tuple[float, dict[str, torch.Tensor]]:
@@ -70,11 +107,19 @@ def worst_mismatch(reference: Path, elastic: Path, case: int, fault: str = "", g
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("reference")
-    refs = {pos: run(root / pos, 1, "reference", CASES, "--position-embedding-type", pos) for pos in ("rope", "learned_absolute")}
-    refs["llama"] = run(root / "llama", 1, "reference", CASES, *LLAMA)
-    return refs
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """Every run of ``RUNS`` (the flash-attn one where that path runs): ``{name: its output folder}``; one launch
+    per process count."""
+    root = tmp_path_factory.mktemp("elastic-equivalence")
+    wanted = {name: spec for name, spec in RUNS.items() if name != "bf16-pp1-flash" or not flash_unavailable()}
+    for nproc in sorted({spec[0] for spec in wanted.values()}):
+        argv: list[str] = []
+        for name, (n, mode, cases, flags) in wanted.items():
+            if n == nproc:
+                (root / name).mkdir()
+                argv += [*([RUN_SEPARATOR] if argv else []), str(root / name), "--mode", mode, "--cases", str(cases), *MODEL, *flags]
+        torchrun(nproc, "tests/workers/elastic_equivalence.py", *argv, timeout=1800)
+    return {name: root / name for name in wanted}
 
 
 @pytest.mark.parametrize(
@@ -83,71 +128,61 @@ def references(tmp_path_factory) -> dict[str, Path]:
      (4, 2, 2, 4, "rope", ["--sequence-parallel"]), (2, 2, 1, 6, "learned_absolute", [])],
     ids=["pp1", "pp2", "pp4", "dp2xpp2", "tp2xpp2-sp", "pp2-learned"],
 )
-def test_random_plans_match_reference(tmp_path, references, nproc, pp, tp, cases, position, flags):
+def test_random_plans_match_reference(request, runs, nproc, pp, tp, cases, position, flags):
     """tp 2 x pp 2 runs with ``--sequence-parallel``: stage-to-stage tensors of ``[tokens / 2, 1, h]``, chunks
     of an odd token count padded by one token."""
-    elastic = run(tmp_path / "elastic", nproc, "elastic", cases, "--pipeline-model-parallel-size", str(pp),
-                  "--tensor-model-parallel-size", str(tp), "--position-embedding-type", position, *flags)
+    name = request.node.callspec.id
+    assert RUNS[name] == (nproc, "elastic", cases, layout(pp, tp, position, *flags))  # the run is the one the id names
     for case in range(cases):
-        assert worst_mismatch(references[position], elastic, case) < 1e-5, f"case {case}"
+        assert worst_mismatch(runs[f"reference-{position}"], runs[name], case) < 1e-5, f"case {case}"
 
 
-def test_llama_style_random_plans_match_reference(tmp_path, references):
+def test_llama_style_random_plans_match_reference(runs):
     """SwiGLU, RMSNorm, GQA (SDPA ``enable_gqa``, K/V buffers of the K/V heads only), no biases, rotary
     base 500000, at pp 2 with random recompute: the loss and gradients of stock Megatron-Core."""
-    cases = 6
-    elastic = run(tmp_path / "llama", 2, "elastic", cases, "--pipeline-model-parallel-size", "2", "--random-recompute", *LLAMA)
-    for case in range(cases):
-        assert worst_mismatch(references["llama"], elastic, case) < 1e-5, f"case {case}"
+    for case in range(RUNS["llama"][2]):
+        assert worst_mismatch(runs["reference-llama"], runs["llama"], case) < 1e-5, f"case {case}"
 
 
-def test_sequence_parallel_llama_style_random_plans_match_reference(tmp_path, references):
+def test_sequence_parallel_llama_style_random_plans_match_reference(runs):
     """tp 2 with ``--sequence-parallel``, LLaMA-style: SwiGLU under tensor parallelism (each rank holds its share
     of both halves of fc1, set and compared as such), RMSNorm as ``TorchNorm``, grouped-query attention with one
     K/V head per rank; random plans whose chunks of an odd token count are padded by one token (checked: some
     are). In the same launch, the first cases again under each fault, which must break the match: the norms'
     gradients not summed over the tensor-parallel ranks, the padding tokens counted in the loss."""
-    cases, faulty = 6, 2
-    elastic = run(tmp_path / "sp", 2, "elastic", cases, "--tensor-model-parallel-size", "2", "--sequence-parallel",
-                  "--sp-fault-cases", str(faulty), *LLAMA)
+    cases, faulty, elastic, reference = RUNS["llama-sp"][2], SP_FAULT_CASES, runs["llama-sp"], runs["reference-llama"]
     assert sum(torch.load(p)["padding"] for p in elastic.glob("case*_stage0.pt")) > 0
     for case in range(cases):
-        assert worst_mismatch(references["llama"], elastic, case, gated=True) < 1e-5, f"case {case}"
+        assert worst_mismatch(reference, elastic, case, gated=True) < 1e-5, f"case {case}"
     for fault in ("sp_norm_grads_not_reduced", "sp_padding_in_loss"):
-        assert max(worst_mismatch(references["llama"], elastic, c, fault, gated=True) for c in range(faulty)) > 1e-2, fault
+        assert max(worst_mismatch(reference, elastic, c, fault, gated=True) for c in range(faulty)) > 1e-2, fault
 
 
-def test_llama_style_wrong_kv_heads_break_the_match(tmp_path, references):
+def test_llama_style_wrong_kv_heads_break_the_match(runs):
     """Query heads reading the wrong K/V group (K/V heads tiled instead of each shared by consecutive
     query heads) must break the match."""
-    broken = run(tmp_path / "gqa", 2, "elastic", 3, "--pipeline-model-parallel-size", "2", *LLAMA, "--fault", "gqa_tiled_heads")
-    assert max(worst_mismatch(references["llama"], broken, c) for c in range(3)) > 1e-2
+    broken = runs["llama-gqa_tiled_heads"]
+    assert max(worst_mismatch(runs["reference-llama"], broken, c) for c in range(3)) > 1e-2
 
 
-def test_random_recompute_matches_reference(tmp_path, references):
-    cases = 6
-    elastic = run(tmp_path / "recompute", 2, "elastic", cases, "--pipeline-model-parallel-size", "2", "--random-recompute")
-    for case in range(cases):
-        assert worst_mismatch(references["rope"], elastic, case) < 1e-5, f"case {case}"
+def test_random_recompute_matches_reference(runs):
+    for case in range(RUNS["recompute"][2]):
+        assert worst_mismatch(runs["reference-rope"], runs["recompute"], case) < 1e-5, f"case {case}"
 
 
-def test_recompute_with_dropout_replays_the_same_masks(tmp_path):
+def test_recompute_with_dropout_replays_the_same_masks(runs):
     """Dropout on: any recompute mix gives the gradients of the same plan without recompute."""
-    cases, dropout = 4, ["--hidden-dropout", "0.2", "--attention-dropout", "0.2", "--pipeline-model-parallel-size", "2"]
-    plain = run(tmp_path / "plain", 2, "elastic", cases, *dropout)
-    recomputed = run(tmp_path / "recompute", 2, "elastic", cases, *dropout, "--random-recompute")
+    cases, plain = RUNS["dropout-plain"][2], runs["dropout-plain"]
     for case in range(cases):
-        assert worst_mismatch(plain, recomputed, case) < 1e-6, f"case {case}"
-    unrestored = run(tmp_path / "no-rng", 2, "elastic", cases, *dropout, "--random-recompute",
-                     "--fault", "recompute_without_rng_restore")
+        assert worst_mismatch(plain, runs["dropout-recompute"], case) < 1e-6, f"case {case}"
+    unrestored = runs["dropout-recompute_without_rng_restore"]
     assert max(worst_mismatch(plain, unrestored, c) for c in range(cases)) > 1e-3
 
 
-@pytest.mark.parametrize("fault", ["drop_prefix", "drop_prefix_grads", "misplaced_kv", "forward_order_backward", "leak_packing"])
-def test_injected_fault_breaks_the_match(tmp_path, references, fault):
-    cases = 3
-    broken = run(tmp_path / fault, 2, "elastic", cases, "--pipeline-model-parallel-size", "2", "--fault", fault)
-    assert max(worst_mismatch(references["rope"], broken, c) for c in range(cases)) > 1e-2
+@pytest.mark.parametrize("fault", FAULTS)
+def test_injected_fault_breaks_the_match(runs, fault):
+    cases = RUNS[f"fault-{fault}"][2]
+    assert max(worst_mismatch(runs["reference-rope"], runs[f"fault-{fault}"], c) for c in range(cases)) > 1e-2
 
 
 def test_random_plans_cover_every_chunk_kind_and_shape():
@@ -188,26 +223,18 @@ def flash_unavailable() -> str | None:
     return kernel.unsupported(torch.device("cuda"), torch.bfloat16)
 
 
-@pytest.fixture(scope="module")
-def bf16_reference(tmp_path_factory) -> Path:
-    """Stock Megatron-Core in bf16, each whole sequence its own micro-batch: how far bf16 alone moves from fp32."""
-    return run(tmp_path_factory.mktemp("reference-bf16") / "rope", 1, "reference", CASES, "--bf16")
-
-
 @pytest.mark.parametrize("pp, backend", [(2, "sdpa"), (1, "sdpa"), (1, "flash")], ids=["pp2-sdpa", "pp1-sdpa", "pp1-flash"])
-def test_bf16_elastic_matches_fp32_reference(tmp_path, references, bf16_reference, pp, backend):
+def test_bf16_elastic_matches_fp32_reference(runs, pp, backend):
     """bf16 elastic pipeline vs the fp32 non-pipelined reference: within 16 u, and no further from
-    fp32 than stock Megatron-Core in bf16 is (x2)."""
+    fp32 than stock Megatron-Core in bf16 (``reference-bf16``: how far bf16 alone moves from fp32) is (x2)."""
     if backend == "flash" and (why := flash_unavailable()):
         pytest.skip(f"flash-attn path not run: {why}")
-    elastic = run(tmp_path / "elastic", pp, "elastic", CASES, "--pipeline-model-parallel-size", str(pp), "--bf16",
-                  env={"EPP_ATTENTION_BACKEND": backend})
+    elastic, reference = runs[f"bf16-pp{pp}-{backend}"], runs["reference-rope"]
     for case in range(CASES):
-        error, stock = worst_mismatch(references["rope"], elastic, case), worst_mismatch(references["rope"], bf16_reference, case)
+        error, stock = worst_mismatch(reference, elastic, case), worst_mismatch(reference, runs["reference-bf16"], case)
         assert error < BF16_BOUND, f"case {case}: {error:.2e} >= 16 u = {BF16_BOUND:.2e}"
         assert error < 2 * stock + BF16_UNIT_ROUNDOFF, f"case {case}: {error:.2e}, stock bf16 {stock:.2e}"
 
 
-def test_bf16_bound_catches_a_dropped_prefix(tmp_path, references):
-    broken = run(tmp_path / "drop", 2, "elastic", 3, "--pipeline-model-parallel-size", "2", "--bf16", "--fault", "drop_prefix")
-    assert max(worst_mismatch(references["rope"], broken, c) for c in range(3)) > BF16_BOUND
+def test_bf16_bound_catches_a_dropped_prefix(runs):
+    assert max(worst_mismatch(runs["reference-rope"], runs["bf16-drop_prefix"], c) for c in range(3)) > BF16_BOUND

@@ -10,7 +10,8 @@ from megatron_epp.cost.profiles import ModelShape
 from megatron_epp.plan import PlanInfeasible
 from megatron_epp.planner.cli import main as epp_plan
 from megatron_epp.planner.config import PlannerConfig
-from megatron_epp.planner.layout import Layout, enumerate_layouts, evaluate_layout, search_layout
+from megatron_epp.planner import layout as layout_module
+from megatron_epp.planner.layout import COMM_OVERLAP, Layout, enumerate_layouts, search_layout
 from megatron_epp.training.main import main as pretrain_gpt
 
 SHAPE = ModelShape("toy", 4, 512, 8, 2048, 1000, dtype="bfloat16")
@@ -21,13 +22,40 @@ def lengths() -> np.ndarray:
     return np.minimum(np.random.default_rng(3).lognormal(np.log(2000), 1.2, 48).astype(np.int64) + 16, 32768)
 
 
+@pytest.fixture(scope="module")
+def evaluations() -> dict:
+    return {}
+
+
+@pytest.fixture
+def evaluate_layout(monkeypatch, evaluations):
+    """``evaluate_layout`` planning each (batch, model, cluster, layout, system, config) once per module: the tests'
+    enumerations and ``search_layout``'s own calls (patched in) share the plans. The searches' logic (bounds, proxy
+    ranking, pruning, the choice) runs as it is; planning the same layout again would give the same plan."""
+    real = layout_module.evaluate_layout
+
+    def once(lengths, shape, cluster, layout, system, config, overlap=COMM_OVERLAP):
+        key = (np.asarray(lengths).tobytes(), repr(shape), repr(cluster), repr(layout), system, repr(config), overlap)
+        if key not in evaluations:
+            try:
+                evaluations[key] = real(lengths, shape, cluster, layout, system, config, overlap)
+            except PlanInfeasible as infeasible:
+                evaluations[key] = str(infeasible)
+        if isinstance(evaluations[key], str):
+            raise PlanInfeasible(evaluations[key])
+        return evaluations[key]
+
+    monkeypatch.setattr(layout_module, "evaluate_layout", once)
+    return once
+
+
 def test_enumeration_covers_every_layout():
     got = {str(x) for x in enumerate_layouts(SHAPE, TOY)}
     assert got == {"TP1xPP1xDP4", "TP1xPP2xDP2", "TP1xPP4xDP1", "TP2xPP1xDP2", "TP2xPP2xDP1", "SP2xPP1xDP2", "SP2xPP2xDP1"}
 
 
 @pytest.mark.parametrize("memory_gb", [80.0, 0.5])
-def test_search_returns_the_enumerated_best(memory_gb):
+def test_search_returns_the_enumerated_best(evaluate_layout, memory_gb):
     L = lengths()
     config = PlannerConfig(memory_gb=memory_gb, max_seq_len=32768)
     steps = {}
@@ -48,7 +76,7 @@ def test_search_returns_the_enumerated_best(memory_gb):
 
 
 @pytest.mark.parametrize("memory_gb", [80.0, 0.5])
-def test_a_capped_search_never_loses_to_a_baseline_best_layout(memory_gb):
+def test_a_capped_search_never_loses_to_a_baseline_best_layout(evaluate_layout, memory_gb):
     """However few layouts EPP plans (``max_evaluated=1``), its choice is no slower than Megatron's or Seq1F1B's
     best layout: the proxy that ranks layouts is the better baseline step, an upper bound of EPP's there."""
     L = lengths()
@@ -74,7 +102,7 @@ def test_a_capped_search_never_loses_to_a_baseline_best_layout(memory_gb):
         assert epp.best.step_ms <= other.best.step_ms * (1 + 1e-9), baseline
 
 
-def test_megatron_and_seq1f1b_search_tp_layouts_only():
+def test_megatron_and_seq1f1b_search_tp_layouts_only(evaluate_layout):
     choice = search_layout(lengths(), SHAPE, TOY, "megatron", PlannerConfig(memory_gb=80.0, max_seq_len=32768), exhaustive=True)
     assert all(r.layout.intra == "tp" for r in choice.evaluated)
 

@@ -8,7 +8,7 @@ import torch
 
 from tests.launch import torchrun
 from tests.test_elastic_equivalence import rank0_shard
-from tests.workers.grad_dump import RUN_SEPARATOR
+from tests.workers.runs import RUN_SEPARATOR
 
 COMMON = ["--mock-data", "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",
           "--seq-length", "32", "--global-batch-size", "8", "--micro-batch-size", "2", "--vocab-size", "256"]

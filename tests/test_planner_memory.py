@@ -22,6 +22,7 @@ import pytest
 from megatron_epp.cost.model import CostModel
 from megatron_epp.cost.profiles import load_profile, saved_tensor_memory
 from tests.launch import REPO, free_port, run_env, torchrun_command
+from tests.workers.runs import RUN_SEPARATOR
 
 SHAPES = {
     "h32": ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2"],
@@ -47,21 +48,25 @@ TOLERANCE = 0.02  # the count is exact on CPU (measured 0.0 %); a regression is 
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
-    """Both shapes' worker runs, in parallel: ``{shape: [{case, rc, pred, meas}]}``."""
+    """Every shape's measurement: ``{shape: [{case, rc, pred, meas}]}``. One process measures the one-process shapes
+    in turn, one torchrun launch the tensor-parallel ones (tests/workers/memory_chunks.py takes several, separated by
+    ``::``): the two run side by side."""
     out = tmp_path_factory.mktemp("memory")
-    procs = {}
+    by_tp: dict[int, list[str]] = {}
     for name, flags in SHAPES.items():
-        worker = ("tests/workers/memory_chunks.py", str(out / f"{name}.json"), *flags)
         tp = int(flags[flags.index("--tensor-model-parallel-size") + 1]) if "--tensor-model-parallel-size" in flags else 1
+        argv = by_tp.setdefault(tp, [])
+        argv += [*([RUN_SEPARATOR] if argv else []), str(out / f"{name}.json"), *flags]
+    procs = {}
+    for tp, argv in by_tp.items():
+        worker = ("tests/workers/memory_chunks.py", *argv)
         cmd = torchrun_command(tp, *worker) if tp > 1 else [sys.executable, str(REPO / worker[0]), *worker[1:]]
         env = run_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
-        procs[name] = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    results = {}
-    for name, proc in procs.items():
-        stdout, stderr = proc.communicate(timeout=300)
-        assert proc.returncode == 0, f"{name}: worker failed\n{stdout[-2000:]}\n{stderr[-4000:]}"
-        results[name] = json.loads((out / f"{name}.json").read_text())
-    return results
+        procs[tp] = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for tp, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=600)
+        assert proc.returncode == 0, f"tp {tp}: worker failed\n{stdout[-2000:]}\n{stderr[-4000:]}"
+    return {name: json.loads((out / f"{name}.json").read_text()) for name in SHAPES}
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))

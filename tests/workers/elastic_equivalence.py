@@ -2,7 +2,7 @@
 
     torchrun ... tests/workers/elastic_equivalence.py OUT --mode reference|elastic --cases N
         [--fault drop_prefix|drop_prefix_grads|misplaced_kv|leak_packing|forward_order_backward|recompute_without_rng_restore|gqa_tiled_heads]
-        [--sp-fault-cases K] [pretrain_gpt flags...]
+        [--sp-fault-cases K] [--attention-backend auto|sdpa|flash] [pretrain_gpt flags...] [:: OUT --mode ... (another run)]...
 
 ``reference`` (one process): stock Megatron-Core (local spec, no EPP), each whole sequence its own
 micro-batch. ``elastic``: a random valid plan per case (per data-parallel rank) through
@@ -11,19 +11,26 @@ Faults in what the layers see of a chunk come from a broken chunk context given 
 ``--sp-fault-cases K`` (with ``--sequence-parallel``): after the N cases, the first K again under each of
 ``SP_FAULTS`` in the same launch (saved as ``FAULT_case...``). Each case also saves the padding tokens its
 plan's chunks got on this rank (``padding``).
+
+Several runs separated by ``::`` share the launch (one process start; the same world size): each builds its own
+model-parallel groups, model and optimizer, and tears the groups down for the next; a fault patched into a module
+(``inject``) is undone after its run. ``--attention-backend`` sets ``EPP_ATTENTION_BACKEND`` for one run's model.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
+from typing import Callable
 
 import numpy as np
 import torch
 from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from megatron_epp.executor import kernels, recompute_layer
 from megatron_epp.executor.schedule import forward_backward_elastic
 from megatron_epp.executor.batches import chunk_batches, elastic_gpt_forward_step
 from megatron_epp.executor.context import ChunkContext, ChunkLayout, KVBuffer, padding_tokens, token_multiple
@@ -35,6 +42,7 @@ from megatron_epp.training.loop import build_optimizer
 from megatron_epp.training.model import build_model
 from megatron.core.utils import unwrap_model
 from tests.workers.grad_dump import global_name, set_global_weights
+from tests.workers.runs import split_runs
 from tests.workers.random_plans import random_lengths, random_plan
 
 
@@ -90,29 +98,32 @@ BROKEN_CONTEXTS = {
 }
 
 
-def inject(fault: str) -> None:
-    """Break one mechanism of the schedule or the recompute on purpose; the comparison must then fail."""
-    if fault == "recompute_without_rng_restore":
-        from megatron_epp.executor import recompute_layer
+def _patch(module, name: str, value) -> Callable[[], None]:
+    """Set ``module.name`` to ``value``; returns what puts the original back."""
+    original = getattr(module, name)
+    setattr(module, name, value)
+    return lambda: setattr(module, name, original)
 
+
+def inject(fault: str) -> Callable[[], None]:
+    """Break one mechanism of the schedule or the recompute on purpose (the comparison must then fail); returns
+    the undo, for the next run of the launch."""
+    if fault == "recompute_without_rng_restore":
         def checkpoint(fn, _distribute, *args):
             return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
 
-        recompute_layer.tensor_parallel = type("TP", (), {"checkpoint": staticmethod(checkpoint)})
-    elif fault == "forward_order_backward":
-        schedule_order.backward_order = lambda pipe: list(range(len(pipe.chunks)))
-    elif fault == "gqa_tiled_heads":
-        from megatron_epp.executor import kernels
-
+        return _patch(recompute_layer, "tensor_parallel", type("TP", (), {"checkpoint": staticmethod(checkpoint)}))
+    if fault == "forward_order_backward":
+        return _patch(schedule_order, "backward_order", lambda pipe: list(range(len(pipe.chunks))))
+    if fault == "gqa_tiled_heads":
         attend = kernels.segment_attention
 
         def tiled(q, k, v, *rest, **kwargs):  # K/V heads tiled (0 1 0 1), not shared by consecutive query heads (0 0 1 1)
             repeat = q.shape[2] // k.shape[2]
             return attend(q, k.repeat(1, 1, repeat, 1), v.repeat(1, 1, repeat, 1), *rest, **kwargs)
 
-        kernels.segment_attention = tiled
-    else:
-        raise ValueError(fault)
+        return _patch(kernels, "segment_attention", tiled)
+    raise ValueError(fault)
 
 
 # sequence parallelism, checked in the launch of the good cases: the norms' gradients not summed over the
@@ -144,7 +155,8 @@ def case_sequences(case: int, seed: int, vocab: int) -> list[tuple[torch.Tensor,
     return out
 
 
-def main() -> None:
+def run(argv: list[str]) -> None:
+    """One run: ``OUT --mode ... [pretrain_gpt flags]`` on the process group already started (or starting it)."""
     p = argparse.ArgumentParser()
     p.add_argument("out")
     p.add_argument("--mode", choices=["reference", "elastic"], required=True)
@@ -153,7 +165,11 @@ def main() -> None:
     p.add_argument("--fault", default=None)
     p.add_argument("--sp-fault-cases", type=int, default=0, help="the first K cases again under each of SP_FAULTS")
     p.add_argument("--random-recompute", action="store_true", help="random per (stage, chunk) recompute counts")
-    ours, flags = p.parse_known_args()
+    p.add_argument("--attention-backend", default=None, help="EPP_ATTENTION_BACKEND for this run's model")
+    ours, flags = p.parse_known_args(argv)
+    backend_before = os.environ.get(kernels.ENV)
+    if ours.attention_backend is not None:
+        os.environ[kernels.ENV] = ours.attention_backend  # read when the attention is built
     # a small vocabulary, padded alike at every tp (64 is a multiple of 32 x tp for tp <= 2): the reference
     # and the tensor-parallel runs are the same model; the test's flags come after and win
     args = parse_args(["--vocab-size", "64", "--make-vocab-size-divisible-by", "32", *flags])
@@ -162,8 +178,7 @@ def main() -> None:
     context = BROKEN_CONTEXTS.get(ours.fault, ChunkContext)() if elastic else None
     model, config = build_model(args, runtime, context=context)
     gpt = unwrap_model(model)  # through DDP (and Float16Module with --bf16): parameters by their own names
-    if ours.fault and ours.fault not in BROKEN_CONTEXTS:
-        inject(ours.fault)
+    undo = inject(ours.fault) if ours.fault and ours.fault not in BROKEN_CONTEXTS else None
     per_stage = args.num_layers // runtime.pp_size
     set_global_weights(gpt, runtime.pp_rank, per_stage, runtime.tp_rank, args.tensor_model_parallel_size, args.swiglu)
     build_optimizer(args, model, config)
@@ -209,6 +224,19 @@ def main() -> None:
             grads = {global_name(n, runtime.pp_rank, per_stage): q.main_grad.detach().cpu().clone() for n, q in gpt.named_parameters()}
             prefix = f"{fault}_" if fault else ""
             torch.save({"loss": loss, "grads": grads, "padding": padding}, f"{ours.out}/{prefix}case{case}_stage{runtime.pp_rank}.pt")
+    if undo is not None:
+        undo()
+    if backend_before is None:
+        os.environ.pop(kernels.ENV, None)
+    else:
+        os.environ[kernels.ENV] = backend_before
+
+
+def main() -> None:
+    for i, argv in enumerate(split_runs(sys.argv[1:])):
+        if i:
+            ps.destroy_model_parallel()  # the process group stays: the next run's initialize builds new groups on it
+        run(argv)
     shutdown()
 
 

@@ -22,8 +22,7 @@ from megatron_epp.training.main import build_samples
 from megatron_epp.training.model import build_model
 from megatron.core import parallel_state as ps
 from megatron.core.utils import unwrap_model
-
-RUN_SEPARATOR = "::"
+from tests.workers.runs import split_runs
 
 
 def global_name(name: str, pp_rank: int, layers_per_stage: int) -> str:
@@ -81,20 +80,8 @@ def dump(out_dir: str, flags: list[str]) -> None:
         torch.save({"loss": loss, "grads": grads}, f"{out_dir}/stage{runtime.pp_rank}.pt")
 
 
-def split_runs(argv: list[str]) -> list[tuple[str, list[str]]]:
-    """``OUT_DIR flags... :: OUT_DIR flags...`` -> ``[(OUT_DIR, flags), ...]``."""
-    runs, run = [], []
-    for arg in [*argv, RUN_SEPARATOR]:
-        if arg == RUN_SEPARATOR:
-            runs.append((run[0], run[1:]))
-            run = []
-        else:
-            run.append(arg)
-    return runs
-
-
 def main() -> None:
-    for i, (out_dir, flags) in enumerate(split_runs(sys.argv[1:])):
+    for i, (out_dir, *flags) in enumerate(split_runs(sys.argv[1:])):
         if i:
             ps.destroy_model_parallel()  # the process group stays: the next run's initialize builds new groups on it
         dump(out_dir, flags)

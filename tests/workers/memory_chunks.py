@@ -1,7 +1,9 @@
 """Planner's predicted peak activation memory vs the tracker's measurement on real chunks (one process).
 
-    python tests/workers/memory_chunks.py OUT.json [--model-dtype float32|bfloat16] [pretrain_gpt model flags...]
+    python tests/workers/memory_chunks.py OUT.json [--model-dtype float32|bfloat16] [pretrain_gpt model flags...] [:: OUT2.json ...]
     torchrun --nproc-per-node 2 tests/workers/memory_chunks.py OUT.json --tensor-model-parallel-size 2 --sequence-parallel ...
+
+Several models separated by ``::`` are measured in one process (one start; each on its own model-parallel groups).
 
 One stage (pp = 1: embedding, layers and output head) of the model the flags describe, cast to
 ``--model-dtype`` (the planner's shape gets the same dtype; training's ``--bf16`` is not used), the
@@ -18,11 +20,13 @@ import argparse
 import dataclasses
 import json
 import os
+import sys
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MASTER_PORT", str(21000 + os.getpid() % 20000))
 
 import torch  # noqa: E402
+from megatron.core import parallel_state as ps  # noqa: E402
 
 from megatron_epp.cost.model import CostModel  # noqa: E402
 from megatron_epp.executor.schedule import forward_backward_elastic  # noqa: E402
@@ -34,6 +38,7 @@ from megatron_epp.training.arguments import parse_args  # noqa: E402
 from megatron_epp.training.elastic import PlanBuilder  # noqa: E402
 from megatron_epp.training.initialize import initialize  # noqa: E402
 from megatron_epp.training.model import build_model  # noqa: E402
+from tests.workers.runs import split_runs  # noqa: E402
 
 S = Segment
 # name -> chunks (segment lists); recompute counts: "none", "full" or a list per chunk ("L" = all layers)
@@ -67,11 +72,12 @@ def make_plan(chunks: list[list[Segment]], rc, layers: int) -> Plan:
     return Plan(lengths, 1, [layers], [pipe], builder="test").validate()
 
 
-def main() -> None:
+def measure(argv: list[str]) -> None:
+    """One model: ``OUT.json [--model-dtype ...] [pretrain_gpt model flags...]``."""
     p = argparse.ArgumentParser()
     p.add_argument("out")
     p.add_argument("--model-dtype", default="float32", choices=["float32", "bfloat16"])
-    ours, flags = p.parse_known_args()
+    ours, flags = p.parse_known_args(argv)
     args = parse_args(flags + ["--elastic-pp", "--mock-data", "--seq-length", "512", "--epp-memory-budget", "1"],
                       world_size=int(os.environ.get("WORLD_SIZE", "1")))
     runtime = initialize(args)
@@ -101,6 +107,13 @@ def main() -> None:
     if runtime.rank == 0:
         with open(ours.out, "w") as f:
             json.dump(results, f)
+
+
+def main() -> None:
+    for i, argv in enumerate(split_runs(sys.argv[1:])):
+        if i:
+            ps.destroy_model_parallel()  # the process group stays: the next model's initialize builds new groups on it
+        measure(argv)
 
 
 if __name__ == "__main__":
