@@ -1,0 +1,33 @@
+"""pretrain_gpt.py's flags as the driver applies them: the LR schedule the loop builds from the parsed flags."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_epp.training.arguments import parse_args
+from megatron_epp.training.loop import build_scheduler
+
+
+def lrs_after_steps(flags: list[str], steps: int) -> list[float]:
+    """The learning rate after each of ``steps`` iterations, from the scheduler the loop builds for ``flags``."""
+    args = parse_args(["--mock-data", "--global-batch-size", "1", "--lr", "1e-2", "--lr-decay-style", "constant", *flags],
+                      world_size=1)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=args.lr)
+    scheduler = build_scheduler(args, optimizer)
+    out = []
+    for _ in range(steps):
+        scheduler.step(increment=args.global_batch_size)  # as the loop: one global batch of samples
+        out.append(optimizer.param_groups[0]["lr"])
+    return out
+
+
+@pytest.mark.parametrize("flags", [
+    ["--train-iters", "6", "--lr-warmup-iters", "4"],
+    ["--train-samples", "6", "--lr-warmup-samples", "4"],  # Megatron-LM's schedule in samples: the same warm-up
+])
+def test_warmup_ramps_from_lr_warmup_init_in_iterations_and_in_samples(flags):
+    assert lrs_after_steps(flags, 5) == pytest.approx([2.5e-3, 5e-3, 7.5e-3, 1e-2, 1e-2])
+    ramp = lrs_after_steps([*flags, "--lr-warmup-init", "2e-3"], 2)
+    assert ramp == pytest.approx([4e-3, 6e-3])
+    assert lrs_after_steps(flags[:2], 2) == pytest.approx([1e-2, 1e-2])  # no warm-up: --lr from the first step
