@@ -31,3 +31,28 @@ def test_warmup_ramps_from_lr_warmup_init_in_iterations_and_in_samples(flags):
     ramp = lrs_after_steps([*flags, "--lr-warmup-init", "2e-3"], 2)
     assert ramp == pytest.approx([4e-3, 6e-3])
     assert lrs_after_steps(flags[:2], 2) == pytest.approx([1e-2, 1e-2])  # no warm-up: --lr from the first step
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--num-layers", "0"], "--num-layers 0: must be >= 1"),
+    (["--num-attention-heads", "0"], "--num-attention-heads 0: must be >= 1"),
+    (["--hidden-size", "0"], "--hidden-size 0: must be >= 1"),
+    (["--ffn-hidden-size", "0"], "--ffn-hidden-size 0: must be >= 1"),
+    (["--micro-batch-size", "0"], "--micro-batch-size 0: must be >= 1"),
+    (["--global-batch-size", "0"], "--global-batch-size 0: must be >= 1"),
+    (["--seq-length", "0"], "--seq-length 0: must be >= 1"),
+    (["--vocab-size", "0"], "--vocab-size 0: must be >= 1"),
+    (["--eval-interval", "-1"], "--eval-interval -1: must be >= 1"),
+    (["--eval-iters", "-1"], "--eval-iters -1: must be >= 0"),
+    (["--lr", "-1"], "--lr -1.0: must be >= 0"),
+    (["--lr", "nan"], "--lr nan: must be >= 0"),
+    (["--min-lr", "1e-2"], "--min-lr 0.01 is larger than --lr 0.001"),
+    (["--hidden-dropout", "1.5"], "--hidden-dropout 1.5: must be in [0, 1]"),
+    (["--adam-beta2", "1"], "--adam-beta2 1.0: must be in [0, 1)"),
+    (["--lr-warmup-init", "1"], "--lr-warmup-init 1.0: must be between 0 and --lr 0.001"),
+    (["--swiglu", "--hidden-size", "16", "--num-attention-heads", "2"], "--swiglu with --hidden-size 16: give --ffn-hidden-size (the default rounds 8/3 x hidden down to 64s: 0)"),
+])
+def test_numeric_flag_out_of_range_is_one_line(pretrain_in_process, flags, message):
+    proc = pretrain_in_process("--mock-data", *flags)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [f"pretrain_gpt.py: error: {message}"], proc.stderr

@@ -194,6 +194,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         raise ArgumentError("parallel sizes must be >= 1")
     if (args.train_iters is not None and args.train_iters < 1) or args.log_interval < 1:
         raise ArgumentError("--train-iters and --log-interval must be >= 1")
+    validate_ranges(args)
     for flag, value in UNSUPPORTED_PARALLELISM.items():
         if getattr(args, flag) not in (None, 1):
             raise ArgumentError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: {value}")
@@ -277,6 +278,31 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if args.epp_cluster and not args.epp_search_layout:
         raise ArgumentError("--epp-cluster applies only with --epp-search-layout")
     validate_elastic_args(args, world_size)
+
+
+# the numeric flags' ranges, checked before anything divides by them (a None is a flag left to its default)
+AT_LEAST_ONE = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length", "max_position_embeddings",
+                "vocab_size", "micro_batch_size", "global_batch_size", "train_samples", "lr_decay_iters", "lr_decay_samples",
+                "eval_interval", "save_interval")
+AT_LEAST_ZERO = ("lr", "min_lr", "lr_warmup_iters", "lr_warmup_samples", "weight_decay", "clip_grad", "init_method_std",
+                 "eval_iters")
+PROBABILITIES = {"hidden_dropout": (0, 1, "]"), "attention_dropout": (0, 1, "]"), "adam_beta1": (0, 1, ")"),
+                 "adam_beta2": (0, 1, ")")}
+
+
+def validate_ranges(args: argparse.Namespace) -> None:
+    """Each numeric flag in its range, named in the one-line error (``--num-layers 0: must be >= 1``)."""
+    for flags, low in ((AT_LEAST_ONE, 1), (AT_LEAST_ZERO, 0)):
+        for key in flags:
+            value = getattr(args, key)
+            if value is not None and not value >= low:  # `not >=`: a NaN fails too
+                raise ArgumentError(f"--{key.replace('_', '-')} {value}: must be >= {low}")
+    for key, (low, high, bracket) in PROBABILITIES.items():
+        value = getattr(args, key)
+        if not (low <= value <= high if bracket == "]" else low <= value < high):
+            raise ArgumentError(f"--{key.replace('_', '-')} {value}: must be in [{low}, {high}{bracket}")
+    if args.min_lr > args.lr:
+        raise ArgumentError(f"--min-lr {args.min_lr} is larger than --lr {args.lr}")
 
 
 def validate_schedule_args(args: argparse.Namespace) -> None:
