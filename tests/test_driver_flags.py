@@ -56,3 +56,23 @@ def test_numeric_flag_out_of_range_is_one_line(pretrain_in_process, flags, messa
     proc = pretrain_in_process("--mock-data", *flags)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [f"pretrain_gpt.py: error: {message}"], proc.stderr
+
+
+@pytest.mark.parametrize("split, message", [
+    ("abc", "--split abc: expected 1 to 3 non-negative train,valid,test weights"),
+    ("1,-1,1", "--split 1,-1,1: expected"),  # megatron-core's parser would read 1,1,1
+    ("1,2,3,4", "--split 1,2,3,4: expected"),
+    ("0,0,0", "--split 0,0,0: expected"),
+    ("1e-3,1,1", "--split 1e-3,1,1: expected"),  # megatron-core's parser would read 1,3,1,1
+    ("0,1,0", "--mock-data --split 0,1,0: the train share is 0, nothing to train on"),
+])
+def test_bad_split_is_one_line(pretrain_in_process, split, message):
+    proc = pretrain_in_process("--mock-data", "--split", split)
+    assert proc.returncode == 2 and proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"pretrain_gpt.py: error: {message}"), proc.stderr
+
+
+@pytest.mark.parametrize("split", ["969,30,1", "99/1", "1", " 8, 1.5, .5"])
+def test_good_split_is_accepted(split):
+    assert parse_args(["--mock-data", "--split", split], world_size=1).split == split

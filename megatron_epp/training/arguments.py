@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import re
 from typing import Sequence
 
 from megatron_epp.data.data_path import Blend, BlendError
@@ -243,6 +244,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         resolve_vocab_size(args)
     except TokenizerError as error:
         raise ArgumentError(str(error)) from None
+    validate_split(args)
     if args.mock_data == (args.data_path is not None):
         raise ArgumentError("give exactly one of --mock-data and --data-path")
     args.data_blend = None
@@ -337,6 +339,18 @@ def validate_schedule_args(args: argparse.Namespace) -> None:
             f"{args.lr_decay_iters} (default: --train-iters)"
         )
     args.lr_warmup_samples, args.lr_decay_samples = args.lr_warmup_iters * gbs, args.lr_decay_iters * gbs
+
+
+SPLIT_WEIGHT = re.compile(r"\d+(\.\d*)?|\.\d+")  # what megatron-core's parse_and_normalize_split reads as one number
+
+
+def validate_split(args: argparse.Namespace) -> None:
+    """``--split``: 1 to 3 train,valid,test weights (missing ones 0), as megatron-core reads them; its parser would
+    read ``1,-1,1`` as 1,1,1 and fail on a split without numbers only when the data is split."""
+    parts = [part.strip() for part in re.split("[,/]", args.split)]
+    if not (len(parts) <= 3 and all(SPLIT_WEIGHT.fullmatch(p) for p in parts) and sum(map(float, parts)) > 0):
+        raise ArgumentError(f"--split {args.split}: expected 1 to 3 non-negative train,valid,test weights separated "
+                            "by commas (or slashes), not all 0, e.g. 969,30,1")
 
 
 def validate_wandb_args(args: argparse.Namespace) -> None:

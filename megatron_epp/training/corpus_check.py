@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
+from megatron.core.datasets.blended_megatron_dataset_config import parse_and_normalize_split
 
 from megatron_epp.data.documents import DocumentDataset, IndexMismatch, split_ranges
 from megatron_epp.data.length_stats import LengthStats
@@ -27,7 +28,9 @@ def check_corpus(args: argparse.Namespace) -> str:
     ``--eval-interval``, valid) document longer than the context cap ``--seq-length`` unless
     ``--epp-truncate-documents`` allows it; a blended dataset with no valid document while another has some.
     """
-    if args.mock_data:
+    if args.mock_data:  # endless mock streams: --split says which of them exist, as megatron-core's mock datasets
+        if not parse_and_normalize_split(args.split)[0]:
+            raise ArgumentError(f"--mock-data --split {args.split}: the train share is 0, nothing to train on")
         return "mock documents"
 
     blend = args.data_blend
