@@ -76,3 +76,27 @@ def test_bad_split_is_one_line(pretrain_in_process, split, message):
 @pytest.mark.parametrize("split", ["969,30,1", "99/1", "1", " 8, 1.5, .5"])
 def test_good_split_is_accepted(split):
     assert parse_args(["--mock-data", "--split", split], world_size=1).split == split
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--recompute-num-layers", "3"], "--recompute-num-layers applies only with --recompute-granularity full"),
+    (["--recompute-granularity", "selective", "--recompute-num-layers", "3"],
+     "--recompute-num-layers applies only with --recompute-granularity full"),
+    (["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers", "-1"],
+     "--recompute-num-layers -1: must be between 1 and the 4 layers of a pipeline stage"),
+    (["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "3",
+      "--pipeline-model-parallel-size", "2"], "--recompute-num-layers 3: must be between 1 and the 2 layers"),
+    (["--elastic-pp", "--recompute-num-layers", "3"], "--recompute-num-layers does not apply with --elastic-pp"),
+    (["--elastic-pp", "--recompute-method", "block"], "--recompute-method does not apply with --elastic-pp"),
+])
+def test_recompute_flags_megatron_core_would_refuse_or_ignore(pretrain_in_process, flags, message):
+    world_size = int(flags[flags.index("--pipeline-model-parallel-size") + 1]) if "--pipeline-model-parallel-size" in flags else 1
+    proc = pretrain_in_process("--mock-data", "--num-layers", "4", *flags, world_size=world_size)
+    assert proc.returncode == 2 and proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"pretrain_gpt.py: error: {message}"), proc.stderr
+
+
+def test_full_recompute_defaults_to_one_layer():
+    args = parse_args(["--mock-data", "--recompute-granularity", "full", "--recompute-method", "block"], world_size=1)
+    assert args.recompute_num_layers == 1

@@ -268,12 +268,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     for flag in ("exit_duration_in_mins", "distributed_timeout_minutes"):
         if getattr(args, flag) is not None and not getattr(args, flag) > 0:
             raise ArgumentError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be > 0")
-    if args.recompute_granularity == "full" and args.recompute_method is None:
-        raise ArgumentError("--recompute-granularity full needs --recompute-method uniform|block")
-    if args.recompute_method is not None and args.recompute_granularity != "full":
-        raise ArgumentError("--recompute-method applies only with --recompute-granularity full")
-    if args.recompute_method is not None:
-        args.recompute_num_layers = args.recompute_num_layers or 1
+    validate_recompute_args(args)
     validate_schedule_args(args)
     if not 0 <= args.lr_warmup_init <= args.lr:
         raise ArgumentError(f"--lr-warmup-init {args.lr_warmup_init}: must be between 0 and --lr {args.lr}")
@@ -305,6 +300,29 @@ def validate_ranges(args: argparse.Namespace) -> None:
             raise ArgumentError(f"--{key.replace('_', '-')} {value}: must be in [{low}, {high}{bracket}")
     if args.min_lr > args.lr:
         raise ArgumentError(f"--min-lr {args.min_lr} is larger than --lr {args.lr}")
+
+
+def validate_recompute_args(args: argparse.Namespace) -> None:
+    """The ``--recompute-*`` flags as megatron-core's ``TransformerConfig`` checks them (there: after the process
+    group exists); ``--recompute-num-layers`` defaults to 1 with ``--recompute-granularity full``. With
+    ``--elastic-pp`` none applies: the plan decides recompute per chunk and stage (``--epp-recompute``)."""
+    given = [key for key in ("recompute_granularity", "recompute_method", "recompute_num_layers") if getattr(args, key) is not None]
+    if args.elastic_pp and given:
+        raise ArgumentError(f"--{given[0].replace('_', '-')} does not apply with --elastic-pp (the plan decides recompute "
+                            "per chunk: --epp-recompute)")
+    if args.recompute_granularity == "full" and args.recompute_method is None:
+        raise ArgumentError("--recompute-granularity full needs --recompute-method uniform|block")
+    if args.recompute_method is not None and args.recompute_granularity != "full":
+        raise ArgumentError("--recompute-method applies only with --recompute-granularity full")
+    if args.recompute_num_layers is not None and args.recompute_granularity != "full":
+        raise ArgumentError("--recompute-num-layers applies only with --recompute-granularity full (selective recomputes "
+                            "the attention core of every layer)")
+    if args.recompute_granularity == "full":
+        per_stage = args.num_layers // args.pipeline_model_parallel_size
+        args.recompute_num_layers = 1 if args.recompute_num_layers is None else args.recompute_num_layers
+        if not 1 <= args.recompute_num_layers <= per_stage:
+            raise ArgumentError(f"--recompute-num-layers {args.recompute_num_layers}: must be between 1 and the "
+                                f"{per_stage} layers of a pipeline stage")
 
 
 def validate_schedule_args(args: argparse.Namespace) -> None:
@@ -420,8 +438,6 @@ def validate_elastic_args(args: argparse.Namespace, world_size: int) -> None:
         if given:
             raise ArgumentError(f"--{given[0].replace('_', '-')} needs --elastic-pp")
         return
-    if args.recompute_granularity is not None:
-        raise ArgumentError("--recompute-granularity does not apply with --elastic-pp (the plan decides recompute per chunk)")
     if args.micro_batch_size != 1:
         raise ArgumentError("--micro-batch-size does not apply with --elastic-pp (chunks are planned per step)")
     for key, value in EPP_DEFAULTS.items():
