@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from megatron_epp.training.arguments import parse_args
+from megatron_epp.training.corpus_check import check_corpus
 from megatron_epp.training.loop import build_scheduler
+from tests.test_bad_input import write_corpus
 
 
 def lrs_after_steps(flags: list[str], steps: int) -> list[float]:
@@ -100,3 +102,24 @@ def test_recompute_flags_megatron_core_would_refuse_or_ignore(pretrain_in_proces
 def test_full_recompute_defaults_to_one_layer():
     args = parse_args(["--mock-data", "--recompute-granularity", "full", "--recompute-method", "block"], world_size=1)
     assert args.recompute_num_layers == 1
+
+
+def test_eval_iters_0_turns_evaluation_off():
+    """Megatron-LM's --eval-iters 0: no evaluation (it was a training step, then a ZeroDivisionError)."""
+    assert parse_args(["--mock-data", "--eval-interval", "1", "--eval-iters", "0"], world_size=1).eval_interval is None
+    assert parse_args(["--mock-data", "--eval-interval", "1", "--eval-iters", "1"], world_size=1).eval_interval == 1
+
+
+@pytest.mark.parametrize("data", ["mock", "corpus"])
+def test_an_empty_validation_split_is_said_once(tmp_path, data):
+    """--eval-interval with a --split that leaves the validation split empty: training without evaluation, and one
+    warning line that says so (the mock streams honour --split's shares as the indexed datasets do)."""
+    source = ["--mock-data"] if data == "mock" else ["--data-path", write_corpus(tmp_path / "corpus", ["some text " * 4] * 10)]
+
+    def note(*flags):
+        return check_corpus(parse_args([*source, "--seq-length", "16", *flags], world_size=1))[1]
+
+    assert note("--eval-interval", "2", "--split", "1,0,0") == (
+        "--eval-interval 2: the validation split of --split 1,0,0 is empty; training without evaluation")
+    assert note("--eval-interval", "2", "--split", "8,2,0") is None
+    assert note("--split", "1,0,0") is None  # no evaluation asked for

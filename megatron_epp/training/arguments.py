@@ -196,6 +196,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if (args.train_iters is not None and args.train_iters < 1) or args.log_interval < 1:
         raise ArgumentError("--train-iters and --log-interval must be >= 1")
     validate_ranges(args)
+    if args.eval_iters == 0:  # Megatron-LM's way to turn evaluation off
+        args.eval_interval = None
     for flag, value in UNSUPPORTED_PARALLELISM.items():
         if getattr(args, flag) not in (None, 1):
             raise ArgumentError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: {value}")
