@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from megatron_epp.training.arguments import parse_args
+from megatron_epp.tools.layer_bench import init_single_process
 from megatron_epp.training.corpus_check import check_corpus
+from megatron_epp.training.faults import TrainingFault, check_finite
 from megatron_epp.training.loop import build_scheduler
 from tests.test_bad_input import write_corpus
 
@@ -123,3 +127,23 @@ def test_an_empty_validation_split_is_said_once(tmp_path, data):
         "--eval-interval 2: the validation split of --split 1,0,0 is empty; training without evaluation")
     assert note("--eval-interval", "2", "--split", "8,2,0") is None
     assert note("--split", "1,0,0") is None  # no evaluation asked for
+
+
+def test_nan_check_is_on_by_default_with_megatron_lm_spelling_to_turn_it_off():
+    assert parse_args(["--mock-data"], world_size=1).check_for_nan_in_loss_and_grad is True
+    assert parse_args(["--mock-data", "--no-check-for-nan-in-loss-and-grad"], world_size=1).check_for_nan_in_loss_and_grad is False
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_nan_check_sees_one_bad_gradient_or_loss(bad):
+    """The default check (a sum per gradient buffer) sees one non-finite element among finite ones."""
+    init_single_process()
+    buffers = [SimpleNamespace(grad_data=torch.ones(1000)), SimpleNamespace(grad_data=torch.full((1000,), -1e30))]
+    loss = torch.tensor([2.0, 3.0])
+    check_finite(4, loss, buffers, 0, torch.device("cpu"))  # all finite: no stop
+    buffers[1].grad_data[517] = bad
+    with pytest.raises(TrainingFault, match="a gradient is NaN/Inf at iteration 4 on rank 0"):
+        check_finite(4, loss, buffers, 0, torch.device("cpu"))
+    loss[1] = bad
+    with pytest.raises(TrainingFault, match="the loss is NaN/Inf at iteration 4 on rank 0"):
+        check_finite(4, loss, buffers[:1], 0, torch.device("cpu"))

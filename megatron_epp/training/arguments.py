@@ -145,8 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="exit after the step during which M minutes since start passed, saving when --save is given")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0, metavar="M",
                    help="a collective that waits longer (a dead or hung rank) fails the job (default 10)")
-    g.add_argument("--check-for-nan-in-loss-and-grad", action="store_true",
-                   help="a NaN/Inf loss or gradient stops the run before the update, naming the iteration and the rank")
+    g.add_argument("--check-for-nan-in-loss-and-grad", action=argparse.BooleanOptionalAction, default=True,
+                   help="a NaN/Inf loss or gradient stops the run before the update, naming the iteration and the rank "
+                   "(default: on, as Megatron-LM; --no-check-for-nan-in-loss-and-grad turns it off)")
 
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=1)
