@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import re
 from typing import Sequence
 
 from megatron_epp.data.data_path import Blend, BlendError
@@ -87,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root"], default="cosine")
     g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-init", type=float, default=0.0,
+                   help="the learning rate the warm-up (--lr-warmup-iters or --lr-warmup-samples) starts from (default 0.0)")
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
     g.add_argument("--lr-warmup-samples", type=int, default=0, help="with --train-samples: warm-up in samples")
     g.add_argument("--lr-decay-samples", type=int, default=None, help="with --train-samples: decay in samples (default: --train-samples)")
@@ -142,8 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="exit after the step during which M minutes since start passed, saving when --save is given")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0, metavar="M",
                    help="a collective that waits longer (a dead or hung rank) fails the job (default 10)")
-    g.add_argument("--check-for-nan-in-loss-and-grad", action="store_true",
-                   help="a NaN/Inf loss or gradient stops the run before the update, naming the iteration and the rank")
+    g.add_argument("--check-for-nan-in-loss-and-grad", action=argparse.BooleanOptionalAction, default=True,
+                   help="a NaN/Inf loss or gradient stops the run before the update, naming the iteration and the rank "
+                   "(default: on, as Megatron-LM; --no-check-for-nan-in-loss-and-grad turns it off)")
 
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=1)
@@ -192,6 +196,9 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         raise ArgumentError("parallel sizes must be >= 1")
     if (args.train_iters is not None and args.train_iters < 1) or args.log_interval < 1:
         raise ArgumentError("--train-iters and --log-interval must be >= 1")
+    validate_ranges(args)
+    if args.eval_iters == 0:  # Megatron-LM's way to turn evaluation off
+        args.eval_interval = None
     for flag, value in UNSUPPORTED_PARALLELISM.items():
         if getattr(args, flag) not in (None, 1):
             raise ArgumentError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: {value}")
@@ -240,6 +247,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         resolve_vocab_size(args)
     except TokenizerError as error:
         raise ArgumentError(str(error)) from None
+    validate_split(args)
     if args.mock_data == (args.data_path is not None):
         raise ArgumentError("give exactly one of --mock-data and --data-path")
     args.data_blend = None
@@ -263,16 +271,61 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     for flag in ("exit_duration_in_mins", "distributed_timeout_minutes"):
         if getattr(args, flag) is not None and not getattr(args, flag) > 0:
             raise ArgumentError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be > 0")
+    validate_recompute_args(args)
+    validate_schedule_args(args)
+    if not 0 <= args.lr_warmup_init <= args.lr:
+        raise ArgumentError(f"--lr-warmup-init {args.lr_warmup_init}: must be between 0 and --lr {args.lr}")
+    if args.epp_cluster and not args.epp_search_layout:
+        raise ArgumentError("--epp-cluster applies only with --epp-search-layout")
+    validate_elastic_args(args, world_size)
+
+
+# the numeric flags' ranges, checked before anything divides by them (a None is a flag left to its default)
+AT_LEAST_ONE = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length", "max_position_embeddings",
+                "vocab_size", "micro_batch_size", "global_batch_size", "train_samples", "lr_decay_iters", "lr_decay_samples",
+                "eval_interval", "save_interval")
+AT_LEAST_ZERO = ("lr", "min_lr", "lr_warmup_iters", "lr_warmup_samples", "weight_decay", "clip_grad", "init_method_std",
+                 "eval_iters")
+PROBABILITIES = {"hidden_dropout": (0, 1, "]"), "attention_dropout": (0, 1, "]"), "adam_beta1": (0, 1, ")"),
+                 "adam_beta2": (0, 1, ")")}
+
+
+def validate_ranges(args: argparse.Namespace) -> None:
+    """Each numeric flag in its range, named in the one-line error (``--num-layers 0: must be >= 1``)."""
+    for flags, low in ((AT_LEAST_ONE, 1), (AT_LEAST_ZERO, 0)):
+        for key in flags:
+            value = getattr(args, key)
+            if value is not None and not value >= low:  # `not >=`: a NaN fails too
+                raise ArgumentError(f"--{key.replace('_', '-')} {value}: must be >= {low}")
+    for key, (low, high, bracket) in PROBABILITIES.items():
+        value = getattr(args, key)
+        if not (low <= value <= high if bracket == "]" else low <= value < high):
+            raise ArgumentError(f"--{key.replace('_', '-')} {value}: must be in [{low}, {high}{bracket}")
+    if args.min_lr > args.lr:
+        raise ArgumentError(f"--min-lr {args.min_lr} is larger than --lr {args.lr}")
+
+
+def validate_recompute_args(args: argparse.Namespace) -> None:
+    """The ``--recompute-*`` flags as megatron-core's ``TransformerConfig`` checks them (there: after the process
+    group exists); ``--recompute-num-layers`` defaults to 1 with ``--recompute-granularity full``. With
+    ``--elastic-pp`` none applies: the plan decides recompute per chunk and stage (``--epp-recompute``)."""
+    given = [key for key in ("recompute_granularity", "recompute_method", "recompute_num_layers") if getattr(args, key) is not None]
+    if args.elastic_pp and given:
+        raise ArgumentError(f"--{given[0].replace('_', '-')} does not apply with --elastic-pp (the plan decides recompute "
+                            "per chunk: --epp-recompute)")
     if args.recompute_granularity == "full" and args.recompute_method is None:
         raise ArgumentError("--recompute-granularity full needs --recompute-method uniform|block")
     if args.recompute_method is not None and args.recompute_granularity != "full":
         raise ArgumentError("--recompute-method applies only with --recompute-granularity full")
-    if args.recompute_method is not None:
-        args.recompute_num_layers = args.recompute_num_layers or 1
-    validate_schedule_args(args)
-    if args.epp_cluster and not args.epp_search_layout:
-        raise ArgumentError("--epp-cluster applies only with --epp-search-layout")
-    validate_elastic_args(args, world_size)
+    if args.recompute_num_layers is not None and args.recompute_granularity != "full":
+        raise ArgumentError("--recompute-num-layers applies only with --recompute-granularity full (selective recomputes "
+                            "the attention core of every layer)")
+    if args.recompute_granularity == "full":
+        per_stage = args.num_layers // args.pipeline_model_parallel_size
+        args.recompute_num_layers = 1 if args.recompute_num_layers is None else args.recompute_num_layers
+        if not 1 <= args.recompute_num_layers <= per_stage:
+            raise ArgumentError(f"--recompute-num-layers {args.recompute_num_layers}: must be between 1 and the "
+                                f"{per_stage} layers of a pipeline stage")
 
 
 def validate_schedule_args(args: argparse.Namespace) -> None:
@@ -307,6 +360,18 @@ def validate_schedule_args(args: argparse.Namespace) -> None:
             f"{args.lr_decay_iters} (default: --train-iters)"
         )
     args.lr_warmup_samples, args.lr_decay_samples = args.lr_warmup_iters * gbs, args.lr_decay_iters * gbs
+
+
+SPLIT_WEIGHT = re.compile(r"\d+(\.\d*)?|\.\d+")  # what megatron-core's parse_and_normalize_split reads as one number
+
+
+def validate_split(args: argparse.Namespace) -> None:
+    """``--split``: 1 to 3 train,valid,test weights (missing ones 0), as megatron-core reads them; its parser would
+    read ``1,-1,1`` as 1,1,1 and fail on a split without numbers only when the data is split."""
+    parts = [part.strip() for part in re.split("[,/]", args.split)]
+    if not (len(parts) <= 3 and all(SPLIT_WEIGHT.fullmatch(p) for p in parts) and sum(map(float, parts)) > 0):
+        raise ArgumentError(f"--split {args.split}: expected 1 to 3 non-negative train,valid,test weights separated "
+                            "by commas (or slashes), not all 0, e.g. 969,30,1")
 
 
 def validate_wandb_args(args: argparse.Namespace) -> None:
@@ -376,8 +441,6 @@ def validate_elastic_args(args: argparse.Namespace, world_size: int) -> None:
         if given:
             raise ArgumentError(f"--{given[0].replace('_', '-')} needs --elastic-pp")
         return
-    if args.recompute_granularity is not None:
-        raise ArgumentError("--recompute-granularity does not apply with --elastic-pp (the plan decides recompute per chunk)")
     if args.micro_batch_size != 1:
         raise ArgumentError("--micro-batch-size does not apply with --elastic-pp (chunks are planned per step)")
     for key, value in EPP_DEFAULTS.items():

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 import numpy as np
+from megatron.core.datasets.blended_megatron_dataset_config import parse_and_normalize_split
 
 from megatron_epp.data.documents import DocumentDataset, IndexMismatch, split_ranges
 from megatron_epp.data.length_stats import LengthStats
@@ -17,9 +18,10 @@ from megatron_epp.training.arguments import ArgumentError
 MIN_DOCUMENT_TOKENS = 2  # a document of n + 1 tokens trains n next-token predictions
 
 
-def check_corpus(args: argparse.Namespace) -> str:
+def check_corpus(args: argparse.Namespace) -> tuple[str, str | None]:
     """Validate ``--data-path`` (each dataset of a blend) for this run; return a one-line summary of the train
-    split for the log.
+    split for the log, and a warning when ``--eval-interval`` has no validation split to evaluate on (``--split``
+    gives it no document, or with ``--mock-data`` no share): the run trains without evaluation, as Megatron-LM's.
 
     Errors, per dataset: its train split holds no trainable document (a blended dataset must be able to give its
     share); without ``--elastic-pp``, a split in use (train; valid with ``--eval-interval`` when some dataset has
@@ -27,8 +29,11 @@ def check_corpus(args: argparse.Namespace) -> str:
     ``--eval-interval``, valid) document longer than the context cap ``--seq-length`` unless
     ``--epp-truncate-documents`` allows it; a blended dataset with no valid document while another has some.
     """
-    if args.mock_data:
-        return "mock documents"
+    if args.mock_data:  # endless mock streams: --split says which of them exist, as megatron-core's mock datasets
+        shares = parse_and_normalize_split(args.split)
+        if not shares[0]:
+            raise ArgumentError(f"--mock-data --split {args.split}: the train share is 0, nothing to train on")
+        return "mock documents", no_validation_note(args) if args.eval_interval and not shares[1] else None
 
     blend = args.data_blend
     per_prefix = {}
@@ -45,7 +50,8 @@ def check_corpus(args: argparse.Namespace) -> str:
             )
         per_prefix[prefix] = splits
     used = ["train"]
-    if args.eval_interval and any(len(splits["valid"]) for splits in per_prefix.values()):
+    valid = any(len(splits["valid"]) for splits in per_prefix.values())
+    if args.eval_interval and valid:
         used.append("valid")
         empty = [p for p, splits in per_prefix.items() if not np.count_nonzero(splits["valid"] >= MIN_DOCUMENT_TOKENS)]
         if empty:
@@ -76,4 +82,8 @@ def check_corpus(args: argparse.Namespace) -> str:
     too_long = int(np.count_nonzero(sequences > args.seq_length))
     if args.elastic_pp and too_long:
         summary += f"; {too_long} truncated to --seq-length {args.seq_length}"
-    return summary
+    return summary, no_validation_note(args) if args.eval_interval and not valid else None
+
+
+def no_validation_note(args: argparse.Namespace) -> str:
+    return f"--eval-interval {args.eval_interval}: the validation split of --split {args.split} is empty; training without evaluation"

@@ -40,10 +40,19 @@ def build_optimizer(args: argparse.Namespace, model, config) -> tuple[Any, Optim
         ),
         [model],
     )
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = model.no_sync
+    return optimizer, build_scheduler(args, optimizer)
+
+
+def build_scheduler(args: argparse.Namespace, optimizer) -> OptimizerParamScheduler:
+    """megatron-core's LR/WD scheduler over ``optimizer``'s parameter groups, counting samples as Megatron-LM's:
+    a warm-up (``--lr-warmup-iters`` x the global batch, or ``--lr-warmup-samples``) from ``--lr-warmup-init`` to
+    ``--lr``, then ``--lr-decay-style`` down to ``--min-lr``."""
     gbs = args.global_batch_size
-    scheduler = OptimizerParamScheduler(
+    return OptimizerParamScheduler(
         optimizer,
-        init_lr=0.0 if args.lr_warmup_iters else args.lr,
+        init_lr=args.lr_warmup_init,
         max_lr=args.lr,
         min_lr=args.min_lr,
         lr_warmup_steps=args.lr_warmup_samples,  # the scheduler counts samples, as Megatron-LM's
@@ -54,9 +63,6 @@ def build_optimizer(args: argparse.Namespace, model, config) -> tuple[Any, Optim
         wd_incr_steps=args.train_samples or args.train_iters * gbs,
         wd_incr_style="constant",
     )
-    config.finalize_model_grads_func = finalize_model_grads
-    config.no_sync_func = model.no_sync
-    return optimizer, scheduler
 
 
 StepFunction = Callable[[bool], tuple[list[dict[str, torch.Tensor]], np.ndarray]]

@@ -70,7 +70,7 @@ def main(argv: Sequence[str] | argparse.Namespace | None = None) -> int:
         why = gpu_oversubscription(local_world_size(), gpu_count())
         if why:
             raise ArgumentError(why)
-        corpus = check_corpus(args)
+        corpus, eval_note = check_corpus(args)
         if args.epp_search_layout:
             print("\n".join(driver_layout_search(args, world_size_from_env())), flush=True)
             return 0
@@ -119,6 +119,8 @@ def main(argv: Sequence[str] | argparse.Namespace | None = None) -> int:
         print(f"> data: {corpus}", flush=True)
         if data_note:
             print(f"> {data_note}", flush=True)
+        if eval_note:
+            print(f"> warning: {eval_note}", flush=True)
 
     def step_for(split: str, consumed: int):
         if args.elastic_pp:
@@ -134,7 +136,7 @@ def main(argv: Sequence[str] | argparse.Namespace | None = None) -> int:
         train(
             args, runtime, model, optimizer, scheduler,
             train_step=train_step,
-            valid_step=step_for("valid", 0) if args.eval_interval else None,
+            valid_step=step_for("valid", 0) if args.eval_interval and eval_note is None else None,
             start=start,
             step_metrics=train_step.log if args.elastic_pp else None,
             planner_state=train_step.state_dict if args.elastic_pp else None,
