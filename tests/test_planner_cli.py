@@ -11,6 +11,7 @@ import pytest
 from megatron_epp.plan import Plan, PlanInfeasible
 from megatron_epp.plan.order import format_stage_ops
 from megatron_epp.planner.builders import BUILDERS, megatron_plan, plan_batch, seq1f1b_plan
+from megatron_epp.planner import cli
 from megatron_epp.planner.cli import main
 from megatron_epp.planner.compare import BASELINES, run_baselines
 from megatron_epp.planner.config import PlannerConfig
@@ -145,3 +146,18 @@ def test_a_batch_that_cannot_fit_is_one_line_with_the_reason(tmp_path):
                             "at least 6.1 GB more (its K/V buffer if split, its checkpointed layer inputs if whole)")
     with pytest.raises(PlanInfeasible, match=r"^model states take 17.3 of 16.0 GB per GPU on stage \d: nothing fits$"):
         plan_batch([1000], cm, PlannerConfig(16.0, 262144))
+
+
+def test_search_layout_world_size_defaults_to_the_presets_tp(lengths_file, monkeypatch):
+    """``--epp-search-layout`` without ``--tp``: the world size is the preset's TP (8) x --stages x --dp."""
+    worlds = []
+
+    def search(lengths, shape, cluster, world, config, runnable_only):
+        worlds.append(world)
+        raise ValueError("stop")
+
+    monkeypatch.setattr(cli, "search_for_world", search)
+    for tp in ([], ["--tp", "4"]):
+        with pytest.raises(SystemExit, match="stop"):
+            main([str(lengths_file), "--epp-profile", "llama-7b", "--stages", "2", "--dp", "3", "--epp-search-layout", *tp])
+    assert worlds == [8 * 2 * 3, 4 * 2 * 3]

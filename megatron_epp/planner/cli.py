@@ -128,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         raise SystemExit(f"error: {e}")
     lengths = select_batch(read_lengths(args.lengths), args.gbs, args.seed, args.max_seq_len, args.truncate)
     if args.epp_search_layout or args.epp_cluster:
-        return print_layout_search(args, config, lengths)
+        return print_layout_search(args, config, profile.tp, lengths)
     cost_model = CostModel(profile, args.stages, dp=args.dp, network=get_network(args.network))
     parts = split_data_parallel(lengths, args.dp, cost_model.work_vector())
     names = [n for n in args.baselines.split(",") if n]
@@ -176,14 +176,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(json.dumps(summary, separators=(",", ":")))
 
 
-def print_layout_search(args: argparse.Namespace, config: PlannerConfig, lengths: np.ndarray) -> None:
+def print_layout_search(args: argparse.Namespace, config: PlannerConfig, tp: int, lengths: np.ndarray) -> None:
     """``--epp-search-layout``: EPP's best layout (TP or Ulysses SP x PP x DP) for the world size
-    ``--tp x --stages x --dp`` on the ``--epp-cluster`` preset; the last line is its flags."""
+    ``tp x --stages x --dp`` (``tp``: ``--tp``, else the preset's) on the ``--epp-cluster`` preset; the last line is its flags."""
     if not args.epp_search_layout:
         raise SystemExit("error: --epp-cluster applies only with --epp-search-layout")
     if config.profile not in MODEL_PRESETS:
         raise SystemExit(f"error: --epp-search-layout needs a model preset --epp-profile ({', '.join(MODEL_PRESETS)})")
-    world = args.tp * args.stages * args.dp
+    world = tp * args.stages * args.dp
     with solver_output_to_stderr():
         try:
             choice, cluster = search_for_world(lengths, MODEL_PRESETS[config.profile], args.epp_cluster or DEFAULT_CLUSTER,
