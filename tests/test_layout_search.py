@@ -11,6 +11,10 @@ from megatron_epp.plan import PlanInfeasible
 from megatron_epp.planner.cli import main as epp_plan
 from megatron_epp.planner.config import PlannerConfig
 from megatron_epp.planner.layout import Layout, enumerate_layouts, evaluate_layout, search_layout
+from megatron_epp.planner.lengths import select_batch
+from megatron_epp.training import layout_search
+from megatron_epp.training.arguments import parse_args
+from megatron_epp.training.elastic import elastic_documents
 from megatron_epp.training.main import main as pretrain_gpt
 
 SHAPE = ModelShape("toy", 4, 512, 8, 2048, 1000, dtype="bfloat16")
@@ -114,3 +118,30 @@ def test_epp_plan_and_pretrain_gpt_print_the_best_flags(tmp_path, capsys, monkey
     assert pretrain_gpt(["--mock-data", "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4",
                          "--epp-cluster", "a800-ib-node"]) == 2
     assert "--epp-cluster applies only with --epp-search-layout" in capsys.readouterr().err
+
+
+def driver_search(monkeypatch, *argv: str) -> tuple[int, dict]:
+    """``pretrain_gpt.py --epp-search-layout`` on the mock documents (4 ranks) up to the search: its exit code and what
+    it would search (the batch, the planner settings, the cluster); the search itself is checked above."""
+    seen = {}
+
+    def search(batch, shape, cluster, world, config, runnable_only):
+        seen.update(batch=batch, config=config, cluster=cluster, world=world)
+        raise ValueError("stop")
+
+    monkeypatch.setattr(layout_search, "search_for_world", search)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    return pretrain_gpt([*DRIVER_MODEL, "--epp-search-layout", *argv]), seen
+
+
+DRIVER_MODEL = ["--mock-data", "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "1024",
+                "--global-batch-size", "8"]
+
+
+def test_driver_search_batch_is_the_planners_sample_of_the_train_documents(monkeypatch, capsys):
+    rc, seen = driver_search(monkeypatch, "--seed", "5")
+    assert rc == 2 and capsys.readouterr().err.strip() == "pretrain_gpt.py: error: --epp-search-layout: stop"
+    args = parse_args([*DRIVER_MODEL, "--seed", "5"], world_size=4)
+    sequences = np.asarray(elastic_documents(args, "train").lengths) - 1  # a document of n tokens: n - 1 positions
+    assert seen["batch"].tolist() == select_batch(sequences[sequences > 0], 8, 5, 1024, truncate=True).tolist()
+    assert seen["world"] == 4 and seen["cluster"] == "h100-ib-gpu"

@@ -60,7 +60,7 @@ def test_cli_prints_replica_0s_schedule(lengths_file, capsys, tmp_path):
 
 
 def test_cli_rejects_too_long_documents_unless_truncated(lengths_file, capsys):
-    with pytest.raises(SystemExit, match="longer than --max-seq-len 1000"):
+    with pytest.raises(SystemExit, match=r"^error: --max-seq-len 1000: 4 document\(s\) longer than the cap \(longest 3000 tokens\); pass --truncate"):
         main([str(lengths_file), "--epp-profile", "test-model", "--stages", "2", "--max-seq-len", "1000", "--baselines", ""])
     out = run_json(capsys, str(lengths_file), "--epp-profile", "test-model", "--stages", "2", "--max-seq-len", "1000", "--truncate",
                    "--baselines", "", "--gbs", "10", "--seed", "3", "--epp-memory-budget", "0.5")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import gzip
 import json
 import os
 import sys
@@ -23,6 +22,7 @@ from megatron_epp.planner.builders import plan_batch
 from megatron_epp.planner.compare import BASELINES, run_baselines
 from megatron_epp.planner.config import DEFAULT_CLUSTER, PlannerConfig, add_planner_arguments
 from megatron_epp.planner.layout import describe_choice, search_for_world
+from megatron_epp.planner.lengths import read_lengths, select_batch
 from megatron_epp.planner.data_parallel import split_data_parallel
 from megatron_epp.simulator.step import simulate
 from megatron_epp.simulator.timeline import draw_timeline
@@ -32,29 +32,6 @@ DEFAULTS = {  # epp-plan's defaults of the planner options (pretrain_gpt.py has 
     "epp_plan": "elastic", "epp_memory_budget": 80.0, "epp_profile": "llama-13b", "epp_recompute": "adaptive",
     "epp_max_slices": None, "epp_time_limit": 1.0,
 }
-
-
-def read_lengths(path: str | Path) -> np.ndarray:
-    """One length per line; ``.gz`` allowed; blank lines ignored."""
-    opener = gzip.open if str(path).endswith(".gz") else open
-    with opener(path, "rt") as f:
-        return np.array([int(x) for x in f.read().split()], dtype=np.int64)
-
-
-def select_batch(lengths: np.ndarray, gbs: int | None, seed: int, max_seq_len: int, truncate: bool) -> np.ndarray:
-    """Sample ``gbs`` lengths (without replacement when possible); enforce ``max_seq_len``."""
-    if gbs is not None:
-        rng = np.random.default_rng(seed)
-        lengths = rng.choice(lengths, size=gbs, replace=gbs > len(lengths))
-    too_long = lengths > max_seq_len
-    if too_long.any():
-        if not truncate:
-            raise SystemExit(
-                f"error: {int(too_long.sum())} document(s) longer than --max-seq-len {max_seq_len} "
-                f"(longest {int(lengths.max())} tokens); pass --truncate to cut them"
-            )
-        lengths = np.minimum(lengths, max_seq_len)
-    return lengths
 
 
 @contextmanager
@@ -126,7 +103,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         check_layout(profile, args.tp, args.stages)
     except ValueError as e:
         raise SystemExit(f"error: {e}")
-    lengths = select_batch(read_lengths(args.lengths), args.gbs, args.seed, args.max_seq_len, args.truncate)
+    try:
+        lengths = select_batch(read_lengths(args.lengths), args.gbs, args.seed, args.max_seq_len, args.truncate)
+    except ValueError as e:
+        raise SystemExit(f"error: --max-seq-len {args.max_seq_len}: {e}; pass --truncate to cut them")
     if args.epp_search_layout or args.epp_cluster:
         return print_layout_search(args, config, profile.tp, lengths)
     cost_model = CostModel(profile, args.stages, dp=args.dp, network=get_network(args.network))

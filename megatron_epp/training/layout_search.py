@@ -19,6 +19,7 @@ from megatron_epp.cost.clusters import get_cluster
 from megatron_epp.plan import PlanInfeasible
 from megatron_epp.planner.config import DEFAULT_CLUSTER, PlannerConfig
 from megatron_epp.planner.layout import describe_choice, search_for_world
+from megatron_epp.planner.lengths import select_batch
 from megatron_epp.training.arguments import ArgumentError
 from megatron_epp.training.elastic import elastic_documents
 from megatron_epp.training.model import model_shape
@@ -29,10 +30,8 @@ def driver_layout_search(args: argparse.Namespace, world_size: int) -> list[str]
     shape = model_shape(args)
     cluster = args.epp_cluster or DEFAULT_CLUSTER
     docs = elastic_documents(args, "train")
-    lengths = np.minimum(np.asarray(docs.lengths, dtype=np.int64) - 1, args.seq_length)
-    lengths = lengths[lengths > 0]
-    rng = np.random.default_rng(args.seed)
-    batch = rng.choice(lengths, size=args.global_batch_size, replace=args.global_batch_size > len(lengths))
+    sequences = np.asarray(docs.lengths, dtype=np.int64) - 1  # a document of n tokens trains n - 1 positions
+    batch = select_batch(sequences[sequences > 0], args.global_batch_size, args.seed, args.seq_length, truncate=True)
     try:
         config = PlannerConfig(
             memory_gb=args.epp_memory_budget or get_cluster(cluster).memory_gb, max_seq_len=args.seq_length,
