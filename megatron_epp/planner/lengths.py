@@ -11,10 +11,31 @@ import numpy as np
 
 
 def read_lengths(path: str | Path) -> np.ndarray:
-    """One length per line; ``.gz`` allowed; blank lines ignored."""
+    """One positive token count per line; ``.gz`` allowed; blank lines ignored. A file that cannot be
+    read, holds no count, or a line that is not one, is a one-line ``ValueError`` naming the file (and the line)."""
     opener = gzip.open if str(path).endswith(".gz") else open
-    with opener(path, "rt") as f:
-        return np.array([int(x) for x in f.read().split()], dtype=np.int64)
+    try:
+        with opener(path, "rt") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as error:  # missing, unreadable, a bad .gz, not text
+        raise ValueError(f"lengths file {path}: {getattr(error, 'strerror', None) or error}") from None
+    try:
+        lengths = np.array([int(x) for x in text.split()], dtype=np.int64)
+    except (ValueError, OverflowError):
+        lengths = np.zeros(1, dtype=np.int64)  # a word that is not an int64: found below
+    if (lengths < 1).any():
+        number, word = next((i, w) for i, line in enumerate(text.splitlines(), 1) for w in line.split() if not _is_count(w))
+        raise ValueError(f"lengths file {path}: line {number}: {word!r} is not a positive token count (one per line)")
+    if not len(lengths):
+        raise ValueError(f"lengths file {path}: no lengths (one token count per line)")
+    return lengths
+
+
+def _is_count(word: str) -> bool:
+    try:
+        return 0 < int(word) < 2**63
+    except ValueError:
+        return False
 
 
 def select_batch(lengths: np.ndarray, gbs: int | None, seed: int, max_seq_len: int, truncate: bool) -> np.ndarray:
