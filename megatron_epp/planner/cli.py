@@ -29,8 +29,8 @@ from megatron_epp.simulator.timeline import draw_timeline
 
 PRESET_TP = 8  # the presets' tensor-parallel size unless --tp says otherwise
 DEFAULTS = {  # epp-plan's defaults of the planner options (pretrain_gpt.py has its own)
-    "epp_plan": "elastic", "epp_memory_budget": 80.0, "epp_profile": "llama-13b", "epp_recompute": "adaptive",
-    "epp_max_slices": None, "epp_time_limit": 1.0,
+    "epp_plan": PlannerConfig.builder, "epp_memory_budget": 80.0, "epp_profile": "llama-13b", "epp_recompute": PlannerConfig.recompute,
+    "epp_max_slices": None, "epp_time_limit": PlannerConfig.time_limit,
 }
 
 
