@@ -48,7 +48,7 @@ from megatron_epp.planner.builders import plan_batch  # noqa: E402
 from megatron_epp.planner.compare import BASELINES, run_baselines  # noqa: E402
 from megatron_epp.planner.config import PlannerConfig  # noqa: E402
 from megatron_epp.data.mock_documents import WIKIPEDIA_LENGTHS  # noqa: E402
-from megatron_epp.planner.cli import read_lengths  # noqa: E402
+from megatron_epp.planner.lengths import read_lengths  # noqa: E402
 
 
 

@@ -24,7 +24,7 @@ from megatron_epp.cost.model import CostModel  # noqa: E402
 from megatron_epp.cost.profiles import load_profile  # noqa: E402
 from megatron_epp.planner import build_plan  # noqa: E402
 from megatron_epp.data.mock_documents import WIKIPEDIA_LENGTHS  # noqa: E402
-from megatron_epp.planner.cli import read_lengths  # noqa: E402
+from megatron_epp.planner.lengths import read_lengths  # noqa: E402
 from megatron_epp.cost.features import chunk_features  # noqa: E402
 from megatron_epp.tools.layer_bench import LayerStack, init_single_process, time_fwd_bwd  # noqa: E402
 

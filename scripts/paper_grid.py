@@ -48,7 +48,8 @@ sys.path.insert(0, str(ROOT))
 from megatron_epp.cost.clusters import COMM_OVERLAP, get_cluster  # noqa: E402
 from megatron_epp.cost.profiles import MODEL_PRESETS, analytic_profile  # noqa: E402
 from megatron_epp.plan import PlanInfeasible  # noqa: E402
-from megatron_epp.planner.cli import read_lengths, solver_output_to_stderr  # noqa: E402
+from megatron_epp.planner.cli import solver_output_to_stderr  # noqa: E402
+from megatron_epp.planner.lengths import read_lengths  # noqa: E402
 from megatron_epp.planner.config import PlannerConfig  # noqa: E402
 from megatron_epp.planner.layout import search_layout  # noqa: E402
 from megatron_epp.simulator.flexsp import simulate_flexsp  # noqa: E402

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -11,7 +13,11 @@ from megatron_epp.plan import PlanInfeasible
 from megatron_epp.planner.cli import main as epp_plan
 from megatron_epp.planner.config import PlannerConfig
 from megatron_epp.planner import layout as layout_module
-from megatron_epp.planner.layout import COMM_OVERLAP, Layout, enumerate_layouts, search_layout
+from megatron_epp.planner.layout import COMM_OVERLAP, Layout, enumerate_layouts, evaluate_layout, search_layout
+from megatron_epp.planner.lengths import select_batch
+from megatron_epp.training import layout_search
+from megatron_epp.training.arguments import EPP_DEFAULTS, parse_args
+from megatron_epp.training.elastic import elastic_documents
 from megatron_epp.training.main import main as pretrain_gpt
 
 SHAPE = ModelShape("toy", 4, 512, 8, 2048, 1000, dtype="bfloat16")
@@ -142,3 +148,65 @@ def test_epp_plan_and_pretrain_gpt_print_the_best_flags(tmp_path, capsys, monkey
     assert pretrain_gpt(["--mock-data", "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4",
                          "--epp-cluster", "a800-ib-node"]) == 2
     assert "--epp-cluster applies only with --epp-search-layout" in capsys.readouterr().err
+
+
+def driver_search(monkeypatch, *argv: str) -> tuple[int, dict]:
+    """``pretrain_gpt.py --epp-search-layout`` on the mock documents (4 ranks) up to the search: its exit code and what
+    it would search (the batch, the planner settings, the cluster); the search itself is checked above."""
+    seen = {}
+
+    def search(batch, shape, cluster, world, config, runnable_only):
+        seen.update(batch=batch, config=config, cluster=cluster, world=world)
+        raise ValueError("stop")
+
+    monkeypatch.setattr(layout_search, "search_for_world", search)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    return pretrain_gpt([*DRIVER_MODEL, "--epp-search-layout", *argv]), seen
+
+
+DRIVER_MODEL = ["--mock-data", "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "1024",
+                "--global-batch-size", "8"]
+
+
+def test_driver_search_batch_is_the_planners_sample_of_the_train_documents(monkeypatch, capsys):
+    rc, seen = driver_search(monkeypatch, "--seed", "5")
+    assert rc == 2 and capsys.readouterr().err.strip() == "pretrain_gpt.py: error: --epp-search-layout: stop"
+    args = parse_args([*DRIVER_MODEL, "--seed", "5"], world_size=4)
+    sequences = np.asarray(elastic_documents(args, "train").lengths) - 1  # a document of n tokens: n - 1 positions
+    assert seen["batch"].tolist() == select_batch(sequences[sequences > 0], 8, 5, 1024, truncate=True).tolist()
+    assert seen["world"] == 4 and seen["cluster"] == "h100-ib-gpu"
+
+
+@pytest.mark.parametrize("elastic", [[], ["--elastic-pp"]])
+def test_driver_search_takes_the_planner_options_not_this_hosts_memory(monkeypatch, capsys, elastic):
+    """With or without ``--elastic-pp``: the budget is the --epp-cluster preset's GPU memory (not this host's) unless
+    --epp-memory-budget, the other --epp-* options as given, else the driver's defaults (the planner's time limit)."""
+    rc, seen = driver_search(monkeypatch, *elastic, "--epp-cluster", "a800-ib-node")
+    assert rc == 2 and seen["cluster"] == "a800-ib-node"
+    assert seen["config"] == PlannerConfig(memory_gb=80.0, max_seq_len=1024, profile=None, max_slices=EPP_DEFAULTS["epp_max_slices"],
+                                           time_limit=PlannerConfig.time_limit)
+    rc, seen = driver_search(monkeypatch, *elastic, "--epp-memory-budget", "40", "--epp-recompute", "greedy", "--epp-max-slices", "4",
+                             "--epp-time-limit", "0.5")
+    assert rc == 2 and seen["config"] == PlannerConfig(memory_gb=40.0, max_seq_len=1024, profile=None, recompute="greedy",
+                                                       max_slices=4, time_limit=0.5)
+    capsys.readouterr()
+    for flags, message in ((["--epp-profile", "llama-7b"], "--epp-profile does not apply with --epp-search-layout (it models"),
+                           (["--epp-timeline", "t"], "--epp-timeline does not apply with --epp-search-layout (it prints"),
+                           (["--epp-calibrate-interval", "5"], "--epp-calibrate-interval does not apply with --epp-search-layout"),
+                           (["--epp-plan", "megatron"], "--epp-plan megatron: --epp-search-layout searches EPP's (elastic) layout"),
+                           (["--epp-memory-budget", "0"], "--epp-memory-budget must be positive")):
+        seen.clear()
+        assert driver_search(monkeypatch, *elastic, *flags)[0] == 2 and not seen
+        err = capsys.readouterr().err
+        assert err.startswith(f"pretrain_gpt.py: error: {message}") and err.count("\n") == 1, err
+
+
+def test_driver_search_refuses_too_long_documents_unless_truncated(monkeypatch, capsys):
+    """As --elastic-pp training: a document longer than --seq-length is an error unless --epp-truncate-documents."""
+    monkeypatch.setattr(layout_search, "elastic_documents", lambda args, split: SimpleNamespace(lengths=np.array([5001, 301, 1])))
+    rc, seen = driver_search(monkeypatch)
+    assert rc == 2 and not seen
+    assert capsys.readouterr().err == ("pretrain_gpt.py: error: --epp-search-layout: --seq-length 1024: 4 document(s) longer than "
+                                       "the cap (longest 5000 tokens); pass --epp-truncate-documents to cut them\n")
+    rc, seen = driver_search(monkeypatch, "--epp-truncate-documents")
+    assert sorted(set(seen["batch"].tolist())) == [300, 1024]

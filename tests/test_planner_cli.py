@@ -11,6 +11,7 @@ import pytest
 from megatron_epp.plan import Plan, PlanInfeasible
 from megatron_epp.plan.order import format_stage_ops
 from megatron_epp.planner.builders import BUILDERS, megatron_plan, plan_batch, seq1f1b_plan
+from megatron_epp.planner import cli
 from megatron_epp.planner.cli import main
 from megatron_epp.planner.compare import BASELINES, run_baselines
 from megatron_epp.planner.config import PlannerConfig
@@ -18,6 +19,7 @@ from megatron_epp.planner.data_parallel import TOKENS, split_data_parallel
 from megatron_epp.cost.features import F
 from megatron_epp.cost.model import CostModel
 from megatron_epp.cost.profiles import load_profile
+from megatron_epp.data.mock_documents import lengths_from_file
 
 LENGTHS = [3000, 1200, 800, 500, 300, 200, 150, 90, 60, 40, 20, 10] * 2
 
@@ -58,9 +60,7 @@ def test_cli_prints_replica_0s_schedule(lengths_file, capsys, tmp_path):
     assert "\n" + table + "\n" in out and json.loads(out.splitlines()[-1])["dp"] == 2
 
 
-def test_cli_rejects_too_long_documents_unless_truncated(lengths_file, capsys):
-    with pytest.raises(SystemExit, match="longer than --max-seq-len 1000"):
-        main([str(lengths_file), "--epp-profile", "test-model", "--stages", "2", "--max-seq-len", "1000", "--baselines", ""])
+def test_cli_truncates_too_long_documents_when_asked(lengths_file, capsys):
     out = run_json(capsys, str(lengths_file), "--epp-profile", "test-model", "--stages", "2", "--max-seq-len", "1000", "--truncate",
                    "--baselines", "", "--gbs", "10", "--seed", "3", "--epp-memory-budget", "0.5")
     assert out["num_sequences"] == 10 and out["num_tokens"] <= 10 * 1000
@@ -98,9 +98,6 @@ def test_cli_takes_the_planner_options(lengths_file, capsys):
     assert out["num_chunks"]["split"] == 0 and out["mip_gap"] == 0.0  # megatron packs whole sequences
     out = run_json(capsys, *base, "--epp-recompute", "none", "--epp-max-slices", "1", "--epp-time-limit", "0.5")
     assert out["recomputed_layers"] == 0
-    for bad, message in ((["--epp-max-slices", "0"], "--epp-max-slices must be >= 1"), (["--epp-profile", "nope"], "--epp-profile 'nope'")):
-        with pytest.raises(SystemExit, match=message):
-            main([*base, *bad])
     with pytest.raises(SystemExit):  # the old spellings are gone
         main([*base, "--memory-gb", "0.5"])
 
@@ -122,17 +119,62 @@ def test_baselines_shapes_and_infeasibility():
 
 
 
+def cli_error(capsys, monkeypatch, *argv: str) -> str:
+    """epp-plan's error for ``argv``: one line on stderr, exit 2 (as argparse's), before any planning."""
+    def no_planning(*args, **kwargs):
+        raise AssertionError("planned before the input was checked")
+
+    monkeypatch.setattr(cli, "plan_batch", no_planning)
+    monkeypatch.setattr(cli, "search_for_world", no_planning)
+    with pytest.raises(SystemExit) as e:
+        main(list(argv))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1 and err.startswith("epp-plan: error: "), err
+    return err.removeprefix("epp-plan: error: ").rstrip("\n")
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--epp-profile", "llama-30b", "--stages", "7"], "--stages 7: the 60 layers of llama-30b do not divide into 7 pipeline stages"),
-    (["--epp-profile", "llama-13b", "--tp", "3"], "--tp 3: the 40 attention heads of llama-13b do not divide into 3"),
-    (["--epp-profile", "llama-30b", "--tp", "8"], "--tp 8: the 52 attention heads of llama-30b do not divide into 8"),
+    (["--epp-profile", "llama-13b", "--tp", "3"], "--tp 3: the 40 attention heads of llama-13b do not divide into 3 tensor-parallel ranks"),
+    (["--epp-profile", "llama-30b", "--tp", "8"], "--tp 8: the 52 attention heads of llama-30b do not divide into 8 tensor-parallel ranks"),
     (["--epp-profile", "test-model", "--tp", "8"], "--tp 8: the profile 'CPU x86_64 (1 thread, fp32)' was measured at TP=1"),
-    (["--tp", "0"], "--stages, --tp and --dp must be >= 1"),
+    (["--tp", "0"], "--tp 0: must be >= 1"),
+    (["--stages", "0"], "--stages 0: must be >= 1"),
+    (["--dp", "-1"], "--dp -1: must be >= 1"),
+    (["--gbs", "0"], "--gbs 0: must be >= 1"),
+    (["--gbs", "-3"], "--gbs -3: must be >= 1"),
+    (["--max-seq-len", "0", "--truncate"], "--max-seq-len 0: must be >= 1"),
+    (["--seed", "-1"], "--seed -1: must be >= 0"),
+    (["--baselines", "megatron,nosuch"], "--baselines 'nosuch': one of megatron, seq1f1b, epp-no-ckpt, epp-full-ckpt, epp-no-balance, flexsp (comma-separated; empty for none)"),
+    (["--plan-out", "{tmp}/no/p.json"], "--plan-out {tmp}/no/p.json: no such directory {tmp}/no"),
+    (["--timeline", "{tmp}/no/t.png"], "--timeline {tmp}/no/t.png: no such directory {tmp}/no"),
+    (["--epp-max-slices", "0"], "--epp-max-slices must be >= 1"),
+    (["--epp-profile", "nope"], "--epp-profile 'nope': not a preset (llama-7b, llama-13b, llama-30b, test-model) nor a file"),
+    (["--epp-cluster", "a800-ib-node"], "--epp-cluster applies only with --epp-search-layout"),
+    (["--epp-search-layout", "--epp-profile", "test-model"], "--epp-search-layout needs a model preset --epp-profile (llama-7b, llama-13b, llama-30b)"),
+    (["--epp-search-layout", "--epp-plan", "megatron"], "--epp-plan megatron: --epp-search-layout searches EPP's (elastic) layout"),
+    (["--max-seq-len", "1000"], "--max-seq-len 1000: 4 document(s) longer than the cap (longest 3000 tokens); pass --truncate to cut them"),
 ])
-def test_cli_rejects_a_layout_the_model_cannot_take(lengths_file, capsys, argv, message):
-    with pytest.raises(SystemExit) as e:
-        main([str(lengths_file), *argv])
-    assert str(e.value) == f"error: {message}" or str(e.value).startswith(f"error: {message}")
+def test_cli_rejects_bad_options_in_one_line(lengths_file, capsys, monkeypatch, tmp_path, argv, message):
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    assert cli_error(capsys, monkeypatch, str(lengths_file), *argv) == message.replace("{tmp}", str(tmp_path))
+
+
+@pytest.mark.parametrize("text, message", [
+    (None, "No such file or directory"),
+    ("100\n\nabc\n", "line 3: 'abc' is not a positive token count (one per line)"),
+    ("100\n0\n", "line 2: '0' is not a positive token count (one per line)"),
+    ("\n\n", "no lengths (one token count per line)"),
+])
+def test_a_bad_lengths_file_is_one_line_naming_it(tmp_path, capsys, monkeypatch, text, message):
+    """The one reader's errors, for epp-plan (exit 2) and the mock documents' lengths alike."""
+    path = tmp_path / "lengths.txt"
+    if text is not None:
+        path.write_text(text)
+    assert cli_error(capsys, monkeypatch, str(path)) == f"lengths file {path}: {message}"
+    with pytest.raises(ValueError) as e:
+        lengths_from_file(path, 4, seed=0)
+    assert str(e.value) == f"lengths file {path}: {message}"
 
 
 def test_a_batch_that_cannot_fit_is_one_line_with_the_reason(tmp_path):
@@ -145,3 +187,19 @@ def test_a_batch_that_cannot_fit_is_one_line_with_the_reason(tmp_path):
                             "at least 6.1 GB more (its K/V buffer if split, its checkpointed layer inputs if whole)")
     with pytest.raises(PlanInfeasible, match=r"^model states take 17.3 of 16.0 GB per GPU on stage \d: nothing fits$"):
         plan_batch([1000], cm, PlannerConfig(16.0, 262144))
+
+
+def test_search_layout_world_size_defaults_to_the_presets_tp(lengths_file, monkeypatch, capsys):
+    """``--epp-search-layout`` without ``--tp``: the world size is the preset's TP (8) x --stages x --dp."""
+    worlds = []
+
+    def search(lengths, shape, cluster, world, config, runnable_only):
+        worlds.append(world)
+        raise ValueError("stop")
+
+    monkeypatch.setattr(cli, "search_for_world", search)
+    for tp in ([], ["--tp", "4"]):
+        with pytest.raises(SystemExit):
+            main([str(lengths_file), "--epp-profile", "llama-7b", "--stages", "2", "--dp", "3", "--epp-search-layout", *tp])
+        assert capsys.readouterr().err == "epp-plan: error: stop\n"
+    assert worlds == [8 * 2 * 3, 4 * 2 * 3]

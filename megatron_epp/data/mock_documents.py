@@ -7,13 +7,13 @@ predictable, so even a tiny model's loss falls within a few dozen steps.
 
 from __future__ import annotations
 
-import gzip
 import os
 from pathlib import Path
 
 import numpy as np
 
 from megatron_epp.data.documents import IndexedDocuments
+from megatron_epp.planner.lengths import read_lengths
 
 MAX_STEP = 3
 
@@ -41,12 +41,10 @@ def lognormal_lengths(
 def lengths_from_file(
     path: str | Path, num_docs: int, seed: int, scale: float = 1.0, max_length: int | None = None
 ) -> np.ndarray:
-    """``num_docs`` lengths drawn (with replacement) from a file of one length per line (``.gz``
-    allowed, e.g. ``wikipedia_lengths.txt.gz``), multiplied by ``scale`` and clipped to
+    """``num_docs`` lengths drawn (with replacement) from a lengths file (:func:`~megatron_epp.planner.lengths.read_lengths`:
+    one length per line, ``.gz`` allowed, e.g. ``wikipedia_lengths.txt.gz``), multiplied by ``scale`` and clipped to
     ``[2, max_length]``."""
-    with (gzip.open if str(path).endswith(".gz") else open)(path, "rt") as f:
-        pool = np.loadtxt(f, dtype=np.int64, ndmin=1)
-    drawn = np.random.default_rng([seed, 0xF11E]).choice(pool, size=num_docs) * scale
+    drawn = np.random.default_rng([seed, 0xF11E]).choice(read_lengths(path), size=num_docs) * scale
     return np.clip(np.rint(drawn), 2, max_length).astype(np.int64)
 
 

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import gzip
 import json
 import os
 import sys
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator, NoReturn, Sequence
 
 import numpy as np
 
@@ -23,38 +22,16 @@ from megatron_epp.planner.builders import plan_batch
 from megatron_epp.planner.compare import BASELINES, run_baselines
 from megatron_epp.planner.config import DEFAULT_CLUSTER, PlannerConfig, add_planner_arguments
 from megatron_epp.planner.layout import describe_choice, search_for_world
+from megatron_epp.planner.lengths import read_lengths, select_batch
 from megatron_epp.planner.data_parallel import split_data_parallel
 from megatron_epp.simulator.step import simulate
 from megatron_epp.simulator.timeline import draw_timeline
 
 PRESET_TP = 8  # the presets' tensor-parallel size unless --tp says otherwise
 DEFAULTS = {  # epp-plan's defaults of the planner options (pretrain_gpt.py has its own)
-    "epp_plan": "elastic", "epp_memory_budget": 80.0, "epp_profile": "llama-13b", "epp_recompute": "adaptive",
-    "epp_max_slices": None, "epp_time_limit": 1.0,
+    "epp_plan": PlannerConfig.builder, "epp_memory_budget": 80.0, "epp_profile": "llama-13b", "epp_recompute": PlannerConfig.recompute,
+    "epp_max_slices": None, "epp_time_limit": PlannerConfig.time_limit,
 }
-
-
-def read_lengths(path: str | Path) -> np.ndarray:
-    """One length per line; ``.gz`` allowed; blank lines ignored."""
-    opener = gzip.open if str(path).endswith(".gz") else open
-    with opener(path, "rt") as f:
-        return np.array([int(x) for x in f.read().split()], dtype=np.int64)
-
-
-def select_batch(lengths: np.ndarray, gbs: int | None, seed: int, max_seq_len: int, truncate: bool) -> np.ndarray:
-    """Sample ``gbs`` lengths (without replacement when possible); enforce ``max_seq_len``."""
-    if gbs is not None:
-        rng = np.random.default_rng(seed)
-        lengths = rng.choice(lengths, size=gbs, replace=gbs > len(lengths))
-    too_long = lengths > max_seq_len
-    if too_long.any():
-        if not truncate:
-            raise SystemExit(
-                f"error: {int(too_long.sum())} document(s) longer than --max-seq-len {max_seq_len} "
-                f"(longest {int(lengths.max())} tokens); pass --truncate to cut them"
-            )
-        lengths = np.minimum(lengths, max_seq_len)
-    return lengths
 
 
 @contextmanager
@@ -116,19 +93,53 @@ def _worst(results: list[dict]) -> dict:
     return out
 
 
+def fail(message: object, status: int = 2) -> NoReturn:
+    """One line on stderr, as argparse's errors; exit 2 (bad input) or 1 (a batch no plan fits)."""
+    print(f"epp-plan: error: {message}", file=sys.stderr)
+    raise SystemExit(status)
+
+
+def check_input(args: argparse.Namespace) -> tuple[PlannerConfig, Profile, np.ndarray]:
+    """Every option and the lengths file, before any planning: the planner's settings, the profile and
+    the batch; a one-line ``ValueError`` naming the flag or the file otherwise."""
+    for flag in ("stages", "tp", "dp", "gbs", "max_seq_len"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} {value}: must be >= 1")
+    if args.seed < 0:
+        raise ValueError(f"--seed {args.seed}: must be >= 0")
+    unknown = [n for n in args.baselines.split(",") if n and n not in BASELINES]
+    if unknown:
+        raise ValueError(f"--baselines {unknown[0]!r}: one of {', '.join(BASELINES)} (comma-separated; empty for none)")
+    for flag in ("plan_out", "timeline"):
+        folder = Path(getattr(args, flag) or ".").resolve().parent
+        if not folder.is_dir():
+            raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: no such directory {folder}")
+    if args.epp_cluster and not args.epp_search_layout:
+        raise ValueError("--epp-cluster applies only with --epp-search-layout")
+    config = PlannerConfig.from_args(args, args.max_seq_len)
+    if args.epp_search_layout and config.profile not in MODEL_PRESETS:
+        raise ValueError(f"--epp-search-layout needs a model preset --epp-profile ({', '.join(MODEL_PRESETS)})")
+    if args.epp_search_layout and config.builder != "elastic":
+        raise ValueError(f"--epp-plan {config.builder}: --epp-search-layout searches EPP's (elastic) layout")
+    profile = load_profile(config.profile, PRESET_TP if args.tp is None else args.tp)
+    check_layout(profile, args.tp, args.stages)
+    pool = read_lengths(args.lengths)
+    try:
+        lengths = select_batch(pool, args.gbs, args.seed, args.max_seq_len, args.truncate)
+    except ValueError as e:
+        raise ValueError(f"--max-seq-len {args.max_seq_len}: {e}; pass --truncate to cut them") from None
+    return config, profile, lengths
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     try:
-        config = PlannerConfig.from_args(args, args.max_seq_len)
-        if min(args.stages, args.dp, 1 if args.tp is None else args.tp) < 1:
-            raise ValueError("--stages, --tp and --dp must be >= 1")
-        profile = load_profile(config.profile, PRESET_TP if args.tp is None else args.tp)
-        check_layout(profile, args.tp, args.stages)
+        config, profile, lengths = check_input(args)
     except ValueError as e:
-        raise SystemExit(f"error: {e}")
-    lengths = select_batch(read_lengths(args.lengths), args.gbs, args.seed, args.max_seq_len, args.truncate)
-    if args.epp_search_layout or args.epp_cluster:
-        return print_layout_search(args, config, lengths)
+        fail(e)
+    if args.epp_search_layout:
+        return print_layout_search(args, config, profile.tp, lengths)
     cost_model = CostModel(profile, args.stages, dp=args.dp, network=get_network(args.network))
     parts = split_data_parallel(lengths, args.dp, cost_model.work_vector())
     names = [n for n in args.baselines.split(",") if n]
@@ -136,7 +147,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         try:
             plans: list[Plan] = [plan_batch(lengths[p], cost_model, config) for p in parts]
         except PlanInfeasible as e:
-            raise SystemExit(f"error: {e}")
+            fail(e, 1)
         per_replica = [run_baselines(lengths[p], cost_model, config, names) for p in parts]
     baselines = {n: _worst([r[n] for r in per_replica]) for n in names}
     info = [p.stats for p in plans]
@@ -176,20 +187,18 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(json.dumps(summary, separators=(",", ":")))
 
 
-def print_layout_search(args: argparse.Namespace, config: PlannerConfig, lengths: np.ndarray) -> None:
+def print_layout_search(args: argparse.Namespace, config: PlannerConfig, tp: int, lengths: np.ndarray) -> None:
     """``--epp-search-layout``: EPP's best layout (TP or Ulysses SP x PP x DP) for the world size
-    ``--tp x --stages x --dp`` on the ``--epp-cluster`` preset; the last line is its flags."""
-    if not args.epp_search_layout:
-        raise SystemExit("error: --epp-cluster applies only with --epp-search-layout")
-    if config.profile not in MODEL_PRESETS:
-        raise SystemExit(f"error: --epp-search-layout needs a model preset --epp-profile ({', '.join(MODEL_PRESETS)})")
-    world = args.tp * args.stages * args.dp
+    ``tp x --stages x --dp`` (``tp``: ``--tp``, else the preset's) on the ``--epp-cluster`` preset; the last line is its flags."""
+    world = tp * args.stages * args.dp
     with solver_output_to_stderr():
         try:
             choice, cluster = search_for_world(lengths, MODEL_PRESETS[config.profile], args.epp_cluster or DEFAULT_CLUSTER,
                                                world, config, runnable_only=False)
-        except (PlanInfeasible, ValueError) as e:
-            raise SystemExit(f"error: {e}")
+        except PlanInfeasible as e:
+            fail(e, 1)
+        except ValueError as e:  # a world size that is no whole number of the cluster's nodes
+            fail(e)
     print("\n".join(describe_choice(choice, cluster)))
 
 

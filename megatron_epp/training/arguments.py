@@ -8,9 +8,10 @@ import os
 import re
 from typing import Sequence
 
+from megatron_epp.cost.clusters import get_cluster
 from megatron_epp.data.data_path import Blend, BlendError
 from megatron_epp.data.tokenizers import TokenizerError, add_tokenizer_arguments, resolve_tokenizer_args, tokenizer_from_args
-from megatron_epp.planner.config import PlannerConfig, add_planner_arguments
+from megatron_epp.planner.config import DEFAULT_CLUSTER, PlannerConfig, add_planner_arguments
 import psutil
 import torch
 
@@ -424,7 +425,15 @@ UNSUPPORTED_PARALLELISM = {
 
 
 EPP_DEFAULTS = {  # pretrain_gpt.py's defaults of the planner options (epp-plan has its own)
-    "epp_plan": "elastic", "epp_max_slices": 8, "epp_profile": "test-model", "epp_recompute": "adaptive", "epp_time_limit": 1.0,
+    "epp_plan": PlannerConfig.builder, "epp_max_slices": 8, "epp_profile": "test-model", "epp_recompute": PlannerConfig.recompute,
+    "epp_time_limit": PlannerConfig.time_limit,
+}
+
+# --epp-* options that --epp-search-layout cannot honour: why
+SEARCH_REFUSES = {
+    "epp_profile": "it models the --epp-cluster preset's GPUs for the model the flags describe",
+    "epp_timeline": "it prints a layout and exits without training",
+    "epp_calibrate_interval": "it prints a layout and exits without training",
 }
 
 
@@ -437,6 +446,8 @@ CALIBRATE_INTERVAL = 20
 def validate_elastic_args(args: argparse.Namespace, world_size: int) -> None:
     given = [k for k in (*EPP_DEFAULTS, "epp_memory_budget", "epp_timeline", "epp_calibrate_interval") if getattr(args, k) is not None]
     given += ["epp_truncate_documents"] if args.epp_truncate_documents else []
+    if args.epp_search_layout:
+        return validate_search_args(args, given)
     if not args.elastic_pp:
         if given:
             raise ArgumentError(f"--{given[0].replace('_', '-')} needs --elastic-pp")
@@ -452,6 +463,27 @@ def validate_elastic_args(args: argparse.Namespace, world_size: int) -> None:
         args.epp_calibrate_interval = CALIBRATE_INTERVAL
     if args.epp_calibrate_interval < 0:
         raise ArgumentError(f"--epp-calibrate-interval {args.epp_calibrate_interval}: must be >= 0 (0 turns calibration off)")
+    try:
+        PlannerConfig.from_args(args, args.seq_length)
+    except ValueError as error:
+        raise ArgumentError(str(error)) from None
+
+
+def validate_search_args(args: argparse.Namespace, given: list[str]) -> None:
+    """``--epp-search-layout``, with or without ``--elastic-pp``: the ``--epp-*`` planner options as given, else the
+    driver's defaults; the budget ``--epp-memory-budget``, else the ``--epp-cluster`` preset's GPU memory (not this
+    host's); one line for an option it cannot honour."""
+    refused = [key for key in given if key in SEARCH_REFUSES]
+    if refused:
+        raise ArgumentError(f"--{refused[0].replace('_', '-')} does not apply with --epp-search-layout ({SEARCH_REFUSES[refused[0]]})")
+    if args.epp_plan not in (None, PlannerConfig.builder):
+        raise ArgumentError(f"--epp-plan {args.epp_plan}: --epp-search-layout searches EPP's ({PlannerConfig.builder}) layout")
+    for key, value in EPP_DEFAULTS.items():
+        if getattr(args, key) is None and key not in SEARCH_REFUSES:
+            setattr(args, key, value)
+    args.epp_cluster = args.epp_cluster or DEFAULT_CLUSTER
+    if args.epp_memory_budget is None:
+        args.epp_memory_budget = get_cluster(args.epp_cluster).memory_gb
     try:
         PlannerConfig.from_args(args, args.seq_length)
     except ValueError as error:
