@@ -13,7 +13,7 @@ from megatron_epp.plan import PlanInfeasible
 from megatron_epp.planner.cli import main as epp_plan
 from megatron_epp.planner.config import PlannerConfig
 from megatron_epp.planner import layout as layout_module
-from megatron_epp.planner.layout import COMM_OVERLAP, Layout, enumerate_layouts, evaluate_layout, search_layout
+from megatron_epp.planner.layout import COMM_OVERLAP, Layout, enumerate_layouts, search_layout
 from megatron_epp.planner.lengths import select_batch
 from megatron_epp.training import layout_search
 from megatron_epp.training.arguments import EPP_DEFAULTS, parse_args
