@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
+
 import pytest
 import torch
 
@@ -11,7 +13,10 @@ from megatron_epp.training.arguments import parse_args
 from megatron_epp.tools.layer_bench import init_single_process
 from megatron_epp.training.corpus_check import check_corpus
 from megatron_epp.training.faults import TrainingFault, check_finite
+from megatron_epp.training import loop
+from megatron_epp.training.initialize import Runtime
 from megatron_epp.training.loop import build_scheduler
+from megatron_epp.training.metrics import read_metrics
 from tests.test_bad_input import write_corpus
 
 
@@ -147,3 +152,35 @@ def test_nan_check_sees_one_bad_gradient_or_loss(bad):
     loss[1] = bad
     with pytest.raises(TrainingFault, match="the loss is NaN/Inf at iteration 4 on rank 0"):
         check_finite(4, loss, buffers[:1], 0, torch.device("cpu"))
+
+
+def test_log_line_averages_over_the_interval_as_megatron_lm_and_the_record_is_the_step(tmp_path, monkeypatch, capsys):
+    """--log-interval 2: the line at iteration 4 shows ms/iter, lm loss and tokens/s of iterations 3-4 averaged, the
+    learning rate and grad norm of iteration 4; the --epp-metrics record of iteration 4 holds iteration 4's own.
+    The loop runs on stand-ins for the model, optimizer and step (one process)."""
+    init_single_process()
+    args = parse_args(["--mock-data", "--train-iters", "4", "--log-interval", "2", "--global-batch-size", "2",
+                       "--lr-decay-style", "constant", "--epp-metrics", str(tmp_path / "m.jsonl")], world_size=1)
+    clock = [0.0]
+    monkeypatch.setattr(loop, "time", SimpleNamespace(perf_counter=lambda: clock[0], time=lambda: 0.0))
+    steps = iter([(0.1, 4.0, 100), (0.3, 2.0, 300), (0.2, 3.0, 100), (0.6, 1.0, 200)])  # (seconds, loss, tokens)
+
+    def train_step(forward_only):
+        seconds, loss, tokens = next(steps)
+        clock[0] += seconds
+        return [{"lm loss": torch.tensor([loss * tokens, tokens])}], np.array([tokens // 2, tokens - tokens // 2])
+
+    norms = iter([5.0, 6.0, 7.0, 8.0])
+    optimizer = SimpleNamespace(zero_grad=lambda: None, step=lambda: (True, next(norms), None), param_groups=[{}])
+    scheduler = SimpleNamespace(step=lambda increment: None, get_lr=lambda group: 1e-3)
+    model = SimpleNamespace(zero_grad_buffer=lambda: None, buffers=[])
+    runtime = Runtime(torch.device("cpu"), rank=0, world_size=1, pp_rank=0, pp_size=1, tp_rank=0, dp_rank=0, dp_size=1)
+    capsys.readouterr()
+    loop.train(args, runtime, model, optimizer, scheduler, train_step=train_step, valid_step=None)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.lstrip().startswith("iteration")]
+    assert len(lines) == 2
+    assert "elapsed time per iteration (ms): 400.0 | tokens/s: 375 |" in lines[1], lines[1]  # 0.8 s, 300 tokens
+    assert "lm loss: 2.000000E+00 | grad norm: 8.0000" in lines[1], lines[1]  # (3 + 1) / 2; iteration 4's norm
+    assert "elapsed time per iteration (ms): 200.0 | tokens/s: 1000 |" in lines[0], lines[0]
+    record = read_metrics(tmp_path / "m.jsonl")[1]
+    assert (record.iteration, record.iter_ms, record.loss, record.tokens, record.grad_norm) == (4, pytest.approx(600.0), 1.0, 200, 8.0)

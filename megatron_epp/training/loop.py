@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from dataclasses import replace
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -19,7 +20,7 @@ from megatron_epp.training import checkpointing
 from megatron_epp.training.faults import ExitConditions, FaultInjection, check_finite
 from megatron_epp.training.gpt_step import reduce_losses
 from megatron_epp.training.initialize import Runtime
-from megatron_epp.training.metrics import ElasticMetrics, StepMetrics
+from megatron_epp.training.metrics import ElasticMetrics, StepMetrics, interval_average
 from megatron_epp.training.model import model_shape
 
 
@@ -117,9 +118,9 @@ class Logger:
         if self.enabled:
             print(text, flush=True)
 
-    def record(self, m: StepMetrics) -> None:
-        """Print the record's line, append it to the metrics file, and send its scalars."""
-        self.print(m.line())
+    def record(self, m: StepMetrics, line: str | None = None) -> None:
+        """Print ``line`` (default: the record's), append the record to the metrics file, and send its scalars."""
+        self.print(m.line() if line is None else line)
         if self.metrics:
             self.metrics.write(m.to_json() + "\n")
         scalars = m.scalars() if self.writer or self.wandb else {}
@@ -168,6 +169,7 @@ def train(
     exits = ExitConditions(args, runtime.device, time.time() if start_time is None else start_time)
     dp_group = ps.get_data_parallel_group()
     history: list[float] = []
+    interval: list[StepMetrics] = []  # the iterations since the last log line
     shape = model_shape(args) if args.log_throughput else None
     saved_at = None
 
@@ -202,13 +204,16 @@ def train(
             loss = _broadcast_from_last_stage(reduce_losses(losses, dp_group), runtime)
             ms = (time.perf_counter() - t0) * 1000
             history.append(loss)
+            interval.append(StepMetrics(
+                iteration, loss, iter_ms=ms, tokens=int(seq_lengths.sum()),
+                tflops_per_gpu=shape.training_flops(seq_lengths) / (ms / 1000) / runtime.world_size / 1e12 if shape else None,
+            ))
             if iteration % args.log_interval == 0:
-                logger.record(StepMetrics(
-                    iteration, loss, train_iters=args.train_iters, consumed_samples=consumed, iter_ms=ms,
-                    tokens=int(seq_lengths.sum()), lr=scheduler.get_lr(optimizer.param_groups[0]),
-                    grad_norm=float(grad_norm or 0.0), elastic=step_metrics(iteration) if step_metrics else None,
-                    tflops_per_gpu=shape.training_flops(seq_lengths) / (ms / 1000) / runtime.world_size / 1e12 if shape else None,
-                ))
+                logged = replace(interval[-1], train_iters=args.train_iters, consumed_samples=consumed,
+                                 lr=scheduler.get_lr(optimizer.param_groups[0]), grad_norm=float(grad_norm or 0.0),
+                                 elastic=step_metrics(iteration) if step_metrics else None)
+                logger.record(logged, line=interval_average(logged, interval).line())  # the line as Megatron-LM's
+                interval.clear()
             if valid_step and args.eval_interval and iteration % args.eval_interval == 0:
                 logger.record(StepMetrics(iteration, evaluate(args, runtime, valid_step, dp_group), kind="valid"))
             if args.save and args.save_interval and iteration % args.save_interval == 0:

@@ -1,15 +1,16 @@
 """One metrics record per logged step (``--epp-metrics FILE``, JSON lines): what the log line says, typed.
 
-The logging rank prints each record's :meth:`StepMetrics.line` and appends its JSON to the file, so
-the printed line and the record come from the same numbers. Calibration, the benchmarks and the
-tests read the records (:func:`read_metrics`), never the log text.
+The logging rank appends each logged step's record, its own numbers, to the file, and prints the line of
+:func:`interval_average`: ms/iter, lm loss and tokens/s averaged over the ``--log-interval`` iterations since
+the previous log, as Megatron-LM's log line (equal to the record's at ``--log-interval 1``). Calibration, the
+benchmarks and the tests read the records (:func:`read_metrics`), never the log text.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -75,7 +76,7 @@ class StepMetrics:
     train_iters: int | None = None
     consumed_samples: int | None = None
     iter_ms: float | None = None  # the whole iteration: step, optimizer, loss broadcast
-    tokens: int | None = None  # in the global batch
+    tokens: float | None = None  # in the global batch (interval_average: the mean over its iterations)
     lr: float | None = None
     grad_norm: float | None = None
     elastic: ElasticMetrics | None = None
@@ -120,6 +121,19 @@ class StepMetrics:
     @classmethod
     def from_json(cls, text: str) -> "StepMetrics":
         return cls.from_dict(json.loads(text))
+
+
+def interval_average(logged: StepMetrics, interval: list[StepMetrics]) -> StepMetrics:
+    """``logged`` (a logged training iteration's record) as Megatron-LM's log line shows it: elapsed ms per
+    iteration, lm loss, tokens/s (and TFLOP/s/GPU) over ``interval``, the iterations since the previous log
+    (``logged``'s included); learning rate, grad norm and the plan stay the logged iteration's."""
+    if len(interval) == 1:  # --log-interval 1: the record's own line, to the last digit
+        return logged
+    n, ms = len(interval), sum(r.iter_ms for r in interval)
+    return replace(
+        logged, iter_ms=ms / n, loss=sum(r.loss for r in interval) / n, tokens=sum(r.tokens for r in interval) / n,
+        tflops_per_gpu=None if logged.tflops_per_gpu is None else sum(r.tflops_per_gpu * r.iter_ms for r in interval) / ms,
+    )
 
 
 def read_metrics(path: str | Path) -> list[StepMetrics]:
