@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import gzip
 import json
+import re
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -18,8 +21,11 @@ from megatron_epp.planner.config import PlannerConfig
 from megatron_epp.planner.data_parallel import TOKENS, split_data_parallel
 from megatron_epp.cost.features import F
 from megatron_epp.cost.model import CostModel
-from megatron_epp.cost.profiles import load_profile
+from megatron_epp.cost.profiles import load_profile, profile_at_tp
 from megatron_epp.data.mock_documents import lengths_from_file
+from megatron_epp.training.arguments import ArgumentError, parse_args
+from megatron_epp.training.elastic import PlanBuilder
+from megatron_epp.training.main import profile_summary
 
 LENGTHS = [3000, 1200, 800, 500, 300, 200, 150, 90, 60, 40, 20, 10] * 2
 
@@ -137,7 +143,7 @@ def cli_error(capsys, monkeypatch, *argv: str) -> str:
     (["--epp-profile", "llama-30b", "--stages", "7"], "--stages 7: the 60 layers of llama-30b do not divide into 7 pipeline stages"),
     (["--epp-profile", "llama-13b", "--tp", "3"], "--tp 3: the 40 attention heads of llama-13b do not divide into 3 tensor-parallel ranks"),
     (["--epp-profile", "llama-30b", "--tp", "8"], "--tp 8: the 52 attention heads of llama-30b do not divide into 8 tensor-parallel ranks"),
-    (["--epp-profile", "test-model", "--tp", "8"], "--tp 8: the profile 'CPU x86_64 (1 thread, fp32)' was measured at TP=1"),
+    (["--epp-profile", "test-model", "--tp", "8"], "--tp 8: the 4 attention heads of test-model do not divide into 8 tensor-parallel ranks"),
     (["--tp", "0"], "--tp 0: must be >= 1"),
     (["--stages", "0"], "--stages 0: must be >= 1"),
     (["--dp", "-1"], "--dp -1: must be >= 1"),
@@ -203,3 +209,28 @@ def test_search_layout_world_size_defaults_to_the_presets_tp(lengths_file, monke
             main([str(lengths_file), "--epp-profile", "llama-7b", "--stages", "2", "--dp", "3", "--epp-search-layout", *tp])
         assert capsys.readouterr().err == "epp-plan: error: stop\n"
     assert worlds == [8 * 2 * 3, 4 * 2 * 3]
+
+
+def test_a_profile_used_at_another_tp_is_noted_the_same_way_by_both_clis(lengths_file, capsys, monkeypatch, tmp_path):
+    """A profile measured at TP=1 used at TP=2: memory re-derived, times as measured, one note (epp-plan: stderr;
+    pretrain_gpt.py: its start-up line); one that cannot re-derive its memory is refused, by the one check."""
+    measured = load_profile("test-model")
+    at2, note = profile_at_tp(measured, 2)
+    assert measured.tp == 1 and at2.tp == 2 and at2.fwd == measured.fwd and profile_at_tp(measured, 1) == (measured, None)
+    assert note.startswith("the profile 'CPU x86_64 (1 thread, fp32)' was measured at TP=1; at TP=2 its activation memory is re-derived")
+    assert CostModel(at2, 2).profile.memory.act_token < CostModel(measured, 2).profile.memory.act_token
+    base = [str(lengths_file), "--epp-profile", "test-model", "--stages", "2", "--max-seq-len", "4096", "--baselines", "", "--epp-plan", "megatron"]
+    for tp, err in (("2", f"epp-plan: note: --tp 2: {note}\n"), ("1", "")):
+        main([*base, "--tp", tp, "--json"])
+        out = capsys.readouterr()
+        assert json.loads(out.out.splitlines()[-1])["tp"] == int(tp) and out.err == err
+    args = parse_args(["--mock-data", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "256",
+                       "--global-batch-size", "2", "--elastic-pp", "--tensor-model-parallel-size", "2"], world_size=2)
+    assert profile_summary(args).endswith(f"; {note}")
+    assert PlanBuilder(args).cost_model.profile.tp == 2
+    fixed = tmp_path / "fixed.json"  # memory coefficients as given: usable at its own TP only
+    replace(measured, memory=replace(measured.memory, derive="")).save(fixed)
+    message = "the profile 'CPU x86_64 (1 thread, fp32)' was measured at TP=1 and its activation memory cannot be re-derived for TP=2"
+    assert cli_error(capsys, monkeypatch, *base, "--epp-profile", str(fixed), "--tp", "2") == f"--tp 2: {message} (no memory 'derive')"
+    with pytest.raises(ArgumentError, match=re.escape(f"--epp-profile: {message}")):
+        profile_summary(argparse.Namespace(**{**vars(args), "epp_profile": str(fixed)}))

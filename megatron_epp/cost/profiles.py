@@ -539,3 +539,19 @@ def load_profile(spec: str, tp: int = 8) -> Profile:
         raise ValueError(f"--epp-profile {spec!r}: not a preset ({', '.join(MODEL_PRESETS)}, test-model) nor a file")
     return Profile.load(path)
 
+
+def profile_at_tp(profile: Profile, tp: int) -> tuple[Profile, str | None]:
+    """``profile`` used at tensor-parallel size ``tp`` (``epp-plan --tp``, ``pretrain_gpt.py``'s
+    ``--tensor-model-parallel-size``), and a one-line note when that is not the size it was measured at: the
+    activation memory is then re-derived for ``tp`` (:func:`shape_memory`, by the memory ``derive``), the times
+    are kept as measured, neither split over the ``tp`` ranks nor charged their collectives (off by a speed
+    factor, which the driver's online calibration fits). A profile whose memory coefficients cannot be
+    re-derived (no ``derive``) is only usable at its own size: a ``ValueError``."""
+    if tp == profile.tp:
+        return profile, None
+    if not profile.memory.derive:
+        raise ValueError(f"the profile {profile.device!r} was measured at TP={profile.tp} and its activation memory "
+                         f"cannot be re-derived for TP={tp} (no memory 'derive')")
+    return replace(profile, tp=tp), (f"the profile {profile.device!r} was measured at TP={profile.tp}; at TP={tp} its "
+                                     "activation memory is re-derived, its times are as measured (not split over the "
+                                     "tensor-parallel ranks: off by a speed factor)")

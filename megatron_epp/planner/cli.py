@@ -15,7 +15,7 @@ import numpy as np
 
 from megatron_epp.cost.model import CostModel
 from megatron_epp.cost.network import NETWORKS, get_network
-from megatron_epp.cost.profiles import MODEL_PRESETS, Profile, load_profile
+from megatron_epp.cost.profiles import MODEL_PRESETS, Profile, load_profile, profile_at_tp
 from megatron_epp.plan import Plan, PlanInfeasible
 from megatron_epp.plan.order import format_stage_ops
 from megatron_epp.planner.builders import plan_batch
@@ -71,13 +71,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def check_layout(profile: Profile, tp: int | None, stages: int) -> None:
+def check_layout(profile: Profile, stages: int) -> None:
     """The layout's rules, each a one-line ``ValueError``: the layers divide into the
-    stages, the attention heads into the tensor-parallel ranks (Megatron's rules), ``--tp`` that of a
-    profile measured at one size."""
+    stages, the attention heads into the tensor-parallel ranks (Megatron's rules)."""
     shape = profile.model
-    if tp is not None and tp != profile.tp:
-        raise ValueError(f"--tp {tp}: the profile {profile.device!r} was measured at TP={profile.tp}")
     if shape.num_layers % stages:
         raise ValueError(f"--stages {stages}: the {shape.num_layers} layers of {shape.name} do not divide into {stages} pipeline stages")
     if shape.num_heads % profile.tp:
@@ -123,12 +120,18 @@ def check_input(args: argparse.Namespace) -> tuple[PlannerConfig, Profile, np.nd
     if args.epp_search_layout and config.builder != "elastic":
         raise ValueError(f"--epp-plan {config.builder}: --epp-search-layout searches EPP's (elastic) layout")
     profile = load_profile(config.profile, PRESET_TP if args.tp is None else args.tp)
-    check_layout(profile, args.tp, args.stages)
+    try:
+        profile, note = profile_at_tp(profile, profile.tp if args.tp is None else args.tp)
+    except ValueError as e:
+        raise ValueError(f"--tp {args.tp}: {e}") from None
+    check_layout(profile, args.stages)
     pool = read_lengths(args.lengths)
     try:
         lengths = select_batch(pool, args.gbs, args.seed, args.max_seq_len, args.truncate)
     except ValueError as e:
         raise ValueError(f"--max-seq-len {args.max_seq_len}: {e}; pass --truncate to cut them") from None
+    if note:
+        print(f"epp-plan: note: --tp {args.tp}: {note}", file=sys.stderr)
     return config, profile, lengths
 
 

@@ -19,7 +19,7 @@ from megatron.core.utils import get_model_config
 
 from megatron_epp.cost.features import chunk_features
 from megatron_epp.cost.model import CostModel
-from megatron_epp.cost.profiles import StageOverhead, load_profile, megatron_model_state
+from megatron_epp.cost.profiles import StageOverhead, load_profile, megatron_model_state, profile_at_tp
 from megatron_epp.data.blend import blended_documents
 from megatron_epp.data.mock_documents import MockDocuments, lognormal_lengths
 from megatron_epp.data.sequence_sampler import SequenceSampler
@@ -46,12 +46,12 @@ class PlanBuilder:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.config = PlannerConfig.from_args(args, args.seq_length)
-        profile = load_profile(self.config.profile, tp=args.tensor_model_parallel_size)
+        tp = args.tensor_model_parallel_size
+        profile, _ = profile_at_tp(load_profile(self.config.profile, tp=tp), tp)  # the note: main's start-up line
         shape = model_shape(args, profile.model.name)
         memory = dataclasses.replace(profile.memory, **megatron_model_state(shape.dtype, args.use_distributed_optimizer))
         self.cost_model = CostModel(
-            dataclasses.replace(profile, model=shape, memory=memory, tp=args.tensor_model_parallel_size,
-                                sequence_parallel=args.sequence_parallel),
+            dataclasses.replace(profile, model=shape, memory=memory, sequence_parallel=args.sequence_parallel),
             args.pipeline_model_parallel_size, dp=args.data_parallel_size,
         )
         self.calibrate_interval = args.epp_calibrate_interval

@@ -10,7 +10,7 @@ from typing import Sequence
 from megatron_epp.data.blend import BlendedSamples, split_documents
 from megatron_epp.data.gpt_samples import GPTSamples, MockGPTSamples
 from megatron_epp.data.tokenizers import TokenizerError
-from megatron_epp.cost.profiles import load_profile
+from megatron_epp.cost.profiles import load_profile, profile_at_tp
 from megatron_epp.executor.context import ChunkContext
 from megatron_epp.training import checkpointing
 from megatron_epp.training.arguments import ArgumentError, parse_args, world_size_from_env
@@ -42,12 +42,14 @@ def build_samples(args: argparse.Namespace, split: str):
 
 def profile_summary(args: argparse.Namespace) -> str:
     """Where the planner's cost profile comes from (its ``source`` and ``device``), for the start-up
-    line; a profile that does not load is a bad flag."""
+    line, with the note of a profile used at another TP (:func:`~megatron_epp.cost.profiles.profile_at_tp`);
+    a profile that does not load, or cannot be used at this TP, is a bad flag."""
+    tp = args.tensor_model_parallel_size
     try:
-        profile = load_profile(args.epp_profile, tp=args.tensor_model_parallel_size)
+        profile, note = profile_at_tp(load_profile(args.epp_profile, tp=tp), tp)
     except (ValueError, OSError, KeyError, TypeError) as error:
         raise ArgumentError(str(error) if str(error).startswith("--epp-profile") else f"--epp-profile: {error}") from None
-    return f"--epp-profile {args.epp_profile}: {profile.source} on {profile.device} (model {profile.model.name})"
+    return f"--epp-profile {args.epp_profile}: {profile.source} on {profile.device} (model {profile.model.name})" + (f"; {note}" if note else "")
 
 
 def dropout_memory_warning(args: argparse.Namespace) -> str | None:
