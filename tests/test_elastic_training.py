@@ -55,9 +55,13 @@ def test_elastic_trains_and_matches_megatron_packing(tmp_path):
 def test_planning_overlaps_training_and_timelines_are_drawn(tmp_path):
     run = [a for a in RUN]
     run[run.index("--train-iters") + 1] = "6"
-    torchrun(2, *run, "--log-interval", "2", "--epp-timeline", str(tmp_path / "timeline"), "--tensorboard-dir", str(tmp_path / "tb"))
+    out = torchrun(2, "tests/workers/count_plans.py", *run[1:], "--log-interval", "2", "--epp-timeline", str(tmp_path / "timeline"),
+                   "--tensorboard-dir", str(tmp_path / "tb")).stdout
     waits = [m.elastic.planning_wait_ms for m in read_metrics(tmp_path / "tb" / "metrics.jsonl")]
     assert len(waits) == 3 and min(waits) < 1.0, waits  # the next step's plan is made during this one
+    # one plan per step on the planning rank (the first of the replica), none past the last step: the run's
+    # end waits for no plan of a step that never comes (every rank also plans the start-up memory check's batch)
+    assert "rank 0: plans made: 7" in out and "rank 1: plans made: 1" in out, out[-2000:]
     pictures = sorted(p.name for p in (tmp_path / "timeline").iterdir())
     assert pictures == ["plan_iter_0000002.png", "plan_iter_0000004.png", "plan_iter_0000006.png"]
     assert all((tmp_path / "timeline" / p).stat().st_size > 10_000 for p in pictures)

@@ -150,9 +150,13 @@ class ElasticTrainStep:
     summary says whether planning was hidden).
     """
 
-    def __init__(self, args: argparse.Namespace, runtime: Runtime, model, sampler, consumed: int, build: PlanBuilder) -> None:
+    def __init__(self, args: argparse.Namespace, runtime: Runtime, model, sampler, consumed: int, build: PlanBuilder,
+                 steps: int | None = None) -> None:
         self.args, self.runtime, self.model, self.build = args, runtime, model, build
         self.batches = sampler.iterate(consumed)
+        # the global batches this function will still be asked for (None: no end, as validation): none is drawn,
+        # planned or prepared beyond them, so the last step waits for no plan and the exit for no planner thread
+        self.batches_left = steps
         self.plans_here = ps.get_model_parallel_group().rank() == 0
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epp-planner") if self.plans_here else None
         self.preparer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epp-prepare")
@@ -180,16 +184,26 @@ class ElasticTrainStep:
 
         return self.pool.submit(plan)
 
+    def _draw(self):
+        """The next global batch, or None past the last one this function is asked for."""
+        if self.batches_left is not None:
+            if self.batches_left == 0:
+                return None
+            self.batches_left -= 1
+        return next(self.batches)
+
     def _next_planned(self):
         """This step's batch, plan and ``(planning ms, waited ms, planning ms inside the last step's span)``
         (waiting for the planner only if it is still running): the plan was made while the last step ran,
-        on the planning rank's core."""
+        on the planning rank's core; or None past the last step."""
         if self.pending is None:  # the first step of this process: planned as the run planned it (a resumed run's too)
-            first = next(self.batches)
-            self.pending = (first, self._plan_async(first, self.build.next_step_model))
+            first = self._draw()
+            self.pending = (first, self._plan_async(first, self.build.next_step_model) if first is not None else None)
         batch, future = self.pending
-        upcoming = next(self.batches)
-        self.pending = (upcoming, self._plan_async(upcoming, self.build.cost_model))
+        if batch is None:
+            return None
+        upcoming = self._draw()
+        self.pending = (upcoming, self._plan_async(upcoming, self.build.cost_model) if upcoming is not None else None)
         plan, timing = None, None
         if future is not None:
             t0 = time.perf_counter()
@@ -200,8 +214,13 @@ class ElasticTrainStep:
         return (batch, *_share_plan(plan, timing))
 
     def _prefetch(self) -> None:
-        """Share the next step's plan now (a collective of the replica) and build its inputs in the background."""
-        batch, plan, timing = self._next_planned()
+        """Share the next step's plan now (a collective of the replica) and build its inputs in the background;
+        nothing after the last step."""
+        planned = self._next_planned()
+        if planned is None:
+            self.ready = None
+            return
+        batch, plan, timing = planned
         self.overlap_ms = timing[2]
         self.ready = self.preparer.submit(self._prepare, batch, plan, timing)
 
@@ -212,6 +231,8 @@ class ElasticTrainStep:
     def __call__(self, forward_only: bool) -> tuple[list[dict[str, torch.Tensor]], np.ndarray]:
         if self.ready is None:
             self._prefetch()
+        if self.ready is None:
+            raise RuntimeError(f"the elastic step function was asked for more than its {self.args.train_iters} steps")
         batch, plan, (planning_ms, waited_ms, _), inputs = self.ready.result()
         t1 = time.perf_counter()
         with ActivationMemoryTracker(self.runtime.device, ChunkContext.of(self.model)) if not forward_only else contextlib.nullcontext() as memory:
@@ -290,14 +311,15 @@ def elastic_sampler(args: argparse.Namespace, split: str, dp_size: int, build: P
 
 
 def elastic_train_step(args: argparse.Namespace, runtime: Runtime, model, split: str, consumed: int,
-                       planner_state: dict[str, Any] | None = None) -> ElasticTrainStep | None:
+                       planner_state: dict[str, Any] | None = None, steps: int | None = None) -> ElasticTrainStep | None:
     """The elastic step function for ``split`` ('train'/'valid'), or None if the split is empty; its planner
-    continues from ``planner_state`` (:meth:`PlanBuilder.state_dict`, a checkpoint's) when given."""
+    continues from ``planner_state`` (:meth:`PlanBuilder.state_dict`, a checkpoint's) when given; ``steps``: how many
+    steps it will run (the training's remaining iterations; None: no end)."""
     build = PlanBuilder(args)
     sampler = elastic_sampler(args, split, runtime.dp_size, build)
     if planner_state is not None:
         build.load_state_dict(planner_state)
-    return None if sampler is None else ElasticTrainStep(args, runtime, model, sampler, consumed, build)
+    return None if sampler is None else ElasticTrainStep(args, runtime, model, sampler, consumed, build, steps)
 
 
 def check_memory_budget(args: argparse.Namespace) -> None:

@@ -126,7 +126,9 @@ def main(argv: Sequence[str] | argparse.Namespace | None = None) -> int:
 
     def step_for(split: str, consumed: int):
         if args.elastic_pp:
-            return elastic_train_step(args, runtime, model, split, consumed, planner_state if split == "train" else None)
+            if split == "train":  # the remaining iterations: nothing is planned past the last
+                return elastic_train_step(args, runtime, model, split, consumed, planner_state, steps=args.train_iters - start[0])
+            return elastic_train_step(args, runtime, model, split, consumed)
         samples = build_samples(args, split)
         if samples is None:
             return None
