@@ -49,9 +49,8 @@ def _uniform_plan(lengths: Sequence[int], cost_model: CostModel, memory_gb: floa
     if L.max() > chunk_tokens and cuts is None:
         raise PlanInfeasible(f"a sequence of {L.max()} tokens exceeds the micro-batch of {chunk_tokens}")
     w = cost_model.work_vector()
-    units = build_units(L, w, np.inf, chunk_tokens, balance=False, cuts=cuts)
-    units, _ = order_units(units, w)
-    plan = make_plan(L, cost_model, [units], name)
+    chunking, _ = order_units(build_units(L, w, np.inf, chunk_tokens, balance=False, cuts=cuts), w)
+    plan = make_plan(L, cost_model, chunking, [(0, chunking.num_units)], name)
     uniform_recompute(plan, cost_model, memory_gb * GIB)
     return finish(plan, cost_model, memory_gb * GIB, t0, {})
 
