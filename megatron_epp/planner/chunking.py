@@ -7,7 +7,8 @@ tokens): later slices attend to a longer prefix, so they are shorter. The remain
 Tails seed buckets; whole short sequences, longest first, go to the feasible bucket that they fill
 best (least time left, best-fit decreasing); if none fits under ``T_t`` the budget is relaxed by
 ``relax``; only then a new bucket opens. The result is a list of *units*: the chunks of one split
-sequence (its last chunk is the tail's bucket), or one batched chunk.
+sequence (its last chunk is the tail's bucket), or one batched chunk; held as arrays
+(:class:`Chunking`), since the planner scores many chunkings and plans few.
 """
 
 from __future__ import annotations
