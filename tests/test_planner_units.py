@@ -109,7 +109,9 @@ def test_best_fit_decreasing_packing():
 
 def test_build_units_split_hybrid_batched():
     w = np.array([0.0, 0, 1.0, 0, 0, 0])  # work = tokens
-    units = build_units(np.array([25, 3, 4, 30]), w, 10.0, 10)
+    chunking = build_units(np.array([25, 3, 4, 30]), w, 10.0, 10)
+    chunks, ends = chunking.chunks(), np.cumsum(chunking.unit_sizes)
+    units = [chunks[a:b] for a, b in zip([0, *ends[:-1]], ends)]
     kinds = [[c.kind for c in u] for u in units]
     assert kinds[0] == ["split", "split", "hybrid"] or kinds[0] == ["split", "split", "split"]
     covered = {}

@@ -43,17 +43,17 @@ def uniform_recompute(plan: Plan, cost_model: CostModel, budget: float) -> None:
     raise PlanInfeasible(f"does not fit {budget / GIB:.0f} GB even with full recompute")
 
 
-def _uniform_plan(lengths: Sequence[int], cost_model: CostModel, memory_gb: float, chunk_tokens: int, cuts, name: str) -> Plan:
+def _uniform_plan(lengths: Sequence[int], cost_model: CostModel, memory_gb: float, chunk_tokens: int, cuts, name: str,
+                  validate: bool = True) -> Plan:
     t0 = time.perf_counter()
     L = np.asarray(lengths, dtype=np.int64)
     if L.max() > chunk_tokens and cuts is None:
         raise PlanInfeasible(f"a sequence of {L.max()} tokens exceeds the micro-batch of {chunk_tokens}")
     w = cost_model.work_vector()
-    units = build_units(L, w, np.inf, chunk_tokens, balance=False, cuts=cuts)
-    units, _ = order_units(units, w)
-    plan = make_plan(L, cost_model, [units], name)
+    chunking, _ = order_units(build_units(L, w, np.inf, chunk_tokens, balance=False, cuts=cuts), w)
+    plan = make_plan(L, cost_model, chunking, [(0, chunking.num_units)], name)
     uniform_recompute(plan, cost_model, memory_gb * GIB)
-    return finish(plan, cost_model, memory_gb * GIB, t0, {})
+    return finish(plan, cost_model, memory_gb * GIB, t0, {}, validate)
 
 
 def slice_counts(config: PlannerConfig) -> Sequence[int]:
@@ -62,16 +62,17 @@ def slice_counts(config: PlannerConfig) -> Sequence[int]:
 
 
 def baseline_candidates(lengths: Sequence[int], cost_model: CostModel, config: PlannerConfig) -> list[Plan]:
-    """The baseline plans the elastic builder weighs: Megatron packing and Seq1F1B for each k of
-    :data:`SEQ1F1B_KS` up to ``max_slices``; those that do not fit are left out. Their
+    """The baseline plans the elastic builder weighs (not validated: :func:`elastic_plan` validates the one
+    it chooses): Megatron packing and Seq1F1B for each k of :data:`SEQ1F1B_KS` up to ``max_slices``; those
+    that do not fit are left out. Their
     uniform recompute is one of the answers the adaptive/greedy programs search over, so only those
     modes weigh them (``none`` takes them only without recompute; ``full`` never)."""
     if config.recompute == "full":
         return []
-    makers = [lambda: megatron_plan(lengths, cost_model, config)]
+    makers = [lambda: megatron_plan(lengths, cost_model, config, validate=False)]
     for k in SEQ1F1B_KS:
         if k <= (config.max_slices or max(SEQ1F1B_KS)):
-            makers.append(lambda k=k: seq1f1b_plan(lengths, cost_model, replace(config, max_slices=k)))
+            makers.append(lambda k=k: seq1f1b_plan(lengths, cost_model, replace(config, max_slices=k), validate=False))
     plans = []
     for make in makers:
         try:
@@ -96,6 +97,8 @@ def elastic_plan(lengths: Sequence[int], cost_model: CostModel, config: PlannerC
     if not candidates:
         raise error or PlanInfeasible(f"no plan fits {config.memory_gb} GB per GPU")
     best = min(candidates, key=lambda p: p.stats.predicted_step_ms)  # first wins ties: EPP's own plan
+    if best.builder != "epp":
+        best.validate()  # the baselines' plans are validated only when chosen (EPP's own always is)
     best.stats.chosen = best.builder
     best.stats.candidates_ms = {p.builder: round(p.stats.predicted_step_ms, 3) for p in candidates}
     best.stats.solve_ms = (time.perf_counter() - t0) * 1e3
@@ -103,11 +106,11 @@ def elastic_plan(lengths: Sequence[int], cost_model: CostModel, config: PlannerC
     return best
 
 
-def megatron_plan(lengths: Sequence[int], cost_model: CostModel, config: PlannerConfig) -> Plan:
-    return _uniform_plan(lengths, cost_model, config.memory_gb, config.max_seq_len, None, "megatron")
+def megatron_plan(lengths: Sequence[int], cost_model: CostModel, config: PlannerConfig, validate: bool = True) -> Plan:
+    return _uniform_plan(lengths, cost_model, config.memory_gb, config.max_seq_len, None, "megatron", validate)
 
 
-def seq1f1b_plan(lengths: Sequence[int], cost_model: CostModel, config: PlannerConfig) -> Plan:
+def seq1f1b_plan(lengths: Sequence[int], cost_model: CostModel, config: PlannerConfig, validate: bool = True) -> Plan:
     k = SEQ1F1B_K if config.max_slices is None else config.max_slices
     max_seq_len = config.max_seq_len
     L = np.asarray(lengths, dtype=np.int64)
@@ -116,7 +119,7 @@ def seq1f1b_plan(lengths: Sequence[int], cost_model: CostModel, config: PlannerC
     cuts = [np.array([0, n]) for n in L]
     for i, c in zip(np.flatnonzero(long), equal_count_cuts(L[long], k, cost_model.work_vector(), max_seq_len)):
         cuts[i] = c
-    return _uniform_plan(L, cost_model, config.memory_gb, slice_tokens, cuts, f"seq1f1b-k{k}")
+    return _uniform_plan(L, cost_model, config.memory_gb, slice_tokens, cuts, f"seq1f1b-k{k}", validate)
 
 
 Builder = Callable[[Sequence[int], CostModel, PlannerConfig], Plan]

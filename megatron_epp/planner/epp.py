@@ -23,10 +23,10 @@ from typing import Sequence
 
 import numpy as np
 
-from megatron_epp.plan import Chunk, Pipeline, Plan, PlanInfeasible, PlanStats
+from megatron_epp.plan import Pipeline, Plan, PlanInfeasible, PlanStats
 from megatron_epp.planner.config import Recompute
 from megatron_epp.planner.recompute import MemoryInfeasible, solve_recompute
-from megatron_epp.planner.chunking import PACK_RELAX, Units, build_units
+from megatron_epp.planner.chunking import PACK_RELAX, Chunking, build_units
 from megatron_epp.cost.features import F, chunk_features, sequence_features
 from megatron_epp.cost.model import ChunkCosts, CostModel
 from megatron_epp.planner.grouping import group_units_both
@@ -53,22 +53,23 @@ def token_cap(cost_model: CostModel, budget: float) -> int:
     return max(int(t), 1)
 
 
-def order_units(units: Units, w: np.ndarray) -> tuple[Units, np.ndarray]:
+def order_units(chunking: Chunking, w: np.ndarray) -> tuple[Chunking, np.ndarray]:
     """Units with more chunks first (ties: more work first), as the elastic 1F1B order wants; and
     the features of their chunks in that order. ``w``: the work vector."""
-    feats = chunk_features([c for u in units for c in u])
-    sizes = np.array([len(u) for u in units])
+    feats = chunking.features()
+    sizes = chunking.unit_sizes
     starts = np.concatenate([[0], np.cumsum(sizes)[:-1]])
     order = np.lexsort((-np.add.reduceat(feats @ w, starts), -sizes))
     rows = np.concatenate([np.arange(starts[u], starts[u] + sizes[u]) for u in order])
-    return [units[u] for u in order], feats[rows]
+    return chunking.take(rows, sizes[order]), feats[rows]
 
 
-def make_plan(lengths: Sequence[int], cost_model: CostModel, groups: list[Units], builder: str) -> Plan:
-    """Plan with the given pipelines (lists of units), chunk ids in execution order, no recompute."""
+def make_plan(lengths: Sequence[int], cost_model: CostModel, chunking: Chunking, groups: list[tuple[int, int]], builder: str) -> Plan:
+    """Plan with the given pipelines (ranges ``[first, end)`` of the chunking's units), chunk ids in
+    execution order, no recompute."""
     pipes, next_id = [], 0
-    for units in groups:
-        chunks = [Chunk(next_id + i, c.kind, c.segments) for i, c in enumerate(c for u in units for c in u)]
+    for a, b in groups:
+        chunks = chunking.chunks(a, b, next_id)
         next_id += len(chunks)
         pipes.append(Pipeline(chunks, [[0] * len(chunks) for _ in range(cost_model.num_stages)]))
     return Plan(list(map(int, lengths)), cost_model.num_stages, cost_model.layers.tolist(), pipes, builder)
@@ -156,7 +157,7 @@ class _Search:
     cache: dict = field(default_factory=dict)  # chunkings by (slice budget, cap, balance)
     groupings: dict = field(default_factory=dict)  # their groupings with and without recompute
 
-    def units(self, budget_t: float, cap: int, balance: bool) -> tuple[Units, ChunkCosts]:
+    def units(self, budget_t: float, cap: int, balance: bool) -> tuple[Chunking, ChunkCosts]:
         w = self.cost_model.work_vector()
         if balance and (w >= 0).all() and w[F.S] > 0:  # no chunk holds more tokens than its relaxed budget's worth:
             cap = min(cap, int(budget_t * (1 + PACK_RELAX) / w[F.S]) + 1)  # larger caps give the same chunking
@@ -166,18 +167,18 @@ class _Search:
             self.cache[key] = units, self.cost_model.costs(feats)
         return self.cache[key]
 
-    def score(self, budget_t: float, cap: int, balance: bool, recompute: bool, margin: float = 0.0) -> tuple[float, list[Units] | None]:
+    def score(self, budget_t: float, cap: int, balance: bool, recompute: bool, margin: float = 0.0) -> tuple[float, tuple | None]:
         """Proxy score of one chunking: slowest stage's compute plus the grouping overhead (bubbles,
         estimated recompute); infinite (and no groups) if no grouping fits. ``margin``: bytes the
         grouping keeps free beyond its estimate (what the exact walk found it short)."""
-        units, costs = self.units(budget_t, cap, balance)
-        key = (id(units), margin)  # one grouping per distinct chunking (equivalent caps share one)
+        chunking, costs = self.units(budget_t, cap, balance)
+        key = (id(chunking), margin)  # one grouping per distinct chunking (equivalent caps share one)
         if key not in self.groupings:
-            self.groupings[key] = group_units_both([len(u) for u in units], costs, self.cost_model.layers, self.free - margin)
+            self.groupings[key] = group_units_both(chunking.unit_sizes.tolist(), costs, self.cost_model.layers, self.free - margin)
         groups, overhead = self.groupings[key][recompute]
         if not np.isfinite(overhead):
             return np.inf, None
-        return float((costs.fwd + costs.bwd).sum(axis=1).max()) + overhead, [units[a:b] for a, b in groups]
+        return float((costs.fwd + costs.bwd).sum(axis=1).max()) + overhead, (chunking, groups)
 
 
 def token_caps(longest: int, memory_cap: int) -> list[int]:
@@ -286,7 +287,7 @@ def build_plan(
                 for mode in modes:
                     if out and out[-1].recomputed_layers() == 0:
                         break  # needs no recompute: the full variant is only slower
-                    plan = make_plan(L, cost_model, groups, builder)
+                    plan = make_plan(L, cost_model, *groups, builder)
                     extra = apply_recompute(plan, cost_model, budget, mode, time_limit, mip_rel_gap)
                     extra.update(slice_budget_ms=slice_budget, token_cap=cap_used)
                     out.append(finish(plan, cost_model, budget, t0, extra, validate=False))
@@ -304,7 +305,7 @@ def build_plan(
         for found in family[:FINALIST_TRIES]:  # the best by the estimate that the exact walk fits
             # one chunking under several keys (a cap that binds everywhere makes the slice budget moot):
             # identified by its first chunk, which the search's cache shares
-            key = (id(found[2][0][0][0]), tuple(map(len, found[2])))
+            key = (id(found[2][0]), tuple(found[2][1]))
             if key in seen:
                 continue
             seen.add(key)

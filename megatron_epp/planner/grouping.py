@@ -59,11 +59,13 @@ def group_units_both(
     rc_per_byte = costs.rc_layer / np.maximum(act - costs.ckpt_layer, 1e-9)
     R = np.concatenate([[0.0], np.cumsum(rc_per_byte)])
     S_full, S_least = (np.concatenate([[0.0], np.cumsum(x)]) for x in (full, least))
+    monotone = bool((step >= 0).all() and (rc_per_byte >= 0).all())  # no group costs less than nothing
     best = {flag: np.full(U + 1, np.inf) for flag in (True, False)}
     back = {flag: np.zeros(U + 1, dtype=int) for flag in (True, False)}
     best[True][0] = best[False][0] = 0.0
     for i in range(U):
-        if not (np.isfinite(best[True][i]) or np.isfinite(best[False][i])):
+        # a unit reached dearer than the best answer so far starts no group of the answer (no cost is negative)
+        if not any(np.isfinite(best[f][i]) and (best[f][i] <= best[f][U] or not monotone) for f in (True, False)):
             continue
         s = bounds[i]
         window = P + unit_sizes[i] - 1
