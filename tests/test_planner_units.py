@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
-from megatron_epp.plan import Chunk, Pipeline, Plan, Segment
+from megatron_epp.plan import Chunk, Pipeline, Plan, PlanInfeasible, Segment
 from megatron_epp.planner.recompute import MemoryInfeasible, solve_recompute
 from megatron_epp.planner.chunking import build_units, equal_count_cuts, pack, slice_cuts
 from megatron_epp.cost.features import F, chunk_features, segment_features, sequence_features
@@ -246,3 +246,57 @@ def test_deadlock_shows_where_each_stage_waits_and_the_op_order():
     message = str(failure.value)
     assert message.startswith("no stage can run its next op: stage 0 at step 3 (B2s), stage 1 at step 2 (B2s); the op order:\n")
     assert message.endswith("Step 2  F2s      B2s\nStep 3  B2s      F2s\nStep 4  B0s      B0s\nStep 5  B1       B1")
+
+
+def test_no_candidate_slices_below_the_smallest_token_cap(monkeypatch):
+    """Slice budgets are searched only down to a first slice of MIN_CHUNK_TOKENS' work: below it the cuts are a few
+    tokens (1-token chunks where the budget is below the per-chunk constant) and the recompute program grows with the
+    batch's token count (a 695-token batch planned in 7-25 s, the answer depending on load)."""
+    from megatron_epp.planner import epp
+
+    cm = CostModel(load_profile("test-model"), 1)
+    lengths = [286, 56, 28, 140, 36, 101, 44, 4]
+    w = cm.work_vector()
+    least = float(sequence_features([epp.MIN_CHUNK_TOKENS])[0] @ w)
+    budgets = []
+    real = epp._Search.score
+
+    def score(self, budget_t, cap, balance, recompute, margin=0.0):
+        budgets.append((budget_t, cap, balance))
+        return real(self, budget_t, cap, balance, recompute, margin)
+
+    monkeypatch.setattr(epp._Search, "score", score)
+    states_gb = float(cm.model_state_bytes()[0] / 2**30)
+    plan = epp.build_plan(lengths, cm, states_gb + 0.003)
+    assert budgets and all(t >= least for t, _, balance in budgets if balance), min(t for t, _, b in budgets if b) / least
+    assert all(c >= epp.MIN_CHUNK_TOKENS for t, c, balance in budgets if not balance)
+    assert plan.stats.fits
+    # a budget whose memory cap is below the smallest token cap (50 tokens here): one line, not an IndexError
+    assert epp.token_cap(cm, (states_gb + 0.002) * 2**30) < epp.MIN_CHUNK_TOKENS
+    with pytest.raises(PlanInfeasible, match="no 'adaptive' plan fits"):
+        epp.build_plan(lengths, cm, states_gb + 0.002)
+
+
+def test_grouping_prune_changes_no_answer():
+    """The grouping DP skips units reached dearer than the best whole answer so far: on random unit sets, budgets from
+    nothing-fits to everything-fits, with and without recompute, the answer's cost equals the unpruned DP's."""
+    from megatron_epp.cost.model import ChunkCosts
+    from megatron_epp.planner.grouping import group_units_both
+
+    rng = np.random.default_rng(0)
+    compared = 0
+    for _ in range(300):
+        sizes = sorted(rng.choice([1, 1, 1, 2, 3, 5], size=int(rng.integers(2, 10))).tolist(), reverse=True)
+        n, P = sum(sizes), int(rng.integers(2, 5))
+        act = rng.uniform(10, 100, n)
+        costs = ChunkCosts(fwd=rng.uniform(1, 10, (P, n)), bwd=rng.uniform(2, 20, (P, n)), rc_layer=rng.uniform(0.5, 5, n),
+                           act_layer=act, ckpt_layer=act * rng.uniform(0.05, 0.3, n), rc_input=np.zeros(n),
+                           kv_layer=rng.uniform(0, 10, n), lone_layer=np.zeros(n), logits=np.zeros(n), embed=np.zeros(n),
+                           workspace=np.zeros(n), p2p_ms=np.zeros(n), tokens=np.ones(n))
+        layers = np.full(P, 2)
+        free = float(rng.uniform(0.2, 1.5) * layers[0] * act.sum())
+        pruned, full = group_units_both(sizes, costs, layers, free), group_units_both(sizes, costs, layers, free, prune=False)
+        for flag in (True, False):
+            assert pruned[flag][1] == pytest.approx(full[flag][1]), (sizes, free, flag)
+            compared += bool(np.isfinite(full[flag][1]))
+    assert compared > 300  # most cases have an answer to compare

@@ -197,10 +197,11 @@ def token_caps(longest: int, memory_cap: int) -> list[int]:
 
 def _family(search: _Search, balance: bool, recompute: bool, caps: list[int], start_cap: int, slice_counts: Sequence[int]) -> list:
     """Candidates of one family that the grouping estimate fits, best first: ``(score, (slice budget,
-    cap, balance), groups)``. ``balance``: slice budgets ``work(longest) / K``; a full scan of every ``K`` at
+    cap, balance), groups)``. ``balance``: slice budgets ``work(longest) / K`` (only those at least a first
+    slice of :data:`MIN_CHUNK_TOKENS` tokens' work); a full scan of every ``K`` at
     ``start_cap`` (if none fits there, the caps downwards with the fewest and the most slices until one
     does), then of every cap at the best ``K`` and of every ``K`` at the best cap, twice (no early stop).
-    Else fixed-length chunks of every cap and of ``longest / K`` tokens."""
+    Else fixed-length chunks of every cap and of ``longest / K`` tokens (at least :data:`MIN_CHUNK_TOKENS`)."""
     longest = int(search.lengths.max())
     found: dict = {}
 
@@ -214,21 +215,26 @@ def _family(search: _Search, balance: bool, recompute: bool, caps: list[int], st
     def ranked() -> list:
         return sorted(found.values(), key=lambda f: f[0])
 
+    smallest = min(MIN_CHUNK_TOKENS, longest, caps[0])  # no slice shorter than the smallest token cap searched
     if not balance:
-        scan([(np.inf, t) for t in sorted({max(1, min(caps[0], longest // k)) for k in slice_counts} | set(caps), reverse=True)])
+        scan([(np.inf, t) for t in sorted({max(smallest, min(caps[0], longest // k)) for k in slice_counts} | set(caps), reverse=True)])
         return ranked()
-    work = float(sequence_features([longest])[0] @ search.cost_model.work_vector())
-    scan([(work / k, start_cap) for k in slice_counts])
+    w = search.cost_model.work_vector()
+    work, least = (float(f @ w) for f in sequence_features([longest, smallest]))
+    # slice budgets below a first slice of the smallest cap's work cut slices of a few tokens (1-token chunks where
+    # the budget is below the per-chunk constant): never a good plan, and a recompute program the size of the batch
+    counts = [k for k in slice_counts if work / k >= least] or [min(slice_counts)]
+    scan([(work / k, start_cap) for k in counts])
     for c in caps:  # nothing fits at the start: down the caps (the fewest and the most slices) until one does
         if found:
             break
-        scan([(work / k, c) for k in sorted({min(slice_counts), max(slice_counts)})])
+        scan([(work / k, c) for k in sorted({min(counts), max(counts)})])
     for _ in range(2):  # every cap at the best slice budget, then every slice budget at the best cap
         if found:
             t = ranked()[0][1][0]
             scan([(t, cap) for cap in caps])
             c = ranked()[0][1][1]
-            scan([(work / k, c) for k in slice_counts])
+            scan([(work / k, c) for k in counts])
     return ranked()
 
 
@@ -270,7 +276,7 @@ def build_plan(
     search = _Search(L, cost_model, budget - cost_model.model_state_bytes()[0])
     flags = [f for f, allowed in ((True, recompute != "none"), (False, recompute != "full")) if allowed]
     start_cap = min(memory_cap, caps[0])
-    finalists = [(rc, _family(search, b, rc, caps if rc else [c for c in caps if c <= start_cap], start_cap, slice_counts))
+    finalists = [(rc, _family(search, b, rc, caps if rc else ([c for c in caps if c <= start_cap] or [start_cap]), start_cap, slice_counts))
                  for b in ((True, False) if balance else (False,)) for rc in flags]
     if balance and recompute != "full":  # packing only: one slice budget, the longest sequence's work
         finalists.append((False, _family(search, True, False, [start_cap], start_cap, [1])))

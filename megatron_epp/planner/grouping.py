@@ -37,10 +37,11 @@ def group_units(
 
 
 def group_units_both(
-    unit_sizes: list[int], costs: ChunkCosts, layers: np.ndarray, free_bytes: float
+    unit_sizes: list[int], costs: ChunkCosts, layers: np.ndarray, free_bytes: float, prune: bool = True
 ) -> dict[bool, tuple[list[tuple[int, int]], float]]:
     """:func:`group_units` with recompute allowed (``True``) and without (``False``) in one pass:
-    ``([], inf)`` where no grouping fits."""
+    ``([], inf)`` where no grouping fits. ``prune``: skip the units reached dearer than the best whole answer so
+    far (exact while no group costs less than nothing; False: every unit starts groups, the same answer slower)."""
     P, U = len(layers), len(unit_sizes)
     bounds = np.concatenate([[0], np.cumsum(unit_sizes)]).astype(int)
     step = (costs.fwd + costs.bwd).mean(axis=0)
@@ -59,7 +60,7 @@ def group_units_both(
     rc_per_byte = costs.rc_layer / np.maximum(act - costs.ckpt_layer, 1e-9)
     R = np.concatenate([[0.0], np.cumsum(rc_per_byte)])
     S_full, S_least = (np.concatenate([[0.0], np.cumsum(x)]) for x in (full, least))
-    monotone = bool((step >= 0).all() and (rc_per_byte >= 0).all())  # no group costs less than nothing
+    monotone = prune and bool((step >= 0).all() and (rc_per_byte >= 0).all())  # no group costs less than nothing
     best = {flag: np.full(U + 1, np.inf) for flag in (True, False)}
     back = {flag: np.zeros(U + 1, dtype=int) for flag in (True, False)}
     best[True][0] = best[False][0] = 0.0
