@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Calibrate the cost model's per-chunk executor overhead on real elastic steps, and check it.
 
-Runs ``pretrain_gpt.py --elastic-pp`` (pp=2, one thread per rank, the test model's shape: hidden 64,
-4 heads, FFN 256) on plans with many small chunks and with few large ones (stdlib corpus and mock
+Runs ``pretrain_gpt.py --elastic-pp`` (pp=2, one thread per rank, 4 layers of the shape the profile was
+measured at: hidden 64, 4 heads, FFN 256 for the test model's) on plans with many small chunks and with few large ones (stdlib corpus and mock
 documents; EPP at a tight and a loose budget, Megatron packing, Seq1F1B k=8), rebuilds each step's
 plan in-process (checked against the logged summary; the runs do not calibrate online,
 ``--epp-calibrate-interval 0``, so that every step's plan is the profile's), and fits the per-chunk
@@ -39,11 +39,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_epp.planner.calibration import fit_step_model, simulate_steps  # noqa: E402
 from megatron_epp.tools.calibration import reconstruct_plans, run_pretrain  # noqa: E402
-from megatron_epp.cost.profiles import PROFILE_DIR  # noqa: E402
+from megatron_epp.cost.profiles import PROFILE_DIR, Profile  # noqa: E402
 from megatron_epp.training.metrics import StepMetrics  # noqa: E402
 
-MODEL = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "1024",
-         "--global-batch-size", "16", "--lr", "3e-3", "--log-interval", "1", "--pipeline-model-parallel-size", "2",
+def model_flags(profile: Path, seq_length: int) -> list[str]:
+    """The runs' model: 4 layers (2 per stage) of the shape the profile's times were measured at."""
+    shape = Profile.load(profile).time_model
+    return ["--num-layers", "4", "--hidden-size", str(shape.hidden), "--num-attention-heads", str(shape.num_heads),
+            "--ffn-hidden-size", str(shape.ffn_hidden), "--seq-length", str(seq_length), *RUN]
+
+
+RUN = ["--global-batch-size", "16", "--lr", "3e-3", "--log-interval", "1", "--pipeline-model-parallel-size", "2",
          "--epp-calibrate-interval", "0"]
 # name -> (data set, extra flags): many small chunks and few large ones on each data set
 CONFIGS = {
@@ -79,6 +85,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=None, help="steps per run (default 6, quick 3); the first is dropped")
     ap.add_argument("--configs", default=None, help=f"comma-separated subset of {','.join(CONFIGS)}")
     ap.add_argument("--epp-profile", default=str(PROFILE_DIR / "test-model_cpu.json"))
+    ap.add_argument("--seq-length", type=int, default=1024, help="the runs' context cap (default 1024)")
     ap.add_argument("--write", action="store_true", help="store the fitted overhead in --epp-profile")
     ap.add_argument("--check", action="store_true", help="no fit: the logged prediction (profile as is) vs measured")
     ap.add_argument("--fwd-share", type=float, default=0.5, help="part of the per-chunk overhead put on the forward")
@@ -102,10 +109,11 @@ def main() -> None:
         snapshot.write_text(json.dumps(saved["profile"]))
         names, iters, loads = list(saved["runs"]), saved["iters"], saved["loads"]
         print(f"fitting on the runs saved in {args.runs_json} (load averages {loads})")
+    model = model_flags(snapshot, args.seq_length)
     record = {"profile": json.loads(snapshot.read_text()), "iters": iters, "loads": loads, "runs": {}}
     for name in names:
         kind, extra = CONFIGS[name]
-        argv = ["--elastic-pp", *data_flags(kind), *MODEL, *extra, "--train-iters", str(iters), "--epp-profile", str(snapshot)]
+        argv = ["--elastic-pp", *data_flags(kind), *model, *extra, "--train-iters", str(iters), "--epp-profile", str(snapshot)]
         if saved:
             steps = [StepMetrics.from_dict(d) for d in saved["runs"][name]]
         else:
@@ -160,7 +168,7 @@ def main() -> None:
                 "machine": f"{platform.machine()} {os.cpu_count()} cores, pp=2, 1 thread per rank, gloo",
                 "load_average": [round(x, 2) for x in loads],
                 "configs": {n: " ".join(CONFIGS[n][1]) + f" ({CONFIGS[n][0]})" for n in names},
-                "model": " ".join(MODEL),
+                "model": " ".join(model),
                 "points": len(rows),
                 "mean_abs_rel_err_before": float(np.mean(np.abs(fit.rel_err_before))),
                 "mean_abs_rel_err_after": float(np.mean(np.abs(fit.rel_err_after))),

@@ -155,7 +155,7 @@ def cli_error(capsys, monkeypatch, *argv: str) -> str:
     (["--plan-out", "{tmp}/no/p.json"], "--plan-out {tmp}/no/p.json: no such directory {tmp}/no"),
     (["--timeline", "{tmp}/no/t.png"], "--timeline {tmp}/no/t.png: no such directory {tmp}/no"),
     (["--epp-max-slices", "0"], "--epp-max-slices must be >= 1"),
-    (["--epp-profile", "nope"], "--epp-profile 'nope': not a preset (llama-7b, llama-13b, llama-30b, test-model) nor a file"),
+    (["--epp-profile", "nope"], "--epp-profile 'nope': not a preset (cpu, test-model, llama-7b, llama-13b, llama-30b) nor a file"),
     (["--epp-cluster", "a800-ib-node"], "--epp-cluster applies only with --epp-search-layout"),
     (["--epp-search-layout", "--epp-profile", "test-model"], "--epp-search-layout needs a model preset --epp-profile (llama-7b, llama-13b, llama-30b)"),
     (["--epp-search-layout", "--epp-plan", "megatron"], "--epp-plan megatron: --epp-search-layout searches EPP's (elastic) layout"),

@@ -112,3 +112,42 @@ def test_analytic_profile_scales_to_a_fresh_analytic_profile():
     fresh = analytic_profile(MODEL_PRESETS["llama-7b"], 8)
     for name in ("fwd", "bwd", "recompute", "head_fwd", "head_bwd"):
         np.testing.assert_allclose(getattr(q, name).vector(), getattr(fresh, name).vector(), rtol=1e-9)
+
+
+def test_cpu_profile_is_the_one_measured_nearest_the_model_that_runs():
+    """``--epp-profile cpu`` (the default): the shipped CPU profile measured at the run's shape when there is
+    one (hidden 128: the main job's and the benchmark's model, whose chunks hidden-64 coefficients over-predict
+    by 8-40 %), else the nearest; the test model's without a shape (epp-plan)."""
+    from megatron_epp.cost.profiles import PROFILE_DIR, TEST_MODEL, nearest_cpu_profile, shape_distance
+
+    shipped = {Profile.load(p).time_model.hidden: Profile.load(p) for p in PROFILE_DIR.glob("*_cpu.json")}
+    assert {64, 128} <= set(shipped)
+    main_job = dataclasses.replace(TEST_MODEL, name="pretrain_gpt", num_layers=4, hidden=128, ffn_hidden=512, vocab=384)
+    for hidden, expected in ((128, 128), (64, 64), (48, 64), (100, 128), (512, 128)):
+        shape = dataclasses.replace(main_job, hidden=hidden, ffn_hidden=4 * hidden)
+        assert load_profile("cpu", shape=shape).time_model.hidden == expected, hidden
+    assert nearest_cpu_profile(None) == load_profile("test-model")
+    # placed at its own shape, a profile's times are used as measured (no FLOP scaling)
+    assert CostModel(dataclasses.replace(shipped[128], model=main_job), 2).profile.fwd == shipped[128].fwd
+    # an architecture change weighs more than any width
+    llama = dataclasses.replace(main_job, swiglu=True, normalization="RMSNorm")
+    assert shape_distance(llama, main_job)[0] == 2 and shape_distance(main_job, shipped[64].time_model) < shape_distance(llama, main_job)
+
+
+def test_driver_plans_the_main_job_on_the_profile_measured_at_its_shape():
+    from megatron_epp.cost.profiles import PROFILE_DIR
+    from megatron_epp.tools.calibration import parsed_args
+    from megatron_epp.training.elastic import PlanBuilder
+    from megatron_epp.training.main import profile_summary
+
+    args = parsed_args(["--elastic-pp", "--mock-data", "--pipeline-model-parallel-size", "2", "--num-layers", "4",
+                        "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "2048",
+                        "--global-batch-size", "8", "--lr", "1e-3", "--train-iters", "1", "--epp-memory-budget", "1"])
+    build = PlanBuilder(args)
+    measured = next(Profile.load(p) for p in PROFILE_DIR.glob("*_cpu.json") if Profile.load(p).time_model.hidden == 128)
+    # the coefficients measured at hidden 128, as measured (hidden-64 ones scaled by FLOPs would differ)
+    assert build.cost_model.profile.model.hidden == 128
+    for name in ("fwd", "bwd", "recompute", "head_bwd"):
+        assert getattr(build.cost_model.profile, name) == getattr(measured, name), name
+    assert build.cost_model.profile.overhead == measured.overhead
+    assert profile_summary(args).startswith("--epp-profile cpu: measured on CPU") and "(model test-model-h128)" in profile_summary(args)

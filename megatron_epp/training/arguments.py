@@ -425,7 +425,7 @@ UNSUPPORTED_PARALLELISM = {
 
 
 EPP_DEFAULTS = {  # pretrain_gpt.py's defaults of the planner options (epp-plan has its own)
-    "epp_plan": PlannerConfig.builder, "epp_max_slices": 8, "epp_profile": "test-model", "epp_recompute": PlannerConfig.recompute,
+    "epp_plan": PlannerConfig.builder, "epp_max_slices": 8, "epp_profile": "cpu", "epp_recompute": PlannerConfig.recompute,
     "epp_time_limit": PlannerConfig.time_limit,
 }
 

@@ -47,8 +47,9 @@ class PlanBuilder:
     def __init__(self, args: argparse.Namespace) -> None:
         self.config = PlannerConfig.from_args(args, args.seq_length)
         tp = args.tensor_model_parallel_size
-        profile, _ = profile_at_tp(load_profile(self.config.profile, tp=tp), tp)  # the note: main's start-up line
-        shape = model_shape(args, profile.model.name)
+        shape = model_shape(args)
+        profile, _ = profile_at_tp(load_profile(self.config.profile, tp=tp, shape=shape), tp)  # the note: main's start-up line
+        shape = dataclasses.replace(shape, name=profile.model.name)
         memory = dataclasses.replace(profile.memory, **megatron_model_state(shape.dtype, args.use_distributed_optimizer))
         self.cost_model = CostModel(
             dataclasses.replace(profile, model=shape, memory=memory, sequence_parallel=args.sequence_parallel),

@@ -21,7 +21,7 @@ from megatron_epp.training.gpt_step import gpt_forward_step, microbatches
 from megatron_epp.training.layout_search import driver_layout_search
 from megatron_epp.training.initialize import gpu_count, gpu_oversubscription, initialize, local_world_size, shutdown
 from megatron_epp.training.loop import build_optimizer, megatron_step, train
-from megatron_epp.training.model import architecture_summary, build_model, layer_spec_summary, padded_vocab_size
+from megatron_epp.training.model import architecture_summary, build_model, layer_spec_summary, model_shape, padded_vocab_size
 
 
 def build_samples(args: argparse.Namespace, split: str):
@@ -46,7 +46,7 @@ def profile_summary(args: argparse.Namespace) -> str:
     a profile that does not load, or cannot be used at this TP, is a bad flag."""
     tp = args.tensor_model_parallel_size
     try:
-        profile, note = profile_at_tp(load_profile(args.epp_profile, tp=tp), tp)
+        profile, note = profile_at_tp(load_profile(args.epp_profile, tp=tp, shape=model_shape(args)), tp)
     except (ValueError, OSError, KeyError, TypeError) as error:
         raise ArgumentError(str(error) if str(error).startswith("--epp-profile") else f"--epp-profile: {error}") from None
     return f"--epp-profile {args.epp_profile}: {profile.source} on {profile.device} (model {profile.model.name})" + (f"; {note}" if note else "")
