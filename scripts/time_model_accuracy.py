@@ -3,8 +3,9 @@
 
 Runs ``pretrain_gpt.py --elastic-pp`` under torchrun (pp=2, CPU/gloo, one thread per rank) on
 held-out configurations: model shapes, context caps, corpora and plan builders other than those the
-shipped profile's overhead was fitted on (``scripts/calibrate_step.py``: hidden 64, 4 layers, cap
-1024, 16 documents). Each configuration runs twice:
+shipped profiles' overheads were fitted on (``scripts/calibrate_step.py``: hidden 64 and hidden 128,
+4 heads, 4 layers, cap 1024, 16 documents of the stdlib corpus or mock data; the runs plan on the
+profile measured nearest their shape, ``--epp-profile cpu``). Each configuration runs twice:
 
 * calibrated: the driver's default ``--epp-calibrate-interval``: it fits the speed factor ``s`` and the
   per-chunk stage overhead ``o`` on its own steps 2..5 (step 1 is warm-up) and plans and predicts the
@@ -124,7 +125,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help=f"{len(QUICK)} configurations, 10 steps each")
     ap.add_argument("--iters", type=int, default=None, help="steps per run (default 30, quick 10)")
     ap.add_argument("--configs", default=None, help=f"comma-separated subset of {','.join(CONFIGS)}")
-    ap.add_argument("--epp-profile", default="test-model", help="cost-model profile of every run")
+    ap.add_argument("--epp-profile", default="cpu", help="cost-model profile of every run (default cpu: the shipped one nearest each run's shape)")
     ap.add_argument("--runs-json", default=None,
                     help="save the runs' metrics records here; if the file exists, report on it instead of running again")
     args = ap.parse_args()
