@@ -75,12 +75,15 @@ def test_epp_plans_are_valid_and_fit(lengths, stages, memory_mb, mode):
 def test_baseline_plans_are_valid_and_fit(lengths, stages, memory_mb):
     cm = CostModel(PROFILE, stages)
     config = PlannerConfig(memory_mb / 1024, 3000, max_slices=4)
+    checked = 0
     for make in (lambda: megatron_plan(lengths, cm, config), lambda: seq1f1b_plan(lengths, cm, config)):
         try:
             plan = make()
         except PlanInfeasible:
             continue
         check_plan(plan, cm, memory_mb / 1024)
+        checked += 1
+    assume(checked)  # a case where no baseline plans checks nothing: one that never plans fails as Unsatisfiable
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
