@@ -73,7 +73,7 @@ def measured(tmp_path_factory):
 def test_predicted_peak_matches_measured(measured, shape):
     rows = measured[shape]
     assert len(rows) == 24
-    bad = [r for r in rows if abs(r["pred"] / r["meas"] - 1) > TOLERANCE]
+    bad = [r for r in rows if not abs(r["pred"] / r["meas"] - 1) <= TOLERANCE]  # a NaN prediction is bad too
     assert not bad, "\n".join(f"{r['case']} rc={r['rc']}: predicted {r['pred']:.0f} B, measured {r['meas']} B" for r in bad)
 
 
