@@ -126,7 +126,10 @@ def test_epp_never_predicted_slower_than_its_ablations_or_packing_and_never_belo
         assume(False)
     epp, bound = plan.stats.predicted_step_ms, plan.stats.bound_step_ms
     assert epp >= bound * (1 - 1e-9)
+    compared = 0
     for name, other in run_baselines(lengths, cm, config, ABLATIONS_AND_PACKING).items():
         if other["fits"]:
             assert epp <= other["predicted_step_ms"] * (1 + 1e-9), (name, other["predicted_step_ms"], plan.stats.candidates_ms)
             assert other["predicted_step_ms"] >= bound * (1 - 1e-9), name
+            compared += 1
+    assume(compared)  # none fits: nothing compared (rare where EPP fits: 0 of 60 sampled); never any: Unsatisfiable
