@@ -100,6 +100,7 @@ def test_elastic_never_predicted_slower_than_a_baseline_it_could_make(lengths, s
     check_plan(plan, cm, memory_mb / 1024)
     baselines = {"megatron": lambda: megatron_plan(lengths, cm, config)}
     baselines.update({f"seq1f1b-k{k}": (lambda k=k: seq1f1b_plan(lengths, cm, replace(config, max_slices=k))) for k in (2, 4, 8)})
+    compared = 0
     for name, make in baselines.items():
         try:
             other = make()
@@ -107,6 +108,8 @@ def test_elastic_never_predicted_slower_than_a_baseline_it_could_make(lengths, s
             continue
         assert plan.stats.predicted_step_ms <= other.stats.predicted_step_ms * (1 + 1e-9), (name, plan.stats.candidates_ms)
         assert name in plan.stats.candidates_ms
+        compared += 1
+    assume(compared)  # no baseline fits: nothing compared; baselines that never plan: Unsatisfiable
 
 
 ABLATIONS_AND_PACKING = ("epp-no-ckpt", "epp-full-ckpt", "epp-no-balance", "megatron", "seq1f1b")
