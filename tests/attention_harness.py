@@ -9,6 +9,7 @@ Used by the CPU contract test and by ``scripts/check_cuda_attention.py``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -87,9 +88,11 @@ def run_plan(attention: ElasticAttention, plan: Plan, tensors: list[list[ChunkTe
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     """``|a - b| / |b|`` in float64 (Frobenius norms), ``|b|`` floored at an rms of 0.01: the inputs
     are O(1), and a gradient that is zero in exact arithmetic (a one-token segment's ``dq``) is
-    rounding noise in both."""
+    rounding noise in both. A NaN or infinity in either is an infinite error (a NaN would otherwise pass every
+    ``<`` bound it is held to, and ``max`` drops it)."""
     a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(0.01 * b.numel() ** 0.5))
+    error = float((a - b).norm() / b.norm().clamp_min(0.01 * b.numel() ** 0.5))
+    return error if math.isfinite(error) else math.inf
 
 
 def worst_errors(results: list[list[ChunkResult]], reference: list[list[ChunkResult]]) -> dict[str, float]:

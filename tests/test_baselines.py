@@ -7,6 +7,7 @@ import pytest
 
 from megatron_epp.cost.clusters import A800, NVLINK_LATENCY_US, Cluster
 from megatron_epp.cost.profiles import GIB, ModelShape, analytic_profile
+from megatron_epp.plan import PlanInfeasible
 from megatron_epp.planner.builders import seq1f1b_plan
 from megatron_epp.planner.config import PlannerConfig
 from megatron_epp.planner.layout import Layout, evaluate_layout, layout_cost_model, system_builder
@@ -77,7 +78,7 @@ def test_flexsp_memory_per_micro_batch_within_budget():
     assert groups is not None
     for d, members in groups:
         assert c.mem["none"][np.array(part)[members]].sum() / d <= free
-    with pytest.raises(Exception):
+    with pytest.raises(PlanInfeasible, match=r"FlexSP: ZeRO-3 model states take .* GB per GPU"):
         simulate_flexsp(lengths, BASE, 2, NODE2, states / GIB * 0.99)  # not even the ZeRO-3 states fit
 
 

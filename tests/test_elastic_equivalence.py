@@ -19,6 +19,7 @@ flash-attn varlen path.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -95,7 +96,8 @@ def rank0_shard(full: torch.Tensor, shard: torch.Tensor, name: str, gated: bool)
 
 
 def worst_mismatch(reference: Path, elastic: Path, case: int, fault: str = "", gated: bool = False) -> float:
-    """The largest relative difference, loss or any gradient (``gated``: the models are SwiGLU)."""
+    """The largest relative difference, loss or any gradient (``gated``: the models are SwiGLU); infinite where
+    any of them is not finite (a NaN gradient would pass ``< bound``, and ``max`` drops a NaN after the first)."""
     (ref_loss, ref), (loss, grads) = load(reference, case), load(elastic, case, fault)
     assert grads.keys() == ref.keys()
     loss_rel = abs(loss - ref_loss) / abs(ref_loss)
@@ -103,7 +105,8 @@ def worst_mismatch(reference: Path, elastic: Path, case: int, fault: str = "", g
     for name, full in ref.items():
         g = rank0_shard(full, grads[name], name, gated)
         diffs.append(float((grads[name] - g).norm() / g.norm().clamp_min(1e-12)))
-    return max([loss_rel] + diffs)
+    errors = [float(loss_rel)] + diffs
+    return max(errors) if all(map(math.isfinite, errors)) else math.inf
 
 
 @pytest.fixture(scope="module")

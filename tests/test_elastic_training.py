@@ -89,8 +89,10 @@ def test_killed_elastic_run_resumes_with_the_uninterrupted_losses(tmp_path):
 
 
 def test_measured_activation_memory_follows_the_prediction_and_recompute(tmp_path):
-    """Per stage: measured peaks near the planner's prediction (shipped profile's shape, hidden 64),
-    and full recompute measurably below no recompute."""
+    """Per stage: measured peaks equal to the byte the planner's prediction (shipped profile's shape, hidden 64; the
+    CPU tracker's count is exact, as tests/test_planner_memory.py and tests/test_llama_style.py hold it: a K/V buffer
+    counted at half its size is 1-3 % off here), with no and with full recompute, and full recompute measurably below
+    no recompute."""
     run = [a for a in RUN]
     for flag, value in (("--train-iters", "4"), ("--hidden-size", "64"), ("--seq-length", "1024"), ("--global-batch-size", "16")):
         run[run.index(flag) + 1] = value
@@ -102,8 +104,7 @@ def test_measured_activation_memory_follows_the_prediction_and_recompute(tmp_pat
         return [list(zip(m.elastic.predicted_activation_bytes, m.elastic.measured_activation_bytes)) for m in records]
 
     none, full = peaks("none"), peaks("full")
-    for step in none:
-        for predicted, measured in step:
-            assert abs(predicted / measured - 1) < 0.10, step
+    for step in none + full:
+        assert all(predicted == measured for predicted, measured in step), step
     for step_none, step_full in zip(none, full):
         assert all(f[1] < 0.5 * n[1] for n, f in zip(step_none, step_full)), (step_none, step_full)

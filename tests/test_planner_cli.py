@@ -66,10 +66,13 @@ def test_cli_prints_replica_0s_schedule(lengths_file, capsys, tmp_path):
     assert "\n" + table + "\n" in out and json.loads(out.splitlines()[-1])["dp"] == 2
 
 
-def test_cli_truncates_too_long_documents_when_asked(lengths_file, capsys):
+def test_cli_truncates_too_long_documents_when_asked(lengths_file, capsys, tmp_path):
     out = run_json(capsys, str(lengths_file), "--epp-profile", "test-model", "--stages", "2", "--max-seq-len", "1000", "--truncate",
-                   "--baselines", "", "--gbs", "10", "--seed", "3", "--epp-memory-budget", "0.5")
-    assert out["num_sequences"] == 10 and out["num_tokens"] <= 10 * 1000
+                   "--baselines", "", "--gbs", "10", "--seed", "3", "--epp-memory-budget", "0.5", "--plan-out", str(tmp_path / "p.json"))
+    planned = json.loads((tmp_path / "p.json").read_text())["seq_lengths"]
+    assert out["num_sequences"] == len(planned) == 10 and out["num_tokens"] == sum(planned) <= 10 * 1000
+    # the documents over the cap are cut to it (1000 tokens), not dropped or shortened further; the others are as drawn
+    assert 1000 in planned and all(n == 1000 or n in LENGTHS for n in planned), planned
 
 
 def test_cli_preset_with_data_parallel_split(lengths_file, capsys, tmp_path):

@@ -43,7 +43,6 @@ SHAPES = {
                      "--normalization", "RMSNorm", "--disable-bias-linear", "--vocab-size", "256",
                      "--tensor-model-parallel-size", "2", "--sequence-parallel", "--model-dtype", "bfloat16"],
 }
-TOLERANCE = 0.02  # the count is exact on CPU (measured 0.0 %); a regression is tens of percent
 
 
 @pytest.fixture(scope="module")
@@ -71,17 +70,12 @@ def measured(tmp_path_factory):
 
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_predicted_peak_matches_measured(measured, shape):
+    """To the byte: the CPU tracker's count is exact, and every shape's 24 rows match exactly (a NaN prediction
+    does not); a miscount of a few bytes per token (the attention's logsumexp, a norm's statistics, under sequence
+    parallelism one padding token per odd chunk, ~1 % of a chunk) is below any tolerance worth having."""
     rows = measured[shape]
     assert len(rows) == 24
-    bad = [r for r in rows if abs(r["pred"] / r["meas"] - 1) > TOLERANCE]
-    assert not bad, "\n".join(f"{r['case']} rc={r['rc']}: predicted {r['pred']:.0f} B, measured {r['meas']} B" for r in bad)
-
-
-@pytest.mark.parametrize("shape", [name for name in SHAPES if "--sequence-parallel" in SHAPES[name]])
-def test_sequence_parallel_rows_are_byte_exact(measured, shape):
-    """Under sequence parallelism the padding (1 token per odd chunk at tp 2, ~1 % of a chunk) is below the 2 %
-    tolerance: these rows must match to the byte."""
-    bad = [r for r in measured[shape] if r["pred"] != r["meas"]]
+    bad = [r for r in rows if r["pred"] != r["meas"]]
     assert not bad, "\n".join(f"{r['case']} rc={r['rc']}: predicted {r['pred']:.0f} B, measured {r['meas']} B" for r in bad)
 
 

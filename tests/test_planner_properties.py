@@ -75,12 +75,15 @@ def test_epp_plans_are_valid_and_fit(lengths, stages, memory_mb, mode):
 def test_baseline_plans_are_valid_and_fit(lengths, stages, memory_mb):
     cm = CostModel(PROFILE, stages)
     config = PlannerConfig(memory_mb / 1024, 3000, max_slices=4)
+    checked = 0
     for make in (lambda: megatron_plan(lengths, cm, config), lambda: seq1f1b_plan(lengths, cm, config)):
         try:
             plan = make()
         except PlanInfeasible:
             continue
         check_plan(plan, cm, memory_mb / 1024)
+        checked += 1
+    assume(checked)  # a case where no baseline plans checks nothing: one that never plans fails as Unsatisfiable
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -97,6 +100,7 @@ def test_elastic_never_predicted_slower_than_a_baseline_it_could_make(lengths, s
     check_plan(plan, cm, memory_mb / 1024)
     baselines = {"megatron": lambda: megatron_plan(lengths, cm, config)}
     baselines.update({f"seq1f1b-k{k}": (lambda k=k: seq1f1b_plan(lengths, cm, replace(config, max_slices=k))) for k in (2, 4, 8)})
+    compared = 0
     for name, make in baselines.items():
         try:
             other = make()
@@ -104,6 +108,8 @@ def test_elastic_never_predicted_slower_than_a_baseline_it_could_make(lengths, s
             continue
         assert plan.stats.predicted_step_ms <= other.stats.predicted_step_ms * (1 + 1e-9), (name, plan.stats.candidates_ms)
         assert name in plan.stats.candidates_ms
+        compared += 1
+    assume(compared)  # no baseline fits: nothing compared; baselines that never plan: Unsatisfiable
 
 
 ABLATIONS_AND_PACKING = ("epp-no-ckpt", "epp-full-ckpt", "epp-no-balance", "megatron", "seq1f1b")
@@ -123,7 +129,10 @@ def test_epp_never_predicted_slower_than_its_ablations_or_packing_and_never_belo
         assume(False)
     epp, bound = plan.stats.predicted_step_ms, plan.stats.bound_step_ms
     assert epp >= bound * (1 - 1e-9)
+    compared = 0
     for name, other in run_baselines(lengths, cm, config, ABLATIONS_AND_PACKING).items():
         if other["fits"]:
             assert epp <= other["predicted_step_ms"] * (1 + 1e-9), (name, other["predicted_step_ms"], plan.stats.candidates_ms)
             assert other["predicted_step_ms"] >= bound * (1 - 1e-9), name
+            compared += 1
+    assume(compared)  # none fits: nothing compared (rare where EPP fits: 0 of 60 sampled); never any: Unsatisfiable
