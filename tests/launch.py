@@ -61,16 +61,36 @@ def _start_torchrun(nproc: int, script: str, args: tuple[str, ...], env: dict[st
                             stderr=stderr, text=True, start_new_session=True)
 
 
+def _kill_job(proc: subprocess.Popen) -> None:
+    """SIGKILL torchrun's process group and its workers (in sessions of their own: they hold its stdout open)."""
+    ranks = list(_ranks(proc).values())
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for rank in ranks:
+        try:
+            rank.kill()
+        except psutil.Error:
+            pass
+
+
 def _read_until(proc: subprocess.Popen, line_prefix: str, timeout: float) -> list[str]:
-    """Lines of ``proc``'s stdout up to the first that starts with ``line_prefix`` (stripped); raise if none came."""
+    """Lines of ``proc``'s stdout up to the first that starts with ``line_prefix`` (stripped); raise if none
+    came before the run ended or within ``timeout`` seconds (a job that hangs silently is killed then, so the
+    read ends: the deadline does not wait for a line to arrive)."""
     seen: list[str] = []
-    deadline = time.monotonic() + timeout
-    for line in proc.stdout:
-        seen.append(line)
-        if line.strip().startswith(line_prefix) or time.monotonic() > deadline:
-            break
+    watchdog = threading.Timer(timeout, _kill_job, (proc,))
+    watchdog.start()
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if line.strip().startswith(line_prefix):
+                break
+    finally:
+        watchdog.cancel()
     if not seen or not seen[-1].strip().startswith(line_prefix):
-        raise AssertionError(f"no line starting {line_prefix!r} before the run ended:\n{''.join(seen)[-3000:]}")
+        raise AssertionError(f"no line starting {line_prefix!r} within {timeout:g} s or before the run ended:\n{''.join(seen)[-3000:]}")
     return seen
 
 

@@ -279,3 +279,23 @@ def test_exit_conditions_in_one_process():
     assert ExitConditions(args, torch.device("cpu"), start_time=time.time() - 20).reason(1) is None
     late = ExitConditions(args, torch.device("cpu"), start_time=time.time() - 40).reason(1)
     assert late is not None and late.endswith("minutes elapsed (--exit-duration-in-mins 0.5)"), late
+
+
+def test_waiting_for_a_line_ends_at_its_deadline_when_the_job_hangs_silently():
+    """The harness of the signal tests: a job that prints nothing more is killed at the deadline and the
+    wait fails then (it used to check its deadline only when a line arrived: a silent hang stalled CI)."""
+    import subprocess
+    import sys
+    import time
+
+    import pytest
+
+    from tests.launch import _read_until
+
+    proc = subprocess.Popen([sys.executable, "-c", "print('started', flush=True); import time; time.sleep(120)"],
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match="no line starting 'iteration' within 1 s"):
+        _read_until(proc, "iteration", 1.0)
+    assert time.monotonic() - start < 20
+    assert proc.wait(timeout=10) == -9  # killed by the deadline, not left running
