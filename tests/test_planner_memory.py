@@ -4,7 +4,8 @@ The worker runs small plans (batched, split, hybrid chunks; sequences in 2 to 4 
 split sequences per plan, a long first slice; no, partial and full recompute) through the real
 executor on one stage of seven models (two GPT shapes in fp32, one cast to bf16; a LLaMA-style shape, SwiGLU,
 RMSNorm, grouped-query attention, its own head dimension, no biases, in fp32 and one in bf16; a GPT and a
-LLaMA-style shape at tp 2 with ``--sequence-parallel``, two processes, chunks of odd token counts padded), and the planner
+LLaMA-style shape at tp 2 with ``--sequence-parallel``, two processes, chunks of odd token counts padded; three of
+them with dropout: attention dropout in fp32, both dropouts in bf16, hidden dropout under sequence parallelism), and the planner
 predicts the same plans from the shipped profile with only the shape (and dtype) swapped (as
 ``PlanBuilder`` does): a wrong checkpointed-layer term, an unscaled hidden size, a miscounted
 attention term or a K/V buffer counted at the wrong moment shows up as a mismatch.
@@ -20,30 +21,35 @@ import sys
 import pytest
 
 from megatron_epp.cost.model import CostModel
-from megatron_epp.cost.profiles import load_profile, saved_tensor_memory
+from megatron_epp.cost.profiles import MODEL_PRESETS, gpu_activation_memory, load_profile, saved_tensor_memory
 from tests.launch import REPO, free_port, run_env, torchrun_command
 from tests.workers.runs import RUN_SEPARATOR
 
 SHAPES = {
     "h32": ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2"],
-    "h128": ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "8", "--ffn-hidden-size", "384"],
+    # attention dropout: SDPA's CPU math path (fp32, one K/V head per query head: v a view of the QKV output)
+    "h128-attention-dropout": ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "8", "--ffn-hidden-size", "384",
+                               "--attention-dropout", "0.1"],
     "h64-bf16": ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--model-dtype", "bfloat16"],
     # LLaMA-style: SwiGLU, RMSNorm, GQA 4:1, head dimension 16 (queries 128 wide on hidden 64), no biases, rotary base
     "llama": ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8", "--kv-channels", "16",
               "--group-query-attention", "--num-query-groups", "2", "--swiglu", "--ffn-hidden-size", "96",
               "--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--disable-bias-linear", "--rotary-base", "500000"],
-    "llama-bf16": ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--group-query-attention",
-                   "--num-query-groups", "2", "--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear",
-                   "--model-dtype", "bfloat16"],
-    # sequence parallelism at tp 2 (torchrun, 2 ranks): what SP splits divided by 2, the padding counted
-    "h64-tp2-sp": ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--vocab-size", "256",
-                   "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    # both dropouts in bf16 with GQA: the masks in bf16, the math path's fp32 copies of q, k and the repeated v
+    "llama-bf16-dropout": ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--group-query-attention",
+                           "--num-query-groups", "2", "--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear",
+                           "--model-dtype", "bfloat16", "--hidden-dropout", "0.1", "--attention-dropout", "0.1"],
+    # sequence parallelism at tp 2 (torchrun, 2 ranks): what SP splits divided by 2 (the hidden dropouts' masks
+    # too), the padding counted
+    "h64-tp2-sp-hidden-dropout": ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--vocab-size", "256",
+                                  "--tensor-model-parallel-size", "2", "--sequence-parallel", "--hidden-dropout", "0.1"],
     "llama-tp2-sp": ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8", "--kv-channels", "16",
                      "--group-query-attention", "--num-query-groups", "2", "--swiglu", "--ffn-hidden-size", "96",
                      "--normalization", "RMSNorm", "--disable-bias-linear", "--vocab-size", "256",
                      "--tensor-model-parallel-size", "2", "--sequence-parallel", "--model-dtype", "bfloat16"],
 }
 TOLERANCE = 0.02  # the count is exact on CPU (measured 0.0 %); a regression is tens of percent
+DROPOUT = ("--hidden-dropout", "--attention-dropout")
 
 
 @pytest.fixture(scope="module")
@@ -77,10 +83,10 @@ def test_predicted_peak_matches_measured(measured, shape):
     assert not bad, "\n".join(f"{r['case']} rc={r['rc']}: predicted {r['pred']:.0f} B, measured {r['meas']} B" for r in bad)
 
 
-@pytest.mark.parametrize("shape", [name for name in SHAPES if "--sequence-parallel" in SHAPES[name]])
-def test_sequence_parallel_rows_are_byte_exact(measured, shape):
+@pytest.mark.parametrize("shape", [name for name in SHAPES if {"--sequence-parallel", *DROPOUT} & set(SHAPES[name])])
+def test_sequence_parallel_and_dropout_rows_are_byte_exact(measured, shape):
     """Under sequence parallelism the padding (1 token per odd chunk at tp 2, ~1 % of a chunk) is below the 2 %
-    tolerance: these rows must match to the byte."""
+    tolerance, and so are the hidden dropouts' masks (2 of ~30 tensors per layer): these rows must match to the byte."""
     bad = [r for r in measured[shape] if r["pred"] != r["meas"]]
     assert not bad, "\n".join(f"{r['case']} rc={r['rc']}: predicted {r['pred']:.0f} B, measured {r['meas']} B" for r in bad)
 
@@ -128,3 +134,14 @@ def test_walk_counts_the_recompute_of_the_last_checkpointed_layer():
     assert sm.during([0]).tolist() == [120, 120]  # forward end; backward start
     assert sm.during([1]).tolist() == [84, 84]  # 4 + 2 x 40; recompute: 40 - 4 + 4
     assert sm.during([3]).tolist() == [12, 48]  # 3 x 4; recompute: 40 + 2 x 4
+
+
+def test_gpu_count_of_dropout_is_the_masks_alone():
+    """On CUDA (modelled, not measured: ``gpu_activation_memory``) attention dropout saves only the RNG state (flash-attn,
+    SDPA's flash / efficient kernels): nothing per pair; hidden dropout adds the embedding's one-byte mask on the first
+    stage (the layers' two masks are in Megatron's ``34 h``)."""
+    shape = MODEL_PRESETS["llama-7b"]
+    base = gpu_activation_memory(shape, 8)
+    assert gpu_activation_memory(dataclasses.replace(shape, attention_dropout=0.1), 8) == base
+    hidden = gpu_activation_memory(dataclasses.replace(shape, hidden_dropout=0.1), 8)
+    assert hidden == {**base, "embed_token": shape.hidden / 8} and base["embed_token"] == 0
