@@ -441,8 +441,8 @@ def saved_tensor_memory(shape: ModelShape, tp: int = 1, sequence_parallel: bool 
       ``4 q`` or ``8 q`` per prefix key (the slice's k, v copies of its buffer's rows); the QKV output stays
       saved only as v's storage, so a lone slice (its v read from the buffer) does not save it.
 
-    Measured byte-exact by ``tests/test_planner_memory.py`` (fp32 attention dropout; bf16 LLaMA-style with both;
-    tp 2 with sequence parallelism and hidden dropout). On CUDA the :func:`gpu_activation_memory` count holds
+    Measured byte-exact by ``tests/test_planner_memory.py`` (attention dropout in fp32; both dropouts in bf16, and in
+    fp32 with grouped-query attention; hidden dropout at tp 2 with sequence parallelism). On CUDA the :func:`gpu_activation_memory` count holds
     instead (its hidden-dropout masks are one byte per element; flash-attn's and SDPA's flash/efficient kernels
     save only the RNG state for attention dropout): not measured.
     """
