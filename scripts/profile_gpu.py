@@ -21,7 +21,9 @@ the script, its numbers are not a CPU profile, ``scripts/profile_layer.py`` make
 
 Memory coefficients are not measured here: bf16 takes Megatron's ``34 h`` count (``derive =
 "megatron-gpu"``), fp32 the CPU's saved-tensor count (``"saved-tensors-fp32"``); the planner
-re-derives both for the trained shape.
+re-derives both for the trained shape, its dropout probabilities included (CUDA's dropout tensors are modelled,
+not measured: ``gpu_activation_memory``; an fp32 profile counts attention dropout as the CPU's SDPA math path
+saves it, 12 bytes per head and query-key pair, which CUDA's flash / efficient kernels do not: an over-count).
 
     python scripts/profile_gpu.py --out runs/h100_h1024.json                   # hidden 1024, 16 heads
     python scripts/profile_gpu.py --hidden-size 4096 --num-attention-heads 32 --ffn-hidden-size 11008 --out h4096.json

@@ -19,7 +19,8 @@ Measures, with one thread (process CPU time, fastest of ``--repeats``):
   * the output head (linear + cross entropy) forward/backward, on the per-token and per-chunk columns;
   * the bytes autograd saves per layer and for the head: a check only, the profile's memory block is
     the analytic count (``saved_tensor_memory``, ``derive="saved-tensors"``), which the planner
-    re-derives for any shape; the error of the count against these measurements is reported.
+    re-derives for any shape (the trained shape's dropout included: the layers here run without dropout);
+    the error of the count against these measurements is reported.
 
 Writes the profile JSON (keeping the ``overhead`` block of the file it replaces, or of the shipped
 profile, fitted on real steps by ``scripts/calibrate_step.py``) and prints every fit's error.

@@ -2,9 +2,11 @@
 
 The worker runs small plans (batched, split, hybrid chunks; sequences in 2 to 4 slices, one or two
 split sequences per plan, a long first slice; no, partial and full recompute) through the real
-executor on one stage of seven models (two GPT shapes in fp32, one cast to bf16; a LLaMA-style shape, SwiGLU,
-RMSNorm, grouped-query attention, its own head dimension, no biases, in fp32 and one in bf16; a GPT and a
-LLaMA-style shape at tp 2 with ``--sequence-parallel``, two processes, chunks of odd token counts padded), and the planner
+executor on one stage of eight models (two GPT shapes in fp32, one cast to bf16; a LLaMA-style shape, SwiGLU,
+RMSNorm, grouped-query attention, its own head dimension, no biases, in fp32, once more with dropout, and one in
+bf16; a GPT and a LLaMA-style shape at tp 2 with ``--sequence-parallel``, two processes, chunks of odd token counts
+padded; dropout: attention dropout on the fp32 GPT shape, both dropouts on the bf16 GPT and the fp32 LLaMA-style
+shapes, hidden dropout on the GPT shape under sequence parallelism), and the planner
 predicts the same plans from the shipped profile with only the shape (and dtype) swapped (as
 ``PlanBuilder`` does): a wrong checkpointed-layer term, an unscaled hidden size, a miscounted
 attention term or a K/V buffer counted at the wrong moment shows up as a mismatch.
@@ -20,24 +22,33 @@ import sys
 import pytest
 
 from megatron_epp.cost.model import CostModel
-from megatron_epp.cost.profiles import load_profile, saved_tensor_memory
+from megatron_epp.cost.profiles import MODEL_PRESETS, gpu_activation_memory, load_profile, saved_tensor_memory
 from tests.launch import REPO, free_port, run_env, torchrun_command
 from tests.workers.runs import RUN_SEPARATOR
 
 SHAPES = {
     "h32": ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2"],
-    "h128": ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "8", "--ffn-hidden-size", "384"],
-    "h64-bf16": ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--model-dtype", "bfloat16"],
+    # attention dropout: SDPA's CPU math path (fp32, one K/V head per query head: v a view of the QKV output)
+    "h128-attention-dropout": ["--num-layers", "2", "--hidden-size", "128", "--num-attention-heads", "8", "--ffn-hidden-size", "384",
+                               "--attention-dropout", "0.1"],
+    # both dropouts in bf16: the masks in bf16, the math path's fp32 copies of q, k and v (v upcast: not a view)
+    "h64-bf16-dropout": ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--model-dtype", "bfloat16",
+                         "--hidden-dropout", "0.1", "--attention-dropout", "0.1"],
     # LLaMA-style: SwiGLU, RMSNorm, GQA 4:1, head dimension 16 (queries 128 wide on hidden 64), no biases, rotary base
     "llama": ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8", "--kv-channels", "16",
               "--group-query-attention", "--num-query-groups", "2", "--swiglu", "--ffn-hidden-size", "96",
               "--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--disable-bias-linear", "--rotary-base", "500000"],
+    # both dropouts with GQA in fp32: the math path repeats v over the query heads (a copy, not a view)
+    "llama-dropout": ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8", "--kv-channels", "16",
+                      "--group-query-attention", "--num-query-groups", "2", "--swiglu", "--ffn-hidden-size", "96",
+                      "--normalization", "RMSNorm", "--disable-bias-linear", "--hidden-dropout", "0.2", "--attention-dropout", "0.1"],
     "llama-bf16": ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--group-query-attention",
                    "--num-query-groups", "2", "--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear",
                    "--model-dtype", "bfloat16"],
-    # sequence parallelism at tp 2 (torchrun, 2 ranks): what SP splits divided by 2, the padding counted
-    "h64-tp2-sp": ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--vocab-size", "256",
-                   "--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    # sequence parallelism at tp 2 (torchrun, 2 ranks): what SP splits divided by 2 (the hidden dropouts' masks
+    # too), the padding counted
+    "h64-tp2-sp-hidden-dropout": ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--vocab-size", "256",
+                                  "--tensor-model-parallel-size", "2", "--sequence-parallel", "--hidden-dropout", "0.1"],
     "llama-tp2-sp": ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8", "--kv-channels", "16",
                      "--group-query-attention", "--num-query-groups", "2", "--swiglu", "--ffn-hidden-size", "96",
                      "--normalization", "RMSNorm", "--disable-bias-linear", "--vocab-size", "256",
@@ -122,3 +133,14 @@ def test_walk_counts_the_recompute_of_the_last_checkpointed_layer():
     assert sm.during([0]).tolist() == [120, 120]  # forward end; backward start
     assert sm.during([1]).tolist() == [84, 84]  # 4 + 2 x 40; recompute: 40 - 4 + 4
     assert sm.during([3]).tolist() == [12, 48]  # 3 x 4; recompute: 40 + 2 x 4
+
+
+def test_gpu_count_of_dropout_is_the_masks_alone():
+    """On CUDA (modelled, not measured: ``gpu_activation_memory``) attention dropout saves only the RNG state (flash-attn,
+    SDPA's flash / efficient kernels): nothing per pair; hidden dropout adds the embedding's one-byte mask on the first
+    stage (the layers' two masks are in Megatron's ``34 h``)."""
+    shape = MODEL_PRESETS["llama-7b"]
+    base = gpu_activation_memory(shape, 8)
+    assert gpu_activation_memory(dataclasses.replace(shape, attention_dropout=0.1), 8) == base
+    hidden = gpu_activation_memory(dataclasses.replace(shape, hidden_dropout=0.1), 8)
+    assert hidden == {**base, "embed_token": shape.hidden / 8} and base["embed_token"] == 0

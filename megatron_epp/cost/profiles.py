@@ -62,6 +62,10 @@ class ModelShape:
     # shared with the output layer, and the rows of a learned position table (0: none, RoPE)
     tied_embeddings: bool = False
     learned_positions: int = 0
+    # dropout probabilities in training (``--hidden-dropout``, ``--attention-dropout``): what the dropouts save
+    # (their masks; on CPU attention dropout takes SDPA's math path) is counted by the memory derivations
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
 
     @property
     def head_dim(self) -> int:
@@ -359,13 +363,20 @@ def gpu_activation_memory(shape: ModelShape, tp: int) -> dict[str, float]:
     dropout mask ``h``; the MLP's fc1 input ``2 h``, activation input ``2 f`` (SwiGLU: fc1's whole
     output, ``4 f``), fc2 input ``2 f`` and a dropout mask ``h``; the two norms' inputs ``4 h``
     (``q = heads x head_dim``, ``h_kv`` the K/V heads' width: GQA saves smaller K and V). K and V are
-    what a lone slice reads from its K/V buffer instead; a checkpointed layer keeps its bf16 input."""
+    what a lone slice reads from its K/V buffer instead; a checkpointed layer keeps its bf16 input.
+
+    Dropout on CUDA (modelled, not measured): the two hidden-dropout masks above are one byte per element
+    (``native_dropout``'s boolean mask; Megatron's count has them whatever the probability, so at ``hidden_dropout``
+    0, where nothing is saved, this over-counts ``2 h / tp``), and with ``hidden_dropout`` above 0 the first stage's
+    embedding dropout saves one more (``embed_token`` = ``h / tp``, sequence parallel); attention dropout adds
+    nothing: flash-attn's and SDPA's flash / memory-efficient kernels keep only the RNG state."""
     h, q, f, kv = shape.hidden, shape.q_hidden, shape.ffn_hidden, 2 * 2.0 * shape.kv_hidden / tp
     attention = 2 * h + 2 * q + 2 * q + h
     mlp = 2 * h + (4 if shape.swiglu else 2) * f + 2 * f + h
     return {
         "act_token": (attention + mlp + 4 * h) / tp + kv, "act_area": 0.0, "act_context": 0.0, "ckpt_token": 2.0 * h / tp,
         "kv_token": kv, "lone_slice_token": kv, "logits_token": 4.0 * shape.vocab / tp,
+        "embed_token": h / tp if shape.hidden_dropout > 0 else 0.0,
     }
 
 
@@ -374,7 +385,7 @@ def saved_tensor_memory(shape: ModelShape, tp: int = 1, sequence_parallel: bool 
     :class:`~megatron_epp.executor.memory_tracker.ActivationMemoryTracker` counts them), for one
     Megatron-Core local-spec layer with :class:`ElasticAttention` on the SDPA-masked path (CPU),
     activations of ``b`` bytes (``DTYPE_BYTES`` of the shape's dtype: a model cast to bf16 saves
-    half, except the fp32 logsumexp, RMSNorm's fp32 internals and logits' softmax), no dropout. With
+    half, except the fp32 logsumexp, RMSNorm's fp32 internals and logits' softmax), no dropout (below). With
     ``q = heads x d`` the queries' width (``d`` the head dimension, ``kv_channels``) and ``h_kv`` the
     K/V heads' (grouped-query attention: fewer K/V heads), per token of a chunk, one layer saves:
 
@@ -413,6 +424,27 @@ def saved_tensor_memory(shape: ModelShape, tp: int = 1, sequence_parallel: bool 
     layer's inputs and RMSNorm's recompute copy are divided by ``tp``; attention and the MLP's activations are
     over the whole (gathered) chunk with ``heads / tp`` and ``ffn / tp`` as without it; the ids, the loss's
     targets and mask are whole on every rank. The counts are per token of the padded chunk (``CostModel.costs``).
+
+    Dropout (the shape's ``hidden_dropout`` / ``attention_dropout`` above 0; nothing at 0), as measured on CPU:
+
+    * a hidden dropout (megatron-core's unfused bias-dropout-add after the output projection and after the MLP,
+      and the embedding's dropout on the first stage) saves its scaled keep mask, a tensor of the input's dtype
+      (PyTorch's CPU dropout is ``x * mask``): ``b h`` per token and site, divided by ``tp`` under sequence
+      parallelism (the embedding's dropout runs after the scatter to the sequence-parallel region);
+    * an attention dropout takes SDPA off its CPU flash kernel (which has no dropout) to its math path, which
+      computes in fp32 (a bf16 q, k, v upcast) and saves, per segment of ``s`` queries and ``K = C + s`` keys, in
+      place of the flash kernel's tensors (the RoPE'd q and k, its output, the logsumexp, the float mask): the
+      scaled q (``4 q`` per token) and k (``4 q`` per key: the K/V heads repeated over the query heads under
+      grouped-query attention), v as a view of the QKV output (fp32, one K/V head per query head) or else an
+      fp32, repeated copy (``4 q`` per key), and ``MATH_SDPA_SAVED`` = 3 fp32 tensors of ``heads x s x K``
+      (probabilities, dropout mask, dropped probabilities): ``act_area`` = ``12 heads``, ``act_context`` =
+      ``4 q`` or ``8 q`` per prefix key (the slice's k, v copies of its buffer's rows); the QKV output stays
+      saved only as v's storage, so a lone slice (its v read from the buffer) does not save it.
+
+    Measured byte-exact by ``tests/test_planner_memory.py`` (attention dropout in fp32; both dropouts in bf16, and in
+    fp32 with grouped-query attention; hidden dropout at tp 2 with sequence parallelism). On CUDA the :func:`gpu_activation_memory` count holds
+    instead (its hidden-dropout masks are one byte per element; flash-attn's and SDPA's flash/efficient kernels
+    save only the RNG state for attention dropout): not measured.
     """
     if shape.dtype not in DTYPE_BYTES:
         raise ValueError(f"saved_tensor_memory: activations of dtype {shape.dtype} are not counted (known: {', '.join(DTYPE_BYTES)})")
@@ -424,23 +456,39 @@ def saved_tensor_memory(shape: ModelShape, tp: int = 1, sequence_parallel: bool 
     q, kv, heads, f, d = shape.q_hidden / tp, shape.kv_hidden / tp, shape.num_heads / tp, shape.ffn_hidden / tp, shape.head_dim
     norm = NORM_SAVED[shape.normalization](b, H) / sp
     qkv = b * (q + 2 * kv)
-    attn_views = (4 * b * d + b * q + b * kv + qkv) if shape.rope else qkv  # RoPE's cos/sin, q, k; the QKV output
+    rope = 4 * b * d if shape.rope else 0.0  # RoPE's cos and sin of q and of k
+    if shape.attention_dropout > 0:  # SDPA's math path, in fp32 (MATH_SDPA_SAVED)
+        v_copy = b != 4 or kv != q  # V upcast to fp32 or repeated over the query heads: not a view of the QKV output
+        attention = rope + (0.0 if v_copy else qkv) + 4 * q * (3 if v_copy else 2)  # + the scaled q, k (and v) copies
+        area, prefix = 4 * MATH_SDPA_SAVED * heads, 4 * q * (2 if v_copy else 1)  # probabilities; k (and v) per key
+        lone = 0.0 if v_copy else qkv
+    else:  # SDPA's CPU flash kernel: q, k after RoPE, the QKV output (q, k, v without RoPE); its output, logsumexp
+        attention = (rope + b * q + b * kv + qkv if shape.rope else qkv) + b * q + 4 * heads
+        area, prefix = b, 0.0  # the float mask, one per segment
+        lone = b * kv + qkv if shape.rope else 0.0
+    mask = b * H / sp if shape.hidden_dropout > 0 else 0.0  # a hidden dropout's mask (CPU: the scaled keep mask in b)
     per_token = (
         2 * norm  # the two norms
         + 2 * b * H / sp  # QKV linear and fc1 inputs
-        + attn_views + b * q + 4 * heads  # + SDPA output and logsumexp
+        + attention
         + b * q  # output projection input
         + (5 if shape.swiglu else 2) * b * f  # the MLP's activation and fc2 inputs
+        + 2 * mask  # the hidden dropouts after attention and after the MLP
     )
     return {
-        "act_token": per_token, "act_area": b, "act_context": 0.0, "act_slice": 0.0,
-        "lone_slice_token": b * kv + qkv if shape.rope else 0.0, "ckpt_token": b * H / sp, "kv_token": 2 * b * kv,
-        "logits_token": norm + b * H / sp + 4 * shape.vocab / tp + 13, "embed_token": (8.0 if shape.rope else 16.0) + (tp > 1),
+        "act_token": per_token, "act_area": area, "act_context": prefix, "act_slice": 0.0,
+        "lone_slice_token": lone, "ckpt_token": b * H / sp, "kv_token": 2 * b * kv,
+        "logits_token": norm + b * H / sp + 4 * shape.vocab / tp + 13,
+        "embed_token": (8.0 if shape.rope else 16.0) + (tp > 1) + mask,  # + the embedding's dropout
         "bwd_workspace": 0.0,
         # the recomputed layer's first norm saves its input itself, except RMSNorm's fp32 copy of a bf16 input
         "recompute_input_token": b * H / sp if shape.normalization == "RMSNorm" and b != 4 else 0.0,
     }
 
+
+# fp32 tensors per head and query-key pair SDPA's CPU math path saves with dropout (saved_tensor_memory): the
+# softmax's probabilities, the dropout's scaled keep mask, the dropped probabilities (the input of ``P V``)
+MATH_SDPA_SAVED = 3
 
 # bytes one norm saves per token, from the activations' bytes ``b`` and the hidden size (saved_tensor_memory)
 NORM_SAVED = {
@@ -492,7 +540,8 @@ def time_scale_factors(ref: ModelShape, shape: ModelShape) -> dict[str, float]:
 def shape_time(profile: Profile) -> Profile:
     """``profile`` with its time coefficients carried from the shape they were measured at
     (``time_model``) to its model shape by :func:`time_scale_factors`; the profile itself when the
-    two agree in every field the time depends on (layer count and name do not count).
+    two agree in every field the time depends on (layer count and name do not count, nor the dropout
+    probabilities: the masks' time is not modelled, the driver's online calibration absorbs it).
 
     First-principles FLOP scaling: a device's efficiency depends on the size of the GEMMs (small
     ones run further from peak), so a shape far from ``time_model`` is better profiled afresh
@@ -502,7 +551,9 @@ def shape_time(profile: Profile) -> Profile:
     analytic profile of the new shape.
     """
     ref, shape = profile.time_model, profile.model
-    if ref is None or replace(ref, name=shape.name, num_layers=shape.num_layers) == shape:
+    same = {"name": shape.name, "num_layers": shape.num_layers, "hidden_dropout": shape.hidden_dropout,
+            "attention_dropout": shape.attention_dropout}  # what the times do not depend on
+    if ref is None or replace(ref, **same) == shape:
         return profile
     k = time_scale_factors(ref, shape)
     # analytic profiles: a2 = GEMM FLOPs x (ms per FLOP, read off the head's logits GEMM) + the

@@ -52,18 +52,6 @@ def profile_summary(args: argparse.Namespace) -> str:
     return f"--epp-profile {args.epp_profile}: {profile.source} on {profile.device} (model {profile.model.name})" + (f"; {note}" if note else "")
 
 
-def dropout_memory_warning(args: argparse.Namespace) -> str | None:
-    """The start-up warning for ``--elastic-pp`` with dropout on: the planner's activation memory
-    (``cost.profiles.saved_tensor_memory``) counts no dropout tensors, so its prediction is low."""
-    on = [f"--{name.replace('_', '-')} {getattr(args, name):g}" for name in ("hidden_dropout", "attention_dropout")
-          if getattr(args, name) > 0]
-    if not (args.elastic_pp and on):
-        return None
-    return (f"warning: {', '.join(on)}: the planner's activation memory counts no dropout tensors (the masks, and on the "
-            "SDPA paths the attention's dropped probabilities per head: a quadratic term), so predicted activation memory "
-            "is low; leave headroom in --epp-memory-budget")
-
-
 def main(argv: Sequence[str] | argparse.Namespace | None = None) -> int:
     """pretrain_gpt.py: ``argv`` are its flags, or already parsed by :func:`~megatron_epp.training.arguments.parse_args`."""
     start_time = time.time()  # --exit-duration-in-mins counts from here
@@ -116,8 +104,6 @@ def main(argv: Sequence[str] | argparse.Namespace | None = None) -> int:
         print(f"> layers: {layer_spec_summary(args.elastic_pp, args.sequence_parallel and args.tensor_model_parallel_size)}", flush=True)
         if args.elastic_pp:
             print(f"> planner: {planner}", flush=True)
-        if warning := dropout_memory_warning(args):
-            print(f"> {warning}", flush=True)
         print(f"> data: {corpus}", flush=True)
         if data_note:
             print(f"> {data_note}", flush=True)

@@ -136,6 +136,7 @@ def model_shape(args: argparse.Namespace, name: str = "pretrain_gpt") -> ModelSh
         dtype="bfloat16" if args.bf16 else "float32",  # what the activations and the K/V buffers are stored in
         tied_embeddings=not args.untie_embeddings_and_output_weights,
         learned_positions=args.max_position_embeddings if args.position_embedding_type == "learned_absolute" else 0,
+        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,  # what their masks save
     )
 
 
