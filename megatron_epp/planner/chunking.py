@@ -25,22 +25,24 @@ from megatron_epp.cost.features import NUM_FEATURES, F, segment_features, sequen
 PACK_RELAX = 0.1  # how far past the slice budget a bucket may be filled when no bucket fits
 
 
-def _cut_steps(lengths: np.ndarray, budget: np.ndarray | float, token_cap: int, w: np.ndarray,
-               most: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def _slice_end(C: np.ndarray, tau: np.ndarray, token_cap: int, w: np.ndarray) -> np.ndarray:
+    """Where the slice of work ``tau`` that starts after a prefix of ``C`` tokens ends (1 to ``token_cap`` tokens)."""
+    a, b, c = w[F.SQ], w[F.SC] * C + w[F.S], w[F.C] * C + w[F.SEGMENTS] + w[F.CHUNKS] - tau
+    disc = np.sqrt(np.maximum(b * b - 4 * a * c, 0.0))
+    s = (-b + disc) / (2 * a) if a > 0 else -c / np.maximum(b, 1e-300)
+    return C + np.clip(np.rint(s), 1, token_cap).astype(np.int64)
+
+
+def _cut_steps(lengths: np.ndarray, budget: np.ndarray | float, token_cap: int, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The cut points of :func:`slice_cuts`, flat: ``(sequence, point)`` pairs of every sequence's
-    points after its 0, in cut order (a sequence is left out once cut to its end). ``most``: stop at
-    ``most + 1`` points (to count slices up to ``most``: a sequence with more has ``most + 1``)."""
+    points after its 0, in cut order (a sequence is left out once cut to its end)."""
     L = np.asarray(lengths, dtype=np.int64)
     tau = np.broadcast_to(np.asarray(budget, dtype=float), L.shape)
     active = np.flatnonzero(L > 0)
     C = np.zeros(len(active), dtype=np.int64)
     rows, points = [], []
-    while len(active) and (most is None or len(rows) <= most):
-        a, b, c = w[F.SQ], w[F.SC] * C + w[F.S], w[F.C] * C + w[F.SEGMENTS] + w[F.CHUNKS] - tau[active]
-        disc = np.sqrt(np.maximum(b * b - 4 * a * c, 0.0))
-        s = (-b + disc) / (2 * a) if a > 0 else -c / np.maximum(b, 1e-300)
-        s = np.clip(np.rint(s), 1, token_cap).astype(np.int64)
-        C = np.minimum(C + s, L[active])
+    while len(active):
+        C = np.minimum(_slice_end(C, tau[active], token_cap, w), L[active])
         rows.append(active)
         points.append(C)
         going = C < L[active]
@@ -69,7 +71,10 @@ def equal_count_cuts(lengths: np.ndarray, k: int, w: np.ndarray, token_cap: int)
     lo, hi = one_chunk / (4 * k), one_chunk  # work of one slice lies in between
     for _ in range(40):
         mid = (lo + hi) / 2
-        too_many = np.bincount(_cut_steps(L, mid, token_cap, w, most=k)[0], minlength=len(L)) > k  # slices per sequence
+        C = np.zeros(len(L), dtype=np.int64)
+        for _ in range(k):  # k slices of work mid (a sequence cut to its end stays there)
+            C = np.minimum(_slice_end(C, mid, token_cap, w), L)
+        too_many = C < L  # more than k slices
         lo, hi = np.where(too_many, mid, lo), np.where(too_many, hi, mid)
     return slice_cuts(L, hi, token_cap, w)
 
