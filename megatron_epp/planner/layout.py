@@ -119,7 +119,7 @@ def dp_sync_ms(cost_model: CostModel, cluster: Cluster, layout: Layout, overlap:
 
 
 BASELINE_PLANS = {"megatron": ("megatron",), "seq1f1b": tuple(f"seq1f1b-k{k}" for k in SEQ1F1B_KS)}  # a baseline's plans
-Builder = Callable[[np.ndarray, CostModel, PlannerConfig, "BaselinePlans | None"], tuple[Plan, str]]
+Builder = Callable[[np.ndarray, CostModel, PlannerConfig, BaselinePlans | None], tuple[Plan, str]]
 
 
 def system_builder(system: str, validate: bool = True) -> Builder:
