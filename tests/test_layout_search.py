@@ -11,7 +11,9 @@ from megatron_epp.cost.clusters import A800, Cluster, sp_profile, tp_profile
 from megatron_epp.cost.profiles import ModelShape
 from megatron_epp.plan import PlanInfeasible
 from megatron_epp.planner.cli import main as epp_plan
+from megatron_epp.planner.builders import baseline_names, baseline_plan
 from megatron_epp.planner.config import PlannerConfig
+from megatron_epp.planner.data_parallel import split_data_parallel
 from megatron_epp.planner import layout as layout_module
 from megatron_epp.planner.layout import COMM_OVERLAP, Layout, enumerate_layouts, search_layout
 from megatron_epp.planner.lengths import select_batch
@@ -40,11 +42,11 @@ def evaluate_layout(monkeypatch, evaluations):
     ranking, pruning, the choice) runs as it is; planning the same layout again would give the same plan."""
     real = layout_module.evaluate_layout
 
-    def once(lengths, shape, cluster, layout, system, config, overlap=COMM_OVERLAP):
+    def once(lengths, shape, cluster, layout, system, config, overlap=COMM_OVERLAP, known=None):
         key = (np.asarray(lengths).tobytes(), repr(shape), repr(cluster), repr(layout), system, repr(config), overlap)
-        if key not in evaluations:
+        if key not in evaluations:  # known: baseline plans made before, the same as it would make (same plan)
             try:
-                evaluations[key] = real(lengths, shape, cluster, layout, system, config, overlap)
+                evaluations[key] = real(lengths, shape, cluster, layout, system, config, overlap, known=known)
             except PlanInfeasible as infeasible:
                 evaluations[key] = str(infeasible)
         if isinstance(evaluations[key], str):
@@ -103,6 +105,56 @@ def test_a_capped_search_never_loses_to_a_baseline_best_layout(evaluate_layout, 
     for baseline in ("megatron", "seq1f1b"):  # both plan on some layout at either budget (none may be skipped)
         other = search_layout(L, SHAPE, TOY, baseline, config, exhaustive=True)
         assert epp.best.step_ms <= other.best.step_ms * (1 + 1e-9), baseline
+
+
+@pytest.mark.parametrize("memory_gb", [80.0, 0.5])
+def test_lazy_proxy_ranking_keeps_the_layouts_a_full_ranking_keeps(evaluate_layout, memory_gb):
+    """The proxy ranking plans a layout's replicas only until its proxy step is shown above the ``max_evaluated``-th
+    best: the layouts it leaves out are exactly those a ranking on every layout's full proxy step leaves out (the best
+    ``max_evaluated`` by (proxy, bound, name) and every layout no proxy plan fits are kept)."""
+    L = lengths()
+    config = PlannerConfig(memory_gb=memory_gb, max_seq_len=32768)
+    proxy, bound = {}, {}
+    for layout in enumerate_layouts(SHAPE, TOY):
+        steps = []
+        for baseline in ("megatron", "seq1f1b"):
+            try:
+                r = evaluate_layout(L, SHAPE, TOY, layout, baseline, config)
+            except PlanInfeasible:
+                continue
+            steps.append(r.step_ms)
+            bound[str(layout)] = r.bound_ms
+        proxy[str(layout)] = min(steps, default=np.inf)
+    assert len(bound) >= 5  # layouts to rank
+    for m in (1, 2, 3):
+        ranked = sorted((n for n in bound if np.isfinite(proxy[n])), key=lambda n: (proxy[n], bound[n], n))
+        left_out = set(ranked[m:])
+        choice = search_layout(L, SHAPE, TOY, "epp", config, max_evaluated=m)
+        assert {n for n, why in choice.skipped.items() if why.startswith("proxy")} == left_out, m
+        assert any(" > " in choice.skipped[n] for n in left_out), m  # some shown above without their full proxy step
+
+
+def test_known_baseline_plans_give_the_same_epp_plans():
+    """The elastic builder of a kept layout weighs the proxy ranking's baseline plans (``known``) instead of making
+    them again: the same steps and choices as making them."""
+    L = lengths()
+    config = PlannerConfig(memory_gb=80.0, max_seq_len=32768)
+    for layout in (Layout("tp", 1, 2, 2), Layout("sp", 2, 1, 2)):
+        fresh = layout_module.evaluate_layout(L, SHAPE, TOY, layout, "epp", config)
+        cm = layout_module.layout_cost_model(SHAPE, TOY, layout)
+        known = []
+        for p in split_data_parallel(L, layout.dp, cm.work_vector()):
+            made = {}
+            for name in baseline_names(config):
+                try:
+                    made[name] = baseline_plan(name, L[p], cm, config)
+                except PlanInfeasible:
+                    made[name] = None
+            known.append(made)
+        reused = layout_module.evaluate_layout(L, SHAPE, TOY, layout, "epp", config, known=known)
+        assert [p.stats.predicted_step_ms for p in reused.plans] == [p.stats.predicted_step_ms for p in fresh.plans]
+        assert [p.stats.candidates_ms for p in reused.plans] == [p.stats.candidates_ms for p in fresh.plans]
+        assert reused.detail == fresh.detail
 
 
 def test_megatron_and_seq1f1b_search_tp_layouts_only(evaluate_layout):

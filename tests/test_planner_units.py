@@ -9,7 +9,7 @@ import pytest
 
 from megatron_epp.plan import Chunk, Pipeline, Plan, PlanInfeasible, Segment
 from megatron_epp.planner.recompute import MemoryInfeasible, solve_recompute
-from megatron_epp.planner.chunking import build_units, equal_count_cuts, pack, slice_cuts
+from megatron_epp.planner.chunking import BISECTION_STEPS, build_units, equal_count_cuts, pack, slice_cuts
 from megatron_epp.cost.features import F, chunk_features, segment_features, sequence_features
 from megatron_epp.cost.model import CostModel
 from megatron_epp.planner.grouping import group_units
@@ -96,6 +96,26 @@ def test_token_cap_bounds_slices_and_equal_count_cuts():
     assert [len(c) - 1 for c in cuts] == [4, 4]
     work = np.diff(cuts[0].astype(float) ** 2)
     assert work.max() / work.min() < 1.05
+
+
+def test_equal_count_cuts_are_the_sequential_bisections():
+    """equal_count_cuts takes several bisection steps per pass (every path's midpoints at once): its cuts are those of
+    the plain bisection, step by step on the per-sequence budget, counting slices with slice_cuts."""
+    rng = np.random.default_rng(7)
+    for trial in range(8):  # work vectors of the shape of the analytic profiles' (prefix term small)
+        w = np.array([rng.uniform(1e-8, 1e-6), rng.uniform(1e-8, 2e-6), rng.uniform(1e-4, 1e-3), rng.uniform(0, 1e-9), 0.01, 0.05])
+        L = np.maximum(rng.lognormal(np.log(8000), 1.4, rng.integers(1, 30)).astype(np.int64), 1)
+        cap = int(rng.choice([4096, 32768]))
+        for k in (2, 3, 8):
+            one_chunk = sequence_features(L) @ w
+            lo, hi = one_chunk / (4 * k), one_chunk
+            for _ in range(BISECTION_STEPS):
+                mid = (lo + hi) / 2
+                too_many = np.array([len(c) - 1 for c in slice_cuts(L, mid, cap, w)]) > k
+                lo, hi = np.where(too_many, mid, lo), np.where(too_many, hi, mid)
+            want = slice_cuts(L, hi, cap, w)
+            got = equal_count_cuts(L, k, w, cap)
+            assert [c.tolist() for c in got] == [c.tolist() for c in want], (trial, k)
 
 
 def test_best_fit_decreasing_packing():

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -61,22 +61,40 @@ def slice_counts(config: PlannerConfig) -> Sequence[int]:
     return SLICE_COUNTS if config.max_slices is None else range(1, config.max_slices + 1)
 
 
-def baseline_candidates(lengths: Sequence[int], cost_model: CostModel, config: PlannerConfig) -> list[Plan]:
-    """The baseline plans the elastic builder weighs (not validated: :func:`elastic_plan` validates the one
-    it chooses): Megatron packing and Seq1F1B for each k of :data:`SEQ1F1B_KS` up to ``max_slices``; those
-    that do not fit are left out. Their
+BaselinePlans = Mapping[str, Plan | None]  # baseline plans already made, by builder name (None: it does not fit)
+
+
+def baseline_names(config: PlannerConfig) -> list[str]:
+    """The baseline plans the elastic builder weighs, by builder name: ``megatron``, ``seq1f1b-k<k>`` for each k of
+    :data:`SEQ1F1B_KS` up to ``max_slices``."""
+    return ["megatron"] + [f"seq1f1b-k{k}" for k in SEQ1F1B_KS if k <= (config.max_slices or max(SEQ1F1B_KS))]
+
+
+def baseline_plan(name: str, lengths: Sequence[int], cost_model: CostModel, config: PlannerConfig,
+                  known: BaselinePlans | None = None) -> Plan:
+    """The baseline plan ``name`` (``megatron`` or ``seq1f1b-k<k>``), not validated; taken from ``known`` (plans of
+    the same lengths, cost model and config made before) where it is there. Raises :class:`PlanInfeasible`."""
+    if known is not None and name in known:
+        if known[name] is None:
+            raise PlanInfeasible(f"{name} does not fit")
+        return known[name]
+    if name == "megatron":
+        return megatron_plan(lengths, cost_model, config, validate=False)
+    return seq1f1b_plan(lengths, cost_model, replace(config, max_slices=int(name.removeprefix("seq1f1b-k"))), validate=False)
+
+
+def baseline_candidates(lengths: Sequence[int], cost_model: CostModel, config: PlannerConfig,
+                        known: BaselinePlans | None = None) -> list[Plan]:
+    """The baseline plans the elastic builder weighs (:func:`baseline_names`; not validated: :func:`elastic_plan`
+    validates the one it chooses, those that do not fit left out; ``known``: as :func:`baseline_plan`). Their
     uniform recompute is one of the answers the adaptive/greedy programs search over, so only those
     modes weigh them (``none`` takes them only without recompute; ``full`` never)."""
     if config.recompute == "full":
         return []
-    makers = [lambda: megatron_plan(lengths, cost_model, config, validate=False)]
-    for k in SEQ1F1B_KS:
-        if k <= (config.max_slices or max(SEQ1F1B_KS)):
-            makers.append(lambda k=k: seq1f1b_plan(lengths, cost_model, replace(config, max_slices=k), validate=False))
     plans = []
-    for make in makers:
+    for name in baseline_names(config):
         try:
-            plan = make()
+            plan = baseline_plan(name, lengths, cost_model, config, known)
         except PlanInfeasible:
             continue
         if config.recompute != "none" or plan.recomputed_layers() == 0:
@@ -84,8 +102,10 @@ def baseline_candidates(lengths: Sequence[int], cost_model: CostModel, config: P
     return plans
 
 
-def elastic_plan(lengths: Sequence[int], cost_model: CostModel, config: PlannerConfig) -> Plan:
-    """EPP's own plan, or a baseline plan where that is predicted faster (``stats.chosen``: which)."""
+def elastic_plan(lengths: Sequence[int], cost_model: CostModel, config: PlannerConfig,
+                 known: BaselinePlans | None = None) -> Plan:
+    """EPP's own plan, or a baseline plan where that is predicted faster (``stats.chosen``: which).
+    ``known``: baseline plans made before (:func:`baseline_plan`); the one chosen is changed in place."""
     t0 = time.perf_counter()
     candidates, error = [], None
     try:
@@ -93,7 +113,7 @@ def elastic_plan(lengths: Sequence[int], cost_model: CostModel, config: PlannerC
                                      slice_counts=slice_counts(config), time_limit=config.time_limit))
     except PlanInfeasible as infeasible:
         error = infeasible
-    candidates += baseline_candidates(lengths, cost_model, config)
+    candidates += baseline_candidates(lengths, cost_model, config, known)
     if not candidates:
         raise error or PlanInfeasible(f"no plan fits {config.memory_gb} GB per GPU")
     best = min(candidates, key=lambda p: p.stats.predicted_step_ms)  # first wins ties: EPP's own plan

@@ -25,22 +25,24 @@ from megatron_epp.cost.features import NUM_FEATURES, F, segment_features, sequen
 PACK_RELAX = 0.1  # how far past the slice budget a bucket may be filled when no bucket fits
 
 
-def _cut_steps(lengths: np.ndarray, budget: np.ndarray | float, token_cap: int, w: np.ndarray,
-               most: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def _slice_end(C: np.ndarray, tau: np.ndarray, token_cap: int, w: np.ndarray) -> np.ndarray:
+    """Where the slice of work ``tau`` that starts after a prefix of ``C`` tokens ends (1 to ``token_cap`` tokens)."""
+    a, b, c = w[F.SQ], w[F.SC] * C + w[F.S], w[F.C] * C + w[F.SEGMENTS] + w[F.CHUNKS] - tau
+    disc = np.sqrt(np.maximum(b * b - 4 * a * c, 0.0))
+    s = (-b + disc) / (2 * a) if a > 0 else -c / np.maximum(b, 1e-300)
+    return C + np.minimum(np.maximum(np.rint(s), 1), token_cap).astype(np.int64)  # clip's answer, fewer calls
+
+
+def _cut_steps(lengths: np.ndarray, budget: np.ndarray | float, token_cap: int, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """The cut points of :func:`slice_cuts`, flat: ``(sequence, point)`` pairs of every sequence's
-    points after its 0, in cut order (a sequence is left out once cut to its end). ``most``: stop at
-    ``most + 1`` points (to count slices up to ``most``: a sequence with more has ``most + 1``)."""
+    points after its 0, in cut order (a sequence is left out once cut to its end)."""
     L = np.asarray(lengths, dtype=np.int64)
     tau = np.broadcast_to(np.asarray(budget, dtype=float), L.shape)
     active = np.flatnonzero(L > 0)
     C = np.zeros(len(active), dtype=np.int64)
     rows, points = [], []
-    while len(active) and (most is None or len(rows) <= most):
-        a, b, c = w[F.SQ], w[F.SC] * C + w[F.S], w[F.C] * C + w[F.SEGMENTS] + w[F.CHUNKS] - tau[active]
-        disc = np.sqrt(np.maximum(b * b - 4 * a * c, 0.0))
-        s = (-b + disc) / (2 * a) if a > 0 else -c / np.maximum(b, 1e-300)
-        s = np.clip(np.rint(s), 1, token_cap).astype(np.int64)
-        C = np.minimum(C + s, L[active])
+    while len(active):
+        C = np.minimum(_slice_end(C, tau[active], token_cap, w), L[active])
         rows.append(active)
         points.append(C)
         going = C < L[active]
@@ -62,15 +64,39 @@ def slice_cuts(lengths: np.ndarray, budget: np.ndarray | float, token_cap: int, 
     return np.split(flat, np.cumsum(counts + 1)[:-1]) if n else []
 
 
+BISECTION_STEPS = 40  # equal_count_cuts' bisection on the slice budget
+BISECTION_LEVELS = 4  # its steps taken at once: every path's budgets of the next levels counted in one pass
+
+
 def equal_count_cuts(lengths: np.ndarray, k: int, w: np.ndarray, token_cap: int) -> list[np.ndarray]:
-    """Cut every sequence into ``k`` slices of equal work (bisection on the per-sequence budget)."""
+    """Cut every sequence into ``k`` slices of equal work: a bisection on the per-sequence budget
+    (:data:`BISECTION_STEPS` steps), :data:`BISECTION_LEVELS` of them per pass: the budgets every path of the next
+    levels would try (a complete binary tree of midpoints, each the midpoint the sequential bisection computes
+    there) are counted at once and the path is then read off, so the answer is the sequential bisection's."""
     L = np.asarray(lengths, dtype=np.int64)
     one_chunk = sequence_features(L) @ w
     lo, hi = one_chunk / (4 * k), one_chunk  # work of one slice lies in between
-    for _ in range(40):
-        mid = (lo + hi) / 2
-        too_many = np.bincount(_cut_steps(L, mid, token_cap, w, most=k)[0], minlength=len(L)) > k  # slices per sequence
-        lo, hi = np.where(too_many, mid, lo), np.where(too_many, hi, mid)
+    rows = np.arange(len(L))
+    for done in range(0, BISECTION_STEPS, BISECTION_LEVELS):
+        levels = min(BISECTION_LEVELS, BISECTION_STEPS - done)
+        a, b = lo[:, None], hi[:, None]
+        mids = []  # per level, the midpoints of its 2^level intervals (node j's children: left 2j, right 2j + 1)
+        for _ in range(levels):
+            m = (a + b) / 2
+            mids.append(m)
+            width = 2 * m.shape[1]
+            a, b = np.stack([a, m], axis=2).reshape(len(L), width), np.stack([m, b], axis=2).reshape(len(L), width)
+        tau = np.concatenate(mids, axis=1)
+        C = np.zeros(tau.shape, dtype=np.int64)
+        for _ in range(k):  # k slices of work tau (a sequence cut to its end stays there)
+            C = np.minimum(_slice_end(C, tau, token_cap, w), L[:, None])
+        too_many = C < L[:, None]  # more than k slices
+        node = np.zeros(len(L), dtype=np.int64)
+        for level in range(levels):  # down the path: more than k slices -> the upper half
+            j = (1 << level) - 1 + node
+            t, mid = too_many[rows, j], tau[rows, j]
+            lo, hi = np.where(t, mid, lo), np.where(t, hi, mid)
+            node = 2 * node + t
     return slice_cuts(L, hi, token_cap, w)
 
 

@@ -26,7 +26,7 @@ from megatron_epp.cost.clusters import COMM_OVERLAP, INTRA_MODES, Cluster, get_c
 from megatron_epp.cost.model import CostModel
 from megatron_epp.cost.profiles import ModelShape
 from megatron_epp.plan import Plan, PlanInfeasible
-from megatron_epp.planner.builders import SEQ1F1B_KS, megatron_plan, plan_batch, seq1f1b_plan
+from megatron_epp.planner.builders import SEQ1F1B_KS, BaselinePlans, baseline_plan, elastic_plan
 from megatron_epp.planner.config import PlannerConfig
 from megatron_epp.planner.data_parallel import split_data_parallel
 
@@ -118,42 +118,56 @@ def dp_sync_ms(cost_model: CostModel, cluster: Cluster, layout: Layout, overlap:
     return (1.0 - overlap) * comm  # overlapped with the last backward at the overlap share (exposed_ms's floor)
 
 
-Builder = Callable[[np.ndarray, CostModel, PlannerConfig], tuple[Plan, str]]
+BASELINE_PLANS = {"megatron": ("megatron",), "seq1f1b": tuple(f"seq1f1b-k{k}" for k in SEQ1F1B_KS)}  # a baseline's plans
+Builder = Callable[[np.ndarray, CostModel, PlannerConfig, BaselinePlans | None], tuple[Plan, str]]
 
 
-def system_builder(system: str) -> Builder:
+def system_builder(system: str, validate: bool = True) -> Builder:
     """``epp`` (the elastic planner, which also weighs Megatron's and Seq1F1B's plans), ``megatron``
-    (packing, uniform recompute), ``seq1f1b`` (fixed k, the best of :data:`SEQ1F1B_KS`)."""
+    (packing, uniform recompute), ``seq1f1b`` (fixed k, the best of :data:`SEQ1F1B_KS`). A builder takes the
+    lengths, the cost model, the config and the baseline plans of those already made (:func:`baseline_plan`'s
+    ``known``, or None). ``validate=False``: a baseline's plan is not validated (a score only, as the proxy ranking
+    uses them); EPP's chosen plan always is."""
     if system == "epp":
-        return lambda L, cm, cfg: (lambda p: (p, p.stats.chosen or ""))(plan_batch(L, cm, replace(cfg, builder="elastic")))
+        def epp(L: np.ndarray, cm: CostModel, cfg: PlannerConfig, known: BaselinePlans | None = None) -> tuple[Plan, str]:
+            plan = elastic_plan(L, cm, replace(cfg, builder="elastic"), known)
+            return plan, plan.stats.chosen or ""
+        return epp
     if system == "megatron":
-        return lambda L, cm, cfg: (megatron_plan(L, cm, cfg), "")
+        def packing(L: np.ndarray, cm: CostModel, cfg: PlannerConfig, known: BaselinePlans | None = None) -> tuple[Plan, str]:
+            plan = baseline_plan("megatron", L, cm, cfg, known)
+            return (plan.validate() if validate else plan), ""
+        return packing
     if system == "seq1f1b":
-        def best_k(L: np.ndarray, cm: CostModel, cfg: PlannerConfig) -> tuple[Plan, str]:
+        def best_k(L: np.ndarray, cm: CostModel, cfg: PlannerConfig, known: BaselinePlans | None = None) -> tuple[Plan, str]:
             plans = []
-            for k in SEQ1F1B_KS:
+            for name in BASELINE_PLANS["seq1f1b"]:
                 try:
-                    plans.append(seq1f1b_plan(L, cm, replace(cfg, max_slices=k)))
+                    plans.append(baseline_plan(name, L, cm, cfg, known))
                 except PlanInfeasible:
                     continue
             if not plans:
                 raise PlanInfeasible(f"Seq1F1B: no k of {SEQ1F1B_KS} fits")
             best = min(plans, key=lambda p: p.stats.predicted_step_ms)
+            if validate:
+                best.validate()  # the chosen k's plan only: the others are scores
             return best, best.builder.replace("seq1f1b-", "")
         return best_k
     raise ValueError(f"unknown system {system!r}: epp, megatron or seq1f1b")
 
 
 def evaluate_layout(lengths: np.ndarray, shape: ModelShape, cluster: Cluster, layout: Layout, system: str,
-                    config: PlannerConfig, overlap: float = COMM_OVERLAP) -> LayoutResult:
-    """Plan every replica of ``layout`` with ``system``; raises :class:`PlanInfeasible` if one does not fit."""
+                    config: PlannerConfig, overlap: float = COMM_OVERLAP,
+                    known: Sequence[BaselinePlans] | None = None) -> LayoutResult:
+    """Plan every replica of ``layout`` with ``system``; raises :class:`PlanInfeasible` if one does not fit.
+    ``known``: per replica, the baseline plans already made on this layout (:func:`baseline_plan`)."""
     cm = layout_cost_model(shape, cluster, layout, overlap)
     sync = dp_sync_ms(cm, cluster, layout, overlap)
     parts = split_data_parallel(lengths, layout.dp, cm.work_vector())
     build = system_builder(system)
     plans, details = [], set()
-    for p in parts:
-        plan, detail = build(lengths[p], cm, config)
+    for i, p in enumerate(parts):
+        plan, detail = build(lengths[p], cm, config, None if known is None else known[i])
         plans.append(plan)
         details.add(detail)
     step = max(p.stats.predicted_step_ms for p in plans) + sync
@@ -169,6 +183,103 @@ PROXIES = {"epp": ("megatron", "seq1f1b"), "seq1f1b": ("megatron",)}
 MAX_EVALUATED = 4  # layouts planned by an expensive system after the proxy ranking (exhaustive: all)
 
 
+@dataclass
+class _Candidate:
+    """A layout that fits, with what the search needs of it: its cost model, replicas, sync and bound."""
+    layout: Layout
+    cost_model: CostModel
+    parts: list[np.ndarray]  # each replica's sequences
+    sync: float
+    replica_bounds: list[float]
+
+    @property
+    def name(self) -> str:
+        return str(self.layout)
+
+    @property
+    def bound(self) -> float:
+        return max(self.replica_bounds) + self.sync
+
+
+class _Proxies:
+    """The proxy step of a layout, ``min`` over the proxy baselines of ``max`` over its replicas (+ the sync): what
+    :func:`evaluate_layout` of each baseline gives (``inf`` where a replica does not fit), planned one replica at a
+    time, each plan once (not validated: scores); the plans are kept (:attr:`plans`) for the system's own planning
+    of the layouts it keeps: the elastic builder weighs the same baseline plans."""
+
+    def __init__(self, L: np.ndarray, system: str, config: PlannerConfig):
+        self.L, self.config = L, config
+        self.baselines = PROXIES[system]
+        self.plans: dict[tuple[str, int], dict[str, Plan | None]] = {}  # (layout, replica) -> builder name -> plan
+
+    def replica(self, c: _Candidate, baseline: str, r: int) -> float:
+        """Replica ``r``'s step by ``baseline`` (its best plan, as :func:`system_builder`'s) plus the layout's sync
+        (``inf``: it does not fit)."""
+        made = self.plans.setdefault((c.name, r), {})
+        steps = []
+        for name in BASELINE_PLANS[baseline]:
+            if name not in made:
+                try:
+                    made[name] = baseline_plan(name, self.L[c.parts[r]], c.cost_model, self.config)
+                except PlanInfeasible:
+                    made[name] = None
+            if made[name] is not None:
+                steps.append(made[name].stats.predicted_step_ms)
+        return min(steps) + c.sync if steps else np.inf
+
+    def order(self, c: _Candidate) -> list[int]:
+        """Replicas heaviest first (by their bounds): the first to exceed a threshold if one does."""
+        return sorted(range(len(c.parts)), key=lambda r: (-c.replica_bounds[r], r))
+
+    def step_of(self, c: _Candidate, baseline: str) -> float:
+        """``baseline``'s step on the layout: its slowest replica (``inf`` at the first that does not fit)."""
+        worst = -np.inf
+        for r in self.order(c):
+            worst = max(worst, self.replica(c, baseline, r))
+            if worst == np.inf:
+                break
+        return worst
+
+    def step(self, c: _Candidate) -> float:
+        return min(self.step_of(c, b) for b in self.baselines)
+
+    def above(self, c: _Candidate, threshold: float) -> bool:
+        """Whether the proxy step is finite and strictly above ``threshold``, planning as few replicas as that
+        takes: every baseline has a replica above it (``max`` over replicas is then above), and one baseline
+        fits every replica (else the proxy may be ``inf``, which ranks nothing: such a layout is planned)."""
+        order = self.order(c)
+        if not all(any(self.replica(c, b, r) > threshold for r in order) for b in self.baselines):
+            return False
+        return any(all(np.isfinite(self.replica(c, b, r)) for r in order) for b in self.baselines)
+
+
+def _rank_by_proxy(cands: list[_Candidate], proxies: _Proxies, max_evaluated: int, skipped: dict[str, str]) -> list[_Candidate]:
+    """The ``max_evaluated`` best layouts by proxy step (ties: bound, name), and every layout the proxy cannot rank
+    (``inf``: no proxy plan fits it). Exact and lazy: layouts are visited by the first proxy baseline's step
+    (Megatron packing: cheap, planned for all), and once ``max_evaluated`` proxies are known, a layout is only
+    shown to be above the ``max_evaluated``-th best (:meth:`_Proxies.above`), not fully planned."""
+    first = proxies.baselines[0]
+    known: dict[str, float] = {}
+    above: dict[str, float] = {}  # layout -> the threshold its proxy step is above
+    visit = sorted(cands, key=lambda c: (proxies.step_of(c, first), c.bound, c.name))
+    for c in visit:
+        finite = sorted((v, b.bound, b.name) for b in visit if (v := known.get(b.name, np.inf)) < np.inf)
+        if len(finite) >= max_evaluated and proxies.above(c, finite[max_evaluated - 1][0]):
+            above[c.name] = finite[max_evaluated - 1][0]
+            continue
+        known[c.name] = proxies.step(c)
+    ranked = sorted((c for c in cands if np.isfinite(known.get(c.name, np.inf))), key=lambda c: (known[c.name], c.bound, c.name))
+    keep = ranked[:max_evaluated] + [c for c in cands if c.name in known and not np.isfinite(known[c.name])]
+    kept = {c.name for c in keep}
+    what = "/".join(proxies.baselines)
+    for c in cands:
+        if c.name in above:
+            skipped[c.name] = f"proxy ({what}) > {above[c.name]:.0f} ms, outside the best {max_evaluated}"
+        elif c.name not in kept:
+            skipped[c.name] = f"proxy ({what}) {known[c.name]:.0f} ms outside the best {max_evaluated}"
+    return keep
+
+
 def search_layout(lengths: Sequence[int], shape: ModelShape, cluster: Cluster, system: str, config: PlannerConfig,
                   intra_modes: Sequence[str] | None = None, overlap: float = COMM_OVERLAP, exhaustive: bool = False,
                   max_evaluated: int = MAX_EVALUATED) -> LayoutChoice:
@@ -178,9 +289,11 @@ def search_layout(lengths: Sequence[int], shape: ModelShape, cluster: Cluster, s
     planned (exact), and when more than ``max_evaluated`` remain, only the ``max_evaluated`` best by a
     cheap proxy (:data:`PROXIES`: the best baseline step on the same layout) are planned by ``system``
     (for ``megatron`` itself the proxy is the answer: exact), and every layout the proxy cannot rank
-    (no proxy plan fits it: where memory binds, EPP's recompute and slicing may)."""
+    (no proxy plan fits it: where memory binds, EPP's recompute and slicing may). The proxy ranking
+    plans a layout's replicas only until its proxy step is shown to be outside the best
+    ``max_evaluated`` (:func:`_rank_by_proxy`: the same layouts as planning them all)."""
     L = np.asarray(lengths, dtype=np.int64)
-    bounds, skipped = [], {}
+    cands, skipped = [], {}
     for layout in enumerate_layouts(shape, cluster, intra_modes or SYSTEM_INTRA[system], len(L)):
         cm = layout_cost_model(shape, cluster, layout, overlap)
         states = cm.model_state_bytes().max()
@@ -188,36 +301,23 @@ def search_layout(lengths: Sequence[int], shape: ModelShape, cluster: Cluster, s
             skipped[str(layout)] = f"model states {states / 2**30:.1f} GB per GPU"
             continue
         parts = split_data_parallel(L, layout.dp, cm.work_vector())
-        sync = dp_sync_ms(cm, cluster, layout, overlap)
-        bounds.append((max(cm.bound_ms(L[p]) for p in parts) + sync, str(layout), layout))
-    bounds.sort(key=lambda b: (b[0], b[1]))
-    if not exhaustive and system != "megatron" and len(bounds) > max_evaluated:
-        proxy = {}
-        for _, name, layout in bounds:
-            proxy[name] = np.inf
-            for baseline in PROXIES[system]:
-                try:
-                    step = evaluate_layout(L, shape, cluster, layout, baseline, config, overlap).step_ms
-                except PlanInfeasible:
-                    continue
-                proxy[name] = min(proxy[name], step)
-        # a layout the proxy cannot rank (no proxy plan fits it) is planned: the proxy says nothing of it
-        ranked = sorted((b for b in bounds if np.isfinite(proxy[b[1]])), key=lambda b: (proxy[b[1]], b[0], b[1]))
-        keep = ranked[:max_evaluated] + [b for b in bounds if not np.isfinite(proxy[b[1]])]
-        for _, name, _ in bounds:
-            if all(name != k[1] for k in keep):
-                skipped[name] = f"proxy ({'/'.join(PROXIES[system])}) {proxy[name]:.0f} ms outside the best {max_evaluated}"
-        bounds = keep
+        cands.append(_Candidate(layout, cm, parts, dp_sync_ms(cm, cluster, layout, overlap), [cm.bound_ms(L[p]) for p in parts]))
+    known: dict[tuple[str, int], dict[str, Plan | None]] = {}  # the proxy ranking's plans, by (layout, replica)
+    if not exhaustive and system != "megatron" and len(cands) > max_evaluated:
+        proxies = _Proxies(L, system, config)
+        cands = _rank_by_proxy(cands, proxies, max_evaluated, skipped)
+        known = {key: plans for key, plans in proxies.plans.items() if any(key[0] == c.name for c in cands)}
     evaluated: list[LayoutResult] = []
-    for bound, name, layout in sorted(bounds, key=lambda b: (b[0], b[1])):
+    for c in sorted(cands, key=lambda c: (c.bound, c.name)):
         ranked = sorted(evaluated, key=lambda r: r.step_ms)
-        if not exhaustive and len(ranked) >= 2 and bound >= ranked[1].step_ms:
-            skipped[name] = f"bound {bound:.0f} ms >= runner-up's step"
+        if not exhaustive and len(ranked) >= 2 and c.bound >= ranked[1].step_ms:
+            skipped[c.name] = f"bound {c.bound:.0f} ms >= runner-up's step"
             continue
         try:
-            evaluated.append(evaluate_layout(L, shape, cluster, layout, system, config, overlap))
+            made = [known.pop((c.name, r), {}) for r in range(len(c.parts))]
+            evaluated.append(evaluate_layout(L, shape, cluster, c.layout, system, config, overlap, known=made))
         except PlanInfeasible as e:
-            skipped[name] = str(e)
+            skipped[c.name] = str(e)
     if not evaluated:
         raise PlanInfeasible(f"{system}: no layout of {cluster.world_size} GPUs fits {config.memory_gb} GB per GPU")
     ranked = sorted(evaluated, key=lambda r: (r.step_ms, str(r.layout)))
