@@ -194,27 +194,27 @@ def table(cells: list[dict]) -> str:
         extra = f" {s['detail']}" if s.get("detail") else ""
         return f"{s['step_ms'] / 1e3:.1f} s ({s['step_ms'] / epp_ms:.2f}x) {s['layout']}{extra}, {s['peak_gb']:.0f} GB"
 
-    lines = ["| data | model | cap | IB | EPP: step, layout, plan, peak, recomputed layers | EPP / bound | FlexSP | Seq1F1B (best k) | Megatron |",
+    lines = ["| data | model | cap | cluster | EPP: step, layout, plan, peak, recomputed layers | EPP / bound | FlexSP | Seq1F1B (best k) | Megatron |",
              "|---|---|---|---|---|---|---|---|---|"]
     for c in cells:
         e = c["systems"]["epp"]
         if not e["fits"]:
-            lines.append(f"| {c['data']} | {c['model']} | {c['cap'] // 1024}K | {c['cluster'].split('-ib-')[1]} | does not fit | | | | |")
+            lines.append(f"| {c['data']} | {c['model']} | {c['cap'] // 1024}K | {c['cluster']} | does not fit | | | | |")
             continue
         epp = f"{e['step_ms'] / 1e3:.1f} s {e['layout']} {e['detail']}, {e['peak_gb']:.0f} GB, {e['recomputed_layers']}"
-        lines.append(f"| {c['data']} | {c['model']} | {c['cap'] // 1024}K | {c['cluster'].split('-ib-')[1]} | {epp} | "
+        lines.append(f"| {c['data']} | {c['model']} | {c['cap'] // 1024}K | {c['cluster']} | {epp} | "
                      f"{e['step_ms'] / e['bound_ms']:.2f} | " + " | ".join(sys_cell(c["systems"][n], e["step_ms"]) for n in ("flexsp", "seq1f1b", "megatron")) + " |")
     return "\n".join(lines)
 
 
 def write_readme(path: Path, text: str) -> None:
-    readme = path.read_text()
+    readme = path.read_text() if path.exists() else ""  # a new file: the block alone
     block = f"{README_BEGIN}\n{text}\n{README_END}"
     if README_BEGIN in readme:
         a, b = readme.index(README_BEGIN), readme.index(README_END) + len(README_END)
         readme = readme[:a] + block + readme[b:]
     else:
-        readme = readme.rstrip("\n") + "\n\n" + block + "\n"
+        readme = (readme.rstrip("\n") + "\n\n" if readme.strip() else "") + block + "\n"
     path.write_text(readme)
 
 
