@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_epp.planner.calibration import fit_step_model, simulate_steps  # noqa: E402
 from megatron_epp.tools.calibration import reconstruct_plans, run_pretrain  # noqa: E402
-from megatron_epp.cost.profiles import PROFILE_DIR, Profile  # noqa: E402
+from megatron_epp.cost.profiles import TEST_MODEL_PROFILE, Profile  # noqa: E402
 from megatron_epp.training.metrics import StepMetrics  # noqa: E402
 
 def model_flags(profile: Path, seq_length: int) -> list[str]:
@@ -84,7 +84,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help=f"{len(QUICK)} configurations, 3 steps each")
     ap.add_argument("--iters", type=int, default=None, help="steps per run (default 6, quick 3); the first is dropped")
     ap.add_argument("--configs", default=None, help=f"comma-separated subset of {','.join(CONFIGS)}")
-    ap.add_argument("--epp-profile", default=str(PROFILE_DIR / "test-model_cpu.json"))
+    ap.add_argument("--epp-profile", default=str(TEST_MODEL_PROFILE))
     ap.add_argument("--seq-length", type=int, default=1024, help="the runs' context cap (default 1024)")
     ap.add_argument("--write", action="store_true", help="store the fitted overhead in --epp-profile")
     ap.add_argument("--check", action="store_true", help="no fit: the logged prediction (profile as is) vs measured")

@@ -53,7 +53,7 @@ from megatron_epp.tools.layer_bench import LayerStack, init_single_process, save
 from megatron_epp.cost.features import NUM_FEATURES, F, chunk_features  # noqa: E402
 from megatron_epp.plan import Chunk, Segment  # noqa: E402
 from megatron_epp.cost.profiles import (  # noqa: E402
-    PROFILE_DIR, TEST_MODEL, MemoryCoeffs, ModelShape, Profile, StageOverhead, TimeCoeffs, load_profile,
+    TEST_MODEL, TEST_MODEL_PROFILE, MemoryCoeffs, ModelShape, Profile, StageOverhead, TimeCoeffs, load_profile,
     saved_tensor_memory, shape_time,
 )
 
@@ -260,7 +260,7 @@ def measured_profile(shape, device: str, layer: dict, head: dict, memory, fit_in
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="megatron_epp/cost/profiles/test-model_cpu.json")
+    ap.add_argument("--out", default=str(TEST_MODEL_PROFILE))
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--hidden-size", type=int, default=TEST_MODEL.hidden)
     ap.add_argument("--num-attention-heads", type=int, default=TEST_MODEL.num_heads)
@@ -279,7 +279,7 @@ def main() -> None:
     if args.compare:
         compare(shape, args.compare, args.repeats)
         return
-    overhead_from = Path(args.overhead_from or (args.out if Path(args.out).exists() else PROFILE_DIR / "test-model_cpu.json"))
+    overhead_from = Path(args.overhead_from or (args.out if Path(args.out).exists() else TEST_MODEL_PROFILE))
     overhead = json.loads(overhead_from.read_text()).get("overhead")
     layer, stack = profile_layer(shape, args.repeats)
     head = profile_head(shape, stack, args.repeats)

@@ -120,7 +120,7 @@ def test_cpu_profile_is_the_one_measured_nearest_the_model_that_runs():
     by 8-40 %), else the nearest; the test model's without a shape (epp-plan)."""
     from megatron_epp.cost.profiles import PROFILE_DIR, TEST_MODEL, nearest_cpu_profile, shape_distance
 
-    shipped = {Profile.load(p).time_model.hidden: Profile.load(p) for p in PROFILE_DIR.glob("*_cpu.json")}
+    shipped = {profile.time_model.hidden: profile for profile in map(Profile.load, PROFILE_DIR.glob("*_cpu.json"))}
     assert {64, 128} <= set(shipped)
     main_job = dataclasses.replace(TEST_MODEL, name="pretrain_gpt", num_layers=4, hidden=128, ffn_hidden=512, vocab=384)
     for hidden, expected in ((128, 128), (64, 64), (48, 64), (100, 128), (512, 128)):
@@ -144,7 +144,7 @@ def test_driver_plans_the_main_job_on_the_profile_measured_at_its_shape():
                         "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "2048",
                         "--global-batch-size", "8", "--lr", "1e-3", "--train-iters", "1", "--epp-memory-budget", "1"])
     build = PlanBuilder(args)
-    measured = next(Profile.load(p) for p in PROFILE_DIR.glob("*_cpu.json") if Profile.load(p).time_model.hidden == 128)
+    measured = next(profile for profile in map(Profile.load, PROFILE_DIR.glob("*_cpu.json")) if profile.time_model.hidden == 128)
     # the coefficients measured at hidden 128, as measured (hidden-64 ones scaled by FLOPs would differ)
     assert build.cost_model.profile.model.hidden == 128
     for name in ("fwd", "bwd", "recompute", "head_bwd"):

@@ -582,6 +582,7 @@ def shape_time(profile: Profile) -> Profile:
 # ``scripts/profile_layer.py`` and calibrated by ``scripts/calibrate_step.py`` on this project's 2-core machines),
 # the one measured nearest the model that runs (:func:`nearest_cpu_profile`)
 CPU_PROFILES = "cpu"
+TEST_MODEL_PROFILE = PROFILE_DIR / f"{TEST_MODEL.name}_cpu.json"  # ``--epp-profile test-model``: hidden 64
 PROFILE_NAMES = (CPU_PROFILES, TEST_MODEL.name, *MODEL_PRESETS)
 
 
@@ -601,7 +602,7 @@ def nearest_cpu_profile(shape: ModelShape | None) -> Profile:
     by FLOPs (:func:`shape_time`), which is exact at the shape it was measured at and drifts away from it
     (at hidden 128, hidden-64 coefficients over-predict real chunks by 8-40 %: README)."""
     if shape is None:
-        return Profile.load(PROFILE_DIR / f"{TEST_MODEL.name}_cpu.json")
+        return Profile.load(TEST_MODEL_PROFILE)
     profiles = [(path.name, Profile.load(path)) for path in sorted(PROFILE_DIR.glob("*_cpu.json"))]
     return min(profiles, key=lambda item: (shape_distance(item[1].time_model, shape), item[0]))[1]
 
@@ -615,7 +616,7 @@ def load_profile(spec: str, tp: int = 8, shape: ModelShape | None = None) -> Pro
     if spec == CPU_PROFILES:
         return nearest_cpu_profile(shape)
     if spec == TEST_MODEL.name:
-        return Profile.load(PROFILE_DIR / f"{TEST_MODEL.name}_cpu.json")
+        return Profile.load(TEST_MODEL_PROFILE)
     path = Path(spec)
     if not path.exists():
         raise ValueError(f"--epp-profile {spec!r}: not a preset ({', '.join(PROFILE_NAMES)}) nor a file")
