@@ -284,10 +284,11 @@ def main() -> None:
     layer, stack = profile_layer(shape, args.repeats)
     head = profile_head(shape, stack, args.repeats)
     memory = derived_memory(shape)
+    kernel = "+".join(sorted(set(stack.context.attention_backends.values())))  # the attention kernel timed (sdpa-merged)
     errors = {k: v[1] for k, v in {**layer, **head}.items() if k != "per_slice_term"}
     errors["per_slice_term"] = layer["per_slice_term"]
     errors.update(check_memory(shape, stack, memory))
-    profile = measured_profile(shape, f"CPU {platform.processor() or platform.machine()} (1 thread, fp32)", layer, head, memory,
+    profile = measured_profile(shape, f"CPU {platform.processor() or platform.machine()} (1 thread, fp32, {kernel})", layer, head, memory,
                                {"errors": errors, "torch": torch.__version__, "note": "measured by scripts/profile_layer.py"},
                                StageOverhead(**overhead) if overhead else StageOverhead())
     profile.save(args.out)

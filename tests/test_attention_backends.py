@@ -117,17 +117,71 @@ def test_flash_varlen_contract_matches_sdpa(monkeypatch, capsys, heads, kv_heads
         assert max(errors.values()) < TOL, f"case {case}: {errors}"
     log = capsys.readouterr().out
     assert "> elastic attention: flash-varlen (EPP_ATTENTION_BACKEND=flash, cpu float32; flash-attn reference)" in log
-    assert "> elastic attention: sdpa-masked (EPP_ATTENTION_BACKEND=sdpa, cpu float32" in log
+    assert "> elastic attention: sdpa-merged (EPP_ATTENTION_BACKEND=sdpa, cpu float32" in log
 
 
-def test_sdpa_causal_path_matches_masked(monkeypatch):
-    """The CUDA SDPA path's maths (is_causal where there is no context), run on CPU."""
-    sdpa = {}
-    for name in ("sdpa-masked", "sdpa-causal"):
-        monkeypatch.setattr(attention_kernels, "select_backend", lambda request, device, dtype, decided=None, name=name: name)
-        sdpa[name] = [run_backend(monkeypatch, "auto", plan, 4, 2, seed=case) for case, plan in plans(6)]
-    for case, (causal, masked) in enumerate(zip(sdpa["sdpa-causal"], sdpa["sdpa-masked"])):
-        assert max(worst_errors(causal, masked).values()) < TOL, f"case {case}"
+def force_backend(monkeypatch, name: str) -> None:
+    monkeypatch.setattr(attention_kernels, "select_backend", lambda request, device, dtype, decided=None: name)
+
+
+@pytest.mark.parametrize("path", ["sdpa-causal", "sdpa-merged"])
+def test_sdpa_paths_match_masked(monkeypatch, path):
+    """The CUDA SDPA path's maths (is_causal where there is no context) and the CPU path (is_causal, and
+    the slice's prefix and own keys merged by their log-sum-exp) against the explicit mask, run on CPU:
+    outputs and gradients of q, k, v and the prefix through the K/V buffers, MHA/GQA/MQA."""
+    for heads, kv_heads in HEADS:
+        sdpa = {}
+        for name in ("sdpa-masked", path):
+            force_backend(monkeypatch, name)
+            sdpa[name] = [run_backend(monkeypatch, "auto", plan, heads, kv_heads, seed=case) for case, plan in plans(6)]
+        for case, (other, masked) in enumerate(zip(sdpa[path], sdpa["sdpa-masked"])):
+            assert max(worst_errors(other, masked).values()) < TOL, f"{heads}/{kv_heads} heads, case {case}"
+
+
+def test_sdpa_merged_bf16_within_rounding_of_fp32(monkeypatch):
+    """bf16 through the merged path against the fp32 masked path on the same inputs: within bf16's rounding
+    (measured 2e-3 .. 1e-2 worst relative error), as the masked path in bf16 is."""
+    errors = {}
+    for name in ("sdpa-masked", "sdpa-merged"):
+        for case, plan in plans(4):
+            force_backend(monkeypatch, "sdpa-masked")
+            ref = run_plan(make_attention(4, 2, 8), plan, random_tensors(plan, 4, 2, 8, torch.float32, "cpu", case), "cpu")
+            force_backend(monkeypatch, name)
+            low = run_plan(make_attention(4, 2, 8), plan, random_tensors(plan, 4, 2, 8, torch.bfloat16, "cpu", case), "cpu")
+            errors[name, case] = max(worst_errors(low, ref).values())
+    assert all(np.isfinite(e) and e < 3e-2 for e in errors.values()), errors
+    merged = max(e for (n, _), e in errors.items() if n == "sdpa-merged")
+    masked = max(e for (n, _), e in errors.items() if n == "sdpa-masked")
+    assert merged < 2 * masked + 1e-3, errors
+
+
+@pytest.mark.parametrize("fault", ["prefix-weight", "lse-backward", "causal-own"])
+def test_sdpa_merged_fault_breaks_the_match(monkeypatch, fault):
+    """Each part of the merge matters: the prefix's weight in the forward, the merged log-sum-exp in the
+    backward (a part's own would give wrong gradients with right outputs), the own block's causality."""
+    real, real_bwd = attention_kernels._cpu_flash, attention_kernels._cpu_flash_backward
+    if fault == "prefix-weight":
+        calls = []
+        def flash(q, k, v, p, causal, scale=None):
+            out, lse = real(q, k, v, p, causal, scale=scale)
+            calls.append(causal)
+            return out, (lse - 0.5 if not causal else lse)
+        monkeypatch.setattr(attention_kernels, "_cpu_flash", flash)
+    elif fault == "lse-backward":
+        def backward(do, q, k, v, out, lse, p, causal, scale=None):
+            own_out, own_lse = real(q, k, v, p, causal, scale=scale)
+            return real_bwd(do, q, k, v, own_out, own_lse, p, causal, scale=scale)
+        monkeypatch.setattr(attention_kernels, "_cpu_flash_backward", backward)
+    else:
+        monkeypatch.setattr(attention_kernels, "_cpu_flash", lambda q, k, v, p, causal, scale=None: real(q, k, v, p, False, scale=scale))
+    worst = 0.0
+    for case, plan in plans(6):
+        force_backend(monkeypatch, "sdpa-masked")
+        masked = run_backend(monkeypatch, "auto", plan, 4, 2, seed=case)
+        force_backend(monkeypatch, "sdpa-merged")
+        merged = run_backend(monkeypatch, "auto", plan, 4, 2, seed=case)
+        worst = max(worst, max(worst_errors(merged, masked).values()))
+    assert not worst < TOL, worst
 
 
 def lenient_reference(q, k, v, cu_q, cu_k, *args, **kwargs):
@@ -202,8 +256,8 @@ def test_kernel_decided_once_per_model_on_its_context(monkeypatch, capsys):
             for _ in range(2):
                 for layer in layers:
                     layer(*(torch.randn(4, 1, 4, 8) for _ in range(3)))
-        assert context.attention_backends == {("auto", "cpu", torch.float32): "sdpa-masked"}
-    assert capsys.readouterr().out.count("> elastic attention: sdpa-masked") == 2
+        assert context.attention_backends == {("auto", "cpu", torch.float32): "sdpa-merged"}
+    assert capsys.readouterr().out.count("> elastic attention: sdpa-merged") == 2
 
 
 def test_flash_call_arguments_and_seqlens_built_once_per_chunk(monkeypatch):
@@ -261,7 +315,21 @@ def test_sdpa_reads_the_slices_kv_in_place(monkeypatch):
         cat_inputs.extend(t.untyped_storage().data_ptr() for t in tensors)
         return cat(tensors, *args, **kwargs)
 
+    flash, merged = attention_kernels._cpu_flash, attention_kernels.prefix_merged_attention
+
+    def recording_flash(q, k, v, *args, **kwargs):  # the merged path's two calls over a slice's prefix and own rows
+        buffers = context.kv_storages()
+        kv_reads.append(all(t.untyped_storage().data_ptr() in buffers for t in (k, v)))
+        return flash(q, k, v, *args, **kwargs)
+
+    def recording_merged(*args, **kwargs):
+        out = merged(*args, **kwargs)
+        outputs.add(out.untyped_storage().data_ptr())
+        return out
+
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", recording_sdpa)
+    monkeypatch.setattr(attention_kernels, "_cpu_flash", recording_flash)
+    monkeypatch.setattr(attention_kernels, "prefix_merged_attention", recording_merged)
     monkeypatch.setattr(torch, "cat", recording_cat)
     gen = torch.Generator().manual_seed(0)
     runs = []
@@ -271,8 +339,9 @@ def test_sdpa_reads_the_slices_kv_in_place(monkeypatch):
         with context.running(layout):
             runs.append((layout, [layer(*qkv) for layer in layers]))
     monkeypatch.undo()
-    # per layer: the first slice, the second, then the hybrid's whole sequence (its own K/V) and its tail
-    assert kv_reads == [True, True, True, True, False, True, False, True]
+    # per chunk and layer: the first slice (one causal call), the second (prefix and own rows: two calls),
+    # then the hybrid's whole sequence (its own K/V) and its tail (two calls)
+    assert kv_reads == [True, True] + [True] * 4 + [False, True, True] * 2
     assert cat_inputs and set(cat_inputs) <= outputs
     assert sorted(context.kv) == [(0, 1), (0, 2)] and sum(context.kv_storages().values()) == 2 * 30 * 2 * heads * d * 4
     for layout, outs in reversed(runs):
@@ -323,19 +392,20 @@ def test_auto_and_sdpa_choices(monkeypatch, capsys):
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     use_kernel(monkeypatch, None)
     decided: dict = {}  # a model's record (ChunkContext.attention_backends)
-    assert attention_kernels.select_backend("auto", cpu, torch.float32, decided) == "sdpa-masked"
-    assert attention_kernels.select_backend("auto", cpu, torch.float32, decided) == "sdpa-masked"  # decided once
+    assert attention_kernels.select_backend("auto", cpu, torch.float32, decided) == "sdpa-merged"
+    assert attention_kernels.select_backend("auto", cpu, torch.float32, decided) == "sdpa-merged"  # decided once
     assert attention_kernels.select_backend("auto", cuda, torch.bfloat16, decided) == "sdpa-causal"
     first = capsys.readouterr().out.splitlines()
     assert len(first) == 2  # printed once per decision
-    assert first[0] == "> elastic attention: sdpa-masked (EPP_ATTENTION_BACKEND=auto, cpu float32; no flash: flash-attn does not import (test))"
+    assert first[0] == "> elastic attention: sdpa-merged (EPP_ATTENTION_BACKEND=auto, cpu float32; no flash: flash-attn does not import (test))"
     attention_kernels.reset_flash_probe()
     use_kernel(monkeypatch, FlashKernel(reference_flash_attn_varlen_func, "2.8.3", min_capability=None))
     assert attention_kernels.select_backend("auto", cuda, torch.bfloat16) == "flash-varlen"
     assert attention_kernels.select_backend("auto", cuda, torch.float32) == "sdpa-causal"
-    assert attention_kernels.select_backend("auto", cpu, torch.float32) == "sdpa-masked"  # the CPU path stays
+    assert attention_kernels.select_backend("auto", cpu, torch.float32) == "sdpa-merged"  # the CPU path stays
+    assert attention_kernels.select_backend("auto", torch.device("meta"), torch.float32) == "sdpa-masked"  # neither
     assert attention_kernels.select_backend("sdpa", cuda, torch.bfloat16) == "sdpa-causal"
     lines = capsys.readouterr().out.splitlines()
     assert "> elastic attention: flash-varlen (EPP_ATTENTION_BACKEND=auto, cuda bfloat16; flash-attn 2.8.3)" in lines
     assert "> elastic attention: sdpa-causal (EPP_ATTENTION_BACKEND=auto, cuda float32; no flash: dtype float32, flash-attn takes float16/bfloat16)" in lines
-    assert len(lines) == 4  # no record: decided (and printed) at each call
+    assert len(lines) == 5  # no record: decided (and printed) at each call

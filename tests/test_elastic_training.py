@@ -20,15 +20,20 @@ def run_records(tmp_path, *flags: str) -> tuple[str, list]:
 
 
 def test_elastic_trains_and_matches_megatron_packing(tmp_path):
+    """The elastic builder's plans and Seq1F1B's (split and hybrid chunks: prefix K/V on every step; at this tiny
+    shape and budget the elastic builder packs whole sequences, as slicing's per-chunk constants cost more than
+    it saves) train the loss curve of Megatron packing."""
     elastic_out, elastic = run_records(tmp_path, "--epp-calibrate-interval", "10")
     _, megatron = run_records(tmp_path, "--epp-plan", "megatron")
-    assert [m.iteration for m in elastic] == list(range(1, 31)) == [m.iteration for m in megatron]
-    for ours, theirs in zip(elastic, megatron):
+    _, sliced = run_records(tmp_path, "--epp-plan", "seq1f1b", "--epp-max-slices", "4", "--epp-calibrate-interval", "0")
+    assert [m.iteration for m in elastic] == list(range(1, 31)) == [m.iteration for m in megatron] == [m.iteration for m in sliced]
+    for ours, split, theirs in zip(elastic, sliced, megatron):
         assert ours.loss == pytest.approx(theirs.loss, rel=1e-5), ours.iteration
+        assert split.loss == pytest.approx(theirs.loss, rel=1e-5), split.iteration
     first, last = elastic[0].loss, sum(m.loss for m in elastic[20:]) / 10
     assert last < 0.8 * first
-    assert any(m.elastic.num_chunks["split"] for m in elastic) and any(m.elastic.num_chunks["hybrid"] for m in elastic), \
-        "the elastic plans never split"
+    assert any(m.elastic.num_chunks["split"] for m in sliced) and any(m.elastic.num_chunks["hybrid"] for m in sliced), \
+        "Seq1F1B's plans never split"
     assert all(m.elastic.plan.startswith("plan[megatron]") for m in megatron)
     assert all(m.elastic.num_chunks["split"] == m.elastic.num_chunks["hybrid"] == 0 for m in megatron)
     # the records hold what the log lines print, with the plan's numbers and the measured memory of both stages

@@ -128,13 +128,19 @@ def test_more_ranks_than_gpus_stops_before_any_work(monkeypatch, capsys):
 
 
 def test_one_stage_under_a_tight_budget_still_splits_and_packs():
-    """pp=1 (one GPU): the planner's plan for a tight budget has split and hybrid chunks (whole elastic path)."""
+    """pp=1 (one GPU): Seq1F1B's plan for a tight budget has split and hybrid chunks (the whole elastic path on one
+    GPU); the elastic builder fits the same budget by recompute without slicing (on one stage every slice of a
+    sequence is live until its backward: slicing saves no memory beyond the recompute transient, and costs time)."""
     from megatron_epp.training.elastic import PlanBuilder
 
     lengths = [512, 400, 60, 30, 20, 10, 200, 5]
-    tight = PlanBuilder(elastic_args("--pipeline-model-parallel-size", "1", "--epp-memory-budget", "0.0025"))(lengths).validate()
+    seq1f1b = ("--epp-plan", "seq1f1b", "--epp-max-slices", "4")
+    tight = PlanBuilder(elastic_args("--pipeline-model-parallel-size", "1", *seq1f1b, "--epp-memory-budget", "0.003"))(lengths).validate()
     assert tight.num_stages == 1 and tight.chunk_counts()["split"] > 0 and tight.chunk_counts()["hybrid"] > 0
     assert tight.recomputed_layers() > 0
+    elastic = PlanBuilder(elastic_args("--pipeline-model-parallel-size", "1", "--epp-memory-budget", "0.003"))(lengths).validate()
+    assert elastic.stats.fits and elastic.recomputed_layers() > 0
+    assert elastic.stats.predicted_step_ms <= elastic.stats.candidates_ms["seq1f1b-k4"]
     loose = PlanBuilder(elastic_args("--pipeline-model-parallel-size", "1", "--epp-memory-budget", "1"))(lengths)
     assert loose.chunk_counts()["split"] == 0
 

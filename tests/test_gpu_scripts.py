@@ -42,7 +42,7 @@ def test_gpu_profiler_smoke_run_on_cpu_makes_a_profile_the_planner_reads(tmp_pat
                "--head-lengths", "16,64", "--warmup", "1", "--repeats", "2", "--out", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     profile = load_profile(str(out))
-    assert profile.source == "measured" and profile.device.startswith("CPU ") and "sdpa-masked" in profile.device
+    assert profile.source == "measured" and profile.device.startswith("CPU ") and "sdpa-merged" in profile.device
     assert profile.model.hidden == 32
     # at this toy size launch overhead dominates and a term may fit to 0: finite and non-negative is what holds
     coefficients = [v for t in (profile.fwd, profile.bwd, profile.recompute, profile.head_fwd, profile.head_bwd) for v in t.vector()]

@@ -85,7 +85,7 @@ def test_failed_optional_kernels_warn_and_the_library_falls_back_to_sdpa(tmp_pat
     assert any(c.startswith("uninstall -y transformer-engine") for c in calls) and "uninstall -y flash-attn" in calls
     # what the library reports afterwards, by its own probes
     assert "  stock path: local spec" in proc.stdout
-    assert "> elastic attention: sdpa-masked (EPP_ATTENTION_BACKEND=auto, cpu float32; no flash: flash-attn does not import" in proc.stdout
+    assert "> elastic attention: sdpa-merged (EPP_ATTENTION_BACKEND=auto, cpu float32; no flash: flash-attn does not import" in proc.stdout
 
 
 def test_a_broken_flash_attn_that_stays_leaves_the_library_on_sdpa(tmp_path):

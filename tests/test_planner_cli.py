@@ -91,9 +91,13 @@ def test_cli_splits_data_parallel_by_modelled_work(tmp_path, capsys):
     lengths = np.array([3000, 1200, 800, 500, 300, 200, 150, 90, 60, 40, 20, 10, 5000, 2600, 2500])
     path = tmp_path / "lengths.txt"
     path.write_text("\n".join(map(str, lengths)))
-    run_json(capsys, str(path), "--epp-profile", "test-model", "--stages", "2", "--dp", "2", "--epp-memory-budget", "0.5",
+    # a per-segment cost large enough to move the split (the shipped CPU profile's is small): modelled work, every term
+    base = load_profile("test-model")
+    profile = replace(base, fwd=replace(base.fwd, bs=2.0), bwd=replace(base.bwd, bs=4.0))
+    profile.save(tmp_path / "profile.json")
+    run_json(capsys, str(path), "--epp-profile", str(tmp_path / "profile.json"), "--stages", "2", "--dp", "2", "--epp-memory-budget", "0.5",
              "--max-seq-len", "8192", "--baselines", "", "--plan-out", str(tmp_path / "p.json"))
-    work = CostModel(load_profile("test-model"), 2, dp=2).work_vector()  # whole sequences: 1 segment, 1 chunk each
+    work = CostModel(load_profile(str(tmp_path / "profile.json")), 2, dp=2).work_vector()  # whole sequences: 1 segment, 1 chunk each
     no_segment = work.copy()
     no_segment[F.SEGMENTS] = 0.0
     parts, by_tokens, by_no_segment = (split_data_parallel(lengths, 2, w) for w in (work, TOKENS, no_segment))
@@ -220,7 +224,7 @@ def test_a_profile_used_at_another_tp_is_noted_the_same_way_by_both_clis(lengths
     measured = load_profile("test-model")
     at2, note = profile_at_tp(measured, 2)
     assert measured.tp == 1 and at2.tp == 2 and at2.fwd == measured.fwd and profile_at_tp(measured, 1) == (measured, None)
-    assert note.startswith("the profile 'CPU x86_64 (1 thread, fp32)' was measured at TP=1; at TP=2 its activation memory is re-derived")
+    assert note.startswith("the profile 'CPU x86_64 (1 thread, fp32, sdpa-merged)' was measured at TP=1; at TP=2 its activation memory is re-derived")
     assert CostModel(at2, 2).profile.memory.act_token < CostModel(measured, 2).profile.memory.act_token
     base = [str(lengths_file), "--epp-profile", "test-model", "--stages", "2", "--max-seq-len", "4096", "--baselines", "", "--epp-plan", "megatron"]
     for tp, err in (("2", f"epp-plan: note: --tp 2: {note}\n"), ("1", "")):
@@ -233,7 +237,7 @@ def test_a_profile_used_at_another_tp_is_noted_the_same_way_by_both_clis(lengths
     assert PlanBuilder(args).cost_model.profile.tp == 2
     fixed = tmp_path / "fixed.json"  # memory coefficients as given: usable at its own TP only
     replace(measured, memory=replace(measured.memory, derive="")).save(fixed)
-    message = "the profile 'CPU x86_64 (1 thread, fp32)' was measured at TP=1 and its activation memory cannot be re-derived for TP=2"
+    message = "the profile 'CPU x86_64 (1 thread, fp32, sdpa-merged)' was measured at TP=1 and its activation memory cannot be re-derived for TP=2"
     assert cli_error(capsys, monkeypatch, *base, "--epp-profile", str(fixed), "--tp", "2") == f"--tp 2: {message} (no memory 'derive')"
     with pytest.raises(ArgumentError, match=re.escape(f"--epp-profile: {message}")):
         profile_summary(argparse.Namespace(**{**vars(args), "epp_profile": str(fixed)}))

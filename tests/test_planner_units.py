@@ -291,10 +291,10 @@ def test_no_candidate_slices_below_the_smallest_token_cap(monkeypatch):
     assert budgets and all(t >= least for t, _, balance in budgets if balance), min(t for t, _, b in budgets if b) / least
     assert all(c >= epp.MIN_CHUNK_TOKENS for t, c, balance in budgets if not balance)
     assert plan.stats.fits
-    # a budget whose memory cap is below the smallest token cap (50 tokens here): one line, not an IndexError
-    assert epp.token_cap(cm, (states_gb + 0.002) * 2**30) < epp.MIN_CHUNK_TOKENS
+    # a budget whose memory cap is below the smallest token cap (39 tokens here): one line, not an IndexError
+    assert epp.token_cap(cm, (states_gb + 0.0015) * 2**30) < epp.MIN_CHUNK_TOKENS
     with pytest.raises(PlanInfeasible, match="no 'adaptive' plan fits"):
-        epp.build_plan(lengths, cm, states_gb + 0.002)
+        epp.build_plan(lengths, cm, states_gb + 0.0015)
 
 
 def test_grouping_prune_changes_no_answer():

@@ -9,9 +9,10 @@ Time of one layer on one chunk, with the chunk's segments ``(s, C)`` (length, co
 
     t = a1 * sum(s^2) + a1c * sum(s * C) + a2 * sum(s) + ac * sum(C) + bs * segments + b1
 
-With a flash-style causal kernel ``a1c = 2 * a1``, i.e. ``a1 * ((C + s)^2 - C^2)`` as in the notes;
+With a flash-style causal kernel ``a1c = 2 * a1``, i.e. ``a1 * ((C + s)^2 - C^2)`` as in the notes
+(on CPU the ``sdpa-merged`` kernel is one: causal own block, unmasked prefix);
 an attention with an explicit boolean mask computes the whole ``s x (C + s)`` rectangle, so
-``a1c ~ a1``; the profiler fits both. ``ac`` is a cost per prefix token outside the attention's
+``a1c ~ a1`` (the CPU profiles before 2026-11-24, fitted on ``sdpa-masked``); the profiler fits both. ``ac`` is a cost per prefix token outside the attention's
 area (it was fitted while slices concatenated their prefix K/V before the attention call; they now
 read it in place from the sequence's K/V buffer, as a GPU kernel reads a cache). ``bs`` is a per-segment launch cost (an attention call per
 segment on CPU; 0 for a varlen GPU kernel), ``b1`` the per-chunk launch constant.
@@ -396,10 +397,11 @@ def saved_tensor_memory(shape: ModelShape, tp: int = 1, sequence_parallel: bool 
     * RoPE: ``cos`` and ``sin`` of q and of k (4 x ``b d``); q and k after RoPE (``b q`` and
       ``b h_kv``, new storages) and V as a view of the QKV output (``b (q + 2 h_kv)``); without
       RoPE q, k and v are all views of the QKV output;
-    * SDPA (CPU flash kernel, explicit mask, ``enable_gqa``: the K/V heads as they are, no repeated
-      copies): q, k, v, its output (``b q``), the logsumexp (fp32 per query head) and the boolean mask
-      converted to a float mask, ``b s (C + s)`` per segment: the quadratic term (one mask per layer
-      and segment, not per head);
+    * SDPA (CPU flash kernel, ``sdpa-merged``: ``is_causal`` for a segment without context, the slice's
+      prefix and own keys in two calls merged by their log-sum-exp, which saves the same tensors; no
+      mask; ``enable_gqa``: the K/V heads as they are, no repeated copies): q, k, v, its output (``b q``)
+      and the logsumexp (fp32 per query head): no quadratic term (``act_area`` = 0; the explicit-mask
+      kernel, ``sdpa-masked``, saved a float copy of the mask per layer, ``b s (C + s)`` per segment);
     * the output projection's input ``b q``; fc1's input ``b h``; the MLP's activation: GELU its
       input ``b f`` and fc2's input ``b f``; SwiGLU (megatron-core's unfused ``glu``) fc1's whole
       output ``2 b f`` (SiLU's input is a view of it), SiLU's output, the linear half plus its offset
@@ -464,7 +466,7 @@ def saved_tensor_memory(shape: ModelShape, tp: int = 1, sequence_parallel: bool 
         lone = 0.0 if v_copy else qkv
     else:  # SDPA's CPU flash kernel: q, k after RoPE, the QKV output (q, k, v without RoPE); its output, logsumexp
         attention = (rope + b * q + b * kv + qkv if shape.rope else qkv) + b * q + 4 * heads
-        area, prefix = b, 0.0  # the float mask, one per segment
+        area, prefix = 0.0, 0.0  # no mask (sdpa-merged)
         lone = b * kv + qkv if shape.rope else 0.0
     mask = b * H / sp if shape.hidden_dropout > 0 else 0.0  # a hidden dropout's mask (CPU: the scaled keep mask in b)
     per_token = (

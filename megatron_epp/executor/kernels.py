@@ -5,10 +5,19 @@ queries also seeing its prefix K/V, placed before its own keys). Every kernel ta
 and values as ``slice_kv``: rows ``[0, C + s)`` of its sequence's K/V buffer (prefix, then its own),
 which stand in for its rows of the chunk's ``key``/``value``:
 
+``sdpa-merged``
+    CPU: one SDPA per segment without context, ``is_causal=True`` (the CPU flash kernel skips the
+    blocks above the diagonal: half the work of a whole ``s x s`` rectangle, and no mask to build or
+    save); the slice with context in two calls of the same kernel, its queries over the prefix keys
+    ``[0, C)`` without a mask and over its own keys causal, merged by their log-sum-exp
+    (:class:`PrefixMergedAttention`; its backward runs the kernel's backward on each part with the
+    merged output and log-sum-exp, which gives each part's exact share of the gradients). No mask at
+    all; the CPU cost profiles are fitted on it. With attention dropout (which the CPU flash kernel
+    does not have) the chunk takes ``sdpa-masked``, as SDPA's math path needs the explicit mask.
 ``sdpa-masked``
     One ``scaled_dot_product_attention`` per segment with an explicit bottom-right causal mask over
-    its ``C + s`` keys. The path on CPU (and any device that is not CUDA); the CPU cost profile was
-    fitted on it.
+    its ``C + s`` keys (it computes the whole ``s x (C + s)`` rectangle, and SDPA saves a float copy of
+    the mask per layer). Devices that are neither CPU nor CUDA; on CPU, chunks with attention dropout.
 ``sdpa-causal``
     CUDA without flash-attn: one SDPA per segment, ``is_causal=True`` for segments without context
     (so the flash / memory-efficient SDPA kernels run, no mask is built) and the explicit mask only
@@ -112,7 +121,7 @@ def check_request(request: str) -> None:
 
 def select_backend(request: str, device: torch.device, dtype: torch.dtype,
                    decided: dict[tuple[str, str, torch.dtype], str] | None = None) -> str:
-    """``flash-varlen``, ``sdpa-causal`` or ``sdpa-masked`` for tensors of ``device``/``dtype``, printed
+    """``flash-varlen``, ``sdpa-causal``, ``sdpa-merged`` or ``sdpa-masked`` for tensors of ``device``/``dtype``, printed
     (first rank only) with its reason.
 
     ``decided``: the caller's record of earlier decisions (a model's :class:`ChunkContext` keeps one, so
@@ -124,7 +133,7 @@ def select_backend(request: str, device: torch.device, dtype: torch.dtype,
     kernel, why_not = load_flash_kernel()
     if kernel is not None:
         why_not = kernel.unsupported(device, dtype) or ""
-    sdpa = "sdpa-causal" if device.type == "cuda" else "sdpa-masked"
+    sdpa = {"cuda": "sdpa-causal", "cpu": "sdpa-merged"}.get(device.type, "sdpa-masked")
     if request == "flash":
         if why_not:
             raise AttentionBackendError(f"{ENV}=flash but flash-attn cannot run: {why_not}")
@@ -183,6 +192,69 @@ def sdpa_causal(query, key, value, layout: ChunkLayout, slice_kv, dropout: float
     return torch.cat(outputs)
 
 
+class PrefixMergedAttention(torch.autograd.Function):
+    """Attention of a slice's ``s`` queries over its ``C`` prefix keys (all visible) and its own ``s``
+    keys (causal), ``[b, heads, s, d]`` queries and ``[b, kv_heads, C + s, d]`` keys/values (views of the
+    sequence's K/V buffer, read in place), with the CPU flash kernel and no mask.
+
+    Forward: ``(o1, l1)`` over the prefix, ``(o2, l2)`` over the own keys (``is_causal``, which is the
+    bottom-right mask once the prefix is apart), ``l = logaddexp(l1, l2)``, ``o = e^(l1 - l) o1 +
+    e^(l2 - l) o2``. Backward: the kernel's backward of each part given the merged ``o`` and ``l``
+    (its ``P = exp(S - l)`` and ``D = rowsum(dO o)`` are then those of the whole attention), the
+    query gradients summed, the key/value gradients the two parts' rows. Saves what SDPA's flash kernel
+    saves: q, k, v (views), the output and the fp32 log-sum-exp.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, context: int, scale: float):
+        o1, l1 = _cpu_flash(q, k[:, :, :context], v[:, :, :context], 0.0, False, scale=scale)
+        o2, l2 = _cpu_flash(q, k[:, :, context:], v[:, :, context:], 0.0, True, scale=scale)
+        lse = torch.logaddexp(l1, l2)
+        out = (torch.exp(l1 - lse).unsqueeze(-1) * o1 + torch.exp(l2 - lse).unsqueeze(-1) * o2).to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.context, ctx.scale = context, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        c, scale = ctx.context, ctx.scale
+        grad_out = grad_out.contiguous()
+        dq1, dk1, dv1 = _cpu_flash_backward(grad_out, q, k[:, :, :c], v[:, :, :c], out, lse, 0.0, False, scale=scale)
+        dq2, dk2, dv2 = _cpu_flash_backward(grad_out, q, k[:, :, c:], v[:, :, c:], out, lse, 0.0, True, scale=scale)
+        return dq1 + dq2, torch.cat([dk1, dk2], dim=2), torch.cat([dv1, dv2], dim=2), None, None
+
+
+def _cpu_flash(*args, **kwargs):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(*args, **kwargs)
+
+
+def _cpu_flash_backward(*args, **kwargs):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(*args, **kwargs)
+
+
+def prefix_merged_attention(q, k, v, context: int, scale: float | None) -> torch.Tensor:
+    """:class:`PrefixMergedAttention` of one slice, [s, b, heads, d] in and out (``k``/``v`` ``[C + s, b,
+    kv_heads, d]``, grouped-query attention native)."""
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+    out = PrefixMergedAttention.apply(q, k, v, context, q.shape[-1] ** -0.5 if scale is None else scale)
+    return out.permute(2, 0, 1, 3)
+
+
+def sdpa_merged(query, key, value, layout: ChunkLayout, slice_kv, dropout: float, scale: float) -> torch.Tensor:
+    """CPU: ``is_causal`` SDPA for segments without context, :func:`prefix_merged_attention` for the slice
+    with prefix; no mask anywhere. With attention dropout, :func:`sdpa_masked` (SDPA's math path)."""
+    if dropout > 0:
+        return sdpa_masked(query, key, value, layout, slice_kv, dropout, scale)
+    outputs = []
+    for i, q, k, v in _segments(query, key, value, layout, slice_kv):
+        if k.shape[0] != q.shape[0]:
+            outputs.append(prefix_merged_attention(q, k, v, k.shape[0] - q.shape[0], scale))
+        else:
+            outputs.append(segment_attention(q, k, v, None, 0.0, scale, causal=True))
+    return torch.cat(outputs)
+
+
 def pack_kv(own: torch.Tensor, slice_rows: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
     """The chunk's keys (or values) ``[N + C, heads, d]``: ``slice_rows`` (the slice's prefix and own
     rows, from its buffer) in place of the slice's own tokens; a chunk that is only the slice has
@@ -211,4 +283,6 @@ def flash_varlen(query, key, value, layout: ChunkLayout, slice_kv, dropout: floa
     return out.unsqueeze(1)
 
 
-BACKENDS: dict[str, Callable[..., torch.Tensor]] = {"sdpa-masked": sdpa_masked, "sdpa-causal": sdpa_causal, "flash-varlen": flash_varlen}
+BACKENDS: dict[str, Callable[..., torch.Tensor]] = {
+    "sdpa-masked": sdpa_masked, "sdpa-merged": sdpa_merged, "sdpa-causal": sdpa_causal, "flash-varlen": flash_varlen,
+}
