@@ -7,7 +7,7 @@ each backend forced in turn:
 
   flash-varlen  one flash_attn_varlen_func call per chunk (the slice's K/V buffer rows, prefix first)
   sdpa-causal   SDPA per segment, is_causal without context, explicit mask for the slice
-  sdpa-masked   SDPA per segment, explicit bottom-right mask everywhere (the CPU path)
+  sdpa-masked   SDPA per segment, explicit bottom-right mask everywhere (the fp32 reference; CPU with attention dropout)
 
 Accuracy: each backend's outputs and q/k/v gradients (prefix-K/V gradients included: they reach
 earlier slices' dk/dv) against sdpa-masked in float32 on the same inputs. The SDPA paths must be

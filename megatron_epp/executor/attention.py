@@ -6,9 +6,10 @@ chunk) also attend to all K/V of the sequence's earlier slices, placed first in 
 (bottom-right causal over its ``C + s`` keys). The slice's keys and values are rows ``[0, C + s)`` of
 its sequence's K/V buffer on the layer (:class:`~megatron_epp.executor.context.KVBuffer`), where it
 has written its own K/V: the prefix is read in place, never concatenated. The kernel is chosen once by
-``EPP_ATTENTION_BACKEND`` (see ``attention_kernels``): on CPU every segment is one SDPA under an
-explicit mask (what the CPU cost profile fits); on CUDA the whole chunk is one flash-attn varlen
-call, or SDPA with ``is_causal`` where there is no context.
+``EPP_ATTENTION_BACKEND`` (see :mod:`megatron_epp.executor.kernels`): on CPU every segment is one SDPA
+with ``is_causal`` and the slice's prefix and own keys two calls merged by their log-sum-exp, no mask
+(what the CPU cost profiles fit); on CUDA the whole chunk is one flash-attn varlen call, or SDPA with
+``is_causal`` where there is no context.
 """
 
 from __future__ import annotations
