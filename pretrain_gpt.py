@@ -29,4 +29,11 @@ def run() -> int:
 
 
 if __name__ == "__main__":
+    from megatron_epp.training.host_allocator import reexec_with_jemalloc
+
+    try:
+        reexec_with_jemalloc()  # the host allocator is chosen at process start: EPP_HOST_ALLOCATOR
+    except ValueError as error:
+        print(f"pretrain_gpt.py: error: {error}", file=sys.stderr)
+        sys.exit(2)
     sys.exit(run())

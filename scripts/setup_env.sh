@@ -4,6 +4,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install --disable-pip-version-check -q -r requirements.txt
 
+# jemalloc for the training processes (megatron_epp/training/host_allocator.py; optional): Debian's
+# libjemalloc2, installed only when missing, as root, where apt-get exists; a failed install is a warning.
+if ! ldconfig -p 2>/dev/null | grep -q 'libjemalloc\.so' && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+  echo "setup_env: installing libjemalloc2 (apt-get)" >&2
+  install_jemalloc() { DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends -o Dpkg::Use-Pty=0 libjemalloc2 >/dev/null 2>&1; }
+  install_jemalloc || { apt-get update -q >/dev/null 2>&1 && install_jemalloc; } \
+    || echo "setup_env: warning: libjemalloc2 did not install; training runs on the system allocator" >&2
+fi
+
 # SLURM for tests/test_slurm.py (a one-host cluster, scripts/slurm/local_cluster.sh): Debian's
 # slurmctld, slurmd, slurm-client and munge, installed only when missing, as root, where apt-get
 # exists. EPP_NO_SLURM_INSTALL=1 leaves it out. Daemons are not started by the install (policy-rc.d).

@@ -12,7 +12,7 @@ from megatron_epp.data.gpt_samples import GPTSamples, MockGPTSamples
 from megatron_epp.data.tokenizers import TokenizerError
 from megatron_epp.cost.profiles import load_profile, profile_at_tp
 from megatron_epp.executor.context import ChunkContext
-from megatron_epp.training import checkpointing
+from megatron_epp.training import checkpointing, host_allocator
 from megatron_epp.training.arguments import ArgumentError, parse_args, world_size_from_env
 from megatron_epp.training.corpus_check import check_corpus
 from megatron_epp.training.elastic import check_memory_budget, elastic_train_step
@@ -102,6 +102,7 @@ def main(argv: Sequence[str] | argparse.Namespace | None = None) -> int:
         )
         print(f"> architecture: {architecture_summary(args)}", flush=True)
         print(f"> layers: {layer_spec_summary(args.elastic_pp, args.sequence_parallel and args.tensor_model_parallel_size)}", flush=True)
+        print(f"> host allocator: {host_allocator.describe()}", flush=True)
         if args.elastic_pp:
             print(f"> planner: {planner}", flush=True)
         print(f"> data: {corpus}", flush=True)
