@@ -181,15 +181,20 @@ def sdpa_masked(query, key, value, layout: ChunkLayout, slice_kv, dropout: float
     return torch.cat(outputs)
 
 
+def _causal_segments(query, key, value, layout: ChunkLayout, slice_kv, dropout: float, scale: float,
+                     with_prefix: Callable[..., torch.Tensor]) -> torch.Tensor:
+    """SDPA's ``is_causal`` for every segment without context; ``with_prefix(q, k, v)`` for the slice with it."""
+    outputs = []
+    for _, q, k, v in _segments(query, key, value, layout, slice_kv):
+        causal = k.shape[0] == q.shape[0]
+        outputs.append(segment_attention(q, k, v, None, dropout, scale, causal=True) if causal else with_prefix(q, k, v))
+    return torch.cat(outputs)
+
+
 def sdpa_causal(query, key, value, layout: ChunkLayout, slice_kv, dropout: float, scale: float) -> torch.Tensor:
     """SDPA's ``is_causal`` for segments without context, the explicit mask for the slice with prefix."""
-    outputs = []
-    for i, q, k, v in _segments(query, key, value, layout, slice_kv):
-        if k.shape[0] != q.shape[0]:
-            outputs.append(segment_attention(q, k, v, layout.slice_mask, dropout, scale))
-        else:
-            outputs.append(segment_attention(q, k, v, None, dropout, scale, causal=True))
-    return torch.cat(outputs)
+    return _causal_segments(query, key, value, layout, slice_kv, dropout, scale,
+                            lambda q, k, v: segment_attention(q, k, v, layout.slice_mask, dropout, scale))
 
 
 class PrefixMergedAttention(torch.autograd.Function):
@@ -233,12 +238,12 @@ def _cpu_flash_backward(*args, **kwargs):
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(*args, **kwargs)
 
 
-def prefix_merged_attention(q, k, v, context: int, scale: float | None) -> torch.Tensor:
+def prefix_merged_attention(q, k, v, scale: float) -> torch.Tensor:
     """:class:`PrefixMergedAttention` of one slice, [s, b, heads, d] in and out (``k``/``v`` ``[C + s, b,
-    kv_heads, d]``, grouped-query attention native)."""
+    kv_heads, d]``: its prefix, then its own rows; grouped-query attention native)."""
+    context = k.shape[0] - q.shape[0]
     q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-    out = PrefixMergedAttention.apply(q, k, v, context, q.shape[-1] ** -0.5 if scale is None else scale)
-    return out.permute(2, 0, 1, 3)
+    return PrefixMergedAttention.apply(q, k, v, context, scale).permute(2, 0, 1, 3)
 
 
 def sdpa_merged(query, key, value, layout: ChunkLayout, slice_kv, dropout: float, scale: float) -> torch.Tensor:
@@ -246,13 +251,8 @@ def sdpa_merged(query, key, value, layout: ChunkLayout, slice_kv, dropout: float
     with prefix; no mask anywhere. With attention dropout, :func:`sdpa_masked` (SDPA's math path)."""
     if dropout > 0:
         return sdpa_masked(query, key, value, layout, slice_kv, dropout, scale)
-    outputs = []
-    for i, q, k, v in _segments(query, key, value, layout, slice_kv):
-        if k.shape[0] != q.shape[0]:
-            outputs.append(prefix_merged_attention(q, k, v, k.shape[0] - q.shape[0], scale))
-        else:
-            outputs.append(segment_attention(q, k, v, None, 0.0, scale, causal=True))
-    return torch.cat(outputs)
+    return _causal_segments(query, key, value, layout, slice_kv, 0.0, scale,
+                            lambda q, k, v: prefix_merged_attention(q, k, v, scale))
 
 
 def pack_kv(own: torch.Tensor, slice_rows: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
