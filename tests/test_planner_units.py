@@ -312,7 +312,7 @@ def test_grouping_prune_changes_no_answer():
         costs = ChunkCosts(fwd=rng.uniform(1, 10, (P, n)), bwd=rng.uniform(2, 20, (P, n)), rc_layer=rng.uniform(0.5, 5, n),
                            act_layer=act, ckpt_layer=act * rng.uniform(0.05, 0.3, n), rc_input=np.zeros(n),
                            kv_layer=rng.uniform(0, 10, n), lone_layer=np.zeros(n), logits=np.zeros(n), embed=np.zeros(n),
-                           workspace=np.zeros(n), p2p_ms=np.zeros(n), tokens=np.ones(n))
+                           workspace=np.zeros(n), kv_grad=1.0, p2p_ms=np.zeros(n), tokens=np.ones(n))
         layers = np.full(P, 2)
         free = float(rng.uniform(0.2, 1.5) * layers[0] * act.sum())
         pruned, full = group_units_both(sizes, costs, layers, free), group_units_both(sizes, costs, layers, free, prune=False)

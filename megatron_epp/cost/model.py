@@ -32,6 +32,7 @@ class ChunkCosts:
     logits: np.ndarray  # (n,) held by the output head on the last stage
     embed: np.ndarray  # (n,) held by the embedding on the first stage
     workspace: np.ndarray  # (n,) extra bytes during the chunk's backward on a stage
+    kv_grad: float  # a split sequence's K/V gradient accumulators per byte of its K/V buffer (0: not counted)
     p2p_ms: np.ndarray  # (n,) stage-to-stage transfer time of the chunk's activations
     tokens: np.ndarray  # (n,)
 
@@ -107,6 +108,7 @@ class CostModel:
             logits=m.logits_token * tokens,
             embed=m.embed_token * tokens,
             workspace=m.bwd_workspace * act,
+            kv_grad=m.kv_grad,
             p2p_ms=s * self.network.p2p_ms(m.p2p_token * tokens),
             tokens=tokens,
         )

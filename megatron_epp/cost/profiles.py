@@ -163,7 +163,11 @@ class MemoryCoeffs:
     ``logits_token``: what the output head (final norm, output layer, loss) keeps on the last stage
     per token; ``embed_token``: what the embedding keeps on the first stage per token.
     ``bwd_workspace``: layers of full activations counted as workspace during a backward (gradient
-    buffers: 1 where the allocator is measured, 0 where saved tensors are). Model states per
+    buffers: 1 where the allocator is measured, 0 where saved tensors are). ``kv_grad``: a split
+    sequence's K/V gradient accumulators per byte of its K/V buffer (the gradients later slices
+    accumulate for earlier slices' rows, as large as the buffer, from the sequence's first backward, its
+    last slice's, until its first slice's backward frees them layer by layer: 1 where the allocator is
+    measured, 0 where saved tensors are). Model states per
     parameter: ``weight``, ``grad`` and ``optim`` bytes (the last divided by the data-parallel size
     when ``distributed_optimizer``). ``p2p_token``: bytes one GPU sends per token between stages.
     ``recompute_input_token``: what a recomputing layer holds beside its own saved tensors and its kept
@@ -190,6 +194,7 @@ class MemoryCoeffs:
     lone_slice_token: float = 0.0
     embed_token: float = 0.0
     bwd_workspace: float = 1.0
+    kv_grad: float = 1.0
     derive: str = ""
     recompute_input_token: float = 0.0
 
@@ -483,6 +488,7 @@ def saved_tensor_memory(shape: ModelShape, tp: int = 1, sequence_parallel: bool 
         "logits_token": norm + b * H / sp + 4 * shape.vocab / tp + 13,
         "embed_token": (8.0 if shape.rope else 16.0) + (tp > 1) + mask,  # + the embedding's dropout
         "bwd_workspace": 0.0,
+        "kv_grad": 0.0,
         # the recomputed layer's first norm saves its input itself, except RMSNorm's fp32 copy of a bf16 input
         "recompute_input_token": b * H / sp if shape.normalization == "RMSNorm" and b != 4 else 0.0,
     }

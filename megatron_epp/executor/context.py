@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -68,7 +68,7 @@ def varlen_seqlens(bounds: list[tuple[int, int]], split_index: int | None, conte
 class ChunkLayout:
     """What every layer of the stage needs to know about the current chunk (built once per chunk).
 
-    The kernels' inputs (``masks``, ``slice_mask``, ``varlen``) are built on first use, once per
+    The kernels' inputs (``masks``, ``varlen``) are built on first use, once per
     chunk: a backend reads only what it needs (flash-attn needs no mask, which on long slices would
     be ``s x (C + s)`` bytes per chunk of the pipeline).
     """
@@ -100,14 +100,6 @@ class ChunkLayout:
             bottom_right_causal_mask(end - start, self.context if i == self.split_index else 0, self.device)
             for i, (start, end) in enumerate(self.bounds)
         ]
-
-    @cached_property
-    def slice_mask(self) -> torch.Tensor | None:
-        """The slice's ``[s, C + s]`` bottom-right causal mask (None without a slice with context)."""
-        if self.split_index is None or not self.context:
-            return None
-        start, end = self.bounds[self.split_index]
-        return bottom_right_causal_mask(end - start, self.context, self.device)
 
     @cached_property
     def varlen(self) -> VarlenSeqlens:
@@ -189,11 +181,12 @@ class KVBuffer:
     buffer's own writes: an in-place change of a read alias is still caught.
     """
 
-    def __init__(self, length: int, like: torch.Tensor) -> None:
+    def __init__(self, length: int, like: torch.Tensor, on_allocate: Callable[[], None] | None = None) -> None:
         self.key = torch.empty((length, *like.shape[1:]), dtype=like.dtype, device=like.device)
         self.value = torch.empty_like(self.key)
         self.written = 0
         self.grads: list[torch.Tensor | None] = [None, None]  # K, V: later slices' gradients of earlier rows
+        self._on_allocate = on_allocate  # told when the gradient accumulators are allocated (memory tracking)
 
     def write(self, start: int, key: torch.Tensor, value: torch.Tensor) -> None:
         """Rows ``[start, start + s)`` of K and V, unless a first write already filled them."""
@@ -224,6 +217,8 @@ class KVBuffer:
             if start:
                 if self.grads[i] is None:
                     self.grads[i] = torch.zeros_like(self.key)
+                    if self._on_allocate is not None:
+                        self._on_allocate()
                 self.grads[i][:start] += grad[:start]
             own.append(mine)
         return own[0], own[1]
@@ -241,7 +236,7 @@ class ChunkContext:
     def __init__(self) -> None:
         self.current: ChunkLayout | None = None
         self.kv: dict[tuple[int, int], KVBuffer] = {}  # (sequence, layer number) -> its K/V buffer
-        self.kv_version = 0  # changes whenever a K/V buffer is allocated or released (memory tracking caches on it)
+        self.kv_version = 0  # changes whenever a K/V buffer or its accumulators are allocated, or released (memory tracking caches on it)
         self.attention_backends: dict = {}  # the attention kernel decided per (request, device type, dtype): once per model
 
     @classmethod
@@ -283,9 +278,12 @@ class ChunkContext:
         typed and placed like ``like``; allocated by the first call, the sequence's first slice."""
         buffer = self.kv.get((seq, layer))
         if buffer is None:
-            buffer = self.kv[seq, layer] = KVBuffer(length, like)
-            self.kv_version += 1
+            buffer = self.kv[seq, layer] = KVBuffer(length, like, self._changed)
+            self._changed()
         return buffer
+
+    def _changed(self) -> None:
+        self.kv_version += 1
 
     def release(self, seq: int, layer: int) -> None:
         if self.kv.pop((seq, layer), None) is not None:
@@ -293,9 +291,13 @@ class ChunkContext:
 
     def kv_storages(self) -> dict[int, int]:
         """``{storage pointer: bytes}`` of the K/V buffers (what the slices' attention reads and saves).
-        Their gradient accumulators are gradients, not activations, and are not listed."""
+        Their gradient accumulators are gradients, not activations: :meth:`kv_gradient_bytes`."""
         storages = (t.untyped_storage() for buffer in self.kv.values() for t in (buffer.key, buffer.value))
         return {st.data_ptr(): st.nbytes() for st in storages}
+
+    def kv_gradient_bytes(self) -> int:
+        """Bytes of the K/V buffers' gradient accumulators allocated now."""
+        return sum(g.untyped_storage().nbytes() for buffer in self.kv.values() for g in buffer.grads if g is not None)
 
     def clear(self) -> None:
         """Forget the current chunk and every K/V buffer (between independent runs)."""

@@ -49,8 +49,9 @@ def group_units_both(
     split = np.repeat(np.asarray(unit_sizes) > 1, unit_sizes)  # the chunks of split sequences
     act = costs.act_layer - costs.lone_layer * split
     # a split sequence's K/V buffer is held from its first slice's forward to that slice's backward,
-    # its last: all of it counts at the first slice, and in a window that starts inside the unit
-    unit_buffer = layers[0] * np.add.reduceat(costs.kv_layer * split, bounds[:-1])
+    # its last: all of it counts at the first slice, and in a window that starts inside the unit; its
+    # gradient accumulators (its backward only, where counted) with it: an estimate on the safe side
+    unit_buffer = layers[0] * (1.0 + costs.kv_grad) * np.add.reduceat(costs.kv_layer * split, bounds[:-1])
     buffer = np.zeros(len(act))
     buffer[bounds[:-1]] = unit_buffer
     unit_of = np.repeat(np.arange(U), unit_sizes)

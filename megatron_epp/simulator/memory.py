@@ -7,10 +7,13 @@ ids, the last stage the output head's saved tensors (until the chunk's backward 
 sequence has one K/V buffer per layer for all its tokens, allocated by its first slice's forward and
 freed by that slice's backward, which is the sequence's last: it counts with the first slice
 (``buffer``). Its slices' layers do not save their own K/V beside it: a chunk that is only a slice
-saves ``lone_layer`` less.
+saves ``lone_layer`` less. Where the allocator is measured (``kv_grad``) the sequence's K/V gradient
+accumulators count too, ``kv_grad`` bytes per byte of its buffer per layer (``grad``): allocated, layer
+by layer, by its first backward (its last slice's) and freed with the buffer, layer by layer, by its
+first slice's backward.
 
 Memory only grows during a forward and only shrinks during a backward, except where a checkpointed
-layer recomputes. So each op gives the walk one or two *rows* (moments):
+layer recomputes. So each op gives the walk one, two or three *rows* (moments):
 
 * ``F``: the end of the chunk's forward;
 * ``B``: the start of the backward (plus ``workspace``: gradient buffers, counted where the
@@ -20,6 +23,11 @@ layer recomputes. So each op gives the walk one or two *rows* (moments):
   hold their inputs and the recomputed layer holds its full activations. With ``c`` checkpointed
   layers that is ``act - ckpt + c * (ckpt + buffer)``, growing with ``c`` (plus ``rc_input`` where the
   recomputed layer saves a copy of its kept input, not the input itself: RMSNorm on bf16).
+  With gradient accumulators a first slice's checkpointed layers hold theirs there (``c * grad``),
+  and a sequence's last slice, whose backward allocates them, ``(L - c) * grad``; its backward has a
+  third row, the recompute of its first layer: ``act + (L - 1) * grad``, the larger one where ``grad >
+  ckpt`` (counted as the least of the second row at ``c = 0`` and at ``c = 1``: never more than the
+  truth, at any ``c``; at ``c = 0`` what the backward holds when it allocates its first layer's).
 
 Memory at every row is ``base - live @ (saving * recompute)``, linear in the stage's
 checkpointed-layer counts (the planner's decision variables): ``live[r, k]`` is 1 while chunk ``k``
@@ -85,9 +93,13 @@ def stage_memory(pipe: Pipeline, stage: int, num_stages: int, costs: ChunkCosts,
     embed = costs.embed if stage == 0 else np.zeros(n)
     resident = layers * (act + buffer) + head + embed
     saving = np.maximum(act - costs.ckpt_layer, 1e-9)
+    # split sequences' (first slice, last slice, accumulator bytes per layer), where they are counted
+    grads = [(u[0], u[-1], costs.kv_grad * buffer[u[0]]) for u in sequence_units(pipe) if len(u) > 1] if costs.kv_grad else []
 
-    # rows: F -> end of forward; B -> start of backward, then its first recompute
+    # rows: F -> end of forward; B -> start of backward, then its first recompute (a last slice's with
+    # accumulators: then the recompute of its first layer)
     per_op = np.where(is_bwd, 2, 1)
+    per_op[bpos[[last for _, last, _ in grads]]] = 3
     row_op = np.repeat(np.arange(len(ops)), per_op)
     first_row = np.concatenate([[0], np.cumsum(per_op)[:-1]])
     # chunk k is resident from the row of its forward to the last row (its recompute) of its backward
@@ -101,13 +113,20 @@ def stage_memory(pipe: Pipeline, stage: int, num_stages: int, costs: ChunkCosts,
     np.add.at(diff, lo, resident)
     np.add.at(diff, hi + 1, -resident)
     base = state_bytes + np.cumsum(diff)[:m]
-    bwd_rows = np.sort(np.concatenate([first_row[bpos], first_row[bpos] + 1]))
+    bwd_rows = np.flatnonzero(np.repeat(is_bwd, per_op))
     start_rows = first_row[bpos]
     base[start_rows] += costs.workspace
     # chunk k during the recompute of its last checkpointed layer: act - ckpt + c * (ckpt + buffer)
     # (+ rc_input where the recomputed layer's saved tensors do not share its kept input)
     base[hi] += embed + act - costs.ckpt_layer + costs.rc_input - resident
     data[indptr[1:] - 1] = -(costs.ckpt_layer + buffer) / saving
+    for first, last, grad in grads:
+        # from the last slice's recompute row, (L - c) layers' accumulators, to the first slice's, c layers'
+        base[hi[last] : hi[first]] += layers * grad
+        data[indptr[last + 1] - 1] += grad / saving[last]
+        data[indptr[first + 1] - 1] -= grad / saving[first]
+        # the last slice's third row (its chunk's column ends at the second: what it holds is in the base)
+        base[hi[last] + 1] += embed[last] + act[last] - costs.ckpt_layer[last] + costs.rc_input[last] + min(0.0, costs.ckpt_layer[last] - grad)
     live = sparse.csc_array((data, indices, indptr), shape=(m, n)).tocsr()
     return StageMemory(ops, base, live, saving, bwd_rows, row_op)
 

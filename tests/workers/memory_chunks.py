@@ -10,13 +10,19 @@ One stage (pp = 1: embedding, layers and output head) of the model the flags des
 executor's own layers (``ChunkRecomputeLayer`` + ``ElasticAttention``); each case is a small plan
 (batched, split, hybrid chunks; sequences in 2 to 4 slices; no, partial and full recompute) run through
 ``forward_backward_elastic`` under :class:`ActivationMemoryTracker`, beside
-``PlanBuilder.predicted_activation_bytes`` of the same plan. Writes ``[{case, rc, pred, meas}]`` (tensor-parallel
+``PlanBuilder.predicted_activation_bytes`` of the same plan; also with the split sequences' K/V gradient
+accumulators counted (the tracker's ``peak_with_kv_grads``, the planner with ``kv_grad`` 1: what CUDA's allocator
+sees; ``pred_grads_seen``: the walk's peak over the moments the CPU tracker samples, when tensors are saved: the
+forwards' ends and the recomputes, not the start of a backward, where a middle slice holds the accumulators beside
+everything its forward left).
+Writes ``[{case, rc, pred, meas, pred_grads, pred_grads_seen, meas_grads}]`` (tensor-parallel
 rank 0's, under torchrun: a tensor-parallel stage, its chunks padded under sequence parallelism).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import os
@@ -25,10 +31,13 @@ import sys
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("MASTER_PORT", str(21000 + os.getpid() % 20000))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from megatron.core import parallel_state as ps  # noqa: E402
 
+from megatron_epp.cost.features import chunk_features  # noqa: E402
 from megatron_epp.cost.model import CostModel  # noqa: E402
+from megatron_epp.simulator.memory import stage_memory  # noqa: E402
 from megatron_epp.executor.schedule import forward_backward_elastic  # noqa: E402
 from megatron_epp.executor.batches import chunk_batches, elastic_gpt_forward_step  # noqa: E402
 from megatron_epp.executor.context import ChunkContext, token_multiple  # noqa: E402
@@ -72,6 +81,20 @@ def make_plan(chunks: list[list[Segment]], rc, layers: int) -> Plan:
     return Plan(lengths, 1, [layers], [pipe], builder="test").validate()
 
 
+def peak_the_tracker_sees(cost_model: CostModel, plan: Plan) -> float:
+    """The walk's peak (one stage) over the rows the CPU tracker samples (it sees memory when a tensor is
+    saved): the ends of forwards and the recomputes, not a backward's start, nor a backward without recompute."""
+    pipe = plan.pipelines[0]
+    rc = np.asarray(pipe.recompute[0], dtype=float)
+    sm = stage_memory(pipe, 0, 1, cost_model.costs(chunk_features(pipe.chunks)), int(cost_model.layers[0]), 0.0)
+    rows = sm.base - sm.live @ (sm.saving * rc)
+    kind = np.array([op.kind for op in sm.ops])[sm.row_op]
+    recomputes = np.array([rc[op.pos] > 0 for op in sm.ops])[sm.row_op]
+    first_of_op = np.concatenate([[True], sm.row_op[1:] != sm.row_op[:-1]])
+    seen = (kind == "F") | (recomputes & ~first_of_op)
+    return float(rows[seen].max())
+
+
 def measure(argv: list[str]) -> None:
     """One model: ``OUT.json [--model-dtype ...] [pretrain_gpt model flags...]``."""
     p = argparse.ArgumentParser()
@@ -89,6 +112,12 @@ def measure(argv: list[str]) -> None:
     if cm.profile.model.dtype != ours.model_dtype:  # the shape PlanBuilder takes from the flags has no cast's dtype
         shape = dataclasses.replace(cm.profile.model, dtype=ours.model_dtype)
         build.cost_model = CostModel(dataclasses.replace(cm.profile, model=shape), cm.num_stages, cm.layers, dp=cm.dp)
+    # the same planner counting the K/V gradient accumulators (set after the model is built: the CPU profile's
+    # memory derivation, applied by CostModel, counts saved tensors alone)
+    with_kv_grads = copy.copy(build)
+    with_kv_grads.cost_model = copy.copy(build.cost_model)
+    memory = dataclasses.replace(build.cost_model.profile.memory, kv_grad=1.0)
+    with_kv_grads.cost_model.profile = dataclasses.replace(build.cost_model.profile, memory=memory)
     gen = torch.Generator().manual_seed(0)
     results = []
     for name, chunks, rcs in CASES:
@@ -103,7 +132,10 @@ def measure(argv: list[str]) -> None:
                 )
             model.zero_grad_buffer()
             pred = build.predicted_activation_bytes(plan)[0]
-            results.append({"case": name, "rc": plan.pipelines[0].recompute[0], "pred": pred, "meas": tracker.peak_bytes})
+            pred_grads = with_kv_grads.predicted_activation_bytes(plan)[0]
+            results.append({"case": name, "rc": plan.pipelines[0].recompute[0], "pred": pred, "meas": tracker.peak_bytes,
+                            "pred_grads": pred_grads, "pred_grads_seen": peak_the_tracker_sees(with_kv_grads.cost_model, plan),
+                            "meas_grads": tracker.peak_with_kv_grads})
     if runtime.rank == 0:
         with open(ours.out, "w") as f:
             json.dump(results, f)
