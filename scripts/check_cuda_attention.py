@@ -6,7 +6,7 @@ elastic schedule's order through one ``ElasticAttention`` (``tests/attention_har
 each backend forced in turn:
 
   flash-varlen  one flash_attn_varlen_func call per chunk (the slice's K/V buffer rows, prefix first)
-  sdpa-causal   SDPA per segment, is_causal without context, explicit mask for the slice
+  sdpa-causal   SDPA per segment, is_causal without context, torch's causal_lower_right bias for the slice (no mask built)
   sdpa-masked   SDPA per segment, explicit bottom-right mask everywhere (the fp32 reference; CPU with attention dropout)
 
 Accuracy: each backend's outputs and q/k/v gradients (prefix-K/V gradients included: they reach
@@ -67,7 +67,7 @@ def layouts(scale: int) -> dict[str, Plan]:
 
 
 def force(backend: str) -> None:
-    attention_kernels.select_backend = lambda request, device, dtype, decided=None: backend
+    attention_kernels.select_backend = lambda request, device, dtype, decided=None, dropout=0.0: backend
 
 
 def synchronize(device: str) -> None:

@@ -121,7 +121,7 @@ def test_flash_varlen_contract_matches_sdpa(monkeypatch, capsys, heads, kv_heads
 
 
 def force_backend(monkeypatch, name: str) -> None:
-    monkeypatch.setattr(attention_kernels, "select_backend", lambda request, device, dtype, decided=None: name)
+    monkeypatch.setattr(attention_kernels, "select_backend", lambda request, device, dtype, decided=None, dropout=0.0: name)
 
 
 @pytest.mark.parametrize("path", ["sdpa-causal", "sdpa-merged"])
@@ -136,6 +136,27 @@ def test_sdpa_paths_match_masked(monkeypatch, path):
             sdpa[name] = [run_backend(monkeypatch, "auto", plan, heads, kv_heads, seed=case) for case, plan in plans(6)]
         for case, (other, masked) in enumerate(zip(sdpa[path], sdpa["sdpa-masked"])):
             assert max(worst_errors(other, masked).values()) < TOL, f"{heads}/{kv_heads} heads, case {case}"
+
+
+def test_sdpa_causal_builds_no_mask(monkeypatch):
+    """The CUDA SDPA path gives the slice with context torch's ``causal_lower_right`` bias, never a mask of
+    its own (SDPA's flash / efficient kernels then build none; on CPU torch builds it inside SDPA); a torch
+    whose ``CausalBias`` takes no GQA gets the explicit mask for a GQA slice, with the same results."""
+    force_backend(monkeypatch, "sdpa-masked")
+    reference = {kv: [run_backend(monkeypatch, "auto", plan, 4, kv, seed=case) for case, plan in plans(3)] for kv in (4, 2)}
+    built = []
+    real_mask = attention_kernels.bottom_right_causal_mask
+    monkeypatch.setattr(attention_kernels, "bottom_right_causal_mask", lambda *a, **k: built.append(a) or real_mask(*a, **k))
+    force_backend(monkeypatch, "sdpa-causal")
+    assert attention_kernels._causal_bias_takes_gqa()  # this torch's
+    for takes_gqa in (True, False):
+        monkeypatch.setattr(attention_kernels, "_causal_bias_takes_gqa", lambda: takes_gqa)
+        for kv in (4, 2):
+            built.clear()
+            for case, plan in plans(3):
+                out = run_backend(monkeypatch, "auto", plan, 4, kv, seed=case)
+                assert max(worst_errors(out, reference[kv][case]).values()) < TOL, f"kv heads {kv}, case {case}"
+            assert bool(built) == (kv == 2 and not takes_gqa), (kv, takes_gqa, len(built))
 
 
 def test_sdpa_merged_bf16_within_rounding_of_fp32(monkeypatch):
@@ -256,7 +277,7 @@ def test_kernel_decided_once_per_model_on_its_context(monkeypatch, capsys):
             for _ in range(2):
                 for layer in layers:
                     layer(*(torch.randn(4, 1, 4, 8) for _ in range(3)))
-        assert context.attention_backends == {("auto", "cpu", torch.float32): "sdpa-merged"}
+        assert context.attention_backends == {("auto", "cpu", torch.float32, False): "sdpa-merged"}
     assert capsys.readouterr().out.count("> elastic attention: sdpa-merged") == 2
 
 
@@ -409,3 +430,35 @@ def test_auto_and_sdpa_choices(monkeypatch, capsys):
     assert "> elastic attention: flash-varlen (EPP_ATTENTION_BACKEND=auto, cuda bfloat16; flash-attn 2.8.3)" in lines
     assert "> elastic attention: sdpa-causal (EPP_ATTENTION_BACKEND=auto, cuda float32; no flash: dtype float32, flash-attn takes float16/bfloat16)" in lines
     assert len(lines) == 5  # no record: decided (and printed) at each call
+
+
+def test_attention_dropout_decides_the_cpu_kernel(monkeypatch, capsys):
+    """On CPU attention dropout takes ``sdpa-masked`` (no CPU flash kernel has dropout) and the line says so;
+    the same model in evaluation (no dropout) decides, and says, ``sdpa-merged``; CUDA keeps its kernels."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    use_kernel(monkeypatch, None)
+    decided: dict = {}
+    assert attention_kernels.select_backend("auto", cpu, torch.float32, decided, dropout=0.1) == "sdpa-masked"
+    assert attention_kernels.select_backend("auto", cpu, torch.float32, decided, dropout=0.1) == "sdpa-masked"
+    assert attention_kernels.select_backend("auto", cpu, torch.float32, decided, dropout=0.0) == "sdpa-merged"
+    assert attention_kernels.select_backend("sdpa", cuda, torch.float32, decided, dropout=0.1) == "sdpa-causal"
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == ("> elastic attention: sdpa-masked (EPP_ATTENTION_BACKEND=auto, cpu float32, attention dropout 0.1; "
+                        "no flash: flash-attn does not import (test); masked: attention dropout, which the CPU flash kernel has not)")
+    assert lines[1].startswith("> elastic attention: sdpa-merged (EPP_ATTENTION_BACKEND=auto, cpu float32; ") and len(lines) == 3
+    q = torch.randn(4, 1, 2, 8)
+    layout = ChunkLayout.build(Chunk(0, "batched", [Segment(0, 0, 4)]), [4], cpu)
+    with pytest.raises(ValueError, match="sdpa-merged has no attention dropout"):
+        attention_kernels.sdpa_merged(q, q, q, layout, None, 0.1, 1.0)
+    # the layer decides with the dropout it runs: its own in training, none in evaluation
+    attention = make_attention(2, 2, 8)
+    attention.dropout_p = 0.1
+    asked = []
+    monkeypatch.setattr(elastic_attention.tensor_parallel, "get_cuda_rng_tracker", lambda: types.SimpleNamespace(fork=contextlib.nullcontext))
+    monkeypatch.setattr(attention_kernels, "select_backend", lambda *a, dropout=None, **k: asked.append(a[4] if len(a) > 4 else dropout) or "sdpa-merged")
+    with attention.context.running(layout):
+        with pytest.raises(ValueError, match="no attention dropout"):
+            attention(q, q, q)
+        attention.eval()
+        attention(q, q, q)
+    assert asked == [0.1, 0.0]

@@ -88,7 +88,7 @@ class ElasticAttention(MegatronModule):
         layout = self.context.layout()
         slice_kv = self._slice_kv(layout, key, value) if layout.split_index is not None else None
         dropout = self.dropout_p if self.training else 0.0
-        backend = kernels.select_backend(self.backend_request, query.device, query.dtype, self.context.attention_backends)
+        backend = kernels.select_backend(self.backend_request, query.device, query.dtype, self.context.attention_backends, dropout)
         kwargs = {"deterministic": self.deterministic} if backend == "flash-varlen" else {}
         with tensor_parallel.get_cuda_rng_tracker().fork() if dropout else contextlib.nullcontext():
             out = kernels.BACKENDS[backend](query, key, value, layout, slice_kv, dropout, self.softmax_scale, **kwargs)

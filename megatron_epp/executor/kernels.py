@@ -13,15 +13,19 @@ which stand in for its rows of the chunk's ``key``/``value``:
     (:class:`PrefixMergedAttention`; its backward runs the kernel's backward on each part with the
     merged output and log-sum-exp, which gives each part's exact share of the gradients). No mask at
     all; the CPU cost profiles are fitted on it. With attention dropout (which the CPU flash kernel
-    does not have) the chunk takes ``sdpa-masked``, as SDPA's math path needs the explicit mask.
+    does not have) the decision is ``sdpa-masked``, as SDPA's math path needs the explicit mask.
 ``sdpa-masked``
     One ``scaled_dot_product_attention`` per segment with an explicit bottom-right causal mask over
     its ``C + s`` keys (it computes the whole ``s x (C + s)`` rectangle, and SDPA saves a float copy of
     the mask per layer). Devices that are neither CPU nor CUDA; on CPU, chunks with attention dropout.
 ``sdpa-causal``
     CUDA without flash-attn: one SDPA per segment, ``is_causal=True`` for segments without context
-    (so the flash / memory-efficient SDPA kernels run, no mask is built) and the explicit mask only
-    for the slice with prefix K/V.
+    (so the flash / memory-efficient SDPA kernels run, no mask is built) and, for the slice with
+    prefix K/V, torch's ``causal_lower_right(s, C + s)`` bias: the same bottom-right causal mask, never
+    built, which SDPA's flash kernel (bf16/fp16) and memory-efficient kernel (fp32 too, not with GQA)
+    run as such; where neither can, torch builds the mask itself (as the explicit mask did). A torch
+    whose ``CausalBias`` has no grouped-query support (older than the one it was written for) takes the
+    explicit mask for a GQA slice.
 ``flash-varlen``
     CUDA with flash-attn >= 2.1 and fp16/bf16: the whole chunk in ONE ``flash_attn_varlen_func``
     call, queries packed over all segments, keys/values packed with the slice's buffer rows in place
@@ -38,6 +42,7 @@ device, dtype). Transformer Engine's fused attention (THD packing) is not used h
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import re
 from dataclasses import dataclass
@@ -45,8 +50,9 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 
-from megatron_epp.executor.context import ChunkLayout
+from megatron_epp.executor.context import ChunkLayout, bottom_right_causal_mask
 
 ENV = "EPP_ATTENTION_BACKEND"
 REQUESTS = ("auto", "sdpa", "flash")
@@ -120,33 +126,38 @@ def check_request(request: str) -> None:
 
 
 def select_backend(request: str, device: torch.device, dtype: torch.dtype,
-                   decided: dict[tuple[str, str, torch.dtype], str] | None = None) -> str:
-    """``flash-varlen``, ``sdpa-causal``, ``sdpa-merged`` or ``sdpa-masked`` for tensors of ``device``/``dtype``, printed
-    (first rank only) with its reason.
+                   decided: dict[tuple[str, str, torch.dtype, bool], str] | None = None, dropout: float = 0.0) -> str:
+    """``flash-varlen``, ``sdpa-causal``, ``sdpa-merged`` or ``sdpa-masked`` for tensors of ``device``/``dtype``
+    under attention dropout ``dropout`` (0 in evaluation), printed (first rank only) with its reason.
 
     ``decided``: the caller's record of earlier decisions (a model's :class:`ChunkContext` keeps one, so
-    each (request, device type, dtype) is decided and printed once per model); None: decide now.
+    each (request, device type, dtype, with or without dropout) is decided and printed once per model);
+    None: decide now.
     """
-    key = (request, device.type, dtype)
+    key = (request, device.type, dtype, dropout > 0)
     if decided is not None and key in decided:
         return decided[key]
     kernel, why_not = load_flash_kernel()
     if kernel is not None:
         why_not = kernel.unsupported(device, dtype) or ""
     sdpa = {"cuda": "sdpa-causal", "cpu": "sdpa-merged"}.get(device.type, "sdpa-masked")
+    sdpa_why = ""
+    if sdpa == "sdpa-merged" and dropout > 0:
+        sdpa, sdpa_why = "sdpa-masked", "; masked: attention dropout, which the CPU flash kernel has not"
     if request == "flash":
         if why_not:
             raise AttentionBackendError(f"{ENV}=flash but flash-attn cannot run: {why_not}")
         choice, reason = "flash-varlen", f"flash-attn {kernel.version}"
     elif request == "sdpa":
-        choice, reason = sdpa, "flash-attn not requested"
+        choice, reason = sdpa, "flash-attn not requested" + sdpa_why
     else:
-        choice, reason = ("flash-varlen", f"flash-attn {kernel.version}") if not why_not else (sdpa, f"no flash: {why_not}")
+        choice, reason = ("flash-varlen", f"flash-attn {kernel.version}") if not why_not else (sdpa, f"no flash: {why_not}{sdpa_why}")
     if decided is not None:
         decided[key] = choice
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()) or torch.distributed.get_rank() == 0:
         dtype_name = str(dtype).removeprefix("torch.")
-        print(f"> elastic attention: {choice} ({ENV}={request}, {device.type} {dtype_name}; {reason})", flush=True)
+        with_dropout = f", attention dropout {dropout:g}" if dropout > 0 else ""
+        print(f"> elastic attention: {choice} ({ENV}={request}, {device.type} {dtype_name}{with_dropout}; {reason})", flush=True)
     return choice
 
 
@@ -191,10 +202,25 @@ def _causal_segments(query, key, value, layout: ChunkLayout, slice_kv, dropout: 
     return torch.cat(outputs)
 
 
+@functools.cache
+def _causal_bias_takes_gqa() -> bool:
+    return "enable_gqa" in inspect.signature(CausalBias._dispatch).parameters
+
+
+def lower_right_attention(q, k, v, dropout: float, scale: float) -> torch.Tensor:
+    """One slice's attention over its ``C`` prefix and its own ``s`` keys, [s, b, heads, d] in and out,
+    under torch's ``causal_lower_right(s, C + s)`` bias (no mask built where SDPA's kernels take it); a
+    GQA slice under the explicit mask where this torch's ``CausalBias`` cannot take GQA."""
+    s, keys = q.shape[0], k.shape[0]
+    if k.shape[2] != q.shape[2] and not _causal_bias_takes_gqa():
+        return segment_attention(q, k, v, bottom_right_causal_mask(s, keys - s, q.device), dropout, scale)
+    return segment_attention(q, k, v, causal_lower_right(s, keys), dropout, scale)
+
+
 def sdpa_causal(query, key, value, layout: ChunkLayout, slice_kv, dropout: float, scale: float) -> torch.Tensor:
-    """SDPA's ``is_causal`` for segments without context, the explicit mask for the slice with prefix."""
+    """SDPA's ``is_causal`` for segments without context, ``causal_lower_right`` for the slice with prefix."""
     return _causal_segments(query, key, value, layout, slice_kv, dropout, scale,
-                            lambda q, k, v: segment_attention(q, k, v, layout.slice_mask, dropout, scale))
+                            lambda q, k, v: lower_right_attention(q, k, v, dropout, scale))
 
 
 class PrefixMergedAttention(torch.autograd.Function):
@@ -248,9 +274,9 @@ def prefix_merged_attention(q, k, v, scale: float) -> torch.Tensor:
 
 def sdpa_merged(query, key, value, layout: ChunkLayout, slice_kv, dropout: float, scale: float) -> torch.Tensor:
     """CPU: ``is_causal`` SDPA for segments without context, :func:`prefix_merged_attention` for the slice
-    with prefix; no mask anywhere. With attention dropout, :func:`sdpa_masked` (SDPA's math path)."""
+    with prefix; no mask anywhere. No attention dropout (:func:`select_backend` takes ``sdpa-masked`` for it)."""
     if dropout > 0:
-        return sdpa_masked(query, key, value, layout, slice_kv, dropout, scale)
+        raise ValueError("sdpa-merged has no attention dropout (the CPU flash kernel has none): select_backend takes sdpa-masked")
     return _causal_segments(query, key, value, layout, slice_kv, 0.0, scale,
                             lambda q, k, v: prefix_merged_attention(q, k, v, scale))
 
