@@ -56,8 +56,19 @@ Megatron's step time (ratio >= 1.67) and <= 0.85x Seq1F1B's at its best k (ratio
 does not, EPP >= 0.97x the better baseline's speed (the smaller ratio >= 0.97) and no loss to packing
 beyond noise.
 
+The ceiling, where memory binds: a budget can only take plans away, so EPP under it is at best as fast as
+EPP with no memory limit. The baselines' step times at the budget against EPP's plans at a budget where
+memory shapes none of them (the binding budget doubled until doubling again changes no EPP plan) bound
+every ratio EPP could reach there (Seq1F1B at its best k): simulated for every binding data set, and
+measured for ``wiki`` when ``wiki-nobind`` (the same batches, a budget where memory does not bind) ran too.
+A goal above its ceiling is printed as not reachable at this budget: what is missing is then not memory (the rest of EPP's step
+against its compute bound is the pipeline's fill and drain and the per-chunk constants, which the
+baselines pay too).
+
 The last line is one JSON object: per data set ``{"megatron": r, "seq1f1b": r, "seq1f1b_k": k, "noise": n,
-"budget_gb": b, "megatron_recompute_steps": m, "simulated": {"megatron": r, "seq1f1b": r, "seq1f1b_k": k}}``
+"budget_gb": b, "megatron_recompute_steps": m, "simulated": {"megatron": r, "seq1f1b": r, "seq1f1b_k": k,
+"epp_over_bound": x, "ceiling": {"budget_gb": b, "megatron": r, "seq1f1b": r}}}`` (``ceiling`` where memory binds; ``wiki``
+also ``"ceiling_measured": {"from": "wiki-nobind", "megatron": r, "seq1f1b": r}`` when both ran)
 (null where a builder did not run) and ``"config"``. Duration on 2 idle cores, estimated from the
 planner's predictions and this machine's measured layer speed (not timed end to end): about 20-25
 minutes with the defaults (33 runs of ~14 s start-up plus their steps); ``--quick`` (1 repeat, 2 steps,
@@ -181,6 +192,8 @@ class BudgetChoice:
     plans: dict[Builder, list[Plan] | None]  # every builder's plans at budget_gb, per step (None: cannot run)
     below_gb: float | None = None  # the grid point below the chosen budget (searched budgets only)
     recompute_below: dict[str, list[int] | None] | None = None
+    # where memory binds: EPP's plans at a budget where memory shapes none of them, and that budget (the ceiling)
+    unbound: tuple[float, list[Plan]] | None = None
 
     @property
     def recompute(self) -> dict[str, list[int] | None]:
@@ -237,6 +250,20 @@ def choose_nobind_budget(specs: Sequence[Builder], batches, cost_model: CostMode
         shapes = [shapes[1], list(map(plan_shape, plan_steps(EPP, batches, cost_model, base, budget * 2)))]
     return BudgetChoice(budget, "no builder recomputes and doubling it changes no EPP plan",
                         all_plans(specs, batches, cost_model, base, budget))
+
+
+def unbound_epp_plans(batches, cost_model: CostModel, base: PlannerConfig, from_gb: float) -> tuple[float, list[Plan]]:
+    """EPP's plans at a budget where memory shapes none of them (``from_gb`` doubled until doubling it again
+    changes no plan), and that budget: what EPP would plan with no memory limit at all."""
+    budget = from_gb
+    plans = plan_steps(EPP, batches, cost_model, base, budget)
+    while True:
+        more = plan_steps(EPP, batches, cost_model, base, budget * 2)
+        if plans is not None and more is not None and list(map(plan_shape, plans)) == list(map(plan_shape, more)):
+            return budget, plans
+        budget, plans = budget * 2, more
+        if budget > MAX_BUDGET_GB:
+            fail(f"EPP's plans still change with the budget at {MAX_BUDGET_GB:.0f} GB per stage")
 
 
 def all_plans(specs: Sequence[Builder], batches, cost_model: CostModel, base: PlannerConfig, budget_gb: float) -> dict[Builder, list[Plan] | None]:
@@ -311,8 +338,29 @@ def summarize(measured: dict[Builder, list[list[StepMetrics]]], predicted: dict[
         if seq:
             sim["seq1f1b_k"] = min(seq, key=seq.get)
             sim["seq1f1b"] = seq[sim["seq1f1b_k"]]
+    if choice.unbound is not None and predicted:
+        # the ceiling: the baselines here against EPP with no memory limit (a budget cannot make EPP faster)
+        free = np.array([[p.stats.predicted_step_ms for p in choice.unbound[1][1:]]])
+        ceiling = {b: paired_ratio(np.array([p]), free) for b, p in predicted.items() if b != EPP}
+        seq = [r for b, r in ceiling.items() if b.plan == "seq1f1b"]
+        sim["ceiling"] = {"budget_gb": choice.unbound[0], "megatron": next((r for b, r in ceiling.items() if b.plan == "megatron"), None),
+                          "seq1f1b": min(seq) if seq else None}  # against its best k
     out["simulated"] = sim
     return out
+
+
+def measured_ceilings(entries: dict, results: dict) -> None:
+    """Where both ``wiki`` and ``wiki-nobind`` ran (the same batches): the measured ceiling of ``wiki``, its
+    baselines' step times against EPP's at the budget where memory does not bind, per step, median over steps."""
+    bind, free = results.get("wiki"), results.get("wiki-nobind")
+    if bind is None or free is None or not bind[2].get(EPP) or not free[2].get(EPP):
+        return
+    epp_free = step_matrix(free[2][EPP], pipe_ms)
+    entry = entries["wiki"]
+    meg = next((runs for b, runs in bind[2].items() if b.plan == "megatron" and runs), None)
+    seq = next((runs for b, runs in bind[2].items() if b.plan == "seq1f1b" and b.k == entry["seq1f1b_k"] and runs), None)  # its best k
+    entry["ceiling_measured"] = {"from": "wiki-nobind", "megatron": None if meg is None else paired_ratio(step_matrix(meg, pipe_ms), epp_free),
+                                 "seq1f1b": None if seq is None else paired_ratio(step_matrix(seq, pipe_ms), epp_free)}
 
 
 def show(r: float | None) -> str:
@@ -331,6 +379,14 @@ def goal_lines(entry: dict, binds: bool) -> list[str]:
             met = "n/a" if entry[key] is None else ("met" if entry[key] >= goal else "NOT met")
             out.append(f"  {key:8s} measured {show(entry[key])}{tie}, simulated {show(sim[key])}{k} | goal >= {goal:.2f} "
                        f"(EPP <= {1 / goal:.2f}x its time): {met}")
+        ceiling, measured_ceiling = sim.get("ceiling"), entry.get("ceiling_measured")
+        if ceiling is not None:
+            out.append(f"  ceiling: the baselines here against EPP with no memory limit (its plans at {ceiling['budget_gb']:.4f} GB, "
+                       "where memory shapes none; a budget cannot make EPP faster than that)")
+            for key, goal in GOAL_BIND.items():
+                m = "" if measured_ceiling is None else f"measured {show(measured_ceiling[key])} (EPP of {measured_ceiling['from']}), "
+                reach = "n/a" if ceiling[key] is None else "reachable" if ceiling[key] >= goal else "NOT reachable at this budget"
+                out.append(f"    {key:8s} {m}simulated {show(ceiling[key])} | goal >= {goal:.2f}: {reach}")
         return out
     both, sim_both = [entry[k] for k in GOAL_BIND], [sim[k] for k in GOAL_BIND]
     worst = None if None in both else min(both)
@@ -363,9 +419,10 @@ def builder_lines(b: Builder, runs: list[list[StepMetrics]], predicted: list[flo
 
 
 def report(name: str, measured: dict[Builder, list[list[StepMetrics]]], predicted: dict[Builder, list[float]],
-           choice: BudgetChoice, failed: dict[Builder, str], out: Callable[[str], None] = print) -> dict:
-    """Print one data set's results (per builder, then ratios and goals) and return its JSON entry."""
-    entry = summarize(measured, predicted, choice)
+           choice: BudgetChoice, failed: dict[Builder, str], out: Callable[[str], None] = print, entry: dict | None = None) -> dict:
+    """Print one data set's results (per builder, then ratios and goals) and return its JSON entry
+    (``entry``: the one :func:`summarize` made, measured ceilings added; None: made here)."""
+    entry = summarize(measured, predicted, choice) if entry is None else entry
     out(f"\n== {name}: budget {choice.budget_gb:.4f} GB per stage; ms: medians per step (a step's time: median over repeats); "
         "act MB: peak over steps")
     epp = step_matrix(measured[EPP], pipe_ms) if measured.get(EPP) else None
@@ -388,7 +445,9 @@ def report(name: str, measured: dict[Builder, list[list[StepMetrics]]], predicte
 def report_all(results: dict[str, tuple[BudgetChoice, dict, dict, dict]], config: dict, out: Callable[[str], None] = print) -> None:
     """Every data set's report (``results``: name -> (budget choice, predicted ms, measured runs, failed
     builders)), the goals, and last the JSON line."""
-    entries = {name: report(name, measured, predicted, choice, failed, out) for name, (choice, predicted, measured, failed) in results.items()}
+    entries = {name: summarize(measured, predicted, choice) for name, (choice, predicted, measured, failed) in results.items()}
+    measured_ceilings(entries, results)
+    entries = {name: report(name, measured, predicted, choice, failed, out, entries[name]) for name, (choice, predicted, measured, failed) in results.items()}
     out(f"\n{config['elapsed_s']} s; load average {config['load_average_end']:.2f} at the end. Goals: EPP <= 0.60x Megatron and "
         "<= 0.85x Seq1F1B (best k) where memory binds; >= 0.97x the better baseline where it does not.")
     out(json.dumps({**entries, "config": config}))
@@ -586,14 +645,19 @@ def prepare(name: str, args, specs: list[Builder]) -> tuple[list[str], list[list
         choice = choose_bind_budget(specs, batches, build.cost_model, build.config)
     else:
         choice = choose_nobind_budget(specs, batches, build.cost_model, build.config)
+    if BINDS[name] and choice.plans.get(EPP) is not None:
+        choice.unbound = unbound_epp_plans(batches, build.cost_model, build.config, choice.budget_gb)
     for line in choice.lines(BINDS[name]):
         print("  " + line)
     predicted = {b: [p.stats.predicted_step_ms for p in ps[1:]] for b, ps in choice.plans.items() if ps is not None}
     sim = summarize({}, predicted, choice)["simulated"]
+    ceiling = sim.get("ceiling")
     print(f"  simulated ({time.perf_counter() - t0:.0f} s of planning in-process), predicted ms median per step: "
           + ", ".join(f"{b.name} {np.median(p):.0f}" for b, p in predicted.items())
           + f" | ratios megatron {show(sim['megatron'])}, seq1f1b {show(sim['seq1f1b'])} (k={sim['seq1f1b_k']})"
-          + f" | EPP / its compute bound {show(sim['epp_over_bound'])}", flush=True)
+          + f" | EPP / its compute bound {show(sim['epp_over_bound'])}"
+          + ("" if ceiling is None else f" | ceiling (EPP with no memory limit, {ceiling['budget_gb']:.4f} GB): megatron "
+             f"{show(ceiling['megatron'])}, seq1f1b {show(ceiling['seq1f1b'])}"), flush=True)
     return argv, batches, choice, predicted
 
 

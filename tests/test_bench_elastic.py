@@ -157,6 +157,43 @@ def test_report_prints_goals_and_ends_with_the_json_line(bench, planner, measure
     assert "no loss to packing beyond noise" in text
 
 
+def test_ceiling_is_epp_without_a_memory_limit(bench, planner, bind, measured, capsys):
+    """Where memory binds, the ceiling: the baselines at the budget against EPP's plans where memory shapes none
+    of them (their budget doubled changes no plan, and none is predicted slower than EPP's at the budget: a budget
+    only takes plans away); simulated per binding data set, measured for wiki from wiki-nobind's EPP runs."""
+    cost_model, base = planner
+    free_gb, free = bench.unbound_epp_plans(BATCHES, cost_model, base, bind.budget_gb)
+    assert free_gb > bind.budget_gb
+    again = bench.plan_steps(bench.EPP, BATCHES, cost_model, base, free_gb * 2)
+    assert list(map(bench.plan_shape, again)) == list(map(bench.plan_shape, free))
+    at_budget = [p.stats.predicted_step_ms for p in bind.plans[bench.EPP]]
+    assert all(f.stats.predicted_step_ms <= b * (1 + 1e-9) for f, b in zip(free, at_budget))
+    bind.unbound = (free_gb, free)
+    predicted = {b: [p.stats.predicted_step_ms for p in ps[1:]] for b, ps in bind.plans.items()}
+    ceiling = bench.summarize({}, predicted, bind)["simulated"]["ceiling"]
+    free_ms = np.array([p.stats.predicted_step_ms for p in free[1:]])
+    assert ceiling["budget_gb"] == free_gb
+    assert ceiling["megatron"] == pytest.approx(np.median(np.array(predicted[bench.Builder("megatron")]) / free_ms))
+    assert ceiling["seq1f1b"] == pytest.approx(min(np.median(np.array(predicted[bench.Builder("seq1f1b", k)]) / free_ms) for k in (2, 4)))
+    # measured: wiki's baselines against wiki-nobind's EPP (synthetic runs: EPP there 50 ms a step faster)
+    faster = {bench.EPP: [[dataclasses.replace(s, elastic=dataclasses.replace(s.elastic, measured_ms=s.elastic.measured_ms - 50))
+                           for s in run] for run in measured[bench.EPP]]}
+    ran = {b: r for b, r in measured.items() if b in bind.plans}
+    results = {"wiki": (bind, predicted, ran, {}), "wiki-nobind": (bind, predicted, faster, {})}
+    bench.report_all(results, {"elapsed_s": 1, "load_average_end": 0.1})
+    lines = capsys.readouterr().out.strip().splitlines()
+    wiki = json.loads(lines[-1])["wiki"]
+    epp_free = bench.step_matrix(faster[bench.EPP], bench.pipe_ms)
+    meg = bench.step_matrix(measured[bench.Builder("megatron")], bench.pipe_ms)
+    assert wiki["ceiling_measured"]["megatron"] == pytest.approx(bench.paired_ratio(meg, epp_free))
+    assert wiki["ceiling_measured"]["megatron"] > wiki["megatron"]
+    assert wiki["ceiling_measured"]["from"] == "wiki-nobind" and wiki["ceiling_measured"]["seq1f1b"] > wiki["seq1f1b"]
+    text = "\n".join(lines)
+    assert "ceiling: the baselines here against EPP with no memory limit" in text
+    assert ("NOT reachable at this budget" in text) == (min(ceiling["megatron"], wiki["ceiling_measured"]["megatron"]) < 1 / 0.6
+                                                       or min(ceiling["seq1f1b"], wiki["ceiling_measured"]["seq1f1b"]) < 1 / 0.85)
+
+
 @pytest.mark.parametrize("argv, says", [
     (["--datasets", "stdlib,c4"], "--datasets: unknown c4"),
     (["--seq1f1b-k", "2,x"], "--seq1f1b-k '2,x'"),
