@@ -287,8 +287,9 @@ def main(argv: list[str] | None = None) -> None:
                       f"Where EPP is more than {BOUND_GAP}x its bound:" if far else f"EPP is within {BOUND_GAP}x of its bound in every cell.", *far, "",
                       *([f"{missing} of the {len(grid)} cells not run yet."] if missing else []),
                       f"gbs {args.gbs}, {args.memory_gb:.0f} GB per GPU, collective overlap {args.overlap}, seed {args.seed}; "
-                      f"this run {time.perf_counter() - t0:.0f} s wall with {args.jobs} process(es); "
-                      f"{sum(s.get('search_s', 0.0) for c in cells for s in c['systems'].values()):.0f} s of per-cell search time over the cells shown."])
+                      + ("a report of cells run earlier (--report-only); " if args.report_only
+                         else f"this run {time.perf_counter() - t0:.0f} s wall with {args.jobs} process(es); ")
+                      + f"{sum(s.get('search_s', 0.0) for c in cells for s in c['systems'].values()):.0f} s of per-cell search time over the cells shown."])
     print(text)
     readme = args.readme or (None if args.quick else str(ROOT / "README.md"))
     if readme:
