@@ -21,16 +21,18 @@ from megatron_epp.simulator.step import ScheduleDeadlock, simulate
 IDEAL = Network("ideal", 1e30, 0.0, 1e30, 0.0)
 
 
-def toy_cost_model(num_stages: int = 2, layers: list[int] | None = None) -> CostModel:
+def toy_cost_model(num_stages: int = 2, layers: list[int] | None = None, kv_grad: float = 0.0) -> CostModel:
     """1 ms per token per layer forward, 2 backward, recompute = forward; 10 B/token/layer of
-    activations, 1 B kept by a checkpointed layer, 2 B of K/V buffer; no model states, no network."""
+    activations, 1 B kept by a checkpointed layer, 2 B of K/V buffer; the allocator's view of a backward
+    (one layer's activations of workspace), K/V gradient accumulators only with ``kv_grad``; no model
+    states, no network."""
     shape = MODEL_PRESETS["llama-7b"]
     zero = TimeCoeffs(0, 0, 0, 0, 0, 0)
     prof = Profile(
         model=shape, device="toy", source="analytic", tp=1,
         fwd=TimeCoeffs(0, 0, 1.0, 0, 0, 0), bwd=TimeCoeffs(0, 0, 2.0, 0, 0, 0), recompute=TimeCoeffs(0, 0, 1.0, 0, 0, 0),
         head_fwd=zero, head_bwd=zero,
-        memory=MemoryCoeffs(10.0, 0.0, 0.0, 1.0, 2.0, 0.0, 0.0, 0.0, 0.0, False, 0.0),
+        memory=MemoryCoeffs(10.0, 0.0, 0.0, 1.0, 2.0, 0.0, 0.0, 0.0, 0.0, False, 0.0, kv_grad=kv_grad),
     )
     layers = layers or [1] * num_stages
     return CostModel(prof, num_stages, layers, network=IDEAL)
@@ -168,6 +170,14 @@ def test_split_slices_keep_kv_until_first_slice_backward():
     assert sm.during([0, 0]).tolist() == [28, 48, 68, 48]
     # checkpointing slice 0 keeps its input (2 B) and the K/V buffer (8 B); its recompute holds 20 + 8
     assert sm.during([1, 0]).tolist() == [10, 30, 50, 30]
+    # with the K/V gradient accumulators (8 B: the buffer's size) from slice 1's backward on: B0 starts with
+    # 28 + 20 + 8; slice 1's rows after its start stay below 68 (28 + 18 + 8; 28 + 8 + 18 - (8 - 2)); a
+    # checkpointed slice 0 recomputes holding 18 + 1 x (2 + 8 + 8) = 36, under its start's 10 + 20 + 8
+    costs = toy_cost_model(1, kv_grad=1.0).costs(chunk_features(pipe.chunks))
+    sm = stage_memory(pipe, 0, 1, costs, 1, 0.0)
+    assert sm.during([0, 0]).tolist() == [28, 48, 68, 56]
+    assert sm.during([1, 0]).tolist() == [10, 30, 50, 38]
+    assert (sm.base - sm.live @ (sm.saving * np.array([0, 0]))).tolist() == [28, 48, 68, 54, 48, 56, 18]
 
 
 # ------------------------------------------------------------------------------------ recompute
