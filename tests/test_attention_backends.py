@@ -24,6 +24,7 @@ import torch
 
 from megatron_epp.executor import attention as elastic_attention, kernels as attention_kernels
 from megatron_epp.executor.kernels import AttentionBackendError, FlashKernel
+from megatron_epp.executor import context as context_module
 from megatron_epp.executor.context import ChunkContext, ChunkLayout, varlen_seqlens
 from megatron_epp.plan import Chunk, Segment
 from tests.attention_harness import make_attention, random_tensors, run_plan, worst_errors
@@ -146,7 +147,8 @@ def test_sdpa_causal_builds_no_mask(monkeypatch):
     reference = {kv: [run_backend(monkeypatch, "auto", plan, 4, kv, seed=case) for case, plan in plans(3)] for kv in (4, 2)}
     built = []
     real_mask = attention_kernels.bottom_right_causal_mask
-    monkeypatch.setattr(attention_kernels, "bottom_right_causal_mask", lambda *a, **k: built.append(a) or real_mask(*a, **k))
+    for module in (attention_kernels, context_module):  # the kernels' own, and the layout's (ChunkLayout.masks)
+        monkeypatch.setattr(module, "bottom_right_causal_mask", lambda *a, **k: built.append(a) or real_mask(*a, **k))
     force_backend(monkeypatch, "sdpa-causal")
     assert attention_kernels._causal_bias_takes_gqa()  # this torch's
     for takes_gqa in (True, False):
