@@ -24,8 +24,8 @@ which stand in for its rows of the chunk's ``key``/``value``:
     prefix K/V, torch's ``causal_lower_right(s, C + s)`` bias: the same bottom-right causal mask, never
     built, which SDPA's flash kernel (bf16/fp16) and memory-efficient kernel (fp32 too, not with GQA)
     run as such; where neither can, torch builds the mask itself (as the explicit mask did). A torch
-    whose ``CausalBias`` has no grouped-query support (older than the one it was written for) takes the
-    explicit mask for a GQA slice.
+    whose ``CausalBias`` takes no ``enable_gqa`` (older than the one it was written for) takes the
+    explicit mask.
 ``flash-varlen``
     CUDA with flash-attn >= 2.1 and fp16/bf16: the whole chunk in ONE ``flash_attn_varlen_func``
     call, queries packed over all segments, keys/values packed with the slice's buffer rows in place
@@ -209,10 +209,10 @@ def _causal_bias_takes_gqa() -> bool:
 
 def lower_right_attention(q, k, v, dropout: float, scale: float) -> torch.Tensor:
     """One slice's attention over its ``C`` prefix and its own ``s`` keys, [s, b, heads, d] in and out,
-    under torch's ``causal_lower_right(s, C + s)`` bias (no mask built where SDPA's kernels take it); a
-    GQA slice under the explicit mask where this torch's ``CausalBias`` cannot take GQA."""
+    under torch's ``causal_lower_right(s, C + s)`` bias (no mask built where SDPA's kernels take it); under
+    the explicit mask where this torch's ``CausalBias`` takes no ``enable_gqa`` (SDPA hands its arguments on)."""
     s, keys = q.shape[0], k.shape[0]
-    if k.shape[2] != q.shape[2] and not _causal_bias_takes_gqa():
+    if not _causal_bias_takes_gqa():  # SDPA passes its enable_gqa on to the bias, which would refuse it
         return segment_attention(q, k, v, bottom_right_causal_mask(s, keys - s, q.device), dropout, scale)
     return segment_attention(q, k, v, causal_lower_right(s, keys), dropout, scale)
 
