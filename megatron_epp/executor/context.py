@@ -237,7 +237,7 @@ class ChunkContext:
         self.current: ChunkLayout | None = None
         self.kv: dict[tuple[int, int], KVBuffer] = {}  # (sequence, layer number) -> its K/V buffer
         self.kv_version = 0  # changes whenever a K/V buffer or its accumulators are allocated, or released (memory tracking caches on it)
-        self.attention_backends: dict = {}  # the attention kernel decided per (request, device type, dtype): once per model
+        self.attention_backends: dict = {}  # the attention kernel decided per (request, device type, dtype, dropout or not): once per model
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> "ChunkContext":
@@ -287,7 +287,7 @@ class ChunkContext:
 
     def release(self, seq: int, layer: int) -> None:
         if self.kv.pop((seq, layer), None) is not None:
-            self.kv_version += 1
+            self._changed()
 
     def kv_storages(self) -> dict[int, int]:
         """``{storage pointer: bytes}`` of the K/V buffers (what the slices' attention reads and saves).
@@ -303,5 +303,5 @@ class ChunkContext:
         """Forget the current chunk and every K/V buffer (between independent runs)."""
         self.current = None
         self.kv.clear()
-        self.kv_version += 1
+        self._changed()
 

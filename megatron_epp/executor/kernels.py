@@ -36,7 +36,7 @@ which stand in for its rows of the chunk's ``key``/``value``:
 ``EPP_ATTENTION_BACKEND=auto|sdpa|flash`` (default ``auto``) is read when the attention is built;
 ``auto`` takes ``flash-varlen`` when it can run and SDPA otherwise, ``sdpa`` never takes flash-attn,
 ``flash`` is an error where flash-attn cannot run. The choice is printed once per (request,
-device, dtype). Transformer Engine's fused attention (THD packing) is not used here.
+device, dtype, with or without attention dropout). Transformer Engine's fused attention (THD packing) is not used here.
 """
 
 from __future__ import annotations
