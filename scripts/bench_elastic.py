@@ -385,7 +385,9 @@ def goal_lines(entry: dict, binds: bool) -> list[str]:
                        "where memory shapes none; a budget cannot make EPP faster than that)")
             for key, goal in GOAL_BIND.items():
                 m = "" if measured_ceiling is None else f"measured {show(measured_ceiling[key])} (EPP of {measured_ceiling['from']}), "
-                reach = "n/a" if ceiling[key] is None else "reachable" if ceiling[key] >= goal else "NOT reachable at this budget"
+                known = [c for c in (ceiling[key], None if measured_ceiling is None else measured_ceiling[key]) if c is not None]
+                reach = ("n/a" if not known else "reachable" if max(known) >= goal else "NOT reachable at this budget"
+                         + (" (but within the noise)" if noise is not None and max(known) >= goal * (1 - noise) else ""))
                 out.append(f"    {key:8s} {m}simulated {show(ceiling[key])} | goal >= {goal:.2f}: {reach}")
         return out
     both, sim_both = [entry[k] for k in GOAL_BIND], [sim[k] for k in GOAL_BIND]
