@@ -242,12 +242,7 @@ def choose_nobind_budget(specs: Sequence[Builder], batches, cost_model: CostMode
         return all((r := recomputed(plan_steps(s, batches, cost_model, base, b))) is not None and not any(r) for s in specs)
 
     budget, _ = smallest_budget(ok, "lets every builder plan without recompute")
-    shapes = [list(map(plan_shape, plan_steps(EPP, batches, cost_model, base, budget * 2**i))) for i in range(2)]
-    while shapes[0] != shapes[1]:
-        budget *= 2
-        if budget > MAX_BUDGET_GB:
-            fail(f"EPP's plans still change with the budget at {MAX_BUDGET_GB:.0f} GB per stage")
-        shapes = [shapes[1], list(map(plan_shape, plan_steps(EPP, batches, cost_model, base, budget * 2)))]
+    budget, _ = unbound_epp_plans(batches, cost_model, base, budget)
     return BudgetChoice(budget, "no builder recomputes and doubling it changes no EPP plan",
                         all_plans(specs, batches, cost_model, base, budget))
 

@@ -58,11 +58,14 @@ class StageMemory:
     bwd_rows: np.ndarray  # rows of the backwards (memory peaks: nothing is freed before them)
     row_op: np.ndarray  # (m,) the op of each row
 
+    def rows(self, recompute: np.ndarray) -> np.ndarray:
+        """Memory at every row given the stage's recompute counts per chunk."""
+        return self.base - self.live @ (self.saving * np.asarray(recompute, dtype=float))
+
     def during(self, recompute: np.ndarray) -> np.ndarray:
         """Peak memory during every op given the stage's recompute counts per chunk."""
-        rows = self.base - self.live @ (self.saving * np.asarray(recompute, dtype=float))
         out = np.full(len(self.ops), -np.inf)
-        np.maximum.at(out, self.row_op, rows)
+        np.maximum.at(out, self.row_op, self.rows(recompute))
         return out
 
 

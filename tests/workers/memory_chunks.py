@@ -87,7 +87,7 @@ def peak_the_tracker_sees(cost_model: CostModel, plan: Plan) -> float:
     pipe = plan.pipelines[0]
     rc = np.asarray(pipe.recompute[0], dtype=float)
     sm = stage_memory(pipe, 0, 1, cost_model.costs(chunk_features(pipe.chunks)), int(cost_model.layers[0]), 0.0)
-    rows = sm.base - sm.live @ (sm.saving * rc)
+    rows = sm.rows(rc)
     kind = np.array([op.kind for op in sm.ops])[sm.row_op]
     recomputes = np.array([rc[op.pos] > 0 for op in sm.ops])[sm.row_op]
     first_of_op = np.concatenate([[True], sm.row_op[1:] != sm.row_op[:-1]])
