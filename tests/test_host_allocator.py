@@ -64,6 +64,8 @@ def test_system_or_missing_library_runs_as_is_and_says_so(monkeypatch, execve):
     monkeypatch.setenv(host_allocator.ENV, "system")
     host_allocator.reexec_with_jemalloc()
     assert not execve and host_allocator.describe() == "the system's malloc (EPP_HOST_ALLOCATOR=system)"
+    monkeypatch.setenv(host_allocator.ENV, "auto")  # installed, but this process was not re-executed: not "not installed"
+    assert host_allocator.describe() == "the system's malloc (libjemalloc installed, not preloaded: pretrain_gpt.py preloads it at start)"
 
 
 def test_bad_value_is_one_line_before_any_work():

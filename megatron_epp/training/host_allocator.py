@@ -56,5 +56,10 @@ def describe() -> str:
     library = os.environ.get(PRELOADED)
     if library:
         return f"jemalloc ({library}, MALLOC_CONF={os.environ.get('MALLOC_CONF', '')}; {ENV}={requested()})"
-    why = f"{ENV}=system" if requested() == "system" else "libjemalloc not installed"
+    if requested() == "system":
+        why = f"{ENV}=system"
+    elif ctypes.util.find_library("jemalloc") is None:
+        why = "libjemalloc not installed"
+    else:  # main() run in a process that pretrain_gpt.py's __main__ did not start (a test, an importing script)
+        why = "libjemalloc installed, not preloaded: pretrain_gpt.py preloads it at start"
     return f"the system's malloc ({why})"
