@@ -10,8 +10,8 @@ longer than the context is truncated to it. Per cell: each system's predicted st
 peak memory per GPU and recompute; EPP over its compute-only bound; where a baseline is faster, the
 cost term that makes it so. Ratios are baseline / EPP (> 1: EPP faster).
 
-    python scripts/paper_grid.py             # the whole grid; writes README's "Paper grid" section
-    python scripts/paper_grid.py --quick     # one small cell, for the tests (README untouched)
+    python scripts/paper_grid.py             # the whole grid; writes the table into docs/measurements/paper-grid.md
+    python scripts/paper_grid.py --quick     # one small cell, for the tests (no file written)
     python scripts/paper_grid.py --cells grid.jsonl   # each finished cell appended there; a re-run resumes
 
 With ``--cells FILE`` each cell is appended to FILE (one JSON line) as soon as it is done, and the cells
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--exhaustive", action="store_true", help="plan every layout (no proxy ranking)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--jobs", type=int, default=1, help="cells run in parallel processes (the times reported are per cell, CPU)")
-    ap.add_argument("--readme", default=None, help="README to write the table into (default README.md; none with --quick)")
+    ap.add_argument("--readme", default=None, help="markdown file to write the table into (default docs/measurements/paper-grid.md; none with --quick)")
     ap.add_argument("--cells", type=Path, default=None, help="JSON-lines file: finished cells appended, those already there not re-run")
     ap.add_argument("--report-only", action="store_true", help="with --cells: the table of the cells done so far, nothing run")
     args = ap.parse_args(argv)
@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> None:
                          else f"this run {time.perf_counter() - t0:.0f} s wall with {args.jobs} process(es); ")
                       + f"{sum(s.get('search_s', 0.0) for c in cells for s in c['systems'].values()):.0f} s of per-cell search time over the cells shown."])
     print(text)
-    readme = args.readme or (None if args.quick else str(ROOT / "README.md"))
+    readme = args.readme or (None if args.quick else str(ROOT / "docs" / "measurements" / "paper-grid.md"))
     if readme:
         write_readme(Path(readme), text)
     print(json.dumps({"cells": rows, "headline": head}, separators=(",", ":")))

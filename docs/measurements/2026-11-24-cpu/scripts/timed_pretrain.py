@@ -1,4 +1,4 @@
-"""pretrain_gpt.py with every op of the elastic schedule timed per rank: a diagnostic (session 9), not part of the product.
+"""pretrain_gpt.py with every op of the elastic schedule timed per rank: a diagnostic (2026-11-24, committed with cae312b), not part of the product.
 
 Wraps the executor's forward, backward, p2p and receive calls (``megatron_epp.executor.schedule``) with
 ``perf_counter`` and the process's minor page faults, records Python's garbage collections, and appends one JSON
