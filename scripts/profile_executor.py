@@ -80,7 +80,7 @@ def main() -> None:
     context = ChunkContext()
     if "context" in inspect.signature(build_model).parameters:
         model, config = build_model(args, runtime, context=context)
-    else:  # a tree from before build_model took the context (the "before" of README's table)
+    else:  # a tree from before build_model took the context (the "before" of docs/measurements/2026-11-23-cpu/HISTORY.md)
         model, config = build_model(args, runtime, layer_spec=elastic_layer_spec(default_layer_spec(), context))
         install_chunk_context(model.module, context)
     build_optimizer(args, model, config)
@@ -100,7 +100,7 @@ def main() -> None:
         if inputs is not None:
             forward_backward_elastic(forward_step_func=elastic_gpt_forward_step, data_iterator=iter(inputs.batches),
                                      model=[model], num_microbatches=ours.chunks, plan=plan, layouts=inputs.layouts)
-        else:  # a tree without prepare_step (the "before" of README's table)
+        else:  # a tree without prepare_step (the "before" of docs/measurements/2026-11-23-cpu/HISTORY.md)
             forward_backward_elastic(forward_step_func=elastic_gpt_forward_step, data_iterator=chunk_batches(plan, sequences, runtime.device),
                                      model=[model], num_microbatches=ours.chunks, plan=plan)
         return (time.perf_counter() - t0) * 1000

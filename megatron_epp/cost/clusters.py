@@ -8,7 +8,7 @@ per GPU and per direction, GB/s. Every figure below cites its source; the papers
 readings are presets: ``*-ib-node`` (400 Gb/s shared by the node's 8 GPUs: 6.25 GB/s each) and
 ``*-ib-gpu`` (400 Gb/s per GPU: 50 GB/s each, a DGX-style rail per GPU).
 
-Collectives (one model for every system, stated in README):
+Collectives (one model for every system, stated in docs/baselines.md):
 
 * all-to-all in a group of ``g`` GPUs: a GPU sends ``(g-1)/g`` of its bytes; the part to GPUs of its
   own node goes over NVLink, the rest over its InfiniBand share, both at once (the slower decides);
@@ -153,7 +153,7 @@ def sp_profile(shape: ModelShape, cluster: Cluster, sp: int, layers_per_stage: i
     recompute the forward's again; per layer and chunk, FSDP gathers the layer's bf16 weights in the
     forward (and the recompute) and gathers them again and reduce-scatters the fp32 gradients in the
     backward, with ``(1 - overlap)`` of it exposed (a per-chunk constant: chunks of a pipeline are long
-    enough that the compute bound of :func:`exposed_ms` does not bind; stated in README). Memory: the
+    enough that the compute bound of :func:`exposed_ms` does not bind; stated in docs/baselines.md). Memory: the
     activations per token are Megatron's ``34 h / sp`` (each GPU keeps ``1/sp`` of the tokens), the model
     states are sharded ``sp`` ways, plus two gathered layers of bf16 weights and one of fp32 gradients."""
     if sp < 2 or sp > cluster.gpus_per_node:

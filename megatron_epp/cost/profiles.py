@@ -608,7 +608,7 @@ def nearest_cpu_profile(shape: ModelShape | None) -> Profile:
     """The shipped CPU profile measured nearest ``shape`` (:func:`shape_distance`; ties: file name), the
     test model's (``test-model_cpu.json``) without a shape. The planner then scales its times to ``shape``
     by FLOPs (:func:`shape_time`), which is exact at the shape it was measured at and drifts away from it
-    (at hidden 128, hidden-64 coefficients over-predict real chunks by 8-40 %: README)."""
+    (at hidden 128, hidden-64 coefficients over-predict real chunks by 8-40 %: docs/planner.md)."""
     if shape is None:
         return Profile.load(TEST_MODEL_PROFILE)
     profiles = [(path.name, Profile.load(path)) for path in sorted(PROFILE_DIR.glob("*_cpu.json"))]
