@@ -1,20 +1,23 @@
-"""ElasticAttention's kernel backends on CPU: the flash-attn varlen contract, and backend selection.
+"""ElasticAttention's kernel backends on CPU: the varlen kernels' contracts, and backend selection.
 
-CI has no GPU and no flash-attn, so the flash path is checked against a reference implementation
-of ``flash_attn_varlen_func``'s documented semantics (flash-attn 2.1+ docstring: q/k/v packed as
-``(total, heads, d)``, one (q-sequence, k-sequence) pair per ``cu_seqlens`` entry, ``causal=True``
-aligned to the bottom-right corner, GQA by query-head groups), written here with plain torch
-(``einsum`` + ``softmax``, not SDPA). Forcing ``EPP_ATTENTION_BACKEND=flash`` on CPU float32 with
-that reference as the kernel, outputs and gradients (q, k, v, and the prefix-K/V path through the
-sequences' K/V buffers) must equal the SDPA path on random batched/split/hybrid plans, with and without GQA;
-misplacing the prefix or leaving it out of ``cu_seqlens_k`` must break the match.
-What this does not check: the real CUDA kernel (``scripts/check_cuda_attention.py`` on a GPU).
+CI has no GPU, no flash-attn, and torch's ``varlen_attn`` runs on CUDA only, so both varlen paths
+(``flash-varlen``, ``torch-varlen``) are checked against reference implementations of the kernels'
+documented semantics (``tests/attention_harness.py``: plain torch, ``einsum`` + ``softmax``, not SDPA).
+Forcing ``EPP_ATTENTION_BACKEND=flash`` (``varlen``) on CPU float32 with a reference as the kernel, through
+the real path's index building (``cu_seqlens``, max lengths, the slice's prefix rows packed before its
+own), outputs and gradients (q, k, v, and the prefix-K/V path through the sequences' K/V buffers) must
+equal the SDPA path on random batched/split/hybrid plans, with and without GQA (``varlen_attn`` with
+``enable_gqa``, and torch 2.11's without it: K/V heads expanded); misplacing the prefix, leaving it out
+of ``cu_seqlens_k`` or moving a ``cu_seq_k`` boundary by one must break the match. The kernel decision
+(:func:`kernels.decide`) is pinned for every combination of its inputs, and the SDPA paths are shown to
+exclude cuDNN attention. What this does not check: the real CUDA kernels (``scripts/check_cuda_attention.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import sys
 import types
 
@@ -23,61 +26,37 @@ import pytest
 import torch
 
 from megatron_epp.executor import attention as elastic_attention, kernels as attention_kernels
-from megatron_epp.executor.kernels import AttentionBackendError, FlashKernel
+from megatron_epp.executor.kernels import AttentionBackendError, FlashKernel, TorchVarlenKernel
 from megatron_epp.executor import context as context_module
-from megatron_epp.executor.context import ChunkContext, ChunkLayout, varlen_seqlens
+from megatron_epp.executor.context import ChunkContext, ChunkLayout, VarlenSeqlens, varlen_seqlens
 from megatron_epp.plan import Chunk, Segment
-from tests.attention_harness import make_attention, random_tensors, run_plan, worst_errors
+from tests.attention_harness import (
+    REFERENCE_KERNEL, make_attention, random_tensors, reference_flash_attn_varlen_func, reference_torch_varlen, reference_varlen_attn,
+    reference_varlen_attn_without_gqa, run_plan, worst_errors,
+)
 from tests.workers.random_plans import random_lengths, random_plan
 
 TOL = 1e-5  # float32, same maths in a different order: measured ~1e-7
-
-
-def reference_flash_attn_varlen_func(
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
-    causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-    return_attn_probs=False, block_table=None,
-):
-    """``flash_attn.flash_attn_varlen_func`` (2.1+) as documented, in plain torch, forward and backward."""
-    assert (window_size == (-1, -1) or tuple(window_size) == (-1, -1)) and not softcap and alibi_slopes is None
-    assert not return_attn_probs and block_table is None and dropout_p == 0.0
-    assert q.dim() == k.dim() == v.dim() == 3 and k.shape == v.shape and q.shape[2] == k.shape[2]
-    assert q.shape[1] % k.shape[1] == 0, "heads of q must be a multiple of heads of k/v"
-    for cu, total in ((cu_seqlens_q, q.shape[0]), (cu_seqlens_k, k.shape[0])):
-        assert cu.dtype == torch.int32 and cu.dim() == 1 and cu.device == q.device
-        assert int(cu[0]) == 0 and int(cu[-1]) == total, f"cu_seqlens end {int(cu[-1])} != total tokens {total}"
-    assert cu_seqlens_q.shape == cu_seqlens_k.shape
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    group = q.shape[1] // k.shape[1]
-    outputs = []
-    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    for i in range(len(cq) - 1):
-        qi, ki, vi = q[cq[i]:cq[i + 1]], k[ck[i]:ck[i + 1]], v[ck[i]:ck[i + 1]]
-        sq, sk = qi.shape[0], ki.shape[0]
-        assert sq <= max_seqlen_q and sk <= max_seqlen_k
-        ki, vi = ki.repeat_interleave(group, dim=1), vi.repeat_interleave(group, dim=1)  # q head h -> kv head h // group
-        scores = torch.einsum("qhd,khd->hqk", qi, ki) * scale
-        if causal:  # bottom-right: query r sees key j iff j <= r + sk - sq
-            keep = torch.arange(sk)[None, :] <= torch.arange(sq)[:, None] + (sk - sq)
-            scores = scores.masked_fill(~keep, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # an all-masked row gives zeros
-        outputs.append(torch.einsum("hqk,khd->qhd", probs, vi))
-    return torch.cat(outputs)
-
-
-REFERENCE_KERNEL = FlashKernel(reference_flash_attn_varlen_func, "reference", devices=("cpu",), dtypes=(torch.float32,), min_capability=None)
+NO_VARLEN = "torch's varlen_attn not in this test"
 
 
 @pytest.fixture(autouse=True)
 def fresh_decisions(monkeypatch):
+    """No request in the environment; torch's varlen_attn absent unless a test gives one (``use_varlen``): this
+    torch's real one runs on CUDA only and would ask a CPU machine for a CUDA device's compute capability."""
     monkeypatch.delenv(attention_kernels.ENV, raising=False)
     attention_kernels.reset_flash_probe()
+    use_varlen(monkeypatch, None)
     yield
     attention_kernels.reset_flash_probe()
 
 
 def use_kernel(monkeypatch, kernel: FlashKernel | None, why_not: str = "flash-attn does not import (test)") -> None:
     monkeypatch.setattr(attention_kernels, "load_flash_kernel", lambda: (kernel, "" if kernel else why_not))
+
+
+def use_varlen(monkeypatch, kernel: TorchVarlenKernel | None, why_not: str = NO_VARLEN) -> None:
+    monkeypatch.setattr(attention_kernels, "load_torch_varlen", lambda: (kernel, "" if kernel else why_not))
 
 
 def plans(cases: int):
@@ -122,7 +101,7 @@ def test_flash_varlen_contract_matches_sdpa(monkeypatch, capsys, heads, kv_heads
 
 
 def force_backend(monkeypatch, name: str) -> None:
-    monkeypatch.setattr(attention_kernels, "select_backend", lambda request, device, dtype, decided=None, dropout=0.0: name)
+    monkeypatch.setattr(attention_kernels, "select_backend", lambda request, device, dtype, decided=None, dropout=0.0, gqa=False: name)
 
 
 @pytest.mark.parametrize("path", ["sdpa-causal", "sdpa-merged"])
@@ -279,7 +258,7 @@ def test_kernel_decided_once_per_model_on_its_context(monkeypatch, capsys):
             for _ in range(2):
                 for layer in layers:
                     layer(*(torch.randn(4, 1, 4, 8) for _ in range(3)))
-        assert context.attention_backends == {("auto", "cpu", torch.float32, False): "sdpa-merged"}
+        assert context.attention_backends == {("auto", "cpu", torch.float32, False, False): "sdpa-merged"}
     assert capsys.readouterr().out.count("> elastic attention: sdpa-merged") == 2
 
 
@@ -375,7 +354,7 @@ def test_sdpa_reads_the_slices_kv_in_place(monkeypatch):
 
 def test_bad_backend_value_is_an_error(monkeypatch):
     monkeypatch.setenv(attention_kernels.ENV, "fast")
-    with pytest.raises(ValueError, match=r"EPP_ATTENTION_BACKEND='fast': expected one of auto, sdpa, flash"):
+    with pytest.raises(ValueError, match=r"EPP_ATTENTION_BACKEND=.fast.: expected one of auto, sdpa, flash, varlen$"):
         make_attention(4, 4, 8)
 
 
@@ -420,7 +399,8 @@ def test_auto_and_sdpa_choices(monkeypatch, capsys):
     assert attention_kernels.select_backend("auto", cuda, torch.bfloat16, decided) == "sdpa-causal"
     first = capsys.readouterr().out.splitlines()
     assert len(first) == 2  # printed once per decision
-    assert first[0] == "> elastic attention: sdpa-merged (EPP_ATTENTION_BACKEND=auto, cpu float32; no flash: flash-attn does not import (test))"
+    assert first[0] == ("> elastic attention: sdpa-merged (EPP_ATTENTION_BACKEND=auto, cpu float32; no flash: flash-attn does not import (test); "
+                        f"no torch varlen: {NO_VARLEN})")
     attention_kernels.reset_flash_probe()
     use_kernel(monkeypatch, FlashKernel(reference_flash_attn_varlen_func, "2.8.3", min_capability=None))
     assert attention_kernels.select_backend("auto", cuda, torch.bfloat16) == "flash-varlen"
@@ -430,7 +410,8 @@ def test_auto_and_sdpa_choices(monkeypatch, capsys):
     assert attention_kernels.select_backend("sdpa", cuda, torch.bfloat16) == "sdpa-causal"
     lines = capsys.readouterr().out.splitlines()
     assert "> elastic attention: flash-varlen (EPP_ATTENTION_BACKEND=auto, cuda bfloat16; flash-attn 2.8.3)" in lines
-    assert "> elastic attention: sdpa-causal (EPP_ATTENTION_BACKEND=auto, cuda float32; no flash: dtype float32, flash-attn takes float16/bfloat16)" in lines
+    assert ("> elastic attention: sdpa-causal (EPP_ATTENTION_BACKEND=auto, cuda float32; no flash: dtype float32, flash-attn takes float16/bfloat16; "
+            f"no torch varlen: {NO_VARLEN}; SDPA per segment, cuDNN attention excluded (a graph per new shape))") in lines
     assert len(lines) == 5  # no record: decided (and printed) at each call
 
 
@@ -446,7 +427,8 @@ def test_attention_dropout_decides_the_cpu_kernel(monkeypatch, capsys):
     assert attention_kernels.select_backend("sdpa", cuda, torch.float32, decided, dropout=0.1) == "sdpa-causal"
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == ("> elastic attention: sdpa-masked (EPP_ATTENTION_BACKEND=auto, cpu float32, attention dropout 0.1; "
-                        "no flash: flash-attn does not import (test); masked: attention dropout, which the CPU flash kernel has not)")
+                        f"no flash: flash-attn does not import (test); no torch varlen: {NO_VARLEN}; "
+                        "masked: attention dropout, which the CPU flash kernel has not)")
     assert lines[1].startswith("> elastic attention: sdpa-merged (EPP_ATTENTION_BACKEND=auto, cpu float32; ") and len(lines) == 3
     q = torch.randn(4, 1, 2, 8)
     layout = ChunkLayout.build(Chunk(0, "batched", [Segment(0, 0, 4)]), [4], cpu)
