@@ -436,11 +436,11 @@ def expand_kv_heads(kv: torch.Tensor, heads: int) -> torch.Tensor:
 def torch_varlen(query, key, value, layout: ChunkLayout, slice_kv, dropout: float, scale: float) -> torch.Tensor:
     """The whole chunk in one call of torch's ``varlen_attn`` (bottom-right causal: ``window_size=(-1, 0)``);
     [N, 1, heads, d] in and out. GQA by ``enable_gqa`` where this torch has it, else by expanded K/V heads."""
+    if dropout > 0:
+        raise ValueError("torch-varlen has no attention dropout (varlen_attn takes none): select_backend takes another kernel")
     kernel, why_not = load_torch_varlen()
     if kernel is None:
         raise AttentionBackendError(why_not)
-    if dropout > 0:
-        raise ValueError("torch-varlen has no attention dropout (varlen_attn takes none): select_backend takes another kernel")
     q, k, v = _packed_chunk(query, key, value, layout, slice_kv, "torch-varlen")
     heads, gqa = q.shape[1], {}
     if k.shape[1] != heads:
