@@ -136,7 +136,7 @@ def reference_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         ki, vi = ki.repeat_interleave(group, dim=1), vi.repeat_interleave(group, dim=1)  # q head h -> kv head h // group
         scores = torch.einsum("qhd,khd->hqk", qi, ki) * scale
         if causal:  # bottom-right: query r sees key j iff j <= r + sk - sq
-            keep = torch.arange(sk)[None, :] <= torch.arange(sq)[:, None] + (sk - sq)
+            keep = torch.arange(sk, device=q.device)[None, :] <= torch.arange(sq, device=q.device)[:, None] + (sk - sq)
             scores = scores.masked_fill(~keep, float("-inf"))
         probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # an all-masked row gives zeros
         outputs.append(torch.einsum("hqk,khd->qhd", probs, vi))
@@ -175,9 +175,10 @@ def reference_varlen_attn_without_gqa(query, key, value, cu_seq_q, cu_seq_k, max
 
 
 def reference_torch_varlen(takes_gqa: bool = True, func=None) -> TorchVarlenKernel:
-    """A :class:`TorchVarlenKernel` on CPU float32 for ``func`` (default: the reference of torch 2.13's signature,
-    or 2.11's without ``takes_gqa``), its GQA read from its signature as the real probe reads it."""
+    """A :class:`TorchVarlenKernel` in float32 for ``func`` (default: the reference of torch 2.13's signature, or
+    2.11's without ``takes_gqa``), its GQA read from its signature as the real probe reads it; on CPU, and on CUDA
+    (the equivalence suite's fp32 runs where they run on GPUs)."""
     func = func or (reference_varlen_attn if takes_gqa else reference_varlen_attn_without_gqa)
-    kernel, why_not = torch_varlen_kernel(func, "reference", devices=("cpu",), dtypes=(torch.float32,), min_capability=None)
+    kernel, why_not = torch_varlen_kernel(func, "reference", devices=("cpu", "cuda"), dtypes=(torch.float32,), min_capability=None)
     assert kernel is not None, why_not
     return kernel
