@@ -229,10 +229,8 @@ def decide(request: str, device: torch.device, dtype: torch.dtype, dropout: floa
         if flash_why:
             raise AttentionBackendError(f"{ENV}=flash but flash-attn cannot run: {flash_why}")
         return "flash-varlen", f"flash-attn {flash_kernel.version}"
-    if not varlen_why:
-        expand = gqa and not varlen_kernel.takes_gqa
-        varlen_reason = f"torch {varlen_kernel.version} varlen_attn, one call per chunk" + (
-            ", K/V heads expanded for GQA (no enable_gqa in this torch)" if expand else "")
+    varlen_reason = "" if varlen_why else f"torch {varlen_kernel.version} varlen_attn, one call per chunk" + (
+        ", K/V heads expanded for GQA (no enable_gqa in this torch)" if gqa and not varlen_kernel.takes_gqa else "")
     if request == "varlen":
         if varlen_why:
             raise AttentionBackendError(f"{ENV}=varlen but torch's varlen_attn cannot run: {varlen_why}")
