@@ -1,4 +1,4 @@
-"""On a CUDA machine: ElasticAttention's flash-attn varlen path against its SDPA paths, bf16, real layouts.
+"""On a CUDA machine: ElasticAttention's varlen paths (flash-attn's, torch's) against its SDPA paths, bf16, real layouts.
 
 For each layout (batched short documents, one long sequence in slices with growing context, a tail
 slice packed with short documents) every chunk runs forward in plan order and backward in the
@@ -6,23 +6,25 @@ elastic schedule's order through one ``ElasticAttention`` (``tests/attention_har
 each backend forced in turn:
 
   flash-varlen  one flash_attn_varlen_func call per chunk (the slice's K/V buffer rows, prefix first)
-  sdpa-causal   SDPA per segment, is_causal without context, torch's causal_lower_right bias for the slice (no mask built)
+  torch-varlen  one torch.nn.attention.varlen.varlen_attn call per chunk, the same packing (torch's own flash kernel)
+  sdpa-causal   SDPA per segment (cuDNN attention excluded), is_causal without context, torch's causal_lower_right bias for the slice
   sdpa-masked   SDPA per segment, explicit bottom-right mask everywhere (the fp32 reference; CPU with attention dropout)
 
 Accuracy: each backend's outputs and q/k/v gradients (prefix-K/V gradients included: they reach
 earlier slices' dk/dv) against sdpa-masked in float32 on the same inputs. The SDPA paths must be
 within 8 unit roundoffs of the low precision (bf16: 8 x 2^-8 = 3.1e-2; measured 3e-3 .. 5e-3 on an
-H100), the flash error within 2x the SDPA error (+1e-3). Speed: median wall ms of the whole layout's
-forward+backward (CUDA events), peak allocated memory, and the ratios sdpa/flash (>1: flash faster).
+H100), each varlen kernel's error within 2x the SDPA error (+1e-3). Speed: median wall ms of the whole
+layout's forward+backward (CUDA events), peak allocated memory, and the ratios to the first varlen kernel
+that ran (>1: the varlen kernel faster).
 
-Without flash-attn (it does not import, or ``--without-flash``) the SDPA paths are checked and timed
-and flash is reported as skipped, with the reason.
+Without flash-attn (it does not import, or ``--without-flash``), or without torch's ``varlen_attn``, that
+kernel is reported as skipped, with the reason, and the others are checked and timed.
 
     bash scripts/setup_gpu.sh                # flash-attn on the CUDA torch, when it builds
     python scripts/check_cuda_attention.py [--num-attention-heads 32 --num-query-groups 8 --kv-channels 128 --repeats 10]
 
 ``--cpu-dry-run`` runs the same code on CPU float32 at toy sizes with the tests' reference kernel in
-place of flash-attn (checks the script itself, measures nothing). Exit status 1 if a check fails,
+place of flash-attn and of torch's varlen_attn (checks the script itself, measures nothing). Exit status 1 if a check fails,
 2 without CUDA (outside the dry run).
 """
 
@@ -43,7 +45,8 @@ from megatron_epp.executor import kernels as attention_kernels  # noqa: E402
 from megatron_epp.plan import Chunk, Pipeline, Plan, Segment, chunk_kind  # noqa: E402
 from tests.attention_harness import make_attention, random_tensors, run_plan, worst_errors  # noqa: E402
 
-BACKENDS = ("flash-varlen", "sdpa-causal", "sdpa-masked")
+BACKENDS = ("flash-varlen", "torch-varlen", "sdpa-causal", "sdpa-masked")
+VARLEN = ("flash-varlen", "torch-varlen")
 SDPA_ROUNDOFFS = 8  # SDPA's bound, in unit roundoffs of the low precision
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
 
@@ -67,7 +70,7 @@ def layouts(scale: int) -> dict[str, Plan]:
 
 
 def force(backend: str) -> None:
-    attention_kernels.select_backend = lambda request, device, dtype, decided=None, dropout=0.0: backend
+    attention_kernels.select_backend = lambda request, device, dtype, decided=None, dropout=0.0, gqa=False: backend
 
 
 def synchronize(device: str) -> None:
@@ -111,9 +114,10 @@ def main() -> int:
     args = p.parse_args()
 
     if args.cpu_dry_run:
-        from tests.test_attention_backends import REFERENCE_KERNEL
+        from tests.attention_harness import REFERENCE_KERNEL, reference_torch_varlen
 
         attention_kernels.load_flash_kernel = lambda: (REFERENCE_KERNEL, "")
+        attention_kernels.load_torch_varlen = lambda: (reference_torch_varlen(), "")
         device, dtype = "cpu", torch.float32
         args.num_attention_heads, args.num_query_groups, args.kv_channels, args.slice_tokens, args.repeats = 4, 2, 8, 64, 2
     else:
@@ -124,9 +128,12 @@ def main() -> int:
     kernel, why_not = attention_kernels.load_flash_kernel()
     if args.without_flash:
         kernel, why_not = None, "--without-flash"
-    backends = BACKENDS if kernel is not None else BACKENDS[1:]
+    varlen_kernel, varlen_why = attention_kernels.load_torch_varlen()
+    skipped = {name: why for name, k, why in (("flash-varlen", kernel, why_not), ("torch-varlen", varlen_kernel, varlen_why)) if k is None}
+    backends = tuple(b for b in BACKENDS if b not in skipped)
     flash_note = f"flash-attn {kernel.version}" if kernel is not None else f"flash-varlen: skipped ({why_not})"
-    print(f"{flash_note}; torch {torch.__version__}" + (f", {torch.cuda.get_device_name()}" if device == "cuda" else ", CPU dry run"))
+    varlen_note = f"varlen_attn of torch {varlen_kernel.version}" if varlen_kernel is not None else f"torch-varlen: skipped ({varlen_why})"
+    print(f"{flash_note}; {varlen_note}; torch {torch.__version__}" + (f", {torch.cuda.get_device_name()}" if device == "cuda" else ", CPU dry run"))
     print(f"heads {args.num_attention_heads}, kv heads {args.num_query_groups}, head dim {args.kv_channels}, slice {args.slice_tokens} tokens, {dtype}")
     # the SDPA paths against the fp32 reference, in unit roundoffs of the low precision (the dry run
     # is fp32 throughout: only float32 reordering, bounded by bf16's to keep the check meaningful)
@@ -146,25 +153,30 @@ def main() -> int:
             speed[backend] = timed(lambda: run_plan(attention, plan, low, device), device, args.repeats)
         chunks = ", ".join(f"{c.kind}({'+'.join(str(s.length) for s in c.segments)}, C={c.segments[0].start if c.kind == 'split' else max(s.start for s in c.segments)})" for c in plan.chunks())
         print(f"\n{name}: {chunks}")
-        print(f"  {'backend':<13} {'fwd+bwd ms':>10} {'peak GB':>8} {'sdpa/flash':>10}   worst rel. error vs fp32: out dq dk dv")
+        base = next((b for b in VARLEN if b in speed), None)  # the ratios' denominator
+        print(f"  {'backend':<13} {'fwd+bwd ms':>10} {'peak GB':>8} {'/' + (base or 'varlen'):>13}   worst rel. error vs fp32: out dq dk dv")
         for backend in backends:
             ms, peak = speed[backend]
             e = errors[backend]
-            ratio = f"{ms / speed['flash-varlen'][0]:10.2f}" if "flash-varlen" in speed else f"{'-':>10}"
+            ratio = f"{ms / speed[base][0]:13.2f}" if base else f"{'-':>13}"
             print(f"  {backend:<13} {ms:10.2f} {peak:8.2f} {ratio}   " + " ".join(f"{e[k]:.1e}" for k in ("out", "dq", "dk", "dv")))
-        if "flash-varlen" not in backends:
-            print(f"  {'flash-varlen':<13} skipped ({why_not})")
+        for backend, why in skipped.items():
+            print(f"  {backend:<13} skipped ({why})")
         for backend in ("sdpa-causal", "sdpa-masked"):
             for key in ("out", "dq", "dk", "dv"):
                 if errors[backend][key] > sdpa_bound:
                     ok = False
                     print(f"  FAIL: {backend} {key} error {errors[backend][key]:.2e} > {sdpa_bound:.2e} ({SDPA_ROUNDOFFS} unit roundoffs)")
-        for key in ("out", "dq", "dk", "dv") if "flash-varlen" in backends else ():
-            bound = 2 * max(errors["sdpa-masked"][key], errors["sdpa-causal"][key]) + 1e-3
-            if errors["flash-varlen"][key] > bound:
-                ok = False
-                print(f"  FAIL: flash-varlen {key} error {errors['flash-varlen'][key]:.2e} > {bound:.2e}")
-    checked = "flash-varlen and SDPA match fp32" if "flash-varlen" in backends else f"SDPA paths match fp32; flash-varlen skipped ({why_not})"
+        for backend in (b for b in VARLEN if b in backends):
+            for key in ("out", "dq", "dk", "dv"):
+                bound = 2 * max(errors["sdpa-masked"][key], errors["sdpa-causal"][key]) + 1e-3
+                if errors[backend][key] > bound:
+                    ok = False
+                    print(f"  FAIL: {backend} {key} error {errors[backend][key]:.2e} > {bound:.2e}")
+    passed = [*(b for b in VARLEN if b in backends), "SDPA paths"]
+    checked = f"{', '.join(passed[:-1])} and {passed[-1]}" if len(passed) > 1 else passed[0]
+    checked += " match fp32"
+    checked += "".join(f"; {b} skipped ({why})" for b, why in skipped.items())
     print(f"\nPASS: {checked} within {str(dtype).removeprefix('torch.')} rounding" if ok else "\nFAIL")
     return 0 if ok else 1
 

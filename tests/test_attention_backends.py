@@ -1,20 +1,24 @@
-"""ElasticAttention's kernel backends on CPU: the flash-attn varlen contract, and backend selection.
+"""ElasticAttention's kernel backends on CPU: the varlen kernels' contracts, and backend selection.
 
-CI has no GPU and no flash-attn, so the flash path is checked against a reference implementation
-of ``flash_attn_varlen_func``'s documented semantics (flash-attn 2.1+ docstring: q/k/v packed as
-``(total, heads, d)``, one (q-sequence, k-sequence) pair per ``cu_seqlens`` entry, ``causal=True``
-aligned to the bottom-right corner, GQA by query-head groups), written here with plain torch
-(``einsum`` + ``softmax``, not SDPA). Forcing ``EPP_ATTENTION_BACKEND=flash`` on CPU float32 with
-that reference as the kernel, outputs and gradients (q, k, v, and the prefix-K/V path through the
-sequences' K/V buffers) must equal the SDPA path on random batched/split/hybrid plans, with and without GQA;
-misplacing the prefix or leaving it out of ``cu_seqlens_k`` must break the match.
-What this does not check: the real CUDA kernel (``scripts/check_cuda_attention.py`` on a GPU).
+CI has no GPU, no flash-attn, and torch's ``varlen_attn`` runs on CUDA only, so both varlen paths
+(``flash-varlen``, ``torch-varlen``) are checked against reference implementations of the kernels'
+documented semantics (``tests/attention_harness.py``: plain torch, ``einsum`` + ``softmax``, not SDPA).
+Forcing ``EPP_ATTENTION_BACKEND=flash`` (``varlen``) on CPU float32 with a reference as the kernel, through
+the real path's index building (``cu_seqlens``, max lengths, the slice's prefix rows packed before its
+own), outputs and gradients (q, k, v, and the prefix-K/V path through the sequences' K/V buffers) must
+equal the SDPA path on random batched/split/hybrid plans, with and without GQA (``varlen_attn`` with
+``enable_gqa``, and torch 2.11's without it: K/V heads expanded); misplacing the prefix, leaving it out
+of ``cu_seqlens_k`` or moving a ``cu_seq_k`` boundary by one must break the match. The kernel decision
+(:func:`kernels.decide`) is pinned for every combination of its inputs, and the SDPA paths are shown to
+exclude cuDNN attention. What this does not check: the real CUDA kernels (``scripts/check_cuda_attention.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
+import itertools
 import sys
 import types
 
@@ -23,61 +27,37 @@ import pytest
 import torch
 
 from megatron_epp.executor import attention as elastic_attention, kernels as attention_kernels
-from megatron_epp.executor.kernels import AttentionBackendError, FlashKernel
+from megatron_epp.executor.kernels import AttentionBackendError, FlashKernel, TorchVarlenKernel
 from megatron_epp.executor import context as context_module
-from megatron_epp.executor.context import ChunkContext, ChunkLayout, varlen_seqlens
+from megatron_epp.executor.context import ChunkContext, ChunkLayout, VarlenSeqlens, varlen_seqlens
 from megatron_epp.plan import Chunk, Segment
-from tests.attention_harness import make_attention, random_tensors, run_plan, worst_errors
+from tests.attention_harness import (
+    REFERENCE_KERNEL, make_attention, random_tensors, reference_flash_attn_varlen_func, reference_torch_varlen, reference_varlen_attn,
+    reference_varlen_attn_without_gqa, run_plan, worst_errors,
+)
 from tests.workers.random_plans import random_lengths, random_plan
 
 TOL = 1e-5  # float32, same maths in a different order: measured ~1e-7
-
-
-def reference_flash_attn_varlen_func(
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
-    causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-    return_attn_probs=False, block_table=None,
-):
-    """``flash_attn.flash_attn_varlen_func`` (2.1+) as documented, in plain torch, forward and backward."""
-    assert (window_size == (-1, -1) or tuple(window_size) == (-1, -1)) and not softcap and alibi_slopes is None
-    assert not return_attn_probs and block_table is None and dropout_p == 0.0
-    assert q.dim() == k.dim() == v.dim() == 3 and k.shape == v.shape and q.shape[2] == k.shape[2]
-    assert q.shape[1] % k.shape[1] == 0, "heads of q must be a multiple of heads of k/v"
-    for cu, total in ((cu_seqlens_q, q.shape[0]), (cu_seqlens_k, k.shape[0])):
-        assert cu.dtype == torch.int32 and cu.dim() == 1 and cu.device == q.device
-        assert int(cu[0]) == 0 and int(cu[-1]) == total, f"cu_seqlens end {int(cu[-1])} != total tokens {total}"
-    assert cu_seqlens_q.shape == cu_seqlens_k.shape
-    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    group = q.shape[1] // k.shape[1]
-    outputs = []
-    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    for i in range(len(cq) - 1):
-        qi, ki, vi = q[cq[i]:cq[i + 1]], k[ck[i]:ck[i + 1]], v[ck[i]:ck[i + 1]]
-        sq, sk = qi.shape[0], ki.shape[0]
-        assert sq <= max_seqlen_q and sk <= max_seqlen_k
-        ki, vi = ki.repeat_interleave(group, dim=1), vi.repeat_interleave(group, dim=1)  # q head h -> kv head h // group
-        scores = torch.einsum("qhd,khd->hqk", qi, ki) * scale
-        if causal:  # bottom-right: query r sees key j iff j <= r + sk - sq
-            keep = torch.arange(sk)[None, :] <= torch.arange(sq)[:, None] + (sk - sq)
-            scores = scores.masked_fill(~keep, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # an all-masked row gives zeros
-        outputs.append(torch.einsum("hqk,khd->qhd", probs, vi))
-    return torch.cat(outputs)
-
-
-REFERENCE_KERNEL = FlashKernel(reference_flash_attn_varlen_func, "reference", devices=("cpu",), dtypes=(torch.float32,), min_capability=None)
+NO_VARLEN = "torch's varlen_attn not in this test"
 
 
 @pytest.fixture(autouse=True)
 def fresh_decisions(monkeypatch):
+    """No request in the environment; torch's varlen_attn absent unless a test gives one (``use_varlen``): this
+    torch's real one runs on CUDA only and would ask a CPU machine for a CUDA device's compute capability."""
     monkeypatch.delenv(attention_kernels.ENV, raising=False)
     attention_kernels.reset_flash_probe()
+    use_varlen(monkeypatch, None)
     yield
     attention_kernels.reset_flash_probe()
 
 
 def use_kernel(monkeypatch, kernel: FlashKernel | None, why_not: str = "flash-attn does not import (test)") -> None:
     monkeypatch.setattr(attention_kernels, "load_flash_kernel", lambda: (kernel, "" if kernel else why_not))
+
+
+def use_varlen(monkeypatch, kernel: TorchVarlenKernel | None, why_not: str = NO_VARLEN) -> None:
+    monkeypatch.setattr(attention_kernels, "load_torch_varlen", lambda: (kernel, "" if kernel else why_not))
 
 
 def plans(cases: int):
@@ -121,8 +101,105 @@ def test_flash_varlen_contract_matches_sdpa(monkeypatch, capsys, heads, kv_heads
     assert "> elastic attention: sdpa-merged (EPP_ATTENTION_BACKEND=sdpa, cpu float32" in log
 
 
+def recording(func, calls: list):
+    """``func`` with each call's arguments appended to ``calls``; its signature stays ``func``'s (``functools.wraps``),
+    which is what the varlen probe reads."""
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        calls.append((args, kwargs))
+        return func(*args, **kwargs)
+    return wrapper
+
+
+@pytest.mark.parametrize("takes_gqa", [True, False], ids=["enable_gqa", "expanded"])
+@pytest.mark.parametrize("heads, kv_heads", HEADS, ids=["mha", "gqa", "mqa"])
+def test_torch_varlen_contract_matches_sdpa(monkeypatch, capsys, heads, kv_heads, takes_gqa):
+    """``EPP_ATTENTION_BACKEND=varlen`` with the reference ``varlen_attn`` (torch 2.13's signature, or 2.11's
+    without ``enable_gqa``) equals the SDPA path on random batched/split/hybrid plans, outputs and gradients
+    (prefix K/V included); ONE call per chunk, with ``window_size=(-1, 0)`` (a tuple), the layer's scale, and
+    GQA as this torch takes it: ``enable_gqa=True`` and the K/V heads as they are, or the heads expanded."""
+    calls = []
+    base = reference_varlen_attn if takes_gqa else reference_varlen_attn_without_gqa
+    kernel = reference_torch_varlen(func=recording(base, calls))
+    assert kernel.takes_gqa == takes_gqa  # read from the signature
+    chunks = 0
+    for case, plan in plans(8):
+        use_varlen(monkeypatch, kernel)
+        sdpa = run_backend(monkeypatch, "sdpa", plan, heads, kv_heads, seed=case)
+        calls.clear()
+        varlen = run_backend(monkeypatch, "varlen", plan, heads, kv_heads, seed=case)
+        errors = worst_errors(varlen, sdpa)
+        assert max(errors.values()) < TOL, f"case {case}: {errors}"
+        assert len(calls) == sum(len(p.chunks) for p in plan.pipelines)  # one call per chunk
+        chunks += len(calls)
+        for (q, k, v, cu_q, cu_k, max_q, max_k), kwargs in calls:
+            assert kwargs["window_size"] == (-1, 0) and type(kwargs["window_size"]) is tuple
+            assert kwargs["scale"] == pytest.approx(8 ** -0.5) and q.shape[1] == heads
+            assert k.shape[1] == v.shape[1] == (kv_heads if takes_gqa else heads)
+            assert kwargs.get("enable_gqa", False) == (takes_gqa and kv_heads != heads)
+    assert chunks >= 20
+    log = capsys.readouterr().out
+    expanded = ", K/V heads expanded for GQA (no enable_gqa in this torch)" if kv_heads != heads and not takes_gqa else ""
+    assert f"> elastic attention: torch-varlen (EPP_ATTENTION_BACKEND=varlen, cpu float32; torch reference varlen_attn, one call per chunk{expanded})\n" in log
+
+
+def test_torch_varlen_expanded_heads_equal_enable_gqa(monkeypatch):
+    """GQA on a torch without ``enable_gqa`` (K/V heads expanded before the call) gives what ``enable_gqa`` gives,
+    outputs and gradients; the grouping matters: K/V heads tiled (0 1 0 1, not 0 0 1 1) break the match."""
+    results = {}
+    for takes_gqa in (True, False):
+        use_varlen(monkeypatch, reference_torch_varlen(takes_gqa))
+        results[takes_gqa] = [run_backend(monkeypatch, "varlen", plan, 6, 2, seed=case) for case, plan in plans(4)]
+    for case, (expanded, native) in enumerate(zip(results[False], results[True])):
+        assert max(worst_errors(expanded, native).values()) < 1e-6, f"case {case}"
+    monkeypatch.setattr(attention_kernels, "expand_kv_heads", lambda kv, heads: kv.repeat(1, heads // kv.shape[1], 1))
+    tiled = [run_backend(monkeypatch, "varlen", plan, 6, 2, seed=case) for case, plan in plans(4)]
+    assert min(max(worst_errors(t, n).values()) for t, n in zip(tiled, results[True])) > 1e-2
+
+
+def test_torch_varlen_refuses_attention_dropout():
+    q = torch.randn(4, 1, 2, 8)
+    layout = ChunkLayout.build(Chunk(0, "batched", [Segment(0, 0, 4)]), [4], torch.device("cpu"))
+    with pytest.raises(ValueError, match="torch-varlen has no attention dropout"):
+        attention_kernels.torch_varlen(q, q, q, layout, None, 0.1, 1.0)
+
+
+@pytest.mark.parametrize("path", ["sdpa-causal", "sdpa-masked", "unwrapped"])
+def test_sdpa_paths_exclude_cudnn(monkeypatch, path):
+    """The per-segment SDPA paths that run on CUDA call SDPA only inside ``sdpa_kernel([FLASH_ATTENTION,
+    EFFICIENT_ATTENTION, MATH])``: cuDNN attention is off at every segment's call (torch's flag, read there).
+    ``unwrapped`` (the context manager replaced by a no-op) shows the check sees the difference."""
+    real_kernel, real_segment = attention_kernels.sdpa_kernel, attention_kernels.segment_attention
+    entered, cudnn_at_call = [], []
+
+    @contextlib.contextmanager
+    def recording_kernel(backends, *args, **kwargs):
+        entered.append(list(backends))
+        with real_kernel(backends, *args, **kwargs):
+            yield
+
+    def recording_segment(*args, **kwargs):  # each segment's SDPA call (F.scaled_dot_product_attention itself is left
+        cudnn_at_call.append(torch.backends.cuda.cudnn_sdp_enabled())  # alone: torch's CausalBias dispatch checks it by identity)
+        return real_segment(*args, **kwargs)
+
+    unwrapped = path == "unwrapped"
+    monkeypatch.setattr(attention_kernels, "sdpa_kernel", (lambda backends: contextlib.nullcontext()) if unwrapped else recording_kernel)
+    monkeypatch.setattr(attention_kernels, "segment_attention", recording_segment)
+    force_backend(monkeypatch, "sdpa-causal" if unwrapped else path)
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # torch's default
+    for case, plan in plans(2):
+        run_backend(monkeypatch, "auto", plan, 4, 2, seed=case)
+    assert cudnn_at_call and torch.backends.cuda.cudnn_sdp_enabled()  # restored after each chunk
+    if unwrapped:
+        assert all(cudnn_at_call)
+        return
+    assert not any(cudnn_at_call)
+    from torch.nn.attention import SDPBackend
+    assert entered and all(b == [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH] for b in entered)
+
+
 def force_backend(monkeypatch, name: str) -> None:
-    monkeypatch.setattr(attention_kernels, "select_backend", lambda request, device, dtype, decided=None, dropout=0.0: name)
+    monkeypatch.setattr(attention_kernels, "select_backend", lambda request, device, dtype, decided=None, dropout=0.0, gqa=False: name)
 
 
 @pytest.mark.parametrize("path", ["sdpa-causal", "sdpa-merged"])
@@ -208,9 +285,15 @@ def test_sdpa_merged_fault_breaks_the_match(monkeypatch, fault):
 
 
 def lenient_reference(q, k, v, cu_q, cu_k, *args, **kwargs):
-    """The reference without its check that ``cu_seqlens_k`` covers every key (the real kernel has none)."""
+    """The flash reference without its check that ``cu_seqlens_k`` covers every key (the real kernel has none)."""
     end = int(cu_k[-1])
     return reference_flash_attn_varlen_func(q, k[:end], v[:end], cu_q, cu_k, *args, **kwargs)
+
+
+LENIENT = {  # each varlen backend's reference kernel without that check
+    "flash": FlashKernel(lenient_reference, "reference", devices=("cpu",), dtypes=(torch.float32,), min_capability=None),
+    "varlen": reference_torch_varlen(func=functools.partial(reference_varlen_attn, strict=False)),
+}
 
 
 class SeqlensWithoutPrefix(ChunkContext):
@@ -222,8 +305,28 @@ class SeqlensWithoutPrefix(ChunkContext):
         return super().running(layout)
 
 
-def broken(monkeypatch, fault: str) -> tuple[FlashKernel, ChunkContext | None]:
-    """Break the flash path's packing on purpose; returns the kernel and the chunk context to run it with."""
+class SliceKeysEndOneEarly(ChunkContext):
+    """Gives the kernels the real path's ``cu_seqlens_k`` with one boundary off by one: the slice's keys end a
+    row early (the next segment's start there; a slice that is last leaves the last key out)."""
+
+    def running(self, layout: ChunkLayout):
+        if layout.split_index is not None:
+            real = layout.varlen
+            cu_k = real.cu_seqlens_k.clone()
+            cu_k[layout.split_index + 1] -= 1
+            layout = dataclasses.replace(layout)
+            layout.varlen = VarlenSeqlens(real.cu_seqlens_q, cu_k, real.max_seqlen_q, int((cu_k[1:] - cu_k[:-1]).max()))
+        return super().running(layout)
+
+
+def use_backend_kernel(monkeypatch, request: str, kernel) -> None:
+    (use_kernel if request == "flash" else use_varlen)(monkeypatch, kernel)
+
+
+def broken(monkeypatch, fault: str, request: str) -> tuple[FlashKernel | TorchVarlenKernel, ChunkContext | None]:
+    """Break a varlen path's packing on purpose (``request``: ``flash`` or ``varlen``); returns the kernel and the
+    chunk context to run it with."""
+    kernel = REFERENCE_KERNEL if request == "flash" else reference_torch_varlen()
     original_pack = attention_kernels.pack_kv
 
     def prefix_rows(rows, layout):
@@ -235,37 +338,58 @@ def broken(monkeypatch, fault: str) -> tuple[FlashKernel, ChunkContext | None]:
             c = prefix_rows(rows, layout)
             return original_pack(own, torch.cat([rows[c:], rows[:c]]), layout)
         monkeypatch.setattr(attention_kernels, "pack_kv", pack_kv)
-        return REFERENCE_KERNEL, None
+        return kernel, None
     if fault == "prefix_detached":  # the later slices' gradients never reach the earlier slices' K/V
         def pack_kv(own, rows, layout):
             c = prefix_rows(rows, layout)
             return original_pack(own, torch.cat([rows[:c].detach(), rows[c:]]), layout)
         monkeypatch.setattr(attention_kernels, "pack_kv", pack_kv)
-        return REFERENCE_KERNEL, None
+        return kernel, None
     if fault == "cu_seqlens_k_without_prefix":  # caught by the reference's argument contract
-        return REFERENCE_KERNEL, SeqlensWithoutPrefix()
+        return kernel, SeqlensWithoutPrefix()
     if fault == "cu_seqlens_k_without_prefix_lenient":  # caught by the values
-        return FlashKernel(lenient_reference, "reference", devices=("cpu",), dtypes=(torch.float32,), min_capability=None), SeqlensWithoutPrefix()
+        return LENIENT[request], SeqlensWithoutPrefix()
+    if fault == "cu_seq_k_off_by_one":  # caught by the values (the lenient reference: no argument check to trip)
+        return LENIENT[request], SliceKeysEndOneEarly()
     raise ValueError(fault)
 
 
-@pytest.mark.parametrize("fault", ["prefix_after_slice_tokens", "prefix_detached", "cu_seqlens_k_without_prefix", "cu_seqlens_k_without_prefix_lenient"])
-def test_contract_test_catches_prefix_faults(monkeypatch, fault):
-    kernel, context = broken(monkeypatch, fault)
+PREFIX_FAULTS = ["prefix_after_slice_tokens", "prefix_detached", "cu_seqlens_k_without_prefix", "cu_seqlens_k_without_prefix_lenient",
+                 "cu_seq_k_off_by_one"]
+
+
+@pytest.mark.parametrize("request_", ["flash", "varlen"])
+@pytest.mark.parametrize("fault", PREFIX_FAULTS)
+def test_contract_test_catches_prefix_faults(monkeypatch, fault, request_):
+    """Each fault, planted in the real path of ``flash-varlen`` / ``torch-varlen``, is caught on every plan that
+    has a slice with context (by the reference's argument contract, or by outputs/gradients off by > 1e-2)."""
+    kernel, context = broken(monkeypatch, fault, request_)
     caught = checked = 0
     for case, plan in plans(4):
         if not any(ChunkLayout.build(c, plan.seq_lengths, torch.device("cpu")).context for p in plan.pipelines for c in p.chunks):
             continue
         checked += 1
         sdpa = run_backend(monkeypatch, "sdpa", plan, 4, 2, seed=case)
-        use_kernel(monkeypatch, kernel)
+        use_backend_kernel(monkeypatch, request_, kernel)
         try:
-            flash = run_backend(monkeypatch, "flash", plan, 4, 2, seed=case, context=context)
+            varlen = run_backend(monkeypatch, request_, plan, 4, 2, seed=case, context=context)
         except AssertionError:  # the reference kernel's argument contract
+            assert "lenient" not in fault and "off_by_one" not in fault
             caught += 1
             continue
-        caught += max(worst_errors(flash, sdpa).values()) > 1e-2
+        caught += max(worst_errors(varlen, sdpa).values()) > 1e-2
     assert checked >= 2 and caught == checked
+
+
+def test_off_by_one_plant_changes_only_the_slice_boundary(monkeypatch):
+    """The planted ``cu_seq_k`` is the real one with the slice's end moved by one row, nothing else (so what the
+    fault test catches is that boundary): checked on a hybrid chunk."""
+    layout = ChunkLayout.build(Chunk(1, "hybrid", [Segment(1, 0, 5), Segment(0, 12, 20), Segment(2, 0, 7)]), [20, 5, 7], torch.device("cpu"))
+    seen = []
+    with SliceKeysEndOneEarly().running(layout) as planted:
+        seen.append(planted.varlen)
+    assert layout.varlen.cu_seqlens_k.tolist() == [0, 5, 25, 32] and seen[0].cu_seqlens_k.tolist() == [0, 5, 24, 32]
+    assert seen[0].cu_seqlens_q is layout.varlen.cu_seqlens_q and (seen[0].max_seqlen_q, seen[0].max_seqlen_k) == (8, 19)
 
 
 def test_kernel_decided_once_per_model_on_its_context(monkeypatch, capsys):
@@ -279,7 +403,7 @@ def test_kernel_decided_once_per_model_on_its_context(monkeypatch, capsys):
             for _ in range(2):
                 for layer in layers:
                     layer(*(torch.randn(4, 1, 4, 8) for _ in range(3)))
-        assert context.attention_backends == {("auto", "cpu", torch.float32, False): "sdpa-merged"}
+        assert context.attention_backends == {("auto", "cpu", torch.float32, False, False): "sdpa-merged"}
     assert capsys.readouterr().out.count("> elastic attention: sdpa-merged") == 2
 
 
@@ -375,7 +499,7 @@ def test_sdpa_reads_the_slices_kv_in_place(monkeypatch):
 
 def test_bad_backend_value_is_an_error(monkeypatch):
     monkeypatch.setenv(attention_kernels.ENV, "fast")
-    with pytest.raises(ValueError, match=r"EPP_ATTENTION_BACKEND='fast': expected one of auto, sdpa, flash"):
+    with pytest.raises(ValueError, match=r"EPP_ATTENTION_BACKEND=.fast.: expected one of auto, sdpa, flash, varlen$"):
         make_attention(4, 4, 8)
 
 
@@ -420,7 +544,8 @@ def test_auto_and_sdpa_choices(monkeypatch, capsys):
     assert attention_kernels.select_backend("auto", cuda, torch.bfloat16, decided) == "sdpa-causal"
     first = capsys.readouterr().out.splitlines()
     assert len(first) == 2  # printed once per decision
-    assert first[0] == "> elastic attention: sdpa-merged (EPP_ATTENTION_BACKEND=auto, cpu float32; no flash: flash-attn does not import (test))"
+    assert first[0] == ("> elastic attention: sdpa-merged (EPP_ATTENTION_BACKEND=auto, cpu float32; no flash: flash-attn does not import (test); "
+                        f"no torch varlen: {NO_VARLEN})")
     attention_kernels.reset_flash_probe()
     use_kernel(monkeypatch, FlashKernel(reference_flash_attn_varlen_func, "2.8.3", min_capability=None))
     assert attention_kernels.select_backend("auto", cuda, torch.bfloat16) == "flash-varlen"
@@ -430,7 +555,8 @@ def test_auto_and_sdpa_choices(monkeypatch, capsys):
     assert attention_kernels.select_backend("sdpa", cuda, torch.bfloat16) == "sdpa-causal"
     lines = capsys.readouterr().out.splitlines()
     assert "> elastic attention: flash-varlen (EPP_ATTENTION_BACKEND=auto, cuda bfloat16; flash-attn 2.8.3)" in lines
-    assert "> elastic attention: sdpa-causal (EPP_ATTENTION_BACKEND=auto, cuda float32; no flash: dtype float32, flash-attn takes float16/bfloat16)" in lines
+    assert ("> elastic attention: sdpa-causal (EPP_ATTENTION_BACKEND=auto, cuda float32; no flash: dtype float32, flash-attn takes float16/bfloat16; "
+            f"no torch varlen: {NO_VARLEN}; SDPA per segment, cuDNN attention excluded (a graph per new shape))") in lines
     assert len(lines) == 5  # no record: decided (and printed) at each call
 
 
@@ -446,7 +572,8 @@ def test_attention_dropout_decides_the_cpu_kernel(monkeypatch, capsys):
     assert attention_kernels.select_backend("sdpa", cuda, torch.float32, decided, dropout=0.1) == "sdpa-causal"
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == ("> elastic attention: sdpa-masked (EPP_ATTENTION_BACKEND=auto, cpu float32, attention dropout 0.1; "
-                        "no flash: flash-attn does not import (test); masked: attention dropout, which the CPU flash kernel has not)")
+                        f"no flash: flash-attn does not import (test); no torch varlen: {NO_VARLEN}; "
+                        "masked: attention dropout, which the CPU flash kernel has not)")
     assert lines[1].startswith("> elastic attention: sdpa-merged (EPP_ATTENTION_BACKEND=auto, cpu float32; ") and len(lines) == 3
     q = torch.randn(4, 1, 2, 8)
     layout = ChunkLayout.build(Chunk(0, "batched", [Segment(0, 0, 4)]), [4], cpu)
@@ -464,3 +591,144 @@ def test_attention_dropout_decides_the_cpu_kernel(monkeypatch, capsys):
         attention.eval()
         attention(q, q, q)
     assert asked == [0.1, 0.0]
+
+
+# varlen_attn as torch versions have it (signatures only: the decision reads nothing else of them)
+def varlen_attn_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1),
+                     k_cache=None, v_cache=None, cache_seqlens=None, cache_batch_idx=None, page_table=None, seqused_k=None):
+    raise AssertionError("not called")
+
+
+def varlen_attn_2_13(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1),
+                     enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+    raise AssertionError("not called")
+
+
+def varlen_attn_without_window(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal=False, return_aux=None):
+    raise AssertionError("not called")
+
+
+TORCHES = {  # name -> (varlen_attn or None, torch version)
+    "no-varlen": (None, "2.10.0"), "2.11": (varlen_attn_2_11, "2.11.0+cu130"), "2.13": (varlen_attn_2_13, "2.13.0"),
+    "no-window": (varlen_attn_without_window, "2.10.0"),
+}
+FLASH_BF16 = FlashKernel(reference_flash_attn_varlen_func, "2.8.3", min_capability=None)  # CUDA fp16/bf16, as flash-attn
+
+
+def probed(torch_name: str):
+    func, version = TORCHES[torch_name]
+    return attention_kernels.torch_varlen_kernel(func, version, min_capability=None)
+
+
+def test_torch_varlen_probe_reads_the_signature():
+    """What the probe makes of each torch's ``varlen_attn``; this machine's torch (2.13) has ``enable_gqa``."""
+    assert probed("no-varlen") == (None, "torch 2.10.0 has no torch.nn.attention.varlen.varlen_attn")
+    assert probed("no-window") == (None, "torch 2.10.0's varlen_attn takes no scale/window_size")
+    (k11, why11), (k13, why13) = probed("2.11"), probed("2.13")
+    assert not why11 and not why13 and k11.takes_gqa is False and k13.takes_gqa is True and k11.version == "2.11.0+cu130"
+    real, why = attention_kernels._probe_torch_varlen()  # the fixture replaced load_torch_varlen, not the probe
+    from torch.nn.attention.varlen import varlen_attn
+    assert not why and real.varlen_func is varlen_attn and real.version == torch.__version__
+    assert real.takes_gqa == (attention_kernels._version_tuple(torch.__version__) >= (2, 13)) and real.devices == ("cuda",)
+    assert real.dtypes == (torch.float16, torch.bfloat16) and real.min_capability == (8, 0)
+
+
+def expected_choice(request: str, torch_name: str, device: str, dtype: torch.dtype, flash: bool, dropout: float) -> str:
+    """The decision's rules, stated case by case (AttentionBackendError where the request cannot run)."""
+    sdpa = {"cpu": "sdpa-masked" if dropout else "sdpa-merged", "cuda": "sdpa-causal"}[device]
+    flash_runs = flash and device == "cuda" and dtype == torch.bfloat16
+    varlen_runs = torch_name in ("2.11", "2.13") and device == "cuda" and dtype == torch.bfloat16 and not dropout
+    if request == "sdpa":
+        return sdpa
+    if request == "flash":
+        return "flash-varlen" if flash_runs else AttentionBackendError
+    if request == "varlen":
+        return "torch-varlen" if varlen_runs else AttentionBackendError
+    return "flash-varlen" if flash_runs else "torch-varlen" if varlen_runs else sdpa
+
+
+GRID = list(itertools.product(["auto", "sdpa", "flash", "varlen"], TORCHES, ["cpu", "cuda"], [torch.float32, torch.bfloat16],
+                              [False, True], [False, True], [0.0, 0.1]))
+
+
+def test_decision_for_every_input():
+    """:func:`kernels.decide` over request x torch (no varlen_attn, 2.11 without enable_gqa, 2.13 with it, one
+    without window_size) x device (cpu, cuda) x dtype (fp32, bf16) x GQA x flash-attn present x dropout: the kernel
+    the rules give, and a reason that says why the kernels before it were not taken."""
+    for request, torch_name, device, dtype, gqa, flash, dropout in GRID:
+        case = (request, torch_name, device, dtype, gqa, flash, dropout)
+        flash_kernel = (FLASH_BF16, "") if flash else (None, "flash-attn does not import (test)")
+        want = expected_choice(request, torch_name, device, dtype, flash, dropout)
+        run = lambda: attention_kernels.decide(request, torch.device(device), dtype, dropout, gqa, flash_kernel, probed(torch_name))  # noqa: E731
+        if want is AttentionBackendError:
+            with pytest.raises(AttentionBackendError, match=f"EPP_ATTENTION_BACKEND={request} but "):
+                run()
+            continue
+        choice, reason = run()
+        assert choice == want, case
+        expanded = "K/V heads expanded for GQA (no enable_gqa in this torch)" in reason
+        assert expanded == (choice == "torch-varlen" and gqa and torch_name == "2.11"), (case, reason)
+        if choice == "torch-varlen":
+            assert f"torch {TORCHES[torch_name][1]} varlen_attn, one call per chunk" in reason, reason
+        if choice == "sdpa-causal":
+            assert "cuDNN attention excluded" in reason, reason
+        if request == "auto" and choice != "flash-varlen":
+            assert reason.startswith("no flash: "), reason
+            if choice != "torch-varlen":
+                why_no_varlen = ("has no torch.nn.attention.varlen.varlen_attn" if torch_name == "no-varlen" else
+                                 "takes no scale/window_size" if torch_name == "no-window" else
+                                 "tensors on cpu, varlen_attn runs on cuda" if device == "cpu" else
+                                 "dtype float32, varlen_attn takes float16/bfloat16" if dtype == torch.float32 else
+                                 "attention dropout 0.1, which varlen_attn has not")
+                assert "; no torch varlen: " in reason and why_no_varlen in reason, (case, reason)
+    assert len(GRID) == 512
+
+
+def test_cuda_lines_name_the_kernel_and_why(monkeypatch, capsys):
+    """The start-up lines on CUDA without flash-attn (torch 2.11: no enable_gqa): torch-varlen in evaluation,
+    SDPA without cuDNN under attention dropout and in fp32, each saying why; decided once per (.., dropout, GQA)."""
+    cuda = torch.device("cuda")
+    use_kernel(monkeypatch, None, "flash-attn does not import (ModuleNotFoundError: No module named 'flash_attn')")
+    use_varlen(monkeypatch, probed("2.11")[0])
+    decided: dict = {}
+    assert attention_kernels.select_backend("auto", cuda, torch.bfloat16, decided, 0.0, gqa=True) == "torch-varlen"
+    assert attention_kernels.select_backend("auto", cuda, torch.bfloat16, decided, 0.1, gqa=True) == "sdpa-causal"
+    assert attention_kernels.select_backend("auto", cuda, torch.bfloat16, decided, 0.0, gqa=True) == "torch-varlen"  # decided
+    assert attention_kernels.select_backend("auto", cuda, torch.bfloat16, decided, 0.0, gqa=False) == "torch-varlen"
+    assert attention_kernels.select_backend("auto", cuda, torch.float32, decided, 0.0, gqa=False) == "sdpa-causal"
+    no_flash = "no flash: flash-attn does not import (ModuleNotFoundError: No module named 'flash_attn')"
+    assert capsys.readouterr().out.splitlines() == [
+        f"> elastic attention: torch-varlen (EPP_ATTENTION_BACKEND=auto, cuda bfloat16; {no_flash}; "
+        "torch 2.11.0+cu130 varlen_attn, one call per chunk, K/V heads expanded for GQA (no enable_gqa in this torch))",
+        f"> elastic attention: sdpa-causal (EPP_ATTENTION_BACKEND=auto, cuda bfloat16, attention dropout 0.1; {no_flash}; "
+        "no torch varlen: attention dropout 0.1, which varlen_attn has not; SDPA per segment, cuDNN attention excluded (a graph per new shape))",
+        f"> elastic attention: torch-varlen (EPP_ATTENTION_BACKEND=auto, cuda bfloat16; {no_flash}; torch 2.11.0+cu130 varlen_attn, one call per chunk)",
+        f"> elastic attention: sdpa-causal (EPP_ATTENTION_BACKEND=auto, cuda float32; {no_flash}; "
+        "no torch varlen: dtype float32, varlen_attn takes float16/bfloat16; SDPA per segment, cuDNN attention excluded (a graph per new shape))",
+    ]
+    assert len(decided) == 4
+
+
+def test_varlen_request_errors(monkeypatch):
+    """``EPP_ATTENTION_BACKEND=varlen``: an error at build where this torch has no usable varlen_attn, at the first
+    forward where it cannot take the tensors (CPU here)."""
+    use_varlen(monkeypatch, None, "torch 2.10.0 has no torch.nn.attention.varlen.varlen_attn")
+    monkeypatch.setenv(attention_kernels.ENV, "varlen")
+    with pytest.raises(AttentionBackendError, match=r"^EPP_ATTENTION_BACKEND=varlen but torch 2.10.0 has no torch.nn.attention.varlen.varlen_attn; use"):
+        make_attention(4, 4, 8)
+    use_varlen(monkeypatch, attention_kernels.torch_varlen_kernel(varlen_attn_2_13, "2.13.0")[0])  # CUDA only, as the real one
+    attention = make_attention(4, 4, 8)
+    with attention.context.running(ChunkLayout.build(Chunk(0, "batched", [Segment(0, 0, 4)]), [4], torch.device("cpu"))):
+        with pytest.raises(AttentionBackendError, match="varlen_attn cannot run: tensors on cpu, varlen_attn runs on cuda"):
+            attention(*(torch.randn(4, 1, 4, 8) for _ in range(3)))
+
+
+def test_layer_decides_with_its_gqa(monkeypatch):
+    """The layer tells the decision whether its query heads share K/V heads (the K/V tensors' head count)."""
+    use_varlen(monkeypatch, reference_torch_varlen(takes_gqa=False))
+    monkeypatch.setenv(attention_kernels.ENV, "varlen")
+    for kv_heads in (4, 2):
+        attention = make_attention(4, kv_heads, 8)
+        with attention.context.running(ChunkLayout.build(Chunk(0, "batched", [Segment(0, 0, 4)]), [4], torch.device("cpu"))):
+            attention(torch.randn(4, 1, 4, 8), torch.randn(4, 1, kv_heads, 8), torch.randn(4, 1, kv_heads, 8))
+        assert attention.context.attention_backends == {("varlen", "cpu", torch.float32, False, kv_heads != 4): "torch-varlen"}

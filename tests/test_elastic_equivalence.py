@@ -12,9 +12,13 @@ leaking across packed sequences, query heads reading the wrong K/V group; under 
 norms' gradients not summed over the tensor-parallel ranks, the padding tokens counted in the loss) must
 each break the match.
 
+The ``torch-varlen`` path (one ``varlen_attn`` call per chunk) runs the LLaMA-style plans at pp 2 with
+the tests' reference ``varlen_attn`` in torch's place (CPU fp32), both with ``enable_gqa`` and with the
+K/V heads expanded (torch 2.11), against the same reference.
+
 In bf16 (``Float16Module``) the elastic pipeline is held to a bound derived from bf16's precision
-against the same fp32 reference, on the SDPA path and, where flash-attn runs (CUDA), on the
-flash-attn varlen path.
+against the same fp32 reference, on the SDPA path and, where they run (CUDA), on the flash-attn
+varlen path and on torch's ``varlen_attn``.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ LLAMA = ["--swiglu", "--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--
 
 
 PP2 = ["--pipeline-model-parallel-size", "2"]
+VARLEN = ["--attention-backend", "varlen", "--varlen-reference"]  # then enable_gqa|expanded
 DROPOUT = ["--hidden-dropout", "0.2", "--attention-dropout", "0.2", *PP2]
 SP_FAULT_CASES = 2  # the first cases of the sequence-parallel run again under each of its faults
 FAULTS = ["drop_prefix", "drop_prefix_grads", "misplaced_kv", "forward_order_backward", "leak_packing"]
@@ -66,6 +71,9 @@ RUNS: dict[str, tuple[int, str, int, list[str]]] = {
     "llama": (2, "elastic", 6, [*PP2, "--random-recompute", *LLAMA]),
     "llama-sp": (2, "elastic", 6, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--sp-fault-cases", str(SP_FAULT_CASES), *LLAMA]),
     "llama-gqa_tiled_heads": (2, "elastic", 3, [*PP2, *LLAMA, "--fault", "gqa_tiled_heads"]),
+    # torch-varlen with the reference varlen_attn (test_torch_varlen_path_matches_reference)
+    "llama-varlen-enable_gqa": (2, "elastic", 4, [*PP2, "--random-recompute", *LLAMA, *VARLEN, "enable_gqa"]),
+    "llama-varlen-expanded": (2, "elastic", 4, [*PP2, "--random-recompute", *LLAMA, *VARLEN, "expanded"]),
     "recompute": (2, "elastic", 6, [*PP2, "--random-recompute"]),
     "dropout-plain": (2, "elastic", 4, DROPOUT),
     "dropout-recompute": (2, "elastic", 4, [*DROPOUT, "--random-recompute"]),
@@ -75,6 +83,7 @@ RUNS: dict[str, tuple[int, str, int, list[str]]] = {
     "bf16-pp2-sdpa": (2, "elastic", CASES, [*PP2, "--bf16", "--attention-backend", "sdpa"]),
     "bf16-pp1-sdpa": (1, "elastic", CASES, ["--pipeline-model-parallel-size", "1", "--bf16", "--attention-backend", "sdpa"]),
     "bf16-pp1-flash": (1, "elastic", CASES, ["--pipeline-model-parallel-size", "1", "--bf16", "--attention-backend", "flash"]),
+    "bf16-pp1-varlen": (1, "elastic", CASES, ["--pipeline-model-parallel-size", "1", "--bf16", "--attention-backend", "varlen"]),
     "bf16-drop_prefix": (2, "elastic", 3, [*PP2, "--bf16", "--fault", "drop_prefix"]),
 }
 
@@ -111,10 +120,10 @@ def worst_mismatch(reference: Path, elastic: Path, case: int, fault: str = "", g
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    """Every run of ``RUNS`` (the flash-attn one where that path runs): ``{name: its output folder}``; one launch
-    per process count."""
+    """Every run of ``RUNS`` (the bf16 varlen-kernel ones where those kernels run): ``{name: its output folder}``;
+    one launch per process count."""
     root = tmp_path_factory.mktemp("elastic-equivalence")
-    wanted = {name: spec for name, spec in RUNS.items() if name != "bf16-pp1-flash" or not flash_unavailable()}
+    wanted = {name: spec for name, spec in RUNS.items() if not unavailable(name)}
     for nproc in sorted({spec[0] for spec in wanted.values()}):
         argv: list[str] = []
         for name, (n, mode, cases, flags) in wanted.items():
@@ -159,6 +168,16 @@ def test_sequence_parallel_llama_style_random_plans_match_reference(runs):
         assert worst_mismatch(reference, elastic, case, gated=True) < 1e-5, f"case {case}"
     for fault in ("sp_norm_grads_not_reduced", "sp_padding_in_loss"):
         assert max(worst_mismatch(reference, elastic, c, fault, gated=True) for c in range(faulty)) > 1e-2, fault
+
+
+@pytest.mark.parametrize("gqa", ["enable_gqa", "expanded"])
+def test_torch_varlen_path_matches_reference(runs, gqa):
+    """LLaMA-style (GQA 2:1) at pp 2 with random recompute through ``torch-varlen`` (the reference ``varlen_attn``
+    in torch's place: with ``enable_gqa``, as torch 2.13; K/V heads expanded, as 2.11): stock Megatron-Core's loss
+    and gradients."""
+    name = f"llama-varlen-{gqa}"
+    for case in range(RUNS[name][2]):
+        assert worst_mismatch(runs["reference-llama"], runs[name], case) < 1e-5, f"case {case}"
 
 
 def test_llama_style_wrong_kv_heads_break_the_match(runs):
@@ -214,24 +233,32 @@ BF16_UNIT_ROUNDOFF = 2.0**-8
 BF16_BOUND = 16 * BF16_UNIT_ROUNDOFF
 
 
-def flash_unavailable() -> str | None:
-    """Why the flash-attn varlen path cannot run here in bf16 (None: it can), by the kernels' own probe."""
-    from megatron_epp.executor.kernels import load_flash_kernel
+def kernel_unavailable(backend: str) -> str | None:
+    """Why the ``flash`` (flash-attn) or ``varlen`` (torch's varlen_attn) path cannot run here in bf16 (None: it
+    can), by the kernels' own probes."""
+    from megatron_epp.executor.kernels import load_flash_kernel, load_torch_varlen
 
-    kernel, why_not = load_flash_kernel()
+    kernel, why_not = load_flash_kernel() if backend == "flash" else load_torch_varlen()
     if kernel is None:
         return why_not
     if not torch.cuda.is_available():
-        return "no CUDA device (flash-attn runs on CUDA only)"
+        return f"no CUDA device ({kernel.label} runs on CUDA only)"
     return kernel.unsupported(torch.device("cuda"), torch.bfloat16)
 
 
-@pytest.mark.parametrize("pp, backend", [(2, "sdpa"), (1, "sdpa"), (1, "flash")], ids=["pp2-sdpa", "pp1-sdpa", "pp1-flash"])
+def unavailable(run: str) -> str | None:
+    """Why run ``run`` of ``RUNS`` cannot run here (None: it can): the bf16 runs on a varlen kernel need it."""
+    backend = {"bf16-pp1-flash": "flash", "bf16-pp1-varlen": "varlen"}.get(run)
+    return kernel_unavailable(backend) if backend else None
+
+
+@pytest.mark.parametrize("pp, backend", [(2, "sdpa"), (1, "sdpa"), (1, "flash"), (1, "varlen")],
+                         ids=["pp2-sdpa", "pp1-sdpa", "pp1-flash", "pp1-varlen"])
 def test_bf16_elastic_matches_fp32_reference(runs, pp, backend):
     """bf16 elastic pipeline vs the fp32 non-pipelined reference: within 16 u, and no further from
     fp32 than stock Megatron-Core in bf16 (``reference-bf16``: how far bf16 alone moves from fp32) is (x2)."""
-    if backend == "flash" and (why := flash_unavailable()):
-        pytest.skip(f"flash-attn path not run: {why}")
+    if (why := unavailable(f"bf16-pp{pp}-{backend}")):
+        pytest.skip(f"{backend} path not run: {why}")
     elastic, reference = runs[f"bf16-pp{pp}-{backend}"], runs["reference-rope"]
     for case in range(CASES):
         error, stock = worst_mismatch(reference, elastic, case), worst_mismatch(reference, runs["reference-bf16"], case)

@@ -1,6 +1,6 @@
 """The GPU scripts on CPU: what can be checked before device time is spent.
 
-* ``check_cuda_attention.py`` without flash-attn checks the SDPA paths and reports flash as skipped
+* ``check_cuda_attention.py`` without flash-attn checks torch's varlen and the SDPA paths and reports flash as skipped
   (it used to exit 2); without CUDA, outside its dry run, it refuses with one line;
 * ``profile_gpu.py --device cpu`` on a tiny grid writes a profile the planner loads, marked measured
   on this CPU, with its fit errors, and ``epp-plan`` plans on it;
@@ -28,8 +28,8 @@ def test_attention_check_without_flash_runs_sdpa_and_reports_flash_skipped():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     assert out.count("flash-varlen  skipped (--without-flash)") == 3  # batched, split x4, hybrid
-    assert out.count("  sdpa-causal ") == 3 and out.count("  sdpa-masked ") == 3
-    assert "PASS: SDPA paths match fp32; flash-varlen skipped (--without-flash)" in out
+    assert out.count("  sdpa-causal ") == 3 and out.count("  sdpa-masked ") == 3 and out.count("  torch-varlen ") == 3
+    assert "PASS: torch-varlen and SDPA paths match fp32; flash-varlen skipped (--without-flash)" in out
     refused = run(sys.executable, "scripts/check_cuda_attention.py")
     assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
         "check_cuda_attention: no CUDA device (use --cpu-dry-run to check the script on CPU)"]

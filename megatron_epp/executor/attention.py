@@ -8,8 +8,9 @@ its sequence's K/V buffer on the layer (:class:`~megatron_epp.executor.context.K
 has written its own K/V: the prefix is read in place, never concatenated. The kernel is chosen once by
 ``EPP_ATTENTION_BACKEND`` (see :mod:`megatron_epp.executor.kernels`): on CPU every segment is one SDPA
 with ``is_causal`` and the slice's prefix and own keys two calls merged by their log-sum-exp, no mask
-(what the CPU cost profiles fit); on CUDA the whole chunk is one flash-attn varlen call, or SDPA with
-``is_causal`` where there is no context.
+(what the CPU cost profiles fit); on CUDA the whole chunk is one varlen call (flash-attn's where it is
+installed, else torch's own ``varlen_attn``: fp16/bf16, no attention dropout), else SDPA per segment
+(``is_causal``, torch's lower-right causal bias for the slice) with cuDNN attention excluded.
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ class ElasticAttention(MegatronModule):
         layout = self.context.layout()
         slice_kv = self._slice_kv(layout, key, value) if layout.split_index is not None else None
         dropout = self.dropout_p if self.training else 0.0
-        backend = kernels.select_backend(self.backend_request, query.device, query.dtype, self.context.attention_backends, dropout)
+        gqa = key.shape[2] != query.shape[2]
+        backend = kernels.select_backend(self.backend_request, query.device, query.dtype, self.context.attention_backends, dropout, gqa=gqa)
         kwargs = {"deterministic": self.deterministic} if backend == "flash-varlen" else {}
         with tensor_parallel.get_cuda_rng_tracker().fork() if dropout else contextlib.nullcontext():
             out = kernels.BACKENDS[backend](query, key, value, layout, slice_kv, dropout, self.softmax_scale, **kwargs)

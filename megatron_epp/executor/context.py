@@ -11,7 +11,7 @@ allocated for the whole sequence by its first slice: every slice writes its own 
 and reads its prefix and its own K/V from it in place; later slices accumulate there the gradients of
 earlier slices' K/V, which each slice adds to its own in its backward (see ``elastic_attention``).
 
-What the attention kernels need from a chunk (explicit masks, flash-attn's ``cu_seqlens``) is built
+What the attention kernels need from a chunk (explicit masks, the varlen kernels' ``cu_seqlens``) is built
 once per chunk, on first use, and shared by all the stage's layers.
 """
 
@@ -36,7 +36,7 @@ def bottom_right_causal_mask(s: int, context: int, device: torch.device | str = 
 
 @dataclass(frozen=True)
 class VarlenSeqlens:
-    """flash-attn varlen metadata of a chunk: one (query, key) sequence pair per segment.
+    """Varlen metadata of a chunk (flash-attn, torch's ``varlen_attn``): one (query, key) sequence pair per segment.
 
     The slice's keys are its prefix K/V followed by its own tokens, so its key length is ``C + s``;
     every other segment's keys are its own tokens.
@@ -103,7 +103,7 @@ class ChunkLayout:
 
     @cached_property
     def varlen(self) -> VarlenSeqlens:
-        """``cu_seqlens_q``/``cu_seqlens_k`` and max lengths for one ``flash_attn_varlen_func`` call."""
+        """``cu_seqlens_q``/``cu_seqlens_k`` and max lengths for one varlen kernel call (flash-attn's or torch's)."""
         return varlen_seqlens(self.bounds, self.split_index, self.context, self.device)
 
     @classmethod
@@ -237,7 +237,7 @@ class ChunkContext:
         self.current: ChunkLayout | None = None
         self.kv: dict[tuple[int, int], KVBuffer] = {}  # (sequence, layer number) -> its K/V buffer
         self.kv_version = 0  # changes whenever a K/V buffer or its accumulators are allocated, or released (memory tracking caches on it)
-        self.attention_backends: dict = {}  # the attention kernel decided per (request, device type, dtype, dropout or not): once per model
+        self.attention_backends: dict = {}  # the attention kernel decided per (request, device type, dtype, dropout or not, GQA or not): once per model
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> "ChunkContext":

@@ -1,6 +1,6 @@
 """The kernels behind :class:`ElasticAttention`, and the one decision of which runs.
 
-Three ways to compute a chunk's attention (block-diagonal causal over its segments, the slice's
+Five ways to compute a chunk's attention (block-diagonal causal over its segments, the slice's
 queries also seeing its prefix K/V, placed before its own keys). Every kernel takes the slice's keys
 and values as ``slice_kv``: rows ``[0, C + s)`` of its sequence's K/V buffer (prefix, then its own),
 which stand in for its rows of the chunk's ``key``/``value``:
@@ -19,24 +19,42 @@ which stand in for its rows of the chunk's ``key``/``value``:
     its ``C + s`` keys (it computes the whole ``s x (C + s)`` rectangle, and SDPA saves a float copy of
     the mask per layer). Devices that are neither CPU nor CUDA; on CPU, chunks with attention dropout.
 ``sdpa-causal``
-    CUDA without flash-attn: one SDPA per segment, ``is_causal=True`` for segments without context
-    (so the flash / memory-efficient SDPA kernels run, no mask is built) and, for the slice with
-    prefix K/V, torch's ``causal_lower_right(s, C + s)`` bias: the same bottom-right causal mask, never
-    built, which SDPA's flash kernel (bf16/fp16) and memory-efficient kernel (fp32 too, not with GQA)
-    run as such; where neither can, torch builds the mask itself (as the explicit mask did). A torch
-    whose ``CausalBias`` takes no ``enable_gqa`` (older than the one it was written for) takes the
-    explicit mask.
+    CUDA where neither varlen kernel runs (fp32, attention dropout without flash-attn, a torch without
+    ``varlen_attn``): one SDPA per segment, ``is_causal=True`` for segments without context (so the
+    flash / memory-efficient SDPA kernels run, no mask is built) and, for the slice with prefix K/V,
+    torch's ``causal_lower_right(s, C + s)`` bias: the same bottom-right causal mask, never built,
+    which SDPA's flash kernel (bf16/fp16) and memory-efficient kernel (fp32 too, not with GQA) run as
+    such; where neither can, torch builds the mask itself (as the explicit mask did). A torch whose
+    ``CausalBias`` takes no ``enable_gqa`` (older than the one it was written for) takes the explicit
+    mask. Every call runs under ``sdpa_kernel(SDPA_BACKENDS)``: flash, memory-efficient, math, never
+    cuDNN attention, which torch's default dispatch prefers on H100 and which builds a graph per new
+    shape (156 ms a call over varied lengths against 0.65 ms flash, measured on an H100 on
+    2026-11-25); every segment of every chunk has a new length. ``sdpa-masked`` runs under it too.
 ``flash-varlen``
     CUDA with flash-attn >= 2.1 and fp16/bf16: the whole chunk in ONE ``flash_attn_varlen_func``
     call, queries packed over all segments, keys/values packed with the slice's buffer rows in place
     of its own tokens (one copy in a hybrid chunk, none in a split chunk: its keys are the buffer's
     rows), ``cu_seqlens_q``/``cu_seqlens_k`` from the chunk layout, ``causal=True``
     (bottom-right aligned since flash-attn 2.1, which is what a slice with context needs), GQA native.
+``torch-varlen``
+    CUDA without flash-attn, fp16/bf16, no attention dropout: the same packing in ONE call of torch's
+    own varlen flash attention, ``torch.nn.attention.varlen.varlen_attn(q, k, v, cu_seq_q, cu_seq_k,
+    max_q, max_k, scale=..., window_size=(-1, 0))`` (``(-1, 0)`` is causal, aligned bottom-right when
+    a sequence has more keys than queries: a slice over its prefix). No package to install. It has no
+    dropout argument (chunks with attention dropout take another kernel, and the start-up line says
+    so) and runs on CUDA in fp16/bf16 only (torch's flash kernel). GQA: ``enable_gqa=True`` where
+    this torch's ``varlen_attn`` takes it (2.13); else (2.11) the K/V heads are expanded
+    (:func:`expand_kv_heads`: query head ``i`` reads K/V head ``i // (heads / kv_heads)``). Its
+    backward is deterministic where ``torch.use_deterministic_algorithms`` is on.
 
-``EPP_ATTENTION_BACKEND=auto|sdpa|flash`` (default ``auto``) is read when the attention is built;
-``auto`` takes ``flash-varlen`` when it can run and SDPA otherwise, ``sdpa`` never takes flash-attn,
-``flash`` is an error where flash-attn cannot run. The choice is printed once per (request,
-device, dtype, with or without attention dropout). Transformer Engine's fused attention (THD packing) is not used here.
+``EPP_ATTENTION_BACKEND=auto|sdpa|flash|varlen`` (default ``auto``) is read when the attention is
+built; ``auto`` takes ``flash-varlen`` when it can run, else ``torch-varlen`` when it can, else SDPA;
+``sdpa`` never takes a varlen kernel; ``flash`` (``varlen``) is an error where flash-attn (torch's
+``varlen_attn``) cannot run. The choice is printed once per (request, device, dtype, with or without
+attention dropout, with or without GQA), with why the kernels before it were not taken. What decides is
+:func:`decide`, a pure function of the request, the device, dtype, dropout, GQA and the two kernels as
+probed (:func:`load_flash_kernel`, :func:`load_torch_varlen`; tests substitute reference kernels).
+Transformer Engine's fused attention (THD packing) is not used here.
 """
 
 from __future__ import annotations
@@ -46,44 +64,72 @@ import inspect
 import os
 import re
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, ClassVar
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from megatron_epp.executor.context import ChunkLayout, bottom_right_causal_mask
 
 ENV = "EPP_ATTENTION_BACKEND"
-REQUESTS = ("auto", "sdpa", "flash")
+REQUESTS = ("auto", "sdpa", "flash", "varlen")
 FLASH_MIN_VERSION = (2, 1)  # causal=True is bottom-right aligned from 2.1 on (top-left before)
+# SDPA's kernels for the per-segment paths: never cuDNN attention (a graph built per new shape)
+SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
 
 
 class AttentionBackendError(RuntimeError):
     """The requested attention backend cannot run here."""
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 @dataclass(frozen=True)
-class FlashKernel:
-    """A ``flash_attn_varlen_func`` and where it runs (tests substitute a reference implementation)."""
+class VarlenKernel:
+    """A varlen attention function (the whole chunk in one call) and where it runs."""
 
     varlen_func: Callable[..., torch.Tensor]
     version: str
     devices: tuple[str, ...] = ("cuda",)
     dtypes: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
-    min_capability: tuple[int, int] | None = (8, 0)  # flash-attn 2: Ampere or newer
+    min_capability: tuple[int, int] | None = (8, 0)  # flash attention 2: Ampere or newer
+    label: ClassVar[str] = "a varlen kernel"
+    has_dropout: ClassVar[bool] = True
 
-    def unsupported(self, device: torch.device, dtype: torch.dtype) -> str | None:
-        """Why this kernel cannot take tensors of ``device``/``dtype`` (None: it can)."""
+    def unsupported(self, device: torch.device, dtype: torch.dtype, dropout: float = 0.0) -> str | None:
+        """Why this kernel cannot take tensors of ``device``/``dtype`` under attention dropout ``dropout`` (None: it can)."""
         if device.type not in self.devices:
-            return f"tensors on {device.type}, flash-attn runs on {'/'.join(self.devices)}"
+            return f"tensors on {device.type}, {self.label} runs on {'/'.join(self.devices)}"
         if dtype not in self.dtypes:
-            return f"dtype {str(dtype).removeprefix('torch.')}, flash-attn takes {'/'.join(str(d).removeprefix('torch.') for d in self.dtypes)}"
+            return f"dtype {_dtype_name(dtype)}, {self.label} takes {'/'.join(_dtype_name(d) for d in self.dtypes)}"
+        if dropout > 0 and not self.has_dropout:
+            return f"attention dropout {dropout:g}, which {self.label} has not"
         if device.type == "cuda" and self.min_capability is not None:
             capability = torch.cuda.get_device_capability(device)
             if capability < self.min_capability:
                 return f"GPU compute capability {capability[0]}.{capability[1]} < {self.min_capability[0]}.{self.min_capability[1]}"
         return None
+
+
+@dataclass(frozen=True)
+class FlashKernel(VarlenKernel):
+    """flash-attn's ``flash_attn_varlen_func`` (tests substitute a reference implementation)."""
+
+    label: ClassVar[str] = "flash-attn"
+
+
+@dataclass(frozen=True)
+class TorchVarlenKernel(VarlenKernel):
+    """torch's ``torch.nn.attention.varlen.varlen_attn`` (tests substitute a reference implementation);
+    ``takes_gqa``: it has ``enable_gqa`` (else K/V heads are expanded to the query heads)."""
+
+    takes_gqa: bool = True
+    label: ClassVar[str] = "varlen_attn"
+    has_dropout: ClassVar[bool] = False  # no dropout argument (torch 2.11 .. 2.13)
 
 
 def _version_tuple(version: str) -> tuple[int, int]:
@@ -109,6 +155,36 @@ def _probe_flash() -> tuple[FlashKernel | None, str]:
     return FlashKernel(flash_attn_varlen_func, version), ""
 
 
+TORCH_VARLEN_ARGUMENTS = ("scale", "window_size")  # what the call needs of varlen_attn's signature
+
+
+def torch_varlen_kernel(varlen_attn: Callable[..., torch.Tensor] | None, torch_version: str, **where) -> tuple[TorchVarlenKernel | None, str]:
+    """``(kernel, "")`` for this torch's ``varlen_attn`` (None: it has none), read from its signature:
+    ``scale`` and ``window_size`` needed, ``enable_gqa`` used where it has it; else ``(None, why not)``.
+    ``where``: :class:`TorchVarlenKernel`'s ``devices``/``dtypes``/``min_capability`` (tests)."""
+    if varlen_attn is None:
+        return None, f"torch {torch_version} has no torch.nn.attention.varlen.varlen_attn"
+    parameters = inspect.signature(varlen_attn).parameters
+    missing = [name for name in TORCH_VARLEN_ARGUMENTS if name not in parameters]
+    if missing:
+        return None, f"torch {torch_version}'s varlen_attn takes no {'/'.join(missing)}"
+    return TorchVarlenKernel(varlen_attn, torch_version, takes_gqa="enable_gqa" in parameters, **where), ""
+
+
+def load_torch_varlen() -> tuple[TorchVarlenKernel | None, str]:
+    """``(kernel, "")`` when this torch has a usable ``varlen_attn``, else ``(None, why not)`` (probed once)."""
+    return _probe_torch_varlen()
+
+
+@functools.cache
+def _probe_torch_varlen() -> tuple[TorchVarlenKernel | None, str]:
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        varlen_attn = None
+    return torch_varlen_kernel(varlen_attn, torch.__version__)
+
+
 def requested_backend() -> str:
     """The value of ``EPP_ATTENTION_BACKEND`` (default ``auto``); an unknown value is an error."""
     value = os.environ.get(ENV, "").strip().lower() or "auto"
@@ -118,52 +194,83 @@ def requested_backend() -> str:
 
 
 def check_request(request: str) -> None:
-    """Fail at build time when ``flash`` is requested and flash-attn does not even import."""
+    """Fail at build time when ``flash`` (``varlen``) is requested and flash-attn (torch's varlen_attn) is not there."""
     if request == "flash":
         kernel, why_not = load_flash_kernel()
         if kernel is None:
-            raise AttentionBackendError(f"{ENV}=flash but {why_not}; install flash-attn (scripts/setup_gpu.sh) or use {ENV}=auto|sdpa")
+            raise AttentionBackendError(f"{ENV}=flash but {why_not}; install flash-attn (scripts/setup_gpu.sh) or use {ENV}=auto|sdpa|varlen")
+    elif request == "varlen":
+        kernel, why_not = load_torch_varlen()
+        if kernel is None:
+            raise AttentionBackendError(f"{ENV}=varlen but {why_not}; use {ENV}=auto|sdpa|flash")
+
+
+def decide(request: str, device: torch.device, dtype: torch.dtype, dropout: float, gqa: bool,
+           flash: tuple[FlashKernel | None, str], varlen: tuple[TorchVarlenKernel | None, str]) -> tuple[str, str]:
+    """``(kernel, why)`` for ``request`` on tensors of ``device``/``dtype`` under attention dropout ``dropout``,
+    query heads sharing K/V heads or not (``gqa``), given the kernels as probed (``(kernel or None, why not)``
+    each, as :func:`load_flash_kernel` and :func:`load_torch_varlen` give them). Pure: nothing is probed here
+    beyond a CUDA device's compute capability (a kernel's ``min_capability``)."""
+    flash_kernel, flash_why = flash
+    if flash_kernel is not None:
+        flash_why = flash_kernel.unsupported(device, dtype, dropout) or ""
+    varlen_kernel, varlen_why = varlen
+    if varlen_kernel is not None:
+        varlen_why = varlen_kernel.unsupported(device, dtype, dropout) or ""
+    if device.type == "cuda":
+        sdpa, sdpa_why = "sdpa-causal", "SDPA per segment, cuDNN attention excluded (a graph per new shape)"
+    elif device.type == "cpu":
+        sdpa, sdpa_why = "sdpa-merged", ""
+        if dropout > 0:
+            sdpa, sdpa_why = "sdpa-masked", "masked: attention dropout, which the CPU flash kernel has not"
+    else:
+        sdpa, sdpa_why = "sdpa-masked", ""
+    if request == "flash":
+        if flash_why:
+            raise AttentionBackendError(f"{ENV}=flash but flash-attn cannot run: {flash_why}")
+        return "flash-varlen", f"flash-attn {flash_kernel.version}"
+    varlen_reason = "" if varlen_why else f"torch {varlen_kernel.version} varlen_attn, one call per chunk" + (
+        ", K/V heads expanded for GQA (no enable_gqa in this torch)" if gqa and not varlen_kernel.takes_gqa else "")
+    if request == "varlen":
+        if varlen_why:
+            raise AttentionBackendError(f"{ENV}=varlen but torch's varlen_attn cannot run: {varlen_why}")
+        return "torch-varlen", varlen_reason
+    if request == "sdpa":
+        return sdpa, "; ".join(filter(None, ["varlen kernels not requested", sdpa_why]))
+    if not flash_why:
+        return "flash-varlen", f"flash-attn {flash_kernel.version}"
+    if not varlen_why:
+        return "torch-varlen", f"no flash: {flash_why}; {varlen_reason}"
+    return sdpa, "; ".join(filter(None, [f"no flash: {flash_why}", f"no torch varlen: {varlen_why}", sdpa_why]))
 
 
 def select_backend(request: str, device: torch.device, dtype: torch.dtype,
-                   decided: dict[tuple[str, str, torch.dtype, bool], str] | None = None, dropout: float = 0.0) -> str:
-    """``flash-varlen``, ``sdpa-causal``, ``sdpa-merged`` or ``sdpa-masked`` for tensors of ``device``/``dtype``
-    under attention dropout ``dropout`` (0 in evaluation), printed (first rank only) with its reason.
+                   decided: dict[tuple[str, str, torch.dtype, bool, bool], str] | None = None, dropout: float = 0.0,
+                   gqa: bool = False) -> str:
+    """``flash-varlen``, ``torch-varlen``, ``sdpa-causal``, ``sdpa-merged`` or ``sdpa-masked`` (:func:`decide`) for
+    tensors of ``device``/``dtype`` under attention dropout ``dropout`` (0 in evaluation), with or without GQA,
+    printed (first rank only) with its reason.
 
     ``decided``: the caller's record of earlier decisions (a model's :class:`ChunkContext` keeps one, so
-    each (request, device type, dtype, with or without dropout) is decided and printed once per model);
-    None: decide now.
+    each (request, device type, dtype, with or without dropout, with or without GQA) is decided and printed
+    once per model); None: decide now.
     """
-    key = (request, device.type, dtype, dropout > 0)
+    key = (request, device.type, dtype, dropout > 0, gqa)
     if decided is not None and key in decided:
         return decided[key]
-    kernel, why_not = load_flash_kernel()
-    if kernel is not None:
-        why_not = kernel.unsupported(device, dtype) or ""
-    sdpa = {"cuda": "sdpa-causal", "cpu": "sdpa-merged"}.get(device.type, "sdpa-masked")
-    sdpa_why = ""
-    if sdpa == "sdpa-merged" and dropout > 0:
-        sdpa, sdpa_why = "sdpa-masked", "; masked: attention dropout, which the CPU flash kernel has not"
-    if request == "flash":
-        if why_not:
-            raise AttentionBackendError(f"{ENV}=flash but flash-attn cannot run: {why_not}")
-        choice, reason = "flash-varlen", f"flash-attn {kernel.version}"
-    elif request == "sdpa":
-        choice, reason = sdpa, "flash-attn not requested" + sdpa_why
-    else:
-        choice, reason = ("flash-varlen", f"flash-attn {kernel.version}") if not why_not else (sdpa, f"no flash: {why_not}{sdpa_why}")
+    choice, reason = decide(request, device, dtype, dropout, gqa, load_flash_kernel(), load_torch_varlen())
     if decided is not None:
         decided[key] = choice
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()) or torch.distributed.get_rank() == 0:
-        dtype_name = str(dtype).removeprefix("torch.")
         with_dropout = f", attention dropout {dropout:g}" if dropout > 0 else ""
-        print(f"> elastic attention: {choice} ({ENV}={request}, {device.type} {dtype_name}{with_dropout}; {reason})", flush=True)
+        print(f"> elastic attention: {choice} ({ENV}={request}, {device.type} {_dtype_name(dtype)}{with_dropout}; {reason})", flush=True)
     return choice
 
 
 def reset_flash_probe() -> None:
-    """Forget the flash-attn probe (tests that swap the installed flash-attn)."""
+    """Forget the flash-attn and varlen_attn probes (tests that swap the installed flash-attn)."""
     _probe_flash.cache_clear()
+    _probe_torch_varlen.cache_clear()
 
 
 def segment_attention(q, k, v, mask: torch.Tensor | None, dropout: float = 0.0, scale: float | None = None, causal: bool = False) -> torch.Tensor:
@@ -187,8 +294,9 @@ def _segments(query, key, value, layout: ChunkLayout, slice_kv):
 
 
 def sdpa_masked(query, key, value, layout: ChunkLayout, slice_kv, dropout: float, scale: float) -> torch.Tensor:
-    """Every segment one SDPA under its explicit bottom-right causal mask (the CPU path)."""
-    outputs = [segment_attention(q, k, v, layout.masks[i], dropout, scale) for i, q, k, v in _segments(query, key, value, layout, slice_kv)]
+    """Every segment one SDPA under its explicit bottom-right causal mask (CPU with dropout; other devices), never on cuDNN."""
+    with sdpa_kernel(list(SDPA_BACKENDS)):
+        outputs = [segment_attention(q, k, v, layout.masks[i], dropout, scale) for i, q, k, v in _segments(query, key, value, layout, slice_kv)]
     return torch.cat(outputs)
 
 
@@ -218,9 +326,11 @@ def lower_right_attention(q, k, v, dropout: float, scale: float) -> torch.Tensor
 
 
 def sdpa_causal(query, key, value, layout: ChunkLayout, slice_kv, dropout: float, scale: float) -> torch.Tensor:
-    """SDPA's ``is_causal`` for segments without context, ``causal_lower_right`` for the slice with prefix."""
-    return _causal_segments(query, key, value, layout, slice_kv, dropout, scale,
-                            lambda q, k, v: lower_right_attention(q, k, v, dropout, scale))
+    """SDPA's ``is_causal`` for segments without context, ``causal_lower_right`` for the slice with prefix;
+    on SDPA's flash, memory-efficient or math kernel, never cuDNN attention (``SDPA_BACKENDS``)."""
+    with sdpa_kernel(list(SDPA_BACKENDS)):
+        return _causal_segments(query, key, value, layout, slice_kv, dropout, scale,
+                                lambda q, k, v: lower_right_attention(q, k, v, dropout, scale))
 
 
 class PrefixMergedAttention(torch.autograd.Function):
@@ -291,16 +401,22 @@ def pack_kv(own: torch.Tensor, slice_rows: torch.Tensor, layout: ChunkLayout) ->
     return torch.cat([own[:start], slice_rows, own[end:]])
 
 
+def _packed_chunk(query, key, value, layout: ChunkLayout, slice_kv, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A varlen kernel's ``q`` ``[N, heads, d]`` and ``k``/``v`` ``[N + C, kv_heads, d]`` (:func:`pack_kv`)."""
+    if query.shape[1] != 1:
+        raise ValueError(f"{backend} packs one sequence row per chunk; got micro-batch {query.shape[1]}")
+    q, k, v = query[:, 0], key[:, 0], value[:, 0]
+    if slice_kv is not None:
+        k, v = pack_kv(k, slice_kv[0][:, 0], layout), pack_kv(v, slice_kv[1][:, 0], layout)
+    return q, k, v
+
+
 def flash_varlen(query, key, value, layout: ChunkLayout, slice_kv, dropout: float, scale: float, deterministic: bool = False) -> torch.Tensor:
     """The whole chunk in one ``flash_attn_varlen_func`` call; [N, 1, heads, d] in and out."""
     kernel, why_not = load_flash_kernel()
     if kernel is None:
         raise AttentionBackendError(why_not)
-    if query.shape[1] != 1:
-        raise ValueError(f"flash-varlen packs one sequence row per chunk; got micro-batch {query.shape[1]}")
-    q, k, v = query[:, 0], key[:, 0], value[:, 0]
-    if slice_kv is not None:
-        k, v = pack_kv(k, slice_kv[0][:, 0], layout), pack_kv(v, slice_kv[1][:, 0], layout)
+    q, k, v = _packed_chunk(query, key, value, layout, slice_kv, "flash-varlen")
     meta = layout.varlen
     out = kernel.varlen_func(
         q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
@@ -309,6 +425,36 @@ def flash_varlen(query, key, value, layout: ChunkLayout, slice_kv, dropout: floa
     return out.unsqueeze(1)
 
 
+def expand_kv_heads(kv: torch.Tensor, heads: int) -> torch.Tensor:
+    """``kv`` ``[T, kv_heads, d]`` with each K/V head repeated for the query heads that share it: ``[T, heads, d]``,
+    query head ``i`` reading K/V head ``i // (heads / kv_heads)`` (megatron-core's grouping)."""
+    return kv.repeat_interleave(heads // kv.shape[1], dim=1)
+
+
+def torch_varlen(query, key, value, layout: ChunkLayout, slice_kv, dropout: float, scale: float) -> torch.Tensor:
+    """The whole chunk in one call of torch's ``varlen_attn`` (bottom-right causal: ``window_size=(-1, 0)``);
+    [N, 1, heads, d] in and out. GQA by ``enable_gqa`` where this torch has it, else by expanded K/V heads."""
+    if dropout > 0:
+        raise ValueError("torch-varlen has no attention dropout (varlen_attn takes none): select_backend takes another kernel")
+    kernel, why_not = load_torch_varlen()
+    if kernel is None:
+        raise AttentionBackendError(why_not)
+    q, k, v = _packed_chunk(query, key, value, layout, slice_kv, "torch-varlen")
+    heads, gqa = q.shape[1], {}
+    if k.shape[1] != heads:
+        if kernel.takes_gqa:
+            gqa = {"enable_gqa": True}
+        else:
+            k, v = expand_kv_heads(k, heads), expand_kv_heads(v, heads)
+    meta = layout.varlen
+    out = kernel.varlen_func(
+        q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
+        scale=scale, window_size=(-1, 0), **gqa,
+    )
+    return out.unsqueeze(1)
+
+
 BACKENDS: dict[str, Callable[..., torch.Tensor]] = {
     "sdpa-masked": sdpa_masked, "sdpa-merged": sdpa_merged, "sdpa-causal": sdpa_causal, "flash-varlen": flash_varlen,
+    "torch-varlen": torch_varlen,
 }

@@ -2,7 +2,8 @@
 
     torchrun ... tests/workers/elastic_equivalence.py OUT --mode reference|elastic --cases N
         [--fault drop_prefix|drop_prefix_grads|misplaced_kv|leak_packing|forward_order_backward|recompute_without_rng_restore|gqa_tiled_heads]
-        [--sp-fault-cases K] [--attention-backend auto|sdpa|flash] [pretrain_gpt flags...] [:: OUT --mode ... (another run)]...
+        [--sp-fault-cases K] [--attention-backend auto|sdpa|flash|varlen] [--varlen-reference enable_gqa|expanded]
+        [pretrain_gpt flags...] [:: OUT --mode ... (another run)]...
 
 ``reference`` (one process): stock Megatron-Core (local spec, no EPP), each whole sequence its own
 micro-batch. ``elastic``: a random valid plan per case (per data-parallel rank) through
@@ -15,6 +16,9 @@ plan's chunks got on this rank (``padding``).
 Several runs separated by ``::`` share the launch (one process start; the same world size): each builds its own
 model-parallel groups, model and optimizer, and tears the groups down for the next; a fault patched into a module
 (``inject``) is undone after its run. ``--attention-backend`` sets ``EPP_ATTENTION_BACKEND`` for one run's model.
+``--varlen-reference`` puts the tests' reference ``varlen_attn`` (``tests/attention_harness.py``: CPU fp32, torch
+2.13's signature or 2.11's without ``enable_gqa``) in place of torch's for one run: with ``--attention-backend
+varlen`` the model's attention runs the real ``torch-varlen`` path (packing, ``cu_seqlens``, GQA) on CPU.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from megatron_epp.training.initialize import initialize, shutdown
 from megatron_epp.training.loop import build_optimizer
 from megatron_epp.training.model import build_model
 from megatron.core.utils import unwrap_model
+from tests.attention_harness import reference_torch_varlen
 from tests.workers.grad_dump import global_name, set_global_weights
 from tests.workers.runs import split_runs
 from tests.workers.random_plans import random_lengths, random_plan
@@ -166,10 +171,16 @@ def run(argv: list[str]) -> None:
     p.add_argument("--sp-fault-cases", type=int, default=0, help="the first K cases again under each of SP_FAULTS")
     p.add_argument("--random-recompute", action="store_true", help="random per (stage, chunk) recompute counts")
     p.add_argument("--attention-backend", default=None, help="EPP_ATTENTION_BACKEND for this run's model")
+    p.add_argument("--varlen-reference", choices=["enable_gqa", "expanded"], default=None,
+                   help="torch's varlen_attn replaced by the tests' reference for this run (signature with or without enable_gqa)")
     ours, flags = p.parse_known_args(argv)
     backend_before = os.environ.get(kernels.ENV)
     if ours.attention_backend is not None:
         os.environ[kernels.ENV] = ours.attention_backend  # read when the attention is built
+    undo_varlen = None
+    if ours.varlen_reference is not None:
+        reference = reference_torch_varlen(takes_gqa=ours.varlen_reference == "enable_gqa")
+        undo_varlen = _patch(kernels, "load_torch_varlen", lambda: (reference, ""))
     # a small vocabulary, padded alike at every tp (64 is a multiple of 32 x tp for tp <= 2): the reference
     # and the tensor-parallel runs are the same model; the test's flags come after and win
     args = parse_args(["--vocab-size", "64", "--make-vocab-size-divisible-by", "32", *flags])
@@ -224,8 +235,9 @@ def run(argv: list[str]) -> None:
             grads = {global_name(n, runtime.pp_rank, per_stage): q.main_grad.detach().cpu().clone() for n, q in gpt.named_parameters()}
             prefix = f"{fault}_" if fault else ""
             torch.save({"loss": loss, "grads": grads, "padding": padding}, f"{ours.out}/{prefix}case{case}_stage{runtime.pp_rank}.pt")
-    if undo is not None:
-        undo()
+    for undo_patch in (undo, undo_varlen):
+        if undo_patch is not None:
+            undo_patch()
     if backend_before is None:
         os.environ.pop(kernels.ENV, None)
     else:
