@@ -95,7 +95,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     try:  # the model as pretrain_gpt.py builds it from these flags (defaults, checks, padded vocabulary)
         model = training_args([*rest, "--mock-data", "--train-iters", "1", *(["--bf16"] if args.dtype == "bf16" else [])], world_size=1)
     except ArgumentError as error:
-        p.error(str(error))
+        p.error(str(error).removeprefix("pretrain_gpt.py: error: "))
     args.shape = model_shape(model, args.name or f"gpu-h{model.hidden_size}")
     args.rotary_base = model.rotary_base
     args.grid = ProfileGrid(args.seq_lengths, args.contexts, args.layer_lengths, args.head_lengths, args.warmup, args.repeats)
