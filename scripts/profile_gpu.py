@@ -19,7 +19,7 @@ The measurement and the fits are the library's (``megatron_epp.training.profilin
 Prints every fit's rms error (also stored in the profile's ``fit.errors``) and writes the profile JSON to
 ``--out``, or, without it, into ``--epp-profile-cache`` under the name ``--epp-profile auto`` looks up.
 ``"device"`` is the GPU's name, dtype and kernel, ``"source"`` is ``measured``. Timing: CUDA events on a
-GPU, ``time.perf_counter`` on the CPU (``--device cpu``: for checking the script, its numbers are not a
+GPU, the process's CPU time on the CPU (``--device cpu``: for checking the script, its numbers are not a
 CPU profile, ``scripts/profile_layer.py`` makes those).
 
 Memory coefficients are not measured here: bf16 takes Megatron's ``34 h`` count (``derive =

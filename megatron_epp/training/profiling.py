@@ -126,7 +126,9 @@ class LayerStack(torch.nn.Module):
 
 
 class Timer:
-    """Median ms of a forward and of its backward: CUDA events on a GPU, ``perf_counter`` on the CPU."""
+    """Median ms of a forward and of its backward: CUDA events on a GPU; on the CPU this process's CPU time
+    (``process_time``: with one thread it equals the wall time on an idle core, and other processes sharing the
+    machine do not inflate it)."""
 
     def __init__(self, device: torch.device, warmup: int, repeats: int) -> None:
         self.device, self.warmup, self.repeats = device, warmup, repeats
@@ -136,7 +138,7 @@ class Timer:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             return event
-        return time.perf_counter()
+        return time.process_time()
 
     def _ms(self, start, end) -> float:
         if self.device.type == "cuda":
@@ -299,7 +301,7 @@ def measure_profile(shape: ModelShape, device: torch.device, dtype: torch.dtype,
             "grid": {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(grid).items()}, "seconds": round(time.perf_counter() - t_start, 2), "skipped": skipped,
             "timings": {"attention": [[s, c, f, b] for (s, c), f, b in zip(points, af, ab)],
                         "layer": [list(r) for r in zip(lengths, tf, tb, trc)], "head": [list(r) for r in zip(head_lengths, hf, hb)]},
-            "note": "medians; CUDA events on GPU, perf_counter on CPU; memory not measured" + (f"; {note}" if note else "")}
+            "note": "medians; CUDA events on GPU, process CPU time on CPU; memory not measured" + (f"; {note}" if note else "")}
     return measured_profile(shape, name or device_name(device, dtype, kernel), layer, head, memory_block(shape, dtype), info)
 
 
