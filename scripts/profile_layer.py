@@ -14,8 +14,8 @@ Measures, with one thread (process CPU time, fastest of ``--repeats``):
     not pass unseen). The fit is checked for a per-slice term the model does not have (a constant
     per chunk holding a slice with context): the split and hybrid chunks' residuals are refitted
     with it and the script says whether they ask for it;
-  * recompute = (forward+backward recomputing as training does) - (forward+backward), fitted as a
-    ratio of the forward plus a constant;
+  * recompute = (forward+backward recomputing as training does) - (forward+backward), fitted on its own
+    per-token and per-chunk terms plus the forward's attention part (``cost.profile_fit.recompute_fit``);
   * the output head (linear + cross entropy) forward/backward, on the per-token and per-chunk columns;
   * the bytes autograd saves per layer and for the head: a check only, the profile's memory block is
     the analytic count (``saved_tensor_memory``, ``derive="saved-tensors"``), which the planner
@@ -45,26 +45,17 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from scipy.optimize import nnls
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_epp.tools.layer_bench import LayerStack, init_single_process, saved_bytes, time_fwd_bwd  # noqa: E402
+from megatron_epp.cost.profile_fit import fit, measured_profile, recompute_fit, rel_errors  # noqa: E402
 from megatron_epp.cost.features import NUM_FEATURES, F, chunk_features  # noqa: E402
 from megatron_epp.plan import Chunk, Segment  # noqa: E402
 from megatron_epp.cost.profiles import (  # noqa: E402
     TEST_MODEL, TEST_MODEL_PROFILE, MemoryCoeffs, ModelShape, Profile, StageOverhead, TimeCoeffs, load_profile,
     saved_tensor_memory, shape_time,
 )
-
-
-def fit(X: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, dict[str, float]]:
-    """Non-negative least squares on relative error; returns coefficients and error stats."""
-    A = X / y[:, None]
-    scale = np.abs(A).max(axis=0)
-    scale[scale == 0] = 1.0
-    coef = nnls(A / scale, np.ones_like(y))[0] / scale
-    return coef, rel_errors(X @ coef, y)
 
 
 TERMS = [c.name for c in F]  # the feature columns: SQ SC S C SEGMENTS CHUNKS
@@ -146,9 +137,7 @@ def profile_layer(shape: ModelShape, repeats: int):
         coef, err = fit_terms(X, np.array(t), kinds)
         out[name] = (TimeCoeffs(*coef), err)
     single = np.array([k == "batched" and x[F.SEGMENTS] == 1 for k, x in zip(kinds, X)])
-    fwd_pred = X[single] @ out["fwd"][0].vector()
-    (ratio, extra), err = fit(np.stack([fwd_pred, np.ones_like(fwd_pred)], 1), np.array(trc))
-    out["recompute"] = (TimeCoeffs(*(out["fwd"][0].vector() * ratio + np.eye(NUM_FEATURES)[F.CHUNKS] * extra)), {**err, "ratio_to_fwd": ratio})
+    out["recompute"] = recompute_fit(X[single, F.S], np.array(trc), out["fwd"][0])
     out["per_slice_term"] = {name: per_slice_check(X, np.array(t)) for name, t in (("fwd", tf), ("bwd", tb))}
     return out, stack
 
@@ -168,11 +157,6 @@ def profile_head(shape: ModelShape, stack: LayerStack, repeats: int):
         coef, err = fit_terms(X, np.array(t), ["head"] * len(lengths))
         res[name] = (TimeCoeffs(*coef), err)
     return res
-
-
-def rel_errors(pred: np.ndarray, meas: np.ndarray) -> dict[str, float]:
-    rel = np.asarray(pred, dtype=float) / np.asarray(meas, dtype=float) - 1.0
-    return {"rms_rel_err": float(np.sqrt(np.mean(rel**2))), "max_rel_err": float(np.max(np.abs(rel))), "points": len(rel)}
 
 
 def derived_memory(shape: ModelShape) -> MemoryCoeffs:
@@ -245,17 +229,6 @@ def report_fit(name: str, err: dict) -> None:
         print(f"      {term:4s} ({column:8s}) {t['value']:11.4g} ms   bootstrap rel err {spread}   share of time {t['share']:6.1%}")
     for term in err["zero"]:
         print(f"  WARNING: {name}: {term} fitted to 0 (non-negative least squares clipped it: the chunks give it no time)")
-
-
-def measured_profile(shape, device: str, layer: dict, head: dict, memory, fit_info: dict, overhead: StageOverhead | None = None) -> Profile:
-    """The profile JSON's content from fitted ``layer``/``head`` terms (``{name: (TimeCoeffs, errors)}``),
-    shared by this profiler and ``scripts/profile_gpu.py``."""
-    return Profile(
-        model=shape, device=device, source="measured", tp=1,
-        fwd=layer["fwd"][0], bwd=layer["bwd"][0], recompute=layer["recompute"][0],
-        head_fwd=head["head_fwd"][0], head_bwd=head["head_bwd"][0],
-        memory=memory, fit=fit_info, overhead=overhead or StageOverhead(),
-    )
 
 
 def main() -> None:

@@ -47,7 +47,7 @@ def test_elastic_bf16_on_one_stage_splits_packs_and_learns(tmp_path):
     assert any(m.elastic.recomputed_layers for m in records)
     assert "on cpu bf16 |" in out
     assert "> layers: local spec + ElasticAttention" in out
-    assert "> planner: --epp-profile cpu: measured on CPU" in out
+    assert "> planner: --epp-profile auto: measured on CPU" in out
 
 
 def test_elastic_bf16_over_two_stages_learns(tmp_path):

@@ -37,13 +37,18 @@ def test_attention_check_without_flash_runs_sdpa_and_reports_flash_skipped():
 
 def test_gpu_profiler_smoke_run_on_cpu_makes_a_profile_the_planner_reads(tmp_path):
     out = tmp_path / "profile.json"
+    llama = ("--group-query-attention", "--num-query-groups", "2", "--swiglu", "--normalization", "RMSNorm",
+             "--disable-bias-linear", "--kv-channels", "16", "--rotary-base", "500000")  # pretrain_gpt.py's flags
     proc = run(sys.executable, "scripts/profile_gpu.py", "--device", "cpu", "--hidden-size", "32", "--num-attention-heads", "4",
                "--vocab-size", "64", "--seq-lengths", "16,32,64", "--contexts", "0,32", "--layer-lengths", "16,32,64",
-               "--head-lengths", "16,64", "--warmup", "1", "--repeats", "2", "--out", str(out))
+               "--head-lengths", "16,64", "--warmup", "1", "--repeats", "2", *llama, "--out", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     profile = load_profile(str(out))
     assert profile.source == "measured" and profile.device.startswith("CPU ") and "sdpa-merged" in profile.device
-    assert profile.model.hidden == 32
+    shape = profile.model  # the LLaMA layer as pretrain_gpt.py builds it (its FFN default, its padded vocabulary)
+    assert (shape.hidden, shape.num_kv_heads, shape.head_dim, shape.swiglu, shape.normalization, shape.bias) == (32, 2, 16, True, "RMSNorm", False)
+    assert shape.vocab == 128 and shape.dtype == "float32" and profile.time_model == shape
+    assert "4 heads, 2 K/V heads x 16, ffn 64 SwiGLU, RMSNorm, no biases" in proc.stdout
     # at this toy size launch overhead dominates and a term may fit to 0: finite and non-negative is what holds
     coefficients = [v for t in (profile.fwd, profile.bwd, profile.recompute, profile.head_fwd, profile.head_bwd) for v in t.vector()]
     assert all(0 <= v < float("inf") for v in coefficients) and profile.fwd.b1 + profile.fwd.a2 > 0
@@ -59,6 +64,11 @@ def test_gpu_profiler_smoke_run_on_cpu_makes_a_profile_the_planner_reads(tmp_pat
     assert summary["profile_source"] == "measured" and summary["device"] == profile.device
     bad = run(sys.executable, "scripts/profile_gpu.py", "--out", str(tmp_path / "x.json"))  # --device cuda here
     assert bad.returncode == 2 and "--device cuda: torch.cuda.is_available() is False" in bad.stderr
+    for flags, message in ((["--num-query-groups", "3", "--group-query-attention"], "not divisible by --num-query-groups 3"),
+                           (["--elastic-pp"], "--elastic-pp: not a flag of this script nor a model flag of pretrain_gpt.py")):
+        bad = run(sys.executable, "scripts/profile_gpu.py", "--device", "cpu", *flags, "--out", str(tmp_path / "x.json"))
+        last = bad.stderr.strip().splitlines()[-1]  # argparse's usage, then one error line
+        assert bad.returncode == 2 and last.startswith("profile_gpu.py: error: ") and message in last and bad.stderr.count("error") == 1, bad.stderr
 
 
 def test_gpu_check_refuses_without_cuda_and_lists_its_steps():

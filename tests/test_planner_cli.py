@@ -10,6 +10,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+import torch
 
 from megatron_epp.plan import Plan, PlanInfeasible
 from megatron_epp.plan.order import format_stage_ops
@@ -25,7 +26,7 @@ from megatron_epp.cost.profiles import load_profile, profile_at_tp
 from megatron_epp.data.mock_documents import lengths_from_file
 from megatron_epp.training.arguments import ArgumentError, parse_args
 from megatron_epp.training.elastic import PlanBuilder
-from megatron_epp.training.main import profile_summary
+from megatron_epp.training.profiling import check_profile, startup_profile
 
 LENGTHS = [3000, 1200, 800, 500, 300, 200, 150, 90, 60, 40, 20, 10] * 2
 
@@ -162,7 +163,8 @@ def cli_error(capsys, monkeypatch, *argv: str) -> str:
     (["--plan-out", "{tmp}/no/p.json"], "--plan-out {tmp}/no/p.json: no such directory {tmp}/no"),
     (["--timeline", "{tmp}/no/t.png"], "--timeline {tmp}/no/t.png: no such directory {tmp}/no"),
     (["--epp-max-slices", "0"], "--epp-max-slices must be >= 1"),
-    (["--epp-profile", "nope"], "--epp-profile 'nope': not a preset (cpu, test-model, llama-7b, llama-13b, llama-30b) nor a file"),
+    (["--epp-profile", "nope"], "--epp-profile 'nope': not a preset (auto, analytic, cpu, test-model, llama-7b, llama-13b, llama-30b) nor a file"),
+    (["--epp-profile", "analytic"], "--epp-profile analytic: needs the model's shape (pretrain_gpt.py; epp-plan takes a preset)"),
     (["--epp-cluster", "a800-ib-node"], "--epp-cluster applies only with --epp-search-layout"),
     (["--epp-search-layout", "--epp-profile", "test-model"], "--epp-search-layout needs a model preset --epp-profile (llama-7b, llama-13b, llama-30b)"),
     (["--epp-search-layout", "--epp-plan", "megatron"], "--epp-plan megatron: --epp-search-layout searches EPP's (elastic) layout"),
@@ -233,11 +235,11 @@ def test_a_profile_used_at_another_tp_is_noted_the_same_way_by_both_clis(lengths
         assert json.loads(out.out.splitlines()[-1])["tp"] == int(tp) and out.err == err
     args = parse_args(["--mock-data", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "256",
                        "--global-batch-size", "2", "--elastic-pp", "--tensor-model-parallel-size", "2"], world_size=2)
-    assert profile_summary(args).endswith(f"; {note}")
+    assert startup_profile(args, torch.device("cpu")).endswith(f"; {note})")
     assert PlanBuilder(args).cost_model.profile.tp == 2
     fixed = tmp_path / "fixed.json"  # memory coefficients as given: usable at its own TP only
     replace(measured, memory=replace(measured.memory, derive="")).save(fixed)
     message = "the profile 'CPU x86_64 (1 thread, fp32, sdpa-merged)' was measured at TP=1 and its activation memory cannot be re-derived for TP=2"
     assert cli_error(capsys, monkeypatch, *base, "--epp-profile", str(fixed), "--tp", "2") == f"--tp 2: {message} (no memory 'derive')"
     with pytest.raises(ArgumentError, match=re.escape(f"--epp-profile: {message}")):
-        profile_summary(argparse.Namespace(**{**vars(args), "epp_profile": str(fixed)}))
+        check_profile(argparse.Namespace(**{**vars(args), "epp_profile": str(fixed)}))

@@ -138,7 +138,9 @@ def test_driver_plans_the_main_job_on_the_profile_measured_at_its_shape():
     from megatron_epp.cost.profiles import PROFILE_DIR
     from megatron_epp.tools.calibration import parsed_args
     from megatron_epp.training.elastic import PlanBuilder
-    from megatron_epp.training.main import profile_summary
+    import torch
+
+    from megatron_epp.training.profiling import startup_profile
 
     args = parsed_args(["--elastic-pp", "--mock-data", "--pipeline-model-parallel-size", "2", "--num-layers", "4",
                         "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "2048",
@@ -150,4 +152,5 @@ def test_driver_plans_the_main_job_on_the_profile_measured_at_its_shape():
     for name in ("fwd", "bwd", "recompute", "head_bwd"):
         assert getattr(build.cost_model.profile, name) == getattr(measured, name), name
     assert build.cost_model.profile.overhead == measured.overhead
-    assert profile_summary(args).startswith("--epp-profile cpu: measured on CPU") and "(model test-model-h128)" in profile_summary(args)
+    line = startup_profile(args, torch.device("cpu"))
+    assert line.startswith("--epp-profile auto: measured on CPU") and "(model test-model-h128; the shipped CPU profile nearest" in line

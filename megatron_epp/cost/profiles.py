@@ -24,7 +24,11 @@ re-derived (:func:`shape_memory`); both are applied when a ``CostModel`` is buil
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import re
+import tempfile
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
@@ -282,7 +286,19 @@ class Profile:
         )
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        """Write the profile JSON atomically: a temporary file in the same folder, renamed over ``path``, so a
+        reader (another rank, a concurrent run sharing the cache) sees the old file or the whole new one."""
+        path = Path(path)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(self.to_dict(), indent=1) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
     @classmethod
     def load(cls, path: str | Path) -> "Profile":
@@ -590,8 +606,93 @@ def shape_time(profile: Profile) -> Profile:
 # ``scripts/profile_layer.py`` and calibrated by ``scripts/calibrate_step.py`` on this project's 2-core machines),
 # the one measured nearest the model that runs (:func:`nearest_cpu_profile`)
 CPU_PROFILES = "cpu"
+# ``--epp-profile auto`` (the default): on CUDA a profile measured on this GPU for this dtype, attention kernel and
+# layer shape (the cache, a shipped one, or measured at start-up: ``megatron_epp.training.profiling``); on the
+# CPU, ``cpu``. ``--epp-profile analytic``: the analytic (FLOPs / peak x MFU) profile of the model's own shape
+AUTO_PROFILE = "auto"
+ANALYTIC_PROFILE = "analytic"
 TEST_MODEL_PROFILE = PROFILE_DIR / f"{TEST_MODEL.name}_cpu.json"  # ``--epp-profile test-model``: hidden 64
-PROFILE_NAMES = (CPU_PROFILES, TEST_MODEL.name, *MODEL_PRESETS)
+PROFILE_NAMES = (AUTO_PROFILE, ANALYTIC_PROFILE, CPU_PROFILES, TEST_MODEL.name, *MODEL_PRESETS)
+DTYPE_NAMES = {"bf16": "bfloat16", "fp32": "float32", "bfloat16": "bfloat16", "float32": "float32"}
+
+
+def is_cpu_profile(profile: Profile) -> bool:
+    """Measured on a CPU (``scripts/profile_layer.py``, or ``scripts/profile_gpu.py --device cpu``): its
+    device names the CPU. Such a profile predicts a GPU's step hundreds of times too slow."""
+    return profile.source == "measured" and profile.device.startswith("CPU ")
+
+
+@dataclass(frozen=True)
+class ProfileKey:
+    """What a measured GPU profile is valid for: the GPU's name, the activations' dtype, the attention kernel
+    the executor runs there, and the layer's shape as far as its time depends on it (widths, heads, K/V heads,
+    head dimension, MLP, norm, biases, positions). Layers, vocabulary and dropout are not in it: the profile is
+    per layer, and the output head is carried to another vocabulary by FLOPs (:func:`shape_time`)."""
+
+    gpu: str
+    dtype: str
+    kernel: str
+    layer: tuple
+
+    @classmethod
+    def of(cls, gpu: str, dtype: str, kernel: str, shape: ModelShape) -> "ProfileKey":
+        layer = (shape.hidden, shape.num_heads, shape.ffn_hidden, shape.num_kv_heads or shape.num_heads, shape.head_dim,
+                 shape.swiglu, shape.rope, shape.normalization, shape.bias)
+        return cls(gpu, DTYPE_NAMES.get(dtype, dtype), kernel, layer)
+
+    @classmethod
+    def from_profile(cls, profile: Profile) -> "ProfileKey | None":
+        """The key of a measured GPU profile, read off its ``device`` (``"GPU name (dtype, kernel)"``, as
+        ``scripts/profile_gpu.py`` and the start-up profiler write it) and the shape its times were measured at;
+        None for a CPU or an analytic profile."""
+        match = re.fullmatch(r"(.+) \(([^,()]+), ([^,()]+)\)", profile.device)
+        if profile.source != "measured" or is_cpu_profile(profile) or match is None:
+            return None
+        return cls.of(match[1], match[2], match[3], profile.time_model)
+
+    def file_name(self) -> str:
+        """The cache file of this key: readable parts, and a digest of the whole key."""
+        digest = hashlib.sha1(repr(self).encode()).hexdigest()[:10]
+        gpu = re.sub(r"[^a-z0-9]+", "-", self.gpu.lower()).strip("-")
+        return f"{gpu}_{self.dtype}_{self.kernel}_h{self.layer[0]}_{digest}.json"
+
+    def describe(self) -> str:
+        h, heads, ffn, kv_heads, d, swiglu, rope, norm, bias = self.layer
+        return (f"{self.gpu}, {self.dtype}, {self.kernel}, hidden {h}, {heads} heads ({kv_heads} K/V) x {d}, ffn {ffn}"
+                f"{' SwiGLU' if swiglu else ''}, {norm}{'' if bias else ', no biases'}{'' if rope else ', learned positions'}")
+
+
+def default_profile_cache() -> Path:
+    """``--epp-profile-cache``'s default: ``$XDG_CACHE_HOME/megatron-epp/profiles`` (``~/.cache`` without it)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "megatron-epp" / "profiles"
+
+
+def find_measured_profile(key: ProfileKey, cache_dir: str | Path | None) -> tuple[Path, Profile] | None:
+    """The measured GPU profile of ``key``: the cache's own file for it, any other profile in the cache with
+    that key (``scripts/profile_gpu.py --out`` placed there), else a shipped one (``PROFILE_DIR``); None if none."""
+    cache = Path(cache_dir) if cache_dir is not None else None
+    candidates = [cache / key.file_name()] if cache is not None else []
+    candidates += sorted(cache.glob("*.json")) if cache is not None and cache.is_dir() else []
+    candidates += [p for p in sorted(PROFILE_DIR.glob("*.json")) if not p.name.endswith("_cpu.json")]
+    for path in dict.fromkeys(candidates):
+        if not path.is_file():
+            continue
+        try:
+            profile = Profile.load(path)
+        except (ValueError, OSError, KeyError, TypeError):
+            continue  # not a profile (or a torn file from before writes were atomic): not a match
+        if ProfileKey.from_profile(profile) == key:
+            return path, profile
+    return None
+
+
+def check_profile_device(profile: Profile, spec: str, device: str) -> None:
+    """A ``ValueError`` (one line, with the way out) for a CPU-measured profile on a GPU run: its times are a
+    CPU's, hundreds of times a GPU's, and the planner would split what it should pack."""
+    if device == "cuda" and is_cpu_profile(profile):
+        raise ValueError(f"--epp-profile {spec}: measured on {profile.device}, this run is on CUDA; use --epp-profile "
+                         f"{AUTO_PROFILE} (a profile measured on this GPU), {ANALYTIC_PROFILE}, or a GPU profile "
+                         "(scripts/profile_gpu.py --out FILE)")
 
 
 def shape_distance(a: ModelShape, b: ModelShape) -> tuple[int, float]:
@@ -615,20 +716,32 @@ def nearest_cpu_profile(shape: ModelShape | None) -> Profile:
     return min(profiles, key=lambda item: (shape_distance(item[1].time_model, shape), item[0]))[1]
 
 
-def load_profile(spec: str, tp: int = 8, shape: ModelShape | None = None) -> Profile:
-    """A preset name (``llama-7b``/``llama-13b``/``llama-30b``: analytic H100 profile at ``tp``),
-    ``cpu`` (the shipped CPU profile nearest ``shape``, the model that runs), ``test-model`` (the shipped
-    CPU profile of the test model, hidden 64) or a profile JSON path."""
+def load_profile(spec: str, tp: int = 8, shape: ModelShape | None = None, device: str = "cpu") -> Profile:
+    """A preset name (``llama-7b``/``llama-13b``/``llama-30b``: analytic H100 profile at ``tp``), ``analytic``
+    (the analytic H100 profile of ``shape`` at ``tp``), ``cpu`` (the shipped CPU profile nearest ``shape``, the
+    model that runs), ``test-model`` (the shipped CPU profile of the test model, hidden 64), ``auto`` (``cpu`` on
+    the CPU; on CUDA resolved by the training driver, which measures: an error here) or a profile JSON path.
+    ``device``: where the run is (``cpu``/``cuda``); a CPU-measured profile on ``cuda`` is an error."""
     if spec in MODEL_PRESETS:
         return analytic_profile(MODEL_PRESETS[spec], tp)
-    if spec == CPU_PROFILES:
-        return nearest_cpu_profile(shape)
-    if spec == TEST_MODEL.name:
-        return Profile.load(TEST_MODEL_PROFILE)
-    path = Path(spec)
-    if not path.exists():
-        raise ValueError(f"--epp-profile {spec!r}: not a preset ({', '.join(PROFILE_NAMES)}) nor a file")
-    return Profile.load(path)
+    if spec == ANALYTIC_PROFILE:
+        if shape is None:
+            raise ValueError(f"--epp-profile {ANALYTIC_PROFILE}: needs the model's shape (pretrain_gpt.py; epp-plan takes a preset)")
+        return analytic_profile(shape, tp)
+    if spec == AUTO_PROFILE and device == "cuda":
+        raise ValueError(f"--epp-profile {AUTO_PROFILE} on CUDA: the profile is measured on the GPU at start-up "
+                         "(megatron_epp.training.profiling), not loaded")
+    if spec in (CPU_PROFILES, AUTO_PROFILE):
+        profile = nearest_cpu_profile(shape)
+    elif spec == TEST_MODEL.name:
+        profile = Profile.load(TEST_MODEL_PROFILE)
+    else:
+        path = Path(spec)
+        if not path.exists():
+            raise ValueError(f"--epp-profile {spec!r}: not a preset ({', '.join(PROFILE_NAMES)}) nor a file")
+        profile = Profile.load(path)
+    check_profile_device(profile, spec, device)
+    return profile
 
 
 def profile_at_tp(profile: Profile, tp: int) -> tuple[Profile, str | None]:

@@ -30,7 +30,7 @@ class PlannerConfig:
 
     memory_gb: float
     max_seq_len: int
-    profile: str = "cpu"
+    profile: str = "auto"
     builder: str = "elastic"
     recompute: Recompute = "adaptive"
     max_slices: int | None = None
@@ -68,7 +68,10 @@ def add_planner_arguments(group: Any, defaults: dict[str, Any]) -> None:
                        help="plan builder: elastic (EPP), megatron = packing only, seq1f1b = fixed slices" + note("epp_plan"))
     group.add_argument("--epp-memory-budget", type=float, default=None, help="GB per device for the planner" + note("epp_memory_budget"))
     group.add_argument("--epp-profile", default=None,
-                       help="cost-model profile: a JSON path, or cpu (the shipped CPU profile measured nearest the model) | test-model | llama-7b | llama-13b | llama-30b" + note("epp_profile"))
+                       help="cost-model profile: auto (on CUDA a profile measured on this GPU for this dtype, attention kernel and "
+                       "layer shape: cached, shipped, or measured at start-up; on CPU as cpu) | analytic (FLOPs at an H100's peak x MFU, "
+                       "for the model's shape) | cpu (the shipped CPU profile measured nearest the model) | test-model | llama-7b | "
+                       "llama-13b | llama-30b, or a profile JSON path" + note("epp_profile"))
     group.add_argument("--epp-recompute", choices=RECOMPUTE_MODES, default=None,
                        help="per-(stage, chunk) recompute: adaptive = the planner's integer program, greedy = its "
                        "greedy heuristic, none, or full = every layer" + note("epp_recompute"))

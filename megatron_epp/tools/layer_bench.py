@@ -3,36 +3,22 @@
 Used by ``scripts/profile_layer.py`` (fits a profile) and ``scripts/cost_model_accuracy.py``
 (checks it on real chunks).
 
-The layers are built through the training spec (``elastic_base_layer_spec()`` passed through
-``elastic_layer_spec``): :class:`ChunkRecomputeLayer` with :class:`ElasticAttention` as core attention
-(one SDPA call per segment on CPU; a slice attends to its prefix K/V, read in place from its K/V
-buffer, through a bottom-right causal mask), RoPE (when the shape has it) through the chunk rotary embedding, all reading the stack's own
-:class:`ChunkContext`. A checkpointed forward recomputes as training does (the layout's recompute
-count, megatron-core's ``tensor_parallel.checkpoint``).
+The layer stack is the library's (:class:`megatron_epp.training.profiling.LayerStack`, which the GPU
+profilers time), here in a one-process group with one thread (:func:`init_single_process`).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import os
 import time
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from megatron.core import parallel_state
-from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-from megatron.core.transformer.spec_utils import build_module
-from megatron.core.transformer.transformer_config import TransformerConfig
 
 import patches
-from megatron_epp.cost.profiles import ModelShape
-from megatron_epp.executor.context import ChunkContext, ChunkLayout, KVBuffer
+from megatron_epp.executor.context import ChunkContext
 from megatron_epp.executor.memory_tracker import ActivationMemoryTracker
-from megatron_epp.executor.rotary import ChunkRotaryEmbedding
-from megatron_epp.executor.spec import elastic_layer_spec
-from megatron_epp.plan import Chunk, Segment
-from megatron_epp.training.model import architecture_config, elastic_base_layer_spec
+from megatron_epp.training import profiling
 
 
 _initialized = False
@@ -54,74 +40,12 @@ def init_single_process() -> None:
     _initialized = True
 
 
-class LayerStack(torch.nn.Module):
-    """``num_layers`` transformer layers of the training spec with prefix attention, plus the output head.
+class LayerStack(profiling.LayerStack):
+    """:class:`megatron_epp.training.profiling.LayerStack` in this one process (:func:`init_single_process` first)."""
 
-    :meth:`set_segments` makes a chunk current in the stack's own context until the next call, so a
-    forward and its backward (recompute included) run on that chunk.
-    """
-
-    def __init__(self, shape: ModelShape, num_layers: int, seed: int = 0,
-                 device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
-        super().__init__()
+    def __init__(self, *args, **kwargs) -> None:
         init_single_process()
-        torch.manual_seed(seed)
-        self.device, self.dtype = torch.device(device), dtype
-        on_cpu = self.device.type == "cpu"
-        config = TransformerConfig(
-            num_layers=num_layers,
-            hidden_size=shape.hidden,
-            num_attention_heads=shape.num_heads,
-            ffn_hidden_size=shape.ffn_hidden,
-            **architecture_config(swiglu=shape.swiglu, normalization=shape.normalization, num_query_groups=shape.num_kv_heads,
-                                  kv_channels=shape.kv_channels, bias=shape.bias),
-            use_cpu_initialization=on_cpu,  # else RoPE's frequencies are made on the current GPU
-            params_dtype=dtype,
-            bf16=dtype == torch.bfloat16,
-            hidden_dropout=0.0,
-            attention_dropout=0.0,
-        )
-        self.context = ChunkContext()
-        spec = elastic_layer_spec(elastic_base_layer_spec(shape.normalization), self.context)
-        self.layers = torch.nn.ModuleList(build_module(spec, config=config, layer_number=i + 1) for i in range(num_layers))
-        self.rotary = ChunkRotaryEmbedding(RotaryEmbedding(config.kv_channels, rotary_percent=1.0, use_cpu_initialization=on_cpu), self.context) if shape.rope else None
-        self.head = torch.nn.Linear(shape.hidden, shape.vocab, bias=False)
-        self.shape = shape
-        self._recompute_layout: ChunkLayout | None = None
-        self._prefixes: list[tuple[KVBuffer, int]] = []  # each slice's buffers and their prefix rows
-        self.to(self.device, dtype)  # every parameter, LayerNorms included, as Float16Module does in training
-
-    def set_segments(self, lengths: Sequence[int], contexts: Sequence[int]) -> None:
-        """Make the segments ``(s, C)`` the current chunk; a slice of context ``C > 0`` (at most one, as
-        in a plan) gets a K/V buffer per layer whose prefix rows ``[0, C)`` hold random K/V."""
-        if sum(c > 0 for c in contexts) > 1:
-            raise ValueError("a chunk holds at most one slice with context")
-        heads, d = self.shape.num_kv_heads or self.shape.num_heads, self.shape.head_dim
-        chunk = Chunk(0, "batched", [Segment(i, c, c + s) for i, (s, c) in enumerate(zip(lengths, contexts))])
-        self.context.clear()
-        self.context.current = ChunkLayout.build(chunk, [c + s for s, c in zip(lengths, contexts)], self.device)
-        self._recompute_layout = dataclasses.replace(self.context.current, recompute=len(self.layers))
-        self._prefixes = []
-        for i, (s, c) in enumerate(zip(lengths, contexts)):
-            for layer in self.layers if c else ():
-                buffer = self.context.kv_buffer(i, layer.layer_number, c + s, torch.empty(0, 1, heads, d, device=self.device, dtype=self.dtype))
-                buffer.write(0, *(torch.randn(c, 1, heads, d, device=self.device, dtype=self.dtype) for _ in range(2)))
-                self._prefixes.append((buffer, c))
-
-    def forward(self, x: torch.Tensor, checkpoint: bool = False) -> torch.Tensor:
-        """Hidden states ``[s, 1, h]`` through every layer (each recomputing in backward if asked)."""
-        for buffer, c in self._prefixes:
-            buffer.written = c  # so that every timed forward writes its slice's K/V, as a first forward does
-        with self.context.running(self._recompute_layout if checkpoint else self.context.layout()):
-            rotary = self.rotary(x.shape[0]) if self.rotary is not None else None
-            for layer in self.layers:
-                x = layer(x, attention_mask=None, rotary_pos_emb=rotary)[0]
-        return x
-
-    def head_loss(self, x: torch.Tensor) -> torch.Tensor:
-        """Output layer and summed cross entropy (fp32 logits) of hidden states ``[s, 1, h]``."""
-        logits = self.head(x).float().view(-1, self.shape.vocab)
-        return F.cross_entropy(logits, torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device), reduction="sum")
+        super().__init__(*args, **kwargs)
 
 
 def time_fwd_bwd(run: Callable[..., torch.Tensor], make_inputs: Callable[[], tuple], repeats: int) -> tuple[float, float]:

@@ -121,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--elastic-pp", action="store_true",
                    help="whole documents per global batch, planned every step into batched/split/hybrid chunks")
     add_planner_arguments(g, {**EPP_DEFAULTS, "epp_memory_budget": "90% of GPU memory, or of RAM / ranks on CPU"})
+    g.add_argument("--epp-profile-cache", default=None, metavar="DIR",
+                   help="where --epp-profile auto keeps the profiles it measures on a GPU, one per GPU name, dtype, "
+                   "attention kernel and layer shape (default $XDG_CACHE_HOME/megatron-epp/profiles, ~/.cache without it)")
     g.add_argument("--epp-truncate-documents", action="store_true",
                    help="train documents longer than --seq-length (the context cap) on their first --seq-length "
                    "tokens; without it such a document is an error before training")
@@ -425,7 +428,7 @@ UNSUPPORTED_PARALLELISM = {
 
 
 EPP_DEFAULTS = {  # pretrain_gpt.py's defaults of the planner options (epp-plan has its own)
-    "epp_plan": PlannerConfig.builder, "epp_max_slices": 8, "epp_profile": "cpu", "epp_recompute": PlannerConfig.recompute,
+    "epp_plan": PlannerConfig.builder, "epp_max_slices": 8, "epp_profile": "auto", "epp_recompute": PlannerConfig.recompute,
     "epp_time_limit": PlannerConfig.time_limit,
 }
 
@@ -434,6 +437,7 @@ SEARCH_REFUSES = {
     "epp_profile": "it models the --epp-cluster preset's GPUs for the model the flags describe",
     "epp_timeline": "it prints a layout and exits without training",
     "epp_calibrate_interval": "it prints a layout and exits without training",
+    "epp_profile_cache": "it models the --epp-cluster preset's GPUs for the model the flags describe",
 }
 
 
@@ -444,7 +448,7 @@ CALIBRATE_INTERVAL = 20
 
 
 def validate_elastic_args(args: argparse.Namespace, world_size: int) -> None:
-    given = [k for k in (*EPP_DEFAULTS, "epp_memory_budget", "epp_timeline", "epp_calibrate_interval") if getattr(args, k) is not None]
+    given = [k for k in (*EPP_DEFAULTS, "epp_memory_budget", "epp_timeline", "epp_calibrate_interval", "epp_profile_cache") if getattr(args, k) is not None]
     given += ["epp_truncate_documents"] if args.epp_truncate_documents else []
     if args.epp_search_layout:
         return validate_search_args(args, given)

@@ -19,7 +19,7 @@ from megatron.core.utils import get_model_config
 
 from megatron_epp.cost.features import chunk_features
 from megatron_epp.cost.model import CostModel
-from megatron_epp.cost.profiles import StageOverhead, load_profile, megatron_model_state, profile_at_tp
+from megatron_epp.cost.profiles import StageOverhead, megatron_model_state
 from megatron_epp.data.blend import blended_documents
 from megatron_epp.data.mock_documents import MockDocuments, lognormal_lengths
 from megatron_epp.data.sequence_sampler import SequenceSampler
@@ -37,6 +37,7 @@ from megatron_epp.simulator.timeline import draw_timeline
 from megatron_epp.training.arguments import CALIBRATE_FIRST_STEP, ArgumentError
 from megatron_epp.training.initialize import Runtime
 from megatron_epp.training.metrics import ElasticMetrics
+from megatron_epp.training.profiling import planner_profile
 from megatron_epp.training.model import model_shape
 
 
@@ -46,9 +47,8 @@ class PlanBuilder:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.config = PlannerConfig.from_args(args, args.seq_length)
-        tp = args.tensor_model_parallel_size
         shape = model_shape(args)
-        profile, _ = profile_at_tp(load_profile(self.config.profile, tp=tp, shape=shape), tp)  # the note: main's start-up line
+        profile = planner_profile(args)  # at the run's TP size; the start-up line says which
         shape = dataclasses.replace(shape, name=profile.model.name)
         memory = dataclasses.replace(profile.memory, **megatron_model_state(shape.dtype, args.use_distributed_optimizer))
         self.cost_model = CostModel(

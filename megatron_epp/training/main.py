@@ -10,13 +10,13 @@ from typing import Sequence
 from megatron_epp.data.blend import BlendedSamples, split_documents
 from megatron_epp.data.gpt_samples import GPTSamples, MockGPTSamples
 from megatron_epp.data.tokenizers import TokenizerError
-from megatron_epp.cost.profiles import load_profile, profile_at_tp
 from megatron_epp.executor.context import ChunkContext
 from megatron_epp.training import checkpointing, host_allocator
 from megatron_epp.training.arguments import ArgumentError, parse_args, world_size_from_env
 from megatron_epp.training.corpus_check import check_corpus
 from megatron_epp.training.elastic import check_memory_budget, elastic_train_step
 from megatron_epp.training.faults import FaultInjection, TrainingFault
+from megatron_epp.training.profiling import check_profile, startup_profile
 from megatron_epp.training.gpt_step import gpt_forward_step, microbatches
 from megatron_epp.training.layout_search import driver_layout_search
 from megatron_epp.training.initialize import gpu_count, gpu_oversubscription, initialize, local_world_size, shutdown
@@ -40,18 +40,6 @@ def build_samples(args: argparse.Namespace, split: str):
                           args.data_blend.weights, needed)
 
 
-def profile_summary(args: argparse.Namespace) -> str:
-    """Where the planner's cost profile comes from (its ``source`` and ``device``), for the start-up
-    line, with the note of a profile used at another TP (:func:`~megatron_epp.cost.profiles.profile_at_tp`);
-    a profile that does not load, or cannot be used at this TP, is a bad flag."""
-    tp = args.tensor_model_parallel_size
-    try:
-        profile, note = profile_at_tp(load_profile(args.epp_profile, tp=tp, shape=model_shape(args)), tp)
-    except (ValueError, OSError, KeyError, TypeError) as error:
-        raise ArgumentError(str(error) if str(error).startswith("--epp-profile") else f"--epp-profile: {error}") from None
-    return f"--epp-profile {args.epp_profile}: {profile.source} on {profile.device} (model {profile.model.name})" + (f"; {note}" if note else "")
-
-
 def main(argv: Sequence[str] | argparse.Namespace | None = None) -> int:
     """pretrain_gpt.py: ``argv`` are its flags, or already parsed by :func:`~megatron_epp.training.arguments.parse_args`."""
     start_time = time.time()  # --exit-duration-in-mins counts from here
@@ -65,7 +53,7 @@ def main(argv: Sequence[str] | argparse.Namespace | None = None) -> int:
             print("\n".join(driver_layout_search(args, world_size_from_env())), flush=True)
             return 0
         if args.elastic_pp:
-            planner = profile_summary(args)
+            check_profile(args)  # a profile that loads (auto on CUDA is measured or found after start-up)
             check_memory_budget(args)
         resume = checkpointing.check_loadable(args) if args.load else None
         data_note = checkpointing.data_change(args, resume) if resume is not None else None
@@ -77,6 +65,13 @@ def main(argv: Sequence[str] | argparse.Namespace | None = None) -> int:
 
     runtime = initialize(args)
     if args.elastic_pp:
+        try:  # every rank: the first one resolves (and on CUDA may measure) the profile, all plan on it
+            planner = startup_profile(args, runtime.device)
+        except ArgumentError as error:
+            if runtime.is_logging_rank:
+                print(error, file=sys.stderr, flush=True)
+            shutdown()
+            return 2
         model, config = build_model(args, runtime, context=ChunkContext())
     else:
         model, config = build_model(args, runtime)

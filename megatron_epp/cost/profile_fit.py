@@ -1,0 +1,106 @@
+"""Fitting a measured profile's time coefficients to timings (numpy; the timings come from
+``megatron_epp.training.profiling`` on a GPU, or ``scripts/profile_layer.py`` on the CPU).
+
+Every fit is non-negative least squares of the *relative* error (:func:`fit`), and reports its error
+(:func:`rel_errors`: rms and max relative error over its points), which the profile stores in
+``fit["errors"]``. The GPU profiler's structure (:func:`attention_fit`, :func:`layer_fit`, :func:`head_fit`):
+
+* the attention kernel alone over an ``(s, C)`` grid gives the per-pair terms ``a1`` (``s^2``), ``a1c``
+  (``s C``), ``ac`` (``C``) and the per-segment constant ``bs``;
+* one layer over ``lengths`` at ``C = 0``, less the attention's ``a1 s^2 + bs``, gives ``a2`` and ``b1``;
+* the recompute (the time a checkpointed layer adds to forward + backward) is fitted on its own
+  per-token and per-chunk terms, plus the forward's attention part scaled by one factor
+  (:func:`recompute_fit`); see there for why it is not a ratio of the forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+from scipy.optimize import nnls
+
+from megatron_epp.cost.features import NUM_FEATURES, F
+from megatron_epp.cost.profiles import MemoryCoeffs, ModelShape, Profile, StageOverhead, TimeCoeffs
+
+Fitted = tuple[TimeCoeffs, dict[str, Any]]  # coefficients and their fit's errors
+
+
+def rel_errors(pred: np.ndarray, meas: np.ndarray) -> dict[str, float]:
+    """rms and max relative error of ``pred`` against ``meas``, and the number of points."""
+    rel = np.asarray(pred, dtype=float) / np.asarray(meas, dtype=float) - 1.0
+    return {"rms_rel_err": float(np.sqrt(np.mean(rel**2))), "max_rel_err": float(np.max(np.abs(rel))), "points": len(rel)}
+
+
+def fit(X: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, dict[str, float]]:
+    """Non-negative least squares on relative error; returns coefficients and error stats."""
+    A = X / y[:, None]
+    scale = np.abs(A).max(axis=0)
+    scale[scale == 0] = 1.0
+    coef = nnls(A / scale, np.ones_like(y))[0] / scale
+    return coef, rel_errors(X @ coef, y)
+
+
+def attention_fit(points: Sequence[tuple[int, int]], fwd_ms: Sequence[float], bwd_ms: Sequence[float]) -> dict[str, tuple[np.ndarray, dict]]:
+    """``[a1, a1c, a_lin, ac, bs]`` of the attention kernel's forward and backward from its timings at
+    ``points`` = ``(s, C)`` (the linear term is the layer's business: :func:`layer_fit` refits it)."""
+    X = np.array([[s * s, s * c, s, c, 1.0] for s, c in points], dtype=float)
+    return {name: fit(X, np.asarray(t, dtype=float)) for name, t in (("attention_fwd", fwd_ms), ("attention_bwd", bwd_ms))}
+
+
+def recompute_fit(lengths: np.ndarray, recompute_ms: np.ndarray, fwd: TimeCoeffs) -> Fitted:
+    """The recompute coefficients from the time a checkpointed layer adds at ``C = 0`` (one segment of
+    each length): ``r (a1 s^2 + bs) + a2' s + b1'`` with the forward's attention coefficients scaled by one
+    factor ``r`` (a recompute re-runs the forward's attention) and its own per-token and per-chunk terms.
+
+    The ratio-of-the-forward model (``r x forward + constant``) it replaces fitted the H100 h1024 timings
+    with 27 % rms error: on a GPU a small layer's forward is launch-bound (its per-chunk constant, 1.8 ms,
+    is most of it), and a recompute re-launches the forward's kernels under the backward's, which hides
+    part of that constant, so the recompute is not a multiple of the forward; its per-token term is
+    the forward's GEMMs once more (no saving)."""
+    n = np.asarray(lengths, dtype=float)
+    quad = fwd.a1 * n**2 + fwd.bs
+    X = np.stack([quad, n, np.ones_like(n)], 1)
+    (r, a2, b1), err = fit(X, np.asarray(recompute_ms, dtype=float))
+    coeffs = TimeCoeffs(fwd.a1 * r, fwd.a1c * r, a2, fwd.ac * r, fwd.bs * r, b1)
+    return coeffs, {**err, "attention_ratio_to_fwd": float(r)}
+
+
+def layer_fit(lengths: Sequence[int], fwd_ms: Sequence[float], bwd_ms: Sequence[float], recompute_ms: Sequence[float],
+              att_fwd: np.ndarray, att_bwd: np.ndarray) -> dict[str, Fitted]:
+    """The layer's forward, backward and recompute coefficients from its timings on one segment of each of
+    ``lengths`` (``C = 0``): ``a2``/``b1`` beside the attention's ``a1 s^2 + bs`` (``att_*`` from
+    :func:`attention_fit`), its ``a1``, ``a1c``, ``ac``, ``bs`` as the attention fitted them."""
+    n = np.asarray(lengths, dtype=float)
+    X = np.stack([n, np.ones_like(n)], 1)
+    out: dict[str, Fitted] = {}
+    for name, t, att in (("fwd", np.asarray(fwd_ms, dtype=float), att_fwd), ("bwd", np.asarray(bwd_ms, dtype=float), att_bwd)):
+        quad = att[0] * n**2 + att[4]  # the attention's s^2 term and per-segment constant
+        (a2, b1), _ = fit(X, np.maximum(t - quad, 1e-6))
+        out[name] = (TimeCoeffs(att[0], att[1], a2, att[3], att[4], b1), rel_errors(quad + a2 * n + b1, t))
+    out["recompute"] = recompute_fit(n, np.asarray(recompute_ms, dtype=float), out["fwd"][0])
+    return out
+
+
+def head_fit(lengths: Sequence[int], fwd_ms: Sequence[float], bwd_ms: Sequence[float]) -> dict[str, Fitted]:
+    """The output head's per-token and per-chunk terms, forward and backward."""
+    n = np.asarray(lengths, dtype=float)
+    X = np.zeros((len(n), NUM_FEATURES))
+    X[:, F.S], X[:, F.CHUNKS] = n, 1.0
+    out = {}
+    for name, t in (("head_fwd", fwd_ms), ("head_bwd", bwd_ms)):
+        coef, err = fit(X, np.asarray(t, dtype=float))
+        out[name] = (TimeCoeffs(*coef), err)
+    return out
+
+
+def measured_profile(shape: ModelShape, device: str, layer: dict, head: dict, memory: MemoryCoeffs, fit_info: dict,
+                     overhead: StageOverhead | None = None) -> Profile:
+    """The profile from fitted ``layer``/``head`` terms (``{name: (TimeCoeffs, errors)}``), shared by the CPU
+    profiler (``scripts/profile_layer.py``) and the GPU one (:mod:`megatron_epp.training.profiling`)."""
+    return Profile(
+        model=shape, device=device, source="measured", tp=1,
+        fwd=layer["fwd"][0], bwd=layer["bwd"][0], recompute=layer["recompute"][0],
+        head_fwd=head["head_fwd"][0], head_bwd=head["head_bwd"][0],
+        memory=memory, fit=fit_info, overhead=overhead or StageOverhead(),
+    )

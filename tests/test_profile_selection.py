@@ -1,0 +1,209 @@
+"""Which cost profile a run plans on (``--epp-profile``, ``megatron_epp.training.profiling``), pinned on CPU.
+
+* ``auto`` on the CPU: the shipped CPU profile nearest the model (as ``cpu``);
+* ``auto`` on CUDA: the cached profile of this GPU, dtype, kernel and layer shape (a hit); the shipped measured
+  H100 profile for its own key; without one, the start-up profiler measures (here: the real profiler, a tiny model
+  and grid on the CPU standing in for a GPU), writes the cache atomically, and the next run hits it;
+* a CPU-measured profile on CUDA is refused in one line;
+* the cache key: another GPU, dtype, kernel or layer shape misses;
+* the recompute fit on the H100 timings of ``gpu-evidence/2026-11-25-h100``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_epp.cost.profile_fit import fit, recompute_fit
+from megatron_epp.cost.profiles import (
+    PROFILE_DIR, Profile, ProfileKey, TimeCoeffs, find_measured_profile, is_cpu_profile, load_profile,
+)
+from megatron_epp.tools.calibration import parsed_args
+from megatron_epp.tools.layer_bench import init_single_process
+from megatron_epp.training.arguments import ArgumentError
+from megatron_epp.training.model import model_shape
+from megatron_epp.training.profiling import Target, describe, planner_profile, resolve_profile, startup_profile
+
+EVIDENCE = Path(__file__).resolve().parents[1] / ".." / "shared" / "gpu-evidence" / "2026-11-25-h100"
+TINY = ["--elastic-pp", "--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
+        "--group-query-attention", "--num-query-groups", "2", "--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear",
+        "--seq-length", "128", "--global-batch-size", "2", "--lr", "1e-3", "--train-iters", "1", "--epp-memory-budget", "1"]
+FAKE_GPU = Target("cuda", torch.float32, gpu="Test GPU", kernel="sdpa-merged")  # measured on the CPU (measure_on)
+
+
+def args_for(*extra: str, cache: Path | None = None):
+    args = parsed_args([*TINY, *extra, *(["--epp-profile-cache", str(cache)] if cache else [])], world_size=1)
+    return args
+
+
+def test_auto_on_cpu_plans_on_the_nearest_shipped_cpu_profile():
+    args = args_for()
+    assert args.epp_profile == "auto"
+    resolved = resolve_profile(args, Target("cpu", torch.float32))
+    assert is_cpu_profile(resolved.profile) and resolved.profile == load_profile("cpu", tp=1, shape=model_shape(args))
+    assert describe(args, resolved).startswith("--epp-profile auto: measured on CPU ")
+    assert "the shipped CPU profile nearest the model" in describe(args, resolved)
+
+
+def test_a_cpu_profile_on_cuda_is_refused_in_one_line(tmp_path):
+    for spec in ("cpu", "test-model", str(PROFILE_DIR / "test-model_cpu.json")):
+        with pytest.raises(ArgumentError) as error:
+            resolve_profile(args_for("--epp-profile", spec), FAKE_GPU)
+        message = str(error.value)
+        assert "\n" not in message and message.startswith(f"pretrain_gpt.py: error: --epp-profile {spec}: measured on CPU ")
+        assert "this run is on CUDA; use --epp-profile auto" in message
+    # analytic (the model's own shape) is a GPU profile: allowed
+    analytic = resolve_profile(args_for("--epp-profile", "analytic"), FAKE_GPU).profile
+    assert analytic.source == "analytic" and analytic.model.hidden == 32 and analytic.tp == 1
+
+
+def gpu_profile_for(args, gpu: str = "Test GPU", dtype: str = "float32", kernel: str = "sdpa-merged") -> Profile:
+    """The shipped H100 profile relabelled as measured on ``gpu`` at the run's shape (a cached profile)."""
+    shipped = Profile.load(PROFILE_DIR / "gpu-h1024_h100_tp1.json")
+    shape = model_shape(args, "cached")
+    return dataclasses.replace(shipped, device=f"{gpu} ({dtype}, {kernel})", model=shape, time_model=shape)
+
+
+def test_auto_on_cuda_takes_the_cached_profile_of_its_key(tmp_path):
+    args = args_for(cache=tmp_path)
+    cached = gpu_profile_for(args)
+    key = FAKE_GPU.key(model_shape(args))
+    assert ProfileKey.from_profile(cached) == key
+    cached.save(tmp_path / key.file_name())
+    resolved = resolve_profile(args, FAKE_GPU)
+    assert resolved.profile == cached and resolved.origin == f"cache hit {tmp_path / key.file_name()}"
+    assert describe(args, resolved).startswith("--epp-profile auto: measured on Test GPU (float32, sdpa-merged) (model cached; cache hit ")
+    # a profile placed in the cache under another name (scripts/profile_gpu.py --out) is found by its key too
+    (tmp_path / key.file_name()).rename(tmp_path / "by-hand.json")
+    assert find_measured_profile(key, tmp_path)[0] == tmp_path / "by-hand.json"
+
+
+def test_the_cache_key_holds_gpu_dtype_kernel_and_layer_shape(tmp_path):
+    args = args_for()
+    shape = model_shape(args)
+    key = FAKE_GPU.key(shape)
+    gpu_profile_for(args).save(tmp_path / key.file_name())
+    assert find_measured_profile(key, tmp_path) is not None
+    others = [
+        ProfileKey.of("Other GPU", "float32", "sdpa-merged", shape),
+        ProfileKey.of("Test GPU", "bfloat16", "sdpa-merged", shape),
+        ProfileKey.of("Test GPU", "float32", "torch-varlen", shape),
+        ProfileKey.of("Test GPU", "float32", "sdpa-merged", dataclasses.replace(shape, hidden=64)),
+        ProfileKey.of("Test GPU", "float32", "sdpa-merged", dataclasses.replace(shape, num_kv_heads=4)),
+        ProfileKey.of("Test GPU", "float32", "sdpa-merged", dataclasses.replace(shape, swiglu=False)),
+    ]
+    for other in others:
+        assert other != key and other.file_name() != key.file_name()
+        assert find_measured_profile(other, tmp_path) is None, other
+    # layers, vocabulary, dropout and the name are not the layer's time: the same key
+    same = dataclasses.replace(shape, name="x", num_layers=7, vocab=999, hidden_dropout=0.1)
+    assert ProfileKey.of("Test GPU", "fp32", "sdpa-merged", same) == key
+
+
+def test_the_shipped_h100_profile_is_found_for_its_own_key(tmp_path):
+    args = parsed_args(["--elastic-pp", "--mock-data", "--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "16",
+                        "--seq-length", "16384", "--global-batch-size", "32", "--lr", "1e-3", "--train-iters", "1", "--bf16",
+                        "--epp-profile-cache", str(tmp_path), "--epp-memory-budget", "60"], world_size=1)
+    h100 = Target("cuda", torch.bfloat16, gpu="NVIDIA H100 80GB HBM3", kernel="sdpa-causal")
+    resolved = resolve_profile(args, h100)
+    assert resolved.origin == f"shipped {PROFILE_DIR / 'gpu-h1024_h100_tp1.json'}"
+    assert resolved.profile.source == "measured" and resolved.profile.device == "NVIDIA H100 80GB HBM3 (bfloat16, sdpa-causal)"
+    # the same GPU with another attention kernel has no profile: at TP 2 the start-up profiler cannot measure it
+    args.tensor_model_parallel_size = 2
+    with pytest.raises(ArgumentError, match="measures one GPU .TP 1. only: run scripts/profile_gpu.py"):
+        resolve_profile(args, dataclasses.replace(h100, kernel="torch-varlen"))
+
+
+def test_auto_on_cuda_without_a_profile_measures_one_caches_it_and_the_next_run_hits(tmp_path):
+    init_single_process()
+    cache = tmp_path / "cache"
+    args = args_for(cache=cache)
+    lines: list[str] = []
+    rng = torch.random.get_rng_state()
+    resolved = resolve_profile(args, FAKE_GPU, log=lines.append)
+    assert torch.equal(torch.random.get_rng_state(), rng)  # the run's seeds as they were
+    key = FAKE_GPU.key(model_shape(args))
+    path = cache / key.file_name()
+    assert re.fullmatch(rf"cache miss, measured now in [0-9.]+ s, cached at {re.escape(str(path))}", resolved.origin)
+    assert lines[0].startswith("> planner: no measured profile of Test GPU, float32, sdpa-merged, hidden 32, 4 heads (2 K/V)")
+    assert sum(bool(re.match(r"\s+(attention|layer|head) s=", line)) for line in lines) == 6 + 4 + 2  # one line a point
+    assert sum("rms rel err" in line for line in lines) == 7
+    profile = resolved.profile
+    assert profile.source == "measured" and profile.device == "Test GPU (float32, sdpa-merged)"
+    assert ProfileKey.from_profile(profile) == key and profile.model.num_kv_heads == 2 and profile.model.swiglu
+    assert set(profile.fit["errors"]) == {"attention_fwd", "attention_bwd", "fwd", "bwd", "recompute", "head_fwd", "head_bwd"}
+    assert profile.fit["seconds"] < 60 and profile.fit["skipped"] == []
+    # written atomically (no temporary left) and read back whole
+    assert sorted(p.name for p in cache.iterdir()) == [path.name]
+    assert Profile.load(path).to_dict() == profile.to_dict()
+    again = resolve_profile(args, FAKE_GPU, log=lines.append)
+    assert again.origin == f"cache hit {path}" and again.profile == Profile.load(path)
+    # the driver's start-up step: every rank plans on the profile it resolved
+    line = startup_profile(args, torch.device("cpu"), target=FAKE_GPU)
+    assert line.startswith("--epp-profile auto: measured on Test GPU") and planner_profile(args) == again.profile
+
+
+def test_profile_writes_are_atomic(tmp_path, monkeypatch):
+    path = tmp_path / "p.json"
+    first = load_profile("test-model")
+    first.save(path)
+    second = dataclasses.replace(first, device="CPU other (1 thread, fp32, sdpa-merged)")
+
+    def torn(fd):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "fsync", torn)
+    with pytest.raises(OSError, match="disk full"):
+        second.save(path)
+    assert Profile.load(path) == first and sorted(p.name for p in tmp_path.iterdir()) == ["p.json"]
+    monkeypatch.undo()
+    second.save(path)
+    assert Profile.load(path) == second and sorted(p.name for p in tmp_path.iterdir()) == ["p.json"]
+
+
+def logged_layer_timings() -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The layer lines of the H100 h1024 profiler log: lengths, forward, backward and recompute ms."""
+    log = EVIDENCE / "logs" / "profile_gpu_h1024.log"
+    if not log.exists():
+        pytest.skip(f"{log} not here (shared/ beside the clone)")
+    rows = re.findall(r"layer s=\s*(\d+): fwd\s+([\d.]+) ms\s+bwd\s+([\d.]+) ms\s+recompute\s+([\d.]+) ms", log.read_text())
+    return tuple(np.array(column, dtype=float) for column in zip(*rows))  # type: ignore[return-value]
+
+
+def test_recompute_fit_on_the_logged_h100_timings():
+    """The old recompute model (a ratio of the fitted forward plus a constant) fitted the H100 h1024 recompute timings
+    with 27 % rms error (the profile's own record); the new one (the forward's attention part scaled, its own per-token
+    and per-chunk terms) fits them better. Neither can reach 10 % on these 6 points: they are the difference of two
+    separately taken medians in the launch-bound regime and not monotone in s (8192 tokens below 2048 and 4096), which
+    no cost model reproduces; the profiler now times the two back to back per repeat (``Timer.paired``)."""
+    n, f, b, rc = logged_layer_timings()
+    shipped = Profile.load(PROFILE_DIR / "gpu-h1024_h100_tp1.json")
+    fwd = shipped.fwd
+    fwd_pred = fwd.a1 * n**2 + fwd.a2 * n + fwd.bs + fwd.b1
+    _, old = fit(np.stack([fwd_pred, np.ones_like(n)], 1), rc)
+    assert old["rms_rel_err"] == pytest.approx(shipped.fit["errors"]["recompute"]["rms_rel_err"], rel=1e-3)
+    coeffs, new = recompute_fit(n, rc, fwd)
+    assert new["rms_rel_err"] < old["rms_rel_err"] - 0.05 and new["max_rel_err"] < old["max_rel_err"]
+    assert rc[n == 8192][0] < rc[n == 2048][0]  # why nothing fits within 10 %: the timings are not monotone
+    # the fitted coefficients predict exactly what the fit reports
+    pred = coeffs.a1 * n**2 + coeffs.a2 * n + coeffs.bs + coeffs.b1
+    assert np.sqrt(np.mean((pred / rc - 1) ** 2)) == pytest.approx(new["rms_rel_err"])
+
+
+def test_recompute_fit_recovers_a_recompute_that_is_not_a_ratio_of_the_forward():
+    """A recompute with its own per-chunk constant (less than the forward's: launches hidden under the backward) and
+    the forward's per-token work: the new model recovers it exactly where the ratio model is off by over 10 %."""
+    fwd = TimeCoeffs(4e-9, 1.4e-8, 3.7e-5, 0.0, 0.28, 1.84)
+    n = np.array([1024, 2048, 4096, 8192, 16384, 32768], dtype=float)
+    truth = 0.9 * (fwd.a1 * n**2 + fwd.bs) + fwd.a2 * n + 0.6
+    coeffs, err = recompute_fit(n, truth, fwd)
+    assert err["rms_rel_err"] < 1e-6 and coeffs.b1 == pytest.approx(0.6, rel=1e-4)
+    fwd_pred = fwd.a1 * n**2 + fwd.a2 * n + fwd.bs + fwd.b1
+    assert fit(np.stack([fwd_pred, np.ones_like(n)], 1), truth)[1]["rms_rel_err"] > 0.10
