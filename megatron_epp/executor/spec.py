@@ -9,21 +9,27 @@ from __future__ import annotations
 import copy
 
 from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_epp.executor.attention import ElasticAttention
 from megatron_epp.executor.context import ChunkContext
 from megatron_epp.executor.recompute_layer import ChunkRecomputeLayer
-from megatron_epp.executor.rotary import ChunkRotaryEmbedding
+from megatron_epp.executor.rotary import ChunkRopeSelfAttention, ChunkRotaryEmbedding
 
 
 def elastic_layer_spec(base: ModuleSpec, context: ChunkContext) -> ModuleSpec:
     """``base`` (a GPT layer spec) with :class:`ElasticAttention` as its core attention and
     :class:`ChunkRecomputeLayer` as its module (per-chunk recompute from the plan), both reading
-    ``context`` (passed to their constructors through ``ModuleSpec.params``)."""
+    ``context`` (passed to their constructors through ``ModuleSpec.params``), and
+    :class:`ChunkRopeSelfAttention` as its self-attention (RoPE from the chunk's shared tables)."""
     spec = copy.deepcopy(base)
     spec.module = ChunkRecomputeLayer
     spec.params = {**spec.params, "context": context}
+    if spec.submodules.self_attention.module is not SelfAttention:
+        raise ValueError(f"elastic_layer_spec: the base spec's self-attention is {spec.submodules.self_attention.module.__name__}, "
+                         "expected megatron-core's SelfAttention (the local spec)")
+    spec.submodules.self_attention.module = ChunkRopeSelfAttention
     spec.submodules.self_attention.submodules.core_attention = ModuleSpec(module=ElasticAttention, params={"context": context})
     return spec
 
