@@ -19,6 +19,7 @@ gradients, fp32 and bf16, with grouped-query attention (``test_rotation_is_megat
 from __future__ import annotations
 
 import collections
+import warnings
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_epp.cost.profiles import ModelShape
-from megatron_epp.executor import rotary
+from megatron_epp.executor import rotary, spec
 from megatron_epp.executor.context import ChunkContext, ChunkLayout
 from megatron_epp.plan import Chunk, Segment
 from megatron_epp.tools.layer_bench import LayerStack, init_single_process
@@ -66,20 +67,31 @@ class CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def stack_ops(num_layers: int, dtype: torch.dtype) -> tuple[collections.Counter, collections.Counter]:
-    """Forward and backward ops of a ``num_layers`` stack over one chunk (after a warm-up pass)."""
+def chunk_stack(num_layers: int, dtype: torch.dtype):
+    """A ``num_layers`` stack over one packed chunk, and a function running one forward and one backward of it
+    (each in its own ``running`` pass), counted: ``(forward ops, backward ops)``."""
     stack = LayerStack(SHAPE, num_layers, dtype=dtype)
     stack.set_segments(SEGMENTS, [0] * len(SEGMENTS))
     layout = stack.context.layout()
     x = torch.randn(sum(SEGMENTS), 1, SHAPE.hidden, dtype=dtype, requires_grad=True)
     grad = torch.randn(sum(SEGMENTS), 1, SHAPE.hidden, dtype=dtype)
-    for _ in range(2):  # warm-up, then counted
+
+    def run() -> tuple[collections.Counter, collections.Counter]:
         layout.transient.clear()
         with CountOps() as forward:
             y = stack(x)
         with stack.context.running(layout), CountOps() as backward:
             y.backward(grad)
-    return forward.ops, backward.ops
+        return forward.ops, backward.ops
+
+    return stack, run
+
+
+def stack_ops(num_layers: int, dtype: torch.dtype) -> tuple[collections.Counter, collections.Counter]:
+    """Forward and backward ops of a ``num_layers`` stack over one chunk (after a warm-up pass)."""
+    _, run = chunk_stack(num_layers, dtype)
+    run()
+    return run()
 
 
 def per_layer_and_chunk(dtype: torch.dtype):
@@ -112,6 +124,24 @@ def test_per_layer_rope_is_counted(monkeypatch):
         assert (sum(layer_f.values()), sum(layer_b.values())) == counts, (dtype, layer_f, layer_b)
         assert layer_f["cos"] == layer_f["sin"] == 2 and layer_f["cat"] == 5 and chunk_f == {"index": 1}
         assert layer_f != LAYER_FORWARD and layer_b != LAYER_BACKWARD
+
+
+def tp_group_warnings() -> int:
+    """``tp_group is None`` deprecation warnings a warm two-layer stack issues in one forward and backward."""
+    _, run = chunk_stack(2, torch.float32)
+    run()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run()
+    return sum("tp_group is None" in str(w.message) for w in caught)
+
+
+def test_no_tp_group_lookup_per_call(monkeypatch):
+    """The row-parallel linears pass their group (``GroupRowParallelLinear``): megatron-core's own warn twice per
+    layer forward (a lookup and a warning, ~35 us per call on CPU); planted back, the warnings are counted."""
+    assert tp_group_warnings() == 0
+    monkeypatch.setattr(spec, "_own_group_linears", lambda layer_spec: None)
+    assert tp_group_warnings() == 4
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
