@@ -415,9 +415,10 @@ def saved_tensor_memory(shape: ModelShape, tp: int = 1, sequence_parallel: bool 
       dtype on CPU); RMSNorm (PyTorch's composite ``torch.nn.RMSNorm``, computed in fp32) the fp32
       input, its rstd and the fp32 normalised input before the weight: ``8 h + 4`` in any dtype;
     * the QKV linear: its input ``b h``;
-    * RoPE: ``cos`` and ``sin`` of q and of k (4 x ``b d``); q and k after RoPE (``b q`` and
-      ``b h_kv``, new storages) and V as a view of the QKV output (``b (q + 2 h_kv)``); without
-      RoPE q, k and v are all views of the QKV output;
+    * RoPE (the elastic layers' rotation, ``executor.rotary``: its cos/sin tables are shared by the stage's
+      layers and rebuilt for backward, nothing saved): q and k after RoPE (``b q`` and ``b h_kv``, new
+      storages) and V as a view of the QKV output (``b (q + 2 h_kv)``); without RoPE q, k and v are all
+      views of the QKV output;
     * SDPA (CPU flash kernel, ``sdpa-merged``: ``is_causal`` for a segment without context, the slice's
       prefix and own keys in two calls merged by their log-sum-exp, which saves the same tensors; no
       mask; ``enable_gqa``: the K/V heads as they are, no repeated copies): q, k, v, its output (``b q``)
@@ -476,17 +477,16 @@ def saved_tensor_memory(shape: ModelShape, tp: int = 1, sequence_parallel: bool 
     b = float(DTYPE_BYTES[shape.dtype])
     sp = tp if sequence_parallel else 1  # the share of a chunk's tokens a rank holds outside attention
     H = shape.hidden  # norm inputs and outputs are whole on every tensor-parallel rank
-    q, kv, heads, f, d = shape.q_hidden / tp, shape.kv_hidden / tp, shape.num_heads / tp, shape.ffn_hidden / tp, shape.head_dim
+    q, kv, heads, f = shape.q_hidden / tp, shape.kv_hidden / tp, shape.num_heads / tp, shape.ffn_hidden / tp
     norm = NORM_SAVED[shape.normalization](b, H) / sp
     qkv = b * (q + 2 * kv)
-    rope = 4 * b * d if shape.rope else 0.0  # RoPE's cos and sin of q and of k
     if shape.attention_dropout > 0:  # SDPA's math path, in fp32 (MATH_SDPA_SAVED)
         v_copy = b != 4 or kv != q  # V upcast to fp32 or repeated over the query heads: not a view of the QKV output
-        attention = rope + (0.0 if v_copy else qkv) + 4 * q * (3 if v_copy else 2)  # + the scaled q, k (and v) copies
+        attention = (0.0 if v_copy else qkv) + 4 * q * (3 if v_copy else 2)  # + the scaled q, k (and v) copies
         area, prefix = 4 * MATH_SDPA_SAVED * heads, 4 * q * (2 if v_copy else 1)  # probabilities; k (and v) per key
         lone = 0.0 if v_copy else qkv
     else:  # SDPA's CPU flash kernel: q, k after RoPE, the QKV output (q, k, v without RoPE); its output, logsumexp
-        attention = (rope + b * q + b * kv + qkv if shape.rope else qkv) + b * q + 4 * heads
+        attention = (b * q + b * kv + qkv if shape.rope else qkv) + b * q + 4 * heads
         area, prefix = 0.0, 0.0  # no mask (sdpa-merged)
         lone = b * kv + qkv if shape.rope else 0.0
     mask = b * H / sp if shape.hidden_dropout > 0 else 0.0  # a hidden dropout's mask (CPU: the scaled keep mask in b)

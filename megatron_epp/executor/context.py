@@ -12,15 +12,16 @@ and reads its prefix and its own K/V from it in place; later slices accumulate t
 earlier slices' K/V, which each slice adds to its own in its backward (see ``elastic_attention``).
 
 What the attention kernels need from a chunk (explicit masks, the varlen kernels' ``cu_seqlens``) is built
-once per chunk, on first use, and shared by all the stage's layers.
+once per chunk, on first use, and shared by all the stage's layers; RoPE's cos/sin tables once per forward
+and once per backward of a chunk (``ChunkLayout.per_pass``), dropped when the pass ends.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Callable, Iterator
+from typing import Any, Callable, Hashable, Iterator
 
 import numpy as np
 import torch
@@ -83,6 +84,17 @@ class ChunkLayout:
     recompute: int = 0  # layers of this stage that recompute this chunk (the stage's first ones)
     max_position: int = 0  # the largest of position_ids, known on the host (RoPE's table length without a sync)
     padding: int = 0  # tokens after the chunk's own, a segment of their own (sequence parallelism: see ``build``)
+    # built on first use within one forward or backward of the chunk and dropped when it ends (``ChunkContext.running``)
+    transient: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def per_pass(self, key: Hashable, build: Callable[[], Any]) -> Any:
+        """``build()``, once per forward or backward of this chunk (kept in :attr:`transient` under ``key`` until
+        ``ChunkContext.running`` ends): what every layer of the stage shares within a pass but need not be kept
+        between the chunk's forward and its backward (RoPE's cos/sin tables, see ``executor.rotary``)."""
+        value = self.transient.get(key)
+        if value is None:
+            value = self.transient[key] = build()
+        return value
 
     @property
     def num_tokens(self) -> int:
@@ -263,6 +275,7 @@ class ChunkContext:
             yield layout
         finally:
             self.current = previous
+            layout.transient.clear()
 
     @contextlib.contextmanager
     def step(self) -> Iterator["ChunkContext"]:

@@ -1,9 +1,23 @@
 """RoPE at each token's absolute position: a slice starts at C, packed sequences restart at 0.
 
-``GPTModel._preprocess`` asks its ``rotary_pos_emb`` for positions ``0..s-1``. The wrapper below
-takes the frequencies up to the chunk's largest position (known on the host from the plan) and
-gathers them at the current chunk's position ids, which is what RoPE with ``offset = C`` gives a slice and what restarting at 0 gives
-packed sequences.
+``GPTModel._preprocess`` asks its ``rotary_pos_emb`` for positions ``0..s-1`` once per chunk forward and
+hands the answer to every layer. :class:`ChunkRotaryEmbedding` answers with a :class:`ChunkRope` of the
+current chunk: the frequencies up to the chunk's largest position (known on the host from the plan)
+gathered at its position ids, which is what RoPE with ``offset = C`` gives a slice and what restarting
+at 0 gives packed sequences.
+
+megatron-core's training path (``apply_rotary_pos_emb``) computes ``cos``/``sin`` of those frequencies,
+casts them, rotates half of ``t`` by a chunk, a negation and a concatenation, and concatenates ``t``
+with its (empty) unrotated rest, for the query and again for the key of every layer; its
+``rotary_pos_cos``/``rotary_pos_sin`` arguments are for inference only. Here the layers'
+:class:`ChunkRopeSelfAttention` rotates query and key right after megatron-core's own QKV projection
+(and QK norms, if any) with the chunk's tables, built once per forward and once per backward of the
+chunk (``ChunkLayout.per_pass``) and shared by all the stage's layers: ``t cos + roll(t, d/2) sin'``
+with ``sin'`` the sine with its first half negated, four kernels per tensor, no concatenation. Each
+product and sum is the one megatron-core computes (``(-x) s = x (-s)`` exactly), so the result and
+its gradients are bit-identical in every dtype (``tests/test_layer_op_count.py``). The rotation saves
+nothing for backward, which rebuilds the tables (megatron-core saves per layer a ``cos`` and a ``sin``
+for the query and for the key).
 """
 
 from __future__ import annotations
@@ -11,8 +25,70 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+from megatron.core.transformer.attention import SelfAttention
 
-from megatron_epp.executor.context import ChunkContext
+from megatron_epp.executor.context import ChunkContext, ChunkLayout
+
+
+class ChunkRope:
+    """RoPE of one chunk, what :class:`ChunkRotaryEmbedding` gives ``GPTModel`` for its layers' ``rotary_pos_emb``."""
+
+    __slots__ = ("inner", "layout")
+
+    def __init__(self, inner: RotaryEmbedding, layout: ChunkLayout) -> None:
+        self.inner, self.layout = inner, layout
+
+    def freqs(self) -> torch.Tensor:
+        """``[N, 1, 1, d]`` fp32: the angles at the chunk's positions (megatron-core's ``rotary_pos_emb``)."""
+        layout = self.layout
+        return self.inner(layout.max_position + 1)[layout.position_ids]  # the host knows the length: no device sync
+
+    def tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos`` and ``sin'`` (first half negated), ``[N, 1, 1, d]`` in ``dtype``, once per pass of the chunk."""
+        return self.layout.per_pass((ChunkRope, self.inner, dtype), lambda: self._build(dtype))
+
+    def _build(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = self.freqs()
+        cos = torch.cos(freqs).to(dtype)  # megatron-core: (cos(freqs) * mscale).to(t.dtype), mscale 1 without YaRN
+        sin = torch.sin(freqs).to(dtype)  # a fresh tensor either way: negated in place
+        sin[..., : sin.shape[-1] // 2].neg_()
+        return cos, sin
+
+    def rotate(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``query`` and ``key`` ``[N, b, heads, d]`` rotated to the chunk's positions (autograd through :class:`_Rotate`)."""
+        rotary_dim = 2 * self.inner.inv_freq.numel()
+        if query.shape[-1] != rotary_dim or key.shape[-1] != rotary_dim:
+            raise ValueError(f"elastic RoPE rotates whole heads: head dimension {query.shape[-1]}, rotary dimension {rotary_dim} "
+                             "(a rotary percent below 1 is not supported with --elastic-pp)")
+        return _Rotate.apply(query, key, self)
+
+
+def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``t cos + rotate_half(t) sin`` as ``t cos + roll(t, d/2) sin'``: megatron-core's products and sum."""
+    out = t * cos
+    return out.add_(torch.roll(t, t.shape[-1] // 2, -1).mul_(sin))
+
+
+def _rotate_backward(grad: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The gradient of :func:`_rotate`'s input: ``g cos + roll(g sin', d/2)`` (megatron-core's by autograd, exactly)."""
+    out = grad * cos
+    return out.add_(torch.roll(grad * sin, grad.shape[-1] // 2, -1))
+
+
+class _Rotate(torch.autograd.Function):
+    """Query and key rotated by one chunk's tables; saves no tensor (backward rebuilds the tables once per pass)."""
+
+    @staticmethod
+    def forward(ctx, query, key, rope: ChunkRope):
+        ctx.rope = rope
+        cos, sin = rope.tables(query.dtype)
+        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad_query, grad_key):
+        cos, sin = ctx.rope.tables(grad_query.dtype)
+        return _rotate_backward(grad_query, cos, sin), _rotate_backward(grad_key, cos, sin), None
 
 
 class ChunkRotaryEmbedding(torch.nn.Module):
@@ -20,13 +96,40 @@ class ChunkRotaryEmbedding(torch.nn.Module):
 
     def __init__(self, inner: torch.nn.Module, context: ChunkContext) -> None:
         super().__init__()
+        if type(inner) is not RotaryEmbedding or inner.rotary_interleaved:
+            raise ValueError(f"elastic RoPE wraps megatron-core's RotaryEmbedding without interleaving, got {type(inner).__name__}"
+                             + (" (interleaved)" if getattr(inner, "rotary_interleaved", False) else ""))
         self.inner = inner
         self.context = context
 
     def get_rotary_seq_len(self, *args: Any, **kwargs: Any) -> int:
         return self.inner.get_rotary_seq_len(*args, **kwargs)
 
-    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group: Any = None) -> torch.Tensor:
-        layout = self.context.layout()
-        freqs = self.inner(layout.max_position + 1)  # the host knows the length: no device sync
-        return freqs[layout.position_ids]
+    def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group: Any = None) -> ChunkRope:
+        return ChunkRope(self.inner, self.context.layout())
+
+
+class ChunkRopeSelfAttention(SelfAttention):
+    """megatron-core's ``SelfAttention`` (``spec.module`` of elastic layers) that rotates query and key by a
+    :class:`ChunkRope` passed as ``rotary_pos_emb``; any other ``rotary_pos_emb`` goes to megatron-core as is."""
+
+    _rope: ChunkRope | None = None  # the rope of the forward under way (set and reset by forward)
+
+    def forward(self, hidden_states, attention_mask, key_value_states=None, inference_context=None, rotary_pos_emb=None,
+                *args, **kwargs):
+        if not isinstance(rotary_pos_emb, ChunkRope):
+            return super().forward(hidden_states, attention_mask, key_value_states, inference_context, rotary_pos_emb, *args, **kwargs)
+        if self.config.no_rope_freq and self.config.no_rope_freq[self.layer_number - 1]:
+            rotary_pos_emb = None  # as megatron-core: this layer has no RoPE
+        self._rope = rotary_pos_emb
+        try:
+            return super().forward(hidden_states, attention_mask, key_value_states, inference_context, None, *args, **kwargs)
+        finally:
+            self._rope = None
+
+    def get_query_key_value_tensors(self, *args, **kwargs):
+        qkv = super().get_query_key_value_tensors(*args, **kwargs)
+        if self._rope is None:
+            return qkv
+        query, key, *rest = qkv  # split_qkv: megatron-core's fused QKV RoPE needs a rotary_pos_emb, which it is not given
+        return (*self._rope.rotate(query, key), *rest)
