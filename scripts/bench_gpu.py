@@ -23,8 +23,8 @@ Budget (``--epp-memory-budget``, GB per GPU as the planner counts it: model stat
 per cell in-process from the run's own batches, cost model and planner (as ``bench_elastic.py`` does): the
 model states plus half the activation memory Megatron packing's plans need without recompute (their largest
 predicted peak over the steps), on a 1/1024 GB grid, raised to where every builder can run if it is below
-that; printed with every builder's recomputed layers per step. Half, so that memory binds for every builder
-(Megatron packing must recompute, EPP must slice or recompute) and the ceiling differs from EPP. The
+that; printed with every builder's recomputed layers per step. Half, so that memory binds: Megatron packing
+must recompute on its largest step at least, and EPP's plans differ from its ceiling's (printed). The
 ceiling's budget: that one doubled until doubling it again changes no EPP plan (``bench_elastic.py``'s).
 
 Measurement: one warm-up step (dropped) and ``--iters`` (3) measured steps per run; steps are paired by
@@ -38,7 +38,8 @@ share of its ceiling's speed EPP reaches under the budget). The last line is one
     {"device": ..., "cells": [{"data": ..., "cap": ..., "budget_gb": ..., "megatron": {"tflops": ..., "step_ms": ...,
      "peak_gb": ...}, "seq1f1b": {...}, "epp": {...}, "epp_unlimited": {...}, "epp_vs_megatron": r, "epp_vs_ceiling": r}]}
 
-(a run that failed: its numbers null and its ``error``; ratios null where a side is missing).
+(a run that failed: its numbers null and its ``error``; ratios null where a side is missing). The same line
+is printed after each cell with the cells so far, so a run cut short keeps the cells it finished.
 
 Duration: the default three cells take about 7.5 minutes on one H100, estimated (not timed end to end) as
 :data:`START_S` per run plus each step's tokens at the evidence's rates (:data:`TOKENS_PER_S`); that
@@ -70,6 +71,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 import bench_elastic as bench  # noqa: E402  (its builders, budget search and wiki data)
 
+from megatron_epp.cost.profiles import GIB  # noqa: E402
 from megatron_epp.plan import Plan  # noqa: E402
 from megatron_epp.training.metrics import StepMetrics  # noqa: E402
 
@@ -79,7 +81,6 @@ DATA = ("mock", "wiki", "stdlib")
 CAPS = (16384, 32768)
 DEFAULT_CELLS = "mock:32768,wiki:16384,stdlib:32768"
 TOKENS_PER_BATCH = 262144  # --global-batch-size = this / cap
-GIB = 2**30
 # the runs of a cell, each a builder at the cell's budget (epp_unlimited: at its ceiling's)
 RUNS = {"megatron": bench.Builder("megatron"), "seq1f1b": bench.Builder("seq1f1b"), "epp": bench.EPP, "epp_unlimited": bench.EPP}
 # The time estimate (dry run and start line). From the 2026-11-25 H100 evidence (shared/gpu-evidence/2026-11-25-h100):
@@ -351,6 +352,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         entry = cell_entry(p.cell, p.choice.budget_gb, measured, p.model_state_bytes)
         print("\n".join(report_lines(p, measured, entry)), flush=True)
         cells.append(entry)
+        print(json.dumps({"device": device, "cells": cells}), flush=True)  # the cells so far
     print(f"\n{time.perf_counter() - t0:.0f} s of runs")
     print(json.dumps({"device": device, "cells": cells}))
 

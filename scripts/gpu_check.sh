@@ -138,7 +138,7 @@ result_of() {  # one line from a step's log
     equivalence) grep -E '(passed|failed|error|skipped)' "$log" | tail -n 2 | tr '\n' ';' ;;
     profile) grep -E 'rms rel err' "$log" | awk '{printf "%s %s%%; ", $1, $5}' ;;
     train) grep -E '^train:' "$log" | tail -n 1 ;;
-    bench) if [ "$REHEARSAL" = 1 ]; then grep -E '^estimated time' "$log" | tail -n 1; else tail -n 1 "$log" | grep -E '^\{'; fi ;;
+    bench) if [ "$REHEARSAL" = 1 ]; then grep -E '^estimated time' "$log" | tail -n 1; else grep -E '^\{' "$log" | tail -n 1; fi ;;
   esac
   [ "$2" = 0 ] || echo " (last line: $(grep -v '^\s*$' "$log" | tail -n 1 | cut -c1-200))"
 }

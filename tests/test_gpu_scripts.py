@@ -214,3 +214,21 @@ def test_bench_gpu_dry_run_lists_cells_budgets_and_commands(capsys):
             bench.main(argv)
         err = capsys.readouterr().err
         assert exit_.value.code == 2 and err.startswith(f"bench_gpu.py: error: {error}") and len(err.strip().splitlines()) == 1
+
+
+def test_gpu_check_bench_step_keeps_the_last_json_line_in_the_summary(tmp_path):
+    """With a stand-in interpreter (``PYTHON``) that says CUDA is there and whose bench prints two cells' JSON lines then
+    fails in a third: the summary keeps the last JSON line, and the step's failure."""
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/bash\n"
+                    "if [ \"$1\" = -c ]; then echo ok; exit 0; fi\n"
+                    "if [ \"$1\" = scripts/bench_gpu.py ]; then echo 'bench_gpu: 3 cell(s)'; echo '{\"device\": \"G\", \"cells\": [1]}';\n"
+                    "  echo '{\"device\": \"G\", \"cells\": [1, 2]}'; echo '  [stdlib@32K] megatron FAILED'; exit 3; fi\n"
+                    "exit 9\n")
+    fake.chmod(0o755)
+    out = tmp_path / "check"
+    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--steps", "bench", "--out", str(out)], cwd=REPO, capture_output=True, text=True,
+                          env=run_env({"PYTHON": str(fake)}), timeout=60)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    line = (out / "summary.txt").read_text().splitlines()[1]
+    assert line.split()[:3] == ["bench", "FAILED", "rc=3"] and '{"device": "G", "cells": [1, 2]}' in line and "cells\": [1]}" not in line
