@@ -505,15 +505,16 @@ def run_argv(args, name: str) -> list[str]:
             "--train-iters", str(args.iters + 1), "--log-interval", "1"]
 
 
-def planned_batches(argv: list[str], steps: int):
-    """The lengths of the run's first ``steps`` global batches (its own sampler), the run's planner
-    config and cost model (as ``calibration.reconstruct_plans`` rebuilds them)."""
+def planned_batches(argv: list[str], steps: int, world_size: int = 2):
+    """The lengths of the run's first ``steps`` global batches (its own sampler) on ``world_size``
+    processes (data-parallel rank 0's), the run's planner config and cost model (as
+    ``calibration.reconstruct_plans`` rebuilds them)."""
     from megatron_epp.tools.calibration import parsed_args
     from megatron_epp.training.arguments import ArgumentError
     from megatron_epp.training.elastic import PlanBuilder, elastic_sampler
 
     try:
-        args = parsed_args([*argv, "--epp-memory-budget", "1"])  # the budget is the builders' to vary
+        args = parsed_args([*argv, "--epp-memory-budget", "1"], world_size)  # the budget is the builders' to vary
     except ArgumentError as error:
         fail(f"the runs' flags would be refused: {str(error).removeprefix('pretrain_gpt.py: error: ')}")
     build = PlanBuilder(args)

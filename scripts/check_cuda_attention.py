@@ -7,11 +7,16 @@ each backend forced in turn:
 
   flash-varlen  one flash_attn_varlen_func call per chunk (the slice's K/V buffer rows, prefix first)
   torch-varlen  one torch.nn.attention.varlen.varlen_attn call per chunk, the same packing (torch's own flash kernel)
-  sdpa-causal   SDPA per segment (cuDNN attention excluded), is_causal without context, torch's causal_lower_right bias for the slice
-  sdpa-masked   SDPA per segment, explicit bottom-right mask everywhere (the fp32 reference; CPU with attention dropout)
+  sdpa-causal   SDPA per segment (cuDNN attention excluded), is_causal without context, torch's causal_lower_right bias for the slice (no mask built)
+  sdpa-masked   SDPA per segment, explicit bottom-right mask everywhere (CPU with attention dropout)
 
 Accuracy: each backend's outputs and q/k/v gradients (prefix-K/V gradients included: they reach
-earlier slices' dk/dv) against sdpa-masked in float32 on the same inputs. The SDPA paths must be
+earlier slices' dk/dv) against a float32 reference on the same inputs: per segment, its queries in
+blocks, each block's SDPA over the keys it sees under the block's own bottom-right mask (never more
+than ``REFERENCE_BLOCK_ELEMENTS`` scores per block), each block checkpointed (its scores recomputed in
+backward, not kept): exact attention in float32 whose memory is one block's, where the
+masked reference over whole segments kept every segment's ``s x (C + s)`` scores per head (32 GiB for
+the last 8K slice over 24K of prefix: out of memory on an 80 GB H100). The SDPA paths must be
 within 8 unit roundoffs of the low precision (bf16: 8 x 2^-8 = 3.1e-2; measured 3e-3 .. 5e-3 on an
 H100), each varlen kernel's error within 2x the SDPA error (+1e-3). Speed: median wall ms of the whole
 layout's forward+backward (CUDA events), peak allocated memory, and the ratios to the first varlen kernel
@@ -31,6 +36,7 @@ place of flash-attn and of torch's varlen_attn (checks the script itself, measur
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -40,8 +46,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
+from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 from megatron_epp.executor import kernels as attention_kernels  # noqa: E402
+from megatron_epp.executor.context import bottom_right_causal_mask  # noqa: E402
 from megatron_epp.plan import Chunk, Pipeline, Plan, Segment, chunk_kind  # noqa: E402
 from tests.attention_harness import make_attention, random_tensors, run_plan, worst_errors  # noqa: E402
 
@@ -49,6 +57,51 @@ BACKENDS = ("flash-varlen", "torch-varlen", "sdpa-causal", "sdpa-masked")
 VARLEN = ("flash-varlen", "torch-varlen")
 SDPA_ROUNDOFFS = 8  # SDPA's bound, in unit roundoffs of the low precision
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
+
+
+REFERENCE = "fp32-reference"  # the blocked float32 reference (run_reference), not a library backend
+REFERENCE_BLOCK_ELEMENTS = 2**27  # attention scores per reference block (all heads): 512 MiB in float32
+
+
+def reference_block_rows(keys: int, heads: int, block_elements: int = REFERENCE_BLOCK_ELEMENTS) -> int:
+    """Query rows per reference block over ``keys`` keys: ``rows x keys x heads <= block_elements`` (at least 1)."""
+    return max(1, block_elements // (keys * heads))
+
+
+def _block_attention(q, k, v, context: int, scale: float) -> torch.Tensor:
+    """Queries ``q`` (rows ``[context, context + len(q))`` of a segment's keys) over keys ``k``/``v``
+    (``[context + len(q), ...]``) under their bottom-right causal mask, built here (so a checkpoint rebuilds it)."""
+    return attention_kernels.segment_attention(q, k, v, bottom_right_causal_mask(q.shape[0], context, q.device), 0.0, scale)
+
+
+def blocked_reference(query, key, value, layout, slice_kv, dropout: float, scale: float,
+                      block_elements: int = REFERENCE_BLOCK_ELEMENTS) -> torch.Tensor:
+    """The chunk's exact attention (a backend's signature), each segment's queries in blocks of
+    :func:`reference_block_rows`: block ``[r0, r1)`` of a segment with ``C`` prefix keys attends keys
+    ``[0, C + r1)`` under the bottom-right mask of ``r1 - r0`` queries after ``C + r0`` keys, checkpointed
+    so that backward recomputes one block's scores at a time. No attention dropout."""
+    if dropout:
+        raise ValueError("the reference has no attention dropout")
+    outputs = []
+    for _, q, k, v in attention_kernels._segments(query, key, value, layout, slice_kv):
+        context, heads = k.shape[0] - q.shape[0], q.shape[2]
+        rows = reference_block_rows(k.shape[0], heads, block_elements)
+        for r0 in range(0, q.shape[0], rows):
+            r1 = min(r0 + rows, q.shape[0])
+            keys = context + r1
+            outputs.append(checkpoint(_block_attention, q[r0:r1], k[:keys], v[:keys], context + r0, scale, use_reentrant=False))
+    return torch.cat(outputs)
+
+
+def run_reference(attention, plan: Plan, tensors, device: str, block_elements: int = REFERENCE_BLOCK_ELEMENTS):
+    """``run_plan`` of ``plan`` on :func:`blocked_reference` (float32 tensors: the reference)."""
+    backends = attention_kernels.BACKENDS
+    attention_kernels.BACKENDS = {**backends, REFERENCE: functools.partial(blocked_reference, block_elements=block_elements)}
+    try:
+        force(REFERENCE)
+        return run_plan(attention, plan, tensors, device)
+    finally:
+        attention_kernels.BACKENDS = backends
 
 
 def make_plan(lengths: list[int], chunks: list[list[Segment]]) -> Plan:
@@ -109,6 +162,8 @@ def main() -> int:
     p.add_argument("--slice-tokens", type=int, default=8192, help="tokens per slice; layouts scale with it")
     p.add_argument("--dtype", choices=["bf16", "fp16"], default="bf16")
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--reference-block-elements", type=int, default=REFERENCE_BLOCK_ELEMENTS,
+                   help="attention scores per block of the fp32 reference, all heads (default 2^27; dry run 2^13)")
     p.add_argument("--cpu-dry-run", action="store_true", help="toy sizes on CPU with the tests' reference kernel")
     p.add_argument("--without-flash", action="store_true", help="check and time the SDPA paths only, as when flash-attn does not import")
     args = p.parse_args()
@@ -120,6 +175,7 @@ def main() -> int:
         attention_kernels.load_torch_varlen = lambda: (reference_torch_varlen(), "")
         device, dtype = "cpu", torch.float32
         args.num_attention_heads, args.num_query_groups, args.kv_channels, args.slice_tokens, args.repeats = 4, 2, 8, 64, 2
+        args.reference_block_elements = 2**13  # a few rows per block: the blocking runs, as on a GPU
     else:
         if not torch.cuda.is_available():
             print("check_cuda_attention: no CUDA device (use --cpu-dry-run to check the script on CPU)", file=sys.stderr)
@@ -134,7 +190,8 @@ def main() -> int:
     flash_note = f"flash-attn {kernel.version}" if kernel is not None else f"flash-varlen: skipped ({why_not})"
     varlen_note = f"varlen_attn of torch {varlen_kernel.version}" if varlen_kernel is not None else f"torch-varlen: skipped ({varlen_why})"
     print(f"{flash_note}; {varlen_note}; torch {torch.__version__}" + (f", {torch.cuda.get_device_name()}" if device == "cuda" else ", CPU dry run"))
-    print(f"heads {args.num_attention_heads}, kv heads {args.num_query_groups}, head dim {args.kv_channels}, slice {args.slice_tokens} tokens, {dtype}")
+    print(f"heads {args.num_attention_heads}, kv heads {args.num_query_groups}, head dim {args.kv_channels}, slice {args.slice_tokens} tokens, {dtype}; "
+          f"fp32 reference in blocks of {args.reference_block_elements} scores")
     # the SDPA paths against the fp32 reference, in unit roundoffs of the low precision (the dry run
     # is fp32 throughout: only float32 reordering, bounded by bf16's to keep the check meaningful)
     sdpa_bound = SDPA_ROUNDOFFS * UNIT_ROUNDOFF[torch.bfloat16 if dtype == torch.float32 else dtype]
@@ -143,8 +200,7 @@ def main() -> int:
     ok = True
     for name, plan in layouts(args.slice_tokens).items():
         tensors = random_tensors(plan, args.num_attention_heads, args.num_query_groups, args.kv_channels, torch.float32, device, seed=0)
-        force("sdpa-masked")
-        reference = run_plan(attention, plan, tensors, device)  # float32
+        reference = run_reference(attention, plan, tensors, device, args.reference_block_elements)  # float32
         low = [[type(t)(*(x.to(dtype) for x in (t.q, t.k, t.v, t.grad_out))) for t in row] for row in tensors]
         errors, speed = {}, {}
         for backend in backends:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One command for a GPU machine (one GPU is enough): install what can be installed offline, then
 # check and measure the CUDA path, each step time-boxed, going on after a failed step, with a
-# summary at the end. About 10 minutes on one H100 with the default limits (25 at most).
+# summary at the end. About 18 minutes on one H100 with the default limits (35 at most).
 #
 #   bash scripts/gpu_check.sh [--out DIR] [--wheels DIR] [--build-timeout S] [--steps LIST] [--dry-run]
 #
@@ -10,12 +10,16 @@
 #   install      scripts/setup_gpu.sh --find-links WHEELS (offline; optional kernels from wheels only
 #                unless --build-timeout S > 0; skipped without --wheels when megatron-core imports)
 #   attention    scripts/check_cuda_attention.py: SDPA paths (and flash-attn varlen where it imports)
-#                in bf16 against fp32, on batched, split and hybrid chunks
-#   equivalence  tests/test_elastic_equivalence.py at pp=1 on CUDA: elastic vs stock Megatron-Core in
-#                fp32 (SDPA, < 1e-5) and bf16 elastic vs fp32 (SDPA, and flash-attn where it runs; < 16 u)
+#                in bf16 against an fp32 reference (query blocks: one block's scores in memory), on
+#                batched, split and hybrid chunks
+#   equivalence  tests/test_elastic_equivalence.py, its one-process cases (-k pp1): elastic vs stock
+#                Megatron-Core in fp32 (SDPA, < 1e-5) and bf16 elastic vs fp32 (every attention backend
+#                that runs; < 16 u); runs of more processes than GPUs are skipped, with the reason
 #   profile      scripts/profile_gpu.py: the layer's cost profile on this GPU (bf16, CUDA events)
 #   train        pretrain_gpt.py --elastic-pp --bf16 at pp=1 under a tight --epp-memory-budget (split
 #                and hybrid chunks, recompute), on the profile just measured (else the analytic llama-7b)
+#   bench        scripts/bench_gpu.py: Megatron packing, Seq1F1B, EPP and EPP without memory limit on a
+#                LLaMA-like 8-layer model under a binding budget (~7.5 min); its JSON line in the summary
 #
 # --out DIR           everything goes there: <step>.log, install/, profile.json, metrics.jsonl, summary.txt
 #                     (default: runs/gpu_check-<time>)
@@ -30,8 +34,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
 
-OUT_DIR="" WHEELS=${EPP_WHEELS:-} BUILD_TIMEOUT=0 STEPS="facts,install,attention,equivalence,profile,train" DRY_RUN=0 REHEARSAL=0
-ALL_STEPS=(facts install attention equivalence profile train)
+OUT_DIR="" WHEELS=${EPP_WHEELS:-} BUILD_TIMEOUT=0 STEPS="facts,install,attention,equivalence,profile,train,bench" DRY_RUN=0 REHEARSAL=0
+ALL_STEPS=(facts install attention equivalence profile train bench)
 usage_error() { echo "gpu_check.sh: error: $*" >&2; exit 2; }
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -66,6 +70,9 @@ TRAIN_FLAGS=(--elastic-pp --pipeline-model-parallel-size 1 --bf16 --mock-data --
 # The profile: the training check's shape, the default grid of scripts/profile_gpu.py.
 PROFILE_FLAGS=(--hidden-size 1024 --num-attention-heads 16 --num-layers 8)
 ATTENTION_FLAGS=()
+# the equivalence tests of one process (pp=1), the ones a single GPU runs
+EQUIVALENCE_SELECTION=(-k pp1)
+BENCH_FLAGS=()
 if [ "$REHEARSAL" = 1 ]; then  # the same steps at toy sizes on the CPU
   TRAIN_FLAGS=(--elastic-pp --pipeline-model-parallel-size 1 --bf16 --mock-data --num-layers 2 --hidden-size 32
     --num-attention-heads 4 --seq-length 512 --global-batch-size 8 --lr 5e-3 --lr-warmup-iters 2 --train-iters 8
@@ -73,18 +80,20 @@ if [ "$REHEARSAL" = 1 ]; then  # the same steps at toy sizes on the CPU
   PROFILE_FLAGS=(--device cpu --hidden-size 32 --num-attention-heads 4 --num-layers 2 --seq-lengths 16,32,64 --contexts 0,32
     --layer-lengths 16,32,64,128 --head-lengths 16,64 --repeats 2)
   ATTENTION_FLAGS=(--cpu-dry-run)
+  BENCH_FLAGS=(--dry-run --cells mock:16384)  # plans the cell and prints its commands; trains nothing
 fi
 
-# per step: its time limit (s; 24.5 min in all without builds) and its command
-declare -A LIMIT=([facts]=60 [install]=$((150 + BUILD_TIMEOUT * 2)) [attention]=180 [equivalence]=420 [profile]=300 [train]=360)
+# per step: its time limit (s; 34.5 min in all without builds) and its command
+declare -A LIMIT=([facts]=60 [install]=$((150 + BUILD_TIMEOUT * 2)) [attention]=180 [equivalence]=420 [profile]=300 [train]=360 [bench]=600)
 command_of() {
   case "$1" in
     facts) echo "nvidia-smi; $PYTHON - (versions; which optional packages import)" ;;
     install) echo "bash scripts/setup_gpu.sh --find-links ${WHEELS:-<none>} --build-timeout $BUILD_TIMEOUT --log-dir $OUT_DIR/install" ;;
     attention) echo "$PYTHON scripts/check_cuda_attention.py ${ATTENTION_FLAGS[*]}" ;;
-    equivalence) echo "$PYTHON -m pytest -q -p no:cacheprovider tests/test_elastic_equivalence.py -k pp1" ;;
+    equivalence) echo "$PYTHON -m pytest -q -p no:cacheprovider -rs tests/test_elastic_equivalence.py ${EQUIVALENCE_SELECTION[*]}" ;;
     profile) echo "$PYTHON scripts/profile_gpu.py ${PROFILE_FLAGS[*]} --out $OUT_DIR/profile.json" ;;
     train) echo "$PYTHON -m torch.distributed.run --nproc-per-node 1 pretrain_gpt.py ${TRAIN_FLAGS[*]} --epp-profile <profile.json, else llama-7b> --epp-metrics $OUT_DIR/metrics.jsonl" ;;
+    bench) echo "$PYTHON scripts/bench_gpu.py ${BENCH_FLAGS[*]}" ;;
   esac
 }
 
@@ -129,6 +138,7 @@ result_of() {  # one line from a step's log
     equivalence) grep -E '(passed|failed|error|skipped)' "$log" | tail -n 2 | tr '\n' ';' ;;
     profile) grep -E 'rms rel err' "$log" | awk '{printf "%s %s%%; ", $1, $5}' ;;
     train) grep -E '^train:' "$log" | tail -n 1 ;;
+    bench) if [ "$REHEARSAL" = 1 ]; then grep -E '^estimated time' "$log" | tail -n 1; else grep -E '^\{' "$log" | tail -n 1; fi ;;
   esac
   [ "$2" = 0 ] || echo " (last line: $(grep -v '^\s*$' "$log" | tail -n 1 | cut -c1-200))"
 }
@@ -192,9 +202,10 @@ echo "gpu_check.sh: steps $STEPS; output in $OUT_DIR"
 wanted facts && run_step facts facts
 wanted install && run_step install install
 wanted attention && run_step attention "$PYTHON" scripts/check_cuda_attention.py "${ATTENTION_FLAGS[@]}"
-wanted equivalence && run_step equivalence "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_elastic_equivalence.py -k pp1
+wanted equivalence && run_step equivalence "$PYTHON" -m pytest -q -p no:cacheprovider -rs tests/test_elastic_equivalence.py "${EQUIVALENCE_SELECTION[@]}"
 wanted profile && run_step profile "$PYTHON" scripts/profile_gpu.py "${PROFILE_FLAGS[@]}" --out "$OUT_DIR/profile.json"
 wanted train && run_step train train
+wanted bench && run_step bench "$PYTHON" scripts/bench_gpu.py "${BENCH_FLAGS[@]}"
 
 {
   echo "gpu_check.sh summary ($(date -u +%FT%TZ)), output in $OUT_DIR"

@@ -24,6 +24,7 @@ varlen path and on torch's ``varlen_attn``.
 from __future__ import annotations
 
 import math
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -118,20 +119,52 @@ def worst_mismatch(reference: Path, elastic: Path, case: int, fault: str = "", g
     return max(errors) if all(map(math.isfinite, errors)) else math.inf
 
 
+class Runs:
+    """The runs of ``RUNS`` by name (``runs[name]``: its output folder), each launched on first use together with
+    every other run of its process count (one launch per count). A count this machine cannot launch (CUDA with
+    fewer GPUs than processes: one process per GPU) skips the test that needs it, with the reason; so on one GPU
+    the one-process runs (pp=1) run and the rest skip. A failed launch fails every test that needs it."""
+
+    def __init__(self, root: Path, wanted: dict[str, tuple[int, str, int, list[str]]]) -> None:
+        self.root, self.wanted = root, wanted
+        self.launched: dict[int, str | None] = {}  # process count -> None (done) or why it failed
+
+    def __getitem__(self, name: str) -> Path:
+        nproc = self.wanted[name][0]
+        if nproc not in self.launched:
+            if why := unlaunchable(nproc):
+                pytest.skip(f"{name}: {nproc}-process run not launched: {why}")
+            self.launched[nproc] = self.launch(nproc)
+        if self.launched[nproc] is not None:
+            raise AssertionError(f"{name}: the {nproc}-process launch failed:\n{self.launched[nproc]}")
+        return self.root / name
+
+    def launch(self, nproc: int) -> str | None:
+        argv: list[str] = []
+        for name, (n, mode, cases, flags) in self.wanted.items():
+            if n == nproc:
+                (self.root / name).mkdir()
+                argv += [*([RUN_SEPARATOR] if argv else []), str(self.root / name), "--mode", mode, "--cases", str(cases), *MODEL, *flags]
+        try:
+            torchrun(nproc, "tests/workers/elastic_equivalence.py", *argv, timeout=1800)
+        except (AssertionError, subprocess.TimeoutExpired) as error:
+            return str(error)
+        return None
+
+
+def unlaunchable(nproc: int) -> str | None:
+    """Why ``nproc`` processes cannot run here (None: they can): on CUDA, one process per GPU."""
+    from megatron_epp.training.initialize import gpu_count, gpu_oversubscription
+
+    return gpu_oversubscription(nproc, gpu_count())
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Path]:
-    """Every run of ``RUNS`` (the bf16 varlen-kernel ones where those kernels run): ``{name: its output folder}``;
-    one launch per process count."""
+def runs(tmp_path_factory) -> Runs:
+    """Every run of ``RUNS`` (the bf16 varlen-kernel ones where those kernels run), launched as the tests ask for them."""
     root = tmp_path_factory.mktemp("elastic-equivalence")
     wanted = {name: spec for name, spec in RUNS.items() if not unavailable(name)}
-    for nproc in sorted({spec[0] for spec in wanted.values()}):
-        argv: list[str] = []
-        for name, (n, mode, cases, flags) in wanted.items():
-            if n == nproc:
-                (root / name).mkdir()
-                argv += [*([RUN_SEPARATOR] if argv else []), str(root / name), "--mode", mode, "--cases", str(cases), *MODEL, *flags]
-        torchrun(nproc, "tests/workers/elastic_equivalence.py", *argv, timeout=1800)
-    return {name: root / name for name in wanted}
+    return Runs(root, wanted)
 
 
 @pytest.mark.parametrize(

@@ -4,18 +4,29 @@
   (it used to exit 2); without CUDA, outside its dry run, it refuses with one line;
 * ``profile_gpu.py --device cpu`` on a tiny grid writes a profile the planner loads, marked measured
   on this CPU, with its fit errors, and ``epp-plan`` plans on it;
-* ``gpu_check.sh`` refuses without CUDA (one line), lists its steps with ``--dry-run``, and its
-  ``--cpu-rehearsal`` runs the attention check, the profiler and the bf16 pp=1 training end to end.
+* ``gpu_check.sh`` refuses without CUDA (one line), lists its steps with ``--dry-run`` (the equivalence
+  step's one-process selection, the bench step), and its ``--cpu-rehearsal`` runs the attention check, the
+  profiler and the bf16 pp=1 training end to end;
+* ``check_cuda_attention.py``'s fp32 reference (query blocks, checkpointed) equals the masked reference and
+  builds no mask larger than a block;
+* the equivalence fixture skips the runs of more processes than GPUs, with the reason, and launches the rest;
+* ``bench_gpu.py --dry-run`` lists its cells, budgets and commands; its JSON from step records pairs steps by
+  iteration and takes medians.
 """
 
 from __future__ import annotations
 
 import gzip
+import importlib.util
 import json
 import subprocess
 import sys
 
+import pytest
+import torch
+
 from megatron_epp.cost.profiles import load_profile
+from megatron_epp.training.metrics import ElasticMetrics, StepMetrics
 from tests.launch import REPO, run_env
 
 
@@ -78,8 +89,12 @@ def test_gpu_check_refuses_without_cuda_and_lists_its_steps():
     dry = run("bash", "scripts/gpu_check.sh", "--dry-run", "--out", "/tmp/x")
     assert dry.returncode == 0
     steps = [line.split()[0] for line in dry.stdout.splitlines()[1:]]
-    assert steps == ["facts", "install", "attention", "equivalence", "profile", "train"]
-    assert "setup_gpu.sh --find-links" in dry.stdout and "tests/test_elastic_equivalence.py -k pp1" in dry.stdout
+    assert steps == ["facts", "install", "attention", "equivalence", "profile", "train", "bench"]
+    assert "setup_gpu.sh --find-links" in dry.stdout and "-rs tests/test_elastic_equivalence.py -k pp1" in dry.stdout
+    bench = next(line for line in dry.stdout.splitlines() if line.split()[0] == "bench")
+    assert "(limit  600 s)" in bench and bench.rstrip().endswith("scripts/bench_gpu.py")  # as a user runs it: no flags
+    rehearsal = run("bash", "scripts/gpu_check.sh", "--cpu-rehearsal", "--dry-run", "--steps", "bench")
+    assert rehearsal.stdout.splitlines()[1].rstrip().endswith("scripts/bench_gpu.py --dry-run --cells mock:16384")
     bad = run("bash", "scripts/gpu_check.sh", "--steps", "facts,warp")
     assert bad.returncode == 2 and "unknown step 'warp'" in bad.stderr
 
@@ -94,3 +109,136 @@ def test_gpu_check_cpu_rehearsal_runs_its_steps_end_to_end(tmp_path):
     assert "PASS" in summary[1] and "train: ok" in summary[3] and "split chunks" in summary[3]
     assert load_profile(str(out / "profile.json")).source == "measured"
     assert f"--epp-profile {out / 'profile.json'}" in (out / "train.log").read_text()  # trained on the profile just made
+
+
+def load_script(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_blocked_fp32_reference_equals_the_masked_one_and_builds_no_mask_beyond_a_block(monkeypatch):
+    from megatron_epp.executor import context, kernels
+    from tests.attention_harness import make_attention, random_tensors, run_plan, worst_errors
+
+    check = load_script("check_cuda_attention")
+    monkeypatch.setattr(kernels, "select_backend", kernels.select_backend)  # the script's force() replaces it: restored after
+    heads, kv_heads, dim, block = 4, 2, 8, 2**11
+    built, whole, real = [], [], context.bottom_right_causal_mask
+    monkeypatch.setattr(check, "bottom_right_causal_mask", lambda s, c, device: built.append((s, c)) or real(s, c, device))
+    monkeypatch.setattr(context, "bottom_right_causal_mask", lambda s, c, device="cpu": whole.append((s, c)) or real(s, c, device))
+    attention = make_attention(heads, kv_heads, dim)
+    for name, plan in check.layouts(64).items():  # slices of 64 tokens: up to 64 x 256 keys per segment
+        tensors = random_tensors(plan, heads, kv_heads, dim, torch.float32, "cpu", seed=1)
+        built.clear()
+        whole.clear()
+        reference = check.run_reference(attention, plan, tensors, "cpu", block_elements=block)
+        assert not whole, f"{name}: the reference built a whole segment's mask {whole}"
+        assert built and all(s * (c + s) * heads <= block for s, c in built), (name, built)  # scores (and mask) per block
+        check.force("sdpa-masked")
+        errors = worst_errors(run_plan(attention, plan, tensors, "cpu"), reference)
+        assert max(errors.values()) < 1e-5, (name, errors)
+        if name == "split x4":  # the last slice (64 queries over 192 prefix keys) ran in blocks of 2 rows
+            assert (2, 254) in built and check.reference_block_rows(256, heads, block) == 2
+    # the reference is exact attention: a wrong block mask (one key too many) is caught
+    monkeypatch.setattr(check, "bottom_right_causal_mask", lambda s, c, device: real(s, c + 1, device)[:, :-1])  # each query sees the next key
+    plan = check.layouts(64)["split x4"]
+    tensors = random_tensors(plan, heads, kv_heads, dim, torch.float32, "cpu", seed=1)
+    leaky = check.run_reference(attention, plan, tensors, "cpu", block_elements=block)
+    check.force("sdpa-masked")
+    assert max(worst_errors(leaky, run_plan(attention, plan, tensors, "cpu")).values()) > 1e-3
+
+
+def test_equivalence_fixture_skips_runs_of_more_processes_than_gpus(monkeypatch, tmp_path):
+    from megatron_epp.training import initialize
+    from tests import test_elastic_equivalence as equivalence
+
+    launched = []
+    monkeypatch.setattr(equivalence.Runs, "launch", lambda self, nproc: launched.append(nproc) or None)
+    monkeypatch.setattr(initialize, "gpu_count", lambda: 1)  # one GPU
+    runs = equivalence.Runs(tmp_path, equivalence.RUNS)
+    with pytest.raises(pytest.skip.Exception, match="pp2: 2-process run not launched: 2 processes on this node but 1 GPU: one process per GPU"):
+        runs["pp2"]
+    assert runs["pp1"] == tmp_path / "pp1" and runs["reference-rope"] == tmp_path / "reference-rope" and launched == [1]
+    monkeypatch.setattr(initialize, "gpu_count", lambda: 0)  # CPU: every count launches, each once
+    monkeypatch.setattr(equivalence.Runs, "launch", lambda self, nproc: launched.append(nproc) or ("boom" if nproc == 4 else None))
+    runs = equivalence.Runs(tmp_path, equivalence.RUNS)
+    assert runs["pp2"] == tmp_path / "pp2" and runs["llama"] == tmp_path / "llama" and launched == [1, 2]  # both 2-process: one launch
+    for name in ("pp4", "dp2xpp2"):  # a failed launch fails every test that needs it, launched once
+        with pytest.raises(AssertionError, match="the 4-process launch failed:\nboom"):
+            runs[name]
+    assert launched == [1, 2, 4]
+
+
+def step(iteration: int, ms: float, tflops: float, activation_gb: float) -> StepMetrics:
+    elastic = ElasticMetrics(plan="plan[x] seqs=2", num_chunks={"batched": 1, "split": 0, "hybrid": 0}, num_pipelines=1, recomputed_layers=0,
+                             planning_ms=1.0, planning_wait_ms=0.0, predicted_step_ms=1.0, measured_ms=ms - 5,
+                             predicted_activation_bytes=[1.0], measured_activation_bytes=[int(activation_gb * 2**30)])
+    return StepMetrics(iteration=iteration, loss=1.0, iter_ms=ms, tokens=1000.0, elastic=elastic, tflops_per_gpu=tflops)
+
+
+def test_bench_gpu_json_pairs_steps_by_iteration_and_takes_medians():
+    bench = load_script("bench_gpu")
+    measured = {
+        "megatron": [step(2, 300, 100, 10), step(3, 200, 200, 12), step(4, 900, 50, 11)],
+        "seq1f1b": "pretrain_gpt.py failed (1): torch.OutOfMemoryError: CUDA out of memory",
+        "epp": [step(4, 300, 150, 9), step(2, 100, 300, 8), step(3, 200, 200, 9.5)],  # out of order: paired by iteration
+        "epp_unlimited": [step(2, 50, 600, 20), step(3, 150, 250, 22)],  # one step fewer: paired on the common two
+    }
+    entry = bench.cell_entry(bench.Cell("wiki", 16384), 35.5, measured, model_state_bytes=24 * 2**30)
+    assert list(entry) == ["data", "cap", "budget_gb", "megatron", "seq1f1b", "epp", "epp_unlimited", "epp_vs_megatron", "epp_vs_ceiling"]
+    assert entry["data"] == "wiki" and entry["cap"] == 16384 and entry["budget_gb"] == 35.5
+    assert entry["megatron"] == {"tflops": 100, "step_ms": 300, "peak_gb": 36.0}
+    assert entry["epp"] == {"tflops": 200, "step_ms": 200, "peak_gb": 33.5}
+    assert entry["seq1f1b"] == {"tflops": None, "step_ms": None, "peak_gb": None, "error": measured["seq1f1b"]}
+    assert entry["epp_unlimited"]["step_ms"] == 100 and entry["epp_unlimited"]["peak_gb"] == 46.0
+    # per iteration megatron / epp: 300/100, 200/200, 900/300 -> median 3.0 (unpaired, the medians' ratio would be 1.5)
+    assert entry["epp_vs_megatron"] == 3.0
+    assert entry["epp_vs_ceiling"] == 0.625  # 50/100, 150/200
+    assert bench.paired_ratio(measured["seq1f1b"], measured["epp"]) is None
+    json.dumps(entry)  # one JSON line
+
+
+def test_bench_gpu_dry_run_lists_cells_budgets_and_commands(capsys):
+    bench = load_script("bench_gpu")
+    bench.main(["--dry-run", "--cells", "mock:16384"])  # in-process: one megatron import for the whole test
+    out = capsys.readouterr().out
+    assert "mock@16K: 16 documents per step" in out and "budget " in out and "Megatron packing's plans need without recompute" in out
+    commands = [line for line in out.splitlines() if "pretrain_gpt.py" in line]
+    assert [line.split()[0] for line in commands] == ["megatron", "seq1f1b", "epp", "epp_unlimited"]
+    assert all(f" {flag} " in line for line in commands for flag in bench.LLAMA if flag.startswith("--"))
+    budgets = [float(line.split("--epp-memory-budget ")[1].split()[0]) for line in commands]
+    assert budgets[0] == budgets[1] == budgets[2] < budgets[3]  # the ceiling's budget is larger
+    assert [line.split("--epp-plan ")[1].split()[0] for line in commands] == ["megatron", "seq1f1b", "elastic", "elastic"]
+    assert not any(flag in out for flag in ("--epp-profile", "--epp-max-slices", "cudnn"))  # the defaults, as a user runs it
+    assert "--global-batch-size 16 --train-iters 4" in commands[0]  # 1 warm-up + 3 measured steps
+    assert "recomputed layers per step: megatron [" in out and "EPP needs no recompute" in out
+    assert "estimated time on one H100:" in out.splitlines()[-1]
+    refusals = [(["--dry-run", "--cells", "books:16384"], "--cells: 'books:16384': expected DATA:CAP")]
+    if not torch.cuda.is_available():  # (on a GPU it would train)
+        refusals.append((["--cells", "mock:16384"], "no CUDA device (torch.cuda.is_available() is False); --dry-run shows what would run"))
+    for argv, error in refusals:
+        with pytest.raises(SystemExit) as exit_:
+            bench.main(argv)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 2 and err.startswith(f"bench_gpu.py: error: {error}") and len(err.strip().splitlines()) == 1
+
+
+def test_gpu_check_bench_step_keeps_the_last_json_line_in_the_summary(tmp_path):
+    """With a stand-in interpreter (``PYTHON``) that says CUDA is there and whose bench prints two cells' JSON lines then
+    fails in a third: the summary keeps the last JSON line, and the step's failure."""
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/bash\n"
+                    "if [ \"$1\" = -c ]; then echo ok; exit 0; fi\n"
+                    "if [ \"$1\" = scripts/bench_gpu.py ]; then echo 'bench_gpu: 3 cell(s)'; echo '{\"device\": \"G\", \"cells\": [1]}';\n"
+                    "  echo '{\"device\": \"G\", \"cells\": [1, 2]}'; echo '  [stdlib@32K] megatron FAILED'; exit 3; fi\n"
+                    "exit 9\n")
+    fake.chmod(0o755)
+    out = tmp_path / "check"
+    proc = subprocess.run(["bash", "scripts/gpu_check.sh", "--steps", "bench", "--out", str(out)], cwd=REPO, capture_output=True, text=True,
+                          env=run_env({"PYTHON": str(fake)}), timeout=60)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    line = (out / "summary.txt").read_text().splitlines()[1]
+    assert line.split()[:3] == ["bench", "FAILED", "rc=3"] and '{"device": "G", "cells": [1, 2]}' in line and "cells\": [1]}" not in line
