@@ -177,10 +177,11 @@ def architecture_summary(args: argparse.Namespace) -> str:
     attention = f"grouped-query attention {heads}:{groups}" if groups != heads else f"{heads}-head attention"
     parts = [
         "SwiGLU MLP" if args.swiglu else "GELU MLP",
-        f"{args.normalization} (eps {args.norm_epsilon:g})",
+        f"{args.normalization} (eps {args.norm_epsilon:g}{', zero-centred weight: 1p' if args.apply_layernorm_1p else ''})",
         attention + f", head dim {args.kv_channels or args.hidden_size // heads}",
         "no biases" if args.disable_bias_linear else "biases",
-        f"RoPE base {args.rotary_base}" if args.position_embedding_type == "rope" else "learned positions",
+        (f"RoPE base {args.rotary_base}" + (f" on {args.rotary_percent:g} of each head" if args.rotary_percent != 1 else ""))
+        if args.position_embedding_type == "rope" else "learned positions",
     ]
     return ", ".join(parts)
 
