@@ -23,7 +23,6 @@ CPU_PATCHES: tuple[Patch, ...] = (
     cpu_devices.ROTARY,
     cpu_devices.OPTIMIZER,
     cpu_devices.GRAD_SCALER,
-    cpu_devices.GRAD_SCALER_LOAD,
     cpu_devices.CLIP_GRADS,
     cpu_devices.CLIP_GRADS_TYPE,
     cpu_devices.FP16_OPTIMIZER_TYPE,

@@ -97,13 +97,6 @@ GRAD_SCALER = _module_patch(
     "megatron.core.optimizer.grad_scaler",
     "ConstantGradScaler / DynamicGradScaler (--fp16's loss scale) keep the scale and its factors with device='cuda'.",
 )
-GRAD_SCALER_LOAD = _scoped_patch(
-    "grad_scaler_load_cpu",
-    "megatron.core.optimizer.grad_scaler:DynamicGradScaler",
-    "load_state_dict",
-    tensor_cuda_is_identity,
-    "DynamicGradScaler.load_state_dict moves the loaded scale with .cuda() (--fp16 resumed on CPU).",
-)
 CLIP_GRADS = _module_patch(
     "clip_grads_cpu",
     "megatron.core.optimizer.clip_grads",
