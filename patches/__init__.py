@@ -22,6 +22,7 @@ CPU_PATCHES: tuple[Patch, ...] = (
     cpu_devices.GRAD_BUFFER,
     cpu_devices.ROTARY,
     cpu_devices.OPTIMIZER,
+    cpu_devices.GRAD_SCALER,
     cpu_devices.CLIP_GRADS,
     cpu_devices.CLIP_GRADS_TYPE,
     cpu_devices.FP16_OPTIMIZER_TYPE,

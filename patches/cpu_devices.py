@@ -92,6 +92,11 @@ OPTIMIZER = _module_patch(
     "megatron.core.optimizer.optimizer",
     "FP32Optimizer / MixedPrecisionOptimizer keep the loss scale and found-inf flag with device='cuda'.",
 )
+GRAD_SCALER = _module_patch(
+    "grad_scaler_cpu",
+    "megatron.core.optimizer.grad_scaler",
+    "ConstantGradScaler / DynamicGradScaler (--fp16's loss scale) keep the scale and its factors with device='cuda'.",
+)
 CLIP_GRADS = _module_patch(
     "clip_grads_cpu",
     "megatron.core.optimizer.clip_grads",

@@ -45,6 +45,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--pattern", default="*.txt", help="file glob for directory inputs")
     add_tokenizer_arguments(p)
+    p.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer: ids 0..N-1, end of document N (as Megatron-LM)")
+    p.add_argument("--append-eod", action="store_true",
+                   help="accepted for Megatron-LM's preprocess_data.py: every document here ends with the "
+                   "tokenizer's end-of-document id, with or without this flag (the elastic planner trains whole documents)")
     p.add_argument("--workers", type=int, default=1, help="tokenizer processes")
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     return p.parse_args(argv)

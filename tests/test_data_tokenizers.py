@@ -93,7 +93,7 @@ def test_eod_token_flag_and_missing_eod(tmp_path):
         (dict(tokenizer_type="HuggingFaceTokenizer", tokenizer_model="t.json", vocab_file="v.json"),
          "--vocab-file does not apply to --tokenizer-type HuggingFaceTokenizer"),
         (dict(tokenizer_type="SentencePieceTokenizer"), "--tokenizer-type SentencePieceTokenizer is not supported here"),
-        (dict(tokenizer_type="Bytes"), "--tokenizer-type Bytes: unknown (supported: ByteTokenizer, HuggingFaceTokenizer, GPT2BPETokenizer)"),
+        (dict(tokenizer_type="Bytes"), "--tokenizer-type Bytes: unknown (supported: ByteTokenizer, HuggingFaceTokenizer, GPT2BPETokenizer, NullTokenizer)"),
         (dict(tokenizer_type="ByteTokenizer", eod_token="</s>"), "--eod-token does not apply"),
     ],
 )

@@ -13,12 +13,14 @@ TINY = ["pretrain_gpt.py", "--mock-data", "--num-layers", "2", "--hidden-size", 
         "--pipeline-model-parallel-size", "2"]
 SCENARIO_FLAGS = {"bf16_optimizer_type_check": ["--bf16"], "distributed_optimizer_type_check": ["--use-distributed-optimizer"],
                   "sequence_parallel_cpu": ["--pipeline-model-parallel-size", "1", "--tensor-model-parallel-size", "2",
-                                            "--sequence-parallel", "--vocab-size", "64"]}
+                                            "--sequence-parallel", "--vocab-size", "64"],
+                  "grad_scaler_cpu": ["--fp16"]}
 NEEDS_CHECKPOINT = {"checkpoint_writer_cpu", "checkpoint_saver_cpu"}
 
 
 def run_tiny(tmp_path, disabled: str = "", check: bool = True):
     flags = list(SCENARIO_FLAGS.get(disabled, []))
+
     if disabled in NEEDS_CHECKPOINT or not disabled:
         flags += ["--save", str(tmp_path / "ckpt")]
     return torchrun(2, *TINY, *flags, env={"EPP_DISABLE_PATCHES": disabled}, check=check, timeout=120)

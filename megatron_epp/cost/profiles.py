@@ -37,7 +37,7 @@ import numpy as np
 
 PROFILE_DIR = Path(__file__).parent / "profiles"
 GIB = float(2**30)
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2}  # activation dtypes the saved-tensor count is measured in
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}  # activation dtypes the saved-tensor count is measured in
 PROFILE_SOURCES = ("measured", "analytic")  # a profile's "source": fitted to timings, or FLOPs / peak x MFU
 
 

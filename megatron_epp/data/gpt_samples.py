@@ -3,7 +3,8 @@
 Semantics follow Megatron's GPTDataset: per epoch the documents are shuffled (seeded by
 ``(seed, epoch)``) and concatenated into one token stream; sample ``i`` is the ``seq_length + 1``
 tokens starting at ``i * seq_length`` (consecutive samples share one token), and it becomes
-``tokens = s[:-1]``, ``labels = s[1:]``, ``loss_mask`` ones and ``position_ids`` ``arange``.
+``tokens = s[:-1]``, ``labels = s[1:]``, ``loss_mask`` ones (zero where the input token is the end-of-document id
+under ``--eod-mask-loss``) and ``position_ids`` ``arange``.
 """
 
 from __future__ import annotations
@@ -17,14 +18,19 @@ from megatron_epp.data.documents import DocumentSource
 from megatron_epp.data.mock_documents import progression_tokens
 
 
-def sample_dict(sample: np.ndarray) -> dict[str, torch.Tensor]:
-    """Megatron's batch fields for one sample of ``seq_length + 1`` token ids."""
+def sample_dict(sample: np.ndarray, eod_mask: int | None = None) -> dict[str, torch.Tensor]:
+    """Megatron's batch fields for one sample of ``seq_length + 1`` token ids; ``eod_mask``: the end-of-document id
+    whose following token gets no loss (Megatron's ``eod_mask_loss``: ``loss_mask[tokens == eod] = 0``)."""
     sample = torch.as_tensor(np.asarray(sample, dtype=np.int64))
     n = sample.numel() - 1
+    tokens = sample[:-1].clone()
+    loss_mask = torch.ones(n, dtype=torch.float32)
+    if eod_mask is not None:
+        loss_mask[tokens == eod_mask] = 0.0
     return {
-        "tokens": sample[:-1].clone(),
+        "tokens": tokens,
         "labels": sample[1:].clone(),
-        "loss_mask": torch.ones(n, dtype=torch.float32),
+        "loss_mask": loss_mask,
         "position_ids": torch.arange(n, dtype=torch.int64),
     }
 
@@ -39,8 +45,10 @@ class GPTSamples(torch.utils.data.Dataset):
         seq_length: int,
         seed: int = 1234,
         num_samples: int | None = None,
+        eod_mask: int | None = None,
     ) -> None:
         self.documents = documents
+        self.eod_mask = eod_mask
         self.seq_length = seq_length
         tokens_per_epoch = int(documents.lengths.sum())
         if tokens_per_epoch < seq_length + 1:
@@ -77,7 +85,7 @@ class GPTSamples(torch.utils.data.Dataset):
             pieces.append(doc[pos - doc_start : min(stop, int(self._ends[k])) - doc_start])
             pos += len(pieces[-1])
             k += 1
-        return sample_dict(np.concatenate(pieces))
+        return sample_dict(np.concatenate(pieces), self.eod_mask)
 
 
 class MockGPTSamples(torch.utils.data.Dataset):
@@ -85,9 +93,10 @@ class MockGPTSamples(torch.utils.data.Dataset):
     (see ``mock_documents``) drawn from ``seed`` and ``i`` alone."""
 
     def __init__(
-        self, seq_length: int, vocab_size: int, seed: int = 1234, num_samples: int = 1_000_000
+        self, seq_length: int, vocab_size: int, seed: int = 1234, num_samples: int = 1_000_000, eod_mask: int | None = None
     ) -> None:
         self.seq_length = seq_length
+        self.eod_mask = eod_mask
         self.vocab_size = vocab_size
         self.seed = seed
         self.num_samples = num_samples
@@ -99,4 +108,4 @@ class MockGPTSamples(torch.utils.data.Dataset):
         if not 0 <= index < self.num_samples:
             raise IndexError(f"sample {index} out of range ({self.num_samples} samples)")
         rng = np.random.default_rng([self.seed, index])
-        return sample_dict(progression_tokens(rng, self.seq_length + 1, self.vocab_size))
+        return sample_dict(progression_tokens(rng, self.seq_length + 1, self.vocab_size), self.eod_mask)

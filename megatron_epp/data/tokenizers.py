@@ -7,6 +7,8 @@
   ``transformers.AutoTokenizer`` (local files only, never a download) when ``transformers`` imports.
 * ``GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt``: GPT-2's byte-level BPE
   (the ``tokenizers`` package's BPE model with byte-level pre-tokenizer and decoder).
+* ``NullTokenizer --vocab-size V``: Megatron-LM's: text is space-separated token ids, the
+  end-of-document id is ``V`` and the vocabulary ``V + 1``; for mock data and pre-tokenized text.
 
 The end-of-document token of a file-based tokenizer is the first of :data:`KNOWN_EOD_TOKENS` it has
 (``--eod-token`` names another). The old ``--tokenizer byte|FILE`` still works, with a deprecation line.
@@ -26,12 +28,13 @@ from tokenizers import decoders, models, pre_tokenizers
 # Special tokens tried, in order, as the end-of-document token of a tokenizer file.
 KNOWN_EOD_TOKENS: tuple[str, ...] = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
 
-TOKENIZER_TYPES = ("ByteTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer")
+TOKENIZER_TYPES = ("ByteTokenizer", "HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer")
 # Megatron-LM's other --tokenizer-type values: named in the error, not silently replaced
 MEGATRON_ONLY_TYPES = ("BertWordPieceLowerCase", "BertWordPieceCase", "SentencePieceTokenizer", "GPTSentencePieceTokenizer",
-                       "Llama2Tokenizer", "TikTokenizer", "MultimodalTokenizer", "NullTokenizer")
+                       "Llama2Tokenizer", "TikTokenizer", "MultimodalTokenizer")
 # which file flags each type reads; any other given is an error
-_FILES = {"ByteTokenizer": (), "HuggingFaceTokenizer": ("tokenizer_model",), "GPT2BPETokenizer": ("vocab_file", "merge_file")}
+_FILES = {"ByteTokenizer": (), "HuggingFaceTokenizer": ("tokenizer_model",), "GPT2BPETokenizer": ("vocab_file", "merge_file"),
+          "NullTokenizer": ()}
 
 
 class TokenizerError(ValueError):
@@ -73,6 +76,37 @@ class ByteTokenizer:
     def detokenize(self, ids: Sequence[int]) -> str:
         """Decode byte ids (special ids dropped, invalid UTF-8 replaced)."""
         return bytes(int(i) for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+class NullTokenizer:
+    """Megatron-LM's ``NullTokenizer``: ``vocab_size`` ids (``--vocab-size``) plus the end-of-document id
+    ``vocab_size``; text is the ids written in decimal, separated by spaces."""
+
+    name = "NullTokenizer"
+
+    def __init__(self, vocab_size: int) -> None:
+        self._vocab_without_eod = int(vocab_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_without_eod + 1
+
+    @property
+    def eod(self) -> int:
+        return self._vocab_without_eod
+
+    def tokenize(self, text: str) -> list[int]:
+        try:
+            ids = [int(word) for word in text.split()]
+        except ValueError as error:
+            raise TokenizerError(f"NullTokenizer reads space-separated token ids: {error}") from None
+        bad = next((i for i in ids if not 0 <= i < self.vocab_size), None)
+        if bad is not None:
+            raise TokenizerError(f"NullTokenizer: token id {bad} outside the vocabulary 0..{self.vocab_size - 1}")
+        return ids
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return " ".join(str(int(i)) for i in ids)
 
 
 class HFTokenizer:
@@ -178,9 +212,11 @@ def build_tokenizer(
     vocab_file: str | None = None,
     merge_file: str | None = None,
     eod_token: str | None = None,
+    vocab_size: int | None = None,
 ) -> Tokenizer:
-    """The tokenizer of Megatron's ``--tokenizer-type`` and its file flags; bad combinations, missing
-    or unparsable files are a :class:`TokenizerError` with a one-line message."""
+    """The tokenizer of Megatron's ``--tokenizer-type`` and its file flags (``vocab_size``: ``NullTokenizer``'s ids
+    before its end-of-document id); bad combinations, missing or unparsable files are a :class:`TokenizerError`
+    with a one-line message."""
     if tokenizer_type in MEGATRON_ONLY_TYPES:
         raise TokenizerError(
             f"--tokenizer-type {tokenizer_type} is not supported here (supported: {', '.join(TOKENIZER_TYPES)}; "
@@ -197,8 +233,14 @@ def build_tokenizer(
             raise TokenizerError(f"--tokenizer-type {tokenizer_type} needs {flag}")
     if eod_token is not None and tokenizer_type == "ByteTokenizer":
         raise TokenizerError("--eod-token does not apply to --tokenizer-type ByteTokenizer (its end-of-document id is 256)")
+    if eod_token is not None and tokenizer_type == "NullTokenizer":
+        raise TokenizerError("--eod-token does not apply to --tokenizer-type NullTokenizer (its end-of-document id is --vocab-size)")
     if tokenizer_type == "ByteTokenizer":
         return ByteTokenizer()
+    if tokenizer_type == "NullTokenizer":
+        if vocab_size is None or vocab_size < 1:
+            raise TokenizerError("--tokenizer-type NullTokenizer needs --vocab-size N (N >= 1: ids 0..N-1, end of document N)")
+        return NullTokenizer(vocab_size)
     if tokenizer_type == "GPT2BPETokenizer":
         _require_file("--vocab-file", vocab_file)
         _require_file("--merge-file", merge_file)
@@ -215,7 +257,8 @@ def build_tokenizer(
 def add_tokenizer_arguments(group) -> None:
     """The tokenizer flags, for every CLI that tokenizes (one spelling across them)."""
     group.add_argument("--tokenizer-type", default=None, metavar="TYPE",
-                       help=f"{' | '.join(TOKENIZER_TYPES)} (default ByteTokenizer: UTF-8 bytes, vocabulary 257)")
+                       help=f"{' | '.join(TOKENIZER_TYPES)} (default ByteTokenizer: UTF-8 bytes, vocabulary 257; NullTokenizer: "
+                       "as Megatron-LM, --vocab-size N ids plus the end-of-document id N, text of space-separated ids)")
     group.add_argument("--tokenizer-model", default=None, metavar="PATH",
                        help="HuggingFaceTokenizer: a tokenizer.json, or a local directory holding one")
     group.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: GPT-2's vocab.json")
@@ -245,4 +288,5 @@ def resolve_tokenizer_args(args: argparse.Namespace, prog: str) -> None:
 
 def tokenizer_from_args(args: argparse.Namespace) -> Tokenizer:
     """The tokenizer the (resolved) tokenizer flags name."""
-    return build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file, args.eod_token)
+    return build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_file, args.merge_file, args.eod_token,
+                           vocab_size=getattr(args, "vocab_size", None))

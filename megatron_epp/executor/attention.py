@@ -80,7 +80,8 @@ class ElasticAttention(MegatronModule):
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
         self.deterministic = bool(getattr(config, "deterministic_mode", False))
-        self.backend_request = kernels.requested_backend()  # EPP_ATTENTION_BACKEND, checked here
+        # --attention-backend (config.attention_backend), else EPP_ATTENTION_BACKEND, checked here
+        self.backend_request = kernels.requested_backend(config.attention_backend.name)
         kernels.check_request(self.backend_request)
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None, packed_seq_params=None):

@@ -185,12 +185,23 @@ def _probe_torch_varlen() -> tuple[TorchVarlenKernel | None, str]:
     return torch_varlen_kernel(varlen_attn, torch.__version__)
 
 
-def requested_backend() -> str:
-    """The value of ``EPP_ATTENTION_BACKEND`` (default ``auto``); an unknown value is an error."""
+# megatron-core's AttnBackend names (pretrain_gpt.py's --attention-backend) as requests: None leaves it to the variable
+# (fused: Transformer Engine's cuDNN attention, not used with ElasticAttention: auto)
+ATTN_BACKEND_REQUESTS = {"auto": None, "fused": None, "flash": "flash", "local": "sdpa", "unfused": "sdpa"}
+
+
+def requested_backend(attention_backend: str = "auto") -> str:
+    """The request: ``attention_backend`` (megatron-core's ``AttnBackend`` name, ``--attention-backend``) where it names
+    one, else ``EPP_ATTENTION_BACKEND`` (default ``auto``); an unknown value, or both naming different ones, is an error."""
     value = os.environ.get(ENV, "").strip().lower() or "auto"
     if value not in REQUESTS:
         raise ValueError(f"{ENV}={os.environ.get(ENV)!r}: expected one of {', '.join(REQUESTS)}")
-    return value
+    if attention_backend not in ATTN_BACKEND_REQUESTS:
+        raise ValueError(f"--attention-backend {attention_backend}: ElasticAttention takes {', '.join(ATTN_BACKEND_REQUESTS)}")
+    flag = ATTN_BACKEND_REQUESTS[attention_backend]
+    if flag is not None and value not in ("auto", flag):
+        raise ValueError(f"--attention-backend {attention_backend} and {ENV}={value} disagree: give one")
+    return flag or value
 
 
 def check_request(request: str) -> None:

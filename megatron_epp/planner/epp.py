@@ -139,12 +139,20 @@ def check_fits(lengths: np.ndarray, cost_model: CostModel, budget: float) -> Non
     need = states + least_sequence_bytes(cost_model, n)
     p = int(np.argmax(need - budget))
     if states[p] >= budget:
-        raise PlanInfeasible(f"model states take {states[p] / GIB:.1f} of {budget / GIB:.1f} GB per GPU on stage {p}: nothing fits")
+        raise PlanInfeasible(f"model states take {in_units(states[p], budget)} per GPU on stage {p}: nothing fits")
     if need[p] > budget:
         raise PlanInfeasible(
-            f"model states take {states[p] / GIB:.1f} of {budget / GIB:.1f} GB per GPU on stage {p}; the longest sequence "
-            f"({n} tokens) needs at least {(need[p] - states[p]) / GIB:.1f} GB more (its K/V buffer if split, its "
+            f"model states take {in_units(states[p], budget)} per GPU on stage {p}; the longest sequence "
+            f"({n} tokens) needs at least {in_units(need[p] - states[p])} more (its K/V buffer if split, its "
             f"checkpointed layer inputs if whole)")
+
+
+def in_units(*sizes: float) -> str:
+    """Byte counts in one unit, GB, MB or KB (binary, as the budget's GB), the largest that shows the largest
+    size as at least 1: ``17.3 of 20.0 GB``, ``3.2 of 48.0 MB`` (a budget under 1 GB is no ``0.0 of 0.0 GB``)."""
+    unit, scale = next(((u, s) for u, s in (("GB", GIB), ("MB", GIB / 1024), ("KB", GIB / 1024**2)) if max(sizes) >= s),
+                       ("KB", GIB / 1024**2))
+    return " of ".join(f"{size / scale:.1f}" for size in sizes) + f" {unit}"
 
 
 @dataclass

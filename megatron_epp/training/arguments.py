@@ -11,7 +11,10 @@ from typing import Sequence
 from megatron_epp.cost.clusters import get_cluster
 from megatron_epp.data.data_path import Blend, BlendError
 from megatron_epp.data.tokenizers import TokenizerError, add_tokenizer_arguments, resolve_tokenizer_args, tokenizer_from_args
+from megatron_epp.executor.kernels import load_flash_kernel
 from megatron_epp.planner.config import DEFAULT_CLUSTER, PlannerConfig, add_planner_arguments
+from megatron_epp.training.extensions import probe_transformer_engine
+from megatron_epp.training.megatron_flags import add_megatron_flags
 import psutil
 import torch
 
@@ -31,39 +34,70 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="pretrain_gpt.py",
-        description="Train a GPT with Megatron-Core pipeline parallelism (CPU/gloo or CUDA/NCCL).",
+        description="Train a GPT with Megatron-Core pipeline parallelism (CPU/gloo or CUDA/NCCL). Flags have "
+        "Megatron-LM's names and meanings; where a default differs from Megatron-LM's, the flag's help says so "
+        "(\"Megatron-LM: ...\"); Megatron-LM flags that have no effect here, or are refused, are listed last.",
         allow_abbrev=False,
     )
     g = p.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, default=4)
-    g.add_argument("--hidden-size", type=int, default=64)
-    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--num-layers", type=int, default=4, help="transformer layers (default 4, a toy; Megatron-LM: required)")
+    g.add_argument("--hidden-size", type=int, default=64, help="hidden size (default 64, a toy; Megatron-LM: required)")
+    g.add_argument("--num-attention-heads", type=int, default=4,
+                   help="query heads (default 4, a toy; Megatron-LM: required)")
     g.add_argument("--ffn-hidden-size", type=int, default=None,
                    help="default: 4 x hidden size; with --swiglu 8/3 x hidden size rounded down to a multiple of 64 (Megatron-LM's)")
-    g.add_argument("--seq-length", type=int, default=128)
+    g.add_argument("--seq-length", type=int, default=128,
+                   help="tokens per sample (default 128; Megatron-LM: required); with --elastic-pp the context cap: the "
+                   "longest document trained (see --epp-truncate-documents), not a fixed sample length")
     g.add_argument("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
-    g.add_argument("--position-embedding-type", choices=["rope", "learned_absolute"], default="rope")
+    g.add_argument("--position-embedding-type", choices=["rope", "learned_absolute"], default="rope",
+                   help="default rope (Megatron-LM: learned_absolute)")
+    g.add_argument("--use-rotary-position-embeddings", action="store_true",
+                   help="Megatron-LM's older spelling of --position-embedding-type rope")
+    g.add_argument("--no-position-embedding", action="store_false", dest="add_position_embedding",
+                   help="no learned absolute position embedding, as Megatron-LM: with rope (the default here) there is "
+                   "none anyway; with learned_absolute it is refused (position-free models are not supported, as in Megatron-LM)")
+    g.add_argument("--rotary-percent", type=float, default=1.0,
+                   help="the share of each head's channels RoPE rotates (default 1.0, as Megatron-LM)")
     g.add_argument("--vocab-size", type=int, default=None, help="default: the tokenizer's (byte: 257)")
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="pad the vocabulary (embedding and output layer rows) up to a multiple of this x "
                         "--tensor-model-parallel-size, as Megatron-LM (the padded rows are never a label)")
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    g.add_argument("--hidden-dropout", type=float, default=0.0)
-    g.add_argument("--attention-dropout", type=float, default=0.0)
-    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
+                   help="separate input embedding and output layer weights (default: shared, as Megatron-LM)")
+    g.add_argument("--hidden-dropout", type=float, default=0.0,
+                   help="dropout after attention and MLP (default 0.0; Megatron-LM: 0.1)")
+    g.add_argument("--attention-dropout", type=float, default=0.0,
+                   help="dropout of the attention probabilities (default 0.0; Megatron-LM: 0.1)")
+    g.add_argument("--init-method-std", type=float, default=0.02, help="weights' initial standard deviation (default 0.02)")
     # LLaMA-style architecture (Megatron-LM's names)
     g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (gated SiLU: fc1 is 2 x --ffn-hidden-size wide)")
-    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
-    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm",
+                   help="the layers' norm (default LayerNorm)")
+    g.add_argument("--norm-epsilon", type=float, default=1e-5, help="the norms' epsilon (default 1e-5)")
+    g.add_argument("--apply-layernorm-1p", action="store_true",
+                   help="zero-centred norm weights, as Megatron-LM: the norm multiplies by (1 + weight), the weight "
+                   "initialised to 0 (megatron-core's layernorm_zero_centered_gamma)")
     g.add_argument("--group-query-attention", action="store_true", help="grouped-query attention (needs --num-query-groups)")
     g.add_argument("--num-query-groups", type=int, default=None, help="K/V heads with --group-query-attention")
     g.add_argument("--kv-channels", type=int, default=None, help="head dimension (default: --hidden-size / --num-attention-heads)")
     g.add_argument("--disable-bias-linear", action="store_true", help="no biases in the linear layers")
     g.add_argument("--rotary-base", type=int, default=None, help=f"RoPE's base (theta; default {ROTARY_BASE})")
+    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+                   help="with --elastic-pp, ElasticAttention's kernels: auto = flash-attn where it runs, else PyTorch's "
+                   "SDPA; flash = flash-attn (an error where it cannot run); local, unfused = SDPA; fused = auto "
+                   "(Transformer Engine's cuDNN attention is not used; said at start-up). Without --elastic-pp "
+                   "megatron-core's: local = its own attention, flash/fused/unfused = Transformer Engine's (refused without "
+                   "it), auto = Transformer Engine's choice where it is used (default auto)")
+    g.add_argument("--use-flash-attn", action="store_const", const="flash", dest="attention_backend",
+                   help="Megatron-LM's older spelling of --attention-backend flash")
+    g.add_argument("--no-masked-softmax-fusion", action="store_false", dest="masked_softmax_fusion",
+                   help="without --elastic-pp, never megatron's fused masked softmax (by default it is used on CUDA where "
+                   "it imports); ElasticAttention has none")
 
     g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="tensor-parallel ranks (default 1)")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="pipeline stages (default 1)")
     g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None,
                    help="Megatron's interleaved schedule: not supported (the elastic schedule runs one model chunk per stage)")
     g.add_argument("--context-parallel-size", type=int, default=None,
@@ -81,40 +115,89 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: megatron-core's, max(4e7, 1e6 x data parallel))")
 
     g = p.add_argument_group("batch")
-    g.add_argument("--micro-batch-size", type=int, default=1)
+    g.add_argument("--micro-batch-size", type=int, default=1,
+                   help="samples per micro-batch (default 1; Megatron-LM: required); with --elastic-pp each step's "
+                   "documents are planned into chunks, which replace micro-batches: the value is not used (said at start-up)")
     g.add_argument("--global-batch-size", type=int, default=None, help="default: micro batch x data parallel")
 
     g = p.add_argument_group("optimisation")
-    g.add_argument("--lr", type=float, default=1e-3)
-    g.add_argument("--min-lr", type=float, default=0.0)
-    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root"], default="cosine")
-    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3; Megatron-LM: none)")
+    g.add_argument("--min-lr", type=float, default=0.0, help="the learning rate the decay ends at (default 0.0)")
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"], default="cosine",
+                   help="learning-rate decay after the warm-up, megatron-core's OptimizerParamScheduler (default cosine; "
+                   "Megatron-LM: linear); WSD: --lr until the last --lr-wsd-decay-iters/-samples of the decay, then "
+                   "--lr-wsd-decay-style down to --min-lr")
+    g.add_argument("--lr-wsd-decay-style", choices=["exponential", "linear", "cosine", "minus_sqrt"], default="exponential",
+                   help="the annealing of --lr-decay-style WSD (default exponential, as Megatron-LM)")
+    g.add_argument("--lr-wsd-decay-iters", type=int, default=None, help="--lr-decay-style WSD: iterations of annealing")
+    g.add_argument("--lr-wsd-decay-samples", type=int, default=None,
+                   help="--lr-decay-style WSD with --train-samples: samples of annealing")
+    g.add_argument("--lr-warmup-iters", type=int, default=0, help="warm-up iterations (default 0)")
+    g.add_argument("--lr-warmup-fraction", type=float, default=None,
+                   help="warm-up as a fraction of the decay (--lr-decay-iters or --lr-decay-samples), as Megatron-LM; "
+                   "instead of --lr-warmup-iters/-samples")
     g.add_argument("--lr-warmup-init", type=float, default=0.0,
                    help="the learning rate the warm-up (--lr-warmup-iters or --lr-warmup-samples) starts from (default 0.0)")
     g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
     g.add_argument("--lr-warmup-samples", type=int, default=0, help="with --train-samples: warm-up in samples")
     g.add_argument("--lr-decay-samples", type=int, default=None, help="with --train-samples: decay in samples (default: --train-samples)")
-    g.add_argument("--weight-decay", type=float, default=0.01)
-    g.add_argument("--adam-beta1", type=float, default=0.9)
-    g.add_argument("--adam-beta2", type=float, default=0.95)
-    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--decoupled-lr", type=float, default=None,
+                   help="a separate peak learning rate for the input embedding and the output layer, as Megatron-LM")
+    g.add_argument("--decoupled-min-lr", type=float, default=None, help="their --min-lr, with --decoupled-lr")
+    g.add_argument("--optimizer", choices=["adam", "sgd"], default="adam", help="megatron-core's optimizer (default adam)")
+    g.add_argument("--sgd-momentum", type=float, default=0.9, help="--optimizer sgd's momentum (default 0.9)")
+    g.add_argument("--weight-decay", type=float, default=0.01,
+                   help="weight decay of the weights (not biases and norms; default 0.01)")
+    g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam's beta1 (default 0.9)")
+    g.add_argument("--adam-beta2", type=float, default=0.95, help="Adam's beta2 (default 0.95; Megatron-LM: 0.999)")
+    g.add_argument("--adam-eps", type=float, default=1e-8, help="Adam's epsilon (default 1e-8)")
+    g.add_argument("--clip-grad", type=float, default=1.0, help="gradient clipping by global norm (default 1.0; 0: off)")
     g.add_argument("--train-iters", type=int, default=None, help="default 20 (unless --train-samples)")
     g.add_argument("--train-samples", type=int, default=None,
                    help="train this many samples (--elastic-pp: documents) instead of --train-iters: "
                    "floor(N / --global-batch-size) iterations, as Megatron-LM")
-    g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--seed", type=int, default=1234, help="random seed of initialisation, data order and dropout (default 1234)")
+    g.add_argument("--bf16", action="store_true",
+                   help="bf16 parameters and activations (megatron-core's Float16Module), fp32 main parameters in the optimizer")
+    g.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="with --bf16, gradients accumulated and reduced in bf16 (default: in fp32)")
+    g.add_argument("--fp16", action="store_true",
+                   help="fp16 parameters and activations with loss scaling (dynamic unless --loss-scale), fp32 main "
+                   "parameters; a step whose scaled gradients overflow is skipped and the scale lowered, as Megatron-LM")
+    g.add_argument("--loss-scale", type=float, default=None, help="--fp16: a fixed loss scale (default: dynamic)")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0**32, help="--fp16: the dynamic scale's start (default 2^32)")
+    g.add_argument("--min-loss-scale", type=float, default=1.0, help="--fp16: the dynamic scale's floor (default 1.0)")
+    g.add_argument("--loss-scale-window", type=float, default=1000,
+                   help="--fp16: steps without overflow before the dynamic scale doubles (default 1000)")
+    g.add_argument("--hysteresis", type=int, default=2,
+                   help="--fp16: overflowing steps tolerated before the dynamic scale halves (default 2)")
+    g.add_argument("--manual-gc", action="store_true",
+                   help="Python's garbage collector off during training, collected every --manual-gc-interval steps "
+                   "(and around evaluations), as Megatron-LM: the same collection on every rank")
+    g.add_argument("--manual-gc-interval", type=int, default=0,
+                   help="--manual-gc: collect every N iterations (default 0: only at start and around evaluations)")
+    g.add_argument("--no-manual-gc-eval", action="store_false", dest="manual_gc_eval",
+                   help="--manual-gc: no collection around evaluations")
+    g.add_argument("--empty-unused-memory-level", type=int, default=0, choices=[0, 1, 2],
+                   help="on CUDA, release the allocator's cached blocks: 1 after each forward-backward, 2 also after the "
+                   "optimizer step (default 0; no effect on CPU)")
 
     g = p.add_argument_group("activation recompute")
-    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None)
-    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
-    g.add_argument("--recompute-num-layers", type=int, default=None)
+    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
+                   help="without --elastic-pp: megatron-core's activation recompute (with it, the plan decides: --epp-recompute)")
+    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None,
+                   help="--recompute-granularity full: which layers are recomputed")
+    g.add_argument("--recompute-num-layers", type=int, default=None,
+                   help="--recompute-granularity full: layers per recomputed group (default 1)")
 
     g = p.add_argument_group("data")
     g.add_argument("--mock-data", action="store_true", help="synthetic learnable sequences")
     g.add_argument("--data-path", nargs="+", default=None, metavar="[WEIGHT] PREFIX",
                    help="prefix of a Megatron indexed dataset (.bin/.idx), or a blend: WEIGHT PREFIX pairs (0.3 A 0.7 B)")
-    g.add_argument("--split", default="969,30,1", help="train,valid,test weights over documents")
+    g.add_argument("--split", default="969,30,1", help="train,valid,test weights over documents (default 969,30,1)")
+    g.add_argument("--eod-mask-loss", action="store_true",
+                   help="no loss on the token after an end-of-document token, as Megatron-LM; with --elastic-pp a document "
+                   "never predicts past its end anyway")
     add_tokenizer_arguments(g)
 
     g = p.add_argument_group("elastic pipeline parallelism")
@@ -135,9 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
                    f"in checkpoints; 0: off, the profile as given (default {CALIBRATE_INTERVAL})")
 
     g = p.add_argument_group("checkpointing")
-    g.add_argument("--save", default=None)
-    g.add_argument("--load", default=None)
-    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--save", default=None, help="directory to save checkpoints to (megatron-core distributed checkpoints)")
+    g.add_argument("--load", default=None, help="directory to resume from (its newest checkpoint)")
+    g.add_argument("--save-interval", type=int, default=None,
+                   help="save every N iterations (and at the end, as Megatron-LM, when --save is given)")
 
     g = p.add_argument_group("preemption and faults")
     g.add_argument("--exit-signal-handler", action="store_true",
@@ -154,9 +238,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: on, as Megatron-LM; --no-check-for-nan-in-loss-and-grad turns it off)")
 
     g = p.add_argument_group("logging")
-    g.add_argument("--log-interval", type=int, default=1)
-    g.add_argument("--eval-interval", type=int, default=None)
-    g.add_argument("--eval-iters", type=int, default=2)
+    g.add_argument("--log-interval", type=int, default=1, help="iterations per log line (default 1; Megatron-LM: 100)")
+    g.add_argument("--eval-interval", type=int, default=None,
+                   help="evaluate every N iterations (default: never; Megatron-LM: 1000)")
+    g.add_argument("--eval-iters", type=int, default=2,
+                   help="global batches per evaluation (default 2; Megatron-LM: 100); 0 turns evaluation off")
     g.add_argument("--tensorboard-dir", default=None, help="TensorBoard scalars: loss, lr, grad norm, tokens/s, "
                    "throughput, and with --elastic-pp the plan's statistics and per-stage memory")
     g.add_argument("--log-throughput", action="store_true",
@@ -167,16 +253,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--epp-metrics", default=None, metavar="FILE",
                    help="append one JSON record per logged step to FILE (default: metrics.jsonl in --tensorboard-dir, "
                         "else in --save; none without either)")
+    add_megatron_flags(p)
     return p
 
 
 def resolve_vocab_size(args: argparse.Namespace) -> None:
     """Load the ``--tokenizer-type`` tokenizer (a missing file or one that does not parse is a
     :class:`TokenizerError`) and fill or check ``--vocab-size``."""
-    vocab = tokenizer_from_args(args).vocab_size
+    tokenizer = tokenizer_from_args(args)
+    vocab, args.eod = tokenizer.vocab_size, tokenizer.eod
     if args.make_vocab_size_divisible_by < 1:
         raise ArgumentError(f"--make-vocab-size-divisible-by {args.make_vocab_size_divisible_by}: must be >= 1")
-    if args.vocab_size is None:
+    if args.vocab_size is None or args.tokenizer_type == "NullTokenizer":  # NullTokenizer: --vocab-size ids + its EOD
         args.vocab_size = vocab
     elif args.data_path is not None and args.vocab_size < vocab:
         raise ArgumentError(f"--vocab-size {args.vocab_size} is smaller than the tokenizer's {vocab} tokens")
@@ -201,6 +289,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if (args.train_iters is not None and args.train_iters < 1) or args.log_interval < 1:
         raise ArgumentError("--train-iters and --log-interval must be >= 1")
     validate_ranges(args)
+    validate_megatron_args(args)
     if args.eval_iters == 0:  # Megatron-LM's way to turn evaluation off
         args.eval_interval = None
     for flag, value in UNSUPPORTED_PARALLELISM.items():
@@ -237,7 +326,8 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     args.max_position_embeddings = args.max_position_embeddings or args.seq_length
     if args.max_position_embeddings < args.seq_length:
         raise ArgumentError("--max-position-embeddings is smaller than --seq-length")
-    per_step = args.micro_batch_size * args.data_parallel_size
+    # --elastic-pp: a step's documents are planned into chunks, not micro-batches (main's start-up line says so)
+    per_step = (1 if args.elastic_pp else args.micro_batch_size) * args.data_parallel_size
     if args.global_batch_size is None:
         args.global_batch_size = per_step
     if args.global_batch_size % per_step:
@@ -289,9 +379,12 @@ AT_LEAST_ONE = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_
                 "vocab_size", "micro_batch_size", "global_batch_size", "train_samples", "lr_decay_iters", "lr_decay_samples",
                 "eval_interval", "save_interval")
 AT_LEAST_ZERO = ("lr", "min_lr", "lr_warmup_iters", "lr_warmup_samples", "weight_decay", "clip_grad", "init_method_std",
-                 "eval_iters")
+                 "eval_iters", "decoupled_lr", "decoupled_min_lr", "adam_eps", "sgd_momentum", "manual_gc_interval",
+                 "num_workers")
+POSITIVE = ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis", "lr_wsd_decay_iters",
+            "lr_wsd_decay_samples")
 PROBABILITIES = {"hidden_dropout": (0, 1, "]"), "attention_dropout": (0, 1, "]"), "adam_beta1": (0, 1, ")"),
-                 "adam_beta2": (0, 1, ")")}
+                 "adam_beta2": (0, 1, ")"), "lr_warmup_fraction": (0, 1, ")")}
 
 
 def validate_ranges(args: argparse.Namespace) -> None:
@@ -301,12 +394,64 @@ def validate_ranges(args: argparse.Namespace) -> None:
             value = getattr(args, key)
             if value is not None and not value >= low:  # `not >=`: a NaN fails too
                 raise ArgumentError(f"--{key.replace('_', '-')} {value}: must be >= {low}")
+    for key in POSITIVE:
+        value = getattr(args, key)
+        if value is not None and not value > 0:
+            raise ArgumentError(f"--{key.replace('_', '-')} {value}: must be > 0")
     for key, (low, high, bracket) in PROBABILITIES.items():
         value = getattr(args, key)
+        if value is None:
+            continue
         if not (low <= value <= high if bracket == "]" else low <= value < high):
             raise ArgumentError(f"--{key.replace('_', '-')} {value}: must be in [{low}, {high}{bracket}")
     if args.min_lr > args.lr:
         raise ArgumentError(f"--min-lr {args.min_lr} is larger than --lr {args.lr}")
+
+
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")  # Megatron-LM's --attention-backend
+
+
+def validate_megatron_args(args: argparse.Namespace) -> None:
+    """The Megatron-LM flags of positions, precision, optimizer and housekeeping, as Megatron-LM checks them."""
+    if args.use_rotary_position_embeddings:  # Megatron-LM's legacy flag overrides --position-embedding-type
+        args.position_embedding_type = "rope"
+    rope = args.position_embedding_type == "rope"
+    if not args.add_position_embedding and not rope:
+        raise ArgumentError("--no-position-embedding with --position-embedding-type learned_absolute: a model without "
+                            "positions is not supported (as in Megatron-LM); use rope")
+    if not 0 < args.rotary_percent <= 1:
+        raise ArgumentError(f"--rotary-percent {args.rotary_percent}: must be in (0, 1]")
+    if args.rotary_percent != 1.0 and not rope:
+        raise ArgumentError("--rotary-percent applies only with --position-embedding-type rope")
+    if args.fp16 and args.bf16:
+        raise ArgumentError("--fp16 and --bf16: give one")
+    if args.loss_scale is not None and not args.fp16:
+        raise ArgumentError("--loss-scale applies only with --fp16 (bf16 and fp32 train unscaled)")
+    if args.grad_reduce_in_bf16 and not args.bf16:
+        raise ArgumentError("--grad-reduce-in-bf16 needs --bf16")
+    if args.decoupled_min_lr is not None and args.decoupled_lr is None:
+        raise ArgumentError("--decoupled-min-lr needs --decoupled-lr")
+    if args.manual_gc_interval and not args.manual_gc:
+        raise ArgumentError("--manual-gc-interval applies only with --manual-gc")
+    if args.overlap_param_gather and not args.use_distributed_optimizer:
+        raise ArgumentError("--overlap-param-gather applies only with --use-distributed-optimizer (as in Megatron-LM)")
+    validate_attention_backend(args)
+
+
+def validate_attention_backend(args: argparse.Namespace) -> None:
+    """``--attention-backend``: with ``--elastic-pp`` ElasticAttention's request (flash: flash-attn, which must load;
+    local, unfused: SDPA; auto, fused: its auto, the start-up line says so); without it megatron-core's, where
+    flash, fused and unfused are Transformer Engine's attention and need it."""
+    backend = args.attention_backend
+    if args.elastic_pp and backend == "flash":
+        kernel, why_not = load_flash_kernel()
+        if kernel is None:
+            raise ArgumentError(f"--attention-backend flash: {why_not} (auto takes flash-attn where it runs, else SDPA)")
+    if not args.elastic_pp and backend in ("flash", "fused", "unfused"):
+        why = "no CUDA device" if not torch.cuda.is_available() else probe_transformer_engine()
+        if why:
+            raise ArgumentError(f"--attention-backend {backend}: Transformer Engine's attention, not available here ({why}); "
+                                "use auto or local")
 
 
 def validate_recompute_args(args: argparse.Namespace) -> None:
@@ -344,10 +489,14 @@ def validate_schedule_args(args: argparse.Namespace) -> None:
         if iter_flags:
             raise ArgumentError(f"{iter_flags[0]} counts iterations; with --train-samples give the schedule in samples "
                                 f"({iter_flags[0].replace('-iters', '-samples')})")
+        if args.lr_wsd_decay_iters is not None:
+            raise ArgumentError("--lr-wsd-decay-iters counts iterations; with --train-samples give --lr-wsd-decay-samples")
         args.train_iters = args.train_samples // gbs
         if args.train_iters < 1:
             raise ArgumentError(f"--train-samples {args.train_samples} is less than one --global-batch-size {gbs}")
         args.lr_decay_samples = args.lr_decay_samples or args.train_samples
+        args.lr_wsd_decay_samples_total = args.lr_wsd_decay_samples
+        validate_warmup_and_wsd(args, "samples")
         if args.lr_warmup_samples >= args.lr_decay_samples:
             raise ArgumentError(f"--lr-warmup-samples {args.lr_warmup_samples} must be smaller than --lr-decay-samples "
                                 f"{args.lr_decay_samples} (default: --train-samples)")
@@ -356,14 +505,37 @@ def validate_schedule_args(args: argparse.Namespace) -> None:
     if sample_flags:
         raise ArgumentError(f"{sample_flags[0]} applies with --train-samples; with --train-iters give "
                             f"{sample_flags[0].replace('-samples', '-iters')}")
+    if args.lr_wsd_decay_samples is not None:
+        raise ArgumentError("--lr-wsd-decay-samples applies with --train-samples; with --train-iters give --lr-wsd-decay-iters")
     args.train_iters = args.train_iters or 20
     args.lr_decay_iters = args.lr_decay_iters or args.train_iters
-    if args.lr_warmup_iters >= args.lr_decay_iters:
+    args.lr_warmup_samples, args.lr_decay_samples = args.lr_warmup_iters * gbs, args.lr_decay_iters * gbs
+    args.lr_wsd_decay_samples_total = args.lr_wsd_decay_iters * gbs if args.lr_wsd_decay_iters is not None else None
+    validate_warmup_and_wsd(args, "iters")
+    if args.lr_warmup_samples >= args.lr_decay_samples:
         raise ArgumentError(
             f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than --lr-decay-iters "
             f"{args.lr_decay_iters} (default: --train-iters)"
         )
-    args.lr_warmup_samples, args.lr_decay_samples = args.lr_warmup_iters * gbs, args.lr_decay_iters * gbs
+
+
+def validate_warmup_and_wsd(args: argparse.Namespace, unit: str) -> None:
+    """``--lr-warmup-fraction`` (of the decay, instead of ``--lr-warmup-iters/-samples``) and ``--lr-decay-style WSD``'s
+    annealing length, as Megatron-LM's scheduler takes them: in samples (``lr_warmup_samples``, a float as
+    Megatron-LM's ``fraction x decay steps``; ``lr_wsd_decay_samples_total``)."""
+    if args.lr_warmup_fraction is not None:
+        if args.lr_warmup_iters or args.lr_warmup_samples:
+            raise ArgumentError(f"--lr-warmup-fraction and --lr-warmup-{unit}: give one")
+        args.lr_warmup_samples = args.lr_warmup_fraction * args.lr_decay_samples
+    wsd_flag = f"--lr-wsd-decay-{unit}"
+    if args.lr_decay_style != "WSD":
+        if args.lr_wsd_decay_samples_total is not None:
+            raise ArgumentError(f"{wsd_flag} applies only with --lr-decay-style WSD")
+        return
+    if args.lr_wsd_decay_samples_total is None:
+        raise ArgumentError(f"--lr-decay-style WSD needs {wsd_flag} (the annealing at the end of the decay)")
+    if args.lr_wsd_decay_samples_total > args.lr_decay_samples - args.lr_warmup_samples:
+        raise ArgumentError(f"{wsd_flag} is longer than the decay after the warm-up (--lr-decay-{unit} less the warm-up)")
 
 
 SPLIT_WEIGHT = re.compile(r"\d+(\.\d*)?|\.\d+")  # what megatron-core's parse_and_normalize_split reads as one number
@@ -372,7 +544,8 @@ SPLIT_WEIGHT = re.compile(r"\d+(\.\d*)?|\.\d+")  # what megatron-core's parse_an
 def validate_split(args: argparse.Namespace) -> None:
     """``--split``: 1 to 3 train,valid,test weights (missing ones 0), as megatron-core reads them; its parser would
     read ``1,-1,1`` as 1,1,1 and fail on a split without numbers only when the data is split."""
-    parts = [part.strip() for part in re.split("[,/]", args.split)]
+    # quotes kept by a shell array ("--split '99,1,0'", as Megatron-LM's LLaMA examples pass it) are not part of it
+    parts = [part.strip() for part in re.split("[,/]", args.split.strip("'\""))]
     if not (len(parts) <= 3 and all(SPLIT_WEIGHT.fullmatch(p) for p in parts) and sum(map(float, parts)) > 0):
         raise ArgumentError(f"--split {args.split}: expected 1 to 3 non-negative train,valid,test weights separated "
                             "by commas (or slashes), not all 0, e.g. 969,30,1")
@@ -456,8 +629,6 @@ def validate_elastic_args(args: argparse.Namespace, world_size: int) -> None:
         if given:
             raise ArgumentError(f"--{given[0].replace('_', '-')} needs --elastic-pp")
         return
-    if args.micro_batch_size != 1:
-        raise ArgumentError("--micro-batch-size does not apply with --elastic-pp (chunks are planned per step)")
     for key, value in EPP_DEFAULTS.items():
         if getattr(args, key) is None:
             setattr(args, key, value)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import time
 from dataclasses import replace
@@ -21,35 +22,50 @@ from megatron_epp.training.faults import ExitConditions, FaultInjection, check_f
 from megatron_epp.training.gpt_step import reduce_losses
 from megatron_epp.training.initialize import Runtime
 from megatron_epp.training.metrics import ElasticMetrics, StepMetrics, interval_average
-from megatron_epp.training.model import model_shape
+from megatron_epp.training.model import model_shape, params_dtype
 
 
 def build_optimizer(args: argparse.Namespace, model, config) -> tuple[Any, OptimizerParamScheduler]:
-    """Megatron's optimizer (Adam, grad clipping) and its sample-based LR/WD scheduler."""
+    """Megatron's optimizer (``--optimizer``, grad clipping; under ``--fp16`` its loss scaler, dynamic unless
+    ``--loss-scale``, which the schedules apply to the last stage's loss through ``config.grad_scale_func``, as
+    Megatron-LM) and its sample-based LR/WD scheduler."""
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
-            optimizer="adam",
+            optimizer=args.optimizer,
             lr=args.lr,
             min_lr=args.min_lr,
+            decoupled_lr=args.decoupled_lr,
+            decoupled_min_lr=args.decoupled_min_lr,
             weight_decay=args.weight_decay,
             adam_beta1=args.adam_beta1,
             adam_beta2=args.adam_beta2,
+            adam_eps=args.adam_eps,
+            sgd_momentum=args.sgd_momentum,
             clip_grad=args.clip_grad,
             bf16=args.bf16,
-            params_dtype=torch.bfloat16 if args.bf16 else torch.float32,
+            fp16=args.fp16,
+            loss_scale=args.loss_scale,
+            initial_loss_scale=args.initial_loss_scale,
+            min_loss_scale=args.min_loss_scale,
+            loss_scale_window=args.loss_scale_window,
+            hysteresis=args.hysteresis,
+            params_dtype=params_dtype(args),
             use_distributed_optimizer=args.use_distributed_optimizer,
         ),
         [model],
     )
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = model.no_sync
+    if args.fp16:
+        config.grad_scale_func = optimizer.scale_loss
     return optimizer, build_scheduler(args, optimizer)
 
 
 def build_scheduler(args: argparse.Namespace, optimizer) -> OptimizerParamScheduler:
     """megatron-core's LR/WD scheduler over ``optimizer``'s parameter groups, counting samples as Megatron-LM's:
-    a warm-up (``--lr-warmup-iters`` x the global batch, or ``--lr-warmup-samples``) from ``--lr-warmup-init`` to
-    ``--lr``, then ``--lr-decay-style`` down to ``--min-lr``."""
+    a warm-up (``--lr-warmup-iters`` x the global batch, ``--lr-warmup-samples``, or ``--lr-warmup-fraction`` of the
+    decay) from ``--lr-warmup-init`` to ``--lr``, then ``--lr-decay-style`` down to ``--min-lr`` (``WSD``: annealed over
+    its last ``--lr-wsd-decay-iters`` x the global batch or ``--lr-wsd-decay-samples``)."""
     gbs = args.global_batch_size
     return OptimizerParamScheduler(
         optimizer,
@@ -63,6 +79,8 @@ def build_scheduler(args: argparse.Namespace, optimizer) -> OptimizerParamSchedu
         end_wd=args.weight_decay,
         wd_incr_steps=args.train_samples or args.train_iters * gbs,
         wd_incr_style="constant",
+        wsd_decay_steps=args.lr_wsd_decay_samples_total,
+        lr_wsd_decay_style=args.lr_wsd_decay_style,
     )
 
 
@@ -172,6 +190,9 @@ def train(
     interval: list[StepMetrics] = []  # the iterations since the last log line
     shape = model_shape(args) if args.log_throughput else None
     saved_at = None
+    if args.manual_gc:  # as Megatron-LM: collect now, then only when every rank does (no collection pausing one rank)
+        gc.disable()
+        gc.collect()
 
     def save() -> None:
         nonlocal saved_at
@@ -192,13 +213,23 @@ def train(
             losses, seq_lengths = train_step(False)
             faults.poison_loss(iteration + 1, losses)
             faults.poison_grads(iteration + 1, runtime.rank, model.buffers)
+            if args.empty_unused_memory_level >= 1 and runtime.device.type == "cuda":
+                torch.cuda.empty_cache()
             if args.check_for_nan_in_loss_and_grad:
                 local_loss = torch.stack([d["lm loss"] for d in losses]) if losses else None
-                check_finite(iteration + 1, local_loss, model.buffers, runtime.rank, runtime.device)
+                # under --fp16 an overflowing scaled gradient is the loss scaler's to handle (a skipped step)
+                check_finite(iteration + 1, local_loss, [] if args.fp16 else model.buffers, runtime.rank, runtime.device)
+            scale = optimizer.get_loss_scale().item() if args.fp16 else None
             update_ok, grad_norm, _ = optimizer.step()
-            if not update_ok:
+            if args.empty_unused_memory_level >= 2 and runtime.device.type == "cuda":
+                torch.cuda.empty_cache()
+            if update_ok:
+                scheduler.step(increment=args.global_batch_size)  # as Megatron-LM: a skipped step does not advance it
+            elif args.fp16:
+                logger.print(f" iteration {iteration + 1}: fp16 gradients overflowed at loss scale {scale:g}: update "
+                             f"skipped, loss scale now {optimizer.get_loss_scale().item():g}")
+            else:
                 raise FloatingPointError(f"optimizer step skipped at iteration {iteration + 1}")
-            scheduler.step(increment=args.global_batch_size)
             iteration += 1
             consumed += args.global_batch_size
             loss = _broadcast_from_last_stage(reduce_losses(losses, dp_group), runtime)
@@ -214,8 +245,14 @@ def train(
                                  elastic=step_metrics(iteration) if step_metrics else None)
                 logger.record(logged, line=interval_average(logged, interval).line())  # the line as Megatron-LM's
                 interval.clear()
+            if args.manual_gc and args.manual_gc_interval and iteration % args.manual_gc_interval == 0:
+                gc.collect()
             if valid_step and args.eval_interval and iteration % args.eval_interval == 0:
+                if args.manual_gc and args.manual_gc_eval:
+                    gc.collect()
                 logger.record(StepMetrics(iteration, evaluate(args, runtime, valid_step, dp_group), kind="valid"))
+                if args.manual_gc and args.manual_gc_eval:
+                    gc.collect()
             if args.save and args.save_interval and iteration % args.save_interval == 0:
                 save()
             reason = exits.reason(iteration)
@@ -225,6 +262,8 @@ def train(
         if args.save and saved_at != iteration:
             save()
     finally:
+        if args.manual_gc:
+            gc.enable()
         exits.close()
         logger.close()
     return history

@@ -21,6 +21,7 @@ from megatron_epp.training.gpt_step import gpt_forward_step, microbatches
 from megatron_epp.training.layout_search import driver_layout_search
 from megatron_epp.training.initialize import gpu_count, gpu_oversubscription, initialize, local_world_size, shutdown
 from megatron_epp.training.loop import build_optimizer, megatron_step, train
+from megatron_epp.training.megatron_flags import startup_notes
 from megatron_epp.training.model import architecture_summary, build_model, layer_spec_summary, model_shape, padded_vocab_size
 
 
@@ -28,15 +29,16 @@ def build_samples(args: argparse.Namespace, split: str):
     """Fixed-length GPT samples of ``split`` ('train' or 'valid'): mock data, an indexed dataset, or several
     blended by weight (``--data-path 0.3 A 0.7 B``: each sample drawn whole from one dataset, as megatron-core's
     ``BlendedDataset``)."""
+    eod = args.eod if args.eod_mask_loss else None
     if args.mock_data:
-        return MockGPTSamples(args.seq_length, args.vocab_size, seed=args.seed + (split == "valid"))
+        return MockGPTSamples(args.seq_length, args.vocab_size, seed=args.seed + (split == "valid"), eod_mask=eod)
     needed = (args.train_iters if split == "train" else args.eval_iters * (args.train_iters // (args.eval_interval or args.train_iters) + 1)) * args.global_batch_size
     sources = [split_documents(prefix, args.split, split) for prefix in args.data_blend.prefixes]
     if not sum(len(docs) for docs in sources):
         return None
     if args.data_blend.weights is None:
-        return GPTSamples(sources[0], args.seq_length, seed=args.seed, num_samples=needed)
-    return BlendedSamples(lambda d, n: GPTSamples(sources[d], args.seq_length, seed=args.seed, num_samples=n),
+        return GPTSamples(sources[0], args.seq_length, seed=args.seed, num_samples=needed, eod_mask=eod)
+    return BlendedSamples(lambda d, n: GPTSamples(sources[d], args.seq_length, seed=args.seed, num_samples=n, eod_mask=eod),
                           args.data_blend.weights, needed)
 
 
@@ -86,8 +88,9 @@ def main(argv: Sequence[str] | argparse.Namespace | None = None) -> int:
             f"vocab {args.vocab_size}"
             + (f" (padded to {padded_vocab_size(args)})" if padded_vocab_size(args) != args.vocab_size else "")
             + f" | tp={args.tensor_model_parallel_size} pp={runtime.pp_size} "
-            f"dp={runtime.dp_size} on {runtime.device.type} {'bf16' if args.bf16 else 'fp32'} | global batch {args.global_batch_size} = "
-            f"{args.num_microbatches} micro-batches x {args.micro_batch_size} x dp {runtime.dp_size}"
+            f"dp={runtime.dp_size} on {runtime.device.type} {'bf16' if args.bf16 else 'fp16' if args.fp16 else 'fp32'} | "
+            + (f"global batch {args.global_batch_size} documents" if args.elastic_pp else
+               f"global batch {args.global_batch_size} = {args.num_microbatches} micro-batches x {args.micro_batch_size} x dp {runtime.dp_size}")
             + (f" | resumed at iteration {start[0]}" if resume is not None else "")
             + (f" | --load {args.load}: no checkpoint yet, starting at iteration 0" if args.load and resume is None else "")
             + (f" | --train-samples {args.train_samples}: {args.train_iters} iterations"
@@ -98,6 +101,8 @@ def main(argv: Sequence[str] | argparse.Namespace | None = None) -> int:
         print(f"> architecture: {architecture_summary(args)}", flush=True)
         print(f"> layers: {layer_spec_summary(args.elastic_pp, args.sequence_parallel and args.tensor_model_parallel_size)}", flush=True)
         print(f"> host allocator: {host_allocator.describe()}", flush=True)
+        for note in startup_notes(args):
+            print(f"> {note}", flush=True)
         if args.elastic_pp:
             print(f"> planner: {planner}", flush=True)
         print(f"> data: {corpus}", flush=True)

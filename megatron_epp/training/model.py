@@ -1,4 +1,4 @@
-"""TransformerConfig, GPTModel for this pipeline stage (cast by Float16Module under ``--bf16``), and
+"""TransformerConfig, GPTModel for this pipeline stage (cast by Float16Module under ``--bf16``/``--fp16``), and
 Megatron-Core's DDP wrapper; which optional GPU kernels (Transformer Engine, fused softmax) it uses."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.enums import AttnBackend
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
@@ -39,17 +40,45 @@ def fused_softmax_unavailable() -> str | None:
     return "no CUDA device" if not torch.cuda.is_available() else probe_fused_softmax()
 
 
+class ZeroCenteredLayerNorm(torch.nn.LayerNorm):
+    """``LayerNorm`` scaled by ``1 + weight``, the weight initialised to 0 (``--apply-layernorm-1p``, megatron-core's
+    ``layernorm_zero_centered_gamma``, which its ``WrappedTorchNorm`` does not have)."""
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        torch.nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.normalized_shape, self.weight + 1, self.bias, self.eps)
+
+
+class ZeroCenteredRMSNorm(torch.nn.RMSNorm):
+    """``RMSNorm`` scaled by ``1 + weight``, the weight initialised to 0 (as :class:`ZeroCenteredLayerNorm`)."""
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        torch.nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.normalized_shape, self.weight + 1, self.eps)
+
+
 class TorchNorm:
     """megatron-core's ``WrappedTorchNorm`` (PyTorch's ``LayerNorm`` or ``RMSNorm``, per ``config.normalization``)
     that also runs under sequence parallelism, where megatron-core's asserts it does not: each tensor-parallel rank
     normalises its own tokens (a norm is per token), and its weight and bias are tagged ``sequence_parallel`` as
     megatron-core's own SP norms tag theirs, so ``finalize_model_grads`` sums their gradients over the
-    tensor-parallel group (each rank saw only its share of the tokens)."""
+    tensor-parallel group (each rank saw only its share of the tokens). With ``layernorm_zero_centered_gamma``
+    (``--apply-layernorm-1p``) the norm is :class:`ZeroCenteredLayerNorm` or :class:`ZeroCenteredRMSNorm`."""
 
     def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **kwargs) -> torch.nn.Module:
         unsharded = copy.copy(config)  # a shallow copy: the norm itself is the same with or without SP
         unsharded.sequence_parallel = False
-        norm = WrappedTorchNorm(unsharded, hidden_size, eps, **kwargs)
+        if config.layernorm_zero_centered_gamma:
+            norm_cls = {"LayerNorm": ZeroCenteredLayerNorm, "RMSNorm": ZeroCenteredRMSNorm}[config.normalization]
+            norm = norm_cls(hidden_size, eps=eps)
+        else:
+            norm = WrappedTorchNorm(unsharded, hidden_size, eps, **kwargs)
         for param in norm.parameters():
             param.sequence_parallel = config.sequence_parallel
         return norm
@@ -73,10 +102,11 @@ def decoder_spec(layer: ModuleSpec, config: TransformerConfig) -> ModuleSpec | T
     return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=TorchNorm)
 
 
-def default_layer_spec(normalization: str = "LayerNorm") -> ModuleSpec:
-    """The stock path's layers: Transformer Engine's spec when TE's PyTorch layers import on a GPU, else the local one
-    (``normalization``: ``LayerNorm`` or ``RMSNorm``; TE's layers read it from the ``TransformerConfig``)."""
-    if transformer_engine_available():
+def default_layer_spec(normalization: str = "LayerNorm", local: bool = False) -> ModuleSpec:
+    """The stock path's layers: Transformer Engine's spec when TE's PyTorch layers import on a GPU and ``local`` is
+    not asked for (``--attention-backend local``), else the local one (``normalization``: ``LayerNorm`` or
+    ``RMSNorm``; TE's layers read it from the ``TransformerConfig``)."""
+    if transformer_engine_available() and not local:
         return get_gpt_layer_with_transformer_engine_spec()
     return local_layer_spec(normalization)
 
@@ -133,7 +163,7 @@ def model_shape(args: argparse.Namespace, name: str = "pretrain_gpt") -> ModelSh
         num_kv_heads=args.num_query_groups if args.group_query_attention else None, kv_channels=args.kv_channels,
         swiglu=args.swiglu, normalization=args.normalization, bias=not args.disable_bias_linear,
         rope=args.position_embedding_type == "rope",
-        dtype="bfloat16" if args.bf16 else "float32",  # what the activations and the K/V buffers are stored in
+        dtype=str(params_dtype(args)).removeprefix("torch."),  # what the activations and the K/V buffers are stored in
         tied_embeddings=not args.untie_embeddings_and_output_weights,
         learned_positions=args.max_position_embeddings if args.position_embedding_type == "learned_absolute" else 0,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,  # what their masks save
@@ -147,10 +177,11 @@ def architecture_summary(args: argparse.Namespace) -> str:
     attention = f"grouped-query attention {heads}:{groups}" if groups != heads else f"{heads}-head attention"
     parts = [
         "SwiGLU MLP" if args.swiglu else "GELU MLP",
-        f"{args.normalization} (eps {args.norm_epsilon:g})",
+        f"{args.normalization} (eps {args.norm_epsilon:g}{', zero-centred weight: 1p' if args.apply_layernorm_1p else ''})",
         attention + f", head dim {args.kv_channels or args.hidden_size // heads}",
         "no biases" if args.disable_bias_linear else "biases",
-        f"RoPE base {args.rotary_base}" if args.position_embedding_type == "rope" else "learned positions",
+        (f"RoPE base {args.rotary_base}" + (f" on {args.rotary_percent:g} of each head" if args.rotary_percent != 1 else ""))
+        if args.position_embedding_type == "rope" else "learned positions",
     ]
     return ", ".join(parts)
 
@@ -166,8 +197,13 @@ def architecture_config(*, swiglu: bool, normalization: str, num_query_groups: i
     }
 
 
+def params_dtype(args: argparse.Namespace) -> torch.dtype:
+    """The parameters' and activations' dtype: ``--bf16``, ``--fp16``, else fp32."""
+    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+
+
 def transformer_config(args: argparse.Namespace, runtime: Runtime) -> TransformerConfig:
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    dtype = params_dtype(args)
     return TransformerConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
@@ -181,12 +217,15 @@ def transformer_config(args: argparse.Namespace, runtime: Runtime) -> Transforme
             num_query_groups=args.num_query_groups if args.group_query_attention else None, bias=not args.disable_bias_linear,
         ),
         layernorm_epsilon=args.norm_epsilon,
+        layernorm_zero_centered_gamma=args.apply_layernorm_1p,
+        attention_backend=AttnBackend[args.attention_backend],
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         sequence_parallel=args.sequence_parallel,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         pipeline_dtype=dtype,
         params_dtype=dtype,
         bf16=args.bf16,
+        fp16=args.fp16,
         use_cpu_initialization=runtime.device.type == "cpu",
         recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method,
@@ -199,7 +238,7 @@ def transformer_config(args: argparse.Namespace, runtime: Runtime) -> Transforme
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
         # only where the kernel imports (apex / megatron fused kernels): it is a CUDA extension
-        masked_softmax_fusion=runtime.device.type == "cuda" and fused_softmax_unavailable() is None,
+        masked_softmax_fusion=args.masked_softmax_fusion and runtime.device.type == "cuda" and fused_softmax_unavailable() is None,
         gradient_accumulation_fusion=False,
         deallocate_pipeline_outputs=True,
         # Megatron's batch_p2p_sync calls torch.cuda.synchronize() after every batched p2p (a guard
@@ -211,7 +250,7 @@ def transformer_config(args: argparse.Namespace, runtime: Runtime) -> Transforme
 def build_model(
     args: argparse.Namespace, runtime: Runtime, context: ChunkContext | None = None
 ) -> tuple[DistributedDataParallel, TransformerConfig]:
-    """This stage's GPTModel on its device, cast to bf16 by ``Float16Module`` under ``--bf16``,
+    """This stage's GPTModel on its device, cast to bf16/fp16 by ``Float16Module`` under ``--bf16``/``--fp16``,
     wrapped in Megatron-Core DDP.
 
     With a ``context`` the layers are elastic (``elastic_layer_spec`` on the local spec) and the
@@ -219,7 +258,7 @@ def build_model(
     DDP and Float16Module wrappers (``get_attr_wrapped_model``).
     """
     config = transformer_config(args, runtime)
-    spec = (default_layer_spec(args.normalization) if context is None
+    spec = (default_layer_spec(args.normalization, local=args.attention_backend == "local") if context is None
             else elastic_layer_spec(elastic_base_layer_spec(args.normalization), context))
     model = GPTModel(
         config,
@@ -231,17 +270,18 @@ def build_model(
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type=args.position_embedding_type,
         rotary_base=args.rotary_base,
+        rotary_percent=args.rotary_percent,
     )
     if context is not None:
         install_chunk_context(model, context)
     model.to(runtime.device)
-    if args.bf16:
-        # As Megatron-LM: every parameter in bf16, LayerNorms included (CUDA's layer_norm refuses bf16
+    if args.bf16 or args.fp16:
+        # As Megatron-LM: every parameter in bf16 (fp16), LayerNorms included (CUDA's layer_norm refuses bf16
         # input with fp32 weights), the first stage's float inputs cast, the last stage's output back
         # to fp32 for the loss. The optimizer keeps fp32 main params (OptimizerConfig bf16).
         model = Float16Module(config, model)
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
+        grad_reduce_in_fp32=not args.grad_reduce_in_bf16,
         overlap_grad_reduce=args.overlap_grad_reduce,
         use_distributed_optimizer=args.use_distributed_optimizer,
         bucket_size=args.ddp_bucket_size,

@@ -1,0 +1,104 @@
+"""Megatron-LM flags that megatron-epp accepts without acting on them (it does that anyway, or the flag only
+tunes what megatron-epp does otherwise), and flags it refuses, each with its one-line reason; so a Megatron-LM
+launch script runs with ``--elastic-pp`` added, and every flag it passes is either honoured, said to have no
+effect (``--help`` and one start-up line), or refused before any work starts."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """A Megatron-LM flag taken for a script's sake; ``why``: what megatron-epp does instead (its help text)."""
+
+    flag: str
+    why: str
+    kwargs: tuple[tuple[str, Any], ...] = (("action", "store_true"),)
+
+    @property
+    def dest(self) -> str:
+        return self.flag.removeprefix("--").replace("-", "_")
+
+
+ACCEPTED = (
+    Accepted("--use-mcore-models", "the model is always megatron-core's GPTModel"),
+    Accepted("--attention-softmax-in-fp32", "the attention softmax always runs in fp32 here (SDPA and flash-attn "
+             "accumulate in fp32; megatron-core's own attention with its default attention_softmax_in_fp32)"),
+    Accepted("--calculate-per-token-loss", "always on here: the loss is the sum of the global batch's token losses "
+             "over its loss-masked token count (with --elastic-pp documents differ in length, so per token is the only "
+             "consistent average)"),
+    Accepted("--no-create-attention-mask-in-dataloader", "no attention mask is ever built by the data: attention is "
+             "causal per document (--elastic-pp) or per sample"),
+    Accepted("--no-rope-fusion", "RoPE is never fused here (megatron-core's unfused apply_rotary_pos_emb)"),
+    Accepted("--no-gradient-accumulation-fusion", "never fused here (it needs Apex's fused weight-gradient kernel)"),
+    Accepted("--no-async-tensor-model-parallel-allreduce", "megatron-core schedules the tensor-parallel all-reduce itself"),
+    Accepted("--cross-entropy-loss-fusion", "no effect: megatron-core's unfused vocab-parallel cross entropy (the same loss)"),
+    Accepted("--overlap-param-gather", "no effect: with --use-distributed-optimizer the parameters are all-gathered "
+             "right after the optimizer step, not overlapped with the next forward (the same values)"),
+    Accepted("--no-mmap-bin-files", "no effect: the indexed dataset's .bin is always memory-mapped (read on demand)"),
+    Accepted("--num-workers", "no effect: samples are built in the training process, no DataLoader workers",
+             (("type", int), ("default", None), ("metavar", "N"))),
+    Accepted("--data-cache-path", "no effect: the sample order is built in memory at start-up, no index files are cached",
+             (("default", None), ("metavar", "DIR"))),
+    Accepted("--tiktoken-pattern", "no effect: read by Megatron-LM's TikTokenizer only (not supported here); "
+             "ignored with other tokenizers, as Megatron-LM", (("default", None),)),
+    Accepted("--distributed-backend", "no effect: NCCL on CUDA, gloo on CPU, chosen by the device",
+             (("choices", ("nccl", "gloo")), ("default", None))),
+)
+
+
+class Refuse(argparse.Action):
+    """A Megatron-LM flag megatron-epp does not implement: given, it is a one-line error with the reason
+    (``help``'s text after "refused: "), whatever values follow it."""
+
+    def __init__(self, option_strings, dest, why: str, **kwargs) -> None:
+        super().__init__(option_strings, dest, nargs="*", default=argparse.SUPPRESS,
+                         help=f"refused: {why}".replace("%", "%%"), **kwargs)
+        self.why = why
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        raise argparse.ArgumentError(self, f"not supported here: {self.why}")
+
+
+FP8 = ("fp8 needs Transformer Engine's layers, which megatron-epp does not build (with --elastic-pp the layers are "
+       "megatron-core's local spec, the planner's memory model counts their tensors); train in --bf16")
+REFUSED = {
+    "--fp8-format": FP8, "--fp8-recipe": FP8, "--fp8-margin": FP8, "--fp8-interval": FP8,
+    "--fp8-amax-history-len": FP8, "--fp8-amax-compute-algo": FP8, "--fp8-param-gather": FP8,
+    "--use-torch-fsdp2": "FSDP is not supported; shard the optimizer states with --use-distributed-optimizer",
+    "--use-megatron-fsdp": "FSDP is not supported; shard the optimizer states with --use-distributed-optimizer",
+    "--num-experts": "mixture-of-experts models are not supported (the planner's cost model is for dense GPT/LLaMA layers)",
+    "--profile": "not wired here; run under nsys or torch.profiler (--epp-timeline draws the planned schedule of each "
+                 "logged step)",
+    "--profile-step-start": "goes with --profile, which is not wired here",
+    "--profile-step-end": "goes with --profile, which is not wired here",
+    "--use-pytorch-profiler": "goes with --profile, which is not wired here",
+}
+
+
+def add_megatron_flags(parser: argparse.ArgumentParser) -> None:
+    """The accepted and the refused Megatron-LM flags, in a group of their own."""
+    group = parser.add_argument_group("Megatron-LM flags accepted without effect, or refused")
+    for entry in ACCEPTED:
+        group.add_argument(entry.flag, help=f"accepted: {entry.why}".replace("%", "%%"), **dict(entry.kwargs))
+    for flag, why in REFUSED.items():
+        group.add_argument(flag, action=Refuse, why=why)
+
+
+def startup_notes(args: argparse.Namespace) -> list[str]:
+    """The start-up lines about Megatron-LM flags: what ``--micro-batch-size`` means with ``--elastic-pp``, and the
+    accepted flags this command line gave that have no effect here."""
+    notes = []
+    if args.elastic_pp:
+        notes.append(f"batch: --elastic-pp plans each step's {args.global_batch_size} documents (global batch) into "
+                     "chunks, which replace micro-batches (the plan line counts them): --micro-batch-size is not used")
+        if args.attention_backend == "fused":
+            notes.append("--attention-backend fused: Transformer Engine's cuDNN attention is not used with --elastic-pp; "
+                         "ElasticAttention's auto (flash-attn where it runs, else SDPA), the same attention")
+    given = [entry.flag for entry in ACCEPTED if getattr(args, entry.dest) not in (None, False)]
+    if given:
+        notes.append(f"Megatron-LM flags accepted with no effect here (see --help): {', '.join(given)}")
+    return notes
