@@ -144,8 +144,9 @@ def test_no_tp_group_lookup_per_call(monkeypatch):
     assert tp_group_warnings() == 4
 
 
+@pytest.mark.parametrize("percent", [1.0, 0.5], ids=["whole-head", "rotary-percent-0.5"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_rotation_is_megatrons_bit_for_bit(dtype):
+def test_rotation_is_megatrons_bit_for_bit(dtype, percent):
     """:meth:`ChunkRope.rotate` against megatron-core's ``apply_rotary_pos_emb`` on the same frequencies: outputs
     and the gradients of q and k identical (grouped-query attention: 8 query heads, 2 K/V heads), positions of a
     slice at context 4 and a packed document."""
@@ -154,7 +155,7 @@ def test_rotation_is_megatrons_bit_for_bit(dtype):
 
     chunk = Chunk(0, "hybrid", [Segment(0, 0, 6), Segment(1, 4, 9)])
     layout = ChunkLayout.build(chunk, [6, 20], torch.device("cpu"))
-    rope = rotary.ChunkRope(RotaryEmbedding(16, 1.0, rotary_base=500000, use_cpu_initialization=True), layout)
+    rope = rotary.ChunkRope(RotaryEmbedding(16, percent, rotary_base=500000, use_cpu_initialization=True), layout)
     gen = torch.Generator().manual_seed(0)
     q, k = (torch.randn(layout.num_tokens, 2, heads, 16, generator=gen).to(dtype) for heads in (8, 2))
     gq, gk = torch.randn_like(q, dtype=torch.float32).to(dtype), torch.randn_like(k, dtype=torch.float32).to(dtype)
@@ -175,11 +176,19 @@ def test_rotation_is_megatrons_bit_for_bit(dtype):
         assert a.dtype == b.dtype == dtype and torch.equal(a, b), name
 
 
-def test_partial_rotary_is_refused():
+def test_partial_rotary_passes_the_rest_unrotated():
+    """``--rotary-percent 0.5``: the last half of each head passes unchanged, forward and backward (a rotation that
+    touched it, or dropped it, is red here and in the bit-for-bit test above)."""
     init_single_process()
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     layout = ChunkLayout.build(Chunk(0, "batched", [Segment(0, 0, 4)]), [4], torch.device("cpu"))
     rope = rotary.ChunkRope(RotaryEmbedding(16, 0.5, use_cpu_initialization=True), layout)
-    with pytest.raises(ValueError, match="head dimension 16, rotary dimension 8"):
-        rope.rotate(torch.zeros(4, 1, 2, 16), torch.zeros(4, 1, 2, 16))
+    q, k = torch.randn(4, 1, 2, 16, requires_grad=True), torch.randn(4, 1, 2, 16, requires_grad=True)
+    with ChunkContext().running(layout):
+        out_q, out_k = rope.rotate(q, k)
+        (out_q.sum() + out_k.sum()).backward()
+    assert rope.rotary_dim == 8 and out_q.shape == q.shape
+    assert torch.equal(out_q[..., 8:], q[..., 8:]) and torch.equal(out_k[..., 8:], k[..., 8:])
+    assert not torch.equal(out_q[1:, ..., :8], q[1:, ..., :8])  # position 0 is the identity; later ones rotate
+    assert torch.equal(q.grad[..., 8:], torch.ones(4, 1, 2, 8))

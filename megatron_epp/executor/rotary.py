@@ -56,22 +56,31 @@ class ChunkRope:
         return cos, sin
 
     def rotate(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``query`` and ``key`` ``[N, b, heads, d]`` rotated to the chunk's positions (autograd through :class:`_Rotate`)."""
-        rotary_dim = 2 * self.inner.inv_freq.numel()
-        if query.shape[-1] != rotary_dim or key.shape[-1] != rotary_dim:
-            raise ValueError(f"elastic RoPE rotates whole heads: head dimension {query.shape[-1]}, rotary dimension {rotary_dim} "
-                             "(a rotary percent below 1 is not supported with --elastic-pp)")
+        """``query`` and ``key`` ``[N, b, heads, d]`` rotated to the chunk's positions (autograd through :class:`_Rotate`);
+        with a rotary percent below 1 (``--rotary-percent``) only their first ``rotary_dim`` channels, as megatron-core."""
         return _Rotate.apply(query, key, self)
+
+    @property
+    def rotary_dim(self) -> int:
+        return 2 * self.inner.inv_freq.numel()
 
 
 def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``t cos + rotate_half(t) sin`` as ``t cos + roll(t, d/2) sin'``: megatron-core's products and sum."""
+    """``t cos + rotate_half(t) sin`` as ``t cos + roll(t, d/2) sin'``: megatron-core's products and sum. Only the
+    first ``cos.shape[-1]`` channels rotate (partial RoPE); the rest pass unchanged, after them, as megatron-core."""
+    rotary_dim = cos.shape[-1]
+    if rotary_dim != t.shape[-1]:
+        return torch.cat((_rotate(t[..., :rotary_dim], cos, sin), t[..., rotary_dim:]), dim=-1)
     out = t * cos
     return out.add_(torch.roll(t, t.shape[-1] // 2, -1).mul_(sin))
 
 
 def _rotate_backward(grad: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """The gradient of :func:`_rotate`'s input: ``g cos + roll(g sin', d/2)`` (megatron-core's by autograd, exactly)."""
+    """The gradient of :func:`_rotate`'s input: ``g cos + roll(g sin', d/2)`` (megatron-core's by autograd, exactly);
+    the channels that pass unrotated (partial RoPE) keep their gradient."""
+    rotary_dim = cos.shape[-1]
+    if rotary_dim != grad.shape[-1]:
+        return torch.cat((_rotate_backward(grad[..., :rotary_dim], cos, sin), grad[..., rotary_dim:]), dim=-1)
     out = grad * cos
     return out.add_(torch.roll(grad * sin, grad.shape[-1] // 2, -1))
 
