@@ -66,7 +66,7 @@ def main(argv: Sequence[str] | argparse.Namespace | None = None) -> int:
             return 0
         if args.elastic_pp:
             planner = profile_summary(args)
-            check_memory_budget(args)
+            budget = check_memory_budget(args)
         resume = checkpointing.check_loadable(args) if args.load else None
         data_note = checkpointing.data_change(args, resume) if resume is not None else None
         faults = FaultInjection.from_env()
@@ -105,6 +105,7 @@ def main(argv: Sequence[str] | argparse.Namespace | None = None) -> int:
         print(f"> host allocator: {host_allocator.describe()}", flush=True)
         if args.elastic_pp:
             print(f"> planner: {planner}", flush=True)
+            print(f"> memory budget: {budget}", flush=True)
         print(f"> data: {corpus}", flush=True)
         if data_note:
             print(f"> {data_note}", flush=True)
