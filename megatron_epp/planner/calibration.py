@@ -183,13 +183,14 @@ def fit_memory_factor(ratios: Sequence[float]) -> float:
     the largest measured / raw-predicted ratio seen, never below 1.
 
     The largest, not a quantile: the budget is a bound (past it a GPU runs out of memory, it does not slow
-    down), and within a run the ratio is a property of the layer's kernels that moves little (the H100
-    evidence: 1.31-1.37 over one run's steps, 1.22-1.23 over another's), so the largest costs a few
-    per cent of activation memory where a quantile would leave steps above the budget by construction.
-    Never below 1: where the raw model over-predicts (Megatron packing with recompute on every stage: 0.87-0.94
-    of the prediction measured), the same model and profile under-predict other builders' plans (EPP and
-    Seq1F1B on the h1024 layer: 1.04-1.13), so a factor below 1 learned on one plan would put a later,
-    different one over the budget; and where the measurement is the model's own count (CPU: the saved
+    down), and within a run the ratio is a property of the layer's kernels and the builder's plans that moves
+    little (the H100 evidence, ``tests/data/h100_activation_peaks.json``: 1.30-1.37 over one run's steps,
+    1.22-1.23 over another's; no step more than 2.3 % above the largest ratio of the steps before it), so the
+    largest costs a few per cent of activation memory where a quantile would leave steps above the budget by
+    construction. Never below 1: where the raw model over-predicts (3 of the 13 runs: 0.87-0.99 of the
+    prediction measured), the same model and profile under-predict another builder's plans (the llama-like
+    layer at 32K: Megatron packing 0.94, EPP 1.28-1.32; the h1024 layer: EPP under a 4 GB budget 0.93-0.99,
+    Seq1F1B 1.08-1.13), so a factor below 1 learned on one plan would put a later, different one over the budget; and where the measurement is the model's own count (CPU: the saved
     tensors), the ratio is 1 and nothing changes."""
     return max(1.0, *map(float, ratios)) if len(ratios) else 1.0
 

@@ -71,6 +71,7 @@ class PlanBuilder:
         self.memory_factor = self.next_step_memory_factor = 1.0
         self.memory_ratio = 0.0
         self.memory_check: MemoryCheck | None = None  # the last observed step's, when its peaks were measured
+        self.memory_note: str | None = None  # its line for the log: a peak over the budget, or a new memory factor
 
     def __call__(self, lengths: list[int], cost_model: CostModel | None = None) -> Plan:
         """The plan of ``lengths`` on ``cost_model`` (default: the current one)."""
@@ -85,35 +86,42 @@ class PlanBuilder:
         and plan the following steps on the result; a step whose peak (model states + activations) exceeds
         the budget refits the memory factor at once. Returns the time fit when one was made. A change of the
         memory factor makes :attr:`next_step_model` the new model: the step after this one, planned before,
-        is planned again on it (the driver compares models)."""
+        is planned again on it (the driver compares models). :attr:`memory_note`: the line to log about it."""
         self.steps_observed += 1
-        self.memory_check = None
-        if measured_activation_bytes is not None:
-            self.memory_check = MemoryCheck(self.steps_observed, activation_bytes(plan, self.raw_model),
-                                            np.asarray(measured_activation_bytes, dtype=float),
-                                            self.raw_model.model_state_bytes(), self.budget_bytes)
+        self.memory_check = check = None if measured_activation_bytes is None else MemoryCheck(
+            self.steps_observed, activation_bytes(plan, self.raw_model), np.asarray(measured_activation_bytes, dtype=float),
+            self.raw_model.model_state_bytes(), self.budget_bytes)
+        self.memory_note = None
         if not self.calibrate_interval:
+            if check is not None and check.over:
+                self.memory_note = f"{check.overshoot_line()}; not recalibrated (--epp-calibrate-interval 0)"
             return None
-        self.next_step_model, self.next_step_memory_factor = self.cost_model, self.memory_factor
-        if self.memory_check is not None:
-            self.memory_ratio = max(self.memory_ratio, self.memory_check.ratio)
+        before = self.memory_factor
+        self.next_step_model, self.next_step_memory_factor = self.cost_model, before
+        if check is not None:
+            self.memory_ratio = max(self.memory_ratio, check.ratio)
         since_first = self.steps_observed - CALIBRATE_FIRST_STEP
         scheduled = self.warmed_up and since_first >= 0 and since_first % self.calibrate_interval == 0
-        fit = None
         if self.warmed_up:
             self.measured.append((plan, measured_ms))
         self.warmed_up = True
-        model = self.cost_model
+        model, fit = self.cost_model, None
         if scheduled:
             plans, times = zip(*self.measured)
             fit = fit_step_model(plans, times, model, prior_weight=ONLINE_PRIOR_WEIGHT)
             model = fit.apply(model)
-        factor = fit_memory_factor([self.memory_ratio]) if scheduled or (self.memory_check and self.memory_check.over) else self.memory_factor
-        if factor != self.memory_factor:
+        over = check is not None and check.over
+        factor = fit_memory_factor([self.memory_ratio]) if scheduled or over else before
+        if over:
+            self.memory_note = f"{check.overshoot_line()}; recalibrating: activation memory factor {before:.3f} -> {factor:.3f}"
+        elif factor != before:
+            self.memory_note = (f" memory model calibrated on this machine's measured peaks: activation memory factor "
+                                f"{before:.3f} -> {factor:.3f} (the largest measured / predicted activation peak so far)")
+        if factor != before:
             model = with_memory_factor(model, self.raw_model.profile.memory, factor)
         # one reference swap: a plan being made in the planning thread keeps the model it started on
         self.cost_model, self.memory_factor = model, factor
-        if factor != self.next_step_memory_factor:
+        if factor != before:  # the next step, planned on the old factor, is planned again on this model
             self.next_step_model, self.next_step_memory_factor = model, factor
         return fit
 
@@ -314,18 +322,10 @@ class ElasticTrainStep:
             span = torch.tensor([run_ms], dtype=torch.float64, device=self.runtime.device)
             dist.broadcast(span, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
             run_ms = float(span.item())
-        if not self.plans_here:
-            return
-        before = self.build.memory_factor
-        self.build.observe(plan, run_ms, measured_bytes)
-        check, after = self.build.memory_check, self.build.memory_factor
-        if check.over:
-            then = (f"recalibrating: activation memory factor {before:.3f} -> {after:.3f}" if self.args.epp_calibrate_interval
-                    else "no recalibration (--epp-calibrate-interval 0)")
-            print(f"{check.overshoot_line()}; {then}", flush=True)
-        elif after != before:
-            print(f" memory model calibrated on this machine's measured peaks: activation memory factor {before:.3f} -> "
-                  f"{after:.3f} (the largest measured / predicted activation peak of the steps so far)", flush=True)
+        if self.plans_here:
+            self.build.observe(plan, run_ms, measured_bytes)
+            if self.build.memory_note:
+                print(self.build.memory_note, flush=True)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's planner calibration, for a checkpoint (:meth:`PlanBuilder.state_dict`)."""

@@ -5,7 +5,7 @@ other processes hold) less a margin of :data:`CUDA_MARGIN_FRACTION` of the devic
 planner's count of the allocator's peak leaves out: the caching allocator's reserved-but-unallocated blocks
 (fragmentation), NCCL's buffers (allocated outside the allocator when the communicators start, after this
 reading), and the step-to-step spread of the measured / predicted activation ratio above the calibrated
-factor (the H100 evidence: at most 2.2 % of the activations, 0.3 GB of the llama-like layer's 15 GB). The
+factor (the H100 evidence: at most 2.3 % of the activations, 0.34 GB of the llama-like layer's 15 GB). The
 planner counts the model states inside the budget (:meth:`CostModel.model_state_bytes`) and plans the
 activations in the rest. CPU: 90 % of the host's memory shared by the ranks on it.
 """
