@@ -205,6 +205,7 @@ def test_the_default_budget_on_cuda_is_free_memory_less_the_margin_and_a_given_b
     free, total = 78.5 * GIB, 79.6 * GIB
     monkeypatch.setattr(memory_budget.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(memory_budget.torch.cuda, "mem_get_info", lambda device: (int(free), int(total)))
+    monkeypatch.setattr(memory_budget.torch.cuda, "device_count", lambda: 1)
     default = memory_budget.default_memory_budget(1)
     assert default.budget == pytest.approx(free - memory_budget.CUDA_MARGIN_FRACTION * total) and default.margin == pytest.approx(0.05 * total)
     assert default.describe() == ("78.5 GB free of 79.6 GB on the GPU at start-up - 4.0 GB margin (5 % of the GPU: allocator "

@@ -128,7 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--epp-calibrate-interval", type=int, default=None, metavar="N",
                    help="refit the planner's cost model to this machine (speed factor s and per-chunk stage overhead o) "
                    f"on the measured steps: after step {CALIBRATE_FIRST_STEP} (the first step of a run or a resumed run is "
-                   f"warm-up and left out), then every N steps, on the last max(N, {CALIBRATE_FIRST_STEP - 1}) steps; saved "
+                   f"warm-up and left out), then every N steps, on the last max(N, {CALIBRATE_FIRST_STEP - 1}) steps; and its "
+                   "activation memory factor (the largest measured / predicted activation peak, at least 1) at the same "
+                   "steps and at once after a step over --epp-memory-budget; saved "
                    f"in checkpoints; 0: off, the profile as given (default {CALIBRATE_INTERVAL})")
 
     g = p.add_argument_group("checkpointing")

@@ -46,7 +46,9 @@ class DefaultBudget:
 def default_memory_budget(world_size: int) -> DefaultBudget:
     """The budget a run gets without ``--epp-memory-budget``, on this process's device (``LOCAL_RANK``)."""
     if torch.cuda.is_available():
-        free, total = torch.cuda.mem_get_info(int(os.environ.get("LOCAL_RANK", "0")))
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        # a rank past the GPUs is refused before any work (initialize.gpu_oversubscription): read GPU 0 meanwhile
+        free, total = torch.cuda.mem_get_info(local_rank if local_rank < torch.cuda.device_count() else 0)
         margin = CUDA_MARGIN_FRACTION * total
         return DefaultBudget(free - margin, "cuda", float(total), float(free), margin)
     total = float(psutil.virtual_memory().total)
