@@ -225,3 +225,4 @@ def test_the_default_budget_on_cpu_stays_90_percent_of_ram_per_rank(monkeypatch)
     default = memory_budget.default_memory_budget(4)
     ram = memory_budget.psutil.virtual_memory().total
     assert default.budget == pytest.approx(0.9 * ram / 4) and default.device == "cpu"
+    assert default.describe() == f"90 % of {ram / 4 / GIB:.1f} GB per rank ({ram / GIB:.1f} GB RAM / 4 ranks)"

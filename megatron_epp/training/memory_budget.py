@@ -33,14 +33,14 @@ class DefaultBudget:
     budget: float
     device: str  # "cuda" or "cpu"
     total: float  # the device's memory (CPU: the host's)
-    free: float  # CUDA: free at start-up; CPU: the host's memory per rank
+    free: float  # CUDA: free at start-up; CPU: the host's memory per rank on it
     margin: float
 
     def describe(self) -> str:
         if self.device == "cuda":
             return (f"{self.free / GIB:.1f} GB free of {self.total / GIB:.1f} GB on the GPU at start-up - {self.margin / GIB:.1f} GB "
                     f"margin ({100 * CUDA_MARGIN_FRACTION:.0f} % of the GPU: allocator fragmentation, NCCL buffers)")
-        return f"{100 * CPU_FRACTION:.0f} % of {self.total / GIB:.1f} GB RAM / ranks on the host"
+        return f"{100 * CPU_FRACTION:.0f} % of {self.free / GIB:.1f} GB per rank ({self.total / GIB:.1f} GB RAM / {self.total / self.free:.0f} ranks)"
 
 
 def default_memory_budget(world_size: int) -> DefaultBudget:
