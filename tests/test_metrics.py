@@ -31,6 +31,11 @@ def test_the_log_line_is_printed_from_the_record():
     assert elastic_step().line() == LINE
     exposed = elastic_step(planning_wait_ms=12.34, predicted_step_ms=None, measured_activation_bytes=None).line()
     assert exposed.endswith("recomputed_layers=0 | planning ms: 132.3 (exposed 12.3 ms) | measured ms: 3961.0")
+    # a prediction on the memory model calibrated to the measured peaks says its factor over the raw model's
+    calibrated = elastic_step(memory_factor=1.3305).line()
+    assert calibrated == LINE + " (pred = 1.331 x the raw memory model's)"
+    assert elastic_step(memory_factor=1.0).line() == LINE
+    assert elastic_step(memory_factor=1.3305).scalars()["memory/activation factor"] == 1.3305
     for padding, said in ((1, "SP padding: 1 token | "), (3, "SP padding: 3 tokens | ")):
         assert f"recomputed_layers=0 | {said}planning ms:" in elastic_step(padding_tokens=padding).line()
     plain = StepMetrics(2, 5.157642, train_iters=6, consumed_samples=32, iter_ms=3999.3, tokens=15172, lr=2.25e-3, grad_norm=2.2691)
@@ -39,7 +44,7 @@ def test_the_log_line_is_printed_from_the_record():
 
 
 def test_records_round_trip_json_lines(tmp_path):
-    records = [elastic_step(), StepMetrics(2, 4.25, kind="valid"), StepMetrics(3, 1 / 3, train_iters=6, consumed_samples=48,
+    records = [elastic_step(memory_factor=1.25), StepMetrics(2, 4.25, kind="valid"), StepMetrics(3, 1 / 3, train_iters=6, consumed_samples=48,
                                                                                iter_ms=10.0, tokens=100, lr=1e-3, grad_norm=0.5)]
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(r.to_json() + "\n" for r in records))

@@ -1,6 +1,10 @@
 """Measured peak activation memory of one stage during a step, on any device.
 
-CUDA: the allocator's peak above what was allocated when the step began. CPU (no allocator
+CUDA: the allocator's peak (``max_memory_allocated``, its statistics reset as the step begins) above what was
+allocated when the step began: the model states as they are (weights, gradient buffers, and from the first
+optimizer step on the optimizer's states) and the step's inputs, so that the planner's activation count
+compares with it and its model states (the cost model's count) add to it to make the step's peak against the
+budget; the planner calibrates its memory model on it (``planner.calibration.fit_memory_factor``). CPU (no allocator
 statistics): the tensors autograd saves for backward, deduplicated by storage and followed until
 autograd frees them (``saved_tensors_hooks``), plus the split sequences' K/V buffers (from their
 allocation by a first slice to their release by its backward); parameters are model states and are

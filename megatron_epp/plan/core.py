@@ -109,6 +109,7 @@ class PlanStats:
     num_pipelines: int | None = None
     recomputed_layers: int | None = None
     predicted_activation_bytes: list[float] | None = None  # per stage, model states excluded
+    memory_factor: float | None = None  # the activation memory factor they were predicted with (1: the profile's coefficients)
     # the cost model's calibration the times were predicted with: the speed factor s (measured = s x
     # modelled; 1 on the profile's machine) and the per-chunk stage overhead o (forward + backward, profile ms)
     speed_factor: float | None = None

@@ -9,13 +9,14 @@ import re
 from typing import Sequence
 
 from megatron_epp.cost.clusters import get_cluster
+from megatron_epp.cost.profiles import GIB
 from megatron_epp.data.data_path import Blend, BlendError
 from megatron_epp.data.tokenizers import TokenizerError, add_tokenizer_arguments, resolve_tokenizer_args, tokenizer_from_args
 from megatron_epp.executor.kernels import load_flash_kernel
 from megatron_epp.planner.config import DEFAULT_CLUSTER, PlannerConfig, add_planner_arguments
 from megatron_epp.training.extensions import probe_transformer_engine
 from megatron_epp.training.megatron_flags import add_megatron_flags
-import psutil
+from megatron_epp.training.memory_budget import CPU_FRACTION, CUDA_MARGIN_FRACTION, default_memory_budget
 import torch
 
 
@@ -203,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("elastic pipeline parallelism")
     g.add_argument("--elastic-pp", action="store_true",
                    help="whole documents per global batch, planned every step into batched/split/hybrid chunks")
-    add_planner_arguments(g, {**EPP_DEFAULTS, "epp_memory_budget": "90% of GPU memory, or of RAM / ranks on CPU"})
+    add_planner_arguments(g, {**EPP_DEFAULTS, "epp_memory_budget": f"the GPU's free memory at start-up less {CUDA_MARGIN_FRACTION:.0%} of the GPU, or {CPU_FRACTION:.0%} of RAM / ranks on CPU"})
     g.add_argument("--epp-profile-cache", default=None, metavar="DIR",
                    help="where --epp-profile auto keeps the profiles it measures on a GPU, one per GPU name, dtype, "
                    "attention kernel and layer shape (default $XDG_CACHE_HOME/megatron-epp/profiles, ~/.cache without it)")
@@ -214,7 +215,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--epp-calibrate-interval", type=int, default=None, metavar="N",
                    help="refit the planner's cost model to this machine (speed factor s and per-chunk stage overhead o) "
                    f"on the measured steps: after step {CALIBRATE_FIRST_STEP} (the first step of a run or a resumed run is "
-                   f"warm-up and left out), then every N steps, on the last max(N, {CALIBRATE_FIRST_STEP - 1}) steps; saved "
+                   f"warm-up and left out), then every N steps, on the last max(N, {CALIBRATE_FIRST_STEP - 1}) steps; and its "
+                   "activation memory factor (the largest measured / predicted activation peak, at least 1) at the same "
+                   "steps and at once after a step over --epp-memory-budget; saved "
                    f"in checkpoints; 0: off, the profile as given (default {CALIBRATE_INTERVAL})")
 
     g = p.add_argument_group("checkpointing")
@@ -632,8 +635,10 @@ def validate_elastic_args(args: argparse.Namespace, world_size: int) -> None:
     for key, value in EPP_DEFAULTS.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    args.epp_default_budget = None  # a given budget is kept as given
     if args.epp_memory_budget is None:
-        args.epp_memory_budget = default_memory_budget_gb(world_size)
+        args.epp_default_budget = default_memory_budget(world_size)
+        args.epp_memory_budget = args.epp_default_budget.budget / GIB
     if args.epp_calibrate_interval is None:
         args.epp_calibrate_interval = CALIBRATE_INTERVAL
     if args.epp_calibrate_interval < 0:
@@ -665,7 +670,3 @@ def validate_search_args(args: argparse.Namespace, given: list[str]) -> None:
         raise ArgumentError(str(error)) from None
 
 
-def default_memory_budget_gb(world_size: int) -> float:
-    if torch.cuda.is_available():
-        return 0.9 * torch.cuda.get_device_properties(0).total_memory / 1024**3
-    return 0.9 * psutil.virtual_memory().total / world_size / 1024**3

@@ -17,9 +17,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state as ps
 from megatron.core.utils import get_model_config
 
-from megatron_epp.cost.features import chunk_features
 from megatron_epp.cost.model import CostModel
-from megatron_epp.cost.profiles import StageOverhead, megatron_model_state
+from megatron_epp.cost.profiles import GIB, StageOverhead, megatron_model_state
 from megatron_epp.data.blend import blended_documents
 from megatron_epp.data.mock_documents import MockDocuments, lognormal_lengths
 from megatron_epp.data.sequence_sampler import SequenceSampler
@@ -29,10 +28,11 @@ from megatron_epp.executor.memory_tracker import ActivationMemoryTracker
 from megatron_epp.executor.schedule import forward_backward_elastic
 from megatron_epp.plan import Plan, PlanInfeasible
 from megatron_epp.planner.builders import plan_batch
-from megatron_epp.planner.calibration import ONLINE_PRIOR_WEIGHT, StepFit, fit_step_model, repredict
+from megatron_epp.planner.calibration import (
+    ONLINE_PRIOR_WEIGHT, MemoryCheck, StepFit, activation_bytes, fit_memory_factor, fit_step_model, repredict, with_memory_factor,
+)
 from megatron_epp.planner.config import PlannerConfig
 from megatron_epp.simulator import simulate
-from megatron_epp.simulator.memory import peak_memory
 from megatron_epp.simulator.timeline import draw_timeline
 from megatron_epp.training.arguments import CALIBRATE_FIRST_STEP, ArgumentError
 from megatron_epp.training.initialize import Runtime
@@ -43,7 +43,8 @@ from megatron_epp.training.model import model_shape
 
 class PlanBuilder:
     """The ``--epp-plan`` builder on the planner's cost model for this model and pipeline, calibrated to
-    this machine on the measured steps (``--epp-calibrate-interval``)."""
+    this machine on the measured steps (``--epp-calibrate-interval``): their times (speed factor and per-chunk
+    overhead) and their per-stage activation peaks (the activation memory factor)."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.config = PlannerConfig.from_args(args, args.seq_length)
@@ -55,72 +56,114 @@ class PlanBuilder:
             dataclasses.replace(profile, model=shape, memory=memory, sequence_parallel=args.sequence_parallel),
             args.pipeline_model_parallel_size, dp=args.data_parallel_size,
         )
+        self.budget_bytes = self.config.memory_gb * GIB
+        self.raw_model = self.cost_model  # the profile's memory coefficients (memory factor 1), for the raw prediction
         self.calibrate_interval = args.epp_calibrate_interval
         self.measured: deque[tuple[Plan, float]] = deque(maxlen=max(self.calibrate_interval, CALIBRATE_FIRST_STEP - 1))
         self.steps_observed = 0  # training steps of the run (a resumed run's count on from its checkpoint)
         self.warmed_up = False  # the first step of this process has been observed (never fitted on)
         # the cost model the step after the last observed one was planned on (plans are made one step ahead,
-        # before the fit that follows the step being run)
+        # before the fit that follows the step being run; after a change of the memory factor it is planned again,
+        # on the new model)
         self.next_step_model = self.cost_model
+        # the activation memory factor of cost_model and of next_step_model, and the largest measured / raw-predicted
+        # activation peak of the steps observed (the warm-up's too: its peak is real)
+        self.memory_factor = self.next_step_memory_factor = 1.0
+        self.memory_ratio = 0.0
+        self.memory_check: MemoryCheck | None = None  # the last observed step's, when its peaks were measured
+        self.memory_note: str | None = None  # its line for the log: a peak over the budget, or a new memory factor
 
     def __call__(self, lengths: list[int], cost_model: CostModel | None = None) -> Plan:
         """The plan of ``lengths`` on ``cost_model`` (default: the current one)."""
         return plan_batch(lengths, cost_model or self.cost_model, self.config)
 
-    def observe(self, plan: Plan, measured_ms: float) -> StepFit | None:
-        """Take a training step's plan and measured span (``forward_backward_elastic`` on the last stage,
-        the span the simulator predicts). After step ``CALIBRATE_FIRST_STEP`` and every
-        ``--epp-calibrate-interval`` steps after it, refit the speed factor and the per-chunk stage
-        overhead on the last steps kept (the first step of each process, a warm-up, never is), and plan the
-        following steps on the result; returns the fit when one was made."""
-        if not self.calibrate_interval:
-            return None
+    def observe(self, plan: Plan, measured_ms: float, measured_activation_bytes: list[float] | None = None) -> StepFit | None:
+        """Take a training step's plan, measured span (``forward_backward_elastic`` on the last stage, the span
+        the simulator predicts) and, when measured, per-stage activation peaks (:attr:`memory_check`). After
+        step ``CALIBRATE_FIRST_STEP`` and every ``--epp-calibrate-interval`` steps after it, refit the speed
+        factor and the per-chunk stage overhead on the last steps kept (the first step of each process, a
+        warm-up, never is) and the activation memory factor on every step's peaks (:func:`fit_memory_factor`),
+        and plan the following steps on the result; a step whose peak (model states + activations) exceeds
+        the budget refits the memory factor at once. Returns the time fit when one was made. A change of the
+        memory factor makes :attr:`next_step_model` the new model: the step after this one, planned before,
+        is planned again on it (the driver compares models). :attr:`memory_note`: the line to log about it."""
         self.steps_observed += 1
-        self.next_step_model = self.cost_model
-        if not self.warmed_up:
-            self.warmed_up = True
+        self.memory_check = check = None if measured_activation_bytes is None else MemoryCheck(
+            self.steps_observed, activation_bytes(plan, self.raw_model), np.asarray(measured_activation_bytes, dtype=float),
+            self.raw_model.model_state_bytes(), self.budget_bytes)
+        self.memory_note = None
+        if not self.calibrate_interval:
+            if check is not None and check.over:
+                self.memory_note = f"{check.overshoot_line()}; not recalibrated (--epp-calibrate-interval 0)"
             return None
-        self.measured.append((plan, measured_ms))
+        before = self.memory_factor
+        self.next_step_model, self.next_step_memory_factor = self.cost_model, before
+        if check is not None:
+            self.memory_ratio = max(self.memory_ratio, check.ratio)
         since_first = self.steps_observed - CALIBRATE_FIRST_STEP
-        if since_first < 0 or since_first % self.calibrate_interval:
-            return None
-        plans, times = zip(*self.measured)
-        fit = fit_step_model(plans, times, self.cost_model, prior_weight=ONLINE_PRIOR_WEIGHT)
+        scheduled = self.warmed_up and since_first >= 0 and since_first % self.calibrate_interval == 0
+        if self.warmed_up:
+            self.measured.append((plan, measured_ms))
+        self.warmed_up = True
+        model, fit = self.cost_model, None
+        if scheduled:
+            plans, times = zip(*self.measured)
+            fit = fit_step_model(plans, times, model, prior_weight=ONLINE_PRIOR_WEIGHT)
+            model = fit.apply(model)
+        over = check is not None and check.over
+        factor = fit_memory_factor([self.memory_ratio]) if scheduled or over else before
+        if over:
+            self.memory_note = f"{check.overshoot_line()}; recalibrating: activation memory factor {before:.3f} -> {factor:.3f}"
+        elif factor != before:
+            self.memory_note = (f" memory model calibrated on this machine's measured peaks: activation memory factor "
+                                f"{before:.3f} -> {factor:.3f} (the largest measured / predicted activation peak so far)")
+        if factor != before:
+            model = with_memory_factor(model, self.raw_model.profile.memory, factor)
         # one reference swap: a plan being made in the planning thread keeps the model it started on
-        self.cost_model = fit.apply(self.cost_model)
+        self.cost_model, self.memory_factor = model, factor
+        if factor != before:  # the next step, planned on the old factor, is planned again on this model
+            self.next_step_model, self.next_step_memory_factor = model, factor
         return fit
 
     def state_dict(self) -> dict[str, Any]:
         """The calibration, for a checkpoint: what a run resumed from it needs to plan and refit as this run
-        would (same batches and the same measured times given): the current and the next step's cost model
-        (as ``(s, o forward, o backward)``), the step count, and the steps the next fit uses."""
+        would (same batches and the same measured times and peaks given): the current and the next step's cost
+        model (as ``(s, o forward, o backward)`` and the activation memory factor), the step count, the steps
+        the next time fit uses and the largest measured / predicted activation peak seen."""
         return {"steps_observed": self.steps_observed, "calibration": _calibration(self.cost_model),
                 "next_step_calibration": _calibration(self.next_step_model),
-                "measured": [(plan.to_json(), ms) for plan, ms in self.measured]}
+                "measured": [(plan.to_json(), ms) for plan, ms in self.measured],
+                "memory": {"factor": self.memory_factor, "next_step_factor": self.next_step_memory_factor,
+                           "ratio": self.memory_ratio}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from :meth:`state_dict`'s calibration (a checkpoint's); with ``--epp-calibrate-interval 0``
-        keep the profile as given."""
+        """Continue from :meth:`state_dict`'s calibration (a checkpoint's; one saved before the memory factor
+        existed has none: factor 1); with ``--epp-calibrate-interval 0`` keep the profile as given (and count
+        the steps on)."""
+        self.steps_observed = state["steps_observed"]
         if not self.calibrate_interval:
             return
-        base = self.cost_model
-        self.cost_model = base.calibrated(state["calibration"][0], StageOverhead(*state["calibration"][1:]))
-        self.next_step_model = base.calibrated(state["next_step_calibration"][0], StageOverhead(*state["next_step_calibration"][1:]))
-        self.steps_observed = state["steps_observed"]
+        memory = state.get("memory", {"factor": 1.0, "next_step_factor": 1.0, "ratio": 0.0})
+        self.cost_model, self.memory_factor = self._calibrated(state["calibration"], memory["factor"]), memory["factor"]
+        self.next_step_model = self._calibrated(state["next_step_calibration"], memory["next_step_factor"])
+        self.next_step_memory_factor, self.memory_ratio = memory["next_step_factor"], memory["ratio"]
         self.measured.clear()
         self.measured.extend((Plan.from_json(text), ms) for text, ms in state["measured"])
+
+    def _calibrated(self, calibration: tuple[float, float, float], memory_factor: float) -> CostModel:
+        """The profile's cost model with a saved time calibration ``(s, o forward, o backward)`` and memory factor."""
+        model = self.raw_model.calibrated(calibration[0], StageOverhead(*calibration[1:]))
+        return model if memory_factor == 1.0 else with_memory_factor(model, self.raw_model.profile.memory, memory_factor)
 
     def repredict(self, plan: Plan) -> Plan:
         """``plan``'s predicted times on the current cost model: a plan made one step ahead, before the
         last calibration, is simulated again, so that every step's prediction uses the latest fit."""
         return repredict(plan, self.cost_model)
 
-    def predicted_activation_bytes(self, plan: Plan) -> list[float]:
-        """Per-stage peak activation bytes (model states excluded) by the planner's exact memory walk."""
-        no_states = np.zeros(plan.num_stages)
-        peaks = [peak_memory(p, self.cost_model.costs(chunk_features(p.chunks)), self.cost_model.layers, no_states)
-                 for p in plan.pipelines]
-        return np.max(peaks, axis=0).tolist()
+    def predicted_activation_bytes(self, plan: Plan, cost_model: CostModel | None = None) -> list[float]:
+        """Per-stage peak activation bytes (model states excluded) by the planner's exact memory walk on
+        ``cost_model`` (default: the current one, calibrated)."""
+        return activation_bytes(plan, cost_model or self.cost_model).tolist()
 
     def draw(self, plan: Plan, path: str) -> None:
         draw_timeline(simulate(plan, self.cost_model), plan.num_stages, path, title=plan.summary())
@@ -162,7 +205,7 @@ class ElasticTrainStep:
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epp-planner") if self.plans_here else None
         self.preparer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epp-prepare")
         self.token_multiple = token_multiple(get_model_config(model))  # each chunk padded to it (sequence parallelism)
-        self.pending: tuple[Any, Future | None] | None = None
+        self.pending: tuple[Any, Future | None, CostModel] | None = None  # the next batch, its plan's future, the model it is planned on
         self.ready: Future | None = None  # the next step's (batch, plan, planning timing, StepInputs)
         self.last_metrics: ElasticMetrics | None = None
         self.last_plan: Plan | None = None
@@ -170,20 +213,20 @@ class ElasticTrainStep:
         self.span: tuple[float, float] | None = None  # the last step's forward_backward_elastic (perf_counter)
         self.overlap_ms = 0.0  # the planner's time inside it (the planning rank's, shared with the plan)
 
-    def _plan_async(self, batch, cost_model: CostModel) -> Future | None:
-        """Plan ``batch`` on ``cost_model`` (the model as this step left it, whatever a later fit makes it)."""
-        if self.pool is None:
-            return None
+    def _plan(self, batch, cost_model: CostModel, memory_factor: float) -> tuple[Plan, float, tuple[float, float]]:
+        """Plan ``batch`` on ``cost_model`` (of activation memory factor ``memory_factor``): the plan, with its
+        predicted activation peaks on that model; the planning ms; its span (perf_counter)."""
         lengths = batch.seq_lengths[batch.positions(self.runtime.dp_rank)].tolist()
+        t0 = time.perf_counter()
+        result = self.build(lengths, cost_model).validate()
+        elapsed_ms = (time.perf_counter() - t0) * 1000
+        result.stats.predicted_activation_bytes = self.build.predicted_activation_bytes(result, cost_model)
+        result.stats.memory_factor = memory_factor
+        return result, elapsed_ms, (t0, t0 + elapsed_ms / 1000)
 
-        def plan() -> tuple[Plan, float, tuple[float, float]]:
-            t0 = time.perf_counter()
-            result = self.build(lengths, cost_model).validate()
-            elapsed_ms = (time.perf_counter() - t0) * 1000
-            result.stats.predicted_activation_bytes = self.build.predicted_activation_bytes(result)
-            return result, elapsed_ms, (t0, t0 + elapsed_ms / 1000)
-
-        return self.pool.submit(plan)
+    def _plan_async(self, batch, cost_model: CostModel, memory_factor: float) -> Future | None:
+        """Plan ``batch`` on ``cost_model`` (the model as this step left it, whatever a later fit makes it)."""
+        return None if self.pool is None else self.pool.submit(self._plan, batch, cost_model, memory_factor)
 
     def _draw(self):
         """The next global batch, or None past the last one this function is asked for."""
@@ -197,19 +240,25 @@ class ElasticTrainStep:
         """This step's batch, plan and ``(planning ms, waited ms, planning ms inside the last step's span)``
         (waiting for the planner only if it is still running): the plan was made while the last step ran,
         on the planning rank's core; or None past the last step."""
+        build = self.build
         if self.pending is None:  # the first step of this process: planned as the run planned it (a resumed run's too)
             first = self._draw()
-            self.pending = (first, self._plan_async(first, self.build.next_step_model) if first is not None else None)
-        batch, future = self.pending
+            model = build.next_step_model
+            self.pending = (first, self._plan_async(first, model, build.next_step_memory_factor) if first is not None else None, model)
+        batch, future, planned_on = self.pending
         if batch is None:
             return None
-        upcoming = self._draw()
-        self.pending = (upcoming, self._plan_async(upcoming, self.build.cost_model) if upcoming is not None else None)
         plan, timing = None, None
         if future is not None:
             t0 = time.perf_counter()
             plan, plan_ms, (start, end) = future.result()
-            plan = self.build.repredict(plan)
+            if planned_on is not build.next_step_model:  # the memory factor changed since: planned again, on the new model
+                plan, plan_ms, (start, end) = self._plan(batch, build.next_step_model, build.next_step_memory_factor)
+        upcoming = self._draw()
+        self.pending = (upcoming, self._plan_async(upcoming, build.cost_model, build.memory_factor) if upcoming is not None else None,
+                        build.cost_model)
+        if future is not None:
+            plan = build.repredict(plan)
             overlap = max(0.0, min(end, self.span[1]) - max(start, self.span[0])) * 1000 if self.span else 0.0
             timing = (plan_ms, (time.perf_counter() - t0) * 1000, overlap)
         return (batch, *_share_plan(plan, timing))
@@ -248,30 +297,35 @@ class ElasticTrainStep:
             )
         self.span = (t1, time.perf_counter())
         run_ms = (self.span[1] - t1) * 1000
+        measured = None if memory is None else self._gather_stages(memory.peak_bytes)
         if not forward_only:
-            self._observe(plan, run_ms)
+            self._observe(plan, run_ms, measured)
         self._prefetch()
         self.last_plan = plan
         self.last_metrics = ElasticMetrics(
             plan.summary(), plan.chunk_counts(), len(plan.pipelines), plan.recomputed_layers(), planning_ms, waited_ms,
             plan.stats.predicted_step_ms, run_ms,
-            None if memory is None else plan.stats.predicted_activation_bytes,
-            None if memory is None else self._gather_stages(memory.peak_bytes),
+            None if memory is None else plan.stats.predicted_activation_bytes, measured,
             planning_overlap_ms=self.overlap_ms,
             padding_tokens=sum(layout.padding for pipe in inputs.layouts for layout in pipe),
+            memory_factor=None if memory is None else plan.stats.memory_factor,
         )
         return losses, batch.seq_lengths
 
-    def _observe(self, plan: Plan, run_ms: float) -> None:
-        """Give the planner's calibration this step's measured span: the last stage's, as the log records
-        it, sent to the planning rank. Only that rank calibrates: it alone plans for this model replica
-        and broadcasts the plans, so every rank of the replica runs plans of one (calibrated) model."""
-        if not self.args.epp_calibrate_interval:
-            return
-        span = torch.tensor([run_ms], dtype=torch.float64, device=self.runtime.device)
-        dist.broadcast(span, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+    def _observe(self, plan: Plan, run_ms: float, measured_bytes: list[int]) -> None:
+        """Give the planner's calibration this step's measured span (the last stage's, as the log records it,
+        sent to the planning rank) and every stage's measured activation peak. Only that rank calibrates: it
+        alone plans for this model replica and broadcasts the plans, so every rank of the replica runs plans
+        of one (calibrated) model. It prints a line when a stage's peak went over the budget and when the
+        activation memory factor changes (with calibration off, the first only)."""
+        if self.args.epp_calibrate_interval:
+            span = torch.tensor([run_ms], dtype=torch.float64, device=self.runtime.device)
+            dist.broadcast(span, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+            run_ms = float(span.item())
         if self.plans_here:
-            self.build.observe(plan, float(span.item()))
+            self.build.observe(plan, run_ms, measured_bytes)
+            if self.build.memory_note:
+                print(self.build.memory_note, flush=True)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's planner calibration, for a checkpoint (:meth:`PlanBuilder.state_dict`)."""
@@ -323,16 +377,25 @@ def elastic_train_step(args: argparse.Namespace, runtime: Runtime, model, split:
     return None if sampler is None else ElasticTrainStep(args, runtime, model, sampler, consumed, build, steps)
 
 
-def check_memory_budget(args: argparse.Namespace) -> None:
-    """Fail before any work if no plan fits the budget for documents of the full context length."""
+def check_memory_budget(args: argparse.Namespace) -> str:
+    """Fail before any work if no plan fits the budget for documents of the full context length; else the
+    start-up line's account of the budget: how it was found (given, or :mod:`.memory_budget`'s default), the
+    model states the planner counts in it (the largest stage's) and what it leaves for activations."""
     docs = max(args.global_batch_size // args.data_parallel_size, 1)
+    build = PlanBuilder(args)
     try:
-        PlanBuilder(args)([args.seq_length] * docs)
+        build([args.seq_length] * docs)
     except PlanInfeasible as error:
         raise ArgumentError(
             f"--epp-memory-budget {args.epp_memory_budget} GB: {docs} documents of --seq-length "
             f"{args.seq_length} tokens per replica cannot be planned ({error})"
         ) from None
+    default = getattr(args, "epp_default_budget", None)
+    states = float(build.raw_model.model_state_bytes().max())
+    return (f"{build.budget_bytes / GIB:.2f} GB per device"
+            + (f" = {default.describe()}" if default is not None else " (--epp-memory-budget)")
+            + f"; model states {states / GIB:.2f} GB (the cost model's count, largest stage), "
+            f"{(build.budget_bytes - states) / GIB:.2f} GB for activations")
 
 
 def elastic_documents(args: argparse.Namespace, split: str):

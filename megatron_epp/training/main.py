@@ -22,7 +22,7 @@ from megatron_epp.training.layout_search import driver_layout_search
 from megatron_epp.training.initialize import gpu_count, gpu_oversubscription, initialize, local_world_size, shutdown
 from megatron_epp.training.loop import build_optimizer, megatron_step, train
 from megatron_epp.training.megatron_flags import startup_notes
-from megatron_epp.training.model import architecture_summary, build_model, layer_spec_summary, model_shape, padded_vocab_size
+from megatron_epp.training.model import architecture_summary, build_model, layer_spec_summary, padded_vocab_size
 
 
 def build_samples(args: argparse.Namespace, split: str):
@@ -56,7 +56,7 @@ def main(argv: Sequence[str] | argparse.Namespace | None = None) -> int:
             return 0
         if args.elastic_pp:
             check_profile(args)  # a profile that loads (auto on CUDA is measured or found after start-up)
-            check_memory_budget(args)
+            budget = check_memory_budget(args)
         resume = checkpointing.check_loadable(args) if args.load else None
         data_note = checkpointing.data_change(args, resume) if resume is not None else None
         faults = FaultInjection.from_env()
@@ -105,6 +105,7 @@ def main(argv: Sequence[str] | argparse.Namespace | None = None) -> int:
             print(f"> {note}", flush=True)
         if args.elastic_pp:
             print(f"> planner: {planner}", flush=True)
+            print(f"> memory budget: {budget}", flush=True)
         print(f"> data: {corpus}", flush=True)
         if data_note:
             print(f"> {data_note}", flush=True)

@@ -27,7 +27,10 @@ class ElasticMetrics:
     planning_wait_ms: float  # of which the step waited for (0 when planning overlapped the previous step)
     predicted_step_ms: float | None  # on this machine once the cost model is calibrated (speed_factor)
     measured_ms: float  # forward_backward_elastic on this rank: every pipeline of the plan
-    predicted_activation_bytes: list[float] | None = None  # per stage; training steps only
+    # per stage, training steps only: the peak activation bytes the plan was predicted (and planned) with, on the memory
+    # model calibrated to this machine's measured peaks (the profile's prediction times memory_factor), and measured
+    # (CUDA: the allocator's peak above what the step started with; CPU: the tensors autograd saves)
+    predicted_activation_bytes: list[float] | None = None
     measured_activation_bytes: list[int] | None = None
     # the cost model's calibration the prediction used (--epp-calibrate-interval): the speed factor s
     # (1: the machine the profile was taken on) and the per-chunk stage overhead o (profile ms)
@@ -37,6 +40,7 @@ class ElasticMetrics:
     # forward_backward_elastic span on that rank: the time model does not count it
     planning_overlap_ms: float | None = None
     padding_tokens: int = 0  # --sequence-parallel: tokens added to the step's chunks (each to a multiple of tp)
+    memory_factor: float | None = None  # the activation memory factor of the prediction (1: the profile's coefficients)
 
     def scalars(self) -> dict[str, float]:
         """The plan's statistics as named scalars (TensorBoard, wandb)."""
@@ -49,6 +53,8 @@ class ElasticMetrics:
         for name, per_stage in (("predicted", self.predicted_activation_bytes), ("measured", self.measured_activation_bytes)):
             for stage, value in enumerate(per_stage or ()):
                 out[f"memory/stage {stage} {name} activation MB"] = value / 2**20
+        if self.memory_factor is not None:
+            out["memory/activation factor"] = self.memory_factor
         return out
 
     def line(self) -> str:
@@ -62,6 +68,8 @@ class ElasticMetrics:
             pairs = ", ".join(f"{p / 2**20:.2f}/{m / 2**20:.2f}"
                               for p, m in zip(self.predicted_activation_bytes, self.measured_activation_bytes))
             text += f" | act MB pred/meas per stage: {pairs}"
+            if self.memory_factor not in (None, 1.0):  # the raw model's prediction: pred / factor
+                text += f" (pred = {self.memory_factor:.3f} x the raw memory model's)"
         return text
 
 
