@@ -6,6 +6,8 @@ process (the ``pretrain_in_process`` fixture of tests/conftest.py: the same code
 
 from __future__ import annotations
 
+import re
+
 import subprocess
 import sys
 
@@ -77,8 +79,8 @@ def test_vocabulary_is_padded_as_megatron_pads_it(flags, world_size, padded):
 def test_help_lists_the_calibration_flag(pretrain_in_process):
     proc = pretrain_in_process("--help")
     assert proc.returncode == 0
-    text = " ".join(proc.stdout.split())  # argparse wraps the help
-    entry = text.split("--epp-calibrate-interval N ")[-1].split(" --")[0]  # its help, after the usage line
+    block = proc.stdout.split("\n  --epp-calibrate-interval N")[-1]  # its help, after the usage line
+    entry = " ".join(re.split(r"\n\s*\n|\n  -", block)[0].split())  # up to the next flag or group; argparse wraps it
     assert "0: off" in entry and "(default 20)" in entry, entry
 
 
