@@ -7,7 +7,6 @@ process (the ``pretrain_in_process`` fixture of tests/conftest.py: the same code
 from __future__ import annotations
 
 import re
-
 import subprocess
 import sys
 
