@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from typing import Sequence
@@ -68,7 +69,8 @@ def main(argv: Sequence[str] | argparse.Namespace | None = None) -> int:
             planner = profile_summary(args)
             check_memory_budget(args)
         resume = checkpointing.check_loadable(args) if args.load else None
-        data_note = checkpointing.data_change(args, resume) if resume is not None else None
+        if args.load and resume is None and args.exit_on_missing_checkpoint:
+            raise ArgumentError(f"--load {args.load}: no checkpoint there (--exit-on-missing-checkpoint)")
         faults = FaultInjection.from_env()
     except (ArgumentError, TokenizerError) as error:
         print(error if isinstance(error, ArgumentError) else f"pretrain_gpt.py: error: {error}", file=sys.stderr)
@@ -76,6 +78,20 @@ def main(argv: Sequence[str] | argparse.Namespace | None = None) -> int:
 
 
     runtime = initialize(args)
+    load_notes, data_note = [], None
+    if resume is not None:
+        try:  # collective: every rank hashes its share of the files before megatron-core reads any
+            resume_at, load_notes = checkpointing.choose_verified(args, resume, runtime)
+        except checkpointing.CheckpointError as error:  # the same on every rank: one line from the logging rank
+            if runtime.is_logging_rank:
+                print(error, file=sys.stderr, flush=True)
+            shutdown()
+            return 2
+        data_note = None if args.finetune else checkpointing.data_change(args, resume_at)
+    elif args.load:
+        load_notes = [f"warning: --load {args.load}: no checkpoint there yet "
+                      f"({'no ' + checkpointing.TRACKER if os.path.isdir(args.load) else 'no such directory'}); "
+                      "starting from scratch at iteration 0"]
     if args.elastic_pp:
         model, config = build_model(args, runtime, context=ChunkContext())
     else:
@@ -83,7 +99,11 @@ def main(argv: Sequence[str] | argparse.Namespace | None = None) -> int:
     optimizer, scheduler = build_optimizer(args, model, config)
     start, planner_state = (0, 0), None
     if resume is not None:
-        iteration, consumed, planner_state = checkpointing.load_checkpoint(args.load, resume, model, optimizer, scheduler, runtime)
+        try:
+            iteration, consumed, planner_state = checkpointing.load_checkpoint(args, resume_at, model, optimizer, scheduler, runtime)
+        except checkpointing.CheckpointError as error:  # on the ranks that read the damaged file: the job ends
+            print(error, file=sys.stderr, flush=True)
+            return 2
         start = (iteration, consumed)
     if runtime.is_logging_rank:
         print(
@@ -93,8 +113,8 @@ def main(argv: Sequence[str] | argparse.Namespace | None = None) -> int:
             + f" | tp={args.tensor_model_parallel_size} pp={runtime.pp_size} "
             f"dp={runtime.dp_size} on {runtime.device.type} {'bf16' if args.bf16 else 'fp32'} | global batch {args.global_batch_size} = "
             f"{args.num_microbatches} micro-batches x {args.micro_batch_size} x dp {runtime.dp_size}"
-            + (f" | resumed at iteration {start[0]}" if resume is not None else "")
-            + (f" | --load {args.load}: no checkpoint yet, starting at iteration 0" if args.load and resume is None else "")
+            + (f" | resumed at iteration {start[0]}" if resume is not None and not args.finetune else "")
+            + (f" | --finetune: weights of iteration {resume_at}, starting at iteration 0" if resume is not None and args.finetune else "")
             + (f" | --train-samples {args.train_samples}: {args.train_iters} iterations"
                + (f" ({args.train_samples % args.global_batch_size} samples short of a global batch not trained)"
                   if args.train_samples % args.global_batch_size else "") if args.train_samples else ""),
@@ -106,8 +126,8 @@ def main(argv: Sequence[str] | argparse.Namespace | None = None) -> int:
         if args.elastic_pp:
             print(f"> planner: {planner}", flush=True)
         print(f"> data: {corpus}", flush=True)
-        if data_note:
-            print(f"> {data_note}", flush=True)
+        for note in [*load_notes, data_note] if data_note else load_notes:
+            print(f"> {note}", flush=True)
         if eval_note:
             print(f"> warning: {eval_note}", flush=True)
 
