@@ -17,7 +17,7 @@ from megatron_epp.training import checkpointing, host_allocator
 from megatron_epp.training.arguments import ArgumentError, parse_args, world_size_from_env
 from megatron_epp.training.corpus_check import check_corpus
 from megatron_epp.training.elastic import check_memory_budget, elastic_train_step
-from megatron_epp.training.faults import FaultInjection, TrainingFault
+from megatron_epp.training.faults import FaultInjection, SigtermHandler, TrainingFault
 from megatron_epp.training.gpt_step import gpt_forward_step, microbatches
 from megatron_epp.training.layout_search import driver_layout_search
 from megatron_epp.training.initialize import gpu_count, gpu_oversubscription, initialize, local_world_size, shutdown
@@ -78,6 +78,7 @@ def main(argv: Sequence[str] | argparse.Namespace | None = None) -> int:
 
 
     runtime = initialize(args)
+    sigterm = SigtermHandler() if args.exit_signal_handler else None  # from here on a SIGTERM is acted on after the first step
     load_notes, data_note = [], None
     if resume is not None:
         try:  # collective: every rank hashes its share of the files before megatron-core reads any
@@ -153,6 +154,7 @@ def main(argv: Sequence[str] | argparse.Namespace | None = None) -> int:
             planner_state=train_step.state_dict if args.elastic_pp else None,
             start_time=start_time,
             faults=faults,
+            sigterm=sigterm,
         )
     except TrainingFault as error:  # raised on every rank alike: one line from the logging rank
         if runtime.is_logging_rank:
