@@ -97,14 +97,19 @@ def _sharded_state(
     model, optimizer, scheduler, runtime: Runtime, iteration: int, consumed: int, is_loading: bool = False,
     planner_state: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """What a checkpoint holds; ``is_loading`` makes the optimizer build its (still empty) state first."""
+    """What a checkpoint holds; ``is_loading`` makes the optimizer build its (still empty) state first. ``optimizer``
+    None: the model, iteration, samples, RNG and planner parts only (a load without the optimizer: building its
+    sharded state would create Adam states without their step)."""
     model_state = model.module.sharded_state_dict()
     layout = (runtime.pp_size, runtime.world_size // (runtime.pp_size * runtime.dp_size), runtime.dp_size)
     here = (runtime.pp_rank, runtime.tp_rank, runtime.dp_rank)
-    return {
-        "model": model_state,
+    optimizer_part = {} if optimizer is None else {
         "optimizer": optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=OPTIMIZER_METADATA),
         "scheduler": scheduler.state_dict(),
+    }
+    return {
+        "model": model_state,
+        **optimizer_part,
         "iteration": iteration,
         "consumed_samples": consumed,
         "rng": ShardedObject("rng_state", _rng_state(), layout, here, replica_id=0),
@@ -172,7 +177,7 @@ def _sha256(path: str) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def _record_sha256(meta: dict[str, Any]) -> str:
+def record_sha256(meta: dict[str, Any]) -> str:
     """The checksum of ``epp_metadata.json``'s record (all but this field), over its canonical JSON."""
     body = {k: v for k, v in meta.items() if k != "sha256"}
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
@@ -227,7 +232,7 @@ def save_checkpoint(
     if runtime.rank == 0:
         meta = checkpoint_metadata(args, iteration, consumed)
         meta["files"] = dict(sorted((name, record) for part in hashed for name, record in part.items()))
-        meta["sha256"] = _record_sha256(meta)
+        meta["sha256"] = record_sha256(meta)
         _write_durably(os.path.join(tmp, METADATA + ".tmp"), json.dumps(meta, indent=1))
         os.replace(os.path.join(tmp, METADATA + ".tmp"), os.path.join(tmp, METADATA))
         if os.path.isdir(path):  # the same iteration saved again (a resumed run that stops at once)
@@ -311,7 +316,7 @@ def _checkpoint_problem(args: argparse.Namespace, iteration: int) -> str | None:
         return f"{path}/{METADATA}: damaged (not valid JSON)"
     if meta.get("format") not in (FORMAT, UNVERIFIED_FORMAT):
         return f"{path} is not a megatron-epp checkpoint (no valid {METADATA})"
-    if meta["format"] == FORMAT and meta.get("sha256") != _record_sha256(meta):
+    if meta["format"] == FORMAT and meta.get("sha256") != record_sha256(meta):
         return f"{path}/{METADATA}: checksum mismatch (its record was changed after save)"
     if meta.get("iteration") != iteration:
         return f"{path} holds iteration {meta.get('iteration')}, its name and {TRACKER} say {iteration}"
@@ -430,14 +435,13 @@ def load_checkpoint(
     load_optim = not (args.no_load_optim or args.finetune)
     if load_optim:
         _init_distributed_optimizer_states(optimizer)
-    template = _sharded_state(model, optimizer, scheduler, runtime, 0, 0, is_loading=True)
+    template = _sharded_state(model, optimizer if load_optim else None, scheduler, runtime, 0, 0, is_loading=True)
     try:
         saved_keys = FileSystemReader(path).read_metadata().state_dict_metadata
         if args.finetune or not any(key.startswith(PLANNER_KEY + "/") for key in saved_keys):
             del template["planner"]
-        for key, wanted in (("optimizer", load_optim), ("scheduler", load_optim), ("rng", not (args.no_load_rng or args.finetune))):
-            if not wanted:
-                del template[key]
+        if args.no_load_rng or args.finetune:
+            del template["rng"]
         state = dist_checkpointing.load(template, path)
     except (pickle.UnpicklingError, EOFError, UnicodeDecodeError) as error:  # torch's message would advise weights_only=False
         raise CheckpointError(f"pretrain_gpt.py: error: --load {args.load}: {path} is damaged: a file does not unpickle "
