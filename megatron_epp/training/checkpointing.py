@@ -255,7 +255,7 @@ def _write_durably(path: str, text: str) -> None:
 @dataclass
 class Resume:
     """What :func:`check_loadable` found in ``--load``: the checkpoints that passed its checks, newest first (the
-    tracker's iteration, then with the fallback the older ones), and one warning line per one it skipped."""
+    tracker's iteration, then with the fallback the older ones), and what is wrong with each one it skipped."""
 
     root: str
     candidates: list[int]
@@ -285,7 +285,12 @@ def check_loadable(args: argparse.Namespace) -> Resume | None:
     order = [latest] + ([i for i in committed if i < latest] if args.ckpt_fallback else [])
     resume = Resume(root, [])
     for iteration in order:
-        problem = _checkpoint_problem(args, iteration)
+        try:
+            problem = _checkpoint_problem(args, iteration)
+        except ArgumentError as error:  # another model shape or layout: an error for the latest, else not a fallback
+            if iteration == latest:
+                raise
+            problem = str(error).split(f"{where}: ", 1)[1]
         if problem is None:
             resume.candidates.append(iteration)
         elif not args.ckpt_fallback:

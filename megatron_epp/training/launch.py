@@ -37,11 +37,12 @@ FORWARD_EVERY_S = 1.0
 
 
 def split_command(argv: Sequence[str]) -> tuple[list[str], list[str]]:
-    """``(torchrun's options, [script, *its flags])``: the script is the first argument ending in ``.py``."""
+    """``(torchrun's options, [script, *its flags])``: the script is the first argument ending in ``.py`` (none:
+    ``--help``, or a command line torchrun will refuse)."""
     for i, arg in enumerate(argv):
         if arg.endswith(".py") and not arg.startswith("-"):
             return list(argv[:i]), list(argv[i:])
-    raise SystemExit("launch: error: no training script (an argument ending in .py) among the arguments")
+    return list(argv), []
 
 
 def _flag_given(flags: Sequence[str], name: str) -> bool:
@@ -52,6 +53,8 @@ def torchrun_command(argv: Sequence[str]) -> tuple[list[str], bool]:
     """The torchrun command line for ``argv``, and whether the ranks stop cleanly on SIGTERM (then torchrun must
     leave SIGTERM to them)."""
     options, script = split_command(argv)
+    if not script:
+        return [*TORCHRUN, *options], False
     if _flag_given(script[1:], "--save") and not _flag_given(script[1:], "--exit-signal-handler"):
         script.append("--exit-signal-handler")
     clean_stop = _flag_given(script[1:], "--exit-signal-handler")
@@ -65,7 +68,7 @@ def torchrun_command(argv: Sequence[str]) -> tuple[list[str], bool]:
             kept_options.append(options[i])
             i += 1
         kept = ",".join(s.strip() for s in signals.split(",") if s.strip() not in ("", "SIGTERM"))
-        options = [*kept_options, SIGNALS_FLAG, kept] if kept else kept_options
+        options = [*kept_options, SIGNALS_FLAG, kept or "SIGINT"]  # left out, torchrun's default handles SIGTERM
     return [*TORCHRUN, *options, *script], clean_stop
 
 
@@ -80,34 +83,37 @@ def run(argv: Sequence[str]) -> int:
         os.execv(command[0], command)
     for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_IGN)  # torchrun gets them through the process group and handles them
-    terminating = False
+    torchrun: subprocess.Popen | None = None
+    forwarded_at: float | None = None  # when SIGTERM was last forwarded to the ranks; None: not received
+
+    def forward() -> None:
+        nonlocal forwarded_at
+        forwarded_at = time.monotonic() if torchrun is not None else 0.0  # 0: as soon as torchrun has started
+        try:
+            ranks = psutil.Process(torchrun.pid).children() if torchrun is not None else []
+        except psutil.Error:  # torchrun just exited
+            ranks = []
+        for rank in ranks:
+            try:
+                rank.send_signal(signal.SIGTERM)
+            except psutil.Error:
+                pass
 
     def on_sigterm(signum, frame) -> None:
-        nonlocal terminating
-        if not terminating:
+        if forwarded_at is None:
             print("launch: SIGTERM: forwarded to the ranks, which save and exit", file=sys.stderr, flush=True)
-        terminating = True
+        forward()
 
     signal.signal(signal.SIGTERM, on_sigterm)
     torchrun = subprocess.Popen(command, preexec_fn=_ignore_sigterm)
-    forwarded_at = 0.0
     while True:
         try:
             status = torchrun.wait(timeout=0.2)
             break
         except subprocess.TimeoutExpired:
             pass
-        if terminating and time.monotonic() - forwarded_at >= FORWARD_EVERY_S:
-            forwarded_at = time.monotonic()
-            try:
-                ranks = psutil.Process(torchrun.pid).children()
-            except psutil.Error:  # torchrun just exited
-                ranks = []
-            for rank in ranks:
-                try:
-                    rank.send_signal(signal.SIGTERM)
-                except psutil.Error:
-                    pass
+        if forwarded_at is not None and time.monotonic() - forwarded_at >= FORWARD_EVERY_S:
+            forward()  # again: a rank that was still starting (SIGTERM ignored until its handler is installed)
     return status if status >= 0 else 128 - status
 
 
