@@ -39,6 +39,6 @@ fi
 set -euo pipefail
 cd "$LLAMA_STYLE_REPO"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-exec "${PYTHON:-python3}" -m torch.distributed.run --nproc-per-node "${NPROC:-2}" \
+exec "${PYTHON:-python3}" -m megatron_epp.training.launch --nproc-per-node "${NPROC:-2}" \
   --master-addr 127.0.0.1 --master-port "${MASTER_PORT:-$((29500 + RANDOM % 1000))}" \
   pretrain_gpt.py "${LLAMA_STYLE_ARGS[@]}" "$@"

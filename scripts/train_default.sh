@@ -8,4 +8,4 @@ cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 export OMP_NUM_THREADS=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 source scripts/main_job.sh
-exec python3 -m torch.distributed.run --nproc-per-node "${NPROC:-2}" pretrain_gpt.py "${MAIN_JOB_ARGS[@]}" "$@"
+exec python3 -m megatron_epp.training.launch --nproc-per-node "${NPROC:-2}" pretrain_gpt.py "${MAIN_JOB_ARGS[@]}" "$@"

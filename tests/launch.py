@@ -30,9 +30,13 @@ def run_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def torchrun_command(nproc: int, script: str, *args: str) -> list[str]:
+LAUNCHER = "megatron_epp.training.launch"  # torchrun wrapped as every launch script of the repository starts it
+
+
+def torchrun_command(nproc: int, script: str, *args: str, launcher: bool = False) -> list[str]:
+    """torchrun's command line; ``launcher``: through :data:`LAUNCHER` (same options)."""
     return [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+        sys.executable, "-m", LAUNCHER if launcher else "torch.distributed.run", "--nproc-per-node", str(nproc),
         "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(REPO / script), *args,
     ]
 
@@ -56,8 +60,9 @@ def logged_losses(stdout: str) -> dict[int, str]:
     return out
 
 
-def _start_torchrun(nproc: int, script: str, args: tuple[str, ...], env: dict[str, str] | None, stderr) -> subprocess.Popen:
-    return subprocess.Popen(torchrun_command(nproc, script, *args), cwd=REPO, env=run_env(env), stdout=subprocess.PIPE,
+def _start_torchrun(nproc: int, script: str, args: tuple[str, ...], env: dict[str, str] | None, stderr,
+                    launcher: bool = False) -> subprocess.Popen:
+    return subprocess.Popen(torchrun_command(nproc, script, *args, launcher=launcher), cwd=REPO, env=run_env(env), stdout=subprocess.PIPE,
                             stderr=stderr, text=True, start_new_session=True)
 
 
@@ -95,10 +100,11 @@ def _read_until(proc: subprocess.Popen, line_prefix: str, timeout: float) -> lis
 
 
 def _ranks(proc: subprocess.Popen) -> dict[int, psutil.Process]:
-    """torchrun's live workers by global rank (they run in sessions of their own)."""
+    """torchrun's live workers by global rank (they run in sessions of their own; under the launcher they are its
+    grandchildren)."""
     workers = {}
     try:
-        for child in psutil.Process(proc.pid).children():
+        for child in psutil.Process(proc.pid).children(recursive=True):
             rank = child.environ().get("RANK")
             if rank is not None:
                 workers[int(rank)] = child
@@ -131,11 +137,11 @@ class SignalledRun:
 
 
 def torchrun_signalled_after(line_prefix: str, sig: int, ranks: Sequence[int] | None, nproc: int, script: str, *args: str,
-                             env: dict[str, str] | None = None, timeout: int = 300) -> SignalledRun:
-    """Start ``torchrun``; once a stdout line starts with ``line_prefix``, send ``sig`` to the ranks
-    ``ranks`` (None: to torchrun itself, which forwards SIGTERM to its ranks); let the job end by
-    itself (killed after ``timeout`` seconds in all) and time how long it took."""
-    proc = _start_torchrun(nproc, script, args, env, subprocess.STDOUT)
+                             env: dict[str, str] | None = None, timeout: int = 300, launcher: bool = False) -> SignalledRun:
+    """Start ``torchrun`` (``launcher``: through :data:`LAUNCHER`); once a stdout line starts with ``line_prefix``,
+    send ``sig`` to the ranks ``ranks`` (None: to the launching process itself, which forwards SIGTERM to its
+    ranks); let the job end by itself (killed after ``timeout`` seconds in all) and time how long it took."""
+    proc = _start_torchrun(nproc, script, args, env, subprocess.STDOUT, launcher)
     start = time.monotonic()
     try:
         seen = _read_until(proc, line_prefix, timeout)

@@ -1,4 +1,10 @@
-"""The embedded stdlib corpus: built from sorted stdlib sources, cached by manifest."""
+"""The embedded stdlib corpus: built from sorted stdlib sources, cached by manifest; the standard library only."""
+
+import json
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -38,3 +44,23 @@ def test_stdlib_lengths_are_skewed(tmp_path):
         stdlib_corpus.ensure_stdlib_corpus(tmp_path, max_files=60, progress=False)
     )
     assert docs.lengths.max() > 4 * np.median(docs.lengths)
+
+
+def test_the_standard_library_only_and_the_same_from_a_virtual_environment(tmp_path):
+    """No installed package (the interpreter's site-packages, which sysconfig's stdlib directory holds), no test
+    suite, no build-specific file; from a virtual environment (its base interpreter's site-packages visible) the
+    same files."""
+    files = stdlib_corpus.stdlib_files()
+    root = Path(sysconfig.get_paths()["stdlib"])
+    tops = {f.relative_to(root).parts[0].removesuffix(".py") for f in files}
+    assert tops <= set(sys.stdlib_module_names) and {"os", "json", "asyncio", "email"} <= tops
+    assert not any(part in ("site-packages", "dist-packages", "test", "tests") for f in files for part in f.relative_to(root).parts)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
+    probe = "import json; from megatron_epp.data.stdlib_corpus import stdlib_files; print(json.dumps([str(f) for f in stdlib_files()]))"
+    out = subprocess.run([str(venv / "bin" / "python"), "-c", probe], check=True, capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parent.parent, env={"PYTHONPATH": str(Path(__file__).resolve().parent.parent),
+                                                                          "PATH": "/usr/bin:/bin", "PYTHONWARNINGS": "ignore"})
+    from_venv = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"stdlib corpus: {len(files)} files, the same from a virtual environment: {from_venv == [str(f) for f in files]}")
+    assert from_venv == [str(f) for f in files]

@@ -13,14 +13,16 @@ import os
 import re
 import shutil
 import signal
+import sys
 import time
 
 import pytest
 import torch
 
 from megatron_epp.tools.layer_bench import init_single_process
+from megatron_epp.training import launch
 from megatron_epp.training.arguments import ArgumentError, parse_args
-from megatron_epp.training.checkpointing import METADATA, TRACKER, check_loadable, checkpoint_metadata, data_change
+from megatron_epp.training.checkpointing import METADATA, TRACKER, check_loadable, checkpoint_metadata, data_change, record_sha256
 from megatron_epp.training.corpus_check import check_corpus
 from megatron_epp.training.faults import ExitConditions
 from megatron_epp.training.metrics import read_metrics
@@ -43,27 +45,62 @@ def losses(path) -> dict[int, float]:
     return {m.iteration: m.loss for m in read_metrics(path) if m.kind == "train"}
 
 
-def test_sigterm_saves_at_the_end_of_the_step_exits_0_and_resumes_bit_identical(tmp_path):
+@pytest.fixture(scope="module")
+def straight_dp2(tmp_path_factory):
+    """The uninterrupted run the SIGTERM cases resume to: its losses by iteration."""
+    path = tmp_path_factory.mktemp("straight") / "straight.jsonl"
+    torchrun(2, *SHORT, *DP2_SHARDED, "--epp-metrics", str(path))
+    return losses(path)
+
+
+@pytest.mark.parametrize("to", ["ranks", "launcher"])
+def test_sigterm_saves_at_the_end_of_the_step_exits_0_and_resumes_bit_identical(tmp_path, straight_dp2, to):
     """Data parallel 2 with --use-distributed-optimizer (each rank saves its shard of the Adam states; the
     elastic sampler resumes at the consumed samples of both replicas); pp 2 resumes in the tests below and in
-    tests/test_elastic_training.py."""
+    tests/test_elastic_training.py.
+
+    ranks: SIGTERM to both ranks of a plain torchrun with --exit-signal-handler (as SLURM signals every process).
+    launcher: SIGTERM to the launcher only (megatron_epp.training.launch, as every launch script starts torchrun;
+    as a scheduler or `docker stop` signals the job's first process), with --save alone: the launcher adds
+    --exit-signal-handler, forwards the signal to the ranks and exits with their status, 0 (plain torchrun, so
+    signalled, exits 1). The resume verifies the saved checkpoint's checksums (--no-ckpt-fallback: a mismatch
+    would be an error)."""
     run = [*SHORT, *DP2_SHARDED]
-    torchrun(2, *run, "--epp-metrics", str(tmp_path / "straight.jsonl"))
-    straight = losses(tmp_path / "straight.jsonl")
     ckpt = str(tmp_path / "ckpt")
-    term = torchrun_signalled_after("iteration        3/", signal.SIGTERM, [0, 1], 2, *run, "--exit-signal-handler",
-                                    "--save", ckpt, "--epp-metrics", str(tmp_path / "term.jsonl"))
+    term = torchrun_signalled_after("iteration        3/", signal.SIGTERM, [0, 1] if to == "ranks" else None, 2, *run,
+                                    *(["--exit-signal-handler"] if to == "ranks" else []),
+                                    "--save", ckpt, "--epp-metrics", str(tmp_path / "term.jsonl"), launcher=to == "launcher")
     assert term.returncode == 0 and term.ranks_left == 0, term.output[-4000:]
     stopped = int(re.search(r"exiting after iteration (\d+): SIGTERM received", term.output).group(1))
-    print(f"SIGTERM after iteration 3: saved iteration {stopped}, exit {term.returncode} after {term.seconds_to_exit:.1f} s")
-    # the step in progress when the signal came (3, or 4 when it came after the ranks agreed on 3) is finished and saved
-    assert stopped in (3, 4) and max(losses(tmp_path / "term.jsonl")) == stopped, term.output[-4000:]
+    print(f"SIGTERM to the {to} after iteration 3: saved iteration {stopped}, exit {term.returncode} after {term.seconds_to_exit:.1f} s")
+    # the step in progress when the signal came (3, or 4 when it came after the ranks agreed on 3) is finished and
+    # saved; through the launcher the signal reaches the ranks a moment later (its handler forwards it): a step or two
+    assert (stopped in (3, 4) if to == "ranks" else 3 <= stopped < ITERS), term.output[-4000:]
+    assert max(losses(tmp_path / "term.jsonl")) == stopped, term.output[-4000:]
     assert f"saved checkpoint at iteration {stopped} to" in term.output
-    resumed = torchrun(2, *run, "--load", ckpt, "--epp-metrics", str(tmp_path / "resumed.jsonl")).stdout
+    if to == "launcher":
+        assert term.output.count("launch: SIGTERM: forwarded to the ranks") == 1, term.output[-4000:]
+    resumed = torchrun(2, *run, "--load", ckpt, "--no-ckpt-fallback", "--epp-metrics", str(tmp_path / "resumed.jsonl")).stdout
     assert "dp=2 on " in resumed and f"resumed at iteration {stopped}" in resumed
+    assert "warning: --load" not in resumed, resumed[-3000:]  # verified: nothing skipped, nothing unverified
     after = losses(tmp_path / "resumed.jsonl")
     assert sorted(after) == list(range(stopped + 1, ITERS + 1))
-    assert all(after[i] == straight[i] for i in after), (after, straight)
+    assert all(after[i] == straight_dp2[i] for i in after), (after, straight_dp2)
+
+
+def test_the_launcher_leaves_sigterm_to_the_ranks_of_a_run_that_saves():
+    """megatron_epp.training.launch's torchrun command: --save adds --exit-signal-handler, and torchrun then
+    handles every signal it would but SIGTERM; a run that does not save is torchrun's own command line."""
+    torchrun_ = [sys.executable, "-m", "torch.distributed.run"]
+    assert launch.torchrun_command(["--nproc-per-node", "2", "x.py", "--save", "d"]) == (
+        [*torchrun_, "--nproc-per-node", "2", "--signals-to-handle", "SIGINT,SIGHUP,SIGQUIT", "x.py", "--save", "d",
+         "--exit-signal-handler"], True)
+    assert launch.torchrun_command(["--signals_to_handle=SIGTERM,SIGUSR1", "x.py", "--save=d", "--exit-signal-handler"]) == (
+        [*torchrun_, "--signals-to-handle", "SIGUSR1", "x.py", "--save=d", "--exit-signal-handler"], True)
+    assert launch.torchrun_command(["--signals-to-handle", "SIGTERM", "x.py", "--exit-signal-handler"])[0][3:5] == [
+        "--signals-to-handle", "SIGINT"]
+    assert launch.torchrun_command(["--nproc-per-node=2", "x.py", "--lr", "1"]) == (
+        [*torchrun_, "--nproc-per-node=2", "x.py", "--lr", "1"], False)
 
 
 @pytest.mark.parametrize("fault", ["sigkill", "hang"])
@@ -160,9 +197,9 @@ def _break(ckpt, how: str) -> None:
 @pytest.mark.parametrize("how, flags, message", [
     ("tracker", [], "latest_checkpointed_iteration.txt holds 'release', not an iteration number"),
     ("no tracker", [], "no latest_checkpointed_iteration.txt beside iter_0000003"),
-    ("wrong dir", [], "names iteration 5, but"),
-    ("shard missing", [], "is truncated: __1_"),
-    ("shard short", [], "bytes, its metadata needs"),
+    ("wrong dir", ["--no-ckpt-fallback"], "names iteration 5, but"),
+    ("shard missing", [], "missing file"),
+    ("shard short", [], "bytes, saved with"),
     ("not ours", [], "is not a megatron-epp checkpoint"),
     ("renamed", [], "holds iteration 3, its name and latest_checkpointed_iteration.txt say 2"),
     (None, ["--hidden-size", "64"], "saved with --hidden-size 32, this run has 64 (a different model shape)"),
@@ -175,7 +212,15 @@ def test_truncated_or_foreign_checkpoint_is_refused(crashed_save, tmp_path, how,
         _break(ckpt, how)
     with pytest.raises(ArgumentError, match=re.escape(message)):
         check_loadable(_args(ckpt, *flags))
-    assert check_loadable(_args(crashed_save)) == 3
+    assert check_loadable(_args(crashed_save)).candidates == [3]
+
+
+def test_a_tracker_naming_a_missing_checkpoint_falls_back(crashed_save, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(crashed_save, ckpt)
+    _break(ckpt, "wrong dir")
+    resume = check_loadable(_args(ckpt))
+    assert resume.candidates == [3] and len(resume.skipped) == 1 and "names iteration 5, but" in resume.skipped[0]
 
 
 def test_bad_checkpoint_is_one_line_before_training(pretrain_in_process, crashed_save, tmp_path):
@@ -185,7 +230,7 @@ def test_bad_checkpoint_is_one_line_before_training(pretrain_in_process, crashed
     proc = pretrain_in_process(*FLAGS, "--load", str(ckpt), world_size=2)
     assert proc.returncode == 2 and proc.stdout == "", proc.stderr
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "is truncated: __1_" in lines[0], proc.stderr
+    assert len(lines) == 1 and re.search(r"iter_0000003/__1_\d\.distcp: missing file$", lines[0]), proc.stderr
 
 
 def test_a_resume_on_other_data_is_one_warning_line(crashed_save, tmp_path):
@@ -204,9 +249,10 @@ def test_a_resume_on_other_data_is_one_warning_line(crashed_save, tmp_path):
     on_data = [f for f in FLAGS if f != "--mock-data"]
     saved_on = _args(ckpt, "--data-path", "0.3", a, "0.7", b, base=on_data)
     meta["data"] = checkpoint_metadata(saved_on, 3)["data"]  # as if trained on 0.3 a 0.7 b
+    meta["sha256"] = record_sha256(meta)
     meta_file.write_text(json.dumps(meta))
     assert meta["data"]["blend"] == {"prefixes": [a, b], "weights": [0.3, 0.7]}
-    assert check_loadable(saved_on) == 3 and data_change(saved_on, 3) is None
+    assert check_loadable(saved_on).candidates == [3] and data_change(saved_on, 3) is None
     assert data_change(_args(ckpt, "--data-path", "3", a, "7", b, base=on_data), 3) is None  # the same normalised blend
     tail = "; training goes on at sample 24 of this run's stream, as in Megatron-LM"
     note = data_change(_args(ckpt, "--data-path", "0.5", a, "0.5", b, "--global-batch-size", "4", base=on_data), 3)
@@ -219,8 +265,9 @@ def test_a_resume_on_other_data_is_one_warning_line(crashed_save, tmp_path):
     assert "\n" not in note
 
 
-def test_empty_load_directory_starts_from_scratch(tmp_path):
+def test_empty_or_missing_load_directory_starts_from_scratch(tmp_path):
     assert check_loadable(_args(tmp_path)) is None  # --load = --save on a job's first run
+    assert check_loadable(_args(tmp_path / "not-yet")) is None  # (tests/test_checkpoint_integrity.py: its warning)
 
 
 @pytest.mark.parametrize("how, message", [

@@ -1,6 +1,14 @@
 """The default corpus: the running interpreter's standard-library sources, one ``.py`` file per
 document, byte-tokenized into a cached indexed dataset. Real, skewed lengths; no download.
 
+The standard library only, the same files on every machine with the same Python version: the modules and
+packages ``sys.stdlib_module_names`` names, under ``sysconfig``'s ``stdlib`` directory. Left out: installed
+packages (``site-packages``/``dist-packages``: a virtual environment's base interpreter, or a distribution's
+Python, keeps them there), CPython's own regression tests (``test``, ``__hello__``, ``__phello__``: not in
+``sys.stdlib_module_names``, and left out of some distributions' Python) and the files generated for one build
+(``_sysconfigdata_*``, ``config-*``). A distribution that splits a stdlib package off into a package of its own
+(Debian's ``idlelib``, ``tkinter``, ``lib2to3``) has fewer files unless those are installed.
+
 Build it on one rank (then barrier) in a multi-process run: the cache is not locked.
 """
 
@@ -9,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -24,18 +33,21 @@ PREFIX_NAME = "stdlib_py"
 MANIFEST_NAME = "manifest.json"
 
 
+# installed packages, and the test suites some stdlib packages carry (ctypes/test, unittest/test, lib2to3/tests,
+# idlelib/idle_test; CPython 3.12 moved them under test/, and distributions ship them apart)
+EXCLUDED_DIRS = ("site-packages", "dist-packages", "test", "tests", "idle_test")
+
+
 def stdlib_files(max_files: int | None = None) -> list[Path]:
-    """The stdlib's ``*.py`` files in sorted order (installed packages excluded), the first
-    ``max_files`` of them when given."""
-    paths = sysconfig.get_paths()
-    root = Path(paths["stdlib"])
-    excluded = {os.path.realpath(paths[k]) for k in ("purelib", "platlib")}
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [
-            d for d in dirnames if os.path.realpath(os.path.join(dirpath, d)) not in excluded
-        ]
-        files.extend(Path(dirpath) / f for f in filenames if f.endswith(".py"))
+    """The standard library's ``*.py`` files (see the module's docstring) in sorted order, the first ``max_files``
+    of them when given."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    names = sys.stdlib_module_names
+    files = [root / f for f in os.listdir(root) if f.endswith(".py") and f[:-3] in names and (root / f).is_file()]
+    for package in sorted(d for d in os.listdir(root) if d in names and (root / d).is_dir()):
+        for dirpath, dirnames, filenames in os.walk(root / package):
+            dirnames[:] = [d for d in dirnames if d not in EXCLUDED_DIRS]
+            files.extend(Path(dirpath) / f for f in filenames if f.endswith(".py"))
     return sorted(files)[:max_files]
 
 
@@ -62,12 +74,13 @@ def ensure_stdlib_corpus(
         and json.loads(manifest_path.read_text()) == manifest
         and IndexedDataset.exists(prefix)
     ):
-        print(f"stdlib corpus (cached) {prefix}: {LengthStats.of(DocumentDataset(prefix).lengths)}")
+        print(f"stdlib corpus (cached) {prefix}: {len(files):,} files of the Python {manifest['python']} standard library, "
+              f"{LengthStats.of(DocumentDataset(prefix).lengths)}")
         return prefix
     manifest_path.unlink(missing_ok=True)
     result = prepare_dataset(files, prefix, ByteTokenizer(), workers=workers, progress=progress)
     manifest_path.write_text(json.dumps(manifest, indent=1) + "\n")
-    print(f"stdlib corpus built from {len(files)} files: {result.summary()}")
+    print(f"stdlib corpus built from {len(files):,} files of the Python {manifest['python']} standard library: {result.summary()}")
     return prefix
 
 

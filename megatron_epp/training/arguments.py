@@ -221,10 +221,27 @@ def build_parser() -> argparse.ArgumentParser:
                    f"in checkpoints; 0: off, the profile as given (default {CALIBRATE_INTERVAL})")
 
     g = p.add_argument_group("checkpointing")
-    g.add_argument("--save", default=None, help="directory to save checkpoints to (megatron-core distributed checkpoints)")
-    g.add_argument("--load", default=None, help="directory to resume from (its newest checkpoint)")
-    g.add_argument("--save-interval", type=int, default=None,
-                   help="save every N iterations (and at the end, as Megatron-LM, when --save is given)")
+    g.add_argument("--save", default=None, help="directory to save checkpoints to (iter_XXXXXXX/, as Megatron-LM)")
+    g.add_argument("--load", default=None,
+                   help="directory to resume from: its latest checkpoint whose files match the checksums recorded at save "
+                   "(else the newest older one that does, saying so: see --no-ckpt-fallback); a directory with no "
+                   "checkpoint yet, or none at all, starts from scratch with a warning (--save X --load X), as Megatron-LM")
+    g.add_argument("--save-interval", type=int, default=None, help="save every N iterations (and at the end)")
+    # Megatron-LM's load options, and the checksum fallback (megatron-epp's own)
+    g.add_argument("--no-ckpt-fallback", dest="ckpt_fallback", action="store_false",
+                   help="a damaged latest checkpoint (a file missing, of another size or failing its checksum) is an "
+                   "error instead of falling back to the newest older checkpoint that verifies")
+    g.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                   help="with --load: exit with an error if the directory holds no checkpoint, instead of starting from scratch")
+    g.add_argument("--no-load-optim", action="store_true",
+                   help="do not load the optimizer states (nor, as Megatron-LM, the LR schedule's position) from the checkpoint")
+    g.add_argument("--no-load-rng", action="store_true", help="do not load the random number generators' states from the checkpoint")
+    g.add_argument("--finetune", action="store_true",
+                   help="load the model weights only: no optimizer, LR schedule or RNG state, and start at iteration 0, "
+                   "sample 0 (as Megatron-LM)")
+    g.add_argument("--ckpt-format", default="torch_dist",
+                   help="torch_dist only: megatron-core's distributed checkpoint, what megatron-epp writes and reads "
+                   "(Megatron-LM's default)")
 
     g = p.add_argument_group("preemption and faults")
     g.add_argument("--exit-signal-handler", action="store_true",
@@ -357,8 +374,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
             missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
             if missing:
                 raise ArgumentError(f"--data-path {prefix}: missing {', '.join(prefix + m for m in missing)}")
-    if args.load is not None and not os.path.isdir(args.load):
-        raise ArgumentError(f"--load {args.load}: no such directory")
+    validate_checkpoint_args(args)
     if args.save_interval is not None and args.save is None:
         raise ArgumentError("--save-interval needs --save")
     if args.exit_signal_handler and args.save is None:
@@ -375,6 +391,18 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     if args.epp_cluster and not args.epp_search_layout:
         raise ArgumentError("--epp-cluster applies only with --epp-search-layout")
     validate_elastic_args(args, world_size)
+
+
+def validate_checkpoint_args(args: argparse.Namespace) -> None:
+    """``--ckpt-format`` and the load options (``--load`` of a directory not yet there is a first run: main warns)."""
+    if args.ckpt_format != "torch_dist":
+        raise ArgumentError(f"--ckpt-format {args.ckpt_format}: megatron-epp saves and loads torch_dist only "
+                            "(megatron-core's distributed checkpoint, Megatron-LM's default)")
+    if args.load is not None and os.path.exists(args.load) and not os.path.isdir(args.load):
+        raise ArgumentError(f"--load {args.load}: not a directory")
+    given = [f for f in ("no_load_optim", "no_load_rng", "finetune", "exit_on_missing_checkpoint") if getattr(args, f)]
+    if given and args.load is None:
+        raise ArgumentError(f"--{given[0].replace('_', '-')} needs --load")
 
 
 # the numeric flags' ranges, checked before anything divides by them (a None is a flag left to its default)

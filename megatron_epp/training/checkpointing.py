@@ -8,19 +8,34 @@ was trained on: the ``--data-path`` blend and the sampler's settings and positio
 
 A checkpoint is written to ``iter_0000010.tmp/`` and renamed once every rank has written its part,
 the tracker file after it: a run that dies while saving leaves the previous checkpoint named and
-whole. :func:`check_loadable` refuses, before any process group exists, a ``--load`` that is
-truncated (tracker, directory or files missing) or foreign (not ours, another model shape or layout);
-:func:`data_change` words, as a warning, a resume on another data stream (Megatron-LM allows it).
+whole. ``epp_metadata.json`` is written last (atomically, once every rank has written and hashed its files)
+and records the size and SHA-256 of every other file of the checkpoint, and its own checksum.
+
+Loading trusts nothing it has not verified. :func:`check_loadable` (before any process group exists, on
+every rank: reads only ``epp_metadata.json`` and the files' sizes) refuses a foreign checkpoint (another
+model shape or layout) and picks the candidates: the tracker's iteration, then (unless ``--no-ckpt-fallback``)
+the older ones; a candidate whose metadata is damaged or whose files are missing or of another size is
+skipped with one warning line. :func:`choose_verified` (collective, after the process group exists) checks the
+candidates' checksums, newest first, before megatron-core reads any file: each rank hashes the files its own
+rank number wrote (``__R_*.distcp``; rank 0 the shared ones), the files a rank reads back on a load of the same
+layout, so the whole checkpoint is read once, by all ranks in parallel (one rank hashing all of it would take
+world-size times longer; every rank hashing all of it would read it world-size times). A damaged checkpoint is
+one line naming the file, or with the fallback one warning line and the next older one. Checkpoints saved
+before checksums were recorded load with a warning that they are unverified. :func:`data_change` words, as a
+warning, a resume on another data stream (Megatron-LM allows it).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
+import pickle
 import random
 import re
 import shutil
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
@@ -37,12 +52,13 @@ from megatron_epp.training.initialize import Runtime
 
 TRACKER = "latest_checkpointed_iteration.txt"
 METADATA = "epp_metadata.json"
-FORMAT = "megatron-epp checkpoint 1"
+FORMAT = "megatron-epp checkpoint 2"  # epp_metadata.json records every file's size and SHA-256
+UNVERIFIED_FORMAT = "megatron-epp checkpoint 1"  # saved before checksums were recorded: loaded with a warning
 # What a checkpoint must agree on with the run that loads it (a flag this version lacks reads as None on both sides)
 MODEL_SHAPE_ARGS = (
     "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
     "position_embedding_type", "vocab_size", "untie_embeddings_and_output_weights", "swiglu", "normalization",
-    "group_query_attention", "num_query_groups", "kv_channels", "add_bias_linear", "rotary_base", "make_vocab_size_divisible_by",
+    "group_query_attention", "num_query_groups", "kv_channels", "disable_bias_linear", "rotary_base", "make_vocab_size_divisible_by",
 )
 LAYOUT_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size", "use_distributed_optimizer")
 # What the sample stream is a function of, besides the blend and its position (the consumed samples)
@@ -81,14 +97,19 @@ def _sharded_state(
     model, optimizer, scheduler, runtime: Runtime, iteration: int, consumed: int, is_loading: bool = False,
     planner_state: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """What a checkpoint holds; ``is_loading`` makes the optimizer build its (still empty) state first."""
+    """What a checkpoint holds; ``is_loading`` makes the optimizer build its (still empty) state first. ``optimizer``
+    None: the model, iteration, samples, RNG and planner parts only (a load without the optimizer: building its
+    sharded state would create Adam states without their step)."""
     model_state = model.module.sharded_state_dict()
     layout = (runtime.pp_size, runtime.world_size // (runtime.pp_size * runtime.dp_size), runtime.dp_size)
     here = (runtime.pp_rank, runtime.tp_rank, runtime.dp_rank)
-    return {
-        "model": model_state,
+    optimizer_part = {} if optimizer is None else {
         "optimizer": optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=OPTIMIZER_METADATA),
         "scheduler": scheduler.state_dict(),
+    }
+    return {
+        "model": model_state,
+        **optimizer_part,
         "iteration": iteration,
         "consumed_samples": consumed,
         "rng": ShardedObject("rng_state", _rng_state(), layout, here, replica_id=0),
@@ -135,7 +156,8 @@ def data_record(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def checkpoint_metadata(args: argparse.Namespace, iteration: int, consumed_samples: int | None = None) -> dict[str, Any]:
-    """The record saved beside the shards and compared on ``--load``."""
+    """The record saved beside the shards and compared on ``--load`` (:func:`save_checkpoint` adds the files'
+    sizes and checksums, and the record's own)."""
     return {
         "format": FORMAT,
         "iteration": iteration,
@@ -146,12 +168,52 @@ def checkpoint_metadata(args: argparse.Namespace, iteration: int, consumed_sampl
     }
 
 
+class CheckpointError(RuntimeError):
+    """A ``--load`` checkpoint that cannot be trusted (one line, naming the file): main prints it and exits."""
+
+
+def _sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def record_sha256(meta: dict[str, Any]) -> str:
+    """The checksum of ``epp_metadata.json``'s record (all but this field), over its canonical JSON."""
+    body = {k: v for k, v in meta.items() if k != "sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+_WRITER = re.compile(r"__(\d+)_\d+\.distcp")
+
+
+def _hashed_by(name: str, rank: int, world_size: int) -> bool:
+    """Whether ``rank`` hashes the checkpoint file ``name``: the ``__R_*.distcp`` files the rank R wrote (at
+    save still in its page cache; on a load of the same layout the shards R reads), the rest rank 0."""
+    match = _WRITER.fullmatch(name)
+    writer = int(match.group(1)) if match and int(match.group(1)) < world_size else 0
+    return writer == rank
+
+
+def _file_problem(path: str, name: str, expected: dict[str, Any]) -> str | None:
+    """What is wrong with the checkpoint file ``name`` against its record (``bytes``, ``sha256``), None if it is whole."""
+    file = os.path.join(path, name)
+    if not os.path.isfile(file):
+        return f"{name}: missing file"
+    size = os.path.getsize(file)
+    if size != expected["bytes"]:
+        return f"{name}: {size} bytes, saved with {expected['bytes']}"
+    if "sha256" in expected and _sha256(file) != expected["sha256"]:
+        return f"{name}: checksum mismatch (sha256 differs from the one recorded at save)"
+    return None
+
+
 def save_checkpoint(
     args: argparse.Namespace, model, optimizer, scheduler, runtime: Runtime, iteration: int, consumed: int,
     before_commit: Callable[[], None] | None = None, planner_state: dict[str, Any] | None = None,
 ) -> str:
-    """Write ``--save``'s ``iter_XXXXXXX.tmp``, then (every rank done) rename it and update the tracker.
-    ``before_commit`` runs on every rank after it has written its part (the test-only crash hook);
+    """Write ``--save``'s ``iter_XXXXXXX.tmp``, hash its files (each rank those it wrote), write
+    ``epp_metadata.json`` last with their sizes and checksums, then (every rank done) rename it and update
+    the tracker. ``before_commit`` runs on every rank after it has written its part (the test-only crash hook);
     ``planner_state``: this rank's planner calibration (``--elastic-pp``)."""
     path = iteration_dir(args.save, iteration)
     tmp = path + ".tmp"
@@ -162,9 +224,17 @@ def save_checkpoint(
     dist_checkpointing.save(_sharded_state(model, optimizer, scheduler, runtime, iteration, consumed, planner_state=planner_state), tmp)
     if before_commit is not None:
         before_commit()
-    dist.barrier()
+    dist.barrier()  # every rank's files written (rank 0's .metadata, common.pt, metadata.json included)
+    mine = {name: {"bytes": os.path.getsize(os.path.join(tmp, name)), "sha256": _sha256(os.path.join(tmp, name))}
+            for name in sorted(os.listdir(tmp)) if _hashed_by(name, runtime.rank, runtime.world_size)}
+    hashed: list[dict[str, Any]] | None = [{} for _ in range(runtime.world_size)] if runtime.rank == 0 else None
+    dist.gather_object(mine, hashed, dst=0)
     if runtime.rank == 0:
-        _write_durably(os.path.join(tmp, METADATA), json.dumps(checkpoint_metadata(args, iteration, consumed), indent=1))
+        meta = checkpoint_metadata(args, iteration, consumed)
+        meta["files"] = dict(sorted((name, record) for part in hashed for name, record in part.items()))
+        meta["sha256"] = record_sha256(meta)
+        _write_durably(os.path.join(tmp, METADATA + ".tmp"), json.dumps(meta, indent=1))
+        os.replace(os.path.join(tmp, METADATA + ".tmp"), os.path.join(tmp, METADATA))
         if os.path.isdir(path):  # the same iteration saved again (a resumed run that stops at once)
             os.replace(path, path + ".old")
         os.replace(tmp, path)
@@ -182,42 +252,121 @@ def _write_durably(path: str, text: str) -> None:
         os.fsync(f.fileno())
 
 
-def check_loadable(args: argparse.Namespace) -> int | None:
-    """The iteration ``--load`` resumes from, None when the directory holds no checkpoint yet (a first
-    run with ``--load`` = ``--save``); :class:`ArgumentError` (one line) when it cannot be loaded."""
+@dataclass
+class Resume:
+    """What :func:`check_loadable` found in ``--load``: the checkpoints that passed its checks, newest first (the
+    tracker's iteration, then with the fallback the older ones), and what is wrong with each one it skipped."""
+
+    root: str
+    candidates: list[int]
+    skipped: list[str] = field(default_factory=list)
+
+
+def check_loadable(args: argparse.Namespace) -> Resume | None:
+    """The checkpoints ``--load`` may resume from, None when there is none yet (a first run with ``--load`` =
+    ``--save``, the directory not yet created or empty); :class:`ArgumentError` (one line) when it cannot be
+    loaded: a foreign checkpoint (another model shape or layout), a bad tracker, or (without the fallback: the
+    tracker's checkpoint; with it: every one) a damaged or truncated checkpoint. Reads the metadata and the files'
+    sizes only; :func:`choose_verified` checks the checksums."""
     root = args.load
     where = f"--load {root}"
     tracker = os.path.join(root, TRACKER)
+    committed = sorted((int(d[5:]) for d in os.listdir(root) if re.fullmatch(r"iter_\d{7}", d)), reverse=True) if os.path.isdir(root) else []
     if not os.path.isfile(tracker):
-        committed = sorted(d for d in os.listdir(root) if re.fullmatch(r"iter_\d{7}", d))
         if committed:
-            raise ArgumentError(f"{where}: no {TRACKER} beside {', '.join(committed)} (a truncated checkpoint directory)")
+            names = ", ".join(os.path.basename(iteration_dir(root, i)) for i in reversed(committed))
+            raise ArgumentError(f"{where}: no {TRACKER} beside {names} (a truncated checkpoint directory)")
         return None
     with open(tracker) as f:
         text = f.read().strip()
     if not text.isdigit():
         raise ArgumentError(f"{where}: {TRACKER} holds {text[:40]!r}, not an iteration number")
-    iteration = int(text)
-    path = iteration_dir(root, iteration)
+    latest = int(text)
+    order = [latest] + ([i for i in committed if i < latest] if args.ckpt_fallback else [])
+    resume = Resume(root, [])
+    for iteration in order:
+        try:
+            problem = _checkpoint_problem(args, iteration)
+        except ArgumentError as error:  # another model shape or layout: an error for the latest, else not a fallback
+            if iteration == latest:
+                raise
+            problem = str(error).split(f"{where}: ", 1)[1]
+        if problem is None:
+            resume.candidates.append(iteration)
+        elif not args.ckpt_fallback:
+            raise ArgumentError(f"{where}: {problem}")
+        else:
+            resume.skipped.append(problem)
+    if not resume.candidates:
+        raise ArgumentError(f"{where}: no checkpoint can be loaded: {'; '.join(resume.skipped)}")
+    return resume
+
+
+def skip_note(root: str, problem: str) -> str:
+    """The warning line of a checkpoint the fallback skipped."""
+    return f"warning: --load {root}: skipped, {problem}; falling back to the previous checkpoint"
+
+
+def _checkpoint_problem(args: argparse.Namespace, iteration: int) -> str | None:
+    """Why ``--load``'s ``iteration`` cannot be loaded, as far as its metadata and its files' sizes tell; None if
+    they are whole. A checkpoint of another model shape or layout raises :class:`ArgumentError`: that is no damage
+    an older checkpoint would mend."""
+    path = iteration_dir(args.load, iteration)
     if not os.path.isdir(path):
-        raise ArgumentError(f"{where}: {TRACKER} names iteration {iteration}, but {path} does not exist")
+        return f"{TRACKER} names iteration {iteration}, but {path} does not exist"
+    if not os.path.isfile(os.path.join(path, METADATA)):
+        return f"{path} is not a megatron-epp checkpoint (no {METADATA})"
     meta = _read_metadata(path)
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise ArgumentError(f"{where}: {path} is not a megatron-epp checkpoint (no valid {METADATA})")
-    if meta["iteration"] != iteration:
-        raise ArgumentError(f"{where}: {path} holds iteration {meta['iteration']}, its name and {TRACKER} say {iteration}")
+    if not isinstance(meta, dict):
+        return f"{path}/{METADATA}: damaged (not valid JSON)"
+    if meta.get("format") not in (FORMAT, UNVERIFIED_FORMAT):
+        return f"{path} is not a megatron-epp checkpoint (no valid {METADATA})"
+    if meta["format"] == FORMAT and meta.get("sha256") != record_sha256(meta):
+        return f"{path}/{METADATA}: checksum mismatch (its record was changed after save)"
+    if meta.get("iteration") != iteration:
+        return f"{path} holds iteration {meta.get('iteration')}, its name and {TRACKER} say {iteration}"
     expected = checkpoint_metadata(args, iteration)
     for part in ("model", "layout"):
         for key, want in expected[part].items():
-            if meta[part].get(key) != want:
+            if key in meta.get(part, {}) and meta[part][key] != want:  # a flag the checkpoint's version did not record: not compared
                 raise ArgumentError(
-                    f"{where}: iteration {iteration} was saved with --{key.replace('_', '-')} {meta[part].get(key)}, "
+                    f"--load {args.load}: iteration {iteration} was saved with --{key.replace('_', '-')} {meta[part][key]}, "
                     f"this run has {want} (a different {'model shape' if part == 'model' else 'parallel layout'})"
                 )
-    missing = _missing_files(path)
-    if missing:
-        raise ArgumentError(f"{where}: {path} is truncated: {missing}")
-    return iteration
+    if meta["format"] == UNVERIFIED_FORMAT:
+        missing = _missing_files(path)
+        return f"{path} is truncated: {missing}" if missing else None
+    for name, record in meta["files"].items():
+        problem = _file_problem(path, name, {"bytes": record["bytes"]})  # sizes here; checksums in choose_verified
+        if problem:
+            return f"{path}/{problem}"
+    return None
+
+
+def choose_verified(args: argparse.Namespace, resume: Resume, runtime: Runtime) -> tuple[int, list[str]]:
+    """Collective: the newest of ``resume``'s candidates whose files match their checksums, and the warning lines
+    (one per checkpoint skipped, here or by :func:`check_loadable`; one for a checkpoint saved without checksums); :class:`CheckpointError` (one line,
+    the same on every rank) when the tracker's checkpoint is damaged and ``--no-ckpt-fallback`` is given, or none
+    verifies. Each rank hashes the files :func:`_hashed_by` gives it; the ranks then share what they found."""
+    skipped = list(resume.skipped)
+    for iteration in resume.candidates:
+        path = iteration_dir(resume.root, iteration)
+        meta = _read_metadata(path)
+        notes = [skip_note(resume.root, problem) for problem in skipped]
+        if meta["format"] == UNVERIFIED_FORMAT:
+            return iteration, notes + [f"warning: --load {resume.root}: iteration {iteration} was saved without "
+                                       "checksums (before megatron-epp recorded them): loaded unverified"]
+        mine = [_file_problem(path, name, record) for name, record in meta["files"].items()
+                if _hashed_by(name, runtime.rank, runtime.world_size)]
+        found: list[list[str | None] | None] = [None] * runtime.world_size
+        dist.all_gather_object(found, mine)
+        problems = sorted(p for part in found for p in part if p)
+        if not problems:
+            return iteration, notes
+        if not args.ckpt_fallback:
+            raise CheckpointError(f"pretrain_gpt.py: error: --load {resume.root}: {path}/{problems[0]}")
+        skipped.append(f"{path}/{problems[0]}")
+    raise CheckpointError(f"pretrain_gpt.py: error: --load {resume.root}: no checkpoint verifies: {'; '.join(skipped)}")
 
 
 def _read_metadata(path: str) -> Any:
@@ -279,21 +428,39 @@ def _missing_files(path: str) -> str | None:
 
 
 def load_checkpoint(
-    root: str, iteration: int, model, optimizer, scheduler, runtime: Runtime
+    args: argparse.Namespace, iteration: int, model, optimizer, scheduler, runtime: Runtime
 ) -> tuple[int, int, dict[str, Any] | None]:
-    """Restore ``root``'s ``iteration`` (as :func:`check_loadable` found it); return ``(iteration, consumed_samples,
+    """Restore ``--load``'s ``iteration`` (as :func:`choose_verified` chose it); return ``(iteration, consumed_samples,
     this rank's planner calibration)`` (None if the run saved none: no ``--elastic-pp``, or a checkpoint from
-    before calibration was saved)."""
-    _init_distributed_optimizer_states(optimizer)
-    path = iteration_dir(root, iteration)
-    template = _sharded_state(model, optimizer, scheduler, runtime, 0, 0, is_loading=True)
-    if not any(key.startswith(PLANNER_KEY + "/") for key in FileSystemReader(path).read_metadata().state_dict_metadata):
-        del template["planner"]
-    state = dist_checkpointing.load(template, path)
+    before calibration was saved). As Megatron-LM: ``--no-load-optim`` leaves the optimizer and its LR schedule
+    fresh, ``--no-load-rng`` the random states; ``--finetune`` loads the model only and starts at iteration 0 and
+    sample 0. A file megatron-core or torch cannot read (only a checkpoint saved without checksums gets that far
+    damaged) is a :class:`CheckpointError`."""
+    path = iteration_dir(args.load, iteration)
+    load_optim = not (args.no_load_optim or args.finetune)
+    if load_optim:
+        _init_distributed_optimizer_states(optimizer)
+    template = _sharded_state(model, optimizer if load_optim else None, scheduler, runtime, 0, 0, is_loading=True)
+    try:
+        saved_keys = FileSystemReader(path).read_metadata().state_dict_metadata
+        if args.finetune or not any(key.startswith(PLANNER_KEY + "/") for key in saved_keys):
+            del template["planner"]
+        if args.no_load_rng or args.finetune:
+            del template["rng"]
+        state = dist_checkpointing.load(template, path)
+    except (pickle.UnpicklingError, EOFError, UnicodeDecodeError) as error:  # torch's message would advise weights_only=False
+        raise CheckpointError(f"pretrain_gpt.py: error: --load {args.load}: {path} is damaged: a file does not unpickle "
+                              f"({type(error).__name__})") from None
     model.module.load_state_dict(state["model"])
-    with torch.no_grad():  # the distributed optimizer copies into its fp32 shards, views of the parameters
-        optimizer.load_state_dict(state["optimizer"])
-    _restore_distributed_optimizer_steps(optimizer)
-    scheduler.load_state_dict(state["scheduler"])
-    _set_rng_state(state["rng"])
+    if load_optim:
+        with torch.no_grad():  # the distributed optimizer copies into its fp32 shards, views of the parameters
+            optimizer.load_state_dict(state["optimizer"])
+        _restore_distributed_optimizer_steps(optimizer)
+        scheduler.load_state_dict(state["scheduler"])
+    else:
+        optimizer.reload_model_params()  # the optimizer's fp32 main params from the loaded model
+    if "rng" in state:
+        _set_rng_state(state["rng"])
+    if args.finetune:
+        return 0, 0, None
     return state["iteration"], state["consumed_samples"], state.get("planner")

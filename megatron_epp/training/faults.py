@@ -48,12 +48,15 @@ class ExitConditions:
     stop after an iteration. The signal and the duration are agreed on by one all-reduce (max) of
     ``[SIGTERM seen, minutes elapsed]``, made only when one of them is on."""
 
-    def __init__(self, args: argparse.Namespace, device: torch.device, start_time: float) -> None:
+    def __init__(self, args: argparse.Namespace, device: torch.device, start_time: float,
+                 handler: SigtermHandler | None = None) -> None:
+        """``handler``: one installed earlier (main installs it once the process group exists, so that a SIGTERM
+        during the checkpoint load or the model's build is not lost); else one is installed here."""
         self.interval = args.exit_interval
         self.duration_mins = args.exit_duration_in_mins
         self.start_time = start_time
         self.device = device
-        self.handler = SigtermHandler() if args.exit_signal_handler else None
+        self.handler = handler if handler is not None or not args.exit_signal_handler else SigtermHandler()
 
     def reason(self, iteration: int) -> str | None:
         """Why to stop after ``iteration`` (the same answer on every rank), or None."""

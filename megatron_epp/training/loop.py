@@ -18,7 +18,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_epp.training import checkpointing
-from megatron_epp.training.faults import ExitConditions, FaultInjection, check_finite
+from megatron_epp.training.faults import ExitConditions, FaultInjection, SigtermHandler, check_finite
 from megatron_epp.training.gpt_step import reduce_losses
 from megatron_epp.training.initialize import Runtime
 from megatron_epp.training.metrics import ElasticMetrics, StepMetrics, interval_average
@@ -177,14 +177,16 @@ def train(
     start_time: float | None = None,
     faults: FaultInjection = FaultInjection(),
     planner_state: Callable[[], dict[str, Any]] | None = None,
+    sigterm: SigtermHandler | None = None,
 ) -> list[float]:
     """Run iterations ``start[0]+1 .. --train-iters``, or until an exit condition (``--exit-*``) holds
     after one, saving then; return the losses seen by every rank. A NaN/Inf under
     ``--check-for-nan-in-loss-and-grad`` raises :class:`TrainingFault` on every rank. ``planner_state``: this
-    rank's planner calibration, saved in every checkpoint (``--elastic-pp``)."""
+    rank's planner calibration, saved in every checkpoint (``--elastic-pp``); ``sigterm``: the
+    ``--exit-signal-handler`` handler if already installed."""
     iteration, consumed = start
     logger = Logger(args, runtime)
-    exits = ExitConditions(args, runtime.device, time.time() if start_time is None else start_time)
+    exits = ExitConditions(args, runtime.device, time.time() if start_time is None else start_time, sigterm)
     dp_group = ps.get_data_parallel_group()
     history: list[float] = []
     interval: list[StepMetrics] = []  # the iterations since the last log line

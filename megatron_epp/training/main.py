@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from typing import Sequence
@@ -15,7 +16,7 @@ from megatron_epp.training import checkpointing, host_allocator
 from megatron_epp.training.arguments import ArgumentError, parse_args, world_size_from_env
 from megatron_epp.training.corpus_check import check_corpus
 from megatron_epp.training.elastic import check_memory_budget, elastic_train_step
-from megatron_epp.training.faults import FaultInjection, TrainingFault
+from megatron_epp.training.faults import FaultInjection, SigtermHandler, TrainingFault
 from megatron_epp.training.profiling import check_profile, startup_profile
 from megatron_epp.training.gpt_step import gpt_forward_step, microbatches
 from megatron_epp.training.layout_search import driver_layout_search
@@ -58,7 +59,8 @@ def main(argv: Sequence[str] | argparse.Namespace | None = None) -> int:
             check_profile(args)  # a profile that loads (auto on CUDA is measured or found after start-up)
             budget = check_memory_budget(args)
         resume = checkpointing.check_loadable(args) if args.load else None
-        data_note = checkpointing.data_change(args, resume) if resume is not None else None
+        if args.load and resume is None and args.exit_on_missing_checkpoint:
+            raise ArgumentError(f"--load {args.load}: no checkpoint there (--exit-on-missing-checkpoint)")
         faults = FaultInjection.from_env()
     except (ArgumentError, TokenizerError) as error:
         print(error if isinstance(error, ArgumentError) else f"pretrain_gpt.py: error: {error}", file=sys.stderr)
@@ -66,6 +68,21 @@ def main(argv: Sequence[str] | argparse.Namespace | None = None) -> int:
 
 
     runtime = initialize(args)
+    sigterm = SigtermHandler() if args.exit_signal_handler else None  # from here on a SIGTERM is acted on after the first step
+    load_notes, data_note = [], None
+    if resume is not None:
+        try:  # collective: every rank hashes its share of the files before megatron-core reads any
+            resume_at, load_notes = checkpointing.choose_verified(args, resume, runtime)
+        except checkpointing.CheckpointError as error:  # the same on every rank: one line from the logging rank
+            if runtime.is_logging_rank:
+                print(error, file=sys.stderr, flush=True)
+            shutdown()
+            return 2
+        data_note = None if args.finetune else checkpointing.data_change(args, resume_at)
+    elif args.load:
+        load_notes = [f"warning: --load {args.load}: no checkpoint there yet "
+                      f"({'no ' + checkpointing.TRACKER if os.path.isdir(args.load) else 'no such directory'}); "
+                      "starting from scratch at iteration 0"]
     if args.elastic_pp:
         try:  # every rank: the first one resolves (and on CUDA may measure) the profile, all plan on it
             planner = startup_profile(args, runtime.device)
@@ -80,7 +97,11 @@ def main(argv: Sequence[str] | argparse.Namespace | None = None) -> int:
     optimizer, scheduler = build_optimizer(args, model, config)
     start, planner_state = (0, 0), None
     if resume is not None:
-        iteration, consumed, planner_state = checkpointing.load_checkpoint(args.load, resume, model, optimizer, scheduler, runtime)
+        try:
+            iteration, consumed, planner_state = checkpointing.load_checkpoint(args, resume_at, model, optimizer, scheduler, runtime)
+        except checkpointing.CheckpointError as error:  # on the ranks that read the damaged file: the job ends
+            print(error, file=sys.stderr, flush=True)
+            return 2
         start = (iteration, consumed)
     if runtime.is_logging_rank:
         print(
@@ -91,8 +112,8 @@ def main(argv: Sequence[str] | argparse.Namespace | None = None) -> int:
             f"dp={runtime.dp_size} on {runtime.device.type} {'bf16' if args.bf16 else 'fp16' if args.fp16 else 'fp32'} | "
             + (f"global batch {args.global_batch_size} documents" if args.elastic_pp else
                f"global batch {args.global_batch_size} = {args.num_microbatches} micro-batches x {args.micro_batch_size} x dp {runtime.dp_size}")
-            + (f" | resumed at iteration {start[0]}" if resume is not None else "")
-            + (f" | --load {args.load}: no checkpoint yet, starting at iteration 0" if args.load and resume is None else "")
+            + (f" | resumed at iteration {start[0]}" if resume is not None and not args.finetune else "")
+            + (f" | --finetune: weights of iteration {resume_at}, starting at iteration 0" if resume is not None and args.finetune else "")
             + (f" | --train-samples {args.train_samples}: {args.train_iters} iterations"
                + (f" ({args.train_samples % args.global_batch_size} samples short of a global batch not trained)"
                   if args.train_samples % args.global_batch_size else "") if args.train_samples else ""),
@@ -107,8 +128,8 @@ def main(argv: Sequence[str] | argparse.Namespace | None = None) -> int:
             print(f"> planner: {planner}", flush=True)
             print(f"> memory budget: {budget}", flush=True)
         print(f"> data: {corpus}", flush=True)
-        if data_note:
-            print(f"> {data_note}", flush=True)
+        for note in [*load_notes, data_note] if data_note else load_notes:
+            print(f"> {note}", flush=True)
         if eval_note:
             print(f"> warning: {eval_note}", flush=True)
 
@@ -134,6 +155,7 @@ def main(argv: Sequence[str] | argparse.Namespace | None = None) -> int:
             planner_state=train_step.state_dict if args.elastic_pp else None,
             start_time=start_time,
             faults=faults,
+            sigterm=sigterm,
         )
     except TrainingFault as error:  # raised on every rank alike: one line from the logging rank
         if runtime.is_logging_rank:
