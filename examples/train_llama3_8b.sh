@@ -131,9 +131,7 @@ MODEL_PARALLEL_ARGS=(
     --context-parallel-size "$CP_SIZE"
     --pipeline-model-parallel-size "$PP_SIZE"
 )
-if (( TP_SIZE > 1 )); then
-    MODEL_PARALLEL_ARGS+=(--sequence-parallel)  # upstream passes it at tp 1 too, where Megatron-LM turns it off
-fi
+MODEL_PARALLEL_ARGS+=(--sequence-parallel)  # at tp 1 turned off with a start-up line, as Megatron-LM
 
 # Distributed Data Parallel (DDP) arguments
 DDP_ARGS=(
@@ -179,12 +177,14 @@ EVAL_AND_LOGGING_ARGS=(
     --distributed-timeout-minutes 60
     --save "$CHECKPOINT_PATH"
     --load "$CHECKPOINT_PATH"
+    --ckpt-format torch_dist
     --tensorboard-dir "$TENSORBOARD_LOGS_PATH"
 )
 # upstream's --profile --profile-step-start 4 --profile-step-end 6 are refused (run under nsys or torch.profiler)
 
-# Run the training command
-exec "${PYTHON:-python3}" -m torch.distributed.run "${DISTRIBUTED_ARGS[@]}" \
+# Run the training command (upstream: torchrun; megatron_epp.training.launch takes torchrun's options and makes a
+# SIGTERM to the launcher or the ranks save and exit 0, see README "Checkpoints and resume")
+exec "${PYTHON:-python3}" -m megatron_epp.training.launch "${DISTRIBUTED_ARGS[@]}" \
     "$PRETRAIN_SCRIPT_PATH" \
     "${GPT_MODEL_ARGS[@]}" \
     "${TRAINING_ARGS[@]}" \

@@ -44,7 +44,6 @@ def run_pretrain(*flags: str, world_size: int = 1) -> subprocess.CompletedProces
         (["--elastic-pp", "--epp-memory-budget", "0"], 1, "--epp-memory-budget must be positive"),
         (["--elastic-pp", "--seq-length", "2048", "--epp-memory-budget", "0.01"], 1, "cannot be planned"),
         (["--train-iters", "0"], 1, "--train-iters and --log-interval must be >= 1"),
-        (["--sequence-parallel"], 1, "--sequence-parallel needs --tensor-model-parallel-size > 1"),
         (["--sequence-parallel", "--tensor-model-parallel-size", "2", "--seq-length", "33"], 2,
          "--sequence-parallel: --seq-length 33 is not divisible by --tensor-model-parallel-size 2"),
         (["--ddp-bucket-size", "100"], 1, "--ddp-bucket-size applies only with --overlap-grad-reduce"),

@@ -92,6 +92,15 @@ def test_elastic_start_up_says_what_micro_batch_size_means():
                                "replace micro-batches")
 
 
+def test_sequence_parallel_at_tp1_is_turned_off_with_a_line_as_megatron_lm():
+    """Upstream's LLaMA-3 script passes --sequence-parallel at tp 1: Megatron-LM turns it off with a warning, so do we."""
+    args = parsed("--sequence-parallel")
+    assert args.sequence_parallel is False
+    assert [n for n in startup_notes(args) if n.startswith("--sequence-parallel at --tensor-model-parallel-size 1: turned off")]
+    assert not [n for n in startup_notes(parsed()) if "--sequence-parallel" in n]
+    assert parsed("--sequence-parallel", "--tensor-model-parallel-size", "2", world_size=2).sequence_parallel
+
+
 @pytest.mark.parametrize("flag", sorted(REFUSED))
 def test_refused_flags_say_why_in_one_line(pretrain_in_process, flag):
     proc = pretrain_in_process("--mock-data", flag, "1")
@@ -232,7 +241,8 @@ def test_llama3_8b_example_trains_at_toy_size(tmp_path):
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     out = proc.stdout
     assert "> architecture: SwiGLU MLP, LayerNorm (eps 1e-05, zero-centred weight: 1p), grouped-query attention 4:2" in out
-    assert "--load " + str(ckpt) + ": no checkpoint yet, starting at iteration 0" in out
+    assert out.count(f"> warning: --load {ckpt}: no checkpoint there yet") == 1  # --save X --load X, first run: one line
+    assert "> --sequence-parallel at --tensor-model-parallel-size 1: turned off, as Megatron-LM does" in out
     assert "> batch: --elastic-pp plans each step's 8 documents" in out
     assert "> --attention-backend fused: Transformer Engine's cuDNN attention is not used with --elastic-pp" in out
     assert "--use-mcore-models" in out and "--num-workers" in out

@@ -319,9 +319,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         raise ArgumentError(f"world size {world_size} is not divisible by tp {tp} x pp {pp}")
     args.data_parallel_size = world_size // (tp * pp)
     validate_wandb_args(args)
-    if args.sequence_parallel and tp == 1:
-        raise ArgumentError("--sequence-parallel needs --tensor-model-parallel-size > 1 (it splits the sequence over the "
-                            "tensor-parallel ranks; Megatron would silently turn it off at tp 1)")
+    # as Megatron-LM (which warns): at tp 1 there is nothing to split the sequence over; a start-up line says so
+    args.sequence_parallel_off_at_tp1 = bool(args.sequence_parallel and tp == 1)
+    if args.sequence_parallel_off_at_tp1:
+        args.sequence_parallel = False
     if args.sequence_parallel and not args.elastic_pp and args.seq_length % tp:
         raise ArgumentError(f"--sequence-parallel: --seq-length {args.seq_length} is not divisible by "
                             f"--tensor-model-parallel-size {tp} (each rank holds an equal share of every sample)")

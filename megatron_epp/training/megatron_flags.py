@@ -98,6 +98,9 @@ def startup_notes(args: argparse.Namespace) -> list[str]:
         if args.attention_backend == "fused":
             notes.append("--attention-backend fused: Transformer Engine's cuDNN attention is not used with --elastic-pp; "
                          "ElasticAttention's auto (flash-attn where it runs, else SDPA), the same attention")
+    if getattr(args, "sequence_parallel_off_at_tp1", False):
+        notes.append("--sequence-parallel at --tensor-model-parallel-size 1: turned off, as Megatron-LM does (it splits "
+                     "activations over the tensor-parallel ranks, and there is one)")
     given = [entry.flag for entry in ACCEPTED if getattr(args, entry.dest) not in (None, False)]
     if given:
         notes.append(f"Megatron-LM flags accepted with no effect here (see --help): {', '.join(given)}")
