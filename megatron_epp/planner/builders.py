@@ -1,5 +1,7 @@
 """The plan builders, one typed record each (:class:`Builder`: its name, Seq1F1B's ``k``, its function), in one
-registry, :data:`BUILDERS` (``--epp-plan``), on the same cost model:
+registry, :data:`BUILDERS` (``--epp-plan``), on the same cost model. A builder's identity is the record
+(:data:`ELASTIC`, :data:`MEGATRON`, :data:`SEQ1F1B`, ``SEQ1F1B.at(4)``); strings only where flags, logs and the
+Plan JSON name it (:attr:`Builder.label`, :attr:`Builder.plan_label`):
 
 * ``elastic``: the EPP planner (:func:`~megatron_epp.planner.epp.build_plan`), which also weighs the
   plans below (Megatron packing, Seq1F1B with k = 2, 4, 8, 16 up to ``max_slices``) on the same cost model and budget and
@@ -53,7 +55,7 @@ def _uniform_plan(lengths: Sequence[int], cost_model: CostModel, memory_gb: floa
     chunking, _ = order_units(build_units(L, w, np.inf, chunk_tokens, balance=False, cuts=cuts), w)
     plan = make_plan(L, cost_model, chunking, [(0, chunking.num_units)], name)
     uniform_recompute(plan, cost_model, memory_gb * GIB)
-    return finish(plan, cost_model, memory_gb * GIB, t0, validate=False)
+    return finish(plan, cost_model, memory_gb * GIB, t0)
 
 
 def slice_counts(config: PlannerConfig) -> Sequence[int]:

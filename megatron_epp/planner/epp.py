@@ -90,11 +90,9 @@ def apply_recompute(plan: Plan, cost_model: CostModel, budget: float, mode: Reco
     return ProgramSummary(mip_gap=float(max(gaps)), recompute_method="+".join(sorted(methods)), program_recompute_ms=rc)
 
 
-def finish(plan: Plan, cost_model: CostModel, budget: float, t0: float, validate: bool = True) -> Plan:
-    """Validate (unless the caller validates the plan it keeps), simulate and record the predicted
-    numbers in ``plan.stats`` (:func:`~megatron_epp.planner.stats.plan_stats`); for the uniform builders."""
-    if validate:
-        plan.validate()
+def finish(plan: Plan, cost_model: CostModel, budget: float, t0: float) -> Plan:
+    """Simulate and record the predicted numbers in ``plan.stats`` (:func:`~megatron_epp.planner.stats.plan_stats`),
+    not validated (:meth:`~megatron_epp.planner.builders.Builder.plan` validates); for the uniform builders."""
     solve_ms = (time.perf_counter() - t0) * 1e3
     plan.stats = plan_stats(plan, cost_model, simulate(plan, cost_model), budget, solve_ms)
     return plan
