@@ -99,7 +99,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_epp.cost.model import CostModel  # noqa: E402
 from megatron_epp.plan import Plan, PlanInfeasible  # noqa: E402
-from megatron_epp.planner.builders import plan_batch  # noqa: E402
+from megatron_epp.planner.builders import ELASTIC, MEGATRON, SEQ1F1B, Builder, plan_batch  # noqa: E402
 from megatron_epp.planner.config import PlannerConfig  # noqa: E402
 from megatron_epp.training.metrics import StepMetrics  # noqa: E402
 
@@ -117,30 +117,11 @@ def fail(message: str) -> None:
     raise SystemExit(f"bench_elastic.py: error: {message}")
 
 
-@dataclass(frozen=True)
-class Builder:
-    """One ``--epp-plan`` builder as its users run it (Seq1F1B with its fixed ``k``)."""
-
-    plan: str  # elastic | megatron | seq1f1b
-    k: int | None = None
-
-    @property
-    def name(self) -> str:
-        return f"seq1f1b-k{self.k}" if self.k else self.plan
-
-    def flags(self) -> list[str]:
-        return ["--epp-plan", self.plan] + (["--epp-max-slices", str(self.k)] if self.k else [])
-
-    def config(self, base: PlannerConfig, budget_gb: float) -> PlannerConfig:
-        """``base`` (the run's planner config) for this builder at ``budget_gb``: what its run plans with."""
-        return dataclasses.replace(base, builder=self.plan, memory_gb=budget_gb, max_slices=self.k or base.max_slices)
-
-
-EPP = Builder("elastic")
+EPP = ELASTIC
 
 
 def builders(ks: Sequence[int]) -> list[Builder]:
-    return [EPP, Builder("megatron"), *(Builder("seq1f1b", k) for k in ks)]
+    return [EPP, MEGATRON, *(SEQ1F1B.at(k) for k in ks)]
 
 
 # --------------------------------------------------------------------------------------------- planning
@@ -149,7 +130,7 @@ def plan_steps(builder: Builder, batches: Sequence[Sequence[int]], cost_model: C
     """The plans ``builder``'s run makes for ``batches`` at ``budget_gb``, or None if it cannot run there:
     its start-up check fails (``training.elastic.check_memory_budget``: a full batch of ``--seq-length``
     documents must be plannable) or a step cannot be planned."""
-    config = builder.config(base, budget_gb)
+    config = builder.configure(dataclasses.replace(base, memory_gb=budget_gb))
     try:
         plan_batch([config.max_seq_len] * len(batches[0]), cost_model, config)
         return [plan_batch(list(b), cost_model, config) for b in batches]
@@ -197,7 +178,7 @@ class BudgetChoice:
 
     @property
     def recompute(self) -> dict[str, list[int] | None]:
-        return {b.name: recomputed(p) for b, p in self.plans.items()}
+        return {b.label: recomputed(p) for b, p in self.plans.items()}
 
     def lines(self, binds: bool) -> list[str]:
         out = [f"budget {self.budget_gb:.4f} GB per stage ({self.chosen})"]
@@ -206,7 +187,7 @@ class BudgetChoice:
             out.append(f"  at {self.below_gb:.4f} GB (one grid step below) recomputed layers per step: {below}")
         out.append("  at the budget, recomputed layers per step: "
                    + ", ".join(f"{b} {fmt_layers(r)}" for b, r in self.recompute.items()))
-        epp, meg = self.recompute.get(EPP.name), self.recompute.get("megatron")
+        epp, meg = self.recompute.get(EPP.label), self.recompute.get(MEGATRON.label)
         if binds:
             out.append(f"  EPP needs no recompute: {'yes' if epp is not None and not any(epp) else 'NO'}; Megatron packing "
                        f"recomputes on {sum(1 for r in meg or [] if r)} of {len(meg or [])} steps (warm-up included)"
@@ -231,7 +212,7 @@ def choose_bind_budget(specs: Sequence[Builder], batches, cost_model: CostModel,
     budget, below = smallest_budget(ok, "lets EPP plan these batches without recompute")
     return BudgetChoice(budget, "smallest at which EPP's plans need no recompute and every builder can run",
                         all_plans(specs, batches, cost_model, base, budget), below,
-                        {b.name: recomputed(p) for b, p in all_plans(specs, batches, cost_model, base, below).items()})
+                        {b.label: recomputed(p) for b, p in all_plans(specs, batches, cost_model, base, below).items()})
 
 
 def choose_nobind_budget(specs: Sequence[Builder], batches, cost_model: CostModel, base: PlannerConfig) -> BudgetChoice:
@@ -302,7 +283,7 @@ def first_repeat_best(measured: dict[Builder, list[list[StepMetrics]]]) -> Build
     if not measured.get(EPP):
         return None
     epp = step_matrix(measured[EPP][:1], pipe_ms)
-    ratios = {b: paired_ratio(step_matrix(runs[:1], pipe_ms), epp) for b, runs in measured.items() if b.plan == "seq1f1b" and runs}
+    ratios = {b: paired_ratio(step_matrix(runs[:1], pipe_ms), epp) for b, runs in measured.items() if b.family == SEQ1F1B and runs}
     return min(ratios, key=ratios.get) if ratios else None
 
 
@@ -317,7 +298,7 @@ def summarize(measured: dict[Builder, list[list[StepMetrics]]], predicted: dict[
     if measured.get(EPP):
         epp = step_matrix(measured[EPP], pipe_ms)
         out["noise"] = noise_floor(epp)
-        out["megatron"] = next((paired_ratio(step_matrix(r, pipe_ms), epp) for b, r in measured.items() if b.plan == "megatron" and r), None)
+        out["megatron"] = next((paired_ratio(step_matrix(r, pipe_ms), epp) for b, r in measured.items() if b == MEGATRON and r), None)
         best = first_repeat_best(measured)
         if best is not None:
             out["seq1f1b"], out["seq1f1b_k"] = paired_ratio(step_matrix(measured[best], pipe_ms), epp), best.k
@@ -328,8 +309,8 @@ def summarize(measured: dict[Builder, list[list[StepMetrics]]], predicted: dict[
         # what any plan could still gain, median over the measured steps
         sim["epp_over_bound"] = float(np.median(epp[0] / [p.stats.bound_step_ms for p in choice.plans[EPP][1:]]))
         ratios = {b: paired_ratio(np.array([p]), epp) for b, p in predicted.items() if b != EPP}
-        sim["megatron"] = next((r for b, r in ratios.items() if b.plan == "megatron"), None)
-        seq = {b.k: r for b, r in ratios.items() if b.plan == "seq1f1b"}
+        sim["megatron"] = next((r for b, r in ratios.items() if b == MEGATRON), None)
+        seq = {b.k: r for b, r in ratios.items() if b.family == SEQ1F1B}
         if seq:
             sim["seq1f1b_k"] = min(seq, key=seq.get)
             sim["seq1f1b"] = seq[sim["seq1f1b_k"]]
@@ -337,8 +318,8 @@ def summarize(measured: dict[Builder, list[list[StepMetrics]]], predicted: dict[
         # the ceiling: the baselines here against EPP with no memory limit (a budget cannot make EPP faster)
         free = np.array([[p.stats.predicted_step_ms for p in choice.unbound[1][1:]]])
         ceiling = {b: paired_ratio(np.array([p]), free) for b, p in predicted.items() if b != EPP}
-        seq = [r for b, r in ceiling.items() if b.plan == "seq1f1b"]
-        sim["ceiling"] = {"budget_gb": choice.unbound[0], "megatron": next((r for b, r in ceiling.items() if b.plan == "megatron"), None),
+        seq = [r for b, r in ceiling.items() if b.family == SEQ1F1B]
+        sim["ceiling"] = {"budget_gb": choice.unbound[0], "megatron": next((r for b, r in ceiling.items() if b == MEGATRON), None),
                           "seq1f1b": min(seq) if seq else None}  # against its best k
     out["simulated"] = sim
     return out
@@ -352,8 +333,8 @@ def measured_ceilings(entries: dict, results: dict) -> None:
         return
     epp_free = step_matrix(free[2][EPP], pipe_ms)
     entry = entries["wiki"]
-    meg = next((runs for b, runs in bind[2].items() if b.plan == "megatron" and runs), None)
-    seq = next((runs for b, runs in bind[2].items() if b.plan == "seq1f1b" and b.k == entry["seq1f1b_k"] and runs), None)  # its best k
+    meg = next((runs for b, runs in bind[2].items() if b == MEGATRON and runs), None)
+    seq = next((runs for b, runs in bind[2].items() if b.family == SEQ1F1B and b.k == entry["seq1f1b_k"] and runs), None)  # its best k
     entry["ceiling_measured"] = {"from": "wiki-nobind", "megatron": None if meg is None else paired_ratio(step_matrix(meg, pipe_ms), epp_free),
                                  "seq1f1b": None if seq is None else paired_ratio(step_matrix(seq, pipe_ms), epp_free)}
 
@@ -408,7 +389,7 @@ def builder_lines(b: Builder, runs: list[list[StepMetrics]], predicted: list[flo
     mem = ", ".join(f"{m:.1f}/{p:.1f}" for m, p in zip(meas_mb, pred_mb))
     ratios = "" if epp is None or b == EPP else " | per step vs EPP " + " ".join(f"{r:.2f}" for r in step_ratios(pipe, epp))
     in_process = "" if not predicted else f" (plans rebuilt in-process: {np.median(predicted):.0f})"
-    return [f"  {b.name:12s} {len(runs)} repeat(s); plan: {sum(kinds.values()):.0f} chunks (batched {kinds['batched']:.0f}, "
+    return [f"  {b.label:12s} {len(runs)} repeat(s); plan: {sum(kinds.values()):.0f} chunks (batched {kinds['batched']:.0f}, "
             f"split {kinds['split']:.0f}, hybrid {kinds['hybrid']:.0f}), {np.median([s.elastic.num_pipelines for s in first]):.0f} "
             f"pipeline(s), recomputed layers per step {fmt_layers([s.elastic.recomputed_layers for s in first])}",
             f"  {'':12s} predicted ms {logged:.0f}{in_process} | measured (pipeline) ms {np.median(np.median(pipe, 0)):.0f} | "
@@ -431,7 +412,7 @@ def report(name: str, measured: dict[Builder, list[list[StepMetrics]]], predicte
             out(f"  {'':12s} {differ} of {len(runs[0])} logged plans differ from the in-process ones (the simulated ratios "
                 "are about the in-process plans)")
     for b, why in failed.items():
-        out(f"  {b.name:12s} did not run: {why}")
+        out(f"  {b.label:12s} did not run: {why}")
     out(f"  ratios baseline / EPP (pipeline ms; median over steps of the per-step ratio; > 1: EPP faster); Megatron's plan "
         f"recomputes on {entry['megatron_recompute_steps']} of the measured steps; simulated: the planner's predicted ms of the same plans")
     for line in goal_lines(entry, BINDS[name]):
@@ -586,7 +567,7 @@ class Progress:
         self.done += 1
         elapsed = time.perf_counter() - self.t0
         left = elapsed / self.done * (self.total - self.done)
-        print(f"  [{name}] repeat {repeat + 1}/{repeats} {builder.name:12s} {seconds:5.1f} s{note} | run {self.done}/{self.total}, "
+        print(f"  [{name}] repeat {repeat + 1}/{repeats} {builder.label:12s} {seconds:5.1f} s{note} | run {self.done}/{self.total}, "
               f"{elapsed:.0f} s elapsed, ~{left:.0f} s left", flush=True)
 
 
@@ -600,7 +581,7 @@ def measure(name: str, argv: list[str], specs: list[Builder], choice: BudgetChoi
     failed = {b: "cannot run at this budget (planned in-process)" for b in specs if choice.plans[b] is None}
     for r in range(args.repeats):
         best = first_repeat_best(measured) if r else None
-        order = specs if r == 0 else [b for b in specs if b.plan != "seq1f1b" or b == best]
+        order = specs if r == 0 else [b for b in specs if b.family != SEQ1F1B or b == best]
         for b in order[r % len(order):] + order[: r % len(order)]:  # rotated: spreads drift over the builders
             if b in failed:
                 continue
@@ -651,7 +632,7 @@ def prepare(name: str, args, specs: list[Builder]) -> tuple[list[str], list[list
     sim = summarize({}, predicted, choice)["simulated"]
     ceiling = sim.get("ceiling")
     print(f"  simulated ({time.perf_counter() - t0:.0f} s of planning in-process), predicted ms median per step: "
-          + ", ".join(f"{b.name} {np.median(p):.0f}" for b, p in predicted.items())
+          + ", ".join(f"{b.label} {np.median(p):.0f}" for b, p in predicted.items())
           + f" | ratios megatron {show(sim['megatron'])}, seq1f1b {show(sim['seq1f1b'])} (k={sim['seq1f1b_k']})"
           + f" | EPP / its compute bound {show(sim['epp_over_bound'])}"
           + ("" if ceiling is None else f" | ceiling (EPP with no memory limit, {ceiling['budget_gb']:.4f} GB): megatron "
@@ -665,7 +646,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     t0 = time.perf_counter()
     print(f"bench_elastic: pp=2 (torchrun, 1 thread per rank), {args.num_layers} layers, hidden {args.hidden_size}, "
           f"{args.num_attention_heads} heads, cap {args.seq_length}, {args.iters} measured steps after 1 warm-up x {args.repeats} "
-          f"repeats, builders {', '.join(b.name for b in specs)}; {os.cpu_count()} cores, load average {load_average():.2f} "
+          f"repeats, builders {', '.join(b.label for b in specs)}; {os.cpu_count()} cores, load average {load_average():.2f} "
           "(timings need the cores otherwise idle)", flush=True)
     config = {"seq_length": args.seq_length, "num_layers": args.num_layers, "hidden_size": args.hidden_size,
               "num_attention_heads": args.num_attention_heads, "pp": 2, "repeats": args.repeats, "iters": args.iters,

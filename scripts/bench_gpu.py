@@ -73,6 +73,7 @@ import bench_elastic as bench  # noqa: E402  (its builders, budget search and wi
 
 from megatron_epp.cost.profiles import GIB  # noqa: E402
 from megatron_epp.plan import Plan  # noqa: E402
+from megatron_epp.planner.builders import ELASTIC, MEGATRON, SEQ1F1B  # noqa: E402
 from megatron_epp.training.metrics import StepMetrics  # noqa: E402
 
 LLAMA = ["--num-layers", "8", "--hidden-size", "4096", "--num-attention-heads", "32", "--group-query-attention",
@@ -82,7 +83,7 @@ CAPS = (16384, 32768)
 DEFAULT_CELLS = "mock:32768,wiki:16384,stdlib:32768"
 TOKENS_PER_BATCH = 262144  # --global-batch-size = this / cap
 # the runs of a cell, each a builder at the cell's budget (epp_unlimited: at its ceiling's)
-RUNS = {"megatron": bench.Builder("megatron"), "seq1f1b": bench.Builder("seq1f1b"), "epp": bench.EPP, "epp_unlimited": bench.EPP}
+RUNS = {"megatron": MEGATRON, "seq1f1b": SEQ1F1B, "epp": ELASTIC, "epp_unlimited": ELASTIC}
 # The time estimate (dry run and start line). From the 2026-11-25 H100 evidence (shared/gpu-evidence/2026-11-25-h100):
 # gpu_check's train step took 140 s for 115 s of iterations (start-up ~25 s per run); this model trained at ~30K tokens/s
 # under Megatron packing and EPP and ~15K under Seq1F1B k=8 (nocudnn_l16_*, nocudnn_l32_*, wikilengths_*; SDPA on flash),
@@ -166,7 +167,7 @@ class Prepared:
 
     def estimate_s(self, run: str) -> float:
         tokens = [sum(b) for b in self.batches]
-        rate = TOKENS_PER_S[RUNS[run].plan]
+        rate = TOKENS_PER_S[RUNS[run].name]
         return START_S + (WARMUP_SLOWDOWN * tokens[0] + sum(tokens[1:])) / rate
 
 

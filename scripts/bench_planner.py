@@ -44,7 +44,7 @@ from megatron_epp.cost.clusters import get_cluster  # noqa: E402
 from megatron_epp.cost.profiles import MODEL_PRESETS, load_profile  # noqa: E402
 from megatron_epp.planner.layout import search_layout  # noqa: E402
 from megatron_epp.planner import build_plan  # noqa: E402
-from megatron_epp.planner.builders import plan_batch  # noqa: E402
+from megatron_epp.planner.builders import ELASTIC, plan_batch  # noqa: E402
 from megatron_epp.planner.compare import BASELINES, run_baselines  # noqa: E402
 from megatron_epp.planner.config import PlannerConfig  # noqa: E402
 from megatron_epp.data.mock_documents import WIKIPEDIA_LENGTHS  # noqa: E402
@@ -125,7 +125,7 @@ def main() -> None:
         for seed in range(args.layout_seeds):
             lengths = np.minimum(np.random.default_rng(seed).choice(wiki, n), 131072)
             c0 = time.process_time()
-            choice = search_layout(lengths, shape, cluster, "epp", PlannerConfig(args.epp_memory_budget, 131072, args.epp_profile))
+            choice = search_layout(lengths, shape, cluster, ELASTIC, PlannerConfig(args.epp_memory_budget, 131072, args.epp_profile))
             cpu.append((time.process_time() - c0) * 1e3)
             print(f"  layout search, {n} Wikipedia sequences, {cluster.name}: CPU {cpu[-1]:8.1f} ms ({choice.reason})")
         planning["layout-search"] = {"cpu_ms": spread(cpu)}

@@ -48,6 +48,7 @@ sys.path.insert(0, str(ROOT))
 from megatron_epp.cost.clusters import COMM_OVERLAP, get_cluster  # noqa: E402
 from megatron_epp.cost.profiles import MODEL_PRESETS, analytic_profile  # noqa: E402
 from megatron_epp.plan import PlanInfeasible  # noqa: E402
+from megatron_epp.planner.builders import ELASTIC, MEGATRON, SEQ1F1B  # noqa: E402
 from megatron_epp.planner.cli import solver_output_to_stderr  # noqa: E402
 from megatron_epp.planner.lengths import read_lengths  # noqa: E402
 from megatron_epp.planner.config import PlannerConfig  # noqa: E402
@@ -95,10 +96,11 @@ def run_cell(data: str, lengths: np.ndarray, model: str, cap: int, cluster_name:
     shape, cluster = MODEL_PRESETS[model], get_cluster(cluster_name)
     config = PlannerConfig(memory_gb=memory_gb, max_seq_len=cap, profile=model)
     cell: dict = {"data": data, "model": model, "cap": cap, "cluster": cluster_name, "systems": {}}
-    for system in ("epp", "megatron", "seq1f1b"):
+    for builder in (ELASTIC, MEGATRON, SEQ1F1B):
+        system = builder.plan_label  # the JSON's key: epp, megatron, seq1f1b
         t0 = time.perf_counter()
         try:
-            ch = search_layout(lengths, shape, cluster, system, config, overlap=overlap, exhaustive=exhaustive)
+            ch = search_layout(lengths, shape, cluster, builder, config, overlap=overlap, exhaustive=exhaustive)
         except PlanInfeasible as e:
             cell["systems"][system] = {"fits": False, "reason": str(e)}
             continue

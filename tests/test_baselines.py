@@ -8,9 +8,9 @@ import pytest
 from megatron_epp.cost.clusters import A800, NVLINK_LATENCY_US, Cluster
 from megatron_epp.cost.profiles import GIB, ModelShape, analytic_profile
 from megatron_epp.plan import PlanInfeasible
-from megatron_epp.planner.builders import seq1f1b_plan
+from megatron_epp.planner.builders import MEGATRON, SEQ1F1B
 from megatron_epp.planner.config import PlannerConfig
-from megatron_epp.planner.layout import Layout, evaluate_layout, layout_cost_model, system_builder
+from megatron_epp.planner.layout import Layout, evaluate_layout, layout_cost_model, system_plan
 from megatron_epp.simulator.flexsp import A2A_PER_LAYER, assign_microbatch, group_time, model_state_bytes, sequence_costs, simulate_flexsp
 
 SHAPE = ModelShape("toy", 2, 256, 4, 1024, 1000, dtype="bfloat16")
@@ -84,7 +84,7 @@ def test_flexsp_memory_per_micro_batch_within_budget():
 
 def test_megatron_layout_step_equals_hand_computation():
     config = PlannerConfig(memory_gb=80.0, max_seq_len=2048)
-    res = evaluate_layout(np.array([1000, 600, 300]), SHAPE, NODE2, Layout("tp", 1, 1, 2), "megatron", config)
+    res = evaluate_layout(np.array([1000, 600, 300]), SHAPE, NODE2, Layout("tp", 1, 1, 2), MEGATRON, config)
     # replicas by work: [1000] and [600, 300] packed into one 2048-token micro-batch; no recompute needed
     per_replica = [chunk_ms([(1000, 0)]), chunk_ms([(600, 0), (300, 0)])]
     sync = 0.5 * (nvlink_gather_ms(4.0 * (params() + SHAPE.norm_params)) + nvlink_gather_ms(2.0 * (params() + SHAPE.norm_params)))
@@ -96,11 +96,11 @@ def test_megatron_layout_step_equals_hand_computation():
 def test_seq1f1b_step_equals_hand_computation_and_best_k_is_reported():
     cm = layout_cost_model(SHAPE, NODE2, Layout("tp", 1, 1, 2))
     config = PlannerConfig(memory_gb=80.0, max_seq_len=1024, max_slices=2)
-    plan = seq1f1b_plan([1000, 300], cm, config)
+    plan = SEQ1F1B.plan([1000, 300], cm, config)
     slices = [c for c in plan.chunks() if any(s.seq == 0 for s in c.segments)]
     assert len(slices) == 2  # 1000 > 1024 / 2: two slices of equal work
     hand = sum(chunk_ms([(s.length, s.start) for s in c.segments]) for c in plan.chunks())  # one stage: no overlap
     assert plan.stats.predicted_step_ms == pytest.approx(hand, rel=1e-9)
-    best, k = system_builder("seq1f1b")(np.array([1000, 300]), cm, PlannerConfig(memory_gb=80.0, max_seq_len=1024))
-    each = [seq1f1b_plan([1000, 300], cm, PlannerConfig(80.0, 1024, max_slices=k)).stats.predicted_step_ms for k in (2, 4, 8, 16)]
+    best, k = system_plan(SEQ1F1B, np.array([1000, 300]), cm, PlannerConfig(memory_gb=80.0, max_seq_len=1024))
+    each = [SEQ1F1B.at(k).plan([1000, 300], cm, PlannerConfig(80.0, 1024)).stats.predicted_step_ms for k in (2, 4, 8, 16)]
     assert best.stats.predicted_step_ms == min(each) and k == f"k{(2, 4, 8, 16)[int(np.argmin(each))]}"

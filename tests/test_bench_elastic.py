@@ -15,6 +15,7 @@ import pytest
 
 from megatron_epp.cost.model import CostModel
 from megatron_epp.cost.profiles import load_profile
+from megatron_epp.planner.builders import ELASTIC, MEGATRON, SEQ1F1B
 from megatron_epp.planner.config import PlannerConfig
 from megatron_epp.training.metrics import ElasticMetrics, StepMetrics
 
@@ -103,26 +104,25 @@ def runs(*repeats: list[float]) -> list[list[StepMetrics]]:
 
 @pytest.fixture
 def measured(bench):
-    B = bench.Builder
     return {
-        bench.EPP: runs([100, 200, 300], [110, 220, 330], [90, 180, 270]),  # per step, median over repeats: 100 200 300
-        B("megatron"): runs([250, 400, 900], [260, 420, 880], [240, 380, 920]),  # 2.5 2.0 3.0: median 2.5
-        B("seq1f1b", 2): runs([150, 300, 450]),  # first repeat only: 1.5
-        B("seq1f1b", 4): runs([120, 240, 360], [140, 280, 420], [140, 280, 420]),  # best in the first repeat (1.2); over all: 1.4
-        B("seq1f1b", 8): runs([130, 260, 390]),  # 1.3 < 1.4, but it lost the first repeat: not the reported k
+        ELASTIC: runs([100, 200, 300], [110, 220, 330], [90, 180, 270]),  # per step, median over repeats: 100 200 300
+        MEGATRON: runs([250, 400, 900], [260, 420, 880], [240, 380, 920]),  # 2.5 2.0 3.0: median 2.5
+        SEQ1F1B.at(2): runs([150, 300, 450]),  # first repeat only: 1.5
+        SEQ1F1B.at(4): runs([120, 240, 360], [140, 280, 420], [140, 280, 420]),  # best in the first repeat (1.2); over all: 1.4
+        SEQ1F1B.at(8): runs([130, 260, 390]),  # 1.3 < 1.4, but it lost the first repeat: not the reported k
     }
 
 
 def test_ratios_noise_and_best_k(bench, measured):
     epp = bench.step_matrix(measured[bench.EPP], bench.pipe_ms)
     assert epp.shape == (3, 3)
-    meg = bench.step_matrix(measured[bench.Builder("megatron")], bench.pipe_ms)
+    meg = bench.step_matrix(measured[MEGATRON], bench.pipe_ms)
     np.testing.assert_allclose(bench.step_ratios(meg, epp), [2.5, 2.0, 3.0])
     assert bench.paired_ratio(meg, epp) == pytest.approx(2.5)
     # pairs of EPP's repeats: |100/110 - 1| = 0.091, |100/90 - 1| = 0.111, |110/90 - 1| = 0.222 on every step
     assert bench.noise_floor(epp) == pytest.approx(1 / 9)
     assert bench.noise_floor(epp[:1]) is None
-    assert bench.first_repeat_best(measured) == bench.Builder("seq1f1b", 4)
+    assert bench.first_repeat_best(measured) == SEQ1F1B.at(4)
 
 
 def test_report_prints_goals_and_ends_with_the_json_line(bench, planner, measured, capsys):
@@ -131,8 +131,8 @@ def test_report_prints_goals_and_ends_with_the_json_line(bench, planner, measure
     choice = bench.BudgetChoice(0.25, "given", bench.all_plans(specs, BATCHES, cost_model, base, 0.25))
     predicted = {b: [p.stats.predicted_step_ms for p in ps[1:]] for b, ps in choice.plans.items()}
     results = {name: (choice, predicted, measured, {}) for name in bench.DATASETS}
-    results["wiki"] = (choice, predicted, {b: r for b, r in measured.items() if b.plan != "megatron"},
-                       {bench.Builder("megatron"): "pretrain_gpt.py failed (1): error: x"})
+    results["wiki"] = (choice, predicted, {b: r for b, r in measured.items() if b != MEGATRON},
+                       {MEGATRON: "pretrain_gpt.py failed (1): error: x"})
     bench.report_all(results, {"elapsed_s": 12, "load_average_end": 0.5, "seq_length": CAP})
     lines = capsys.readouterr().out.strip().splitlines()
     data = json.loads(lines[-1])
@@ -143,9 +143,9 @@ def test_report_prints_goals_and_ends_with_the_json_line(bench, planner, measure
     assert stdlib["noise"] == pytest.approx(1 / 9) and stdlib["budget_gb"] == 0.25
     sim = stdlib["simulated"]
     epp_ms = np.array(predicted[bench.EPP])
-    assert sim["megatron"] == pytest.approx(np.median(np.array(predicted[bench.Builder("megatron")]) / epp_ms))
+    assert sim["megatron"] == pytest.approx(np.median(np.array(predicted[MEGATRON]) / epp_ms))
     assert sim["seq1f1b_k"] in (2, 4, 8) and sim["seq1f1b"] == pytest.approx(
-        min(np.median(np.array(predicted[bench.Builder("seq1f1b", k)]) / epp_ms) for k in (2, 4, 8)))
+        min(np.median(np.array(predicted[SEQ1F1B.at(k)]) / epp_ms) for k in (2, 4, 8)))
     bounds = [p.stats.bound_step_ms for p in choice.plans[bench.EPP][1:]]
     assert sim["epp_over_bound"] == pytest.approx(np.median(epp_ms / bounds)) and sim["epp_over_bound"] >= 1.0
     assert data["wiki"]["megatron"] is None and data["wiki"]["seq1f1b"] == pytest.approx(1.4)
@@ -173,8 +173,8 @@ def test_ceiling_is_epp_without_a_memory_limit(bench, planner, bind, measured, c
     ceiling = bench.summarize({}, predicted, bind)["simulated"]["ceiling"]
     free_ms = np.array([p.stats.predicted_step_ms for p in free[1:]])
     assert ceiling["budget_gb"] == free_gb
-    assert ceiling["megatron"] == pytest.approx(np.median(np.array(predicted[bench.Builder("megatron")]) / free_ms))
-    assert ceiling["seq1f1b"] == pytest.approx(min(np.median(np.array(predicted[bench.Builder("seq1f1b", k)]) / free_ms) for k in (2, 4)))
+    assert ceiling["megatron"] == pytest.approx(np.median(np.array(predicted[MEGATRON]) / free_ms))
+    assert ceiling["seq1f1b"] == pytest.approx(min(np.median(np.array(predicted[SEQ1F1B.at(k)]) / free_ms) for k in (2, 4)))
     # measured: wiki's baselines against wiki-nobind's EPP (synthetic runs: EPP there 50 ms a step faster)
     faster = {bench.EPP: [[dataclasses.replace(s, elastic=dataclasses.replace(s.elastic, measured_ms=s.elastic.measured_ms - 50))
                            for s in run] for run in measured[bench.EPP]]}
@@ -184,7 +184,7 @@ def test_ceiling_is_epp_without_a_memory_limit(bench, planner, bind, measured, c
     lines = capsys.readouterr().out.strip().splitlines()
     wiki = json.loads(lines[-1])["wiki"]
     epp_free = bench.step_matrix(faster[bench.EPP], bench.pipe_ms)
-    meg = bench.step_matrix(measured[bench.Builder("megatron")], bench.pipe_ms)
+    meg = bench.step_matrix(measured[MEGATRON], bench.pipe_ms)
     assert wiki["ceiling_measured"]["megatron"] == pytest.approx(bench.paired_ratio(meg, epp_free))
     assert wiki["ceiling_measured"]["megatron"] > wiki["megatron"]
     assert wiki["ceiling_measured"]["from"] == "wiki-nobind" and wiki["ceiling_measured"]["seq1f1b"] > wiki["seq1f1b"]

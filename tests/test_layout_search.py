@@ -11,7 +11,7 @@ from megatron_epp.cost.clusters import A800, Cluster, sp_profile, tp_profile
 from megatron_epp.cost.profiles import ModelShape
 from megatron_epp.plan import PlanInfeasible
 from megatron_epp.planner.cli import main as epp_plan
-from megatron_epp.planner.builders import baseline_names, baseline_plan
+from megatron_epp.planner.builders import ELASTIC, MEGATRON, SEQ1F1B, baseline_builders
 from megatron_epp.planner.config import PlannerConfig
 from megatron_epp.planner.data_parallel import split_data_parallel
 from megatron_epp.planner import layout as layout_module
@@ -69,14 +69,14 @@ def test_search_returns_the_enumerated_best(evaluate_layout, memory_gb):
     steps = {}
     for layout in enumerate_layouts(SHAPE, TOY):
         try:
-            r = evaluate_layout(L, SHAPE, TOY, layout, "epp", config)
+            r = evaluate_layout(L, SHAPE, TOY, layout, ELASTIC, config)
         except PlanInfeasible:
             continue
         assert r.bound_ms <= r.step_ms  # the bound the search prunes with is a lower bound
         steps[str(layout)] = r.step_ms
     best = min(steps, key=steps.get)
     for kw in ({}, {"exhaustive": True}):
-        choice = search_layout(L, SHAPE, TOY, "epp", config, **kw)
+        choice = search_layout(L, SHAPE, TOY, ELASTIC, config, **kw)
         assert str(choice.best.layout) == best and choice.best.step_ms == pytest.approx(steps[best])
         assert "beats" in choice.reason
         if kw.get("exhaustive"):  # the proxy ranking may leave the runner-up out, never the best here
@@ -89,11 +89,11 @@ def test_a_capped_search_never_loses_to_a_baseline_best_layout(evaluate_layout, 
     best layout: the proxy that ranks layouts is the better baseline step, an upper bound of EPP's there."""
     L = lengths()
     config = PlannerConfig(memory_gb=memory_gb, max_seq_len=32768)
-    epp = search_layout(L, SHAPE, TOY, "epp", config, max_evaluated=1)
+    epp = search_layout(L, SHAPE, TOY, ELASTIC, config, max_evaluated=1)
     proxy = {}
     for layout in enumerate_layouts(SHAPE, TOY):
         steps = []
-        for baseline in ("megatron", "seq1f1b"):
+        for baseline in (MEGATRON, SEQ1F1B):
             try:
                 steps.append(evaluate_layout(L, SHAPE, TOY, layout, baseline, config).step_ms)
             except PlanInfeasible:
@@ -102,9 +102,9 @@ def test_a_capped_search_never_loses_to_a_baseline_best_layout(evaluate_layout, 
     # planned: the layout of the best baseline step, and those no baseline plan fits (the proxy cannot rank them)
     allowed = {min(proxy, key=proxy.get)} | {name for name, step in proxy.items() if not np.isfinite(step)}
     assert {str(r.layout) for r in epp.evaluated} <= allowed
-    for baseline in ("megatron", "seq1f1b"):  # both plan on some layout at either budget (none may be skipped)
+    for baseline in (MEGATRON, SEQ1F1B):  # both plan on some layout at either budget (none may be skipped)
         other = search_layout(L, SHAPE, TOY, baseline, config, exhaustive=True)
-        assert epp.best.step_ms <= other.best.step_ms * (1 + 1e-9), baseline
+        assert epp.best.step_ms <= other.best.step_ms * (1 + 1e-9), baseline.label
 
 
 @pytest.mark.parametrize("memory_gb", [80.0, 0.6])  # 0.6 GB: 2 of the 7 layouts plan nothing, 5 are ranked
@@ -117,7 +117,7 @@ def test_lazy_proxy_ranking_keeps_the_layouts_a_full_ranking_keeps(evaluate_layo
     proxy, bound = {}, {}
     for layout in enumerate_layouts(SHAPE, TOY):
         steps = []
-        for baseline in ("megatron", "seq1f1b"):
+        for baseline in (MEGATRON, SEQ1F1B):
             try:
                 r = evaluate_layout(L, SHAPE, TOY, layout, baseline, config)
             except PlanInfeasible:
@@ -129,7 +129,7 @@ def test_lazy_proxy_ranking_keeps_the_layouts_a_full_ranking_keeps(evaluate_layo
     for m in (1, 2, 3):
         ranked = sorted((n for n in bound if np.isfinite(proxy[n])), key=lambda n: (proxy[n], bound[n], n))
         left_out = set(ranked[m:])
-        choice = search_layout(L, SHAPE, TOY, "epp", config, max_evaluated=m)
+        choice = search_layout(L, SHAPE, TOY, ELASTIC, config, max_evaluated=m)
         assert {n for n, why in choice.skipped.items() if why.startswith("proxy")} == left_out, m
         assert any(" > " in choice.skipped[n] for n in left_out), m  # some shown above without their full proxy step
 
@@ -140,25 +140,25 @@ def test_known_baseline_plans_give_the_same_epp_plans():
     L = lengths()
     config = PlannerConfig(memory_gb=80.0, max_seq_len=32768)
     for layout in (Layout("tp", 1, 2, 2), Layout("sp", 2, 1, 2)):
-        fresh = layout_module.evaluate_layout(L, SHAPE, TOY, layout, "epp", config)
+        fresh = layout_module.evaluate_layout(L, SHAPE, TOY, layout, ELASTIC, config)
         cm = layout_module.layout_cost_model(SHAPE, TOY, layout)
         known = []
         for p in split_data_parallel(L, layout.dp, cm.work_vector()):
             made = {}
-            for name in baseline_names(config):
+            for builder in baseline_builders(config):
                 try:
-                    made[name] = baseline_plan(name, L[p], cm, config)
+                    made[builder] = builder.plan(L[p], cm, config, validate=False)
                 except PlanInfeasible:
-                    made[name] = None
+                    made[builder] = None
             known.append(made)
-        reused = layout_module.evaluate_layout(L, SHAPE, TOY, layout, "epp", config, known=known)
+        reused = layout_module.evaluate_layout(L, SHAPE, TOY, layout, ELASTIC, config, known=known)
         assert [p.stats.predicted_step_ms for p in reused.plans] == [p.stats.predicted_step_ms for p in fresh.plans]
         assert [p.stats.candidates_ms for p in reused.plans] == [p.stats.candidates_ms for p in fresh.plans]
         assert reused.detail == fresh.detail
 
 
 def test_megatron_and_seq1f1b_search_tp_layouts_only(evaluate_layout):
-    choice = search_layout(lengths(), SHAPE, TOY, "megatron", PlannerConfig(memory_gb=80.0, max_seq_len=32768), exhaustive=True)
+    choice = search_layout(lengths(), SHAPE, TOY, MEGATRON, PlannerConfig(memory_gb=80.0, max_seq_len=32768), exhaustive=True)
     assert all(r.layout.intra == "tp" for r in choice.evaluated)
 
 

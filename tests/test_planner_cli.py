@@ -14,11 +14,11 @@ import torch
 
 from megatron_epp.plan import Plan, PlanInfeasible
 from megatron_epp.plan.order import format_stage_ops
-from megatron_epp.planner.builders import BUILDERS, megatron_plan, plan_batch, seq1f1b_plan
+from megatron_epp.planner.builders import BUILDERS, MEGATRON, SEQ1F1B, plan_batch
 from megatron_epp.planner import cli
 from megatron_epp.planner.cli import main
 from megatron_epp.planner.compare import BASELINES, run_baselines
-from megatron_epp.planner.config import PlannerConfig
+from megatron_epp.planner.config import BUILDER_NAMES, PlannerConfig
 from megatron_epp.planner.data_parallel import TOKENS, split_data_parallel
 from megatron_epp.cost.features import F
 from megatron_epp.cost.model import CostModel
@@ -119,13 +119,18 @@ def test_cli_takes_the_planner_options(lengths_file, capsys):
 def test_baselines_shapes_and_infeasibility():
     cm = CostModel(load_profile("test-model"), 2)
     config = PlannerConfig(memory_gb=1.0, max_seq_len=4096)
-    meg = megatron_plan(LENGTHS, cm, config)
+    meg = MEGATRON.plan(LENGTHS, cm, config)
     assert {c.kind for c in meg.chunks()} == {"batched"} and all(c.num_tokens <= 4096 for c in meg.chunks())
     assert len({r for p in meg.pipelines for row in p.recompute for r in row}) == 1  # uniform recompute
-    s1 = seq1f1b_plan(LENGTHS, cm, config)  # k = 4 by default
+    s1 = SEQ1F1B.plan(LENGTHS, cm, config)  # k = 4 by default
     assert [sum(1 for c in s1.chunks() if any(s.seq == 0 for s in c.segments))] == [4]  # 3000 > 4096/4: 4 slices
-    assert seq1f1b_plan(LENGTHS, cm, PlannerConfig(1.0, 4096, max_slices=2)).builder == "seq1f1b-k2"
-    assert set(BUILDERS) == {"elastic", "megatron", "seq1f1b"}
+    assert s1.builder == SEQ1F1B.at(4).plan_label == "seq1f1b-k4"
+    k2 = SEQ1F1B.at(2)
+    assert k2.plan(LENGTHS, cm, config).builder == "seq1f1b-k2" == k2.label  # the record's k, not the config's
+    assert k2.plan(LENGTHS, cm, config).pipelines == SEQ1F1B.plan(LENGTHS, cm, PlannerConfig(1.0, 4096, max_slices=2)).pipelines
+    assert set(BUILDERS) == {"elastic", "megatron", "seq1f1b"} == set(BUILDER_NAMES)
+    assert k2.flags() == ["--epp-plan", "seq1f1b", "--epp-max-slices", "2"] and k2.configure(config).max_slices == 2
+    assert plan_batch(LENGTHS, cm, k2.configure(config)).pipelines == k2.plan(LENGTHS, cm, config).pipelines
     via_registry = plan_batch(LENGTHS, cm, PlannerConfig(1.0, 4096, builder="megatron"))
     assert via_registry.builder == "megatron" and via_registry.pipelines == meg.pipelines
     res = run_baselines(LENGTHS, cm, PlannerConfig(0.004, 4096))  # 4 MB: not even the model states fit

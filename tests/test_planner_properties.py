@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 
 import numpy as np
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from megatron_epp.planner.builders import megatron_plan, plan_batch, seq1f1b_plan
+from megatron_epp.planner.builders import MEGATRON, SEQ1F1B, plan_batch
 from megatron_epp.planner.compare import run_baselines
 from megatron_epp.planner.config import PlannerConfig
 from megatron_epp.planner.epp import PlanInfeasible, build_plan
@@ -76,9 +75,9 @@ def test_baseline_plans_are_valid_and_fit(lengths, stages, memory_mb):
     cm = CostModel(PROFILE, stages)
     config = PlannerConfig(memory_mb / 1024, 3000, max_slices=4)
     checked = 0
-    for make in (lambda: megatron_plan(lengths, cm, config), lambda: seq1f1b_plan(lengths, cm, config)):
+    for builder in (MEGATRON, SEQ1F1B):
         try:
-            plan = make()
+            plan = builder.plan(lengths, cm, config)
         except PlanInfeasible:
             continue
         check_plan(plan, cm, memory_mb / 1024)
@@ -98,16 +97,14 @@ def test_elastic_never_predicted_slower_than_a_baseline_it_could_make(lengths, s
     except PlanInfeasible:
         assume(False)
     check_plan(plan, cm, memory_mb / 1024)
-    baselines = {"megatron": lambda: megatron_plan(lengths, cm, config)}
-    baselines.update({f"seq1f1b-k{k}": (lambda k=k: seq1f1b_plan(lengths, cm, replace(config, max_slices=k))) for k in (2, 4, 8)})
     compared = 0
-    for name, make in baselines.items():
+    for builder in (MEGATRON, *(SEQ1F1B.at(k) for k in (2, 4, 8))):
         try:
-            other = make()
+            other = builder.plan(lengths, cm, config)
         except PlanInfeasible:
             continue
-        assert plan.stats.predicted_step_ms <= other.stats.predicted_step_ms * (1 + 1e-9), (name, plan.stats.candidates_ms)
-        assert name in plan.stats.candidates_ms
+        assert plan.stats.predicted_step_ms <= other.stats.predicted_step_ms * (1 + 1e-9), (builder.label, plan.stats.candidates_ms)
+        assert builder.plan_label in plan.stats.candidates_ms
         compared += 1
     assume(compared)  # no baseline fits: nothing compared; baselines that never plan: Unsatisfiable
 

@@ -121,7 +121,7 @@ class PlanStats:
     # the chunking search's choice (elastic builder only)
     slice_budget_ms: float | None = None
     token_cap: int | None = None
-    # the elastic builder's choice among its own plan and the baselines' (planner.builders.elastic_plan)
+    # the elastic builder's choice among its own plan and the baselines' (planner.builders.ELASTIC)
     chosen: str | None = None  # the builder whose plan won: "epp", "megatron", "seq1f1b-k4", ...
     candidates_ms: dict[str, float] | None = None  # predicted step ms of every candidate that fits
 

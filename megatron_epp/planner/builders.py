@@ -1,4 +1,7 @@
-"""The plan builders behind one registry, :data:`BUILDERS` (``--epp-plan``), on the same cost model:
+"""The plan builders, one typed record each (:class:`Builder`: its name, Seq1F1B's ``k``, its function), in one
+registry, :data:`BUILDERS` (``--epp-plan``), on the same cost model. A builder's identity is the record
+(:data:`ELASTIC`, :data:`MEGATRON`, :data:`SEQ1F1B`, ``SEQ1F1B.at(4)``); strings only where flags, logs and the
+Plan JSON name it (:attr:`Builder.label`, :attr:`Builder.plan_label`):
 
 * ``elastic``: the EPP planner (:func:`~megatron_epp.planner.epp.build_plan`), which also weighs the
   plans below (Megatron packing, Seq1F1B with k = 2, 4, 8, 16 up to ``max_slices``) on the same cost model and budget and
@@ -13,7 +16,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
@@ -43,8 +46,7 @@ def uniform_recompute(plan: Plan, cost_model: CostModel, budget: float) -> None:
     raise PlanInfeasible(f"does not fit {budget / GIB:.0f} GB even with full recompute")
 
 
-def _uniform_plan(lengths: Sequence[int], cost_model: CostModel, memory_gb: float, chunk_tokens: int, cuts, name: str,
-                  validate: bool = True) -> Plan:
+def _uniform_plan(lengths: Sequence[int], cost_model: CostModel, memory_gb: float, chunk_tokens: int, cuts, name: str) -> Plan:
     t0 = time.perf_counter()
     L = np.asarray(lengths, dtype=np.int64)
     if L.max() > chunk_tokens and cuts is None:
@@ -53,7 +55,7 @@ def _uniform_plan(lengths: Sequence[int], cost_model: CostModel, memory_gb: floa
     chunking, _ = order_units(build_units(L, w, np.inf, chunk_tokens, balance=False, cuts=cuts), w)
     plan = make_plan(L, cost_model, chunking, [(0, chunking.num_units)], name)
     uniform_recompute(plan, cost_model, memory_gb * GIB)
-    return finish(plan, cost_model, memory_gb * GIB, t0, {}, validate)
+    return finish(plan, cost_model, memory_gb * GIB, t0)
 
 
 def slice_counts(config: PlannerConfig) -> Sequence[int]:
@@ -61,40 +63,90 @@ def slice_counts(config: PlannerConfig) -> Sequence[int]:
     return SLICE_COUNTS if config.max_slices is None else range(1, config.max_slices + 1)
 
 
-BaselinePlans = Mapping[str, Plan | None]  # baseline plans already made, by builder name (None: it does not fit)
+Build = Callable[[Sequence[int], CostModel, PlannerConfig, "BaselinePlans | None"], Plan]
 
 
-def baseline_names(config: PlannerConfig) -> list[str]:
-    """The baseline plans the elastic builder weighs, by builder name: ``megatron``, ``seq1f1b-k<k>`` for each k of
-    :data:`SEQ1F1B_KS` up to ``max_slices``."""
-    return ["megatron"] + [f"seq1f1b-k{k}" for k in SEQ1F1B_KS if k <= (config.max_slices or max(SEQ1F1B_KS))]
+@dataclass(frozen=True)
+class Builder:
+    """One plan builder: ``name`` (its ``--epp-plan`` value, or an ablation's name in the comparison), Seq1F1B's fixed
+    slice count ``k`` (None: the config's ``max_slices``, else :data:`SEQ1F1B_K`; in the layout search and as the
+    elastic builder's candidates, each of :data:`SEQ1F1B_KS`), ``build`` (lengths, cost model, config and the baseline
+    plans made before, :data:`BaselinePlans`, or None: a plan, not validated) and ``plan_name``, what its plans are
+    called where that differs from ``name`` (the elastic builder's: ``epp``). Compared and hashed by name and k."""
+
+    name: str
+    build: Build = field(compare=False, repr=False)
+    k: int | None = None
+    plan_name: str | None = field(default=None, compare=False)
+
+    @property
+    def label(self) -> str:
+        """The builder as flags, logs and the benchmark's JSON name it: ``elastic``, ``megatron``, ``seq1f1b-k4``."""
+        return self.name if self.k is None else f"{self.name}-k{self.k}"
+
+    @property
+    def plan_label(self) -> str:
+        """What its plans are called (``Plan.builder``, ``stats.chosen``): ``epp``, ``megatron``, ``seq1f1b-k4``."""
+        name = self.plan_name or self.name
+        return name if self.k is None else f"{name}-k{self.k}"
+
+    def at(self, k: int) -> "Builder":
+        """This builder with the fixed slice count ``k``."""
+        return replace(self, k=k)
+
+    @property
+    def family(self) -> "Builder":
+        """This builder without its fixed ``k``."""
+        return replace(self, k=None)
+
+    def variants(self) -> tuple["Builder", ...]:
+        """The plans this builder stands for in a comparison: Seq1F1B without a ``k``, one per :data:`SEQ1F1B_KS`."""
+        return tuple(self.at(k) for k in SEQ1F1B_KS) if self == SEQ1F1B else (self,)
+
+    def flags(self) -> list[str]:
+        """The ``--epp-*`` flags that run this builder."""
+        return ["--epp-plan", self.name] + ([] if self.k is None else ["--epp-max-slices", str(self.k)])
+
+    def configure(self, config: PlannerConfig) -> PlannerConfig:
+        """``config`` set to this builder (``builder``, and ``max_slices`` = ``k`` where it has one): what
+        :func:`plan_batch` and a run with :meth:`flags` plan with."""
+        return replace(config, builder=self.name, max_slices=config.max_slices if self.k is None else self.k)
+
+    def plan(self, lengths: Sequence[int], cost_model: CostModel, config: PlannerConfig, known: BaselinePlans | None = None,
+             validate: bool = True) -> Plan:
+        """This builder's plan of one global batch (one data-parallel replica); ``known``: baseline plans of the same
+        lengths, cost model and config made before, taken from there where this builder's is (the elastic builder
+        weighs those it needs); ``validate=False``: a score only. Raises :class:`PlanInfeasible` if nothing fits."""
+        if known is not None and self in known:
+            plan = known[self]
+            if plan is None:
+                raise PlanInfeasible(f"{self.plan_label} does not fit")
+        else:
+            plan = self.build(lengths, cost_model, config if self.k is None else replace(config, max_slices=self.k), known)
+        return plan.validate() if validate else plan
 
 
-def baseline_plan(name: str, lengths: Sequence[int], cost_model: CostModel, config: PlannerConfig,
-                  known: BaselinePlans | None = None) -> Plan:
-    """The baseline plan ``name`` (``megatron`` or ``seq1f1b-k<k>``), not validated; taken from ``known`` (plans of
-    the same lengths, cost model and config made before) where it is there. Raises :class:`PlanInfeasible`."""
-    if known is not None and name in known:
-        if known[name] is None:
-            raise PlanInfeasible(f"{name} does not fit")
-        return known[name]
-    if name == "megatron":
-        return megatron_plan(lengths, cost_model, config, validate=False)
-    return seq1f1b_plan(lengths, cost_model, replace(config, max_slices=int(name.removeprefix("seq1f1b-k"))), validate=False)
+BaselinePlans = Mapping[Builder, Plan | None]  # baseline plans already made, by builder (None: it does not fit)
+
+
+def baseline_builders(config: PlannerConfig) -> list[Builder]:
+    """The baseline builders the elastic builder weighs: Megatron packing and Seq1F1B at each k of :data:`SEQ1F1B_KS`
+    up to ``max_slices``."""
+    return [MEGATRON] + [b for b in SEQ1F1B.variants() if b.k <= (config.max_slices or max(SEQ1F1B_KS))]
 
 
 def baseline_candidates(lengths: Sequence[int], cost_model: CostModel, config: PlannerConfig,
                         known: BaselinePlans | None = None) -> list[Plan]:
-    """The baseline plans the elastic builder weighs (:func:`baseline_names`; not validated: :func:`elastic_plan`
-    validates the one it chooses, those that do not fit left out; ``known``: as :func:`baseline_plan`). Their
+    """The baseline plans the elastic builder weighs (:func:`baseline_builders`; not validated: the elastic builder's
+    caller validates the one it chooses, those that do not fit left out; ``known``: as :meth:`Builder.plan`). Their
     uniform recompute is one of the answers the adaptive/greedy programs search over, so only those
     modes weigh them (``none`` takes them only without recompute; ``full`` never)."""
     if config.recompute == "full":
         return []
     plans = []
-    for name in baseline_names(config):
+    for builder in baseline_builders(config):
         try:
-            plan = baseline_plan(name, lengths, cost_model, config, known)
+            plan = builder.plan(lengths, cost_model, config, known, validate=False)
         except PlanInfeasible:
             continue
         if config.recompute != "none" or plan.recomputed_layers() == 0:
@@ -102,35 +154,30 @@ def baseline_candidates(lengths: Sequence[int], cost_model: CostModel, config: P
     return plans
 
 
-def elastic_plan(lengths: Sequence[int], cost_model: CostModel, config: PlannerConfig,
-                 known: BaselinePlans | None = None) -> Plan:
-    """EPP's own plan, or a baseline plan where that is predicted faster (``stats.chosen``: which).
-    ``known``: baseline plans made before (:func:`baseline_plan`); the one chosen is changed in place."""
+def _elastic_plan(lengths: Sequence[int], cost_model: CostModel, config: PlannerConfig, known: BaselinePlans | None) -> Plan:
+    """EPP's own plan, or a baseline plan where that is predicted faster (``stats.chosen``: which), named ``epp``."""
     t0 = time.perf_counter()
     candidates, error = [], None
     try:
         candidates.append(build_plan(lengths, cost_model, config.memory_gb, recompute=config.recompute,
-                                     slice_counts=slice_counts(config), time_limit=config.time_limit))
+                                     slice_counts=slice_counts(config), time_limit=config.time_limit,
+                                     builder=ELASTIC.plan_label))
     except PlanInfeasible as infeasible:
         error = infeasible
     candidates += baseline_candidates(lengths, cost_model, config, known)
     if not candidates:
         raise error or PlanInfeasible(f"no plan fits {config.memory_gb} GB per GPU")
     best = min(candidates, key=lambda p: p.stats.predicted_step_ms)  # first wins ties: EPP's own plan
-    if best.builder != "epp":
-        best.validate()  # the baselines' plans are validated only when chosen (EPP's own always is)
-    best.stats.chosen = best.builder
-    best.stats.candidates_ms = {p.builder: round(p.stats.predicted_step_ms, 3) for p in candidates}
-    best.stats.solve_ms = (time.perf_counter() - t0) * 1e3
-    best.builder = "epp"
-    return best
+    stats = replace(best.stats, chosen=best.builder, candidates_ms={p.builder: round(p.stats.predicted_step_ms, 3) for p in candidates},
+                    solve_ms=(time.perf_counter() - t0) * 1e3)
+    return replace(best, builder=ELASTIC.plan_label, stats=stats)
 
 
-def megatron_plan(lengths: Sequence[int], cost_model: CostModel, config: PlannerConfig, validate: bool = True) -> Plan:
-    return _uniform_plan(lengths, cost_model, config.memory_gb, config.max_seq_len, None, "megatron", validate)
+def _megatron_plan(lengths: Sequence[int], cost_model: CostModel, config: PlannerConfig, known: BaselinePlans | None) -> Plan:
+    return _uniform_plan(lengths, cost_model, config.memory_gb, config.max_seq_len, None, MEGATRON.plan_label)
 
 
-def seq1f1b_plan(lengths: Sequence[int], cost_model: CostModel, config: PlannerConfig, validate: bool = True) -> Plan:
+def _seq1f1b_plan(lengths: Sequence[int], cost_model: CostModel, config: PlannerConfig, known: BaselinePlans | None) -> Plan:
     k = SEQ1F1B_K if config.max_slices is None else config.max_slices
     max_seq_len = config.max_seq_len
     L = np.asarray(lengths, dtype=np.int64)
@@ -139,14 +186,16 @@ def seq1f1b_plan(lengths: Sequence[int], cost_model: CostModel, config: PlannerC
     cuts = [np.array([0, n]) for n in L]
     for i, c in zip(np.flatnonzero(long), equal_count_cuts(L[long], k, cost_model.work_vector(), max_seq_len)):
         cuts[i] = c
-    return _uniform_plan(L, cost_model, config.memory_gb, slice_tokens, cuts, f"seq1f1b-k{k}", validate)
+    return _uniform_plan(L, cost_model, config.memory_gb, slice_tokens, cuts, SEQ1F1B.at(k).plan_label)
 
 
-Builder = Callable[[Sequence[int], CostModel, PlannerConfig], Plan]
-BUILDERS: dict[str, Builder] = {"elastic": elastic_plan, "megatron": megatron_plan, "seq1f1b": seq1f1b_plan}
+ELASTIC = Builder("elastic", _elastic_plan, plan_name="epp")
+MEGATRON = Builder("megatron", _megatron_plan)
+SEQ1F1B = Builder("seq1f1b", _seq1f1b_plan)
+BUILDERS: dict[str, Builder] = {b.name: b for b in (ELASTIC, MEGATRON, SEQ1F1B)}  # by --epp-plan (config.builder)
 
 
 def plan_batch(lengths: Sequence[int], cost_model: CostModel, config: PlannerConfig) -> Plan:
-    """The plan of one global batch (one data-parallel replica) by ``config.builder``.
+    """The plan of one global batch (one data-parallel replica) by ``config.builder``, validated.
     Raises :class:`PlanInfeasible` if nothing fits."""
-    return BUILDERS[config.builder](lengths, cost_model, config)
+    return BUILDERS[config.builder].plan(lengths, cost_model, config)

@@ -33,7 +33,7 @@ from megatron_epp.cost.features import chunk_features
 from megatron_epp.cost.model import CostModel
 from megatron_epp.cost.profiles import GIB, MemoryCoeffs, StageOverhead
 from megatron_epp.plan import Plan
-from megatron_epp.planner.epp import predicted_times
+from megatron_epp.planner.stats import PredictedTimes
 from megatron_epp.simulator.memory import peak_memory
 from megatron_epp.simulator.step import simulate, step_ms
 
@@ -148,7 +148,7 @@ def repredict(plan: Plan, cost_model: CostModel) -> Plan:
     were predicted with the same calibration (speed factor and overhead)."""
     o = cost_model.profile.overhead
     if (plan.stats.speed_factor, plan.stats.stage_overhead_ms) != (cost_model.speed_factor, o.fwd_ms + o.bwd_ms):
-        plan.stats = dataclasses.replace(plan.stats, **predicted_times(plan, cost_model, simulate(plan, cost_model)))
+        plan.stats = PredictedTimes.of(plan, cost_model, simulate(plan, cost_model)).onto(plan.stats)
     return plan
 
 

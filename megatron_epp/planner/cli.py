@@ -18,7 +18,7 @@ from megatron_epp.cost.network import NETWORKS, get_network
 from megatron_epp.cost.profiles import MODEL_PRESETS, Profile, load_profile, profile_at_tp
 from megatron_epp.plan import Plan, PlanInfeasible
 from megatron_epp.plan.order import format_stage_ops
-from megatron_epp.planner.builders import plan_batch
+from megatron_epp.planner.builders import ELASTIC, plan_batch
 from megatron_epp.planner.compare import BASELINES, run_baselines
 from megatron_epp.planner.config import DEFAULT_CLUSTER, PlannerConfig, add_planner_arguments
 from megatron_epp.planner.layout import describe_choice, search_for_world
@@ -117,7 +117,7 @@ def check_input(args: argparse.Namespace) -> tuple[PlannerConfig, Profile, np.nd
     config = PlannerConfig.from_args(args, args.max_seq_len)
     if args.epp_search_layout and config.profile not in MODEL_PRESETS:
         raise ValueError(f"--epp-search-layout needs a model preset --epp-profile ({', '.join(MODEL_PRESETS)})")
-    if args.epp_search_layout and config.builder != "elastic":
+    if args.epp_search_layout and config.builder != ELASTIC.name:
         raise ValueError(f"--epp-plan {config.builder}: --epp-search-layout searches EPP's (elastic) layout")
     profile = load_profile(config.profile, PRESET_TP if args.tp is None else args.tp)
     try:

@@ -4,21 +4,39 @@
 * ``epp-no-ckpt`` / ``epp-full-ckpt``: the EPP planner without / with full checkpointing;
 * ``epp-no-balance``: even-length slices and token-only packing ("w/o workload balance");
 * ``flexsp``: adaptive sequence parallelism (:mod:`~megatron_epp.simulator.flexsp`), simulated only.
+
+The first five are :class:`~megatron_epp.planner.builders.Builder` records (:data:`COMPARED`); ``flexsp`` plans no
+:class:`Plan`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Sequence
 
 from megatron_epp.plan import Plan, PlanInfeasible
 from megatron_epp.cost.model import CostModel
 from megatron_epp.planner.epp import build_plan
-from megatron_epp.planner.builders import plan_batch, slice_counts
+from megatron_epp.planner.builders import MEGATRON, SEQ1F1B, BaselinePlans, Builder, slice_counts
 from megatron_epp.planner.config import PlannerConfig
 from megatron_epp.simulator.flexsp import plan_flexsp
 
-BASELINES = ("megatron", "seq1f1b", "epp-no-ckpt", "epp-full-ckpt", "epp-no-balance", "flexsp")
+
+def _ablation(name: str, **options: Any) -> Builder:
+    """The EPP planner (:func:`build_plan`) with ``options`` set, its plans named ``name``."""
+
+    def build(lengths: Sequence[int], cost_model: CostModel, config: PlannerConfig, known: BaselinePlans | None) -> Plan:
+        kw = {"recompute": config.recompute, **options}
+        return build_plan(lengths, cost_model, config.memory_gb, slice_counts=slice_counts(config), time_limit=config.time_limit,
+                          builder=name, **kw)
+
+    return Builder(name, build)
+
+
+COMPARED: dict[str, Builder] = {b.label: b for b in (
+    MEGATRON, SEQ1F1B, _ablation("epp-no-ckpt", recompute="none"), _ablation("epp-full-ckpt", recompute="full"),
+    _ablation("epp-no-balance", balance=False))}
+FLEXSP = "flexsp"
+BASELINES = (*COMPARED, FLEXSP)  # --baselines' names, the JSON's keys
 
 
 def summarize(plan: Plan) -> dict[str, Any]:
@@ -28,26 +46,14 @@ def summarize(plan: Plan) -> dict[str, Any]:
 def run_baselines(
     lengths: Sequence[int], cost_model: CostModel, config: PlannerConfig, names: Sequence[str] = BASELINES
 ) -> dict[str, dict[str, Any]]:
-    """Predicted step time and peak memory of every baseline; ``{"fits": False, "reason": ...}`` if it cannot fit."""
-    memory_gb = config.memory_gb
-
-    def epp(builder: str, **kw: Any) -> dict[str, Any]:
-        kw.setdefault("recompute", config.recompute)
-        plan = build_plan(lengths, cost_model, memory_gb, slice_counts=slice_counts(config), time_limit=config.time_limit, builder=builder, **kw)
-        return summarize(plan)
-
-    makers = {
-        "megatron": lambda: summarize(plan_batch(lengths, cost_model, dataclasses.replace(config, builder="megatron"))),
-        "seq1f1b": lambda: summarize(plan_batch(lengths, cost_model, dataclasses.replace(config, builder="seq1f1b"))),
-        "epp-no-ckpt": lambda: epp("epp-no-ckpt", recompute="none"),
-        "epp-full-ckpt": lambda: epp("epp-full-ckpt", recompute="full"),
-        "epp-no-balance": lambda: epp("epp-no-balance", balance=False),
-        "flexsp": lambda: plan_flexsp(lengths, cost_model, memory_gb),
-    }
+    """Predicted step time and peak memory of every baseline (``names``: of :data:`BASELINES`);
+    ``{"fits": False, "reason": ...}`` if it cannot fit."""
     out = {}
     for name in names:
         try:
-            out[name] = {"fits": True, **makers[name]()}
+            summary = plan_flexsp(lengths, cost_model, config.memory_gb) if name == FLEXSP else summarize(
+                COMPARED[name].plan(lengths, cost_model, config))
+            out[name] = {"fits": True, **summary}
         except PlanInfeasible as e:
             out[name] = {"fits": False, "reason": str(e)}
     return out

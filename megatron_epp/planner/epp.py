@@ -23,7 +23,7 @@ from typing import Sequence
 
 import numpy as np
 
-from megatron_epp.plan import Pipeline, Plan, PlanInfeasible, PlanStats
+from megatron_epp.plan import Pipeline, Plan, PlanInfeasible
 from megatron_epp.planner.config import Recompute
 from megatron_epp.planner.recompute import MemoryInfeasible, solve_recompute
 from megatron_epp.planner.chunking import PACK_RELAX, Chunking, build_units
@@ -32,6 +32,7 @@ from megatron_epp.cost.model import ChunkCosts, CostModel
 from megatron_epp.planner.grouping import group_units_both
 from megatron_epp.simulator.memory import pipeline_memory
 from megatron_epp.cost.profiles import GIB
+from megatron_epp.planner.stats import ChunkingChoice, ProgramSummary, plan_stats
 from megatron_epp.simulator.step import SimResult, simulate
 
 SLICE_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
@@ -75,7 +76,7 @@ def make_plan(lengths: Sequence[int], cost_model: CostModel, chunking: Chunking,
     return Plan(list(map(int, lengths)), cost_model.num_stages, cost_model.layers.tolist(), pipes, builder)
 
 
-def apply_recompute(plan: Plan, cost_model: CostModel, budget: float, mode: Recompute, time_limit: float, mip_rel_gap: float) -> dict:
+def apply_recompute(plan: Plan, cost_model: CostModel, budget: float, mode: Recompute, time_limit: float, mip_rel_gap: float) -> ProgramSummary:
     """Decide every pipeline's recompute in place; returns the solver's summary."""
     states = cost_model.model_state_bytes()
     gaps, methods, rc = [], set(), 0.0
@@ -86,41 +87,14 @@ def apply_recompute(plan: Plan, cost_model: CostModel, budget: float, mode: Reco
         gaps.append(res.gap)
         methods.add(res.method)
         rc += res.recompute_ms
-    return {"mip_gap": float(max(gaps)), "recompute_method": "+".join(sorted(methods)), "program_recompute_ms": rc}
+    return ProgramSummary(mip_gap=float(max(gaps)), recompute_method="+".join(sorted(methods)), program_recompute_ms=rc)
 
 
-def predicted_times(plan: Plan, cost_model: CostModel, sim: SimResult) -> dict:
-    """The time fields of :class:`PlanStats` for ``plan`` simulated on ``cost_model`` (``sim``), with
-    the calibration they were predicted with."""
-    overhead = cost_model.profile.overhead
-    return dict(
-        predicted_step_ms=sim.step_ms,
-        bound_step_ms=cost_model.bound_ms(np.array(plan.seq_lengths)),
-        bubble_ratio=sim.bubble_ratio,
-        recompute_ms=sim.recompute_ms,
-        speed_factor=cost_model.speed_factor,
-        stage_overhead_ms=overhead.fwd_ms + overhead.bwd_ms,
-    )
-
-
-def finish(plan: Plan, cost_model: CostModel, budget: float, t0: float, extra: dict, validate: bool = True) -> Plan:
-    """Validate (unless the caller validates the plan it keeps), simulate and record the predicted
-    numbers in ``plan.stats``; ``extra``: more :class:`PlanStats` fields (the builder's own)."""
-    if validate:
-        plan.validate()
+def finish(plan: Plan, cost_model: CostModel, budget: float, t0: float) -> Plan:
+    """Simulate and record the predicted numbers in ``plan.stats`` (:func:`~megatron_epp.planner.stats.plan_stats`),
+    not validated (:meth:`~megatron_epp.planner.builders.Builder.plan` validates); for the uniform builders."""
     solve_ms = (time.perf_counter() - t0) * 1e3
-    sim = simulate(plan, cost_model)
-    plan.stats = PlanStats(
-        **extra,
-        **predicted_times(plan, cost_model, sim),
-        solve_ms=solve_ms,
-        peak_memory_gb=(sim.peak_memory / GIB).tolist(),
-        memory_budget_gb=budget / GIB,
-        fits=bool((sim.peak_memory <= budget * (1 + 1e-9)).all()),
-        num_chunks=plan.chunk_counts(),
-        num_pipelines=len(plan.pipelines),
-        recomputed_layers=plan.recomputed_layers(),
-    )
+    plan.stats = plan_stats(plan, cost_model, simulate(plan, cost_model), budget, solve_ms)
     return plan
 
 
@@ -155,6 +129,35 @@ def in_units(*sizes: float) -> str:
     return " of ".join(f"{size / scale:.1f}" for size in sizes) + f" {unit}"
 
 
+@dataclass(frozen=True, eq=False)
+class Candidate:
+    """A chunking a grouping fits: its proxy score, the key it was searched under (slice budget, token cap,
+    balance), the chunking and its pipelines (ranges ``[first, end)`` of its units)."""
+
+    score: float
+    slice_budget: float
+    cap: int
+    balance: bool
+    chunking: Chunking
+    groups: list[tuple[int, int]]
+
+    @property
+    def identity(self) -> tuple:
+        """One chunking under several keys (a cap that binds everywhere makes the slice budget moot) is one
+        candidate: identified by the chunking, which the search's cache shares, and its grouping."""
+        return id(self.chunking), tuple(self.groups)
+
+
+@dataclass(frozen=True)
+class _Finalist:
+    """A finalist's plan with its recompute decided and simulated, and what its stats take from the search."""
+
+    plan: Plan
+    sim: SimResult
+    program: ProgramSummary
+    chunking: ChunkingChoice
+
+
 @dataclass
 class _Search:
     """The chunkings of one batch, computed once and shared by every family of candidates."""
@@ -175,18 +178,18 @@ class _Search:
             self.cache[key] = units, self.cost_model.costs(feats)
         return self.cache[key]
 
-    def score(self, budget_t: float, cap: int, balance: bool, recompute: bool, margin: float = 0.0) -> tuple[float, tuple | None]:
-        """Proxy score of one chunking: slowest stage's compute plus the grouping overhead (bubbles,
-        estimated recompute); infinite (and no groups) if no grouping fits. ``margin``: bytes the
-        grouping keeps free beyond its estimate (what the exact walk found it short)."""
+    def score(self, budget_t: float, cap: int, balance: bool, recompute: bool, margin: float = 0.0) -> Candidate | None:
+        """One chunking with its grouping and proxy score (slowest stage's compute plus the grouping overhead:
+        bubbles, estimated recompute); None if no grouping fits. ``margin``: bytes the grouping keeps free beyond
+        its estimate (what the exact walk found it short)."""
         chunking, costs = self.units(budget_t, cap, balance)
         key = (id(chunking), margin)  # one grouping per distinct chunking (equivalent caps share one)
         if key not in self.groupings:
             self.groupings[key] = group_units_both(chunking.unit_sizes.tolist(), costs, self.cost_model.layers, self.free - margin)
         groups, overhead = self.groupings[key][recompute]
         if not np.isfinite(overhead):
-            return np.inf, None
-        return float((costs.fwd + costs.bwd).sum(axis=1).max()) + overhead, (chunking, groups)
+            return None
+        return Candidate(float((costs.fwd + costs.bwd).sum(axis=1).max()) + overhead, budget_t, cap, balance, chunking, groups)
 
 
 def token_caps(longest: int, memory_cap: int) -> list[int]:
@@ -203,25 +206,23 @@ def token_caps(longest: int, memory_cap: int) -> list[int]:
     return sorted(caps, reverse=True)
 
 
-def _family(search: _Search, balance: bool, recompute: bool, caps: list[int], start_cap: int, slice_counts: Sequence[int]) -> list:
-    """Candidates of one family that the grouping estimate fits, best first: ``(score, (slice budget,
-    cap, balance), groups)``. ``balance``: slice budgets ``work(longest) / K`` (only those at least a first
+def _family(search: _Search, balance: bool, recompute: bool, caps: list[int], start_cap: int,
+            slice_counts: Sequence[int]) -> list[Candidate]:
+    """Candidates of one family that the grouping estimate fits, best first. ``balance``: slice budgets ``work(longest) / K`` (only those at least a first
     slice of :data:`MIN_CHUNK_TOKENS` tokens' work); a full scan of every ``K`` at
     ``start_cap`` (if none fits there, the caps downwards with the fewest and the most slices until one
     does), then of every cap at the best ``K`` and of every ``K`` at the best cap, twice (no early stop).
     Else fixed-length chunks of every cap and of ``longest / K`` tokens (at least :data:`MIN_CHUNK_TOKENS`)."""
     longest = int(search.lengths.max())
-    found: dict = {}
+    found: dict[tuple, Candidate | None] = {}
 
     def scan(keys) -> None:
         for t, c in keys:
-            if (t, c, balance) not in found:
-                score, groups = search.score(t, c, balance, recompute)
-                if groups is not None:
-                    found[t, c, balance] = (score, (t, c, balance), groups)
+            if (t, c) not in found:
+                found[t, c] = search.score(t, c, balance, recompute)
 
-    def ranked() -> list:
-        return sorted(found.values(), key=lambda f: f[0])
+    def ranked() -> list[Candidate]:
+        return sorted((f for f in found.values() if f is not None), key=lambda f: f.score)
 
     smallest = min(MIN_CHUNK_TOKENS, longest, caps[0])  # no slice shorter than the smallest token cap searched
     if not balance:
@@ -234,14 +235,14 @@ def _family(search: _Search, balance: bool, recompute: bool, caps: list[int], st
     counts = [k for k in slice_counts if work / k >= least] or [min(slice_counts)]
     scan([(work / k, start_cap) for k in counts])
     for c in caps:  # nothing fits at the start: down the caps (the fewest and the most slices) until one does
-        if found:
+        if ranked():
             break
         scan([(work / k, c) for k in sorted({min(counts), max(counts)})])
     for _ in range(2):  # every cap at the best slice budget, then every slice budget at the best cap
-        if found:
-            t = ranked()[0][1][0]
+        if ranked():
+            t = ranked()[0].slice_budget
             scan([(t, cap) for cap in caps])
-            c = ranked()[0][1][1]
+            c = ranked()[0].cap
             scan([(work / k, c) for k in counts])
     return ranked()
 
@@ -289,52 +290,67 @@ def build_plan(
     if balance and recompute != "full":  # packing only: one slice budget, the longest sequence's work
         finalists.append((False, _family(search, True, False, [start_cap], start_cap, [1])))
     modes = [recompute] + (["full"] if recompute in ("adaptive", "greedy") else [])
+    plans, reasons = _simulate_finalists(search, finalists, _Recompute(modes, budget, time_limit, mip_rel_gap), builder)
+    if not plans:
+        why = reasons[0] if reasons else f"no grouping fits even with chunks of {caps[-1]} tokens"
+        raise PlanInfeasible(f"no {recompute!r} plan fits {memory_gb} GB per GPU: {why}")
+    best = min(plans, key=lambda f: f.sim.step_ms)  # first wins ties
+    best.plan.validate()
+    best.plan.stats = plan_stats(best.plan, cost_model, best.sim, budget, (time.perf_counter() - t0) * 1e3, best.program, best.chunking)
+    return best.plan
 
-    def evaluate(found: tuple, rc: bool) -> list[Plan]:
-        """The finalist's plans (its recompute, and the full variant), regrouped with the margin the
-        exact walk finds the grouping estimate short by; raises MemoryInfeasible if it stays short."""
-        (slice_budget, cap_used, balanced), groups = found[1], found[2]
-        margin = 0.0
-        for attempt in range(REGROUP_TRIES):
-            try:
-                out: list[Plan] = []
-                for mode in modes:
-                    if out and out[-1].recomputed_layers() == 0:
-                        break  # needs no recompute: the full variant is only slower
-                    plan = make_plan(L, cost_model, *groups, builder)
-                    extra = apply_recompute(plan, cost_model, budget, mode, time_limit, mip_rel_gap)
-                    extra.update(slice_budget_ms=slice_budget, token_cap=cap_used)
-                    out.append(finish(plan, cost_model, budget, t0, extra, validate=False))
-                return out
-            except MemoryInfeasible as e:
-                margin += e.excess_bytes
-                groups = search.score(slice_budget, cap_used, balanced, rc, margin)[1]
-                if groups is None or attempt == REGROUP_TRIES - 1:
-                    raise
-        raise AssertionError("unreachable")
 
+@dataclass(frozen=True)
+class _Recompute:
+    """How a finalist's recompute is decided: the modes tried (its own, and the full variant), the budget in bytes
+    and the program's limits."""
+
+    modes: list[Recompute]
+    budget: float
+    time_limit: float
+    mip_rel_gap: float
+
+
+def _evaluate(search: _Search, cand: Candidate, rc: bool, how: _Recompute, builder: str) -> list[_Finalist]:
+    """The candidate's plans (its recompute, and the full variant), regrouped with the margin the exact walk finds
+    the grouping estimate short by; raises MemoryInfeasible if it stays short."""
+    margin, cm = 0.0, search.cost_model
+    for attempt in range(REGROUP_TRIES):
+        try:
+            out: list[_Finalist] = []
+            for mode in how.modes:
+                if out and out[-1].plan.recomputed_layers() == 0:
+                    break  # needs no recompute: the full variant is only slower
+                plan = make_plan(search.lengths, cm, cand.chunking, cand.groups, builder)
+                program = apply_recompute(plan, cm, how.budget, mode, how.time_limit, how.mip_rel_gap)
+                out.append(_Finalist(plan, simulate(plan, cm), program, ChunkingChoice(cand.slice_budget, cand.cap)))
+            return out
+        except MemoryInfeasible as e:
+            margin += e.excess_bytes
+            regrouped = search.score(cand.slice_budget, cand.cap, cand.balance, rc, margin)
+            if regrouped is None or attempt == REGROUP_TRIES - 1:
+                raise
+            cand = regrouped
+    raise AssertionError("unreachable")
+
+
+def _simulate_finalists(search: _Search, finalists: list[tuple[bool, list[Candidate]]], how: _Recompute,
+                        builder: str) -> tuple[list[_Finalist], list[str]]:
+    """Of each family (recompute allowed or not, its candidates best first), the best that the exact memory walk
+    fits, each planned and simulated; and why those that did not fit failed."""
     seen, plans, reasons = set(), [], []
     for rc, family in finalists:
         kept = 0
-        for found in family[:FINALIST_TRIES]:  # the best by the estimate that the exact walk fits
-            # one chunking under several keys (a cap that binds everywhere makes the slice budget moot):
-            # identified by its first chunk, which the search's cache shares
-            key = (id(found[2][0]), tuple(found[2][1]))
-            if key in seen:
+        for cand in family[:FINALIST_TRIES]:  # the best by the estimate that the exact walk fits
+            if cand.identity in seen:
                 continue
-            seen.add(key)
+            seen.add(cand.identity)
             try:
-                plans += evaluate(found, rc)
+                plans += _evaluate(search, cand, rc, how, builder)
             except MemoryInfeasible as e:
                 reasons.append(str(e))
                 continue
             kept += 1
             if kept == FINALISTS_PER_FAMILY:
                 break
-    if not plans:
-        why = reasons[0] if reasons else f"no grouping fits even with chunks of {caps[-1]} tokens"
-        raise PlanInfeasible(f"no {recompute!r} plan fits {memory_gb} GB per GPU: {why}")
-    best = min(plans, key=lambda p: p.stats.predicted_step_ms)  # first wins ties
-    best.validate()
-    best.stats.solve_ms = (time.perf_counter() - t0) * 1e3
-    return best
+    return plans, reasons

@@ -17,8 +17,8 @@ the best layout and the runner-up with its time (why the best won: :attr:`Layout
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
 
@@ -26,7 +26,7 @@ from megatron_epp.cost.clusters import COMM_OVERLAP, INTRA_MODES, Cluster, get_c
 from megatron_epp.cost.model import CostModel
 from megatron_epp.cost.profiles import ModelShape
 from megatron_epp.plan import Plan, PlanInfeasible
-from megatron_epp.planner.builders import SEQ1F1B_KS, BaselinePlans, baseline_plan, elastic_plan
+from megatron_epp.planner.builders import ELASTIC, MEGATRON, SEQ1F1B, SEQ1F1B_KS, BaselinePlans, Builder
 from megatron_epp.planner.config import PlannerConfig
 from megatron_epp.planner.data_parallel import split_data_parallel
 
@@ -118,56 +118,42 @@ def dp_sync_ms(cost_model: CostModel, cluster: Cluster, layout: Layout, overlap:
     return (1.0 - overlap) * comm  # overlapped with the last backward at the overlap share (exposed_ms's floor)
 
 
-BASELINE_PLANS = {"megatron": ("megatron",), "seq1f1b": tuple(f"seq1f1b-k{k}" for k in SEQ1F1B_KS)}  # a baseline's plans
-Builder = Callable[[np.ndarray, CostModel, PlannerConfig, BaselinePlans | None], tuple[Plan, str]]
+def system_plan(system: Builder, L: np.ndarray, cm: CostModel, cfg: PlannerConfig,
+                known: BaselinePlans | None = None) -> tuple[Plan, str]:
+    """A replica's plan by ``system`` and what it chose: :data:`ELASTIC` (the elastic planner, which also weighs
+    Megatron's and Seq1F1B's plans; which won), :data:`MEGATRON` (packing, uniform recompute), :data:`SEQ1F1B` (the
+    best k of :data:`SEQ1F1B_KS`; ``k<k>``), validated. ``known``: the baseline plans of those already made
+    (:meth:`Builder.plan`'s, or None)."""
+    if system == ELASTIC:
+        plan = ELASTIC.plan(L, cm, cfg, known)
+        return plan, plan.stats.chosen or ""
+    if system == MEGATRON:
+        return MEGATRON.plan(L, cm, cfg, known), ""
+    if system == SEQ1F1B:
+        made = []
+        for variant in SEQ1F1B.variants():
+            try:
+                made.append((variant.plan(L, cm, cfg, known, validate=False), variant))
+            except PlanInfeasible:
+                continue
+        if not made:
+            raise PlanInfeasible(f"Seq1F1B: no k of {SEQ1F1B_KS} fits")
+        best, variant = min(made, key=lambda m: m[0].stats.predicted_step_ms)
+        return best.validate(), f"k{variant.k}"  # the chosen k's plan only: the others are scores
+    raise ValueError(f"unknown system {system.label!r}: elastic, megatron or seq1f1b")
 
 
-def system_builder(system: str, validate: bool = True) -> Builder:
-    """``epp`` (the elastic planner, which also weighs Megatron's and Seq1F1B's plans), ``megatron``
-    (packing, uniform recompute), ``seq1f1b`` (fixed k, the best of :data:`SEQ1F1B_KS`). A builder takes the
-    lengths, the cost model, the config and the baseline plans of those already made (:func:`baseline_plan`'s
-    ``known``, or None). ``validate=False``: a baseline's plan is not validated (a score only, as the proxy ranking
-    uses them); EPP's chosen plan always is."""
-    if system == "epp":
-        def epp(L: np.ndarray, cm: CostModel, cfg: PlannerConfig, known: BaselinePlans | None = None) -> tuple[Plan, str]:
-            plan = elastic_plan(L, cm, replace(cfg, builder="elastic"), known)
-            return plan, plan.stats.chosen or ""
-        return epp
-    if system == "megatron":
-        def packing(L: np.ndarray, cm: CostModel, cfg: PlannerConfig, known: BaselinePlans | None = None) -> tuple[Plan, str]:
-            plan = baseline_plan("megatron", L, cm, cfg, known)
-            return (plan.validate() if validate else plan), ""
-        return packing
-    if system == "seq1f1b":
-        def best_k(L: np.ndarray, cm: CostModel, cfg: PlannerConfig, known: BaselinePlans | None = None) -> tuple[Plan, str]:
-            plans = []
-            for name in BASELINE_PLANS["seq1f1b"]:
-                try:
-                    plans.append(baseline_plan(name, L, cm, cfg, known))
-                except PlanInfeasible:
-                    continue
-            if not plans:
-                raise PlanInfeasible(f"Seq1F1B: no k of {SEQ1F1B_KS} fits")
-            best = min(plans, key=lambda p: p.stats.predicted_step_ms)
-            if validate:
-                best.validate()  # the chosen k's plan only: the others are scores
-            return best, best.builder.replace("seq1f1b-", "")
-        return best_k
-    raise ValueError(f"unknown system {system!r}: epp, megatron or seq1f1b")
-
-
-def evaluate_layout(lengths: np.ndarray, shape: ModelShape, cluster: Cluster, layout: Layout, system: str,
+def evaluate_layout(lengths: np.ndarray, shape: ModelShape, cluster: Cluster, layout: Layout, system: Builder,
                     config: PlannerConfig, overlap: float = COMM_OVERLAP,
                     known: Sequence[BaselinePlans] | None = None) -> LayoutResult:
     """Plan every replica of ``layout`` with ``system``; raises :class:`PlanInfeasible` if one does not fit.
-    ``known``: per replica, the baseline plans already made on this layout (:func:`baseline_plan`)."""
+    ``known``: per replica, the baseline plans already made on this layout (:meth:`Builder.plan`)."""
     cm = layout_cost_model(shape, cluster, layout, overlap)
     sync = dp_sync_ms(cm, cluster, layout, overlap)
     parts = split_data_parallel(lengths, layout.dp, cm.work_vector())
-    build = system_builder(system)
     plans, details = [], set()
     for i, p in enumerate(parts):
-        plan, detail = build(lengths[p], cm, config, None if known is None else known[i])
+        plan, detail = system_plan(system, lengths[p], cm, config, None if known is None else known[i])
         plans.append(plan)
         details.add(detail)
     step = max(p.stats.predicted_step_ms for p in plans) + sync
@@ -175,11 +161,11 @@ def evaluate_layout(lengths: np.ndarray, shape: ModelShape, cluster: Cluster, la
     return LayoutResult(layout, step, bound, sync, plans, "+".join(sorted(d for d in details if d)))
 
 
-SYSTEM_INTRA = {"epp": INTRA_MODES, "megatron": ("tp",), "seq1f1b": ("tp",)}  # Megatron and Seq1F1B have no Ulysses SP
+SYSTEM_INTRA = {ELASTIC: INTRA_MODES, MEGATRON: ("tp",), SEQ1F1B: ("tp",)}  # Megatron and Seq1F1B have no Ulysses SP
 # the cheap plans that rank layouts before the expensive system plans the best few: for EPP the best of Megatron
 # packing and Seq1F1B on the layout, an upper bound of EPP's step there (the elastic builder weighs both plans), so
 # EPP's chosen layout is never slower than either baseline's best layout
-PROXIES = {"epp": ("megatron", "seq1f1b"), "seq1f1b": ("megatron",)}
+PROXIES = {ELASTIC: (MEGATRON, SEQ1F1B), SEQ1F1B: (MEGATRON,)}
 MAX_EVALUATED = 4  # layouts planned by an expensive system after the proxy ranking (exhaustive: all)
 
 
@@ -207,31 +193,31 @@ class _Proxies:
     time, each plan once (not validated: scores); the plans are kept (:attr:`plans`) for the system's own planning
     of the layouts it keeps: the elastic builder weighs the same baseline plans."""
 
-    def __init__(self, L: np.ndarray, system: str, config: PlannerConfig):
+    def __init__(self, L: np.ndarray, system: Builder, config: PlannerConfig):
         self.L, self.config = L, config
         self.baselines = PROXIES[system]
-        self.plans: dict[tuple[str, int], dict[str, Plan | None]] = {}  # (layout, replica) -> builder name -> plan
+        self.plans: dict[tuple[str, int], dict[Builder, Plan | None]] = {}  # (layout, replica) -> builder -> plan
 
-    def replica(self, c: _Candidate, baseline: str, r: int) -> float:
-        """Replica ``r``'s step by ``baseline`` (its best plan, as :func:`system_builder`'s) plus the layout's sync
+    def replica(self, c: _Candidate, baseline: Builder, r: int) -> float:
+        """Replica ``r``'s step by ``baseline`` (its best plan, as :func:`system_plan`'s) plus the layout's sync
         (``inf``: it does not fit)."""
         made = self.plans.setdefault((c.name, r), {})
         steps = []
-        for name in BASELINE_PLANS[baseline]:
-            if name not in made:
+        for variant in baseline.variants():
+            if variant not in made:
                 try:
-                    made[name] = baseline_plan(name, self.L[c.parts[r]], c.cost_model, self.config)
+                    made[variant] = variant.plan(self.L[c.parts[r]], c.cost_model, self.config, validate=False)
                 except PlanInfeasible:
-                    made[name] = None
-            if made[name] is not None:
-                steps.append(made[name].stats.predicted_step_ms)
+                    made[variant] = None
+            if made[variant] is not None:
+                steps.append(made[variant].stats.predicted_step_ms)
         return min(steps) + c.sync if steps else np.inf
 
     def order(self, c: _Candidate) -> list[int]:
         """Replicas heaviest first (by their bounds): the first to exceed a threshold if one does."""
         return sorted(range(len(c.parts)), key=lambda r: (-c.replica_bounds[r], r))
 
-    def step_of(self, c: _Candidate, baseline: str) -> float:
+    def step_of(self, c: _Candidate, baseline: Builder) -> float:
         """``baseline``'s step on the layout: its slowest replica (``inf`` at the first that does not fit)."""
         worst = -np.inf
         for r in self.order(c):
@@ -271,7 +257,7 @@ def _rank_by_proxy(cands: list[_Candidate], proxies: _Proxies, max_evaluated: in
     ranked = sorted((c for c in cands if np.isfinite(known.get(c.name, np.inf))), key=lambda c: (known[c.name], c.bound, c.name))
     keep = ranked[:max_evaluated] + [c for c in cands if c.name in known and not np.isfinite(known[c.name])]
     kept = {c.name for c in keep}
-    what = "/".join(proxies.baselines)
+    what = "/".join(b.label for b in proxies.baselines)
     for c in cands:
         if c.name in above:
             skipped[c.name] = f"proxy ({what}) > {above[c.name]:.0f} ms, outside the best {max_evaluated}"
@@ -280,7 +266,7 @@ def _rank_by_proxy(cands: list[_Candidate], proxies: _Proxies, max_evaluated: in
     return keep
 
 
-def search_layout(lengths: Sequence[int], shape: ModelShape, cluster: Cluster, system: str, config: PlannerConfig,
+def search_layout(lengths: Sequence[int], shape: ModelShape, cluster: Cluster, system: Builder, config: PlannerConfig,
                   intra_modes: Sequence[str] | None = None, overlap: float = COMM_OVERLAP, exhaustive: bool = False,
                   max_evaluated: int = MAX_EVALUATED) -> LayoutChoice:
     """The best layout for ``system`` (module docstring). Raises :class:`PlanInfeasible` if none fits.
@@ -302,8 +288,8 @@ def search_layout(lengths: Sequence[int], shape: ModelShape, cluster: Cluster, s
             continue
         parts = split_data_parallel(L, layout.dp, cm.work_vector())
         cands.append(_Candidate(layout, cm, parts, dp_sync_ms(cm, cluster, layout, overlap), [cm.bound_ms(L[p]) for p in parts]))
-    known: dict[tuple[str, int], dict[str, Plan | None]] = {}  # the proxy ranking's plans, by (layout, replica)
-    if not exhaustive and system != "megatron" and len(cands) > max_evaluated:
+    known: dict[tuple[str, int], dict[Builder, Plan | None]] = {}  # the proxy ranking's plans, by (layout, replica)
+    if not exhaustive and system != MEGATRON and len(cands) > max_evaluated:
         proxies = _Proxies(L, system, config)
         cands = _rank_by_proxy(cands, proxies, max_evaluated, skipped)
         known = {key: plans for key, plans in proxies.plans.items() if any(key[0] == c.name for c in cands)}
@@ -319,7 +305,7 @@ def search_layout(lengths: Sequence[int], shape: ModelShape, cluster: Cluster, s
         except PlanInfeasible as e:
             skipped[c.name] = str(e)
     if not evaluated:
-        raise PlanInfeasible(f"{system}: no layout of {cluster.world_size} GPUs fits {config.memory_gb} GB per GPU")
+        raise PlanInfeasible(f"{system.plan_label}: no layout of {cluster.world_size} GPUs fits {config.memory_gb} GB per GPU")
     ranked = sorted(evaluated, key=lambda r: (r.step_ms, str(r.layout)))
     return LayoutChoice(ranked[0], ranked[1] if len(ranked) > 1 else None, ranked, skipped)
 
@@ -353,4 +339,4 @@ def search_for_world(lengths: Sequence[int], shape: ModelShape, cluster_name: st
     """EPP's best layout for ``world_size`` GPUs of the preset ``cluster_name``; ``runnable_only``: TP
     layouts (what ``pretrain_gpt.py`` runs), else TP and Ulysses SP."""
     cluster = cluster_for_world(get_cluster(cluster_name), world_size)
-    return search_layout(lengths, shape, cluster, "epp", config, intra_modes=("tp",) if runnable_only else None), cluster
+    return search_layout(lengths, shape, cluster, ELASTIC, config, intra_modes=("tp",) if runnable_only else None), cluster

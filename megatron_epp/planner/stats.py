@@ -1,0 +1,79 @@
+"""The typed parts of a plan's :class:`~megatron_epp.plan.PlanStats` that the planner's steps produce, and the one
+place that puts them together (:func:`plan_stats`): the predicted times (:class:`PredictedTimes`, also what a new
+calibration re-predicts), the recompute program's summary (:class:`ProgramSummary`) and the chunking search's choice
+(:class:`ChunkingChoice`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+
+from megatron_epp.cost.model import CostModel
+from megatron_epp.cost.profiles import GIB
+from megatron_epp.plan import Plan, PlanStats
+from megatron_epp.simulator.step import SimResult
+
+
+@dataclass(frozen=True)
+class PredictedTimes:
+    """The time fields of :class:`PlanStats` for a plan simulated on a cost model, with the calibration (speed
+    factor, per-chunk stage overhead) they were predicted with."""
+
+    predicted_step_ms: float
+    bound_step_ms: float
+    bubble_ratio: float
+    recompute_ms: float
+    speed_factor: float
+    stage_overhead_ms: float
+
+    @classmethod
+    def of(cls, plan: Plan, cost_model: CostModel, sim: SimResult) -> "PredictedTimes":
+        overhead = cost_model.profile.overhead
+        return cls(predicted_step_ms=sim.step_ms, bound_step_ms=cost_model.bound_ms(np.array(plan.seq_lengths)),
+                   bubble_ratio=sim.bubble_ratio, recompute_ms=sim.recompute_ms, speed_factor=cost_model.speed_factor,
+                   stage_overhead_ms=overhead.fwd_ms + overhead.bwd_ms)
+
+    def onto(self, stats: PlanStats) -> PlanStats:
+        """``stats`` with these times."""
+        return dataclasses.replace(stats, predicted_step_ms=self.predicted_step_ms, bound_step_ms=self.bound_step_ms,
+                                   bubble_ratio=self.bubble_ratio, recompute_ms=self.recompute_ms,
+                                   speed_factor=self.speed_factor, stage_overhead_ms=self.stage_overhead_ms)
+
+
+@dataclass(frozen=True)
+class ProgramSummary:
+    """The recompute program's answer over a plan's pipelines (the elastic builder only)."""
+
+    mip_gap: float
+    recompute_method: str  # "milp", "greedy", "none", "full", or several joined by +
+    program_recompute_ms: float  # the recompute time the program minimised
+
+
+@dataclass(frozen=True)
+class ChunkingChoice:
+    """The chunking search's choice (the elastic builder only): the slice budget and the token cap."""
+
+    slice_budget_ms: float
+    token_cap: int
+
+
+def plan_stats(plan: Plan, cost_model: CostModel, sim: SimResult, budget: float, solve_ms: float,
+               program: ProgramSummary | None = None, chunking: ChunkingChoice | None = None) -> PlanStats:
+    """What the planner predicts for ``plan`` (simulated on ``cost_model``: ``sim``) at ``budget`` bytes per GPU."""
+    stats = PlanStats(
+        solve_ms=solve_ms,
+        peak_memory_gb=(sim.peak_memory / GIB).tolist(),
+        memory_budget_gb=budget / GIB,
+        fits=bool((sim.peak_memory <= budget * (1 + 1e-9)).all()),
+        num_chunks=plan.chunk_counts(),
+        num_pipelines=len(plan.pipelines),
+        recomputed_layers=plan.recomputed_layers(),
+        mip_gap=None if program is None else program.mip_gap,
+        recompute_method=None if program is None else program.recompute_method,
+        program_recompute_ms=None if program is None else program.program_recompute_ms,
+        slice_budget_ms=None if chunking is None else chunking.slice_budget_ms,
+        token_cap=None if chunking is None else chunking.token_cap,
+    )
+    return PredictedTimes.of(plan, cost_model, sim).onto(stats)
