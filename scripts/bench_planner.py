@@ -41,14 +41,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megatron_epp.cost.model import CostModel  # noqa: E402
 from megatron_epp.cost.network import get_network  # noqa: E402
 from megatron_epp.cost.clusters import get_cluster  # noqa: E402
-from megatron_epp.cost.profiles import MODEL_PRESETS, load_profile  # noqa: E402
+from megatron_epp.cost.profiles import GIB, MODEL_PRESETS, load_profile  # noqa: E402
 from megatron_epp.planner.layout import search_layout  # noqa: E402
 from megatron_epp.planner import build_plan  # noqa: E402
 from megatron_epp.planner.builders import plan_batch  # noqa: E402
 from megatron_epp.planner.compare import BASELINES, run_baselines  # noqa: E402
 from megatron_epp.planner.config import PlannerConfig  # noqa: E402
 from megatron_epp.data.mock_documents import WIKIPEDIA_LENGTHS  # noqa: E402
-from megatron_epp.planner.lengths import read_lengths  # noqa: E402
+from megatron_epp.data.lengths import read_lengths  # noqa: E402
 
 
 
@@ -141,7 +141,7 @@ def main() -> None:
             bound = []
             for seed in range(args.seeds):
                 lengths = np.minimum(np.random.default_rng(seed).choice(pool, 512), cap)
-                plan = build_plan(lengths, cm, args.epp_memory_budget)
+                plan = build_plan(lengths, cm, args.epp_memory_budget * GIB)
                 rows["epp"].append(plan.stats.predicted_step_ms)
                 bound.append(plan.stats.bound_step_ms)
                 for n, r in run_baselines(lengths, cm, PlannerConfig(args.epp_memory_budget, cap, args.epp_profile)).items():

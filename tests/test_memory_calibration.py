@@ -17,7 +17,8 @@ from megatron_epp.planner.calibration import MemoryCheck, activation_bytes, fit_
 from megatron_epp.simulator import simulate
 from megatron_epp.training import memory_budget
 from megatron_epp.training.arguments import CALIBRATE_FIRST_STEP, parse_args
-from megatron_epp.training.elastic import PlanBuilder, check_memory_budget
+from megatron_epp.planner.online import OnlinePlanner
+from megatron_epp.training.planning import check_memory_budget, online_planner
 from megatron_epp.data.mock_documents import lognormal_lengths
 
 MIB = 2**20
@@ -87,15 +88,15 @@ def test_the_overshoot_line_names_the_step_the_stage_and_the_overshoot():
 
 
 # ----------------------------------------------------------------------------- through the planner (no GPU)
-def llama_builder(*flags: str) -> PlanBuilder:
-    return PlanBuilder(parse_args([*LLAMA, "--epp-memory-budget", "35", *flags], world_size=1))
+def llama_builder(*flags: str) -> OnlinePlanner:
+    return online_planner(parse_args([*LLAMA, "--epp-memory-budget", "35", *flags], world_size=1))
 
 
 def made(plan) -> dict:
     return {**plan.to_dict(), "stats": {**plan.to_dict()["stats"], "solve_ms": None}}
 
 
-def drive(build: PlanBuilder, steps: int, ratio_of_step, start: int = 1, batches=None):
+def drive(build: OnlinePlanner, steps: int, ratio_of_step, start: int = 1, batches=None):
     """Run ``steps`` training steps as ``ElasticTrainStep`` does (each plan made one step ahead, on the model the
     step before left; made again when the memory factor changed): each step's activation peaks are
     ``ratio_of_step(k)`` x the raw model's (an allocator that many times the profile's count; None: not

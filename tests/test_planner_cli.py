@@ -22,10 +22,10 @@ from megatron_epp.planner.config import PlannerConfig
 from megatron_epp.planner.data_parallel import TOKENS, split_data_parallel
 from megatron_epp.cost.features import F
 from megatron_epp.cost.model import CostModel
-from megatron_epp.cost.profiles import load_profile, profile_at_tp
+from megatron_epp.cost.profiles import GIB, load_profile, profile_at_tp
 from megatron_epp.data.mock_documents import lengths_from_file
 from megatron_epp.training.arguments import ArgumentError, parse_args
-from megatron_epp.training.elastic import PlanBuilder
+from megatron_epp.training.planning import online_planner
 from megatron_epp.training.profiling import check_profile, startup_profile
 
 LENGTHS = [3000, 1200, 800, 500, 300, 200, 150, 90, 60, 40, 20, 10] * 2
@@ -118,7 +118,7 @@ def test_cli_takes_the_planner_options(lengths_file, capsys):
 
 def test_baselines_shapes_and_infeasibility():
     cm = CostModel(load_profile("test-model"), 2)
-    config = PlannerConfig(memory_gb=1.0, max_seq_len=4096)
+    config = PlannerConfig(memory_budget_bytes=1.0 * GIB, max_seq_len=4096)
     meg = megatron_plan(LENGTHS, cm, config)
     assert {c.kind for c in meg.chunks()} == {"batched"} and all(c.num_tokens <= 4096 for c in meg.chunks())
     assert len({r for p in meg.pipelines for row in p.recompute for r in row}) == 1  # uniform recompute
@@ -236,7 +236,7 @@ def test_a_profile_used_at_another_tp_is_noted_the_same_way_by_both_clis(lengths
     args = parse_args(["--mock-data", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "256",
                        "--global-batch-size", "2", "--elastic-pp", "--tensor-model-parallel-size", "2"], world_size=2)
     assert startup_profile(args, torch.device("cpu")).endswith(f"; {note})")
-    assert PlanBuilder(args).cost_model.profile.tp == 2
+    assert online_planner(args).cost_model.profile.tp == 2
     fixed = tmp_path / "fixed.json"  # memory coefficients as given: usable at its own TP only
     replace(measured, memory=replace(measured.memory, derive="")).save(fixed)
     message = "the profile 'CPU x86_64 (1 thread, fp32, sdpa-merged)' was measured at TP=1 and its activation memory cannot be re-derived for TP=2"

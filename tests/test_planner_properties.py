@@ -63,7 +63,7 @@ batches = st.lists(st.integers(1, 3000), min_size=1, max_size=40)
 def test_epp_plans_are_valid_and_fit(lengths, stages, memory_mb, mode):
     cm = CostModel(PROFILE, stages)
     try:
-        plan = build_plan(lengths, cm, memory_mb / 1024, recompute=mode)
+        plan = build_plan(lengths, cm, memory_mb / 1024 * GIB, recompute=mode)
     except PlanInfeasible:
         assume(False)
     check_plan(plan, cm, memory_mb / 1024)

@@ -43,7 +43,7 @@ def uniform_recompute(plan: Plan, cost_model: CostModel, budget: float) -> None:
     raise PlanInfeasible(f"does not fit {budget / GIB:.0f} GB even with full recompute")
 
 
-def _uniform_plan(lengths: Sequence[int], cost_model: CostModel, memory_gb: float, chunk_tokens: int, cuts, name: str,
+def _uniform_plan(lengths: Sequence[int], cost_model: CostModel, budget_bytes: float, chunk_tokens: int, cuts, name: str,
                   validate: bool = True) -> Plan:
     t0 = time.perf_counter()
     L = np.asarray(lengths, dtype=np.int64)
@@ -52,8 +52,8 @@ def _uniform_plan(lengths: Sequence[int], cost_model: CostModel, memory_gb: floa
     w = cost_model.work_vector()
     chunking, _ = order_units(build_units(L, w, np.inf, chunk_tokens, balance=False, cuts=cuts), w)
     plan = make_plan(L, cost_model, chunking, [(0, chunking.num_units)], name)
-    uniform_recompute(plan, cost_model, memory_gb * GIB)
-    return finish(plan, cost_model, memory_gb * GIB, t0, {}, validate)
+    uniform_recompute(plan, cost_model, budget_bytes)
+    return finish(plan, cost_model, budget_bytes, t0, {}, validate)
 
 
 def slice_counts(config: PlannerConfig) -> Sequence[int]:
@@ -109,13 +109,13 @@ def elastic_plan(lengths: Sequence[int], cost_model: CostModel, config: PlannerC
     t0 = time.perf_counter()
     candidates, error = [], None
     try:
-        candidates.append(build_plan(lengths, cost_model, config.memory_gb, recompute=config.recompute,
+        candidates.append(build_plan(lengths, cost_model, config.memory_budget_bytes, recompute=config.recompute,
                                      slice_counts=slice_counts(config), time_limit=config.time_limit))
     except PlanInfeasible as infeasible:
         error = infeasible
     candidates += baseline_candidates(lengths, cost_model, config, known)
     if not candidates:
-        raise error or PlanInfeasible(f"no plan fits {config.memory_gb} GB per GPU")
+        raise error or PlanInfeasible(f"no plan fits {config.memory_budget_bytes / GIB} GB per GPU")
     best = min(candidates, key=lambda p: p.stats.predicted_step_ms)  # first wins ties: EPP's own plan
     if best.builder != "epp":
         best.validate()  # the baselines' plans are validated only when chosen (EPP's own always is)
@@ -127,7 +127,7 @@ def elastic_plan(lengths: Sequence[int], cost_model: CostModel, config: PlannerC
 
 
 def megatron_plan(lengths: Sequence[int], cost_model: CostModel, config: PlannerConfig, validate: bool = True) -> Plan:
-    return _uniform_plan(lengths, cost_model, config.memory_gb, config.max_seq_len, None, "megatron", validate)
+    return _uniform_plan(lengths, cost_model, config.memory_budget_bytes, config.max_seq_len, None, "megatron", validate)
 
 
 def seq1f1b_plan(lengths: Sequence[int], cost_model: CostModel, config: PlannerConfig, validate: bool = True) -> Plan:
@@ -139,7 +139,7 @@ def seq1f1b_plan(lengths: Sequence[int], cost_model: CostModel, config: PlannerC
     cuts = [np.array([0, n]) for n in L]
     for i, c in zip(np.flatnonzero(long), equal_count_cuts(L[long], k, cost_model.work_vector(), max_seq_len)):
         cuts[i] = c
-    return _uniform_plan(L, cost_model, config.memory_gb, slice_tokens, cuts, f"seq1f1b-k{k}", validate)
+    return _uniform_plan(L, cost_model, config.memory_budget_bytes, slice_tokens, cuts, f"seq1f1b-k{k}", validate)
 
 
 Builder = Callable[[Sequence[int], CostModel, PlannerConfig], Plan]

@@ -29,11 +29,11 @@ def run_baselines(
     lengths: Sequence[int], cost_model: CostModel, config: PlannerConfig, names: Sequence[str] = BASELINES
 ) -> dict[str, dict[str, Any]]:
     """Predicted step time and peak memory of every baseline; ``{"fits": False, "reason": ...}`` if it cannot fit."""
-    memory_gb = config.memory_gb
+    budget_bytes = config.memory_budget_bytes
 
     def epp(builder: str, **kw: Any) -> dict[str, Any]:
         kw.setdefault("recompute", config.recompute)
-        plan = build_plan(lengths, cost_model, memory_gb, slice_counts=slice_counts(config), time_limit=config.time_limit, builder=builder, **kw)
+        plan = build_plan(lengths, cost_model, budget_bytes, slice_counts=slice_counts(config), time_limit=config.time_limit, builder=builder, **kw)
         return summarize(plan)
 
     makers = {
@@ -42,7 +42,7 @@ def run_baselines(
         "epp-no-ckpt": lambda: epp("epp-no-ckpt", recompute="none"),
         "epp-full-ckpt": lambda: epp("epp-full-ckpt", recompute="full"),
         "epp-no-balance": lambda: epp("epp-no-balance", balance=False),
-        "flexsp": lambda: plan_flexsp(lengths, cost_model, memory_gb),
+        "flexsp": lambda: plan_flexsp(lengths, cost_model, budget_bytes),
     }
     out = {}
     for name in names:

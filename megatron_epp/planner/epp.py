@@ -249,7 +249,7 @@ def _family(search: _Search, balance: bool, recompute: bool, caps: list[int], st
 def build_plan(
     lengths: Sequence[int],
     cost_model: CostModel,
-    memory_gb: float,
+    budget_bytes: float,
     *,
     recompute: Recompute = "adaptive",
     balance: bool = True,
@@ -260,7 +260,7 @@ def build_plan(
 ) -> Plan:
     """Elastic pipeline plan of one global batch (one data-parallel replica).
 
-    ``memory_gb``: per GPU (GiB). ``recompute``: ``"adaptive"`` (the integer program), ``"greedy"``,
+    ``budget_bytes``: per GPU. ``recompute``: ``"adaptive"`` (the integer program), ``"greedy"``,
     ``"none"`` or ``"full"``. ``balance=False``: even slices and token-only packing into chunks of
     a searched fixed length (the "w/o workload balance" ablation).
 
@@ -277,7 +277,7 @@ def build_plan(
     L = np.asarray(lengths, dtype=np.int64)
     if len(L) == 0 or (L < 1).any():
         raise PlanInfeasible("the batch must hold sequences of at least one token")
-    budget = memory_gb * GIB
+    budget = budget_bytes
     check_fits(L, cost_model, budget)
     memory_cap = token_cap(cost_model, budget)
     caps = token_caps(int(L.max()), memory_cap)
@@ -333,7 +333,7 @@ def build_plan(
                 break
     if not plans:
         why = reasons[0] if reasons else f"no grouping fits even with chunks of {caps[-1]} tokens"
-        raise PlanInfeasible(f"no {recompute!r} plan fits {memory_gb} GB per GPU: {why}")
+        raise PlanInfeasible(f"no {recompute!r} plan fits {budget_bytes / GIB} GB per GPU: {why}")
     best = min(plans, key=lambda p: p.stats.predicted_step_ms)  # first wins ties
     best.validate()
     best.stats.solve_ms = (time.perf_counter() - t0) * 1e3
