@@ -102,5 +102,5 @@ def test_seq1f1b_step_equals_hand_computation_and_best_k_is_reported():
     hand = sum(chunk_ms([(s.length, s.start) for s in c.segments]) for c in plan.chunks())  # one stage: no overlap
     assert plan.stats.predicted_step_ms == pytest.approx(hand, rel=1e-9)
     best, k = system_builder("seq1f1b")(np.array([1000, 300]), cm, PlannerConfig(memory_budget_bytes=80.0 * GIB, max_seq_len=1024))
-    each = [seq1f1b_plan([1000, 300], cm, PlannerConfig(80.0, 1024, max_slices=k)).stats.predicted_step_ms for k in (2, 4, 8, 16)]
+    each = [seq1f1b_plan([1000, 300], cm, PlannerConfig(80.0 * GIB, 1024, max_slices=k)).stats.predicted_step_ms for k in (2, 4, 8, 16)]
     assert best.stats.predicted_step_ms == min(each) and k == f"k{(2, 4, 8, 16)[int(np.argmin(each))]}"

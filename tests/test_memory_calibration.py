@@ -124,7 +124,7 @@ def test_an_allocator_a_third_above_the_model_is_over_once_then_every_plan_fits(
     step after it is planned again, and every later plan's calibrated prediction, and measured peak, is within
     the budget."""
     build = llama_builder("--epp-calibrate-interval", "20")
-    states, budget = build.raw_model.model_state_bytes()[0], build.budget_bytes
+    states, budget = build.raw_model.model_state_bytes()[0], build.config.memory_budget_bytes
     steps = drive(build, 8, lambda k: 1.33)
     plan, model, raw, measured, note = steps[0]
     assert states + raw[0] <= budget < states + measured[0]  # the raw model planned within the budget: 25 % low
@@ -149,7 +149,7 @@ def test_the_evidence_ratios_refit_on_each_overshoot_and_stay_within_its_spread(
     over the factor (2.3 %) of the activations; the factor ends at the largest ratio."""
     r = ratios(evidence()["nocudnn_l16_elastic.log"])
     build = llama_builder("--epp-calibrate-interval", "20")
-    states, budget = build.raw_model.model_state_bytes()[0], build.budget_bytes
+    states, budget = build.raw_model.model_state_bytes()[0], build.config.memory_budget_bytes
     steps = drive(build, 8, lambda k: r[(k - 1) % 4])
     assert steps[0][4] is not None and "recalibrating" in steps[0][4]
     for k, (plan, model, raw, measured, note) in enumerate(steps[1:], start=2):

@@ -124,11 +124,11 @@ def test_baselines_shapes_and_infeasibility():
     assert len({r for p in meg.pipelines for row in p.recompute for r in row}) == 1  # uniform recompute
     s1 = seq1f1b_plan(LENGTHS, cm, config)  # k = 4 by default
     assert [sum(1 for c in s1.chunks() if any(s.seq == 0 for s in c.segments))] == [4]  # 3000 > 4096/4: 4 slices
-    assert seq1f1b_plan(LENGTHS, cm, PlannerConfig(1.0, 4096, max_slices=2)).builder == "seq1f1b-k2"
+    assert seq1f1b_plan(LENGTHS, cm, PlannerConfig(1.0 * GIB, 4096, max_slices=2)).builder == "seq1f1b-k2"
     assert set(BUILDERS) == {"elastic", "megatron", "seq1f1b"}
-    via_registry = plan_batch(LENGTHS, cm, PlannerConfig(1.0, 4096, builder="megatron"))
+    via_registry = plan_batch(LENGTHS, cm, PlannerConfig(1.0 * GIB, 4096, builder="megatron"))
     assert via_registry.builder == "megatron" and via_registry.pipelines == meg.pipelines
-    res = run_baselines(LENGTHS, cm, PlannerConfig(0.004, 4096))  # 4 MB: not even the model states fit
+    res = run_baselines(LENGTHS, cm, PlannerConfig(0.004 * GIB, 4096))  # 4 MB: not even the model states fit
     assert not any(r["fits"] for r in res.values())
 
 
@@ -197,11 +197,11 @@ def test_a_batch_that_cannot_fit_is_one_line_with_the_reason(tmp_path):
     its checkpointed layer inputs (15 layers x 1664 B x 262144 tokens = 6.1 GB) more: refused before any search."""
     cm = CostModel(load_profile("llama-30b", 8), 4)
     with pytest.raises(PlanInfeasible) as e:
-        plan_batch([262144, 1000, 500], cm, PlannerConfig(20.0, 262144))
+        plan_batch([262144, 1000, 500], cm, PlannerConfig(20.0 * GIB, 262144))
     assert str(e.value) == ("model states take 17.3 of 20.0 GB per GPU on stage 3; the longest sequence (262144 tokens) needs "
                             "at least 6.1 GB more (its K/V buffer if split, its checkpointed layer inputs if whole)")
     with pytest.raises(PlanInfeasible, match=r"^model states take 17.3 of 16.0 GB per GPU on stage \d: nothing fits$"):
-        plan_batch([1000], cm, PlannerConfig(16.0, 262144))
+        plan_batch([1000], cm, PlannerConfig(16.0 * GIB, 262144))
 
 
 def test_search_layout_world_size_defaults_to_the_presets_tp(lengths_file, monkeypatch, capsys):

@@ -302,7 +302,7 @@ def test_no_candidate_slices_below_the_smallest_token_cap(monkeypatch):
     assert all(c >= epp.MIN_CHUNK_TOKENS for t, c, balance in budgets if not balance)
     assert plan.stats.fits
     # a budget whose memory cap is below the smallest token cap (39 tokens here): one line, not an IndexError
-    assert epp.token_cap(cm, (states_gb + 0.0015) * 2**30) < epp.MIN_CHUNK_TOKENS
+    assert epp.token_cap(cm, states + 0.0015 * GIB) < epp.MIN_CHUNK_TOKENS
     with pytest.raises(PlanInfeasible, match="no 'adaptive' plan fits"):
         epp.build_plan(lengths, cm, states + 0.0015 * GIB)
 

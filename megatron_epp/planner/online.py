@@ -36,7 +36,7 @@ class OnlinePlanner:
 
     def __init__(self, config: PlannerConfig, shape: ModelShape, dims: ParallelDims, profile: Profile, *,
                  distributed_optimizer: bool = False, calibrate_interval: int = 0) -> None:
-        """``profile``: the resolved profile (at ``dims.tp``), planned on for ``shape`` (its name kept);
+        """``profile``: the resolved profile (at ``dims.tp``), planned on for ``shape`` (named as the profile's model);
         ``distributed_optimizer``: the optimizer states are sharded over ``dims.dp`` (model states);
         ``calibrate_interval``: steps between refits (``--epp-calibrate-interval``; 0: never)."""
         self.config = config
@@ -46,7 +46,6 @@ class OnlinePlanner:
             dataclasses.replace(profile, model=shape, memory=memory, sequence_parallel=dims.sequence_parallel),
             dims.pp, dp=dims.dp,
         )
-        self.budget_bytes = config.memory_budget_bytes
         self.raw_model = self.cost_model  # the profile's memory coefficients (memory factor 1), for the raw prediction
         self.calibrate_interval = calibrate_interval
         self.measured: deque[tuple[Plan, float]] = deque(maxlen=max(self.calibrate_interval, CALIBRATE_FIRST_STEP - 1))
@@ -80,7 +79,7 @@ class OnlinePlanner:
         self.steps_observed += 1
         self.memory_check = check = None if measured_activation_bytes is None else MemoryCheck(
             self.steps_observed, activation_bytes(plan, self.raw_model), np.asarray(measured_activation_bytes, dtype=float),
-            self.raw_model.model_state_bytes(), self.budget_bytes)
+            self.raw_model.model_state_bytes(), self.config.memory_budget_bytes)
         self.memory_note = None
         if not self.calibrate_interval:
             if check is not None and check.over:

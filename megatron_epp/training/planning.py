@@ -61,10 +61,10 @@ def check_memory_budget(args: argparse.Namespace) -> str:
         ) from None
     default = getattr(args, "epp_default_budget", None)
     states = float(planner.raw_model.model_state_bytes().max())
-    return (f"{planner.budget_bytes / GIB:.2f} GB per device"
+    return (f"{planner.config.memory_budget_bytes / GIB:.2f} GB per device"
             + (f" = {default.describe()}" if default is not None else " (--epp-memory-budget)")
             + f"; model states {states / GIB:.2f} GB (the cost model's count, largest stage), "
-            f"{(planner.budget_bytes - states) / GIB:.2f} GB for activations")
+            f"{(planner.config.memory_budget_bytes - states) / GIB:.2f} GB for activations")
 
 
 def elastic_documents(args: argparse.Namespace, split: str):
