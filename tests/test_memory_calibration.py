@@ -227,3 +227,29 @@ def test_the_default_budget_on_cpu_stays_90_percent_of_ram_per_rank(monkeypatch)
     ram = memory_budget.psutil.virtual_memory().total
     assert default.budget == pytest.approx(0.9 * ram / 4) and default.device == "cpu"
     assert default.describe() == f"90 % of {ram / 4 / GIB:.1f} GB per rank ({ram / GIB:.1f} GB RAM / 4 ranks)"
+
+
+def test_the_drivers_planner_is_the_planner_packages_built_from_the_flags_once():
+    """``training.planning.online_planner`` only wires: the planner it builds from ``pretrain_gpt.py``'s flags plans and
+    calibrates as an ``OnlinePlanner`` built by hand from the config, shape, parallel dims and profile those flags mean
+    (the planner tests build it so, without training)."""
+    from megatron_epp.cost.profiles import ModelShape, load_profile
+    from megatron_epp.planner.config import ParallelDims, PlannerConfig
+
+    args = parse_args(["--elastic-pp", "--mock-data", "--pipeline-model-parallel-size", "2", "--num-layers", "4", "--seq-length", "1024",
+                       "--global-batch-size", "16", "--epp-memory-budget", "0.05", "--epp-calibrate-interval", "3"], world_size=2)
+    wired = online_planner(args)
+    shape = ModelShape("pretrain_gpt", 4, 64, 4, 256, 384, swiglu=False, tied_embeddings=True)
+    by_hand = OnlinePlanner(PlannerConfig(memory_budget_bytes=0.05 * GIB, max_seq_len=1024, max_slices=8), shape, ParallelDims(pp=2),
+                            load_profile("test-model"), calibrate_interval=3)
+    assert wired.config == by_hand.config and wired.cost_model.profile == by_hand.cost_model.profile
+    lengths = lognormal_lengths(16, median=128, sigma=1.2, max_length=1024, seed=4).tolist()
+    for step in range(6):
+        plans = [p(lengths[step:] + lengths[:step]) for p in (wired, by_hand)]
+        assert made(plans[0]) == made(plans[1])
+        for p, plan in zip((wired, by_hand), plans):
+            p.observe(plan, 40.0 + 3 * step)
+    states = [p.state_dict() for p in (wired, by_hand)]
+    o = by_hand.raw_model.profile.overhead
+    assert states[0]["steps_observed"] == 6 and tuple(states[0]["calibration"]) != (1.0, o.fwd_ms, o.bwd_ms)  # a fit was made
+    assert [{k: v for k, v in s.items() if k != "measured"} for s in states] == [{k: v for k, v in states[1].items() if k != "measured"}] * 2
