@@ -41,9 +41,9 @@ def elastic_sampler(args: argparse.Namespace, split: str, dp_size: int, planner:
         return None
     # the work vector of the model as built, never a calibrated one: every rank must split the batch the
     # same way, and each replica calibrates its own planner
-    split = functools.partial(split_data_parallel, work_vector=planner.cost_model.work_vector())
+    by_work = functools.partial(split_data_parallel, work_vector=planner.cost_model.work_vector())
     return SequenceSampler(documents, args.global_batch_size, args.seq_length, seed=args.seed,
-                           dp_size=dp_size, split=split, truncate=args.epp_truncate_documents)
+                           dp_size=dp_size, split=by_work, truncate=args.epp_truncate_documents)
 
 
 def check_memory_budget(args: argparse.Namespace) -> str:
