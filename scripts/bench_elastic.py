@@ -30,7 +30,7 @@ checked by every run's tokens per step against the batches the script planned in
 Memory budget (``--epp-memory-budget``, GB per stage: model states + activations, as the planner counts
 it), chosen from the planner itself, in-process: the planner is deterministic and torch-free, the
 batches come from the run's own sampler and are planned with the run's cost model and planner config,
-as ``megatron_epp.tools.calibration.reconstruct_plans`` rebuilds them. For ``stdlib`` and ``wiki``: the
+as ``megatron_epp.training.replay.reconstruct_plans`` rebuilds them. For ``stdlib`` and ``wiki``: the
 smallest budget on a 1/1024 GB grid (bisection) at which EPP's plans need no recompute on any step and
 every builder passes ``pretrain_gpt.py``'s start-up check; printed with the recomputed layers per step of
 every builder there and one grid step below (where EPP recomputes or cannot plan), and whether Megatron
@@ -98,6 +98,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_epp.cost.model import CostModel  # noqa: E402
+from megatron_epp.cost.profiles import GIB  # noqa: E402
 from megatron_epp.plan import Plan, PlanInfeasible  # noqa: E402
 from megatron_epp.planner.builders import ELASTIC, MEGATRON, SEQ1F1B, Builder, plan_batch  # noqa: E402
 from megatron_epp.planner.config import PlannerConfig  # noqa: E402
@@ -128,9 +129,9 @@ def builders(ks: Sequence[int]) -> list[Builder]:
 def plan_steps(builder: Builder, batches: Sequence[Sequence[int]], cost_model: CostModel, base: PlannerConfig,
                budget_gb: float) -> list[Plan] | None:
     """The plans ``builder``'s run makes for ``batches`` at ``budget_gb``, or None if it cannot run there:
-    its start-up check fails (``training.elastic.check_memory_budget``: a full batch of ``--seq-length``
+    its start-up check fails (``training.planning.check_memory_budget``: a full batch of ``--seq-length``
     documents must be plannable) or a step cannot be planned."""
-    config = builder.configure(dataclasses.replace(base, memory_gb=budget_gb))
+    config = builder.configure(dataclasses.replace(base, memory_budget_bytes=budget_gb * GIB))
     try:
         plan_batch([config.max_seq_len] * len(batches[0]), cost_model, config)
         return [plan_batch(list(b), cost_model, config) for b in batches]
@@ -489,16 +490,16 @@ def run_argv(args, name: str) -> list[str]:
 def planned_batches(argv: list[str], steps: int, world_size: int = 2):
     """The lengths of the run's first ``steps`` global batches (its own sampler) on ``world_size``
     processes (data-parallel rank 0's), the run's planner config and cost model (as
-    ``calibration.reconstruct_plans`` rebuilds them)."""
-    from megatron_epp.tools.calibration import parsed_args
+    ``training.replay.reconstruct_plans`` rebuilds them)."""
+    from megatron_epp.training.replay import parsed_args
     from megatron_epp.training.arguments import ArgumentError
-    from megatron_epp.training.elastic import PlanBuilder, elastic_sampler
+    from megatron_epp.training.planning import elastic_sampler, online_planner
 
     try:
         args = parsed_args([*argv, "--epp-memory-budget", "1"], world_size)  # the budget is the builders' to vary
     except ArgumentError as error:
         fail(f"the runs' flags would be refused: {str(error).removeprefix('pretrain_gpt.py: error: ')}")
-    build = PlanBuilder(args)
+    build = online_planner(args)
     stream = elastic_sampler(args, "train", args.data_parallel_size, build).iterate(0)
     batches = []
     for _ in range(steps):
@@ -575,7 +576,7 @@ def measure(name: str, argv: list[str], specs: list[Builder], choice: BudgetChoi
             progress: Progress) -> tuple[dict[Builder, list[list[StepMetrics]]], dict[Builder, str]]:
     """Every builder's runs (measured steps per repeat, warm-up dropped), builder order rotated per repeat.
     Every Seq1F1B k runs in the first repeat; later repeats run only the best of them (time)."""
-    from megatron_epp.tools.calibration import run_pretrain
+    from megatron_epp.training.replay import run_pretrain
 
     measured: dict[Builder, list[list[StepMetrics]]] = {b: [] for b in specs}
     failed = {b: "cannot run at this budget (planned in-process)" for b in specs if choice.plans[b] is None}

@@ -278,7 +278,7 @@ def gpu_name() -> str | None:
 
 def measure(p: Prepared, args) -> dict[str, list[StepMetrics] | str]:
     """Every run of a cell: its measured steps (warm-up dropped), or why it failed."""
-    from megatron_epp.tools.calibration import run_pretrain
+    from megatron_epp.training.replay import run_pretrain
 
     expected = [int(sum(b)) for b in p.batches]
     measured: dict[str, list[StepMetrics] | str] = {}

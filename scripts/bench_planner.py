@@ -41,14 +41,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megatron_epp.cost.model import CostModel  # noqa: E402
 from megatron_epp.cost.network import get_network  # noqa: E402
 from megatron_epp.cost.clusters import get_cluster  # noqa: E402
-from megatron_epp.cost.profiles import MODEL_PRESETS, load_profile  # noqa: E402
+from megatron_epp.cost.profiles import GIB, MODEL_PRESETS, load_profile  # noqa: E402
 from megatron_epp.planner.layout import search_layout  # noqa: E402
 from megatron_epp.planner import build_plan  # noqa: E402
 from megatron_epp.planner.builders import ELASTIC, plan_batch  # noqa: E402
 from megatron_epp.planner.compare import BASELINES, run_baselines  # noqa: E402
 from megatron_epp.planner.config import PlannerConfig  # noqa: E402
 from megatron_epp.data.mock_documents import WIKIPEDIA_LENGTHS  # noqa: E402
-from megatron_epp.planner.lengths import read_lengths  # noqa: E402
+from megatron_epp.data.lengths import read_lengths  # noqa: E402
 
 
 
@@ -104,7 +104,7 @@ def main() -> None:
     print(f"== planning time: {n} Wikipedia sequences, cap 128K, P=4, {args.epp_profile} TP=8, one core, {args.timing_seeds} batches ==")
     planning = {}
     for mem in (args.epp_memory_budget, 20.0):
-        config = PlannerConfig(mem, 131072, args.epp_profile)
+        config = PlannerConfig(mem * GIB, 131072, args.epp_profile)
         wall, cpu, gap, rc = solve_times(wiki, cm, config, n, args.timing_seeds)
         planning[f"{mem:g}"] = {"cpu_ms": spread(cpu), "wall_ms": spread(wall)}
         print(f"  {mem:5.0f} GB: CPU median {statistics.median(cpu):6.1f} ms  p90 {np.percentile(cpu, 90):6.1f} ms  max {max(cpu):6.1f} ms "
@@ -115,7 +115,7 @@ def main() -> None:
         lengths = np.clip(np.rint(np.random.default_rng(0).lognormal(np.log(3200), 1.9, n)), 2, 65536).astype(np.int64)
         for mem in (80.0, 40.0, 20.0):
             c0 = time.process_time()
-            plan_batch(lengths, cm, PlannerConfig(mem, 65536, args.epp_profile))
+            plan_batch(lengths, cm, PlannerConfig(mem * GIB, 65536, args.epp_profile))
             cpu = (time.process_time() - c0) * 1e3
             planning[f"scale-test/{mem:g}"] = {"cpu_ms": spread([cpu])}
             print(f"  heavy-tailed {n} sequences ({lengths.sum() / 1e6:.1f}M tokens), cap 64K, {mem:5.0f} GB: CPU {cpu:8.1f} ms")
@@ -125,7 +125,7 @@ def main() -> None:
         for seed in range(args.layout_seeds):
             lengths = np.minimum(np.random.default_rng(seed).choice(wiki, n), 131072)
             c0 = time.process_time()
-            choice = search_layout(lengths, shape, cluster, ELASTIC, PlannerConfig(args.epp_memory_budget, 131072, args.epp_profile))
+            choice = search_layout(lengths, shape, cluster, ELASTIC, PlannerConfig(args.epp_memory_budget * GIB, 131072, args.epp_profile))
             cpu.append((time.process_time() - c0) * 1e3)
             print(f"  layout search, {n} Wikipedia sequences, {cluster.name}: CPU {cpu[-1]:8.1f} ms ({choice.reason})")
         planning["layout-search"] = {"cpu_ms": spread(cpu)}
@@ -141,10 +141,10 @@ def main() -> None:
             bound = []
             for seed in range(args.seeds):
                 lengths = np.minimum(np.random.default_rng(seed).choice(pool, 512), cap)
-                plan = build_plan(lengths, cm, args.epp_memory_budget)
+                plan = build_plan(lengths, cm, args.epp_memory_budget * GIB)
                 rows["epp"].append(plan.stats.predicted_step_ms)
                 bound.append(plan.stats.bound_step_ms)
-                for n, r in run_baselines(lengths, cm, PlannerConfig(args.epp_memory_budget, cap, args.epp_profile)).items():
+                for n, r in run_baselines(lengths, cm, PlannerConfig(args.epp_memory_budget * GIB, cap, args.epp_profile)).items():
                     rows[n].append(r["predicted_step_ms"] if r["fits"] else np.nan)
             epp, b = np.mean(rows["epp"]), np.mean(bound)
             cells = []

@@ -21,12 +21,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_epp.cost.model import CostModel  # noqa: E402
-from megatron_epp.cost.profiles import load_profile  # noqa: E402
+from megatron_epp.cost.profiles import GIB, load_profile  # noqa: E402
 from megatron_epp.planner import build_plan  # noqa: E402
 from megatron_epp.data.mock_documents import WIKIPEDIA_LENGTHS  # noqa: E402
-from megatron_epp.planner.lengths import read_lengths  # noqa: E402
+from megatron_epp.data.lengths import read_lengths  # noqa: E402
 from megatron_epp.cost.features import chunk_features  # noqa: E402
-from megatron_epp.tools.layer_bench import LayerStack, init_single_process, time_fwd_bwd  # noqa: E402
+from megatron_epp.training.layer_bench import LayerStack, init_single_process, time_fwd_bwd  # noqa: E402
 
 
 def main() -> None:
@@ -39,7 +39,7 @@ def main() -> None:
     init_single_process()
     profile = load_profile(args.epp_profile)
     lengths = np.minimum(np.random.default_rng(args.seed).choice(read_lengths(WIKIPEDIA_LENGTHS), 96), 8192)
-    plan = build_plan(lengths, CostModel(profile, 2), 0.25)
+    plan = build_plan(lengths, CostModel(profile, 2), 0.25 * GIB)
     whole = CostModel(profile, 1)  # one stage holding every layer and the head
     stack = LayerStack(profile.model, profile.model.num_layers)
     rows = []

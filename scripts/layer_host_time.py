@@ -2,7 +2,7 @@
 """Host time per layer and chunk of the elastic layer, megatron-core's per-layer RoPE against the chunk's shared
 RoPE tables (``executor.rotary``), paired.
 
-A stack of ``--layers`` layers of the training spec (``tools.layer_bench.LayerStack``) at a tiny hidden size,
+A stack of ``--layers`` layers of the training spec (``training.layer_bench.LayerStack``) at a tiny hidden size,
 where Python and op dispatch dominate (on a GPU they are the per-chunk constant the cost profile fits), runs one
 packed chunk forward and backward, each pass inside ``ChunkContext.running`` as the schedule runs it. Variant
 ``megatron``: the layers get the chunk's raw frequencies (``rotary_pos_emb``), megatron-core's
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from megatron_epp.cost.profiles import ModelShape  # noqa: E402
-from megatron_epp.tools.layer_bench import LayerStack  # noqa: E402
+from megatron_epp.training.layer_bench import LayerStack  # noqa: E402
 
 VARIANTS = ("megatron", "shared")
 

@@ -46,11 +46,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from megatron_epp.cost.clusters import COMM_OVERLAP, get_cluster  # noqa: E402
-from megatron_epp.cost.profiles import MODEL_PRESETS, analytic_profile  # noqa: E402
+from megatron_epp.cost.profiles import GIB, MODEL_PRESETS, analytic_profile  # noqa: E402
 from megatron_epp.plan import PlanInfeasible  # noqa: E402
 from megatron_epp.planner.builders import ELASTIC, MEGATRON, SEQ1F1B  # noqa: E402
 from megatron_epp.planner.cli import solver_output_to_stderr  # noqa: E402
-from megatron_epp.planner.lengths import read_lengths  # noqa: E402
+from megatron_epp.data.lengths import read_lengths  # noqa: E402
 from megatron_epp.planner.config import PlannerConfig  # noqa: E402
 from megatron_epp.planner.layout import search_layout  # noqa: E402
 from megatron_epp.simulator.flexsp import simulate_flexsp  # noqa: E402
@@ -94,7 +94,7 @@ def batch(pool: np.ndarray, gbs: int, cap: int, seed: int) -> np.ndarray:
 def run_cell(data: str, lengths: np.ndarray, model: str, cap: int, cluster_name: str, memory_gb: float, overlap: float,
              flexsp_time_limit: float, exhaustive: bool) -> dict:
     shape, cluster = MODEL_PRESETS[model], get_cluster(cluster_name)
-    config = PlannerConfig(memory_gb=memory_gb, max_seq_len=cap, profile=model)
+    config = PlannerConfig(memory_budget_bytes=memory_gb * GIB, max_seq_len=cap, profile=model)
     cell: dict = {"data": data, "model": model, "cap": cap, "cluster": cluster_name, "systems": {}}
     for builder in (ELASTIC, MEGATRON, SEQ1F1B):
         system = builder.plan_label  # the JSON's key: epp, megatron, seq1f1b
@@ -114,7 +114,7 @@ def run_cell(data: str, lengths: np.ndarray, model: str, cap: int, cluster_name:
         }
     t0 = time.perf_counter()
     try:
-        f = simulate_flexsp(lengths, analytic_profile(shape, 1, cluster.accelerator), cluster.world_size, cluster, memory_gb,
+        f = simulate_flexsp(lengths, analytic_profile(shape, 1, cluster.accelerator), cluster.world_size, cluster, memory_gb * GIB,
                             overlap=overlap, time_limit=flexsp_time_limit)
         groups = sorted({max(g) for g in f["sp_groups"]})
         cell["systems"]["flexsp"] = {

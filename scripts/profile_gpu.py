@@ -48,7 +48,7 @@ import torch  # noqa: E402
 
 from megatron_epp.cost.profiles import ProfileKey, default_profile_cache  # noqa: E402
 from megatron_epp.executor import kernels  # noqa: E402
-from megatron_epp.tools.layer_bench import init_single_process  # noqa: E402
+from megatron_epp.training.layer_bench import init_single_process  # noqa: E402
 from megatron_epp.training.arguments import ArgumentError, build_parser, parse_args as training_args  # noqa: E402
 from megatron_epp.training.model import model_shape  # noqa: E402
 from megatron_epp.training.profiling import ProfileGrid, device_name, measure_profile, report_errors  # noqa: E402

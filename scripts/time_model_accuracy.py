@@ -49,7 +49,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_elastic import wiki_dataset  # noqa: E402  (scripts/ is this script's directory)
-from megatron_epp.tools.calibration import run_pretrain  # noqa: E402
+from megatron_epp.training.replay import run_pretrain  # noqa: E402
 from megatron_epp.training.arguments import CALIBRATE_FIRST_STEP  # noqa: E402
 from megatron_epp.training.metrics import StepMetrics  # noqa: E402
 

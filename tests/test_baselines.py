@@ -42,7 +42,7 @@ def nvlink_gather_ms(nbytes: float, group: int = 2) -> float:
 
 
 def test_flexsp_step_equals_hand_computation():
-    out = simulate_flexsp([1000, 1000], BASE, 2, NODE2, 80.0, overlap=0.5)
+    out = simulate_flexsp([1000, 1000], BASE, 2, NODE2, 80.0 * GIB, overlap=0.5)
     # two groups of one GPU, one sequence each (a group of 2 would pay all-to-alls for nothing)
     assert out["sp_groups"] == [[1, 1]] and out["micro_batches"] == 1 and out["recompute"] == "none"
     compute = seq_ms(1000) + L_ * (BASE.fwd.b1 + BASE.bwd.b1)
@@ -67,7 +67,7 @@ def test_flexsp_memory_per_micro_batch_within_budget():
     states = model_state_bytes(SHAPE, 2)
     per_token = BASE.memory.act_token * L_ + BASE.memory.logits_token
     budget = (states + per_token * lengths.sum() / 2 / 3) / GIB  # a third of the batch fits at once
-    out = simulate_flexsp(lengths, BASE, 2, NODE2, budget, modes=("none",))
+    out = simulate_flexsp(lengths, BASE, 2, NODE2, budget * GIB, modes=("none",))
     assert out["micro_batches"] >= 3 and max(out["peak_memory_gb"]) <= budget
     free = budget * GIB - states
     c = sequence_costs(BASE, lengths.astype(float))
@@ -79,11 +79,11 @@ def test_flexsp_memory_per_micro_batch_within_budget():
     for d, members in groups:
         assert c.mem["none"][np.array(part)[members]].sum() / d <= free
     with pytest.raises(PlanInfeasible, match=r"FlexSP: ZeRO-3 model states take .* GB per GPU"):
-        simulate_flexsp(lengths, BASE, 2, NODE2, states / GIB * 0.99)  # not even the ZeRO-3 states fit
+        simulate_flexsp(lengths, BASE, 2, NODE2, states * 0.99)  # not even the ZeRO-3 states fit
 
 
 def test_megatron_layout_step_equals_hand_computation():
-    config = PlannerConfig(memory_gb=80.0, max_seq_len=2048)
+    config = PlannerConfig(memory_budget_bytes=80.0 * GIB, max_seq_len=2048)
     res = evaluate_layout(np.array([1000, 600, 300]), SHAPE, NODE2, Layout("tp", 1, 1, 2), MEGATRON, config)
     # replicas by work: [1000] and [600, 300] packed into one 2048-token micro-batch; no recompute needed
     per_replica = [chunk_ms([(1000, 0)]), chunk_ms([(600, 0), (300, 0)])]
@@ -95,12 +95,12 @@ def test_megatron_layout_step_equals_hand_computation():
 
 def test_seq1f1b_step_equals_hand_computation_and_best_k_is_reported():
     cm = layout_cost_model(SHAPE, NODE2, Layout("tp", 1, 1, 2))
-    config = PlannerConfig(memory_gb=80.0, max_seq_len=1024, max_slices=2)
+    config = PlannerConfig(memory_budget_bytes=80.0 * GIB, max_seq_len=1024, max_slices=2)
     plan = SEQ1F1B.plan([1000, 300], cm, config)
     slices = [c for c in plan.chunks() if any(s.seq == 0 for s in c.segments)]
     assert len(slices) == 2  # 1000 > 1024 / 2: two slices of equal work
     hand = sum(chunk_ms([(s.length, s.start) for s in c.segments]) for c in plan.chunks())  # one stage: no overlap
     assert plan.stats.predicted_step_ms == pytest.approx(hand, rel=1e-9)
-    best, k = system_plan(SEQ1F1B, np.array([1000, 300]), cm, PlannerConfig(memory_gb=80.0, max_seq_len=1024))
-    each = [SEQ1F1B.at(k).plan([1000, 300], cm, PlannerConfig(80.0, 1024)).stats.predicted_step_ms for k in (2, 4, 8, 16)]
+    best, k = system_plan(SEQ1F1B, np.array([1000, 300]), cm, PlannerConfig(memory_budget_bytes=80.0 * GIB, max_seq_len=1024))
+    each = [SEQ1F1B.at(k).plan([1000, 300], cm, PlannerConfig(80.0 * GIB, 1024)).stats.predicted_step_ms for k in (2, 4, 8, 16)]
     assert best.stats.predicted_step_ms == min(each) and k == f"k{(2, 4, 8, 16)[int(np.argmin(each))]}"

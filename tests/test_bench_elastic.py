@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from megatron_epp.cost.model import CostModel
-from megatron_epp.cost.profiles import load_profile
+from megatron_epp.cost.profiles import GIB, load_profile
 from megatron_epp.planner.builders import ELASTIC, MEGATRON, SEQ1F1B
 from megatron_epp.planner.config import PlannerConfig
 from megatron_epp.training.metrics import ElasticMetrics, StepMetrics
@@ -39,10 +39,10 @@ BATCHES = [[2048, 700, 120, 30], [2048, 2048, 64, 9], [1500, 300, 40, 2]]  # ste
 @pytest.fixture(scope="module")
 def planner():
     """The benchmark's model (4 layers, hidden 128, 4 heads, byte vocabulary, pp=2) on the CPU profile,
-    as PlanBuilder places it, and the run's planner config (elastic's default slice limit 8)."""
+    as OnlinePlanner places it, and the run's planner config (elastic's default slice limit 8)."""
     profile = load_profile("test-model", tp=1)
     shape = dataclasses.replace(profile.model, num_layers=4, hidden=128, num_heads=4, ffn_hidden=512, vocab=257, rope=True)
-    return CostModel(dataclasses.replace(profile, model=shape), 2), PlannerConfig(memory_gb=1.0, max_seq_len=CAP, max_slices=8)
+    return CostModel(dataclasses.replace(profile, model=shape), 2), PlannerConfig(memory_budget_bytes=1.0 * GIB, max_seq_len=CAP, max_slices=8)
 
 
 @pytest.fixture(scope="module")

@@ -38,7 +38,7 @@ def train_records(tmp_path, nproc: int, *argv: str):
 # One stage (one GPU) slices and packs under Seq1F1B's plans: the elastic builder does not slice at pp=1 (every
 # slice of a sequence stays live until its backward, so slicing saves no memory on one stage, only the recompute
 # transient, and the CPU kernel's causal attention gains no time by it: it recomputes instead). Budgets checked
-# in-process (megatron_epp.tools.calibration's sampler): pp=1 Seq1F1B k=4 at 2 MB: 12 of 12 steps split, 9 with a
+# in-process (megatron_epp.training.replay's sampler): pp=1 Seq1F1B k=4 at 2 MB: 12 of 12 steps split, 9 with a
 # hybrid tail, 7 recompute; pp=2 elastic at 1.5 MB: 7 of 12 steps recompute.
 def test_elastic_bf16_on_one_stage_splits_packs_and_learns(tmp_path):
     out, records = train_records(tmp_path, 1, *ELASTIC, "--pipeline-model-parallel-size", "1", "--epp-plan", "seq1f1b",

@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_epp.tools.layer_bench import init_single_process
+from megatron_epp.training.layer_bench import init_single_process
 from megatron_epp.training.arguments import ArgumentError, parse_args
 from megatron_epp.training.checkpointing import (
     METADATA, TRACKER, UNVERIFIED_FORMAT, CheckpointError, check_loadable, choose_verified, skip_note,

@@ -3,6 +3,7 @@ documents by weight for --elastic-pp (deterministic, resumable), fixed-length sa
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 
@@ -18,6 +19,7 @@ from megatron_epp.data.mock_documents import MockDocuments, lognormal_lengths
 from megatron_epp.data.prepare import prepare_dataset
 from megatron_epp.data.sequence_sampler import SequenceSampler
 from megatron_epp.data.tokenizers import ByteTokenizer
+from megatron_epp.planner.data_parallel import TOKENS, split_data_parallel
 
 
 def test_parse_single_prefix_and_weighted_pairs():
@@ -76,7 +78,8 @@ def two_sources():
 
 def blended_sampler(seed=9, weights=(0.3, 0.7)) -> tuple[SequenceSampler, BlendedDocuments]:
     docs = BlendedDocuments(two_sources(), weights)
-    return SequenceSampler(docs, global_batch_size=10, seq_length=256, seed=seed, dp_size=2), docs
+    return SequenceSampler(docs, global_batch_size=10, seq_length=256, seed=seed, dp_size=2,
+                           split=functools.partial(split_data_parallel, work_vector=TOKENS)), docs
 
 
 def test_elastic_blend_draws_whole_documents_by_weight():

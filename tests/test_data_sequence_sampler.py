@@ -1,6 +1,7 @@
 """Whole-document global batches: determinism, resume, truncation, skipping, DP balance."""
 
 import gzip
+import functools
 import itertools
 
 import numpy as np
@@ -10,6 +11,8 @@ from megatron_epp.data.mock_documents import MockDocuments, lengths_from_file, l
 from megatron_epp.data.sequence_sampler import SequenceSampler
 from megatron_epp.planner.data_parallel import TOKENS, split_data_parallel
 
+BY_TOKENS = functools.partial(split_data_parallel, work_vector=TOKENS)  # training injects the planner's split
+
 SEQ = 512
 LENGTHS = lognormal_lengths(300, median=120, sigma=1.3, max_length=4 * SEQ, seed=0)
 LENGTHS[[3, 50, 77]] = [0, 1, 0]  # cannot train: skipped
@@ -18,7 +21,7 @@ DOCS = MockDocuments(LENGTHS, vocab_size=100, seed=1)
 
 def make_sampler(**kw) -> SequenceSampler:
     return SequenceSampler(
-        DOCS, **{"global_batch_size": 16, "seq_length": SEQ, "seed": 9, "dp_size": 4, "truncate": True, **kw}
+        DOCS, **{"global_batch_size": 16, "seq_length": SEQ, "seed": 9, "dp_size": 4, "split": BY_TOKENS, "truncate": True, **kw}
     )
 
 
@@ -64,7 +67,7 @@ def test_resume_equals_uninterrupted():
 def test_too_long_documents_need_truncate_and_truncated_sequences():
     expected = int(np.count_nonzero(LENGTHS > SEQ + 1))
     with pytest.raises(ValueError, match=f"{expected} of 297 documents are longer than the context cap seq_length {SEQ}"):
-        SequenceSampler(DOCS, global_batch_size=16, seq_length=SEQ, seed=9, dp_size=4)
+        SequenceSampler(DOCS, global_batch_size=16, seq_length=SEQ, seed=9, dp_size=4, split=BY_TOKENS)
     sampler = make_sampler()
     assert expected > 0 and sampler.num_truncated == expected
     for batch in take(sampler, 20):
@@ -108,15 +111,22 @@ def test_balance_beats_round_robin_on_skewed_batch():
     assert [r.tolist() for r in split_data_parallel(skewed, 2, quadratic)] == [[0], [1, 2, 3, 4]]
 
 
-def test_sampler_splits_by_the_given_work_vector():
+def test_sampler_deals_the_batch_by_the_given_split():
     lengths = np.array([9, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5]) + 1
     docs = MockDocuments(lengths, vocab_size=50, seed=0)
     quadratic = np.eye(6)[0]
-    by_tokens = next(SequenceSampler(docs, 16, 64, seed=1, dp_size=2).iterate())
-    by_work = next(SequenceSampler(docs, 16, 64, seed=1, dp_size=2, work_vector=quadratic).iterate())
+    by_tokens = next(SequenceSampler(docs, 16, 64, seed=1, dp_size=2, split=BY_TOKENS).iterate())
+    by_work = next(SequenceSampler(docs, 16, 64, seed=1, dp_size=2, split=functools.partial(split_data_parallel, work_vector=quadratic)).iterate())
     assert [a.tolist() for a in by_work.assignment] == [a.tolist() for a in split_data_parallel(by_work.seq_lengths, 2, quadratic)]
     assert [a.tolist() for a in by_tokens.assignment] == [a.tolist() for a in split_data_parallel(by_tokens.seq_lengths, 2, TOKENS)]
     assert [a.tolist() for a in by_work.assignment] != [a.tolist() for a in by_tokens.assignment]
+
+
+def test_sampler_over_replicas_needs_the_split_and_one_replica_takes_the_batch_in_order():
+    with pytest.raises(ValueError, match="dp_size 2: the sampler needs the data-parallel split"):
+        SequenceSampler(DOCS, global_batch_size=16, seq_length=SEQ, dp_size=2, truncate=True)
+    batch = next(SequenceSampler(DOCS, global_batch_size=16, seq_length=SEQ, seed=9, truncate=True).iterate())
+    assert [a.tolist() for a in batch.assignment] == [list(range(16))]
 
 
 def test_mock_lengths_from_file(tmp_path):

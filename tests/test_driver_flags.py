@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_epp.training.arguments import parse_args
-from megatron_epp.tools.layer_bench import init_single_process
+from megatron_epp.training.layer_bench import init_single_process
 from megatron_epp.training.corpus_check import check_corpus
 from megatron_epp.training.faults import TrainingFault, check_finite
 from megatron_epp.training import loop

@@ -19,7 +19,7 @@ import time
 import pytest
 import torch
 
-from megatron_epp.tools.layer_bench import init_single_process
+from megatron_epp.training.layer_bench import init_single_process
 from megatron_epp.training import launch
 from megatron_epp.training.arguments import ArgumentError, parse_args
 from megatron_epp.training.checkpointing import METADATA, TRACKER, check_loadable, checkpoint_metadata, data_change, record_sha256

@@ -46,7 +46,7 @@ def test_bf16_casts_every_parameter_and_the_context_is_found_through_the_wrapper
     from megatron.core.utils import unwrap_model
 
     from megatron_epp.executor.context import ChunkContext
-    from megatron_epp.tools.layer_bench import init_single_process
+    from megatron_epp.training.layer_bench import init_single_process
     from megatron_epp.training.model import build_model
 
     init_single_process()
@@ -131,17 +131,17 @@ def test_one_stage_under_a_tight_budget_still_splits_and_packs():
     """pp=1 (one GPU): Seq1F1B's plan for a tight budget has split and hybrid chunks (the whole elastic path on one
     GPU); the elastic builder fits the same budget by recompute without slicing (on one stage every slice of a
     sequence is live until its backward: slicing saves no memory beyond the recompute transient, and costs time)."""
-    from megatron_epp.training.elastic import PlanBuilder
+    from megatron_epp.training.planning import online_planner
 
     lengths = [512, 400, 60, 30, 20, 10, 200, 5]
     seq1f1b = ("--epp-plan", "seq1f1b", "--epp-max-slices", "4")
-    tight = PlanBuilder(elastic_args("--pipeline-model-parallel-size", "1", *seq1f1b, "--epp-memory-budget", "0.003"))(lengths).validate()
+    tight = online_planner(elastic_args("--pipeline-model-parallel-size", "1", *seq1f1b, "--epp-memory-budget", "0.003"))(lengths).validate()
     assert tight.num_stages == 1 and tight.chunk_counts()["split"] > 0 and tight.chunk_counts()["hybrid"] > 0
     assert tight.recomputed_layers() > 0
-    elastic = PlanBuilder(elastic_args("--pipeline-model-parallel-size", "1", "--epp-memory-budget", "0.003"))(lengths).validate()
+    elastic = online_planner(elastic_args("--pipeline-model-parallel-size", "1", "--epp-memory-budget", "0.003"))(lengths).validate()
     assert elastic.stats.fits and elastic.recomputed_layers() > 0
     assert elastic.stats.predicted_step_ms <= elastic.stats.candidates_ms["seq1f1b-k4"]
-    loose = PlanBuilder(elastic_args("--pipeline-model-parallel-size", "1", "--epp-memory-budget", "1"))(lengths)
+    loose = online_planner(elastic_args("--pipeline-model-parallel-size", "1", "--epp-memory-budget", "1"))(lengths)
     assert loose.chunk_counts()["split"] == 0
 
 

@@ -1,6 +1,6 @@
 """The host work of one elastic layer per chunk: the aten ops it dispatches, pinned per op name.
 
-A stack of one and of two layers of the training spec (``tools.layer_bench.LayerStack``: ``elastic_layer_spec``
+A stack of one and of two layers of the training spec (``training.layer_bench.LayerStack``: ``elastic_layer_spec``
 on the local spec, :class:`ChunkRopeSelfAttention`, :class:`ElasticAttention`, the chunk rotary embedding) runs
 one packed chunk of two documents forward and backward, each pass inside its own ``ChunkContext.running`` as
 the schedule runs it; a ``TorchDispatchMode`` counts every aten op (views included: each costs a dispatch on
@@ -31,7 +31,7 @@ from megatron_epp.cost.profiles import ModelShape
 from megatron_epp.executor import rotary, spec
 from megatron_epp.executor.context import ChunkContext, ChunkLayout
 from megatron_epp.plan import Chunk, Segment
-from megatron_epp.tools.layer_bench import LayerStack, init_single_process
+from megatron_epp.training.layer_bench import LayerStack, init_single_process
 
 # GPT-style, as the H100 h1024 runs (LayerNorm, GELU, biases), at hidden 32
 SHAPE = ModelShape("gpt-h32", 2, 32, 4, 64, 64, swiglu=False)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from megatron_epp.cost.clusters import A800, Cluster, sp_profile, tp_profile
-from megatron_epp.cost.profiles import ModelShape
+from megatron_epp.cost.profiles import GIB, ModelShape
 from megatron_epp.plan import PlanInfeasible
 from megatron_epp.planner.cli import main as epp_plan
 from megatron_epp.planner.builders import ELASTIC, MEGATRON, SEQ1F1B, baseline_builders
@@ -16,10 +16,10 @@ from megatron_epp.planner.config import PlannerConfig
 from megatron_epp.planner.data_parallel import split_data_parallel
 from megatron_epp.planner import layout as layout_module
 from megatron_epp.planner.layout import COMM_OVERLAP, Layout, enumerate_layouts, search_layout
-from megatron_epp.planner.lengths import select_batch
+from megatron_epp.data.lengths import select_batch
 from megatron_epp.training import layout_search
 from megatron_epp.training.arguments import EPP_DEFAULTS, parse_args
-from megatron_epp.training.elastic import elastic_documents
+from megatron_epp.training.planning import elastic_documents
 from megatron_epp.training.main import main as pretrain_gpt
 
 SHAPE = ModelShape("toy", 4, 512, 8, 2048, 1000, dtype="bfloat16")
@@ -65,7 +65,7 @@ def test_enumeration_covers_every_layout():
 @pytest.mark.parametrize("memory_gb", [80.0, 0.5])
 def test_search_returns_the_enumerated_best(evaluate_layout, memory_gb):
     L = lengths()
-    config = PlannerConfig(memory_gb=memory_gb, max_seq_len=32768)
+    config = PlannerConfig(memory_budget_bytes=memory_gb * GIB, max_seq_len=32768)
     steps = {}
     for layout in enumerate_layouts(SHAPE, TOY):
         try:
@@ -88,7 +88,7 @@ def test_a_capped_search_never_loses_to_a_baseline_best_layout(evaluate_layout, 
     """However few layouts EPP plans (``max_evaluated=1``), its choice is no slower than Megatron's or Seq1F1B's
     best layout: the proxy that ranks layouts is the better baseline step, an upper bound of EPP's there."""
     L = lengths()
-    config = PlannerConfig(memory_gb=memory_gb, max_seq_len=32768)
+    config = PlannerConfig(memory_budget_bytes=memory_gb * GIB, max_seq_len=32768)
     epp = search_layout(L, SHAPE, TOY, ELASTIC, config, max_evaluated=1)
     proxy = {}
     for layout in enumerate_layouts(SHAPE, TOY):
@@ -113,7 +113,7 @@ def test_lazy_proxy_ranking_keeps_the_layouts_a_full_ranking_keeps(evaluate_layo
     best: the layouts it leaves out are exactly those a ranking on every layout's full proxy step leaves out (the best
     ``max_evaluated`` by (proxy, bound, name) and every layout no proxy plan fits are kept)."""
     L = lengths()
-    config = PlannerConfig(memory_gb=memory_gb, max_seq_len=32768)
+    config = PlannerConfig(memory_budget_bytes=memory_gb * GIB, max_seq_len=32768)
     proxy, bound = {}, {}
     for layout in enumerate_layouts(SHAPE, TOY):
         steps = []
@@ -138,7 +138,7 @@ def test_known_baseline_plans_give_the_same_epp_plans():
     """The elastic builder of a kept layout weighs the proxy ranking's baseline plans (``known``) instead of making
     them again: the same steps and choices as making them."""
     L = lengths()
-    config = PlannerConfig(memory_gb=80.0, max_seq_len=32768)
+    config = PlannerConfig(memory_budget_bytes=80.0 * GIB, max_seq_len=32768)
     for layout in (Layout("tp", 1, 2, 2), Layout("sp", 2, 1, 2)):
         fresh = layout_module.evaluate_layout(L, SHAPE, TOY, layout, ELASTIC, config)
         cm = layout_module.layout_cost_model(SHAPE, TOY, layout)
@@ -158,7 +158,7 @@ def test_known_baseline_plans_give_the_same_epp_plans():
 
 
 def test_megatron_and_seq1f1b_search_tp_layouts_only(evaluate_layout):
-    choice = search_layout(lengths(), SHAPE, TOY, MEGATRON, PlannerConfig(memory_gb=80.0, max_seq_len=32768), exhaustive=True)
+    choice = search_layout(lengths(), SHAPE, TOY, MEGATRON, PlannerConfig(memory_budget_bytes=80.0 * GIB, max_seq_len=32768), exhaustive=True)
     assert all(r.layout.intra == "tp" for r in choice.evaluated)
 
 
@@ -232,11 +232,11 @@ def test_driver_search_takes_the_planner_options_not_this_hosts_memory(monkeypat
     --epp-memory-budget, the other --epp-* options as given, else the driver's defaults (the planner's time limit)."""
     rc, seen = driver_search(monkeypatch, *elastic, "--epp-cluster", "a800-ib-node")
     assert rc == 2 and seen["cluster"] == "a800-ib-node"
-    assert seen["config"] == PlannerConfig(memory_gb=80.0, max_seq_len=1024, profile=None, max_slices=EPP_DEFAULTS["epp_max_slices"],
+    assert seen["config"] == PlannerConfig(memory_budget_bytes=80.0 * GIB, max_seq_len=1024, profile=None, max_slices=EPP_DEFAULTS["epp_max_slices"],
                                            time_limit=PlannerConfig.time_limit)
     rc, seen = driver_search(monkeypatch, *elastic, "--epp-memory-budget", "40", "--epp-recompute", "greedy", "--epp-max-slices", "4",
                              "--epp-time-limit", "0.5")
-    assert rc == 2 and seen["config"] == PlannerConfig(memory_gb=40.0, max_seq_len=1024, profile=None, recompute="greedy",
+    assert rc == 2 and seen["config"] == PlannerConfig(memory_budget_bytes=40.0 * GIB, max_seq_len=1024, profile=None, recompute="greedy",
                                                        max_slices=4, time_limit=0.5)
     capsys.readouterr()
     for flags, message in ((["--epp-profile", "llama-7b"], "--epp-profile does not apply with --epp-search-layout (it models"),

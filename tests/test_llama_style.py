@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from megatron.core.utils import unwrap_model
 
 from megatron_epp.executor.context import ChunkContext
-from megatron_epp.tools.layer_bench import init_single_process
+from megatron_epp.training.layer_bench import init_single_process
 from megatron_epp.training.arguments import parse_args
-from megatron_epp.training.elastic import PlanBuilder
+from megatron_epp.training.planning import online_planner
 from megatron_epp.training.initialize import Runtime
 from megatron_epp.training.metrics import read_metrics
 from megatron_epp.training.model import build_model
@@ -68,8 +68,8 @@ def test_llama_flags_reach_the_model(elastic):
     assert not [n for n, _ in gpt.named_parameters() if n.endswith("bias")]
     rotary = gpt.rotary_pos_emb.inner if elastic else gpt.rotary_pos_emb
     torch.testing.assert_close(rotary.inv_freq, 500000.0 ** (-torch.arange(0, 16, 2, dtype=torch.float32) / 16))
-    if elastic:  # the planner's shape (PlanBuilder, from the same flags) counts the layer's parameters exactly
-        shape = PlanBuilder(args).cost_model.profile.model
+    if elastic:  # the planner's shape (OnlinePlanner, from the same flags) counts the layer's parameters exactly
+        shape = online_planner(args).cost_model.profile.model
         assert (shape.num_kv_heads, shape.kv_channels, shape.swiglu, shape.normalization, shape.bias) == (2, 16, True, "RMSNorm", False)
         assert shape.params_per_layer() == sum(p.numel() for p in layer.parameters())
 
@@ -81,7 +81,7 @@ def test_gpt_style_parameter_count():
     args.vocab_size = 64
     runtime = Runtime(torch.device("cpu"), rank=0, world_size=1, pp_rank=0, pp_size=1, tp_rank=0, dp_rank=0, dp_size=1)
     model, _ = build_model(args, runtime, context=ChunkContext())
-    shape = PlanBuilder(args).cost_model.profile.model
+    shape = online_planner(args).cost_model.profile.model
     assert shape.params_per_layer() == sum(p.numel() for p in unwrap_model(model).decoder.layers[0].parameters())
 
 

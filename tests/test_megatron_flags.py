@@ -192,7 +192,7 @@ def fp16_step(*flags: str):
     gradient buffer after the backward, whether the optimizer applied the update, and the loss scale after it."""
     from megatron.core import tensor_parallel
 
-    from megatron_epp.tools.layer_bench import init_single_process
+    from megatron_epp.training.layer_bench import init_single_process
     from megatron_epp.training.gpt_step import gpt_forward_step, microbatches
     from megatron_epp.training.initialize import Runtime
     from megatron_epp.training.loop import build_optimizer, megatron_step

@@ -17,7 +17,8 @@ from megatron_epp.planner.calibration import MemoryCheck, activation_bytes, fit_
 from megatron_epp.simulator import simulate
 from megatron_epp.training import memory_budget
 from megatron_epp.training.arguments import CALIBRATE_FIRST_STEP, parse_args
-from megatron_epp.training.elastic import PlanBuilder, check_memory_budget
+from megatron_epp.planner.online import OnlinePlanner
+from megatron_epp.training.planning import check_memory_budget, online_planner
 from megatron_epp.data.mock_documents import lognormal_lengths
 
 MIB = 2**20
@@ -87,15 +88,15 @@ def test_the_overshoot_line_names_the_step_the_stage_and_the_overshoot():
 
 
 # ----------------------------------------------------------------------------- through the planner (no GPU)
-def llama_builder(*flags: str) -> PlanBuilder:
-    return PlanBuilder(parse_args([*LLAMA, "--epp-memory-budget", "35", *flags], world_size=1))
+def llama_builder(*flags: str) -> OnlinePlanner:
+    return online_planner(parse_args([*LLAMA, "--epp-memory-budget", "35", *flags], world_size=1))
 
 
 def made(plan) -> dict:
     return {**plan.to_dict(), "stats": {**plan.to_dict()["stats"], "solve_ms": None}}
 
 
-def drive(build: PlanBuilder, steps: int, ratio_of_step, start: int = 1, batches=None):
+def drive(build: OnlinePlanner, steps: int, ratio_of_step, start: int = 1, batches=None):
     """Run ``steps`` training steps as ``ElasticTrainStep`` does (each plan made one step ahead, on the model the
     step before left; made again when the memory factor changed): each step's activation peaks are
     ``ratio_of_step(k)`` x the raw model's (an allocator that many times the profile's count; None: not
@@ -123,7 +124,7 @@ def test_an_allocator_a_third_above_the_model_is_over_once_then_every_plan_fits(
     step after it is planned again, and every later plan's calibrated prediction, and measured peak, is within
     the budget."""
     build = llama_builder("--epp-calibrate-interval", "20")
-    states, budget = build.raw_model.model_state_bytes()[0], build.budget_bytes
+    states, budget = build.raw_model.model_state_bytes()[0], build.config.memory_budget_bytes
     steps = drive(build, 8, lambda k: 1.33)
     plan, model, raw, measured, note = steps[0]
     assert states + raw[0] <= budget < states + measured[0]  # the raw model planned within the budget: 25 % low
@@ -148,7 +149,7 @@ def test_the_evidence_ratios_refit_on_each_overshoot_and_stay_within_its_spread(
     over the factor (2.3 %) of the activations; the factor ends at the largest ratio."""
     r = ratios(evidence()["nocudnn_l16_elastic.log"])
     build = llama_builder("--epp-calibrate-interval", "20")
-    states, budget = build.raw_model.model_state_bytes()[0], build.budget_bytes
+    states, budget = build.raw_model.model_state_bytes()[0], build.config.memory_budget_bytes
     steps = drive(build, 8, lambda k: r[(k - 1) % 4])
     assert steps[0][4] is not None and "recalibrating" in steps[0][4]
     for k, (plan, model, raw, measured, note) in enumerate(steps[1:], start=2):
@@ -226,3 +227,29 @@ def test_the_default_budget_on_cpu_stays_90_percent_of_ram_per_rank(monkeypatch)
     ram = memory_budget.psutil.virtual_memory().total
     assert default.budget == pytest.approx(0.9 * ram / 4) and default.device == "cpu"
     assert default.describe() == f"90 % of {ram / 4 / GIB:.1f} GB per rank ({ram / GIB:.1f} GB RAM / 4 ranks)"
+
+
+def test_the_drivers_planner_is_the_planner_packages_built_from_the_flags_once():
+    """``training.planning.online_planner`` only wires: the planner it builds from ``pretrain_gpt.py``'s flags plans and
+    calibrates as an ``OnlinePlanner`` built by hand from the config, shape, parallel dims and profile those flags mean
+    (the planner tests build it so, without training)."""
+    from megatron_epp.cost.profiles import ModelShape, load_profile
+    from megatron_epp.planner.config import ParallelDims, PlannerConfig
+
+    args = parse_args(["--elastic-pp", "--mock-data", "--pipeline-model-parallel-size", "2", "--num-layers", "4", "--seq-length", "1024",
+                       "--global-batch-size", "16", "--epp-memory-budget", "0.05", "--epp-calibrate-interval", "3"], world_size=2)
+    wired = online_planner(args)
+    shape = ModelShape("pretrain_gpt", 4, 64, 4, 256, 384, swiglu=False, tied_embeddings=True)
+    by_hand = OnlinePlanner(PlannerConfig(memory_budget_bytes=0.05 * GIB, max_seq_len=1024, max_slices=8), shape, ParallelDims(pp=2),
+                            load_profile("test-model"), calibrate_interval=3)
+    assert wired.config == by_hand.config and wired.cost_model.profile == by_hand.cost_model.profile
+    lengths = lognormal_lengths(16, median=128, sigma=1.2, max_length=1024, seed=4).tolist()
+    for step in range(6):
+        plans = [p(lengths[step:] + lengths[:step]) for p in (wired, by_hand)]
+        assert made(plans[0]) == made(plans[1])
+        for p, plan in zip((wired, by_hand), plans):
+            p.observe(plan, 40.0 + 3 * step)
+    states = [p.state_dict() for p in (wired, by_hand)]
+    o = by_hand.raw_model.profile.overhead
+    assert states[0]["steps_observed"] == 6 and tuple(states[0]["calibration"]) != (1.0, o.fwd_ms, o.bwd_ms)  # a fit was made
+    assert [{k: v for k, v in s.items() if k != "measured"} for s in states] == [{k: v for k, v in states[1].items() if k != "measured"}] * 2

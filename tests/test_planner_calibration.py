@@ -10,12 +10,12 @@ import pytest
 
 from megatron_epp.cost.features import chunk_features
 from megatron_epp.cost.model import CostModel
-from megatron_epp.cost.profiles import Profile, StageOverhead, load_profile
+from megatron_epp.cost.profiles import GIB, ModelShape, Profile, StageOverhead, load_profile
 from megatron_epp.planner import build_plan
 from megatron_epp.planner.calibration import ONLINE_PRIOR_WEIGHT, fit_step_model, repredict, simulate_steps
 from megatron_epp.simulator import simulate
-from megatron_epp.training.arguments import CALIBRATE_FIRST_STEP, parse_args
-from megatron_epp.training.elastic import PlanBuilder
+from megatron_epp.planner.config import CALIBRATE_FIRST_STEP, ParallelDims, PlannerConfig
+from megatron_epp.planner.online import OnlinePlanner
 
 
 def bare_model() -> CostModel:
@@ -26,7 +26,7 @@ def bare_model() -> CostModel:
 def varied_plans(cm: CostModel, seed: int) -> list:
     """Plans with few large and many small chunks (packing only, 8 slices, a tight budget)."""
     rng = np.random.default_rng(seed)
-    return [build_plan(np.minimum(rng.lognormal(6, 1.2, size=16).astype(int) + 2, 4096), cm, gb, slice_counts=k)
+    return [build_plan(np.minimum(rng.lognormal(6, 1.2, size=16).astype(int) + 2, 4096), cm, gb * GIB, slice_counts=k)
             for gb, k in ((1.0, [1]), (1.0, [8]), (0.05, range(1, 9)), (1.0, [4]), (1.0, range(1, 9)))]
 
 
@@ -42,7 +42,7 @@ def test_profile_overhead_round_trip_and_default():
 
 def test_overhead_is_added_per_chunk_on_every_stage():
     cm = bare_model()
-    plan = build_plan([300, 900, 2000, 64, 64], cm, 1.0)
+    plan = build_plan([300, 900, 2000, 64, 64], cm, 1.0 * GIB)
     feats = chunk_features(plan.chunks())
     base = cm.costs(feats)
     more = cm.calibrated(1.0, StageOverhead(2.0, 3.0)).costs(feats)
@@ -55,7 +55,7 @@ def test_speed_factor_scales_every_time_and_so_the_step():
     """The fit rests on this: a step on a model with speed factor s is s times the step at s = 1."""
     cm = bare_model().calibrated(1.0, StageOverhead(2.0, 3.0))
     fast = cm.calibrated(2.5, StageOverhead(2.0, 3.0))
-    plan = build_plan([300, 900, 2000, 64, 64], cm, 0.05)
+    plan = build_plan([300, 900, 2000, 64, 64], cm, 0.05 * GIB)
     feats = chunk_features(plan.chunks())
     a, b = cm.costs(feats), fast.costs(feats)
     for name in ("fwd", "bwd", "rc_layer", "p2p_ms"):
@@ -109,7 +109,7 @@ def test_prior_keeps_the_overhead_when_the_steps_cannot_tell_it_from_the_speed()
     """Plans of one shape (8 equal sequences, packed): any o fits them with the right s; the online
     fit keeps the overhead it starts from and gets the speed factor."""
     start = bare_model().calibrated(1.0, StageOverhead(4.0, 4.0))
-    plans = [build_plan([500] * 8, start, 1.0, slice_counts=[1]) for _ in range(4)]
+    plans = [build_plan([500] * 8, start, 1.0 * GIB, slice_counts=[1]) for _ in range(4)]
     measured = 3.0 * simulate_steps(plans, start)
     fit = fit_step_model(plans, measured, start, prior_weight=ONLINE_PRIOR_WEIGHT)
     assert fit.overhead_ms == pytest.approx(8.0, rel=1e-3)
@@ -127,7 +127,7 @@ def test_fit_rejects_bad_input():
 
 def test_repredict_moves_a_plan_onto_the_new_calibration():
     cm = bare_model()
-    plan = build_plan([300, 900, 2000, 64, 64], cm, 0.05)
+    plan = build_plan([300, 900, 2000, 64, 64], cm, 0.05 * GIB)
     assert (plan.stats.speed_factor, plan.stats.stage_overhead_ms) == (1.0, 0.0)
     before = plan.stats.predicted_step_ms
     assert repredict(plan, cm).stats.predicted_step_ms == before  # same calibration: untouched
@@ -139,14 +139,18 @@ def test_repredict_moves_a_plan_onto_the_new_calibration():
 
 
 # ----------------------------------------------------------------------------- the training driver's hook
-def plan_builder(*flags: str) -> PlanBuilder:
-    args = parse_args(["--elastic-pp", "--mock-data", "--pipeline-model-parallel-size", "2", "--num-layers", "4",
-                       "--seq-length", "1024", "--global-batch-size", "16", "--epp-memory-budget", "0.05", *flags], world_size=2)
-    return PlanBuilder(args)
+# pretrain_gpt.py's model of ``--pipeline-model-parallel-size 2 --num-layers 4`` (the defaults' hidden 64, 4 heads, a
+# 384-token vocabulary) on the CPU profile measured nearest it, with elastic's default slice limit
+DRIVER_SHAPE = ModelShape("pretrain_gpt", 4, 64, 4, 256, 384, swiglu=False, tied_embeddings=True)
+
+
+def plan_builder(calibrate_interval: int, budget_gb: float = 0.05) -> OnlinePlanner:
+    config = PlannerConfig(memory_budget_bytes=budget_gb * GIB, max_seq_len=1024, max_slices=8)
+    return OnlinePlanner(config, DRIVER_SHAPE, ParallelDims(pp=2), load_profile("test-model"), calibrate_interval=calibrate_interval)
 
 
 def test_driver_refits_its_planners_model_after_the_first_steps_and_every_interval():
-    build = plan_builder("--epp-calibrate-interval", "6")  # keeps 6 steps: the warm-up would be among them
+    build = plan_builder(6)  # keeps 6 steps: the warm-up would be among them
     profile_o = build.cost_model.profile.overhead
     machine = build.cost_model.calibrated(1.5, profile_o)  # this machine: 1.5x the profile's, the profile's overhead
     rng = np.random.default_rng(0)
@@ -170,7 +174,7 @@ def test_driver_refits_its_planners_model_after_the_first_steps_and_every_interv
 
 
 def test_driver_does_not_calibrate_with_interval_0():
-    build = plan_builder("--epp-calibrate-interval", "0")
+    build = plan_builder(0)
     model = build.cost_model
     plan = build([500] * 16)
     assert all(build.observe(plan, 1000.0) is None for _ in range(30))
@@ -191,8 +195,7 @@ def test_a_restored_calibration_plans_and_refits_as_the_saved_run():
     calibration, plans its first two steps as the run did (the first on the model of the fit before the
     checkpoint's: plans are made one step ahead), and its next fit is on the saved spans, at the run's step."""
     interval = 3
-    flags = ("--epp-calibrate-interval", str(interval), "--epp-memory-budget", "0.015")  # memory binds: chunks vary
-    run = plan_builder(*flags)
+    run = plan_builder(interval, budget_gb=0.015)  # memory binds: chunks vary
     o = run.cost_model.profile.overhead
     machine = run.cost_model.calibrated(1.5, StageOverhead(3 * o.fwd_ms, 3 * o.bwd_ms))  # slower, 3x the overhead
     rng = np.random.default_rng(1)
@@ -201,7 +204,7 @@ def test_a_restored_calibration_plans_and_refits_as_the_saved_run():
     batches = [np.minimum(rng.lognormal(5.5, 1.2, size=16).astype(int) + 2, 1024).tolist() for _ in range(refit)]
     plans, fits = {(run, 1): run(batches[0]), (run, 2): run(batches[1])}, {}
 
-    def step(build: PlanBuilder, k: int) -> None:
+    def step(build: OnlinePlanner, k: int) -> None:
         """Step ``k`` as the driver runs it: observe, then plan step k + 2 on the model it leaves."""
         fits[build, k] = build.observe(plans[build, k], simulate(plans[build, k], machine).step_ms)
         if k + 2 <= refit:
@@ -210,7 +213,7 @@ def test_a_restored_calibration_plans_and_refits_as_the_saved_run():
     for k in range(1, saved_at + 1):
         step(run, k)
     saved = run.state_dict()
-    resumed = plan_builder(*flags)
+    resumed = plan_builder(interval, budget_gb=0.015)
     resumed.load_state_dict(saved)
     assert resumed.state_dict() == saved and saved["steps_observed"] == saved_at
     assert resumed.cost_model.speed_factor == run.cost_model.speed_factor != fits[run, CALIBRATE_FIRST_STEP].speed_factor

@@ -22,10 +22,10 @@ from megatron_epp.planner.config import BUILDER_NAMES, PlannerConfig
 from megatron_epp.planner.data_parallel import TOKENS, split_data_parallel
 from megatron_epp.cost.features import F
 from megatron_epp.cost.model import CostModel
-from megatron_epp.cost.profiles import load_profile, profile_at_tp
+from megatron_epp.cost.profiles import GIB, load_profile, profile_at_tp
 from megatron_epp.data.mock_documents import lengths_from_file
 from megatron_epp.training.arguments import ArgumentError, parse_args
-from megatron_epp.training.elastic import PlanBuilder
+from megatron_epp.training.planning import online_planner
 from megatron_epp.training.profiling import check_profile, startup_profile
 
 LENGTHS = [3000, 1200, 800, 500, 300, 200, 150, 90, 60, 40, 20, 10] * 2
@@ -118,7 +118,7 @@ def test_cli_takes_the_planner_options(lengths_file, capsys):
 
 def test_baselines_shapes_and_infeasibility():
     cm = CostModel(load_profile("test-model"), 2)
-    config = PlannerConfig(memory_gb=1.0, max_seq_len=4096)
+    config = PlannerConfig(memory_budget_bytes=1.0 * GIB, max_seq_len=4096)
     meg = MEGATRON.plan(LENGTHS, cm, config)
     assert {c.kind for c in meg.chunks()} == {"batched"} and all(c.num_tokens <= 4096 for c in meg.chunks())
     assert len({r for p in meg.pipelines for row in p.recompute for r in row}) == 1  # uniform recompute
@@ -127,13 +127,13 @@ def test_baselines_shapes_and_infeasibility():
     assert s1.builder == SEQ1F1B.at(4).plan_label == "seq1f1b-k4"
     k2 = SEQ1F1B.at(2)
     assert k2.plan(LENGTHS, cm, config).builder == "seq1f1b-k2" == k2.label  # the record's k, not the config's
-    assert k2.plan(LENGTHS, cm, config).pipelines == SEQ1F1B.plan(LENGTHS, cm, PlannerConfig(1.0, 4096, max_slices=2)).pipelines
+    assert k2.plan(LENGTHS, cm, config).pipelines == SEQ1F1B.plan(LENGTHS, cm, PlannerConfig(1.0 * GIB, 4096, max_slices=2)).pipelines
     assert set(BUILDERS) == {"elastic", "megatron", "seq1f1b"} == set(BUILDER_NAMES)
     assert k2.flags() == ["--epp-plan", "seq1f1b", "--epp-max-slices", "2"] and k2.configure(config).max_slices == 2
     assert plan_batch(LENGTHS, cm, k2.configure(config)).pipelines == k2.plan(LENGTHS, cm, config).pipelines
-    via_registry = plan_batch(LENGTHS, cm, PlannerConfig(1.0, 4096, builder="megatron"))
+    via_registry = plan_batch(LENGTHS, cm, PlannerConfig(1.0 * GIB, 4096, builder="megatron"))
     assert via_registry.builder == "megatron" and via_registry.pipelines == meg.pipelines
-    res = run_baselines(LENGTHS, cm, PlannerConfig(0.004, 4096))  # 4 MB: not even the model states fit
+    res = run_baselines(LENGTHS, cm, PlannerConfig(0.004 * GIB, 4096))  # 4 MB: not even the model states fit
     assert not any(r["fits"] for r in res.values())
 
 
@@ -202,11 +202,11 @@ def test_a_batch_that_cannot_fit_is_one_line_with_the_reason(tmp_path):
     its checkpointed layer inputs (15 layers x 1664 B x 262144 tokens = 6.1 GB) more: refused before any search."""
     cm = CostModel(load_profile("llama-30b", 8), 4)
     with pytest.raises(PlanInfeasible) as e:
-        plan_batch([262144, 1000, 500], cm, PlannerConfig(20.0, 262144))
+        plan_batch([262144, 1000, 500], cm, PlannerConfig(20.0 * GIB, 262144))
     assert str(e.value) == ("model states take 17.3 of 20.0 GB per GPU on stage 3; the longest sequence (262144 tokens) needs "
                             "at least 6.1 GB more (its K/V buffer if split, its checkpointed layer inputs if whole)")
     with pytest.raises(PlanInfeasible, match=r"^model states take 17.3 of 16.0 GB per GPU on stage \d: nothing fits$"):
-        plan_batch([1000], cm, PlannerConfig(16.0, 262144))
+        plan_batch([1000], cm, PlannerConfig(16.0 * GIB, 262144))
 
 
 def test_search_layout_world_size_defaults_to_the_presets_tp(lengths_file, monkeypatch, capsys):
@@ -241,7 +241,7 @@ def test_a_profile_used_at_another_tp_is_noted_the_same_way_by_both_clis(lengths
     args = parse_args(["--mock-data", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "256",
                        "--global-batch-size", "2", "--elastic-pp", "--tensor-model-parallel-size", "2"], world_size=2)
     assert startup_profile(args, torch.device("cpu")).endswith(f"; {note})")
-    assert PlanBuilder(args).cost_model.profile.tp == 2
+    assert online_planner(args).cost_model.profile.tp == 2
     fixed = tmp_path / "fixed.json"  # memory coefficients as given: usable at its own TP only
     replace(measured, memory=replace(measured.memory, derive="")).save(fixed)
     message = "the profile 'CPU x86_64 (1 thread, fp32, sdpa-merged)' was measured at TP=1 and its activation memory cannot be re-derived for TP=2"

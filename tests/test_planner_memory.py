@@ -8,7 +8,7 @@ bf16; a GPT and a LLaMA-style shape at tp 2 with ``--sequence-parallel``, two pr
 padded; dropout: attention dropout on the fp32 GPT shape, both dropouts on the bf16 GPT and the fp32 LLaMA-style
 shapes, hidden dropout on the GPT shape under sequence parallelism), and the planner
 predicts the same plans from the shipped profile with only the shape (and dtype) swapped (as
-``PlanBuilder`` does): a wrong checkpointed-layer term, an unscaled hidden size, a miscounted
+``OnlinePlanner`` does): a wrong checkpointed-layer term, an unscaled hidden size, a miscounted
 attention term or a K/V buffer counted at the wrong moment shows up as a mismatch.
 """
 
@@ -123,7 +123,7 @@ def test_full_recompute_keeps_only_layer_inputs(measured):
 
 
 def test_memory_coefficients_follow_the_model_shape():
-    """``PlanBuilder`` swaps the profile's shape: the activation coefficients must follow it, its dtype included."""
+    """``OnlinePlanner`` swaps the profile's shape: the activation coefficients must follow it, its dtype included."""
     profile = load_profile("test-model")
     for hidden, heads, ffn in [(32, 2, 128), (64, 4, 256), (128, 8, 384)]:
         for dtype, b in [("float32", 4.0), ("bfloat16", 2.0)]:

@@ -62,7 +62,7 @@ batches = st.lists(st.integers(1, 3000), min_size=1, max_size=40)
 def test_epp_plans_are_valid_and_fit(lengths, stages, memory_mb, mode):
     cm = CostModel(PROFILE, stages)
     try:
-        plan = build_plan(lengths, cm, memory_mb / 1024, recompute=mode)
+        plan = build_plan(lengths, cm, memory_mb / 1024 * GIB, recompute=mode)
     except PlanInfeasible:
         assume(False)
     check_plan(plan, cm, memory_mb / 1024)
@@ -73,7 +73,7 @@ def test_epp_plans_are_valid_and_fit(lengths, stages, memory_mb, mode):
 @given(lengths=batches, stages=st.sampled_from([2, 4]), memory_mb=st.integers(50, 400))
 def test_baseline_plans_are_valid_and_fit(lengths, stages, memory_mb):
     cm = CostModel(PROFILE, stages)
-    config = PlannerConfig(memory_mb / 1024, 3000, max_slices=4)
+    config = PlannerConfig(memory_mb / 1024 * GIB, 3000, max_slices=4)
     checked = 0
     for builder in (MEGATRON, SEQ1F1B):
         try:
@@ -91,7 +91,7 @@ def test_elastic_never_predicted_slower_than_a_baseline_it_could_make(lengths, s
     """The elastic builder weighs Megatron packing and Seq1F1B (k = 2, 4, 8) on the same cost model and
     budget: its plan is never predicted slower than any of them that fits."""
     cm = CostModel(PROFILE, stages)
-    config = PlannerConfig(memory_mb / 1024, 3000)
+    config = PlannerConfig(memory_mb / 1024 * GIB, 3000)
     try:
         plan = plan_batch(lengths, cm, config)
     except PlanInfeasible:
@@ -119,7 +119,7 @@ def test_epp_never_predicted_slower_than_its_ablations_or_packing_and_never_belo
     (without checkpointing, with full checkpointing, without workload balance) and than Megatron
     packing and Seq1F1B; and no plan is predicted faster than the bound."""
     cm = CostModel(PROFILE, stages)
-    config = PlannerConfig(memory_mb / 1024, 3000, max_slices=max_slices)
+    config = PlannerConfig(memory_mb / 1024 * GIB, 3000, max_slices=max_slices)
     try:
         plan = plan_batch(lengths, cm, config)
     except PlanInfeasible:

@@ -15,7 +15,7 @@ from megatron_epp.cost.profiles import MODEL_PRESETS, Profile, analytic_profile,
 
 
 def placed(profile: Profile, **changes) -> Profile:
-    """``profile`` on another shape, as ``PlanBuilder`` does it."""
+    """``profile`` on another shape, as ``OnlinePlanner`` does it."""
     return dataclasses.replace(profile, model=dataclasses.replace(profile.model, **changes))
 
 
@@ -136,8 +136,8 @@ def test_cpu_profile_is_the_one_measured_nearest_the_model_that_runs():
 
 def test_driver_plans_the_main_job_on_the_profile_measured_at_its_shape():
     from megatron_epp.cost.profiles import PROFILE_DIR
-    from megatron_epp.tools.calibration import parsed_args
-    from megatron_epp.training.elastic import PlanBuilder
+    from megatron_epp.training.replay import parsed_args
+    from megatron_epp.training.planning import online_planner
     import torch
 
     from megatron_epp.training.profiling import startup_profile
@@ -145,7 +145,7 @@ def test_driver_plans_the_main_job_on_the_profile_measured_at_its_shape():
     args = parsed_args(["--elastic-pp", "--mock-data", "--pipeline-model-parallel-size", "2", "--num-layers", "4",
                         "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "2048",
                         "--global-batch-size", "8", "--lr", "1e-3", "--train-iters", "1", "--epp-memory-budget", "1"])
-    build = PlanBuilder(args)
+    build = online_planner(args)
     measured = next(profile for profile in map(Profile.load, PROFILE_DIR.glob("*_cpu.json")) if profile.time_model.hidden == 128)
     # the coefficients measured at hidden 128, as measured (hidden-64 ones scaled by FLOPs would differ)
     assert build.cost_model.profile.model.hidden == 128

@@ -15,7 +15,7 @@ from megatron_epp.cost.model import CostModel
 from megatron_epp.planner.grouping import group_units
 from megatron_epp.simulator.memory import pipeline_memory, stage_memory
 from megatron_epp.cost.network import Network
-from megatron_epp.cost.profiles import MODEL_PRESETS, MemoryCoeffs, Profile, TimeCoeffs, analytic_profile, load_profile
+from megatron_epp.cost.profiles import GIB, MODEL_PRESETS, MemoryCoeffs, Profile, TimeCoeffs, analytic_profile, load_profile
 from megatron_epp.simulator.step import ScheduleDeadlock, simulate
 
 IDEAL = Network("ideal", 1e30, 0.0, 1e30, 0.0)
@@ -261,8 +261,8 @@ def test_elastic_plan_is_never_predicted_slower_than_packing_alone():
     cm = CostModel(dataclasses.replace(profile, model=dataclasses.replace(profile.model, num_layers=4, vocab=257)), 2)
     for seed in range(12):
         lengths = lengths_from_file(WIKIPEDIA_LENGTHS, 16, seed, max_length=1024).tolist()
-        elastic = build_plan(lengths, cm, 0.05, recompute="none")
-        packed = build_plan(lengths, cm, 0.05, recompute="none", slice_counts=[1])
+        elastic = build_plan(lengths, cm, 0.05 * GIB, recompute="none")
+        packed = build_plan(lengths, cm, 0.05 * GIB, recompute="none", slice_counts=[1])
         assert elastic.stats.predicted_step_ms <= packed.stats.predicted_step_ms + 1e-6, (seed, elastic.summary())
 
 
@@ -296,15 +296,15 @@ def test_no_candidate_slices_below_the_smallest_token_cap(monkeypatch):
         return real(self, budget_t, cap, balance, recompute, margin)
 
     monkeypatch.setattr(epp._Search, "score", score)
-    states_gb = float(cm.model_state_bytes()[0] / 2**30)
-    plan = epp.build_plan(lengths, cm, states_gb + 0.003)
+    states = float(cm.model_state_bytes()[0])
+    plan = epp.build_plan(lengths, cm, states + 0.003 * GIB)
     assert budgets and all(t >= least for t, _, balance in budgets if balance), min(t for t, _, b in budgets if b) / least
     assert all(c >= epp.MIN_CHUNK_TOKENS for t, c, balance in budgets if not balance)
     assert plan.stats.fits
     # a budget whose memory cap is below the smallest token cap (39 tokens here): one line, not an IndexError
-    assert epp.token_cap(cm, (states_gb + 0.0015) * 2**30) < epp.MIN_CHUNK_TOKENS
+    assert epp.token_cap(cm, states + 0.0015 * GIB) < epp.MIN_CHUNK_TOKENS
     with pytest.raises(PlanInfeasible, match="no 'adaptive' plan fits"):
-        epp.build_plan(lengths, cm, states_gb + 0.0015)
+        epp.build_plan(lengths, cm, states + 0.0015 * GIB)
 
 
 def test_grouping_prune_changes_no_answer():

@@ -25,8 +25,8 @@ from megatron_epp.cost.profile_fit import fit, recompute_fit
 from megatron_epp.cost.profiles import (
     PROFILE_DIR, Profile, ProfileKey, TimeCoeffs, find_measured_profile, is_cpu_profile, load_profile,
 )
-from megatron_epp.tools.calibration import parsed_args
-from megatron_epp.tools.layer_bench import init_single_process
+from megatron_epp.training.replay import parsed_args
+from megatron_epp.training.layer_bench import init_single_process
 from megatron_epp.training.arguments import ArgumentError
 from megatron_epp.training.model import model_shape
 from megatron_epp.training.profiling import Target, describe, planner_profile, resolve_profile, startup_profile

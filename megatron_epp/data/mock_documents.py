@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from megatron_epp.data.documents import IndexedDocuments
-from megatron_epp.planner.lengths import read_lengths
+from megatron_epp.data.lengths import read_lengths
 
 MAX_STEP = 3
 
@@ -41,7 +41,7 @@ def lognormal_lengths(
 def lengths_from_file(
     path: str | Path, num_docs: int, seed: int, scale: float = 1.0, max_length: int | None = None
 ) -> np.ndarray:
-    """``num_docs`` lengths drawn (with replacement) from a lengths file (:func:`~megatron_epp.planner.lengths.read_lengths`:
+    """``num_docs`` lengths drawn (with replacement) from a lengths file (:func:`~megatron_epp.data.lengths.read_lengths`:
     one length per line, ``.gz`` allowed, e.g. ``wikipedia_lengths.txt.gz``), multiplied by ``scale`` and clipped to
     ``[2, max_length]``."""
     drawn = np.random.default_rng([seed, 0xF11E]).choice(read_lengths(path), size=num_docs) * scale

@@ -17,13 +17,16 @@ permutation seeded by ``(seed, d, e)``): still a pure function of the position, 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
 from megatron_epp.data.blend import BlendedDocuments, BlendIndex
 from megatron_epp.data.documents import DocumentSource
-from megatron_epp.planner.data_parallel import TOKENS, split_data_parallel
+
+# how a global batch's sequences are dealt to the data-parallel replicas: (sequence lengths, dp size) -> per replica
+# the ascending positions of its sequences (training passes the planner's split_data_parallel on its cost model)
+Split = Callable[[np.ndarray, int], list[np.ndarray]]
 
 
 @dataclass(frozen=True)
@@ -61,9 +64,9 @@ class GlobalBatch:
 
 class SequenceSampler:
     """Endless, resumable global batches of ``global_batch_size`` whole documents; see the module
-    docstring. ``work_vector``: how :func:`split_data_parallel` weighs a sequence (training passes the
-    planner's :meth:`CostModel.work_vector`; default: its tokens); ``truncate`` allows documents
-    longer than the context cap."""
+    docstring. ``split``: how a global batch is dealt to the ``dp_size`` replicas (:data:`Split`; training
+    passes the planner's data-parallel split on its cost model), needed when ``dp_size`` > 1; ``truncate``
+    allows documents longer than the context cap."""
 
     def __init__(
         self,
@@ -72,17 +75,19 @@ class SequenceSampler:
         seq_length: int,
         seed: int = 1234,
         dp_size: int = 1,
-        work_vector: np.ndarray = TOKENS,
+        split: Split | None = None,
         truncate: bool = False,
     ) -> None:
         if global_batch_size < dp_size:
             raise ValueError(f"global_batch_size {global_batch_size} < dp_size {dp_size}")
+        if split is None and dp_size > 1:
+            raise ValueError(f"dp_size {dp_size}: the sampler needs the data-parallel split (split=)")
         self.documents = documents
         self.global_batch_size = global_batch_size
         self.seq_length = seq_length
         self.seed = seed
         self.dp_size = dp_size
-        self.work_vector = work_vector
+        self.split = split
         lengths = np.asarray(documents.lengths, dtype=np.int64)
         blended = isinstance(documents, BlendedDocuments)
         parts = documents.parts if blended else [range(len(lengths))]
@@ -145,7 +150,7 @@ class SequenceSampler:
         while True:
             doc_indices = self.stream(consumed, self.global_batch_size)
             seq_lengths = self._seq_lengths[doc_indices]
-            assignment = split_data_parallel(seq_lengths, self.dp_size, self.work_vector)
+            assignment = self.split(seq_lengths, self.dp_size) if self.split is not None else [np.arange(len(seq_lengths))]
             yield GlobalBatch(consumed, doc_indices, seq_lengths, assignment, self.documents)
             consumed += self.global_batch_size
 

@@ -46,7 +46,7 @@ def uniform_recompute(plan: Plan, cost_model: CostModel, budget: float) -> None:
     raise PlanInfeasible(f"does not fit {budget / GIB:.0f} GB even with full recompute")
 
 
-def _uniform_plan(lengths: Sequence[int], cost_model: CostModel, memory_gb: float, chunk_tokens: int, cuts, name: str) -> Plan:
+def _uniform_plan(lengths: Sequence[int], cost_model: CostModel, budget_bytes: float, chunk_tokens: int, cuts, name: str) -> Plan:
     t0 = time.perf_counter()
     L = np.asarray(lengths, dtype=np.int64)
     if L.max() > chunk_tokens and cuts is None:
@@ -54,8 +54,8 @@ def _uniform_plan(lengths: Sequence[int], cost_model: CostModel, memory_gb: floa
     w = cost_model.work_vector()
     chunking, _ = order_units(build_units(L, w, np.inf, chunk_tokens, balance=False, cuts=cuts), w)
     plan = make_plan(L, cost_model, chunking, [(0, chunking.num_units)], name)
-    uniform_recompute(plan, cost_model, memory_gb * GIB)
-    return finish(plan, cost_model, memory_gb * GIB, t0)
+    uniform_recompute(plan, cost_model, budget_bytes)
+    return finish(plan, cost_model, budget_bytes, t0)
 
 
 def slice_counts(config: PlannerConfig) -> Sequence[int]:
@@ -159,14 +159,14 @@ def _elastic_plan(lengths: Sequence[int], cost_model: CostModel, config: Planner
     t0 = time.perf_counter()
     candidates, error = [], None
     try:
-        candidates.append(build_plan(lengths, cost_model, config.memory_gb, recompute=config.recompute,
+        candidates.append(build_plan(lengths, cost_model, config.memory_budget_bytes, recompute=config.recompute,
                                      slice_counts=slice_counts(config), time_limit=config.time_limit,
                                      builder=ELASTIC.plan_label))
     except PlanInfeasible as infeasible:
         error = infeasible
     candidates += baseline_candidates(lengths, cost_model, config, known)
     if not candidates:
-        raise error or PlanInfeasible(f"no plan fits {config.memory_gb} GB per GPU")
+        raise error or PlanInfeasible(f"no plan fits {config.memory_budget_bytes / GIB} GB per GPU")
     best = min(candidates, key=lambda p: p.stats.predicted_step_ms)  # first wins ties: EPP's own plan
     stats = replace(best.stats, chosen=best.builder, candidates_ms={p.builder: round(p.stats.predicted_step_ms, 3) for p in candidates},
                     solve_ms=(time.perf_counter() - t0) * 1e3)
@@ -174,7 +174,7 @@ def _elastic_plan(lengths: Sequence[int], cost_model: CostModel, config: Planner
 
 
 def _megatron_plan(lengths: Sequence[int], cost_model: CostModel, config: PlannerConfig, known: BaselinePlans | None) -> Plan:
-    return _uniform_plan(lengths, cost_model, config.memory_gb, config.max_seq_len, None, MEGATRON.plan_label)
+    return _uniform_plan(lengths, cost_model, config.memory_budget_bytes, config.max_seq_len, None, MEGATRON.plan_label)
 
 
 def _seq1f1b_plan(lengths: Sequence[int], cost_model: CostModel, config: PlannerConfig, known: BaselinePlans | None) -> Plan:
@@ -186,7 +186,7 @@ def _seq1f1b_plan(lengths: Sequence[int], cost_model: CostModel, config: Planner
     cuts = [np.array([0, n]) for n in L]
     for i, c in zip(np.flatnonzero(long), equal_count_cuts(L[long], k, cost_model.work_vector(), max_seq_len)):
         cuts[i] = c
-    return _uniform_plan(L, cost_model, config.memory_gb, slice_tokens, cuts, SEQ1F1B.at(k).plan_label)
+    return _uniform_plan(L, cost_model, config.memory_budget_bytes, slice_tokens, cuts, SEQ1F1B.at(k).plan_label)
 
 
 ELASTIC = Builder("elastic", _elastic_plan, plan_name="epp")

@@ -15,14 +15,14 @@ import numpy as np
 
 from megatron_epp.cost.model import CostModel
 from megatron_epp.cost.network import NETWORKS, get_network
-from megatron_epp.cost.profiles import MODEL_PRESETS, Profile, load_profile, profile_at_tp
+from megatron_epp.cost.profiles import GIB, MODEL_PRESETS, Profile, load_profile, profile_at_tp
 from megatron_epp.plan import Plan, PlanInfeasible
 from megatron_epp.plan.order import format_stage_ops
 from megatron_epp.planner.builders import ELASTIC, plan_batch
 from megatron_epp.planner.compare import BASELINES, run_baselines
 from megatron_epp.planner.config import DEFAULT_CLUSTER, PlannerConfig, add_planner_arguments
 from megatron_epp.planner.layout import describe_choice, search_for_world
-from megatron_epp.planner.lengths import read_lengths, select_batch
+from megatron_epp.data.lengths import read_lengths, select_batch
 from megatron_epp.planner.data_parallel import split_data_parallel
 from megatron_epp.simulator.step import simulate
 from megatron_epp.simulator.timeline import draw_timeline
@@ -176,7 +176,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "bubble_ratio": max(i.bubble_ratio for i in info),
         "recompute_ms": max(i.recompute_ms for i in info),
         "peak_memory_gb": peak.tolist(),
-        "memory_budget_gb": config.memory_gb,
+        "memory_budget_gb": config.memory_budget_bytes / GIB,
         "baselines": baselines,
     }
     print_table(summary)

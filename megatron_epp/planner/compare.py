@@ -26,7 +26,7 @@ def _ablation(name: str, **options: Any) -> Builder:
 
     def build(lengths: Sequence[int], cost_model: CostModel, config: PlannerConfig, known: BaselinePlans | None) -> Plan:
         kw = {"recompute": config.recompute, **options}
-        return build_plan(lengths, cost_model, config.memory_gb, slice_counts=slice_counts(config), time_limit=config.time_limit,
+        return build_plan(lengths, cost_model, config.memory_budget_bytes, slice_counts=slice_counts(config), time_limit=config.time_limit,
                           builder=name, **kw)
 
     return Builder(name, build)
@@ -51,7 +51,7 @@ def run_baselines(
     out = {}
     for name in names:
         try:
-            summary = plan_flexsp(lengths, cost_model, config.memory_gb) if name == FLEXSP else summarize(
+            summary = plan_flexsp(lengths, cost_model, config.memory_budget_bytes) if name == FLEXSP else summarize(
                 COMPARED[name].plan(lengths, cost_model, config))
             out[name] = {"fits": True, **summary}
         except PlanInfeasible as e:

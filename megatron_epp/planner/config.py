@@ -8,10 +8,14 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from megatron_epp.cost.clusters import CLUSTERS
+from megatron_epp.cost.profiles import GIB
 
 BUILDER_NAMES = ("elastic", "megatron", "seq1f1b")
 DEFAULT_CLUSTER = "h100-ib-gpu"  # --epp-search-layout's cluster preset
 RECOMPUTE_MODES = ("adaptive", "greedy", "none", "full")
+# --epp-calibrate-interval: the first fit after this step (the first step is warm-up: lazy initialisation,
+# first-touch allocations), on the steps after the warm-up; then every --epp-calibrate-interval steps
+CALIBRATE_FIRST_STEP = 5
 Recompute = Literal["adaptive", "greedy", "none", "full"]
 
 
@@ -20,7 +24,7 @@ class PlannerConfig:
     """What a plan builder needs besides the lengths and the cost model.
 
     ``builder``: ``elastic`` (EPP), ``megatron`` (packing only) or ``seq1f1b`` (fixed slices);
-    ``memory_gb``: per GPU (GiB); ``profile``: the cost-model profile (a preset or a JSON path);
+    ``memory_budget_bytes``: per device (``--epp-memory-budget``, given in GB); ``profile``: the cost-model profile (a preset or a JSON path);
     ``recompute``: ``adaptive`` (the per-(stage, chunk) integer program), ``greedy`` (its greedy
     heuristic), ``none`` or ``full``; ``max_slices``: most slices per sequence (seq1f1b: its ``k``),
     None for the planner's defaults; ``time_limit``: the recompute program's wall-clock safety limit,
@@ -28,7 +32,7 @@ class PlannerConfig:
     ``max_seq_len``: the context length (megatron's micro-batch tokens).
     """
 
-    memory_gb: float
+    memory_budget_bytes: float
     max_seq_len: int
     profile: str = "auto"
     builder: str = "elastic"
@@ -41,7 +45,7 @@ class PlannerConfig:
             raise ValueError(f"--epp-plan {self.builder!r}: one of {', '.join(BUILDER_NAMES)}")
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"--epp-recompute {self.recompute!r}: one of {', '.join(RECOMPUTE_MODES)}")
-        if self.memory_gb <= 0:
+        if self.memory_budget_bytes <= 0:
             raise ValueError("--epp-memory-budget must be positive")
         if self.max_slices is not None and self.max_slices < 1:
             raise ValueError("--epp-max-slices must be >= 1")
@@ -50,11 +54,31 @@ class PlannerConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, max_seq_len: int) -> "PlannerConfig":
-        """From the options of :func:`add_planner_arguments` (defaults filled in)."""
+        """From the options of :func:`add_planner_arguments` (defaults filled in): the one place the budget's GB
+        become bytes."""
         return cls(
-            memory_gb=args.epp_memory_budget, max_seq_len=max_seq_len, profile=args.epp_profile, builder=args.epp_plan,
+            memory_budget_bytes=args.epp_memory_budget * GIB, max_seq_len=max_seq_len, profile=args.epp_profile, builder=args.epp_plan,
             recompute=args.epp_recompute, max_slices=args.epp_max_slices, time_limit=args.epp_time_limit,
         )
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """The parallel layout a run plans for: tensor-parallel size ``tp`` (with ``sequence_parallel``),
+    pipeline stages ``pp`` and data-parallel replicas ``dp``."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    sequence_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        if min(self.tp, self.pp, self.dp) < 1:
+            raise ValueError(f"parallel sizes must be >= 1 (tp {self.tp}, pp {self.pp}, dp {self.dp})")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
 
 
 def add_planner_arguments(group: Any, defaults: dict[str, Any]) -> None:

@@ -250,7 +250,7 @@ def _family(search: _Search, balance: bool, recompute: bool, caps: list[int], st
 def build_plan(
     lengths: Sequence[int],
     cost_model: CostModel,
-    memory_gb: float,
+    budget_bytes: float,
     *,
     recompute: Recompute = "adaptive",
     balance: bool = True,
@@ -261,7 +261,7 @@ def build_plan(
 ) -> Plan:
     """Elastic pipeline plan of one global batch (one data-parallel replica).
 
-    ``memory_gb``: per GPU (GiB). ``recompute``: ``"adaptive"`` (the integer program), ``"greedy"``,
+    ``budget_bytes``: per GPU. ``recompute``: ``"adaptive"`` (the integer program), ``"greedy"``,
     ``"none"`` or ``"full"``. ``balance=False``: even slices and token-only packing into chunks of
     a searched fixed length (the "w/o workload balance" ablation).
 
@@ -278,11 +278,10 @@ def build_plan(
     L = np.asarray(lengths, dtype=np.int64)
     if len(L) == 0 or (L < 1).any():
         raise PlanInfeasible("the batch must hold sequences of at least one token")
-    budget = memory_gb * GIB
-    check_fits(L, cost_model, budget)
-    memory_cap = token_cap(cost_model, budget)
+    check_fits(L, cost_model, budget_bytes)
+    memory_cap = token_cap(cost_model, budget_bytes)
     caps = token_caps(int(L.max()), memory_cap)
-    search = _Search(L, cost_model, budget - cost_model.model_state_bytes()[0])
+    search = _Search(L, cost_model, budget_bytes - cost_model.model_state_bytes()[0])
     flags = [f for f, allowed in ((True, recompute != "none"), (False, recompute != "full")) if allowed]
     start_cap = min(memory_cap, caps[0])
     finalists = [(rc, _family(search, b, rc, caps if rc else ([c for c in caps if c <= start_cap] or [start_cap]), start_cap, slice_counts))
@@ -290,13 +289,13 @@ def build_plan(
     if balance and recompute != "full":  # packing only: one slice budget, the longest sequence's work
         finalists.append((False, _family(search, True, False, [start_cap], start_cap, [1])))
     modes = [recompute] + (["full"] if recompute in ("adaptive", "greedy") else [])
-    plans, reasons = _simulate_finalists(search, finalists, _Recompute(modes, budget, time_limit, mip_rel_gap), builder)
+    plans, reasons = _simulate_finalists(search, finalists, _Recompute(modes, budget_bytes, time_limit, mip_rel_gap), builder)
     if not plans:
         why = reasons[0] if reasons else f"no grouping fits even with chunks of {caps[-1]} tokens"
-        raise PlanInfeasible(f"no {recompute!r} plan fits {memory_gb} GB per GPU: {why}")
+        raise PlanInfeasible(f"no {recompute!r} plan fits {budget_bytes / GIB} GB per GPU: {why}")
     best = min(plans, key=lambda f: f.sim.step_ms)  # first wins ties
     best.plan.validate()
-    best.plan.stats = plan_stats(best.plan, cost_model, best.sim, budget, (time.perf_counter() - t0) * 1e3, best.program, best.chunking)
+    best.plan.stats = plan_stats(best.plan, cost_model, best.sim, budget_bytes, (time.perf_counter() - t0) * 1e3, best.program, best.chunking)
     return best.plan
 
 

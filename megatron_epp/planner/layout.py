@@ -24,7 +24,7 @@ import numpy as np
 
 from megatron_epp.cost.clusters import COMM_OVERLAP, INTRA_MODES, Cluster, get_cluster, stage_profile
 from megatron_epp.cost.model import CostModel
-from megatron_epp.cost.profiles import ModelShape
+from megatron_epp.cost.profiles import GIB, ModelShape
 from megatron_epp.plan import Plan, PlanInfeasible
 from megatron_epp.planner.builders import ELASTIC, MEGATRON, SEQ1F1B, SEQ1F1B_KS, BaselinePlans, Builder
 from megatron_epp.planner.config import PlannerConfig
@@ -283,8 +283,8 @@ def search_layout(lengths: Sequence[int], shape: ModelShape, cluster: Cluster, s
     for layout in enumerate_layouts(shape, cluster, intra_modes or SYSTEM_INTRA[system], len(L)):
         cm = layout_cost_model(shape, cluster, layout, overlap)
         states = cm.model_state_bytes().max()
-        if states >= config.memory_gb * 2**30:
-            skipped[str(layout)] = f"model states {states / 2**30:.1f} GB per GPU"
+        if states >= config.memory_budget_bytes:
+            skipped[str(layout)] = f"model states {states / GIB:.1f} GB per GPU"
             continue
         parts = split_data_parallel(L, layout.dp, cm.work_vector())
         cands.append(_Candidate(layout, cm, parts, dp_sync_ms(cm, cluster, layout, overlap), [cm.bound_ms(L[p]) for p in parts]))
@@ -305,7 +305,7 @@ def search_layout(lengths: Sequence[int], shape: ModelShape, cluster: Cluster, s
         except PlanInfeasible as e:
             skipped[c.name] = str(e)
     if not evaluated:
-        raise PlanInfeasible(f"{system.plan_label}: no layout of {cluster.world_size} GPUs fits {config.memory_gb} GB per GPU")
+        raise PlanInfeasible(f"{system.plan_label}: no layout of {cluster.world_size} GPUs fits {config.memory_budget_bytes / GIB} GB per GPU")
     ranked = sorted(evaluated, key=lambda r: (r.step_ms, str(r.layout)))
     return LayoutChoice(ranked[0], ranked[1] if len(ranked) > 1 else None, ranked, skipped)
 

@@ -17,6 +17,7 @@ import numpy as np
 from scipy import sparse
 from scipy.optimize import Bounds, LinearConstraint, milp
 
+from megatron_epp.cost.profiles import GIB
 from megatron_epp.planner.config import Recompute
 from megatron_epp.simulator.memory import StageMemory
 
@@ -30,7 +31,7 @@ class MemoryInfeasible(ValueError):
     ``"none"``, without checkpointing)."""
 
     def __init__(self, stage: int, need_bytes: float, budget_bytes: float) -> None:
-        super().__init__(f"stage {stage} needs {need_bytes / 2**30:.3g} GB > budget {budget_bytes / 2**30:.3g} GB")
+        super().__init__(f"stage {stage} needs {need_bytes / GIB:.3g} GB > budget {budget_bytes / GIB:.3g} GB")
         self.stage = stage
         self.excess_bytes = need_bytes - budget_bytes
 

@@ -191,7 +191,7 @@ def _lat(net: Network, d: int) -> float:
     return net.alltoall_ms(0.0, d)
 
 
-def simulate_flexsp(lengths: Sequence[int], base: Profile, n_gpu: int, fabric: Cluster | Network, memory_gb: float, *,
+def simulate_flexsp(lengths: Sequence[int], base: Profile, n_gpu: int, fabric: Cluster | Network, budget_bytes: float, *,
                     overlap: float = COMM_OVERLAP, num_buckets: int = 16, time_limit: float = 0.3,
                     modes: Sequence[str] = ("none", "full")) -> dict[str, Any]:
     """Predicted step of FlexSP on ``n_gpu`` GPUs (``base``: the tp = 1 per-GPU profile)."""
@@ -201,9 +201,9 @@ def simulate_flexsp(lengths: Sequence[int], base: Profile, n_gpu: int, fabric: C
     net = fabric.network(fabric.world_size) if isinstance(fabric, Cluster) else fabric
     L = np.asarray(lengths, dtype=float)
     states = model_state_bytes(base.model, n_gpu)
-    free = memory_gb * GIB - states
+    free = budget_bytes - states
     if free <= 0:
-        raise PlanInfeasible(f"FlexSP: ZeRO-3 model states take {states / GIB:.1f} of {memory_gb} GB per GPU")
+        raise PlanInfeasible(f"FlexSP: ZeRO-3 model states take {states / GIB:.1f} of {budget_bytes / GIB} GB per GPU")
     c = sequence_costs(base, L)
     best: dict[str, Any] | None = None
     for mode in modes:
@@ -218,7 +218,7 @@ def simulate_flexsp(lengths: Sequence[int], base: Profile, n_gpu: int, fabric: C
                     best = {**result, "peak_memory_gb": [(result.pop("peak_act") + states) / GIB]}
                 break
     if best is None:
-        raise PlanInfeasible(f"FlexSP: no sequence-parallel assignment fits {memory_gb} GB per GPU")
+        raise PlanInfeasible(f"FlexSP: no sequence-parallel assignment fits {budget_bytes / GIB} GB per GPU")
     return best
 
 
@@ -249,14 +249,14 @@ def _step(L, c, base, n_gpu, fabric, net, free, mode, m, overlap, num_buckets, t
             "zero3_exposed_ms": zero_total, "recompute_ms": recompute_ms}
 
 
-def plan_flexsp(lengths: Sequence[int], cost_model: CostModel, memory_gb: float, **kw: Any) -> dict[str, Any]:
+def plan_flexsp(lengths: Sequence[int], cost_model: CostModel, budget_bytes: float, **kw: Any) -> dict[str, Any]:
     """FlexSP on the GPUs of one pipeline replica of ``cost_model`` (``num_stages * tp``), on its network
     and device (an analytic profile is rebuilt at tp = 1; a measured profile must be tp = 1)."""
     prof = cost_model.profile
     if prof.tp != 1 and prof.source != "analytic":
         raise ValueError("FlexSP needs the per-GPU (tp=1) costs: a tp=1 or an analytic profile")
     base = prof if prof.tp == 1 else analytic_profile(prof.model, 1, _accelerator_of(prof))
-    return simulate_flexsp(lengths, base, cost_model.num_stages * prof.tp, cost_model.network, memory_gb, **kw)
+    return simulate_flexsp(lengths, base, cost_model.num_stages * prof.tp, cost_model.network, budget_bytes, **kw)
 
 
 def _accelerator_of(prof: Profile) -> Accelerator:

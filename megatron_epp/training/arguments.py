@@ -13,7 +13,7 @@ from megatron_epp.cost.profiles import GIB
 from megatron_epp.data.data_path import Blend, BlendError
 from megatron_epp.data.tokenizers import TokenizerError, add_tokenizer_arguments, resolve_tokenizer_args, tokenizer_from_args
 from megatron_epp.executor.kernels import load_flash_kernel
-from megatron_epp.planner.config import DEFAULT_CLUSTER, PlannerConfig, add_planner_arguments
+from megatron_epp.planner.config import CALIBRATE_FIRST_STEP, DEFAULT_CLUSTER, PlannerConfig, add_planner_arguments
 from megatron_epp.training.extensions import probe_transformer_engine
 from megatron_epp.training.megatron_flags import add_megatron_flags
 from megatron_epp.training.memory_budget import CPU_FRACTION, CUDA_MARGIN_FRACTION, default_memory_budget
@@ -646,10 +646,7 @@ SEARCH_REFUSES = {
 }
 
 
-# --epp-calibrate-interval: the first fit after this step (the first step is warm-up: lazy initialisation,
-# first-touch allocations), on the steps after the warm-up; then every --epp-calibrate-interval steps
-CALIBRATE_FIRST_STEP = 5
-CALIBRATE_INTERVAL = 20
+CALIBRATE_INTERVAL = 20  # --epp-calibrate-interval's default (the first fit: after step CALIBRATE_FIRST_STEP)
 
 
 def validate_elastic_args(args: argparse.Namespace, world_size: int) -> None:

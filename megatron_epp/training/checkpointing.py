@@ -113,7 +113,7 @@ def _sharded_state(
         "iteration": iteration,
         "consumed_samples": consumed,
         "rng": ShardedObject("rng_state", _rng_state(), layout, here, replica_id=0),
-        # the elastic planner's online calibration (training.elastic.PlanBuilder.state_dict; None without --elastic-pp)
+        # the elastic planner's online calibration (planner.online.OnlinePlanner.state_dict; None without --elastic-pp)
         "planner": ShardedObject(PLANNER_KEY, planner_state, layout, here, replica_id=0),
     }
 

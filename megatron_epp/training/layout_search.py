@@ -19,9 +19,9 @@ import numpy as np
 from megatron_epp.plan import PlanInfeasible
 from megatron_epp.planner.config import PlannerConfig
 from megatron_epp.planner.layout import describe_choice, search_for_world
-from megatron_epp.planner.lengths import select_batch
+from megatron_epp.data.lengths import select_batch
 from megatron_epp.training.arguments import ArgumentError
-from megatron_epp.training.elastic import elastic_documents
+from megatron_epp.training.planning import elastic_documents
 from megatron_epp.training.model import model_shape
 
 

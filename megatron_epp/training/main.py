@@ -15,7 +15,8 @@ from megatron_epp.executor.context import ChunkContext
 from megatron_epp.training import checkpointing, host_allocator
 from megatron_epp.training.arguments import ArgumentError, parse_args, world_size_from_env
 from megatron_epp.training.corpus_check import check_corpus
-from megatron_epp.training.elastic import check_memory_budget, elastic_train_step
+from megatron_epp.training.elastic import elastic_train_step
+from megatron_epp.training.planning import check_memory_budget
 from megatron_epp.training.faults import FaultInjection, SigtermHandler, TrainingFault
 from megatron_epp.training.profiling import check_profile, startup_profile
 from megatron_epp.training.gpt_step import gpt_forward_step, microbatches

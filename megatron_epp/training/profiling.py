@@ -54,7 +54,7 @@ class LayerStack(torch.nn.Module):
     shape has it) through the chunk rotary embedding, all reading the stack's own :class:`ChunkContext`. A
     checkpointed forward recomputes as training does (the layout's recompute count, megatron-core's
     ``tensor_parallel.checkpoint``). Needs megatron-core's model-parallel state with one tensor-parallel rank
-    (a training process at TP = 1, or ``megatron_epp.tools.layer_bench.init_single_process``).
+    (a training process at TP = 1, or ``megatron_epp.training.layer_bench.init_single_process``).
 
     :meth:`set_segments` makes a chunk current in the stack's own context until the next call, so a
     forward and its backward (recompute included) run on that chunk.

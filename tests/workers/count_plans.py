@@ -9,11 +9,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from megatron_epp.training import elastic  # noqa: E402
+from megatron_epp.planner.online import OnlinePlanner  # noqa: E402
 from megatron_epp.training.main import main  # noqa: E402
 
 plans = []
-real = elastic.PlanBuilder.__call__
+real = OnlinePlanner.__call__
 
 
 def counting(self, lengths, cost_model=None):
@@ -21,7 +21,7 @@ def counting(self, lengths, cost_model=None):
     return real(self, lengths, cost_model)
 
 
-elastic.PlanBuilder.__call__ = counting
+OnlinePlanner.__call__ = counting
 atexit.register(lambda: print(f"rank {os.environ.get('RANK')}: plans made: {len(plans)}", flush=True))
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ One stage (pp = 1: embedding, layers and output head) of the model the flags des
 executor's own layers (``ChunkRecomputeLayer`` + ``ElasticAttention``); each case is a small plan
 (batched, split, hybrid chunks; sequences in 2 to 4 slices; no, partial and full recompute) run through
 ``forward_backward_elastic`` under :class:`ActivationMemoryTracker`, beside
-``PlanBuilder.predicted_activation_bytes`` of the same plan; also with the split sequences' K/V gradient
+``OnlinePlanner.predicted_activation_bytes`` of the same plan; also with the split sequences' K/V gradient
 accumulators counted (the tracker's ``peak_with_kv_grads``, the planner with ``kv_grad`` 1: what CUDA's allocator
 sees; ``pred_grads_seen``: the walk's peak over the moments the CPU tracker samples, when tensors are saved: the
 forwards' ends and the recomputes, not the start of a backward, where a middle slice holds the accumulators beside
@@ -44,7 +44,7 @@ from megatron_epp.executor.context import ChunkContext, token_multiple  # noqa: 
 from megatron_epp.executor.memory_tracker import ActivationMemoryTracker  # noqa: E402
 from megatron_epp.plan import Chunk, Pipeline, Plan, Segment, chunk_kind  # noqa: E402
 from megatron_epp.training.arguments import parse_args  # noqa: E402
-from megatron_epp.training.elastic import PlanBuilder  # noqa: E402
+from megatron_epp.training.planning import online_planner  # noqa: E402
 from megatron_epp.training.initialize import initialize  # noqa: E402
 from megatron_epp.training.model import build_model  # noqa: E402
 from tests.workers.runs import split_runs  # noqa: E402
@@ -107,9 +107,9 @@ def measure(argv: list[str]) -> None:
     context = ChunkContext()
     model, config = build_model(args, runtime, context=context)
     model.to(getattr(torch, ours.model_dtype))
-    build = PlanBuilder(args)
+    build = online_planner(args)
     cm = build.cost_model
-    if cm.profile.model.dtype != ours.model_dtype:  # the shape PlanBuilder takes from the flags has no cast's dtype
+    if cm.profile.model.dtype != ours.model_dtype:  # the shape OnlinePlanner takes from the flags has no cast's dtype
         shape = dataclasses.replace(cm.profile.model, dtype=ours.model_dtype)
         build.cost_model = CostModel(dataclasses.replace(cm.profile, model=shape), cm.num_stages, cm.layers, dp=cm.dp)
     # the same planner counting the K/V gradient accumulators (set after the model is built: the CPU profile's

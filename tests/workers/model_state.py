@@ -5,7 +5,7 @@ with ``--use-distributed-optimizer`` (a model and optimizer built for each, in o
 
 Counted on each rank: the parameters (in their dtype), their gradients (DDP's ``main_grad``, fp32) and
 the optimizer's state tensors (Adam's moments; fp32 main copies of bf16 weights, i.e. the optimizer's
-parameters that share no storage with the model's). Predicted: ``PlanBuilder(args).cost_model``'s
+parameters that share no storage with the model's). Predicted: ``online_planner(args).cost_model``'s
 ``model_state_bytes`` of the rank's stage. The first rank writes every rank's records to OUT.json:
 ``{"plain": [...], "sharded": [...]}``, one record per rank each.
 """
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_epp.training.arguments import parse_args
-from megatron_epp.training.elastic import PlanBuilder
+from megatron_epp.training.planning import online_planner
 from megatron_epp.training.initialize import initialize, shutdown
 from megatron_epp.training.loop import build_optimizer
 from megatron_epp.training.model import build_model
@@ -47,7 +47,7 @@ def rank_record(args, runtime) -> dict:
     return {
         "pp": runtime.pp_rank, "tp": runtime.tp_rank, "dp": runtime.dp_rank,
         "weight": nbytes(params), "grad": nbytes(p.main_grad for p in params), "optim": nbytes(states) + nbytes(main_params),
-        "predicted": float(PlanBuilder(args).cost_model.model_state_bytes()[runtime.pp_rank]),
+        "predicted": float(online_planner(args).cost_model.model_state_bytes()[runtime.pp_rank]),
     }
 
 

@@ -1,6 +1,7 @@
 """The sequence lengths the planner plans: a lengths file (one token count per line, ``.gz`` allowed) and a
 global batch sampled from it, shared by ``epp-plan``, ``pretrain_gpt.py --epp-search-layout`` and the mock
-documents (:func:`megatron_epp.data.mock_documents.lengths_from_file`)."""
+documents (:func:`megatron_epp.data.mock_documents.lengths_from_file`). Numpy only: the data layer's module that
+the torch-free planner may import (lengths are data; the flow is lengths -> planner)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Run ``pretrain_gpt.py`` for the measurement scripts, and rebuild the plans it ran.
+"""Run ``pretrain_gpt.py`` for the measurement scripts, and rebuild the plans it ran (training's launcher and
+planner wiring, which the scripts share; it moved here from ``megatron_epp.tools``: the planner never imports training).
 
 The cost model's calibration on real steps (the machine's speed factor ``s`` and the executor's
 per-chunk stage overhead ``o``) is the library's :mod:`megatron_epp.planner.calibration`, which the
@@ -23,8 +24,8 @@ from typing import Sequence
 from megatron_epp.cost.model import CostModel
 from megatron_epp.plan import Plan
 from megatron_epp.training.arguments import parse_args
-from megatron_epp.training.elastic import PlanBuilder, elastic_sampler
 from megatron_epp.training.metrics import StepMetrics, read_metrics
+from megatron_epp.training.planning import elastic_sampler, online_planner
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -51,13 +52,13 @@ def reconstruct_plans(argv: Sequence[str], iterations: int, world_size: int = 2)
     model (the profile on this run's model shape and stages). Rebuilt on the profile as given: a run
     that calibrates (``--epp-calibrate-interval`` > 0) plans differently after its first fit."""
     args = parsed_args(argv, world_size)
-    build = PlanBuilder(args)
-    batches = elastic_sampler(args, "train", args.data_parallel_size, build).iterate(0)
+    planner = online_planner(args)
+    batches = elastic_sampler(args, "train", args.data_parallel_size, planner).iterate(0)
     plans = []
     for _ in range(iterations):
         batch = next(batches)
-        plans.append(build(batch.seq_lengths[batch.positions(0)].tolist()).validate())
-    return plans, build.cost_model
+        plans.append(planner(batch.seq_lengths[batch.positions(0)].tolist()).validate())
+    return plans, planner.cost_model
 
 
 def parsed_args(argv: Sequence[str], world_size: int = 2):
