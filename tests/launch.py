@@ -24,8 +24,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# set in this process by megatron-core's LanguageModule whenever a test builds a model here (its --attention-backend
+# bookkeeping for Transformer Engine); a child inheriting them would refuse another --attention-backend
+MEGATRON_SET_ENV = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+
+
 def run_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    """The environment of a launched run: this one without what in-process model builds left in it."""
+    env = {k: v for k, v in os.environ.items() if k not in MEGATRON_SET_ENV}
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     env.update(extra or {})
     return env
 
