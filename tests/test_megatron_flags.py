@@ -79,7 +79,8 @@ def test_megatron_flags_parse_with_their_meaning(flags, expected):
 @pytest.mark.parametrize("entry", ACCEPTED, ids=lambda e: e.flag)
 def test_accepted_flags_are_named_at_start_up(entry):
     value = {"--num-workers": ["2"], "--data-cache-path": ["cache"], "--tiktoken-pattern": ["v2"],
-             "--distributed-backend": ["gloo"]}.get(entry.flag, [])
+             "--distributed-backend": ["gloo"], "--transformer-impl": ["local"], "--dataloader-type": ["single"],
+             "--rerun-mode": ["disabled"]}.get(entry.flag, [])
     extra = ["--use-distributed-optimizer"] if entry.flag == "--overlap-param-gather" else []
     notes = startup_notes(parsed(entry.flag, *value, *extra))
     assert [n for n in notes if n.startswith("Megatron-LM flags accepted with no effect here") and entry.flag in n]

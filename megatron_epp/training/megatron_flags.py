@@ -32,7 +32,8 @@ ACCEPTED = (
              "consistent average)"),
     Accepted("--no-create-attention-mask-in-dataloader", "no attention mask is ever built by the data: attention is "
              "causal per document (--elastic-pp) or per sample"),
-    Accepted("--no-rope-fusion", "RoPE is never fused here (megatron-core's unfused apply_rotary_pos_emb)"),
+    Accepted("--no-rope-fusion", "RoPE is never fused here (megatron-core's unfused rotation; with --elastic-pp the "
+             "chunk's cos/sin tables, built once per chunk and shared by the layers)"),
     Accepted("--no-gradient-accumulation-fusion", "never fused here (it needs Apex's fused weight-gradient kernel)"),
     Accepted("--no-async-tensor-model-parallel-allreduce", "megatron-core schedules the tensor-parallel all-reduce itself"),
     Accepted("--cross-entropy-loss-fusion", "no effect: megatron-core's unfused vocab-parallel cross entropy (the same loss)"),
@@ -45,6 +46,14 @@ ACCEPTED = (
              (("default", None), ("metavar", "DIR"))),
     Accepted("--tiktoken-pattern", "no effect: read by Megatron-LM's TikTokenizer only (not supported here); "
              "ignored with other tokenizers, as Megatron-LM", (("default", None),)),
+    Accepted("--transformer-impl", "no effect: the layer spec follows what imports (the stock path takes Transformer "
+             "Engine's where transformer_engine.pytorch imports, else megatron-core's local spec; --elastic-pp always "
+             "builds the local spec with its elastic attention); the start-up line '> layers:' says which",
+             (("choices", ("local", "transformer_engine", "inference_optimized")), ("default", None))),
+    Accepted("--dataloader-type", "no effect: megatron-epp's own samplers (one resumable order over the split; "
+             "whole documents with --elastic-pp), no DataLoader", (("choices", ("single", "cyclic", "external")), ("default", None))),
+    Accepted("--rerun-mode", "no effect: megatron-epp's own NaN/Inf check (--check-for-nan-in-loss-and-grad) stops the "
+             "run before the update and names the rank", (("choices", ("disabled", "validate_results", "report_stats")), ("default", None))),
     Accepted("--distributed-backend", "no effect: NCCL on CUDA, gloo on CPU, chosen by the device",
              (("choices", ("nccl", "gloo")), ("default", None))),
 )
@@ -71,6 +80,12 @@ REFUSED = {
     "--use-torch-fsdp2": "FSDP is not supported; shard the optimizer states with --use-distributed-optimizer",
     "--use-megatron-fsdp": "FSDP is not supported; shard the optimizer states with --use-distributed-optimizer",
     "--num-experts": "mixture-of-experts models are not supported (the planner's cost model is for dense GPT/LLaMA layers)",
+    "--no-save-optim": "every checkpoint holds the optimizer states (so that a resume is bit-identical); leave them out "
+                       "at load with --no-load-optim",
+    "--no-save-rng": "every checkpoint holds the random generators' states (so that a resume is bit-identical); leave "
+                     "them out at load with --no-load-rng",
+    "--use-checkpoint-args": "the model flags come from the command line; a checkpoint of another model shape or "
+                             "parallel layout is refused in one line at --load",
     "--profile": "not wired here; run under nsys or torch.profiler (--epp-timeline draws the planned schedule of each "
                  "logged step)",
     "--profile-step-start": "goes with --profile, which is not wired here",
