@@ -439,7 +439,7 @@ def saved_tensor_memory(shape: ModelShape, tp: int = 1, sequence_parallel: bool 
     fp32 softmax of the logits (``4 V``), the loss's target mask and indices (1 + 8) and the loss mask
     (4); the first stage the token ids (8; and position ids, 8, with learned positions; at tp > 1 the ids
     shifted to the rank's vocabulary share and the boolean mask of the ids outside it, 8 + 1). Measured by
-    ``tests/test_planner_memory.py`` against the tracker on real chunks, fp32 and bf16, GPT- and
+    ``tests/integration/test_planner_memory.py`` against the tracker on real chunks, fp32 and bf16, GPT- and
     LLaMA-style, and at tp 2 with sequence parallelism.
 
     With ``sequence_parallel`` each tensor-parallel rank holds ``1 / tp`` of a chunk's tokens outside attention:
@@ -465,7 +465,7 @@ def saved_tensor_memory(shape: ModelShape, tp: int = 1, sequence_parallel: bool 
       ``4 q`` or ``8 q`` per prefix key (the slice's k, v copies of its buffer's rows); the QKV output stays
       saved only as v's storage, so a lone slice (its v read from the buffer) does not save it.
 
-    Measured byte-exact by ``tests/test_planner_memory.py`` (attention dropout in fp32; both dropouts in bf16, and in
+    Measured byte-exact by ``tests/integration/test_planner_memory.py`` (attention dropout in fp32; both dropouts in bf16, and in
     fp32 with grouped-query attention; hidden dropout at tp 2 with sequence parallelism). On CUDA the :func:`gpu_activation_memory` count holds
     instead (its hidden-dropout masks are one byte per element; flash-attn's and SDPA's flash/efficient kernels
     save only the RNG state for attention dropout): not measured.
