@@ -585,12 +585,7 @@ def validate_schedule_args(args: argparse.Namespace) -> None:
     if args.train_samples is not None:
         if args.train_iters is not None:
             raise ArgumentError("--train-iters and --train-samples are mutually exclusive: give one")
-        iter_flags = [f for f, given in (("--lr-warmup-iters", args.lr_warmup_iters), ("--lr-decay-iters", args.lr_decay_iters)) if given]
-        if iter_flags:
-            raise ArgumentError(f"{iter_flags[0]} counts iterations; with --train-samples give the schedule in samples "
-                                f"({iter_flags[0].replace('-iters', '-samples')})")
-        if args.lr_wsd_decay_iters is not None:
-            raise ArgumentError("--lr-wsd-decay-iters counts iterations; with --train-samples give --lr-wsd-decay-samples")
+        refuse_schedule_in_other_unit(args, "samples")
         args.train_iters = args.train_samples // gbs
         if args.train_iters < 1:
             raise ArgumentError(f"--train-samples {args.train_samples} is less than one --global-batch-size {gbs}")
@@ -601,12 +596,7 @@ def validate_schedule_args(args: argparse.Namespace) -> None:
             raise ArgumentError(f"--lr-warmup-samples {args.lr_warmup_samples} must be smaller than --lr-decay-samples "
                                 f"{args.lr_decay_samples} (default: --train-samples)")
         return
-    sample_flags = [f for f, given in (("--lr-warmup-samples", args.lr_warmup_samples), ("--lr-decay-samples", args.lr_decay_samples)) if given]
-    if sample_flags:
-        raise ArgumentError(f"{sample_flags[0]} applies with --train-samples; with --train-iters give "
-                            f"{sample_flags[0].replace('-samples', '-iters')}")
-    if args.lr_wsd_decay_samples is not None:
-        raise ArgumentError("--lr-wsd-decay-samples applies with --train-samples; with --train-iters give --lr-wsd-decay-iters")
+    refuse_schedule_in_other_unit(args, "iters")
     args.train_iters = args.train_iters or 20
     args.lr_decay_iters = args.lr_decay_iters or args.train_iters
     args.lr_warmup_samples, args.lr_decay_samples = args.lr_warmup_iters * gbs, args.lr_decay_iters * gbs
@@ -617,6 +607,22 @@ def validate_schedule_args(args: argparse.Namespace) -> None:
             f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than --lr-decay-iters "
             f"{args.lr_decay_iters} (default: --train-iters)"
         )
+
+
+def refuse_schedule_in_other_unit(args: argparse.Namespace, unit: str) -> None:
+    """The LR schedule counts ``unit`` ("samples" with ``--train-samples``, else "iters"): a warm-up, decay or WSD
+    length given in the other unit is one line naming the flag to give instead."""
+    other = "iters" if unit == "samples" else "samples"
+    given = [f"--lr-{name}-{other}" for name in ("warmup", "decay") if getattr(args, f"lr_{name}_{other}")]
+    given += [f"--lr-wsd-decay-{other}"] if getattr(args, f"lr_wsd_decay_{other}") is not None else []
+    if not given:
+        return
+    flag = given[0]
+    instead = flag.replace(f"-{other}", f"-{unit}")
+    if unit == "iters":
+        raise ArgumentError(f"{flag} applies with --train-samples; with --train-iters give {instead}")
+    raise ArgumentError(f"{flag} counts iterations; with --train-samples give "
+                        + (instead if flag.startswith("--lr-wsd") else f"the schedule in samples ({instead})"))
 
 
 def validate_warmup_and_wsd(args: argparse.Namespace, unit: str) -> None:
