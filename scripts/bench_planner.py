@@ -7,7 +7,7 @@
    batch per seed. Reports the process's CPU time (what one core costs when other processes share
    the machine; ``--cpu N`` pins the process to core N) and wall time: median, p90, max, and the
    spread (max / min) as the noise.
-   ``--scale-test``: also ``tests/test_planner_scale.py``'s heavy-tailed batch (2048 log-normal
+   ``--scale-test``: also ``tests/integration/test_planner_scale.py``'s heavy-tailed batch (2048 log-normal
    lengths, median 3.2K, sigma 1.9, cap 64K: 22M tokens) at 80 / 40 / 20 GB. ``--layout-search``: also
    the layout search on (``search_layout`` for EPP, 2048 Wikipedia sequences, the 32-GPU
    ``a800-ib-node`` cluster, 80 GB), ``--layout-seeds`` batches (goal: under 10 s).
@@ -91,7 +91,7 @@ def main() -> None:
     ap.add_argument("--timing-sequences", type=int, default=2048, help="sequences per timed batch")
     ap.add_argument("--timing-only", action="store_true", help="skip the comparison (part 2)")
     ap.add_argument("--cpu", type=int, help="pin the process to this core (as taskset -c)")
-    ap.add_argument("--scale-test", action="store_true", help="also time the heavy-tailed batch of tests/test_planner_scale.py")
+    ap.add_argument("--scale-test", action="store_true", help="also time the heavy-tailed batch of tests/integration/test_planner_scale.py")
     ap.add_argument("--layout-search", action="store_true", help="also time the layout search (EPP, 32 A800 GPUs)")
     ap.add_argument("--layout-seeds", type=int, default=3)
     args = ap.parse_args()

@@ -8,7 +8,7 @@ is run at ``--epp-memory-budget`` (where it is expected not to fit) and again at
 
 Checks, each printed ``ok`` or ``FAIL``:
   * every step, every stage: |predicted / measured - 1| <= ``--tolerance`` (default 0: byte for byte, as
-    ``tests/test_planner_memory.py`` holds the count on CPU; the records carry bytes, not the log's rounded MB);
+    ``tests/integration/test_planner_memory.py`` holds the count on CPU; the records carry bytes, not the log's rounded MB);
   * every step, every stage: model states + measured activations <= the budget the plan was made for
     (up to the log's rounding of activation MB to two decimals);
   * ``full`` measures the least activation memory of the modes at ``--epp-memory-budget``; its time is shown

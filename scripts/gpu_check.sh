@@ -12,7 +12,7 @@
 #   attention    scripts/check_cuda_attention.py: SDPA paths (and flash-attn varlen where it imports)
 #                in bf16 against an fp32 reference (query blocks: one block's scores in memory), on
 #                batched, split and hybrid chunks
-#   equivalence  tests/test_elastic_equivalence.py, its one-process cases (-k pp1): elastic vs stock
+#   equivalence  tests/integration/test_elastic_equivalence.py, its one-process cases (-k pp1): elastic vs stock
 #                Megatron-Core in fp32 (SDPA, < 1e-5) and bf16 elastic vs fp32 (every attention backend
 #                that runs; < 16 u); runs of more processes than GPUs are skipped, with the reason
 #   profile      scripts/profile_gpu.py: the layer's cost profile on this GPU (bf16, CUDA events)
@@ -90,7 +90,7 @@ command_of() {
     facts) echo "nvidia-smi; $PYTHON - (versions; which optional packages import)" ;;
     install) echo "bash scripts/setup_gpu.sh --find-links ${WHEELS:-<none>} --build-timeout $BUILD_TIMEOUT --log-dir $OUT_DIR/install" ;;
     attention) echo "$PYTHON scripts/check_cuda_attention.py ${ATTENTION_FLAGS[*]}" ;;
-    equivalence) echo "$PYTHON -m pytest -q -p no:cacheprovider -rs tests/test_elastic_equivalence.py ${EQUIVALENCE_SELECTION[*]}" ;;
+    equivalence) echo "$PYTHON -m pytest -q -p no:cacheprovider -rs tests/integration/test_elastic_equivalence.py ${EQUIVALENCE_SELECTION[*]}" ;;
     profile) echo "$PYTHON scripts/profile_gpu.py ${PROFILE_FLAGS[*]} --out $OUT_DIR/profile.json" ;;
     train) echo "$PYTHON -m torch.distributed.run --nproc-per-node 1 pretrain_gpt.py ${TRAIN_FLAGS[*]} --epp-profile <profile.json, else llama-7b> --epp-metrics $OUT_DIR/metrics.jsonl" ;;
     bench) echo "$PYTHON scripts/bench_gpu.py ${BENCH_FLAGS[*]}" ;;
@@ -202,7 +202,7 @@ echo "gpu_check.sh: steps $STEPS; output in $OUT_DIR"
 wanted facts && run_step facts facts
 wanted install && run_step install install
 wanted attention && run_step attention "$PYTHON" scripts/check_cuda_attention.py "${ATTENTION_FLAGS[@]}"
-wanted equivalence && run_step equivalence "$PYTHON" -m pytest -q -p no:cacheprovider -rs tests/test_elastic_equivalence.py "${EQUIVALENCE_SELECTION[@]}"
+wanted equivalence && run_step equivalence "$PYTHON" -m pytest -q -p no:cacheprovider -rs tests/integration/test_elastic_equivalence.py "${EQUIVALENCE_SELECTION[@]}"
 wanted profile && run_step profile "$PYTHON" scripts/profile_gpu.py "${PROFILE_FLAGS[@]}" --out "$OUT_DIR/profile.json"
 wanted train && run_step train train
 wanted bench && run_step bench "$PYTHON" scripts/bench_gpu.py "${BENCH_FLAGS[@]}"

@@ -13,7 +13,7 @@ if ! ldconfig -p 2>/dev/null | grep -q 'libjemalloc\.so' && [ "$(id -u)" = 0 ] &
     || echo "setup_env: warning: libjemalloc2 did not install; training runs on the system allocator" >&2
 fi
 
-# SLURM for tests/test_slurm.py (a one-host cluster, scripts/slurm/local_cluster.sh): Debian's
+# SLURM for tests/integration/test_slurm.py (a one-host cluster, scripts/slurm/local_cluster.sh): Debian's
 # slurmctld, slurmd, slurm-client and munge, installed only when missing, as root, where apt-get
 # exists. EPP_NO_SLURM_INSTALL=1 leaves it out. Daemons are not started by the install (policy-rc.d).
 slurm_missing() {

@@ -15,7 +15,7 @@ from megatron_epp.training import main as training_main
 @pytest.fixture
 def pretrain_in_process(monkeypatch, capsys):
     """``pretrain_gpt.py FLAGS`` through its own entry point (``pretrain_gpt.run``) in this process, answered as
-    :func:`tests.test_bad_input.run_pretrain` answers (exit status, stdout, stderr) without a process start and
+    :func:`tests.integration.test_bad_input_process.run_pretrain` answers (exit status, stdout, stderr) without a process start and
     megatron-core's import per case (seconds each). A warning raised on the way is added to stderr as Python's default
     filters would print it to a user (as the process would show it). Flags that get past every check stop where the
     process group would start, and fail the test: a bad flag must be refused before that."""

@@ -10,12 +10,11 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Sequence
 
 import psutil
+from tests.paths import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 
 
 def free_port() -> int:

@@ -402,6 +402,55 @@ def gpu_activation_memory(shape: ModelShape, tp: int) -> dict[str, float]:
     }
 
 
+def _counted_activation_bytes(shape: ModelShape) -> float:
+    """Bytes per activation element of ``shape`` for :func:`saved_tensor_memory`; a dtype or a norm it does not count
+    is a ValueError."""
+    if shape.dtype not in DTYPE_BYTES:
+        raise ValueError(f"saved_tensor_memory: activations of dtype {shape.dtype} are not counted (known: {', '.join(DTYPE_BYTES)})")
+    if shape.normalization not in NORM_SAVED:
+        raise ValueError(f"saved_tensor_memory: normalization {shape.normalization} is not counted (known: {', '.join(NORM_SAVED)})")
+    b = float(DTYPE_BYTES[shape.dtype])
+    return b
+
+
+def _saved_attention(shape: ModelShape, b: float, q: float, kv: float, heads: float) -> tuple[float, float, float, float]:
+    """:func:`saved_tensor_memory`'s attention term on one tensor-parallel rank (``q``, ``kv``, ``heads``: its share
+    of the queries' width, the K/V heads' width and the query heads; ``b`` bytes per activation): the bytes saved per
+    token (``act_token``'s share), per query-key pair (``act_area``), per prefix key (``act_context``) and per token of
+    a chunk that is only a slice (``lone_slice_token``):
+
+    * RoPE (the elastic layers' rotation, ``executor.rotary``: its cos/sin tables are shared by the stage's
+      layers and rebuilt for backward, nothing saved): q and k after RoPE (``b q`` and ``b h_kv``, new
+      storages) and V as a view of the QKV output (``b (q + 2 h_kv)``); without RoPE q, k and v are all
+      views of the QKV output;
+    * SDPA (CPU flash kernel, ``sdpa-merged``: ``is_causal`` for a segment without context, the slice's
+      prefix and own keys in two calls merged by their log-sum-exp, which saves the same tensors; no
+      mask; ``enable_gqa``: the K/V heads as they are, no repeated copies): q, k, v, its output (``b q``)
+      and the logsumexp (fp32 per query head): no quadratic term (``act_area`` = 0; the explicit-mask
+      kernel, ``sdpa-masked``, saved a float copy of the mask per layer, ``b s (C + s)`` per segment);
+    * an attention dropout takes SDPA off its CPU flash kernel (which has no dropout) to its math path, which
+      computes in fp32 (a bf16 q, k, v upcast) and saves, per segment of ``s`` queries and ``K = C + s`` keys, in
+      place of the flash kernel's tensors (the RoPE'd q and k, its output, the logsumexp, the float mask): the
+      scaled q (``4 q`` per token) and k (``4 q`` per key: the K/V heads repeated over the query heads under
+      grouped-query attention), v as a view of the QKV output (fp32, one K/V head per query head) or else an
+      fp32, repeated copy (``4 q`` per key), and ``MATH_SDPA_SAVED`` = 3 fp32 tensors of ``heads x s x K``
+      (probabilities, dropout mask, dropped probabilities): ``act_area`` = ``12 heads``, ``act_context`` =
+      ``4 q`` or ``8 q`` per prefix key (the slice's k, v copies of its buffer's rows); the QKV output stays
+      saved only as v's storage, so a lone slice (its v read from the buffer) does not save it.
+    """
+    qkv = b * (q + 2 * kv)
+    if shape.attention_dropout > 0:  # SDPA's math path, in fp32 (MATH_SDPA_SAVED)
+        v_copy = b != 4 or kv != q  # V upcast to fp32 or repeated over the query heads: not a view of the QKV output
+        attention = (0.0 if v_copy else qkv) + 4 * q * (3 if v_copy else 2)  # + the scaled q, k (and v) copies
+        area, prefix = 4 * MATH_SDPA_SAVED * heads, 4 * q * (2 if v_copy else 1)  # probabilities; k (and v) per key
+        lone = 0.0 if v_copy else qkv
+    else:  # SDPA's CPU flash kernel: q, k after RoPE, the QKV output (q, k, v without RoPE); its output, logsumexp
+        attention = (b * q + b * kv + qkv if shape.rope else qkv) + b * q + 4 * heads
+        area, prefix = 0.0, 0.0  # no mask (sdpa-merged)
+        lone = b * kv + qkv if shape.rope else 0.0
+    return attention, area, prefix, lone
+
+
 def saved_tensor_memory(shape: ModelShape, tp: int = 1, sequence_parallel: bool = False) -> dict[str, float]:
     """Bytes autograd saves for backward, counted tensor by tensor (deduplicated by storage, as
     :class:`~megatron_epp.executor.memory_tracker.ActivationMemoryTracker` counts them), for one
@@ -415,15 +464,7 @@ def saved_tensor_memory(shape: ModelShape, tp: int = 1, sequence_parallel: bool 
       dtype on CPU); RMSNorm (PyTorch's composite ``torch.nn.RMSNorm``, computed in fp32) the fp32
       input, its rstd and the fp32 normalised input before the weight: ``8 h + 4`` in any dtype;
     * the QKV linear: its input ``b h``;
-    * RoPE (the elastic layers' rotation, ``executor.rotary``: its cos/sin tables are shared by the stage's
-      layers and rebuilt for backward, nothing saved): q and k after RoPE (``b q`` and ``b h_kv``, new
-      storages) and V as a view of the QKV output (``b (q + 2 h_kv)``); without RoPE q, k and v are all
-      views of the QKV output;
-    * SDPA (CPU flash kernel, ``sdpa-merged``: ``is_causal`` for a segment without context, the slice's
-      prefix and own keys in two calls merged by their log-sum-exp, which saves the same tensors; no
-      mask; ``enable_gqa``: the K/V heads as they are, no repeated copies): q, k, v, its output (``b q``)
-      and the logsumexp (fp32 per query head): no quadratic term (``act_area`` = 0; the explicit-mask
-      kernel, ``sdpa-masked``, saved a float copy of the mask per layer, ``b s (C + s)`` per segment);
+    * attention (RoPE and SDPA): :func:`_saved_attention`;
     * the output projection's input ``b q``; fc1's input ``b h``; the MLP's activation: GELU its
       input ``b f`` and fc2's input ``b f``; SwiGLU (megatron-core's unfused ``glu``) fc1's whole
       output ``2 b f`` (SiLU's input is a view of it), SiLU's output, the linear half plus its offset
@@ -439,7 +480,7 @@ def saved_tensor_memory(shape: ModelShape, tp: int = 1, sequence_parallel: bool 
     fp32 softmax of the logits (``4 V``), the loss's target mask and indices (1 + 8) and the loss mask
     (4); the first stage the token ids (8; and position ids, 8, with learned positions; at tp > 1 the ids
     shifted to the rank's vocabulary share and the boolean mask of the ids outside it, 8 + 1). Measured by
-    ``tests/test_planner_memory.py`` against the tracker on real chunks, fp32 and bf16, GPT- and
+    ``tests/integration/test_planner_memory.py`` against the tracker on real chunks, fp32 and bf16, GPT- and
     LLaMA-style, and at tp 2 with sequence parallelism.
 
     With ``sequence_parallel`` each tensor-parallel rank holds ``1 / tp`` of a chunk's tokens outside attention:
@@ -455,40 +496,19 @@ def saved_tensor_memory(shape: ModelShape, tp: int = 1, sequence_parallel: bool 
       and the embedding's dropout on the first stage) saves its scaled keep mask, a tensor of the input's dtype
       (PyTorch's CPU dropout is ``x * mask``): ``b h`` per token and site, divided by ``tp`` under sequence
       parallelism (the embedding's dropout runs after the scatter to the sequence-parallel region);
-    * an attention dropout takes SDPA off its CPU flash kernel (which has no dropout) to its math path, which
-      computes in fp32 (a bf16 q, k, v upcast) and saves, per segment of ``s`` queries and ``K = C + s`` keys, in
-      place of the flash kernel's tensors (the RoPE'd q and k, its output, the logsumexp, the float mask): the
-      scaled q (``4 q`` per token) and k (``4 q`` per key: the K/V heads repeated over the query heads under
-      grouped-query attention), v as a view of the QKV output (fp32, one K/V head per query head) or else an
-      fp32, repeated copy (``4 q`` per key), and ``MATH_SDPA_SAVED`` = 3 fp32 tensors of ``heads x s x K``
-      (probabilities, dropout mask, dropped probabilities): ``act_area`` = ``12 heads``, ``act_context`` =
-      ``4 q`` or ``8 q`` per prefix key (the slice's k, v copies of its buffer's rows); the QKV output stays
-      saved only as v's storage, so a lone slice (its v read from the buffer) does not save it.
+    * an attention dropout takes SDPA to its math path: :func:`_saved_attention`.
 
-    Measured byte-exact by ``tests/test_planner_memory.py`` (attention dropout in fp32; both dropouts in bf16, and in
+    Measured byte-exact by ``tests/integration/test_planner_memory.py`` (attention dropout in fp32; both dropouts in bf16, and in
     fp32 with grouped-query attention; hidden dropout at tp 2 with sequence parallelism). On CUDA the :func:`gpu_activation_memory` count holds
     instead (its hidden-dropout masks are one byte per element; flash-attn's and SDPA's flash/efficient kernels
     save only the RNG state for attention dropout): not measured.
     """
-    if shape.dtype not in DTYPE_BYTES:
-        raise ValueError(f"saved_tensor_memory: activations of dtype {shape.dtype} are not counted (known: {', '.join(DTYPE_BYTES)})")
-    if shape.normalization not in NORM_SAVED:
-        raise ValueError(f"saved_tensor_memory: normalization {shape.normalization} is not counted (known: {', '.join(NORM_SAVED)})")
-    b = float(DTYPE_BYTES[shape.dtype])
+    b = _counted_activation_bytes(shape)
     sp = tp if sequence_parallel else 1  # the share of a chunk's tokens a rank holds outside attention
     H = shape.hidden  # norm inputs and outputs are whole on every tensor-parallel rank
     q, kv, heads, f = shape.q_hidden / tp, shape.kv_hidden / tp, shape.num_heads / tp, shape.ffn_hidden / tp
     norm = NORM_SAVED[shape.normalization](b, H) / sp
-    qkv = b * (q + 2 * kv)
-    if shape.attention_dropout > 0:  # SDPA's math path, in fp32 (MATH_SDPA_SAVED)
-        v_copy = b != 4 or kv != q  # V upcast to fp32 or repeated over the query heads: not a view of the QKV output
-        attention = (0.0 if v_copy else qkv) + 4 * q * (3 if v_copy else 2)  # + the scaled q, k (and v) copies
-        area, prefix = 4 * MATH_SDPA_SAVED * heads, 4 * q * (2 if v_copy else 1)  # probabilities; k (and v) per key
-        lone = 0.0 if v_copy else qkv
-    else:  # SDPA's CPU flash kernel: q, k after RoPE, the QKV output (q, k, v without RoPE); its output, logsumexp
-        attention = (b * q + b * kv + qkv if shape.rope else qkv) + b * q + 4 * heads
-        area, prefix = 0.0, 0.0  # no mask (sdpa-merged)
-        lone = b * kv + qkv if shape.rope else 0.0
+    attention, area, prefix, lone = _saved_attention(shape, b, q, kv, heads)
     mask = b * H / sp if shape.hidden_dropout > 0 else 0.0  # a hidden dropout's mask (CPU: the scaled keep mask in b)
     per_token = (
         2 * norm  # the two norms

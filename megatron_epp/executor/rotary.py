@@ -15,7 +15,7 @@ with its (empty) unrotated rest, for the query and again for the key of every la
 chunk (``ChunkLayout.per_pass``) and shared by all the stage's layers: ``t cos + roll(t, d/2) sin'``
 with ``sin'`` the sine with its first half negated, four kernels per tensor, no concatenation. Each
 product and sum is the one megatron-core computes (``(-x) s = x (-s)`` exactly), so the result and
-its gradients are bit-identical in every dtype (``tests/test_layer_op_count.py``). The rotation saves
+its gradients are bit-identical in every dtype (``tests/unit/test_layer_op_count.py``). The rotation saves
 nothing for backward, which rebuilds the tables (megatron-core saves per layer a ``cos`` and a ``sin``
 for the query and for the key).
 """

@@ -32,14 +32,8 @@ class _Parser(argparse.ArgumentParser):
         raise ArgumentError(message)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
-        prog="pretrain_gpt.py",
-        description="Train a GPT with Megatron-Core pipeline parallelism (CPU/gloo or CUDA/NCCL). Flags have "
-        "Megatron-LM's names and meanings; where a default differs from Megatron-LM's, the flag's help says so "
-        "(\"Megatron-LM: ...\"); Megatron-LM flags that have no effect here, or are refused, are listed last.",
-        allow_abbrev=False,
-    )
+def _model_flags(p: argparse.ArgumentParser) -> None:
+    """The model group."""
     g = p.add_argument_group("model")
     g.add_argument("--num-layers", type=int, default=4, help="transformer layers (default 4, a toy; Megatron-LM: required)")
     g.add_argument("--hidden-size", type=int, default=64, help="hidden size (default 64, a toy; Megatron-LM: required)")
@@ -96,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="without --elastic-pp, never megatron's fused masked softmax (by default it is used on CUDA where "
                    "it imports); ElasticAttention has none")
 
+
+def _parallelism_flags(p: argparse.ArgumentParser) -> None:
+    """The parallelism group."""
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="tensor-parallel ranks (default 1)")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="pipeline stages (default 1)")
@@ -115,12 +112,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="parameters per DDP gradient bucket with --overlap-grad-reduce "
                    "(default: megatron-core's, max(4e7, 1e6 x data parallel))")
 
+
+def _batch_flags(p: argparse.ArgumentParser) -> None:
+    """The batch group."""
     g = p.add_argument_group("batch")
     g.add_argument("--micro-batch-size", type=int, default=1,
                    help="samples per micro-batch (default 1; Megatron-LM: required); with --elastic-pp each step's "
                    "documents are planned into chunks, which replace micro-batches: the value is not used (said at start-up)")
     g.add_argument("--global-batch-size", type=int, default=None, help="default: micro batch x data parallel")
 
+
+def _optimisation_flags(p: argparse.ArgumentParser) -> None:
+    """The optimisation group."""
     g = p.add_argument_group("optimisation")
     g.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3; Megatron-LM: none)")
     g.add_argument("--min-lr", type=float, default=0.0, help="the learning rate the decay ends at (default 0.0)")
@@ -183,6 +186,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on CUDA, release the allocator's cached blocks: 1 after each forward-backward, 2 also after the "
                    "optimizer step (default 0; no effect on CPU)")
 
+
+def _recompute_flags(p: argparse.ArgumentParser) -> None:
+    """The activation recompute group."""
     g = p.add_argument_group("activation recompute")
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
                    help="without --elastic-pp: megatron-core's activation recompute (with it, the plan decides: --epp-recompute)")
@@ -191,6 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--recompute-num-layers", type=int, default=None,
                    help="--recompute-granularity full: layers per recomputed group (default 1)")
 
+
+def _data_flags(p: argparse.ArgumentParser) -> None:
+    """The data group."""
     g = p.add_argument_group("data")
     g.add_argument("--mock-data", action="store_true", help="synthetic learnable sequences")
     g.add_argument("--data-path", nargs="+", default=None, metavar="[WEIGHT] PREFIX",
@@ -201,6 +210,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "never predicts past its end anyway")
     add_tokenizer_arguments(g)
 
+
+def _elastic_flags(p: argparse.ArgumentParser) -> None:
+    """The elastic pipeline parallelism group."""
     g = p.add_argument_group("elastic pipeline parallelism")
     g.add_argument("--elastic-pp", action="store_true",
                    help="whole documents per global batch, planned every step into batched/split/hybrid chunks")
@@ -220,6 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "steps and at once after a step over --epp-memory-budget; saved "
                    f"in checkpoints; 0: off, the profile as given (default {CALIBRATE_INTERVAL})")
 
+
+def _checkpointing_flags(p: argparse.ArgumentParser) -> None:
+    """The checkpointing group."""
     g = p.add_argument_group("checkpointing")
     g.add_argument("--save", default=None, help="directory to save checkpoints to (iter_XXXXXXX/, as Megatron-LM)")
     g.add_argument("--load", default=None,
@@ -243,6 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch_dist only: megatron-core's distributed checkpoint, what megatron-epp writes and reads "
                    "(Megatron-LM's default)")
 
+
+def _fault_flags(p: argparse.ArgumentParser) -> None:
+    """The preemption and faults group."""
     g = p.add_argument_group("preemption and faults")
     g.add_argument("--exit-signal-handler", action="store_true",
                    help="on SIGTERM (preemption, scancel, a SLURM --signal), every rank finishes the current step, "
@@ -257,6 +275,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a NaN/Inf loss or gradient stops the run before the update, naming the iteration and the rank "
                    "(default: on, as Megatron-LM; --no-check-for-nan-in-loss-and-grad turns it off)")
 
+
+def _logging_flags(p: argparse.ArgumentParser) -> None:
+    """The logging group."""
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=int, default=1, help="iterations per log line (default 1; Megatron-LM: 100)")
     g.add_argument("--eval-interval", type=int, default=None,
@@ -273,6 +294,26 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--epp-metrics", default=None, metavar="FILE",
                    help="append one JSON record per logged step to FILE (default: metrics.jsonl in --tensorboard-dir, "
                         "else in --save; none without either)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="pretrain_gpt.py",
+        description="Train a GPT with Megatron-Core pipeline parallelism (CPU/gloo or CUDA/NCCL). Flags have "
+        "Megatron-LM's names and meanings; where a default differs from Megatron-LM's, the flag's help says so "
+        "(\"Megatron-LM: ...\"); Megatron-LM flags that have no effect here, or are refused, are listed last.",
+        allow_abbrev=False,
+    )
+    _model_flags(p)
+    _parallelism_flags(p)
+    _batch_flags(p)
+    _optimisation_flags(p)
+    _recompute_flags(p)
+    _data_flags(p)
+    _elastic_flags(p)
+    _checkpointing_flags(p)
+    _fault_flags(p)
+    _logging_flags(p)
     add_megatron_flags(p)
     return p
 
@@ -303,6 +344,23 @@ def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None)
 
 def validate_args(args: argparse.Namespace, world_size: int) -> None:
     """Fill derived values and check the combination; no process-group work needed."""
+    validate_parallel_args(args, world_size)
+    validate_model_args(args)
+    validate_batch_args(args)
+    validate_data_args(args)
+    validate_exit_args(args)
+    validate_recompute_args(args)
+    validate_schedule_args(args)
+    if not 0 <= args.lr_warmup_init <= args.lr:
+        raise ArgumentError(f"--lr-warmup-init {args.lr_warmup_init}: must be between 0 and --lr {args.lr}")
+    if args.epp_cluster and not args.epp_search_layout:
+        raise ArgumentError("--epp-cluster applies only with --epp-search-layout")
+    validate_elastic_args(args, world_size)
+
+
+def validate_parallel_args(args: argparse.Namespace, world_size: int) -> None:
+    """Sizes and ranges, Megatron-LM's flags, the parallel layout (fills ``data_parallel_size``), DDP's buckets; the
+    metrics file's default."""
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if tp < 1 or pp < 1:
         raise ArgumentError("parallel sizes must be >= 1")
@@ -333,6 +391,11 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
         raise ArgumentError(f"--ddp-bucket-size {args.ddp_bucket_size}: must be >= 1 parameters")
     if args.epp_metrics is None and (args.tensorboard_dir or args.save):
         args.epp_metrics = os.path.join(args.tensorboard_dir or args.save, "metrics.jsonl")
+
+
+def validate_model_args(args: argparse.Namespace) -> None:
+    """The model's shape against the layout (fills ``ffn_hidden_size``, ``max_position_embeddings``)."""
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if args.num_layers % pp:
         raise ArgumentError(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
     if args.kv_channels is None and args.hidden_size % args.num_attention_heads:
@@ -347,6 +410,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     args.max_position_embeddings = args.max_position_embeddings or args.seq_length
     if args.max_position_embeddings < args.seq_length:
         raise ArgumentError("--max-position-embeddings is smaller than --seq-length")
+
+
+def validate_batch_args(args: argparse.Namespace) -> None:
+    """The global batch over micro-batches and data parallelism (fills ``global_batch_size``, ``num_microbatches``)."""
     # --elastic-pp: a step's documents are planned into chunks, not micro-batches (main's start-up line says so)
     per_step = (1 if args.elastic_pp else args.micro_batch_size) * args.data_parallel_size
     if args.global_batch_size is None:
@@ -357,6 +424,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
             f"--micro-batch-size {args.micro_batch_size} x data parallel {args.data_parallel_size}"
         )
     args.num_microbatches = args.global_batch_size // per_step
+
+
+def validate_data_args(args: argparse.Namespace) -> None:
+    """The tokenizer and vocabulary, ``--split``, and ``--mock-data`` or ``--data-path`` (fills ``data_blend``)."""
     try:
         resolve_tokenizer_args(args, "pretrain_gpt.py")
         resolve_vocab_size(args)
@@ -375,6 +446,10 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
             missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
             if missing:
                 raise ArgumentError(f"--data-path {prefix}: missing {', '.join(prefix + m for m in missing)}")
+
+
+def validate_exit_args(args: argparse.Namespace) -> None:
+    """Checkpointing and the ways a run ends early (signal, interval, duration, timeout)."""
     validate_checkpoint_args(args)
     if args.save_interval is not None and args.save is None:
         raise ArgumentError("--save-interval needs --save")
@@ -385,13 +460,6 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     for flag in ("exit_duration_in_mins", "distributed_timeout_minutes"):
         if getattr(args, flag) is not None and not getattr(args, flag) > 0:
             raise ArgumentError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be > 0")
-    validate_recompute_args(args)
-    validate_schedule_args(args)
-    if not 0 <= args.lr_warmup_init <= args.lr:
-        raise ArgumentError(f"--lr-warmup-init {args.lr_warmup_init}: must be between 0 and --lr {args.lr}")
-    if args.epp_cluster and not args.epp_search_layout:
-        raise ArgumentError("--epp-cluster applies only with --epp-search-layout")
-    validate_elastic_args(args, world_size)
 
 
 def validate_checkpoint_args(args: argparse.Namespace) -> None:
@@ -517,12 +585,7 @@ def validate_schedule_args(args: argparse.Namespace) -> None:
     if args.train_samples is not None:
         if args.train_iters is not None:
             raise ArgumentError("--train-iters and --train-samples are mutually exclusive: give one")
-        iter_flags = [f for f, given in (("--lr-warmup-iters", args.lr_warmup_iters), ("--lr-decay-iters", args.lr_decay_iters)) if given]
-        if iter_flags:
-            raise ArgumentError(f"{iter_flags[0]} counts iterations; with --train-samples give the schedule in samples "
-                                f"({iter_flags[0].replace('-iters', '-samples')})")
-        if args.lr_wsd_decay_iters is not None:
-            raise ArgumentError("--lr-wsd-decay-iters counts iterations; with --train-samples give --lr-wsd-decay-samples")
+        refuse_schedule_in_other_unit(args, "samples")
         args.train_iters = args.train_samples // gbs
         if args.train_iters < 1:
             raise ArgumentError(f"--train-samples {args.train_samples} is less than one --global-batch-size {gbs}")
@@ -533,12 +596,7 @@ def validate_schedule_args(args: argparse.Namespace) -> None:
             raise ArgumentError(f"--lr-warmup-samples {args.lr_warmup_samples} must be smaller than --lr-decay-samples "
                                 f"{args.lr_decay_samples} (default: --train-samples)")
         return
-    sample_flags = [f for f, given in (("--lr-warmup-samples", args.lr_warmup_samples), ("--lr-decay-samples", args.lr_decay_samples)) if given]
-    if sample_flags:
-        raise ArgumentError(f"{sample_flags[0]} applies with --train-samples; with --train-iters give "
-                            f"{sample_flags[0].replace('-samples', '-iters')}")
-    if args.lr_wsd_decay_samples is not None:
-        raise ArgumentError("--lr-wsd-decay-samples applies with --train-samples; with --train-iters give --lr-wsd-decay-iters")
+    refuse_schedule_in_other_unit(args, "iters")
     args.train_iters = args.train_iters or 20
     args.lr_decay_iters = args.lr_decay_iters or args.train_iters
     args.lr_warmup_samples, args.lr_decay_samples = args.lr_warmup_iters * gbs, args.lr_decay_iters * gbs
@@ -549,6 +607,22 @@ def validate_schedule_args(args: argparse.Namespace) -> None:
             f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than --lr-decay-iters "
             f"{args.lr_decay_iters} (default: --train-iters)"
         )
+
+
+def refuse_schedule_in_other_unit(args: argparse.Namespace, unit: str) -> None:
+    """The LR schedule counts ``unit`` ("samples" with ``--train-samples``, else "iters"): a warm-up, decay or WSD
+    length given in the other unit is one line naming the flag to give instead."""
+    other = "iters" if unit == "samples" else "samples"
+    given = [f"--lr-{name}-{other}" for name in ("warmup", "decay") if getattr(args, f"lr_{name}_{other}")]
+    given += [f"--lr-wsd-decay-{other}"] if getattr(args, f"lr_wsd_decay_{other}") is not None else []
+    if not given:
+        return
+    flag = given[0]
+    instead = flag.replace(f"-{other}", f"-{unit}")
+    if unit == "iters":
+        raise ArgumentError(f"{flag} applies with --train-samples; with --train-iters give {instead}")
+    raise ArgumentError(f"{flag} counts iterations; with --train-samples give "
+                        + (instead if flag.startswith("--lr-wsd") else f"the schedule in samples ({instead})"))
 
 
 def validate_warmup_and_wsd(args: argparse.Namespace, unit: str) -> None:

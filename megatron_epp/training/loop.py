@@ -164,6 +164,49 @@ def _broadcast_from_last_stage(value: float | None, runtime: Runtime) -> float:
     return float(t.item())
 
 
+def _train_iteration(args: argparse.Namespace, runtime: Runtime, model, optimizer, scheduler: OptimizerParamScheduler,
+                     train_step: StepFunction, faults: FaultInjection, logger: Logger, iteration: int):
+    """Forward-backward and the optimizer update of ``iteration`` (counted from 1); return its losses, sequence
+    lengths and gradient norm. A skipped update is fp16's overflow (said), else an error."""
+    model.zero_grad_buffer()
+    optimizer.zero_grad()
+    losses, seq_lengths = train_step(False)
+    faults.poison_loss(iteration, losses)
+    faults.poison_grads(iteration, runtime.rank, model.buffers)
+    if args.empty_unused_memory_level >= 1 and runtime.device.type == "cuda":
+        torch.cuda.empty_cache()
+    if args.check_for_nan_in_loss_and_grad:
+        local_loss = torch.stack([d["lm loss"] for d in losses]) if losses else None
+        # under --fp16 an overflowing scaled gradient is the loss scaler's to handle (a skipped step)
+        check_finite(iteration, local_loss, [] if args.fp16 else model.buffers, runtime.rank, runtime.device)
+    scale = optimizer.get_loss_scale().item() if args.fp16 else None
+    update_ok, grad_norm, _ = optimizer.step()
+    if args.empty_unused_memory_level >= 2 and runtime.device.type == "cuda":
+        torch.cuda.empty_cache()
+    if update_ok:
+        scheduler.step(increment=args.global_batch_size)  # as Megatron-LM: a skipped step does not advance it
+    elif args.fp16:
+        logger.print(f" iteration {iteration}: fp16 gradients overflowed at loss scale {scale:g}: update "
+                     f"skipped, loss scale now {optimizer.get_loss_scale().item():g}")
+    else:
+        raise FloatingPointError(f"optimizer step skipped at iteration {iteration}")
+    return losses, seq_lengths, grad_norm
+
+
+def _collect_and_evaluate(args: argparse.Namespace, runtime: Runtime, valid_step: StepFunction | None, dp_group,
+                          logger: Logger, iteration: int) -> None:
+    """After ``iteration``: ``--manual-gc``'s collection at its interval, and the evaluation at ``--eval-interval``
+    (with a collection before and after it under ``--manual-gc``)."""
+    if args.manual_gc and args.manual_gc_interval and iteration % args.manual_gc_interval == 0:
+        gc.collect()
+    if valid_step and args.eval_interval and iteration % args.eval_interval == 0:
+        if args.manual_gc and args.manual_gc_eval:
+            gc.collect()
+        logger.record(StepMetrics(iteration, evaluate(args, runtime, valid_step, dp_group), kind="valid"))
+        if args.manual_gc and args.manual_gc_eval:
+            gc.collect()
+
+
 def train(
     args: argparse.Namespace,
     runtime: Runtime,
@@ -210,28 +253,8 @@ def train(
         while iteration < args.train_iters:
             faults.hang(iteration + 1, runtime.rank)
             t0 = time.perf_counter()
-            model.zero_grad_buffer()
-            optimizer.zero_grad()
-            losses, seq_lengths = train_step(False)
-            faults.poison_loss(iteration + 1, losses)
-            faults.poison_grads(iteration + 1, runtime.rank, model.buffers)
-            if args.empty_unused_memory_level >= 1 and runtime.device.type == "cuda":
-                torch.cuda.empty_cache()
-            if args.check_for_nan_in_loss_and_grad:
-                local_loss = torch.stack([d["lm loss"] for d in losses]) if losses else None
-                # under --fp16 an overflowing scaled gradient is the loss scaler's to handle (a skipped step)
-                check_finite(iteration + 1, local_loss, [] if args.fp16 else model.buffers, runtime.rank, runtime.device)
-            scale = optimizer.get_loss_scale().item() if args.fp16 else None
-            update_ok, grad_norm, _ = optimizer.step()
-            if args.empty_unused_memory_level >= 2 and runtime.device.type == "cuda":
-                torch.cuda.empty_cache()
-            if update_ok:
-                scheduler.step(increment=args.global_batch_size)  # as Megatron-LM: a skipped step does not advance it
-            elif args.fp16:
-                logger.print(f" iteration {iteration + 1}: fp16 gradients overflowed at loss scale {scale:g}: update "
-                             f"skipped, loss scale now {optimizer.get_loss_scale().item():g}")
-            else:
-                raise FloatingPointError(f"optimizer step skipped at iteration {iteration + 1}")
+            losses, seq_lengths, grad_norm = _train_iteration(args, runtime, model, optimizer, scheduler, train_step, faults,
+                                                              logger, iteration + 1)
             iteration += 1
             consumed += args.global_batch_size
             loss = _broadcast_from_last_stage(reduce_losses(losses, dp_group), runtime)
@@ -247,14 +270,7 @@ def train(
                                  elastic=step_metrics(iteration) if step_metrics else None)
                 logger.record(logged, line=interval_average(logged, interval).line())  # the line as Megatron-LM's
                 interval.clear()
-            if args.manual_gc and args.manual_gc_interval and iteration % args.manual_gc_interval == 0:
-                gc.collect()
-            if valid_step and args.eval_interval and iteration % args.eval_interval == 0:
-                if args.manual_gc and args.manual_gc_eval:
-                    gc.collect()
-                logger.record(StepMetrics(iteration, evaluate(args, runtime, valid_step, dp_group), kind="valid"))
-                if args.manual_gc and args.manual_gc_eval:
-                    gc.collect()
+            _collect_and_evaluate(args, runtime, valid_step, dp_group, logger, iteration)
             if args.save and args.save_interval and iteration % args.save_interval == 0:
                 save()
             reason = exits.reason(iteration)

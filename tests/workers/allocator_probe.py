@@ -1,5 +1,5 @@
 """pretrain_gpt.py as run from the command line (its __main__: the host-allocator re-execution), writing the
-process's memory maps at exit to $EPP_TEST_MAPS (tests/test_host_allocator.py)."""
+process's memory maps at exit to $EPP_TEST_MAPS (tests/integration/test_host_allocator.py)."""
 
 import atexit
 import os

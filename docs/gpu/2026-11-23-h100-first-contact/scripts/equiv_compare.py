@@ -1,5 +1,5 @@
 """First-contact helper: compare equivalence-worker dumps with the test suite's own metric
-(tests/test_elastic_equivalence.py: worst of |loss - ref| / |ref| and, per parameter,
+(tests/integration/test_elastic_equivalence.py: worst of |loss - ref| / |ref| and, per parameter,
 ||g - g_ref|| / ||g_ref||), case by case; prints and writes JSON.
 
     python3 equiv_compare.py OUT.json NAME=REF_DIR:TEST_DIR:CASES ...
@@ -15,7 +15,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from tests.test_elastic_equivalence import load, tensor_parallel_shard  # noqa: E402
+from tests.integration.test_elastic_equivalence import load, tensor_parallel_shard  # noqa: E402
 
 
 def detail(reference: Path, test: Path, case: int) -> dict:

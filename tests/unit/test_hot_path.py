@@ -19,7 +19,7 @@ from megatron_epp.executor import rotary
 from megatron_epp.executor.batches import elastic_gpt_forward_step, prepare_step
 from megatron_epp.executor.context import ChunkLayout
 from megatron_epp.executor.schedule import forward_backward_elastic
-from tests.test_chunk_context import CHUNKS, PLAN, VOCAB, model  # noqa: F401  (the model fixture)
+from tests.unit.test_chunk_context import CHUNKS, PLAN, VOCAB, model  # noqa: F401  (the model fixture)
 
 
 class CountHostReads(TorchDispatchMode):

@@ -1,31 +1,20 @@
 """Bad flags fail fast with one line on stderr and a non-zero exit, before any process group work.
 
-Two cases run pretrain_gpt.py as a process (a flag refused by the parser, before megatron-core's import; a data path
-refused after it: nothing else reaches stderr or stdout, exit status 2); the other cases run its entry point in this
-process (the ``pretrain_in_process`` fixture of tests/conftest.py: the same code, no process start per case)."""
+These cases run pretrain_gpt.py's entry point in this process (the ``pretrain_in_process`` fixture of
+tests/conftest.py: the same code, no process start per case); tests/integration/test_bad_input_process.py runs two as a
+process."""
 
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 
 import pytest
 
 from megatron_epp.training.arguments import parse_args
 from megatron_epp.training.model import model_shape, padded_vocab_size
-from tests.launch import REPO, run_env
+from tests.corpus import write_corpus
 
 BASE = ["--mock-data", "--num-layers", "4"]
-
-
-def run_pretrain(*flags: str, world_size: int = 1) -> subprocess.CompletedProcess:
-    env = run_env({"WORLD_SIZE": str(world_size), "RANK": "0"})
-    env.pop("PYTHONWARNINGS")  # what a user sees: pretrain_gpt.py itself keeps stderr to the one line
-    return subprocess.run(
-        [sys.executable, str(REPO / "pretrain_gpt.py"), *flags], cwd=REPO, capture_output=True, text=True,
-        env=env, timeout=120,
-    )
 
 
 @pytest.mark.parametrize(
@@ -82,39 +71,9 @@ def test_help_lists_the_calibration_flag(pretrain_in_process):
     assert "0: off" in entry and "(default 20)" in entry, entry
 
 
-def test_a_bad_flag_is_one_line_from_the_process():
-    """pretrain_gpt.py as a user runs it: a flag the parser refuses (before megatron-core's import) is one line on
-    stderr, nothing on stdout, exit status 2."""
-    proc = run_pretrain(*BASE, "--bogus-flag")
-    assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.strip().splitlines() == ["pretrain_gpt.py: error: unrecognized arguments: --bogus-flag"], proc.stderr
-
-
-def test_missing_data_path(tmp_path):
-    """As a process too: refused after megatron-core's import (its import-time warnings stay off stderr)."""
-    proc = run_pretrain("--num-layers", "4", "--data-path", str(tmp_path / "corpus"))
-    assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.strip().splitlines() == [
-        f"pretrain_gpt.py: error: --data-path {tmp_path / 'corpus'}: missing {tmp_path / 'corpus'}.bin, {tmp_path / 'corpus'}.idx"
-    ]
-
-
 def test_mock_and_data_path_are_exclusive(pretrain_in_process, tmp_path):
     proc = pretrain_in_process(*BASE, "--data-path", str(tmp_path / "x"))
     assert proc.returncode == 2 and "exactly one of --mock-data and --data-path" in proc.stderr
-
-
-def write_corpus(prefix, documents: list[str]) -> str:
-    """An indexed byte-token dataset of ``documents`` (JSONL through prepare_dataset)."""
-    import json
-
-    from megatron_epp.data.prepare import prepare_dataset
-    from megatron_epp.data.tokenizers import ByteTokenizer
-
-    jsonl = prefix.parent / "docs.jsonl"
-    jsonl.write_text("".join(json.dumps({"text": doc}) + "\n" for doc in documents))
-    prepare_dataset([jsonl], prefix, ByteTokenizer(), pattern="*.jsonl", progress=False)
-    return str(prefix)
 
 
 def test_tokenizer_file_that_does_not_parse(pretrain_in_process, tmp_path):

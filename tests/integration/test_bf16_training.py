@@ -1,6 +1,6 @@
 """pretrain_gpt.py with --bf16 on CPU: the elastic path (pp=1, the one-GPU layout, and pp=2) and the
 stock path train, with finite and falling losses. Every --bf16 run on the first GPU died in the first
-LayerNorm because the model was never cast (Float16Module now does it; tests/test_gpu_readiness.py
+LayerNorm because the model was never cast (Float16Module now does it; tests/integration/test_gpu_readiness.py
 checks the cast itself, which CPU's LayerNorm would not notice)."""
 
 from __future__ import annotations

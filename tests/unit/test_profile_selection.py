@@ -30,8 +30,9 @@ from megatron_epp.training.layer_bench import init_single_process
 from megatron_epp.training.arguments import ArgumentError
 from megatron_epp.training.model import model_shape
 from megatron_epp.training.profiling import Target, describe, planner_profile, resolve_profile, startup_profile
+from tests.paths import SHARED
 
-EVIDENCE = Path(__file__).resolve().parents[1] / ".." / "shared" / "gpu-evidence" / "2026-11-25-h100"
+EVIDENCE = SHARED / "gpu-evidence" / "2026-11-25-h100"
 TINY = ["--elastic-pp", "--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
         "--group-query-attention", "--num-query-groups", "2", "--swiglu", "--normalization", "RMSNorm", "--disable-bias-linear",
         "--seq-length", "128", "--global-batch-size", "2", "--lr", "1e-3", "--train-iters", "1", "--epp-memory-budget", "1"]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tests.launch import torchrun
-from tests.test_elastic_equivalence import rank0_shard
+from tests.integration.test_elastic_equivalence import rank0_shard
 from tests.workers.runs import RUN_SEPARATOR
 
 COMMON = ["--mock-data", "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "4",

@@ -20,7 +20,7 @@ from megatron_epp.planner.epp import in_units
 from megatron_epp.training.arguments import build_parser, parse_args
 from megatron_epp.training.megatron_flags import ACCEPTED, REFUSED, startup_notes
 from tests.launch import REPO, free_port, run_env
-from tests.test_driver_flags import lrs_after_steps
+from tests.unit.test_driver_flags import lrs_after_steps
 
 
 def test_help_describes_every_flag():

@@ -95,7 +95,7 @@ def test_killed_elastic_run_resumes_with_the_uninterrupted_losses(tmp_path):
 
 def test_measured_activation_memory_follows_the_prediction_and_recompute(tmp_path):
     """Per stage: measured peaks equal to the byte the planner's prediction (shipped profile's shape, hidden 64; the
-    CPU tracker's count is exact, as tests/test_planner_memory.py and tests/test_llama_style.py hold it: a K/V buffer
+    CPU tracker's count is exact, as tests/integration/test_planner_memory.py and tests/integration/test_llama_style.py hold it: a K/V buffer
     counted at half its size is 1-3 % off here), with no and with full recompute, and full recompute measurably below
     no recompute."""
     run = [a for a in RUN]

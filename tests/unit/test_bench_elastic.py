@@ -8,7 +8,6 @@ import gzip
 import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,8 +17,9 @@ from megatron_epp.cost.profiles import GIB, load_profile
 from megatron_epp.planner.builders import ELASTIC, MEGATRON, SEQ1F1B
 from megatron_epp.planner.config import PlannerConfig
 from megatron_epp.training.metrics import ElasticMetrics, StepMetrics
+from tests.paths import REPO
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_elastic.py"
+SCRIPT = REPO / "scripts" / "bench_elastic.py"
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from megatron_epp.training import loop
 from megatron_epp.training.initialize import Runtime
 from megatron_epp.training.loop import build_scheduler
 from megatron_epp.training.metrics import read_metrics
-from tests.test_bad_input import write_corpus
+from tests.corpus import write_corpus
 
 
 def lrs_after_steps(flags: list[str], steps: int) -> list[float]:

@@ -27,8 +27,8 @@ from megatron_epp.training.corpus_check import check_corpus
 from megatron_epp.training.faults import ExitConditions
 from megatron_epp.training.metrics import read_metrics
 from tests.launch import torchrun, torchrun_signalled_after
-from tests.test_bad_input import write_corpus
-from tests.test_elastic_training import RUN
+from tests.corpus import write_corpus
+from tests.integration.test_elastic_training import RUN
 
 ITERS = 8
 # bit-identical resumption needs the same plans: no online calibration of the cost model
@@ -57,7 +57,7 @@ def straight_dp2(tmp_path_factory):
 def test_sigterm_saves_at_the_end_of_the_step_exits_0_and_resumes_bit_identical(tmp_path, straight_dp2, to):
     """Data parallel 2 with --use-distributed-optimizer (each rank saves its shard of the Adam states; the
     elastic sampler resumes at the consumed samples of both replicas); pp 2 resumes in the tests below and in
-    tests/test_elastic_training.py.
+    tests/integration/test_elastic_training.py.
 
     ranks: SIGTERM to both ranks of a plain torchrun with --exit-signal-handler (as SLURM signals every process).
     launcher: SIGTERM to the launcher only (megatron_epp.training.launch, as every launch script starts torchrun;
@@ -267,7 +267,7 @@ def test_a_resume_on_other_data_is_one_warning_line(crashed_save, tmp_path):
 
 def test_empty_or_missing_load_directory_starts_from_scratch(tmp_path):
     assert check_loadable(_args(tmp_path)) is None  # --load = --save on a job's first run
-    assert check_loadable(_args(tmp_path / "not-yet")) is None  # (tests/test_checkpoint_integrity.py: its warning)
+    assert check_loadable(_args(tmp_path / "not-yet")) is None  # (tests/integration/test_checkpoint_integrity.py: its warning)
 
 
 @pytest.mark.parametrize("how, message", [

@@ -7,13 +7,12 @@ import ctypes.util
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from megatron_epp.training import host_allocator
+from tests.paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 
 
 class Exec(Exception):

@@ -2,7 +2,6 @@
 
 import json
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,9 +9,10 @@ import pytest
 from megatron_epp.data.documents import DocumentDataset
 from megatron_epp.data.prepare import DataError, prepare_dataset
 from megatron_epp.data.tokenizers import ByteTokenizer, build_tokenizer
-from tests.test_data_tokenizers import write_word_tokenizer
+from tests.unit.test_data_tokenizers import write_word_tokenizer
+from tests.paths import REPO
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(REPO / "scripts"))
 import prepare_data  # noqa: E402
 
 BYTE = ByteTokenizer()

@@ -27,6 +27,8 @@ def test_iterations_and_schedule_from_samples():
         (["--train-samples", "40", "--lr-decay-iters", "5"], "--lr-decay-iters counts iterations; with --train-samples give the schedule in samples (--lr-decay-samples)"),
         (["--train-samples", "40", "--lr-warmup-iters", "1"], "--lr-warmup-iters counts iterations"),
         (["--train-iters", "5", "--lr-decay-samples", "40"], "--lr-decay-samples applies with --train-samples; with --train-iters give --lr-decay-iters"),
+        (["--train-samples", "40", "--lr-wsd-decay-iters", "3"], "--lr-wsd-decay-iters counts iterations; with --train-samples give --lr-wsd-decay-samples"),
+        (["--train-iters", "5", "--lr-wsd-decay-samples", "8"], "--lr-wsd-decay-samples applies with --train-samples; with --train-iters give --lr-wsd-decay-iters"),
         (["--train-samples", "7"], "--train-samples 7 is less than one --global-batch-size 8"),
         (["--train-samples", "40", "--lr-warmup-samples", "40"], "--lr-warmup-samples 40 must be smaller than --lr-decay-samples 40"),
     ],

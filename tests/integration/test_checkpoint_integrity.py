@@ -22,7 +22,7 @@ from megatron_epp.training.checkpointing import (
     METADATA, TRACKER, UNVERIFIED_FORMAT, CheckpointError, check_loadable, choose_verified, skip_note,
 )
 from tests.launch import logged_losses, torchrun
-from tests.test_faults import FLAGS, SHORT
+from tests.integration.test_faults import FLAGS, SHORT
 
 # one rank hashing every file: what the ranks of a job share out (megatron_epp.training.checkpointing._hashed_by)
 ONE_RANK = SimpleNamespace(rank=0, world_size=1)
@@ -132,7 +132,7 @@ def test_load_flags_are_checked():
 def test_the_fallback_trains_as_a_resume_from_the_previous_checkpoint(saved, tmp_path):
     """A damaged shard of iteration 4: one warning line naming it, and iterations 3 and 4 have the losses of the
     first run, which trained them from iteration 2's state (a resume is bit-identical to the run it resumes:
-    tests/test_faults.py; so a direct resume from iteration 2 has those losses too: one launch less); with
+    tests/integration/test_faults.py; so a direct resume from iteration 2 has those losses too: one launch less); with
     --no-ckpt-fallback the job stops with one line naming the file."""
     fallback = tmp_path / "fallback"
     shutil.copytree(saved[0], fallback)

@@ -12,6 +12,7 @@ import pytest
 from megatron_epp.data import stdlib_corpus
 from megatron_epp.data.documents import DocumentDataset
 from megatron_epp.data.tokenizers import ByteTokenizer
+from tests.paths import REPO
 
 
 def test_build_then_reuse(tmp_path, monkeypatch, capsys):
@@ -59,7 +60,7 @@ def test_the_standard_library_only_and_the_same_from_a_virtual_environment(tmp_p
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
     probe = "import json; from megatron_epp.data.stdlib_corpus import stdlib_files; print(json.dumps([str(f) for f in stdlib_files()]))"
     out = subprocess.run([str(venv / "bin" / "python"), "-c", probe], check=True, capture_output=True, text=True,
-                         cwd=Path(__file__).resolve().parent.parent, env={"PYTHONPATH": str(Path(__file__).resolve().parent.parent),
+                         cwd=REPO, env={"PYTHONPATH": str(REPO),
                                                                           "PATH": "/usr/bin:/bin", "PYTHONWARNINGS": "ignore"})
     from_venv = json.loads(out.stdout.strip().splitlines()[-1])
     print(f"stdlib corpus: {len(files)} files, the same from a virtual environment: {from_venv == [str(f) for f in files]}")

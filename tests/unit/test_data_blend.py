@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import json
 
 import numpy as np
 import pytest
@@ -16,10 +15,9 @@ from megatron_epp.data.data_path import Blend, BlendError
 from megatron_epp.data.documents import DocumentDataset
 from megatron_epp.data.gpt_samples import GPTSamples
 from megatron_epp.data.mock_documents import MockDocuments, lognormal_lengths
-from megatron_epp.data.prepare import prepare_dataset
 from megatron_epp.data.sequence_sampler import SequenceSampler
-from megatron_epp.data.tokenizers import ByteTokenizer
 from megatron_epp.planner.data_parallel import TOKENS, split_data_parallel
+from tests.corpus import write_corpus
 
 
 def test_parse_single_prefix_and_weighted_pairs():
@@ -122,13 +120,6 @@ def test_weights_change_the_mix():
     assert abs((stream < len(docs.sources[0])).sum() - 0.8 * len(stream)) <= 1
 
 
-def write_corpus(prefix, documents: list[str]) -> str:
-    jsonl = prefix.parent / f"{prefix.name}.jsonl"
-    jsonl.write_text("".join(json.dumps({"text": doc}) + "\n" for doc in documents))
-    prepare_dataset([jsonl], prefix, ByteTokenizer(), pattern="*.jsonl", progress=False)
-    return str(prefix)
-
-
 def test_stock_blend_draws_fixed_length_samples_by_weight(tmp_path):
     a = write_corpus(tmp_path / "a", ["a" * n for n in range(30, 90)])
     b = write_corpus(tmp_path / "b", ["b" * n for n in range(40, 100)])
@@ -166,29 +157,3 @@ def test_driver_rejects_bad_blends_before_work(pretrain_in_process, tmp_path, da
     assert proc.returncode == 2 and proc.stdout == ""
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message.format(**names) in lines[0], proc.stderr
-
-
-def test_training_on_a_blend_end_to_end(tmp_path):
-    """pretrain_gpt.py on a blend, both paths: --elastic-pp with --train-samples, --log-throughput and
-    --tensorboard-dir; the stock path with --lr-decay-samples (the LR follows the schedule in samples)."""
-    from tests.launch import torchrun
-    from megatron_epp.training.metrics import read_metrics
-
-    a = write_corpus(tmp_path / "a", [f"alpha {i} " * (3 + i % 7) for i in range(60)])
-    b = write_corpus(tmp_path / "b", [f"beta {i} " * (2 + i % 5) for i in range(60)])
-    model = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "128",
-             "--split", "1,0,0", "--data-path", "0.25", a, "0.75", b, "--global-batch-size", "4", "--lr", "1e-3"]
-    out = torchrun(1, "pretrain_gpt.py", *model, "--elastic-pp", "--train-samples", "14", "--log-throughput",
-                   "--tensorboard-dir", str(tmp_path / "tb"), "--epp-calibrate-interval", "0").stdout
-    assert f"> data: blend of 0.25 {a}, 0.75 {b}; train split: 120 docs" in out
-    assert "--train-samples 14: 3 iterations (2 samples short of a global batch not trained)" in out
-    records = read_metrics(tmp_path / "tb" / "metrics.jsonl")
-    assert [r.iteration for r in records] == [1, 2, 3] and all(r.tflops_per_gpu > 0 for r in records)
-    assert "throughput per GPU (TFLOP/s/GPU): " in out
-    assert any((tmp_path / "tb").glob("events.out.tfevents.*"))
-
-    out = torchrun(1, "pretrain_gpt.py", *model, "--train-samples", "16", "--lr-decay-samples", "64", "--lr-decay-style",
-                   "linear", "--epp-metrics", str(tmp_path / "stock.jsonl")).stdout
-    lrs = [r.lr for r in read_metrics(tmp_path / "stock.jsonl")]
-    # linear decay over 64 samples, 4 per iteration: 1 - 4k/64 after iteration k (over --train-samples it would be 1 - 4k/16)
-    assert lrs == pytest.approx([1e-3 * (1 - 4 * k / 64) for k in range(1, 5)])

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,10 +19,11 @@ from megatron_epp.training.arguments import CALIBRATE_FIRST_STEP, parse_args
 from megatron_epp.planner.online import OnlinePlanner
 from megatron_epp.training.planning import check_memory_budget, online_planner
 from megatron_epp.data.mock_documents import lognormal_lengths
+from tests.paths import SHARED, TEST_DATA
 
 MIB = 2**20
-FIXTURE = Path(__file__).parent / "data" / "h100_activation_peaks.json"
-EVIDENCE_LOGS = Path(__file__).resolve().parents[2] / "shared" / "gpu-evidence" / "2026-11-25-h100" / "logs"
+FIXTURE = TEST_DATA / "h100_activation_peaks.json"
+EVIDENCE_LOGS = SHARED / "gpu-evidence" / "2026-11-25-h100" / "logs"
 # the evidence's llama-like layer (README: llama-like, cap 16K), planned on the analytic llama-7b profile
 LLAMA = ["--elastic-pp", "--mock-data", "--bf16", "--num-layers", "8", "--hidden-size", "4096", "--num-attention-heads", "32",
          "--group-query-attention", "--num-query-groups", "8", "--swiglu", "--ffn-hidden-size", "11008",

@@ -29,7 +29,7 @@ def test_resume_from_step_10_repeats_steps_11_to_20(tmp_path):
     """Data parallel 2 with --use-distributed-optimizer (each rank saves its shard of the Adam states): the
     run saves at 10 and 20; resumed from 10 (the tracker set back to it, as after a job that stopped there)
     it repeats steps 11..20 bit for bit. The plain optimizer's resume is checked at pp 2 by the elastic runs
-    (tests/test_faults.py, tests/test_elastic_training.py)."""
+    (tests/integration/test_faults.py, tests/integration/test_elastic_training.py)."""
     flags = [*RUN, "--pipeline-model-parallel-size", "1", "--use-distributed-optimizer", "--train-iters", "20"]
     ckpt = tmp_path / "ckpt"
     first = torchrun(2, *flags, "--save", str(ckpt), "--save-interval", "10").stdout

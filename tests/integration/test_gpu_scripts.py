@@ -90,7 +90,7 @@ def test_gpu_check_refuses_without_cuda_and_lists_its_steps():
     assert dry.returncode == 0
     steps = [line.split()[0] for line in dry.stdout.splitlines()[1:]]
     assert steps == ["facts", "install", "attention", "equivalence", "profile", "train", "bench"]
-    assert "setup_gpu.sh --find-links" in dry.stdout and "-rs tests/test_elastic_equivalence.py -k pp1" in dry.stdout
+    assert "setup_gpu.sh --find-links" in dry.stdout and "-rs tests/integration/test_elastic_equivalence.py -k pp1" in dry.stdout
     bench = next(line for line in dry.stdout.splitlines() if line.split()[0] == "bench")
     assert "(limit  600 s)" in bench and bench.rstrip().endswith("scripts/bench_gpu.py")  # as a user runs it: no flags
     rehearsal = run("bash", "scripts/gpu_check.sh", "--cpu-rehearsal", "--dry-run", "--steps", "bench")
@@ -153,7 +153,7 @@ def test_blocked_fp32_reference_equals_the_masked_one_and_builds_no_mask_beyond_
 
 def test_equivalence_fixture_skips_runs_of_more_processes_than_gpus(monkeypatch, tmp_path):
     from megatron_epp.training import initialize
-    from tests import test_elastic_equivalence as equivalence
+    from tests.integration import test_elastic_equivalence as equivalence
 
     launched = []
     monkeypatch.setattr(equivalence.Runs, "launch", lambda self, nproc: launched.append(nproc) or None)

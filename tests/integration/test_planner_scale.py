@@ -9,9 +9,9 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
+from tests.paths import REPO
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 
 # In a fresh interpreter (its peak resident memory is the planner's, with numpy and scipy loaded):
 # 2048 code-like lengths (lognormal, median 3.2K, sigma 1.9: p99 at the 64K cap, 22M tokens), LLaMA-13B

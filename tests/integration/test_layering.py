@@ -14,8 +14,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests.paths import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 # the planning packages, and the lengths reader of data that the planner may import (lengths -> planner)
 TORCH_FREE = ("megatron_epp.plan", "megatron_epp.cost", "megatron_epp.simulator", "megatron_epp.planner", "megatron_epp.data.lengths")
 

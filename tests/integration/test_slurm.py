@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from tests.launch import free_port, logged_losses
+from tests.paths import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 SBATCH = REPO / "scripts" / "slurm" / "train.sbatch"
 CLUSTER = REPO / "scripts" / "slurm" / "local_cluster.sh"
 ITERS = 4
