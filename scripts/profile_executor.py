@@ -84,7 +84,7 @@ def main() -> None:
         model, config = build_model(args, runtime, layer_spec=elastic_layer_spec(default_layer_spec(), context))
         install_chunk_context(model.module, context)
     build_optimizer(args, model, config)
-    plan = equal_plan(ours.kind, ours.chunks, ours.tokens, runtime.pp_size, args.num_layers)
+    plan = equal_plan(ours.kind, ours.chunks, ours.tokens, runtime.dims.pp, args.num_layers)
     rng = np.random.default_rng(0)
     sequences = []
     for n in plan.seq_lengths:
@@ -147,8 +147,8 @@ def main() -> None:
     bare_ms = statistics.median(bare) / ours.chunks
     slowest: list = [None] * runtime.world_size
     dist.all_gather_object(slowest, bare_ms)
-    per_chunk = step_ms / (ours.chunks + runtime.pp_size - 1)
-    result = {"prepared_inputs": PREPARED, "kind": ours.kind, "chunks": ours.chunks, "tokens": ours.tokens, "stages": runtime.pp_size,
+    per_chunk = step_ms / (ours.chunks + runtime.dims.pp - 1)
+    result = {"prepared_inputs": PREPARED, "kind": ours.kind, "chunks": ours.chunks, "tokens": ours.tokens, "stages": runtime.dims.pp,
               "step_ms": round(step_ms, 2), "bare_chunk_stage_ms": [round(x, 3) for x in slowest],
               "overhead_chunk_stage_ms": round(per_chunk - max(slowest), 3),
               "step_ms_all": [round(t, 1) for t in times]}

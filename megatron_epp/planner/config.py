@@ -76,6 +76,13 @@ class ParallelDims:
         if min(self.tp, self.pp, self.dp) < 1:
             raise ValueError(f"parallel sizes must be >= 1 (tp {self.tp}, pp {self.pp}, dp {self.dp})")
 
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "ParallelDims":
+        """From the validated ``--tensor-model-parallel-size``, ``--pipeline-model-parallel-size``,
+        ``--sequence-parallel`` and the data-parallel size they leave of the world."""
+        return cls(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.data_parallel_size,
+                   args.sequence_parallel)
+
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp

@@ -101,7 +101,7 @@ def _sharded_state(
     None: the model, iteration, samples, RNG and planner parts only (a load without the optimizer: building its
     sharded state would create Adam states without their step)."""
     model_state = model.module.sharded_state_dict()
-    layout = (runtime.pp_size, runtime.world_size // (runtime.pp_size * runtime.dp_size), runtime.dp_size)
+    layout = (runtime.dims.pp, runtime.dims.tp, runtime.dims.dp)
     here = (runtime.pp_rank, runtime.tp_rank, runtime.dp_rank)
     optimizer_part = {} if optimizer is None else {
         "optimizer": optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=OPTIMIZER_METADATA),

@@ -39,7 +39,8 @@ def _share_plan(plan: Plan | None, timing: tuple[float, float, float] | None) ->
 
 
 class ElasticTrainStep:
-    """A ``training.loop.StepFunction`` over a sequence sampler: plan, broadcast, run; keeps the last step's metrics.
+    """A :class:`~megatron_epp.training.step.TrainStep` over a sequence sampler: plan, broadcast, run; keeps the last
+    step's metrics.
 
     The first rank of each model replica plans, in a background thread, one global batch ahead. As
     soon as a step's schedule is done, the next step's plan is shared with every rank of the replica
@@ -187,7 +188,7 @@ class ElasticTrainStep:
 
     def _gather_stages(self, measured: int) -> list[int]:
         """This rank's measured peak activation bytes, of every stage (gathered over the pipeline)."""
-        per_stage: list[Any] = [None] * self.runtime.pp_size
+        per_stage: list[Any] = [None] * self.runtime.dims.pp
         dist.all_gather_object(per_stage, measured, group=ps.get_pipeline_model_parallel_group())
         return per_stage
 
@@ -213,7 +214,7 @@ def elastic_train_step(args: argparse.Namespace, runtime: Runtime, model, split:
     continues from ``planner_state`` (:meth:`OnlinePlanner.state_dict`, a checkpoint's) when given; ``steps``: how many
     steps it will run (the training's remaining iterations; None: no end)."""
     planner = online_planner(args)
-    sampler = elastic_sampler(args, split, runtime.dp_size, planner)
+    sampler = elastic_sampler(args, split, runtime.dims.dp, planner)
     if planner_state is not None:
         planner.load_state_dict(planner_state)
     return None if sampler is None else ElasticTrainStep(args, runtime, model, sampler, consumed, planner, steps)

@@ -16,19 +16,23 @@ import patches
 from megatron.core import tensor_parallel
 from megatron.core import parallel_state as ps
 
+from megatron_epp.planner.config import ParallelDims
+
 
 @dataclass(frozen=True)
 class Runtime:
-    """Where this rank runs and what it is in the parallel layout."""
+    """Where this rank runs and what it is in the parallel layout ``dims`` (its sizes and world size)."""
 
     device: torch.device
     rank: int
-    world_size: int
     pp_rank: int
-    pp_size: int
     tp_rank: int
     dp_rank: int
-    dp_size: int
+    dims: ParallelDims
+
+    @property
+    def world_size(self) -> int:
+        return self.dims.world_size
 
     @property
     def is_first_stage(self) -> bool:
@@ -36,7 +40,7 @@ class Runtime:
 
     @property
     def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp_size - 1
+        return self.pp_rank == self.dims.pp - 1
 
     @property
     def is_logging_rank(self) -> bool:
@@ -115,15 +119,18 @@ def initialize(args: argparse.Namespace) -> Runtime:
         args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
         distributed_timeout_minutes=args.distributed_timeout_minutes,
     )
+    dims = ParallelDims.from_args(args)
+    megatron_sizes = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+                      ps.get_data_parallel_world_size(), dist.get_world_size())
+    if megatron_sizes != (dims.tp, dims.pp, dims.dp, dims.world_size):
+        raise RuntimeError(f"megatron-core's groups (tp, pp, dp, world) {megatron_sizes} are not the arguments' {dims}")
     runtime = Runtime(
         device=device,
         rank=dist.get_rank(),
-        world_size=dist.get_world_size(),
         pp_rank=ps.get_pipeline_model_parallel_rank(),
-        pp_size=ps.get_pipeline_model_parallel_world_size(),
         tp_rank=ps.get_tensor_model_parallel_rank(),
         dp_rank=ps.get_data_parallel_rank(),
-        dp_size=ps.get_data_parallel_world_size(),
+        dims=dims,
     )
     set_seed(args.seed, runtime.pp_rank)
     return runtime

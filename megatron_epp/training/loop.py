@@ -7,22 +7,21 @@ import gc
 import os
 import time
 from dataclasses import replace
-from typing import Any, Callable, Iterator
+from typing import Any
 
-import numpy as np
 import torch
 from megatron.core import parallel_state as ps
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_epp.training import checkpointing
 from megatron_epp.training.faults import ExitConditions, FaultInjection, SigtermHandler, check_finite
 from megatron_epp.training.gpt_step import reduce_losses
 from megatron_epp.training.initialize import Runtime
-from megatron_epp.training.metrics import ElasticMetrics, StepMetrics, interval_average
+from megatron_epp.training.metrics import StepMetrics, interval_average
 from megatron_epp.training.model import model_shape, params_dtype
+from megatron_epp.training.step import TrainStep
 
 
 def build_optimizer(args: argparse.Namespace, model, config) -> tuple[Any, OptimizerParamScheduler]:
@@ -84,31 +83,6 @@ def build_scheduler(args: argparse.Namespace, optimizer) -> OptimizerParamSchedu
     )
 
 
-StepFunction = Callable[[bool], tuple[list[dict[str, torch.Tensor]], np.ndarray]]
-"""``step(forward_only) -> (last stage's per-micro-batch losses, the global batch's causal sequence lengths)``:
-every sample of ``--seq-length`` tokens on the stock path (attention spans the sample), every document's trained
-tokens with ``--elastic-pp``."""
-
-
-def megatron_step(args: argparse.Namespace, model, forward_step_func, data_iterator: Iterator) -> StepFunction:
-    """One global batch through Megatron-Core's own schedule (1F1B for pp > 1)."""
-    forward_backward = get_forward_backward_func()
-
-    def step(forward_only: bool) -> tuple[list[dict[str, torch.Tensor]], np.ndarray]:
-        losses = forward_backward(
-            forward_step_func=forward_step_func,
-            data_iterator=data_iterator,
-            model=[model],
-            num_microbatches=args.num_microbatches,
-            seq_length=args.seq_length,
-            micro_batch_size=args.micro_batch_size,
-            forward_only=forward_only,
-        )
-        return losses, np.full(args.global_batch_size, args.seq_length, dtype=np.int64)
-
-    return step
-
-
 class Logger:
     """Megatron-style iteration lines on the logging rank, the ``--epp-metrics`` JSON lines beside
     them, and each record's scalars to TensorBoard (``--tensorboard-dir``) and wandb (``--wandb-project``)."""
@@ -165,7 +139,7 @@ def _broadcast_from_last_stage(value: float | None, runtime: Runtime) -> float:
 
 
 def _train_iteration(args: argparse.Namespace, runtime: Runtime, model, optimizer, scheduler: OptimizerParamScheduler,
-                     train_step: StepFunction, faults: FaultInjection, logger: Logger, iteration: int):
+                     train_step: TrainStep, faults: FaultInjection, logger: Logger, iteration: int):
     """Forward-backward and the optimizer update of ``iteration`` (counted from 1); return its losses, sequence
     lengths and gradient norm. A skipped update is fp16's overflow (said), else an error."""
     model.zero_grad_buffer()
@@ -193,7 +167,7 @@ def _train_iteration(args: argparse.Namespace, runtime: Runtime, model, optimize
     return losses, seq_lengths, grad_norm
 
 
-def _collect_and_evaluate(args: argparse.Namespace, runtime: Runtime, valid_step: StepFunction | None, dp_group,
+def _collect_and_evaluate(args: argparse.Namespace, runtime: Runtime, valid_step: TrainStep | None, dp_group,
                           logger: Logger, iteration: int) -> None:
     """After ``iteration``: ``--manual-gc``'s collection at its interval, and the evaluation at ``--eval-interval``
     (with a collection before and after it under ``--manual-gc``)."""
@@ -213,19 +187,17 @@ def train(
     model,
     optimizer,
     scheduler: OptimizerParamScheduler,
-    train_step: StepFunction,
-    valid_step: StepFunction | None,
+    train_step: TrainStep,
+    valid_step: TrainStep | None,
     start: tuple[int, int] = (0, 0),
-    step_metrics: Callable[[int], ElasticMetrics] | None = None,
     start_time: float | None = None,
     faults: FaultInjection = FaultInjection(),
-    planner_state: Callable[[], dict[str, Any]] | None = None,
     sigterm: SigtermHandler | None = None,
 ) -> list[float]:
     """Run iterations ``start[0]+1 .. --train-iters``, or until an exit condition (``--exit-*``) holds
     after one, saving then; return the losses seen by every rank. A NaN/Inf under
-    ``--check-for-nan-in-loss-and-grad`` raises :class:`TrainingFault` on every rank. ``planner_state``: this
-    rank's planner calibration, saved in every checkpoint (``--elastic-pp``); ``sigterm``: the
+    ``--check-for-nan-in-loss-and-grad`` raises :class:`TrainingFault` on every rank. ``train_step``'s state (the
+    planner's calibration under ``--elastic-pp``) is saved in every checkpoint; ``sigterm``: the
     ``--exit-signal-handler`` handler if already installed."""
     iteration, consumed = start
     logger = Logger(args, runtime)
@@ -244,7 +216,7 @@ def train(
         path = checkpointing.save_checkpoint(
             args, model, optimizer, scheduler, runtime, iteration, consumed,
             before_commit=lambda: faults.crash_in_save(iteration, runtime.rank),
-            planner_state=planner_state() if planner_state else None,
+            planner_state=train_step.state_dict(),
         )
         saved_at = iteration
         logger.print(f" saved checkpoint at iteration {iteration} to {path}")
@@ -267,7 +239,7 @@ def train(
             if iteration % args.log_interval == 0:
                 logged = replace(interval[-1], train_iters=args.train_iters, consumed_samples=consumed,
                                  lr=scheduler.get_lr(optimizer.param_groups[0]), grad_norm=float(grad_norm or 0.0),
-                                 elastic=step_metrics(iteration) if step_metrics else None)
+                                 elastic=train_step.log(iteration))
                 logger.record(logged, line=interval_average(logged, interval).line())  # the line as Megatron-LM's
                 interval.clear()
             _collect_and_evaluate(args, runtime, valid_step, dp_group, logger, iteration)
@@ -287,7 +259,7 @@ def train(
     return history
 
 
-def evaluate(args: argparse.Namespace, runtime: Runtime, valid_step: StepFunction, dp_group) -> float:
+def evaluate(args: argparse.Namespace, runtime: Runtime, valid_step: TrainStep, dp_group) -> float:
     """Mean token loss over ``--eval-iters`` forward-only global batches."""
     totals = []
     with torch.no_grad():

@@ -20,15 +20,10 @@ from megatron_epp.training.model import model_shape
 from megatron_epp.training.profiling import planner_profile
 
 
-def parallel_dims(args: argparse.Namespace) -> ParallelDims:
-    return ParallelDims(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.data_parallel_size,
-                        args.sequence_parallel)
-
-
 def online_planner(args: argparse.Namespace) -> OnlinePlanner:
     """The run's online planner (``--epp-*``), for its model and pipeline on the profile it resolved (at its TP size;
     the start-up line says which), calibrated every ``--epp-calibrate-interval`` steps."""
-    return OnlinePlanner(PlannerConfig.from_args(args, args.seq_length), model_shape(args), parallel_dims(args),
+    return OnlinePlanner(PlannerConfig.from_args(args, args.seq_length), model_shape(args), ParallelDims.from_args(args),
                          planner_profile(args), distributed_optimizer=args.use_distributed_optimizer,
                          calibrate_interval=args.epp_calibrate_interval)
 

@@ -36,9 +36,10 @@ def elastic_args(*flags: str):
 
 
 def cpu_runtime():
+    from megatron_epp.planner.config import ParallelDims
     from megatron_epp.training.initialize import Runtime
 
-    return Runtime(torch.device("cpu"), rank=0, world_size=1, pp_rank=0, pp_size=1, tp_rank=0, dp_rank=0, dp_size=1)
+    return Runtime(torch.device("cpu"), rank=0, pp_rank=0, tp_rank=0, dp_rank=0, dims=ParallelDims())
 
 
 def test_bf16_casts_every_parameter_and_the_context_is_found_through_the_wrappers():

@@ -17,6 +17,7 @@ from megatron_epp.executor.context import ChunkContext
 from megatron_epp.training.layer_bench import init_single_process
 from megatron_epp.training.arguments import parse_args
 from megatron_epp.training.planning import online_planner
+from megatron_epp.planner.config import ParallelDims
 from megatron_epp.training.initialize import Runtime
 from megatron_epp.training.metrics import read_metrics
 from megatron_epp.training.model import build_model
@@ -53,7 +54,7 @@ def test_llama_flags_reach_the_model(elastic):
     init_single_process()
     args = parse_args(LLAMA + (["--elastic-pp"] if elastic else []), world_size=1)
     args.vocab_size = 64
-    runtime = Runtime(torch.device("cpu"), rank=0, world_size=1, pp_rank=0, pp_size=1, tp_rank=0, dp_rank=0, dp_size=1)
+    runtime = Runtime(torch.device("cpu"), rank=0, pp_rank=0, tp_rank=0, dp_rank=0, dims=ParallelDims())
     model, config = build_model(args, runtime, context=ChunkContext() if elastic else None)
     assert (config.gated_linear_unit, config.activation_func, config.normalization, config.layernorm_epsilon) == (True, F.silu, "RMSNorm", 1e-6)
     assert (config.num_query_groups, config.kv_channels, config.add_bias_linear) == (2, 16, False)
@@ -79,7 +80,7 @@ def test_gpt_style_parameter_count():
     init_single_process()
     args = parse_args(["--mock-data", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--elastic-pp"], world_size=1)
     args.vocab_size = 64
-    runtime = Runtime(torch.device("cpu"), rank=0, world_size=1, pp_rank=0, pp_size=1, tp_rank=0, dp_rank=0, dp_size=1)
+    runtime = Runtime(torch.device("cpu"), rank=0, pp_rank=0, tp_rank=0, dp_rank=0, dims=ParallelDims())
     model, _ = build_model(args, runtime, context=ChunkContext())
     shape = online_planner(args).cost_model.profile.model
     assert shape.params_per_layer() == sum(p.numel() for p in unwrap_model(model).decoder.layers[0].parameters())

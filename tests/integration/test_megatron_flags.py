@@ -195,9 +195,10 @@ def fp16_step(*flags: str):
 
     from megatron_epp.training.layer_bench import init_single_process
     from megatron_epp.training.gpt_step import gpt_forward_step, microbatches
+    from megatron_epp.planner.config import ParallelDims
     from megatron_epp.training.initialize import Runtime
-    from megatron_epp.training.loop import build_optimizer, megatron_step
-    from megatron_epp.training.main import build_samples
+    from megatron_epp.training.loop import build_optimizer
+    from megatron_epp.training.step import MegatronStep, build_samples
     from megatron_epp.training.model import build_model
 
     init_single_process()
@@ -205,7 +206,7 @@ def fp16_step(*flags: str):
                   *flags)
     torch.manual_seed(0)
     tensor_parallel.model_parallel_cuda_manual_seed(0)
-    runtime = Runtime(torch.device("cpu"), rank=0, world_size=1, pp_rank=0, pp_size=1, tp_rank=0, dp_rank=0, dp_size=1)
+    runtime = Runtime(torch.device("cpu"), rank=0, pp_rank=0, tp_rank=0, dp_rank=0, dims=ParallelDims())
     model, config = build_model(args, runtime)
     optimizer, _ = build_optimizer(args, model, config)
     assert {p.dtype for p in model.parameters()} == {torch.float16}
@@ -213,7 +214,7 @@ def fp16_step(*flags: str):
     batches = microbatches(build_samples(args, "train"), 0, 2, 1, 0, 1, runtime.device)
     model.zero_grad_buffer()
     optimizer.zero_grad()
-    megatron_step(args, model, gpt_forward_step, batches)(False)
+    MegatronStep(args, model, gpt_forward_step, batches)(False)
     grads = torch.cat([b.grad_data.float().clone() for b in model.buffers])
     update_ok, _, _ = optimizer.step()
     return before, grads, update_ok, optimizer.get_loss_scale().item()

@@ -14,6 +14,7 @@ from megatron_epp.training.layer_bench import init_single_process
 from megatron_epp.training.corpus_check import check_corpus
 from megatron_epp.training.faults import TrainingFault, check_finite
 from megatron_epp.training import loop
+from megatron_epp.planner.config import ParallelDims
 from megatron_epp.training.initialize import Runtime
 from megatron_epp.training.loop import build_scheduler
 from megatron_epp.training.metrics import read_metrics
@@ -165,18 +166,25 @@ def test_log_line_averages_over_the_interval_as_megatron_lm_and_the_record_is_th
     monkeypatch.setattr(loop, "time", SimpleNamespace(perf_counter=lambda: clock[0], time=lambda: 0.0))
     steps = iter([(0.1, 4.0, 100), (0.3, 2.0, 300), (0.2, 3.0, 100), (0.6, 1.0, 200)])  # (seconds, loss, tokens)
 
-    def train_step(forward_only):
-        seconds, loss, tokens = next(steps)
-        clock[0] += seconds
-        return [{"lm loss": torch.tensor([loss * tokens, tokens])}], np.array([tokens // 2, tokens - tokens // 2])
+    class TrainStep:  # a stand-in for the stock step: no metrics or state of its own
+        def __call__(self, forward_only):
+            seconds, loss, tokens = next(steps)
+            clock[0] += seconds
+            return [{"lm loss": torch.tensor([loss * tokens, tokens])}], np.array([tokens // 2, tokens - tokens // 2])
+
+        def log(self, iteration):
+            return None
+
+        def state_dict(self):
+            return None
 
     norms = iter([5.0, 6.0, 7.0, 8.0])
     optimizer = SimpleNamespace(zero_grad=lambda: None, step=lambda: (True, next(norms), None), param_groups=[{}])
     scheduler = SimpleNamespace(step=lambda increment: None, get_lr=lambda group: 1e-3)
     model = SimpleNamespace(zero_grad_buffer=lambda: None, buffers=[])
-    runtime = Runtime(torch.device("cpu"), rank=0, world_size=1, pp_rank=0, pp_size=1, tp_rank=0, dp_rank=0, dp_size=1)
+    runtime = Runtime(torch.device("cpu"), rank=0, pp_rank=0, tp_rank=0, dp_rank=0, dims=ParallelDims())
     capsys.readouterr()
-    loop.train(args, runtime, model, optimizer, scheduler, train_step=train_step, valid_step=None)
+    loop.train(args, runtime, model, optimizer, scheduler, train_step=TrainStep(), valid_step=None)
     lines = [line for line in capsys.readouterr().out.splitlines() if line.lstrip().startswith("iteration")]
     assert len(lines) == 2
     assert "elapsed time per iteration (ms): 400.0 | tokens/s: 375 |" in lines[1], lines[1]  # 0.8 s, 300 tokens

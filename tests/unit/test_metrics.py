@@ -95,9 +95,10 @@ def logger_args(tmp_path, **change):
 def runtime():
     import torch
 
+    from megatron_epp.planner.config import ParallelDims
     from megatron_epp.training.initialize import Runtime
 
-    return Runtime(torch.device("cpu"), rank=0, world_size=1, pp_rank=0, pp_size=1, tp_rank=0, dp_rank=0, dp_size=1)
+    return Runtime(torch.device("cpu"), rank=0, pp_rank=0, tp_rank=0, dp_rank=0, dims=ParallelDims())
 
 
 def test_tensorboard_gets_every_scalar(tmp_path):

@@ -190,7 +190,7 @@ def run(argv: list[str]) -> None:
     model, config = build_model(args, runtime, context=context)
     gpt = unwrap_model(model)  # through DDP (and Float16Module with --bf16): parameters by their own names
     undo = inject(ours.fault) if ours.fault and ours.fault not in BROKEN_CONTEXTS else None
-    per_stage = args.num_layers // runtime.pp_size
+    per_stage = args.num_layers // runtime.dims.pp
     set_global_weights(gpt, runtime.pp_rank, per_stage, runtime.tp_rank, args.tensor_model_parallel_size, args.swiglu)
     build_optimizer(args, model, config)
     runs = [(case, None) for case in range(ours.cases)]
@@ -203,12 +203,12 @@ def run(argv: list[str]) -> None:
         model.zero_grad_buffer()
         padding = 0
         if elastic:
-            mine = sequences[runtime.dp_rank :: runtime.dp_size]
-            plan = random_plan(np.random.default_rng([ours.case_seed, case, runtime.dp_rank, 7]), [len(t) for t, _ in mine], runtime.pp_size, per_stage)
+            mine = sequences[runtime.dp_rank :: runtime.dims.dp]
+            plan = random_plan(np.random.default_rng([ours.case_seed, case, runtime.dp_rank, 7]), [len(t) for t, _ in mine], runtime.dims.pp, per_stage)
             if ours.random_recompute:
                 rng = np.random.default_rng([ours.case_seed, case, runtime.dp_rank, 11])
                 for pipe in plan.pipelines:
-                    pipe.recompute = rng.integers(0, per_stage + 1, size=(runtime.pp_size, len(pipe.chunks))).tolist()
+                    pipe.recompute = rng.integers(0, per_stage + 1, size=(runtime.dims.pp, len(pipe.chunks))).tolist()
             multiple = token_multiple(config)
             padding = sum(padding_tokens(c.num_tokens, multiple) for c in plan.chunks())
             batches = chunk_batches(plan, mine, runtime.device, multiple)

@@ -17,8 +17,8 @@ import torch
 from megatron_epp.training.arguments import parse_args
 from megatron_epp.training.gpt_step import gpt_forward_step, microbatches, reduce_losses
 from megatron_epp.training.initialize import initialize, shutdown
-from megatron_epp.training.loop import build_optimizer, megatron_step
-from megatron_epp.training.main import build_samples
+from megatron_epp.training.loop import build_optimizer
+from megatron_epp.training.step import MegatronStep, build_samples
 from megatron_epp.training.model import build_model
 from megatron.core import parallel_state as ps
 from megatron.core.utils import unwrap_model
@@ -63,14 +63,14 @@ def dump(out_dir: str, flags: list[str]) -> None:
     args = parse_args(flags)
     runtime = initialize(args)
     model, config = build_model(args, runtime)
-    layers_per_stage = args.num_layers // runtime.pp_size
+    layers_per_stage = args.num_layers // runtime.dims.pp
     set_global_weights(unwrap_model(model), runtime.pp_rank, layers_per_stage, runtime.tp_rank, args.tensor_model_parallel_size,
                        args.swiglu)
     model.broadcast_params()
     build_optimizer(args, model, config)  # installs finalize_model_grads (DP and tied-embedding sync)
-    batches = microbatches(build_samples(args, "train"), 0, args.global_batch_size, args.micro_batch_size, runtime.dp_rank, runtime.dp_size, runtime.device)
+    batches = microbatches(build_samples(args, "train"), 0, args.global_batch_size, args.micro_batch_size, runtime.dp_rank, runtime.dims.dp, runtime.device)
     model.zero_grad_buffer()
-    losses, _ = megatron_step(args, model, gpt_forward_step, batches)(False)
+    losses, _ = MegatronStep(args, model, gpt_forward_step, batches)(False)
     loss = reduce_losses(losses, ps.get_data_parallel_group())
     grads = {
         global_name(n, runtime.pp_rank, layers_per_stage): p.main_grad.detach().clone()
