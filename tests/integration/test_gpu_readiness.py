@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import subprocess
@@ -83,7 +84,7 @@ def test_fused_softmax_only_where_its_kernel_imports(monkeypatch):
     from megatron_epp.training import model as model_module
 
     assert model_module.probe_fused_softmax().startswith("scaled_masked_softmax_cuda does not import")
-    cuda = cpu_runtime().__class__(torch.device("cuda"), 0, 1, 0, 1, 0, 0, 1)
+    cuda = dataclasses.replace(cpu_runtime(), device=torch.device("cuda"))
     args = elastic_args("--epp-memory-budget", "1")
     monkeypatch.setattr(model_module.torch.cuda, "is_available", lambda: True)
     assert model_module.fused_softmax_unavailable().startswith("scaled_masked_softmax_cuda does not import")
