@@ -491,16 +491,16 @@ def planned_batches(argv: list[str], steps: int, world_size: int = 2):
     """The lengths of the run's first ``steps`` global batches (its own sampler) on ``world_size``
     processes (data-parallel rank 0's), the run's planner config and cost model (as
     ``training.replay.reconstruct_plans`` rebuilds them)."""
-    from megatron_epp.training.replay import parsed_args
+    from megatron_epp.training.replay import parsed_config
     from megatron_epp.training.arguments import ArgumentError
     from megatron_epp.training.planning import elastic_sampler, online_planner
 
     try:
-        args = parsed_args([*argv, "--epp-memory-budget", "1"], world_size)  # the budget is the builders' to vary
+        cfg = parsed_config([*argv, "--epp-memory-budget", "1"], world_size)  # the budget is the builders' to vary
     except ArgumentError as error:
         fail(f"the runs' flags would be refused: {str(error).removeprefix('pretrain_gpt.py: error: ')}")
-    build = online_planner(args)
-    stream = elastic_sampler(args, "train", args.data_parallel_size, build).iterate(0)
+    build = online_planner(cfg)
+    stream = elastic_sampler(cfg, "train", cfg.parallel.dims.dp, build).iterate(0)
     batches = []
     for _ in range(steps):
         batch = next(stream)

@@ -28,7 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from megatron_epp.training.replay import parsed_args, run_pretrain  # noqa: E402
+from megatron_epp.training.replay import parsed_config, run_pretrain  # noqa: E402
 MB = 2**20
 ROUNDING = 0.005  # MB: the log prints activation MB with two decimals
 
@@ -44,7 +44,7 @@ def state_mb(argv: list[str]) -> list[float]:
     """Model states per stage (MB) as the planner counts them for this run's flags."""
     from megatron_epp.training.planning import online_planner
 
-    return (online_planner(parsed_args(argv)).cost_model.model_state_bytes() / MB).tolist()
+    return (online_planner(parsed_config(argv)).cost_model.model_state_bytes() / MB).tolist()
 
 
 def run(hidden: int, mode: str, budget: float, iters: int, extra: list[str]) -> dict:

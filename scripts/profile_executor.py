@@ -39,7 +39,7 @@ from megatron_epp.executor.context import ChunkContext  # noqa: E402
 from megatron_epp.executor.schedule import forward_backward_elastic  # noqa: E402
 from megatron_epp.executor.spec import elastic_layer_spec, install_chunk_context  # noqa: E402
 from megatron_epp.plan import Chunk, Pipeline, Plan, Segment, chunk_kind  # noqa: E402
-from megatron_epp.training.arguments import parse_args  # noqa: E402
+from megatron_epp.training.arguments import parse_config  # noqa: E402
 from megatron_epp.training.initialize import initialize, shutdown  # noqa: E402
 from megatron_epp.training.loop import build_optimizer  # noqa: E402
 from megatron_epp.training.model import build_model, default_layer_spec  # noqa: E402
@@ -75,7 +75,7 @@ def main() -> None:
                 str(ours.tokens * ours.chunks), "--max-position-embeddings", str(ours.tokens * ours.chunks),
                 "--micro-batch-size", "1", "--global-batch-size", "1", "--vocab-size", "256",
                 "--pipeline-model-parallel-size", str(world), "--position-embedding-type", "rope", "--mock-data"]
-    args = parse_args(defaults + flags, world_size=world)
+    args = parse_config(defaults + flags, world_size=world)
     runtime = initialize(args)
     context = ChunkContext()
     if "context" in inspect.signature(build_model).parameters:
@@ -84,11 +84,11 @@ def main() -> None:
         model, config = build_model(args, runtime, layer_spec=elastic_layer_spec(default_layer_spec(), context))
         install_chunk_context(model.module, context)
     build_optimizer(args, model, config)
-    plan = equal_plan(ours.kind, ours.chunks, ours.tokens, runtime.dims.pp, args.num_layers)
+    plan = equal_plan(ours.kind, ours.chunks, ours.tokens, runtime.dims.pp, args.model.num_layers)
     rng = np.random.default_rng(0)
     sequences = []
     for n in plan.seq_lengths:
-        doc = torch.from_numpy(rng.integers(0, args.vocab_size, n + 1))
+        doc = torch.from_numpy(rng.integers(0, args.model.vocab_size, n + 1))
         sequences.append((doc[:-1], doc[1:]))
 
     def elastic_step() -> float:
@@ -132,7 +132,7 @@ def main() -> None:
         for layout, batch in zip(layouts, batches):
             with context.running(layout):
                 if not runtime.is_first_stage:
-                    module.set_input_tensor(torch.randn(layout.chunk.num_tokens, 1, args.hidden_size, requires_grad=True))
+                    module.set_input_tensor(torch.randn(layout.chunk.num_tokens, 1, args.model.hidden_size, requires_grad=True))
                 out = module(batch["tokens"], layout.position_ids[None], None, labels=batch["labels"] if runtime.is_last_stage else None)
                 outputs.append(out)
         for layout, out in reversed(list(zip(layouts, outputs))):

@@ -49,7 +49,7 @@ import torch  # noqa: E402
 from megatron_epp.cost.profiles import ProfileKey, default_profile_cache  # noqa: E402
 from megatron_epp.executor import kernels  # noqa: E402
 from megatron_epp.training.layer_bench import init_single_process  # noqa: E402
-from megatron_epp.training.arguments import ArgumentError, build_parser, parse_args as training_args  # noqa: E402
+from megatron_epp.training.arguments import ArgumentError, build_parser, parse_config  # noqa: E402
 from megatron_epp.training.model import model_shape  # noqa: E402
 from megatron_epp.training.profiling import ProfileGrid, device_name, measure_profile, report_errors  # noqa: E402
 
@@ -93,11 +93,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"{foreign[0]}: not a flag of this script nor a model flag of pretrain_gpt.py")
     args.dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
     try:  # the model as pretrain_gpt.py builds it from these flags (defaults, checks, padded vocabulary)
-        model = training_args([*rest, "--mock-data", "--train-iters", "1", *(["--bf16"] if args.dtype == "bf16" else [])], world_size=1)
+        model = parse_config([*rest, "--mock-data", "--train-iters", "1", *(["--bf16"] if args.dtype == "bf16" else [])], world_size=1)
     except ArgumentError as error:
         p.error(str(error).removeprefix("pretrain_gpt.py: error: "))
-    args.shape = model_shape(model, args.name or f"gpu-h{model.hidden_size}")
-    args.rotary_base = model.rotary_base
+    args.shape = model_shape(model, args.name or f"gpu-h{model.model.hidden_size}")
+    args.rotary_base = model.model.rotary_base
     args.grid = ProfileGrid(args.seq_lengths, args.contexts, args.layer_lengths, args.head_lengths, args.warmup, args.repeats)
     try:
         args.grid.check()

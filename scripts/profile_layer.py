@@ -53,7 +53,7 @@ from megatron_epp.cost.profile_fit import fit, measured_profile, recompute_fit, 
 from megatron_epp.cost.features import NUM_FEATURES, F, chunk_features  # noqa: E402
 from megatron_epp.plan import Chunk, Segment  # noqa: E402
 from megatron_epp.cost.profiles import (  # noqa: E402
-    TEST_MODEL, TEST_MODEL_PROFILE, MemoryCoeffs, ModelShape, Profile, StageOverhead, TimeCoeffs, load_profile,
+    TEST_MODEL, TEST_MODEL_PROFILE, MemoryCoeffs, ModelShape, StageOverhead, TimeCoeffs, load_profile,
     saved_tensor_memory, shape_time,
 )
 

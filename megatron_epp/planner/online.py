@@ -161,8 +161,3 @@ class OnlinePlanner:
 def _calibration(cost_model: CostModel) -> tuple[float, float, float]:
     o = cost_model.profile.overhead
     return cost_model.speed_factor, o.fwd_ms, o.bwd_ms
-
-
-def _calibration(cost_model: CostModel) -> tuple[float, float, float]:
-    o = cost_model.profile.overhead
-    return cost_model.speed_factor, o.fwd_ms, o.bwd_ms

@@ -14,6 +14,7 @@ from megatron_epp.data.data_path import Blend, BlendError
 from megatron_epp.data.tokenizers import TokenizerError, add_tokenizer_arguments, resolve_tokenizer_args, tokenizer_from_args
 from megatron_epp.executor.kernels import load_flash_kernel
 from megatron_epp.planner.config import CALIBRATE_FIRST_STEP, DEFAULT_CLUSTER, PlannerConfig, add_planner_arguments
+from megatron_epp.training.config import TrainingConfig
 from megatron_epp.training.extensions import probe_transformer_engine
 from megatron_epp.training.megatron_flags import add_megatron_flags
 from megatron_epp.training.memory_budget import CPU_FRACTION, CUDA_MARGIN_FRACTION, default_memory_budget
@@ -340,6 +341,11 @@ def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None)
     args = build_parser().parse_args(argv)
     validate_args(args, world_size_from_env() if world_size is None else world_size)
     return args
+
+
+def parse_config(argv: Sequence[str] | None = None, world_size: int | None = None) -> TrainingConfig:
+    """The flags parsed, validated (:func:`parse_args`) and turned once into the typed configuration training reads."""
+    return TrainingConfig.from_args(parse_args(argv, world_size))
 
 
 def validate_args(args: argparse.Namespace, world_size: int) -> None:
@@ -726,6 +732,7 @@ CALIBRATE_INTERVAL = 20  # --epp-calibrate-interval's default (the first fit: af
 def validate_elastic_args(args: argparse.Namespace, world_size: int) -> None:
     given = [k for k in (*EPP_DEFAULTS, "epp_memory_budget", "epp_timeline", "epp_calibrate_interval", "epp_profile_cache") if getattr(args, k) is not None]
     given += ["epp_truncate_documents"] if args.epp_truncate_documents else []
+    args.epp_default_budget = None  # a given budget (or --epp-search-layout's preset) is kept as given
     if args.epp_search_layout:
         return validate_search_args(args, given)
     if not args.elastic_pp:
@@ -735,7 +742,6 @@ def validate_elastic_args(args: argparse.Namespace, world_size: int) -> None:
     for key, value in EPP_DEFAULTS.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    args.epp_default_budget = None  # a given budget is kept as given
     if args.epp_memory_budget is None:
         args.epp_default_budget = default_memory_budget(world_size)
         args.epp_memory_budget = args.epp_default_budget.budget / GIB

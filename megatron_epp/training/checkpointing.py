@@ -27,7 +27,6 @@ warning, a resume on another data stream (Megatron-LM allows it).
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -49,6 +48,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from megatron_epp.data.blend import Blend
 from megatron_epp.training.arguments import ArgumentError
 from megatron_epp.training.initialize import Runtime
+from megatron_epp.training.config import TrainingConfig
 
 TRACKER = "latest_checkpointed_iteration.txt"
 METADATA = "epp_metadata.json"
@@ -60,7 +60,6 @@ MODEL_SHAPE_ARGS = (
     "position_embedding_type", "vocab_size", "untie_embeddings_and_output_weights", "swiglu", "normalization",
     "group_query_attention", "num_query_groups", "kv_channels", "disable_bias_linear", "rotary_base", "make_vocab_size_divisible_by",
 )
-LAYOUT_ARGS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "data_parallel_size", "use_distributed_optimizer")
 # What the sample stream is a function of, besides the blend and its position (the consumed samples)
 SAMPLER_ARGS = ("split", "seed", "seq_length", "global_batch_size")
 # --use-distributed-optimizer: each rank's shard of the optimizer states saved in model space (one tensor per
@@ -145,25 +144,27 @@ def _restore_distributed_optimizer_steps(optimizer) -> None:
                         state["step"] = torch.tensor(float(group["step"]), dtype=state["step"].dtype)
 
 
-def data_record(args: argparse.Namespace) -> dict[str, Any]:
+def data_record(cfg: TrainingConfig) -> dict[str, Any]:
     """The data stream a run trains on: the ``--data-path`` blend (prefixes, normalised weights; None for
     ``--mock-data``) and the sampler's settings (its position is the checkpoint's consumed samples)."""
-    blend = args.data_blend
+    blend = cfg.data.data_blend
     return {
         "blend": None if blend is None else {"prefixes": list(blend.prefixes), "weights": blend.weights and list(blend.weights)},
-        **{k: getattr(args, k) for k in SAMPLER_ARGS},
+        "split": cfg.data.split, "seed": cfg.training.seed, "seq_length": cfg.model.seq_length,
+        "global_batch_size": cfg.training.global_batch_size,
     }
 
 
-def checkpoint_metadata(args: argparse.Namespace, iteration: int, consumed_samples: int | None = None) -> dict[str, Any]:
+def checkpoint_metadata(cfg: TrainingConfig, iteration: int, consumed_samples: int | None = None) -> dict[str, Any]:
     """The record saved beside the shards and compared on ``--load`` (:func:`save_checkpoint` adds the files'
     sizes and checksums, and the record's own)."""
     return {
         "format": FORMAT,
         "iteration": iteration,
-        "model": {k: getattr(args, k, None) for k in MODEL_SHAPE_ARGS},
-        "layout": {k: getattr(args, k) for k in LAYOUT_ARGS},
-        "data": data_record(args),
+        "model": {k: getattr(cfg.model, k) for k in MODEL_SHAPE_ARGS},
+        "layout": {"tensor_model_parallel_size": cfg.parallel.dims.tp, "pipeline_model_parallel_size": cfg.parallel.dims.pp,
+                   "data_parallel_size": cfg.parallel.dims.dp, "use_distributed_optimizer": cfg.parallel.use_distributed_optimizer},
+        "data": data_record(cfg),
         "consumed_samples": consumed_samples,
     }
 
@@ -208,14 +209,14 @@ def _file_problem(path: str, name: str, expected: dict[str, Any]) -> str | None:
 
 
 def save_checkpoint(
-    args: argparse.Namespace, model, optimizer, scheduler, runtime: Runtime, iteration: int, consumed: int,
+    cfg: TrainingConfig, model, optimizer, scheduler, runtime: Runtime, iteration: int, consumed: int,
     before_commit: Callable[[], None] | None = None, planner_state: dict[str, Any] | None = None,
 ) -> str:
     """Write ``--save``'s ``iter_XXXXXXX.tmp``, hash its files (each rank those it wrote), write
     ``epp_metadata.json`` last with their sizes and checksums, then (every rank done) rename it and update
     the tracker. ``before_commit`` runs on every rank after it has written its part (the test-only crash hook);
     ``planner_state``: this rank's planner calibration (``--elastic-pp``)."""
-    path = iteration_dir(args.save, iteration)
+    path = iteration_dir(cfg.checkpoint.save, iteration)
     tmp = path + ".tmp"
     if runtime.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # left by a run that died while saving
@@ -230,7 +231,7 @@ def save_checkpoint(
     hashed: list[dict[str, Any]] | None = [{} for _ in range(runtime.world_size)] if runtime.rank == 0 else None
     dist.gather_object(mine, hashed, dst=0)
     if runtime.rank == 0:
-        meta = checkpoint_metadata(args, iteration, consumed)
+        meta = checkpoint_metadata(cfg, iteration, consumed)
         meta["files"] = dict(sorted((name, record) for part in hashed for name, record in part.items()))
         meta["sha256"] = record_sha256(meta)
         _write_durably(os.path.join(tmp, METADATA + ".tmp"), json.dumps(meta, indent=1))
@@ -238,8 +239,8 @@ def save_checkpoint(
         if os.path.isdir(path):  # the same iteration saved again (a resumed run that stops at once)
             os.replace(path, path + ".old")
         os.replace(tmp, path)
-        _write_durably(os.path.join(args.save, TRACKER + ".tmp"), str(iteration))
-        os.replace(os.path.join(args.save, TRACKER + ".tmp"), os.path.join(args.save, TRACKER))
+        _write_durably(os.path.join(cfg.checkpoint.save, TRACKER + ".tmp"), str(iteration))
+        os.replace(os.path.join(cfg.checkpoint.save, TRACKER + ".tmp"), os.path.join(cfg.checkpoint.save, TRACKER))
         shutil.rmtree(path + ".old", ignore_errors=True)
     dist.barrier()
     return path
@@ -262,13 +263,13 @@ class Resume:
     skipped: list[str] = field(default_factory=list)
 
 
-def check_loadable(args: argparse.Namespace) -> Resume | None:
+def check_loadable(cfg: TrainingConfig) -> Resume | None:
     """The checkpoints ``--load`` may resume from, None when there is none yet (a first run with ``--load`` =
     ``--save``, the directory not yet created or empty); :class:`ArgumentError` (one line) when it cannot be
     loaded: a foreign checkpoint (another model shape or layout), a bad tracker, or (without the fallback: the
     tracker's checkpoint; with it: every one) a damaged or truncated checkpoint. Reads the metadata and the files'
     sizes only; :func:`choose_verified` checks the checksums."""
-    root = args.load
+    root = cfg.checkpoint.load
     where = f"--load {root}"
     tracker = os.path.join(root, TRACKER)
     committed = sorted((int(d[5:]) for d in os.listdir(root) if re.fullmatch(r"iter_\d{7}", d)), reverse=True) if os.path.isdir(root) else []
@@ -282,18 +283,18 @@ def check_loadable(args: argparse.Namespace) -> Resume | None:
     if not text.isdigit():
         raise ArgumentError(f"{where}: {TRACKER} holds {text[:40]!r}, not an iteration number")
     latest = int(text)
-    order = [latest] + ([i for i in committed if i < latest] if args.ckpt_fallback else [])
+    order = [latest] + ([i for i in committed if i < latest] if cfg.checkpoint.ckpt_fallback else [])
     resume = Resume(root, [])
     for iteration in order:
         try:
-            problem = _checkpoint_problem(args, iteration)
+            problem = _checkpoint_problem(cfg, iteration)
         except ArgumentError as error:  # another model shape or layout: an error for the latest, else not a fallback
             if iteration == latest:
                 raise
             problem = str(error).split(f"{where}: ", 1)[1]
         if problem is None:
             resume.candidates.append(iteration)
-        elif not args.ckpt_fallback:
+        elif not cfg.checkpoint.ckpt_fallback:
             raise ArgumentError(f"{where}: {problem}")
         else:
             resume.skipped.append(problem)
@@ -307,11 +308,11 @@ def skip_note(root: str, problem: str) -> str:
     return f"warning: --load {root}: skipped, {problem}; falling back to the previous checkpoint"
 
 
-def _checkpoint_problem(args: argparse.Namespace, iteration: int) -> str | None:
+def _checkpoint_problem(cfg: TrainingConfig, iteration: int) -> str | None:
     """Why ``--load``'s ``iteration`` cannot be loaded, as far as its metadata and its files' sizes tell; None if
     they are whole. A checkpoint of another model shape or layout raises :class:`ArgumentError`: that is no damage
     an older checkpoint would mend."""
-    path = iteration_dir(args.load, iteration)
+    path = iteration_dir(cfg.checkpoint.load, iteration)
     if not os.path.isdir(path):
         return f"{TRACKER} names iteration {iteration}, but {path} does not exist"
     if not os.path.isfile(os.path.join(path, METADATA)):
@@ -325,12 +326,12 @@ def _checkpoint_problem(args: argparse.Namespace, iteration: int) -> str | None:
         return f"{path}/{METADATA}: checksum mismatch (its record was changed after save)"
     if meta.get("iteration") != iteration:
         return f"{path} holds iteration {meta.get('iteration')}, its name and {TRACKER} say {iteration}"
-    expected = checkpoint_metadata(args, iteration)
+    expected = checkpoint_metadata(cfg, iteration)
     for part in ("model", "layout"):
         for key, want in expected[part].items():
             if key in meta.get(part, {}) and meta[part][key] != want:  # a flag the checkpoint's version did not record: not compared
                 raise ArgumentError(
-                    f"--load {args.load}: iteration {iteration} was saved with --{key.replace('_', '-')} {meta[part][key]}, "
+                    f"--load {cfg.checkpoint.load}: iteration {iteration} was saved with --{key.replace('_', '-')} {meta[part][key]}, "
                     f"this run has {want} (a different {'model shape' if part == 'model' else 'parallel layout'})"
                 )
     if meta["format"] == UNVERIFIED_FORMAT:
@@ -343,7 +344,7 @@ def _checkpoint_problem(args: argparse.Namespace, iteration: int) -> str | None:
     return None
 
 
-def choose_verified(args: argparse.Namespace, resume: Resume, runtime: Runtime) -> tuple[int, list[str]]:
+def choose_verified(cfg: TrainingConfig, resume: Resume, runtime: Runtime) -> tuple[int, list[str]]:
     """Collective: the newest of ``resume``'s candidates whose files match their checksums, and the warning lines
     (one per checkpoint skipped, here or by :func:`check_loadable`; one for a checkpoint saved without checksums); :class:`CheckpointError` (one line,
     the same on every rank) when the tracker's checkpoint is damaged and ``--no-ckpt-fallback`` is given, or none
@@ -363,7 +364,7 @@ def choose_verified(args: argparse.Namespace, resume: Resume, runtime: Runtime) 
         problems = sorted(p for part in found for p in part if p)
         if not problems:
             return iteration, notes
-        if not args.ckpt_fallback:
+        if not cfg.checkpoint.ckpt_fallback:
             raise CheckpointError(f"pretrain_gpt.py: error: --load {resume.root}: {path}/{problems[0]}")
         skipped.append(f"{path}/{problems[0]}")
     raise CheckpointError(f"pretrain_gpt.py: error: --load {resume.root}: no checkpoint verifies: {'; '.join(skipped)}")
@@ -383,7 +384,7 @@ def _describe_blend(blend: dict[str, Any] | None) -> str:
     return Blend(tuple(blend["prefixes"]), blend["weights"] and tuple(blend["weights"])).describe()
 
 
-def data_change(args: argparse.Namespace, iteration: int) -> str | None:
+def data_change(cfg: TrainingConfig, iteration: int) -> str | None:
     """One warning line when this run's data stream differs from the one ``--load``'s ``iteration`` (as
     :func:`check_loadable` found it) was trained on: another ``--data-path`` blend (prefixes or weights) or
     sampler setting. None when they agree (or the checkpoint predates the record).
@@ -392,16 +393,16 @@ def data_change(args: argparse.Namespace, iteration: int) -> str | None:
     from the new flags at the checkpoint's consumed samples, which is how a job anneals on another mixture.
     The stream then goes on from that position of the new blend's stream: what was drawn before is not
     tracked per dataset, so some documents may come again and others never."""
-    meta = _read_metadata(iteration_dir(args.load, iteration))
+    meta = _read_metadata(iteration_dir(cfg.checkpoint.load, iteration))
     saved = meta.get("data") if isinstance(meta, dict) else None
     if saved is None:
         return None
-    now = data_record(args)
+    now = data_record(cfg)
     changes = [f"--data-path {_describe_blend(saved['blend'])} -> {_describe_blend(now['blend'])}"] if saved["blend"] != now["blend"] else []
     changes += [f"--{k.replace('_', '-')} {saved[k]} -> {now[k]}" for k in SAMPLER_ARGS if saved.get(k) != now[k]]
     if not changes:
         return None
-    return (f"warning: --load {args.load}: iteration {iteration} was trained on other data ({'; '.join(changes)}); "
+    return (f"warning: --load {cfg.checkpoint.load}: iteration {iteration} was trained on other data ({'; '.join(changes)}); "
             f"training goes on at sample {meta['consumed_samples']} of this run's stream, as in Megatron-LM: samples "
             "drawn before are not replayed or skipped by dataset, so some documents may repeat and others never come")
 
@@ -428,7 +429,7 @@ def _missing_files(path: str) -> str | None:
 
 
 def load_checkpoint(
-    args: argparse.Namespace, iteration: int, model, optimizer, scheduler, runtime: Runtime
+    cfg: TrainingConfig, iteration: int, model, optimizer, scheduler, runtime: Runtime
 ) -> tuple[int, int, dict[str, Any] | None]:
     """Restore ``--load``'s ``iteration`` (as :func:`choose_verified` chose it); return ``(iteration, consumed_samples,
     this rank's planner calibration)`` (None if the run saved none: no ``--elastic-pp``, or a checkpoint from
@@ -436,20 +437,20 @@ def load_checkpoint(
     fresh, ``--no-load-rng`` the random states; ``--finetune`` loads the model only and starts at iteration 0 and
     sample 0. A file megatron-core or torch cannot read (only a checkpoint saved without checksums gets that far
     damaged) is a :class:`CheckpointError`."""
-    path = iteration_dir(args.load, iteration)
-    load_optim = not (args.no_load_optim or args.finetune)
+    path = iteration_dir(cfg.checkpoint.load, iteration)
+    load_optim = not (cfg.checkpoint.no_load_optim or cfg.checkpoint.finetune)
     if load_optim:
         _init_distributed_optimizer_states(optimizer)
     template = _sharded_state(model, optimizer if load_optim else None, scheduler, runtime, 0, 0, is_loading=True)
     try:
         saved_keys = FileSystemReader(path).read_metadata().state_dict_metadata
-        if args.finetune or not any(key.startswith(PLANNER_KEY + "/") for key in saved_keys):
+        if cfg.checkpoint.finetune or not any(key.startswith(PLANNER_KEY + "/") for key in saved_keys):
             del template["planner"]
-        if args.no_load_rng or args.finetune:
+        if cfg.checkpoint.no_load_rng or cfg.checkpoint.finetune:
             del template["rng"]
         state = dist_checkpointing.load(template, path)
     except (pickle.UnpicklingError, EOFError, UnicodeDecodeError) as error:  # torch's message would advise weights_only=False
-        raise CheckpointError(f"pretrain_gpt.py: error: --load {args.load}: {path} is damaged: a file does not unpickle "
+        raise CheckpointError(f"pretrain_gpt.py: error: --load {cfg.checkpoint.load}: {path} is damaged: a file does not unpickle "
                               f"({type(error).__name__})") from None
     model.module.load_state_dict(state["model"])
     if load_optim:
@@ -461,6 +462,6 @@ def load_checkpoint(
         optimizer.reload_model_params()  # the optimizer's fp32 main params from the loaded model
     if "rng" in state:
         _set_rng_state(state["rng"])
-    if args.finetune:
+    if cfg.checkpoint.finetune:
         return 0, 0, None
     return state["iteration"], state["consumed_samples"], state.get("planner")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import os
@@ -17,6 +16,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.utils import get_model_config
 
 from megatron_epp.cost.model import CostModel
+from megatron_epp.cost.profiles import Profile
 from megatron_epp.executor.batches import elastic_gpt_forward_step, prepare_step
 from megatron_epp.executor.context import ChunkContext, token_multiple
 from megatron_epp.executor.memory_tracker import ActivationMemoryTracker
@@ -26,6 +26,7 @@ from megatron_epp.planner.online import OnlinePlanner
 from megatron_epp.training.initialize import Runtime
 from megatron_epp.training.metrics import ElasticMetrics
 from megatron_epp.training.planning import elastic_sampler, online_planner
+from megatron_epp.training.config import TrainingConfig
 
 
 def _share_plan(plan: Plan | None, timing: tuple[float, float, float] | None) -> tuple[Plan, tuple[float, float, float]]:
@@ -49,9 +50,9 @@ class ElasticTrainStep:
     summary says whether planning was hidden).
     """
 
-    def __init__(self, args: argparse.Namespace, runtime: Runtime, model, sampler, consumed: int, planner: OnlinePlanner,
+    def __init__(self, cfg: TrainingConfig, runtime: Runtime, model, sampler, consumed: int, planner: OnlinePlanner,
                  steps: int | None = None) -> None:
-        self.args, self.runtime, self.model, self.planner = args, runtime, model, planner
+        self.cfg, self.runtime, self.model, self.planner = cfg, runtime, model, planner
         self.batches = sampler.iterate(consumed)
         # the global batches this function will still be asked for (None: no end, as validation): none is drawn,
         # planned or prepared beyond them, so the last step waits for no plan and the exit for no planner thread
@@ -137,7 +138,7 @@ class ElasticTrainStep:
         if self.ready is None:
             self._prefetch()
         if self.ready is None:
-            raise RuntimeError(f"the elastic step function was asked for more than its {self.args.train_iters} steps")
+            raise RuntimeError(f"the elastic step function was asked for more than its {self.cfg.training.train_iters} steps")
         batch, plan, (planning_ms, waited_ms, _), inputs = self.ready.result()
         t1 = time.perf_counter()
         with ActivationMemoryTracker(self.runtime.device, ChunkContext.of(self.model)) if not forward_only else contextlib.nullcontext() as memory:
@@ -173,7 +174,7 @@ class ElasticTrainStep:
         alone plans for this model replica and broadcasts the plans, so every rank of the replica runs plans
         of one (calibrated) model. It prints a line when a stage's peak went over the budget and when the
         activation memory factor changes (with calibration off, the first only)."""
-        if self.args.epp_calibrate_interval:
+        if self.cfg.epp.calibrate_interval:
             span = torch.tensor([run_ms], dtype=torch.float64, device=self.runtime.device)
             dist.broadcast(span, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
             run_ms = float(span.item())
@@ -196,9 +197,9 @@ class ElasticTrainStep:
         """This step's metrics for the log line and record, with the calibration its prediction used (and a
         line on the logging rank when that changed since the last logged step); with ``--epp-timeline
         DIR``, also that step's timeline picture."""
-        if self.args.epp_timeline and self.runtime.rank == 0 and self.last_plan is not None:
-            os.makedirs(self.args.epp_timeline, exist_ok=True)
-            self.planner.draw(self.last_plan, os.path.join(self.args.epp_timeline, f"plan_iter_{iteration:07d}.png"))
+        if self.cfg.epp.timeline and self.runtime.rank == 0 and self.last_plan is not None:
+            os.makedirs(self.cfg.epp.timeline, exist_ok=True)
+            self.planner.draw(self.last_plan, os.path.join(self.cfg.epp.timeline, f"plan_iter_{iteration:07d}.png"))
         s, o = self.last_plan.stats.speed_factor, self.last_plan.stats.stage_overhead_ms
         if self.runtime.is_logging_rank and self.logged_calibration not in (None, (s, o)):
             was_s, was_o = self.logged_calibration
@@ -208,13 +209,14 @@ class ElasticTrainStep:
         return dataclasses.replace(self.last_metrics, speed_factor=s, stage_overhead_ms=o)
 
 
-def elastic_train_step(args: argparse.Namespace, runtime: Runtime, model, split: str, consumed: int,
+def elastic_train_step(cfg: TrainingConfig, profile: Profile, runtime: Runtime, model, split: str, consumed: int,
                        planner_state: dict[str, Any] | None = None, steps: int | None = None) -> ElasticTrainStep | None:
-    """The elastic step function for ``split`` ('train'/'valid'), or None if the split is empty; its planner
+    """The elastic step function for ``split`` ('train'/'valid'), or None if the split is empty, planning on
+    ``profile`` (the run's, resolved at start-up); its planner
     continues from ``planner_state`` (:meth:`OnlinePlanner.state_dict`, a checkpoint's) when given; ``steps``: how many
     steps it will run (the training's remaining iterations; None: no end)."""
-    planner = online_planner(args)
-    sampler = elastic_sampler(args, split, runtime.dims.dp, planner)
+    planner = online_planner(cfg, profile)
+    sampler = elastic_sampler(cfg, split, runtime.dims.dp, planner)
     if planner_state is not None:
         planner.load_state_dict(planner_state)
-    return None if sampler is None else ElasticTrainStep(args, runtime, model, sampler, consumed, planner, steps)
+    return None if sampler is None else ElasticTrainStep(cfg, runtime, model, sampler, consumed, planner, steps)

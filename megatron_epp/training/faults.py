@@ -7,7 +7,6 @@ all of them save the same checkpoint and leave at the same point.
 
 from __future__ import annotations
 
-import argparse
 import errno
 import math
 import os
@@ -19,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_epp.training.arguments import ArgumentError
+from megatron_epp.training.config import TrainingSection
 
 FAULT_ENV = "EPP_FAULT_INJECT"
 FAULT_KINDS = ("nan_loss", "nan_grad", "crash_in_save", "hang")
@@ -48,15 +48,15 @@ class ExitConditions:
     stop after an iteration. The signal and the duration are agreed on by one all-reduce (max) of
     ``[SIGTERM seen, minutes elapsed]``, made only when one of them is on."""
 
-    def __init__(self, args: argparse.Namespace, device: torch.device, start_time: float,
+    def __init__(self, run: TrainingSection, device: torch.device, start_time: float,
                  handler: SigtermHandler | None = None) -> None:
         """``handler``: one installed earlier (main installs it once the process group exists, so that a SIGTERM
         during the checkpoint load or the model's build is not lost); else one is installed here."""
-        self.interval = args.exit_interval
-        self.duration_mins = args.exit_duration_in_mins
+        self.interval = run.exit_interval
+        self.duration_mins = run.exit_duration_in_mins
         self.start_time = start_time
         self.device = device
-        self.handler = handler if handler is not None or not args.exit_signal_handler else SigtermHandler()
+        self.handler = handler if handler is not None or not run.exit_signal_handler else SigtermHandler()
 
     def reason(self, iteration: int) -> str | None:
         """Why to stop after ``iteration`` (the same answer on every rank), or None."""

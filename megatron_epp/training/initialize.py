@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from megatron.core import tensor_parallel
 from megatron.core import parallel_state as ps
 
 from megatron_epp.planner.config import ParallelDims
+from megatron_epp.training.config import TrainingConfig
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ def set_seed(seed: int, pp_rank: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-def initialize(args: argparse.Namespace) -> Runtime:
+def initialize(cfg: TrainingConfig) -> Runtime:
     """Start torch.distributed (torchrun's env, or a single process) and megatron-core's groups; a
     collective that waits longer than ``--distributed-timeout-minutes`` raises (the rank exits non-zero
     and torchrun ends the others)."""
@@ -113,17 +113,17 @@ def initialize(args: argparse.Namespace) -> Runtime:
             backend,
             rank=int(os.environ.get("RANK", "0")),
             world_size=int(os.environ.get("WORLD_SIZE", "1")),
-            timeout=timedelta(minutes=args.distributed_timeout_minutes),
+            timeout=timedelta(minutes=cfg.parallel.distributed_timeout_minutes),
         )
     ps.initialize_model_parallel(
-        args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-        distributed_timeout_minutes=args.distributed_timeout_minutes,
+        cfg.parallel.dims.tp, cfg.parallel.dims.pp,
+        distributed_timeout_minutes=cfg.parallel.distributed_timeout_minutes,
     )
-    dims = ParallelDims.from_args(args)
+    dims = cfg.parallel.dims
     megatron_sizes = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
                       ps.get_data_parallel_world_size(), dist.get_world_size())
     if megatron_sizes != (dims.tp, dims.pp, dims.dp, dims.world_size):
-        raise RuntimeError(f"megatron-core's groups (tp, pp, dp, world) {megatron_sizes} are not the arguments' {dims}")
+        raise RuntimeError(f"megatron-core's groups (tp, pp, dp, world) {megatron_sizes} are not the configuration's {dims}")
     runtime = Runtime(
         device=device,
         rank=dist.get_rank(),
@@ -132,7 +132,7 @@ def initialize(args: argparse.Namespace) -> Runtime:
         dp_rank=ps.get_data_parallel_rank(),
         dims=dims,
     )
-    set_seed(args.seed, runtime.pp_rank)
+    set_seed(cfg.training.seed, runtime.pp_rank)
     return runtime
 
 

@@ -12,32 +12,30 @@ SP stages (simulated only).
 
 from __future__ import annotations
 
-import argparse
 
 import numpy as np
 
 from megatron_epp.plan import PlanInfeasible
-from megatron_epp.planner.config import PlannerConfig
 from megatron_epp.planner.layout import describe_choice, search_for_world
 from megatron_epp.data.lengths import select_batch
 from megatron_epp.training.arguments import ArgumentError
 from megatron_epp.training.planning import elastic_documents
 from megatron_epp.training.model import model_shape
+from megatron_epp.training.config import TrainingConfig
 
 
-def driver_layout_search(args: argparse.Namespace, world_size: int) -> list[str]:
+def driver_layout_search(cfg: TrainingConfig, world_size: int) -> list[str]:
     """The report lines; the last is the best layout's flags. Raises :class:`ArgumentError`."""
-    shape = model_shape(args)
-    docs = elastic_documents(args, "train")
+    shape = model_shape(cfg)
+    docs = elastic_documents(cfg, "train")
     sequences = np.asarray(docs.lengths, dtype=np.int64) - 1  # a document of n tokens trains n - 1 positions
     try:
-        batch = select_batch(sequences[sequences > 0], args.global_batch_size, args.seed, args.seq_length, args.epp_truncate_documents)
+        batch = select_batch(sequences[sequences > 0], cfg.training.global_batch_size, cfg.training.seed, cfg.model.seq_length, cfg.epp.truncate_documents)
     except ValueError as error:
-        raise ArgumentError(f"--epp-search-layout: --seq-length {args.seq_length}: {error}; pass --epp-truncate-documents "
+        raise ArgumentError(f"--epp-search-layout: --seq-length {cfg.model.seq_length}: {error}; pass --epp-truncate-documents "
                             "to cut them") from None
     try:
-        config = PlannerConfig.from_args(args, args.seq_length)
-        choice, sized = search_for_world(batch, shape, args.epp_cluster, world_size, config, runnable_only=True)
+        choice, sized = search_for_world(batch, shape, cfg.epp.cluster, world_size, cfg.epp.planner, runnable_only=True)
     except (PlanInfeasible, ValueError) as error:
         raise ArgumentError(f"--epp-search-layout: {error}") from None
     return describe_choice(choice, sized)

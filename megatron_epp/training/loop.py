@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import gc
 import os
 import time
@@ -22,64 +21,65 @@ from megatron_epp.training.initialize import Runtime
 from megatron_epp.training.metrics import StepMetrics, interval_average
 from megatron_epp.training.model import model_shape, params_dtype
 from megatron_epp.training.step import TrainStep
+from megatron_epp.training.config import TrainingConfig
 
 
-def build_optimizer(args: argparse.Namespace, model, config) -> tuple[Any, OptimizerParamScheduler]:
+def build_optimizer(cfg: TrainingConfig, model, config) -> tuple[Any, OptimizerParamScheduler]:
     """Megatron's optimizer (``--optimizer``, grad clipping; under ``--fp16`` its loss scaler, dynamic unless
     ``--loss-scale``, which the schedules apply to the last stage's loss through ``config.grad_scale_func``, as
     Megatron-LM) and its sample-based LR/WD scheduler."""
     optimizer = get_megatron_optimizer(
         OptimizerConfig(
-            optimizer=args.optimizer,
-            lr=args.lr,
-            min_lr=args.min_lr,
-            decoupled_lr=args.decoupled_lr,
-            decoupled_min_lr=args.decoupled_min_lr,
-            weight_decay=args.weight_decay,
-            adam_beta1=args.adam_beta1,
-            adam_beta2=args.adam_beta2,
-            adam_eps=args.adam_eps,
-            sgd_momentum=args.sgd_momentum,
-            clip_grad=args.clip_grad,
-            bf16=args.bf16,
-            fp16=args.fp16,
-            loss_scale=args.loss_scale,
-            initial_loss_scale=args.initial_loss_scale,
-            min_loss_scale=args.min_loss_scale,
-            loss_scale_window=args.loss_scale_window,
-            hysteresis=args.hysteresis,
-            params_dtype=params_dtype(args),
-            use_distributed_optimizer=args.use_distributed_optimizer,
+            optimizer=cfg.optim.optimizer,
+            lr=cfg.optim.lr,
+            min_lr=cfg.optim.min_lr,
+            decoupled_lr=cfg.optim.decoupled_lr,
+            decoupled_min_lr=cfg.optim.decoupled_min_lr,
+            weight_decay=cfg.optim.weight_decay,
+            adam_beta1=cfg.optim.adam_beta1,
+            adam_beta2=cfg.optim.adam_beta2,
+            adam_eps=cfg.optim.adam_eps,
+            sgd_momentum=cfg.optim.sgd_momentum,
+            clip_grad=cfg.optim.clip_grad,
+            bf16=cfg.model.bf16,
+            fp16=cfg.model.fp16,
+            loss_scale=cfg.optim.loss_scale,
+            initial_loss_scale=cfg.optim.initial_loss_scale,
+            min_loss_scale=cfg.optim.min_loss_scale,
+            loss_scale_window=cfg.optim.loss_scale_window,
+            hysteresis=cfg.optim.hysteresis,
+            params_dtype=params_dtype(cfg),
+            use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
         ),
         [model],
     )
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = model.no_sync
-    if args.fp16:
+    if cfg.model.fp16:
         config.grad_scale_func = optimizer.scale_loss
-    return optimizer, build_scheduler(args, optimizer)
+    return optimizer, build_scheduler(cfg, optimizer)
 
 
-def build_scheduler(args: argparse.Namespace, optimizer) -> OptimizerParamScheduler:
+def build_scheduler(cfg: TrainingConfig, optimizer) -> OptimizerParamScheduler:
     """megatron-core's LR/WD scheduler over ``optimizer``'s parameter groups, counting samples as Megatron-LM's:
     a warm-up (``--lr-warmup-iters`` x the global batch, ``--lr-warmup-samples``, or ``--lr-warmup-fraction`` of the
     decay) from ``--lr-warmup-init`` to ``--lr``, then ``--lr-decay-style`` down to ``--min-lr`` (``WSD``: annealed over
     its last ``--lr-wsd-decay-iters`` x the global batch or ``--lr-wsd-decay-samples``)."""
-    gbs = args.global_batch_size
+    gbs = cfg.training.global_batch_size
     return OptimizerParamScheduler(
         optimizer,
-        init_lr=args.lr_warmup_init,
-        max_lr=args.lr,
-        min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_samples,  # the scheduler counts samples, as Megatron-LM's
-        lr_decay_steps=args.lr_decay_samples,
-        lr_decay_style=args.lr_decay_style,
-        start_wd=args.weight_decay,
-        end_wd=args.weight_decay,
-        wd_incr_steps=args.train_samples or args.train_iters * gbs,
+        init_lr=cfg.optim.lr_warmup_init,
+        max_lr=cfg.optim.lr,
+        min_lr=cfg.optim.min_lr,
+        lr_warmup_steps=cfg.optim.lr_warmup_samples,  # the scheduler counts samples, as Megatron-LM's
+        lr_decay_steps=cfg.optim.lr_decay_samples,
+        lr_decay_style=cfg.optim.lr_decay_style,
+        start_wd=cfg.optim.weight_decay,
+        end_wd=cfg.optim.weight_decay,
+        wd_incr_steps=cfg.training.train_samples or cfg.training.train_iters * gbs,
         wd_incr_style="constant",
-        wsd_decay_steps=args.lr_wsd_decay_samples_total,
-        lr_wsd_decay_style=args.lr_wsd_decay_style,
+        wsd_decay_steps=cfg.optim.lr_wsd_decay_samples_total,
+        lr_wsd_decay_style=cfg.optim.lr_wsd_decay_style,
     )
 
 
@@ -87,24 +87,24 @@ class Logger:
     """Megatron-style iteration lines on the logging rank, the ``--epp-metrics`` JSON lines beside
     them, and each record's scalars to TensorBoard (``--tensorboard-dir``) and wandb (``--wandb-project``)."""
 
-    def __init__(self, args: argparse.Namespace, runtime: Runtime) -> None:
+    def __init__(self, cfg: TrainingConfig, runtime: Runtime) -> None:
         self.enabled = runtime.is_logging_rank
         self.writer = None
         self.metrics = None
         self.wandb = None
-        if self.enabled and args.tensorboard_dir:
+        if self.enabled and cfg.logging.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter  # here, not at the top: 0.65 s of every start otherwise
 
-            self.writer = SummaryWriter(args.tensorboard_dir)
-        if self.enabled and args.wandb_project:
+            self.writer = SummaryWriter(cfg.logging.tensorboard_dir)
+        if self.enabled and cfg.logging.wandb_project:
             import wandb  # optional: checked by validate_args
 
-            config = {k: v if isinstance(v, (bool, int, float, str, list, type(None))) else str(v) for k, v in vars(args).items()}
-            wandb.init(project=args.wandb_project, name=args.wandb_exp_name, dir=args.wandb_save_dir, config=config)
+            wandb.init(project=cfg.logging.wandb_project, name=cfg.logging.wandb_exp_name, dir=cfg.logging.wandb_save_dir,
+                       config=cfg.flat())
             self.wandb = wandb
-        if self.enabled and args.epp_metrics:
-            os.makedirs(os.path.dirname(os.path.abspath(args.epp_metrics)), exist_ok=True)
-            self.metrics = open(args.epp_metrics, "a", buffering=1)
+        if self.enabled and cfg.logging.epp_metrics:
+            os.makedirs(os.path.dirname(os.path.abspath(cfg.logging.epp_metrics)), exist_ok=True)
+            self.metrics = open(cfg.logging.epp_metrics, "a", buffering=1)
 
     def print(self, text: str) -> None:
         if self.enabled:
@@ -138,7 +138,7 @@ def _broadcast_from_last_stage(value: float | None, runtime: Runtime) -> float:
     return float(t.item())
 
 
-def _train_iteration(args: argparse.Namespace, runtime: Runtime, model, optimizer, scheduler: OptimizerParamScheduler,
+def _train_iteration(cfg: TrainingConfig, runtime: Runtime, model, optimizer, scheduler: OptimizerParamScheduler,
                      train_step: TrainStep, faults: FaultInjection, logger: Logger, iteration: int):
     """Forward-backward and the optimizer update of ``iteration`` (counted from 1); return its losses, sequence
     lengths and gradient norm. A skipped update is fp16's overflow (said), else an error."""
@@ -147,19 +147,19 @@ def _train_iteration(args: argparse.Namespace, runtime: Runtime, model, optimize
     losses, seq_lengths = train_step(False)
     faults.poison_loss(iteration, losses)
     faults.poison_grads(iteration, runtime.rank, model.buffers)
-    if args.empty_unused_memory_level >= 1 and runtime.device.type == "cuda":
+    if cfg.training.empty_unused_memory_level >= 1 and runtime.device.type == "cuda":
         torch.cuda.empty_cache()
-    if args.check_for_nan_in_loss_and_grad:
+    if cfg.training.check_for_nan_in_loss_and_grad:
         local_loss = torch.stack([d["lm loss"] for d in losses]) if losses else None
         # under --fp16 an overflowing scaled gradient is the loss scaler's to handle (a skipped step)
-        check_finite(iteration, local_loss, [] if args.fp16 else model.buffers, runtime.rank, runtime.device)
-    scale = optimizer.get_loss_scale().item() if args.fp16 else None
+        check_finite(iteration, local_loss, [] if cfg.model.fp16 else model.buffers, runtime.rank, runtime.device)
+    scale = optimizer.get_loss_scale().item() if cfg.model.fp16 else None
     update_ok, grad_norm, _ = optimizer.step()
-    if args.empty_unused_memory_level >= 2 and runtime.device.type == "cuda":
+    if cfg.training.empty_unused_memory_level >= 2 and runtime.device.type == "cuda":
         torch.cuda.empty_cache()
     if update_ok:
-        scheduler.step(increment=args.global_batch_size)  # as Megatron-LM: a skipped step does not advance it
-    elif args.fp16:
+        scheduler.step(increment=cfg.training.global_batch_size)  # as Megatron-LM: a skipped step does not advance it
+    elif cfg.model.fp16:
         logger.print(f" iteration {iteration}: fp16 gradients overflowed at loss scale {scale:g}: update "
                      f"skipped, loss scale now {optimizer.get_loss_scale().item():g}")
     else:
@@ -167,22 +167,22 @@ def _train_iteration(args: argparse.Namespace, runtime: Runtime, model, optimize
     return losses, seq_lengths, grad_norm
 
 
-def _collect_and_evaluate(args: argparse.Namespace, runtime: Runtime, valid_step: TrainStep | None, dp_group,
+def _collect_and_evaluate(cfg: TrainingConfig, runtime: Runtime, valid_step: TrainStep | None, dp_group,
                           logger: Logger, iteration: int) -> None:
     """After ``iteration``: ``--manual-gc``'s collection at its interval, and the evaluation at ``--eval-interval``
     (with a collection before and after it under ``--manual-gc``)."""
-    if args.manual_gc and args.manual_gc_interval and iteration % args.manual_gc_interval == 0:
+    if cfg.training.manual_gc and cfg.training.manual_gc_interval and iteration % cfg.training.manual_gc_interval == 0:
         gc.collect()
-    if valid_step and args.eval_interval and iteration % args.eval_interval == 0:
-        if args.manual_gc and args.manual_gc_eval:
+    if valid_step and cfg.logging.eval_interval and iteration % cfg.logging.eval_interval == 0:
+        if cfg.training.manual_gc and cfg.training.manual_gc_eval:
             gc.collect()
-        logger.record(StepMetrics(iteration, evaluate(args, runtime, valid_step, dp_group), kind="valid"))
-        if args.manual_gc and args.manual_gc_eval:
+        logger.record(StepMetrics(iteration, evaluate(cfg, runtime, valid_step, dp_group), kind="valid"))
+        if cfg.training.manual_gc and cfg.training.manual_gc_eval:
             gc.collect()
 
 
 def train(
-    args: argparse.Namespace,
+    cfg: TrainingConfig,
     runtime: Runtime,
     model,
     optimizer,
@@ -200,21 +200,21 @@ def train(
     planner's calibration under ``--elastic-pp``) is saved in every checkpoint; ``sigterm``: the
     ``--exit-signal-handler`` handler if already installed."""
     iteration, consumed = start
-    logger = Logger(args, runtime)
-    exits = ExitConditions(args, runtime.device, time.time() if start_time is None else start_time, sigterm)
+    logger = Logger(cfg, runtime)
+    exits = ExitConditions(cfg.training, runtime.device, time.time() if start_time is None else start_time, sigterm)
     dp_group = ps.get_data_parallel_group()
     history: list[float] = []
     interval: list[StepMetrics] = []  # the iterations since the last log line
-    shape = model_shape(args) if args.log_throughput else None
+    shape = model_shape(cfg) if cfg.logging.log_throughput else None
     saved_at = None
-    if args.manual_gc:  # as Megatron-LM: collect now, then only when every rank does (no collection pausing one rank)
+    if cfg.training.manual_gc:  # as Megatron-LM: collect now, then only when every rank does (no collection pausing one rank)
         gc.disable()
         gc.collect()
 
     def save() -> None:
         nonlocal saved_at
         path = checkpointing.save_checkpoint(
-            args, model, optimizer, scheduler, runtime, iteration, consumed,
+            cfg, model, optimizer, scheduler, runtime, iteration, consumed,
             before_commit=lambda: faults.crash_in_save(iteration, runtime.rank),
             planner_state=train_step.state_dict(),
         )
@@ -222,13 +222,13 @@ def train(
         logger.print(f" saved checkpoint at iteration {iteration} to {path}")
 
     try:
-        while iteration < args.train_iters:
+        while iteration < cfg.training.train_iters:
             faults.hang(iteration + 1, runtime.rank)
             t0 = time.perf_counter()
-            losses, seq_lengths, grad_norm = _train_iteration(args, runtime, model, optimizer, scheduler, train_step, faults,
+            losses, seq_lengths, grad_norm = _train_iteration(cfg, runtime, model, optimizer, scheduler, train_step, faults,
                                                               logger, iteration + 1)
             iteration += 1
-            consumed += args.global_batch_size
+            consumed += cfg.training.global_batch_size
             loss = _broadcast_from_last_stage(reduce_losses(losses, dp_group), runtime)
             ms = (time.perf_counter() - t0) * 1000
             history.append(loss)
@@ -236,34 +236,34 @@ def train(
                 iteration, loss, iter_ms=ms, tokens=int(seq_lengths.sum()),
                 tflops_per_gpu=shape.training_flops(seq_lengths) / (ms / 1000) / runtime.world_size / 1e12 if shape else None,
             ))
-            if iteration % args.log_interval == 0:
-                logged = replace(interval[-1], train_iters=args.train_iters, consumed_samples=consumed,
+            if iteration % cfg.logging.log_interval == 0:
+                logged = replace(interval[-1], train_iters=cfg.training.train_iters, consumed_samples=consumed,
                                  lr=scheduler.get_lr(optimizer.param_groups[0]), grad_norm=float(grad_norm or 0.0),
                                  elastic=train_step.log(iteration))
                 logger.record(logged, line=interval_average(logged, interval).line())  # the line as Megatron-LM's
                 interval.clear()
-            _collect_and_evaluate(args, runtime, valid_step, dp_group, logger, iteration)
-            if args.save and args.save_interval and iteration % args.save_interval == 0:
+            _collect_and_evaluate(cfg, runtime, valid_step, dp_group, logger, iteration)
+            if cfg.checkpoint.save and cfg.checkpoint.save_interval and iteration % cfg.checkpoint.save_interval == 0:
                 save()
             reason = exits.reason(iteration)
             if reason:
                 logger.print(f" exiting after iteration {iteration}: {reason}")
                 break
-        if args.save and saved_at != iteration:
+        if cfg.checkpoint.save and saved_at != iteration:
             save()
     finally:
-        if args.manual_gc:
+        if cfg.training.manual_gc:
             gc.enable()
         exits.close()
         logger.close()
     return history
 
 
-def evaluate(args: argparse.Namespace, runtime: Runtime, valid_step: TrainStep, dp_group) -> float:
+def evaluate(cfg: TrainingConfig, runtime: Runtime, valid_step: TrainStep, dp_group) -> float:
     """Mean token loss over ``--eval-iters`` forward-only global batches."""
     totals = []
     with torch.no_grad():
-        for _ in range(args.eval_iters):
+        for _ in range(cfg.logging.eval_iters):
             losses, _ = valid_step(True)
             totals.append(_broadcast_from_last_stage(reduce_losses(losses, dp_group), runtime))
     return sum(totals) / len(totals)

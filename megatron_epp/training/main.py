@@ -19,35 +19,36 @@ from megatron_epp.training.loop import build_optimizer, train
 from megatron_epp.training.megatron_flags import startup_notes
 from megatron_epp.training.model import architecture_summary, build_model, layer_spec_summary, padded_vocab_size
 from megatron_epp.training.step import StepMode, step_mode
+from megatron_epp.training.config import TrainingConfig
 
 
-def _run_summary(args: argparse.Namespace, runtime, steps: StepMode, start: tuple[int, int],
+def _run_summary(cfg: TrainingConfig, runtime, steps: StepMode, start: tuple[int, int],
                  resume_at: int | None) -> str:
     """The start-up line: the model, the layout, the batch, and where the run starts."""
     resumed = resume_at is not None
     return (
-        f"> GPT: {args.num_layers} layers, hidden {args.hidden_size}, {args.num_attention_heads} heads, "
-        f"vocab {args.vocab_size}"
-        + (f" (padded to {padded_vocab_size(args)})" if padded_vocab_size(args) != args.vocab_size else "")
+        f"> GPT: {cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}, {cfg.model.num_attention_heads} heads, "
+        f"vocab {cfg.model.vocab_size}"
+        + (f" (padded to {padded_vocab_size(cfg)})" if padded_vocab_size(cfg) != cfg.model.vocab_size else "")
         + f" | tp={runtime.dims.tp} pp={runtime.dims.pp} "
-        f"dp={runtime.dims.dp} on {runtime.device.type} {'bf16' if args.bf16 else 'fp16' if args.fp16 else 'fp32'} | "
+        f"dp={runtime.dims.dp} on {runtime.device.type} {'bf16' if cfg.model.bf16 else 'fp16' if cfg.model.fp16 else 'fp32'} | "
         + steps.batch_text(runtime)
-        + (f" | resumed at iteration {start[0]}" if resumed and not args.finetune else "")
-        + (f" | --finetune: weights of iteration {resume_at}, starting at iteration 0" if resumed and args.finetune else "")
-        + (f" | --train-samples {args.train_samples}: {args.train_iters} iterations"
-           + (f" ({args.train_samples % args.global_batch_size} samples short of a global batch not trained)"
-              if args.train_samples % args.global_batch_size else "") if args.train_samples else "")
+        + (f" | resumed at iteration {start[0]}" if resumed and not cfg.checkpoint.finetune else "")
+        + (f" | --finetune: weights of iteration {resume_at}, starting at iteration 0" if resumed and cfg.checkpoint.finetune else "")
+        + (f" | --train-samples {cfg.training.train_samples}: {cfg.training.train_iters} iterations"
+           + (f" ({cfg.training.train_samples % cfg.training.global_batch_size} samples short of a global batch not trained)"
+              if cfg.training.train_samples % cfg.training.global_batch_size else "") if cfg.training.train_samples else "")
     )
 
 
-def _print_startup(args: argparse.Namespace, runtime, steps: StepMode, start: tuple[int, int],
+def _print_startup(cfg: TrainingConfig, runtime, steps: StepMode, start: tuple[int, int],
                    resume_at: int | None, corpus: str, notes: list[str], eval_note: str | None) -> None:
     """What the logging rank prints before the first step."""
-    print(_run_summary(args, runtime, steps, start, resume_at), flush=True)
-    print(f"> architecture: {architecture_summary(args)}", flush=True)
-    print(f"> layers: {layer_spec_summary(args.elastic_pp, runtime.dims.sequence_parallel and runtime.dims.tp)}", flush=True)
+    print(_run_summary(cfg, runtime, steps, start, resume_at), flush=True)
+    print(f"> architecture: {architecture_summary(cfg)}", flush=True)
+    print(f"> layers: {layer_spec_summary(cfg.epp.enabled, runtime.dims.sequence_parallel and runtime.dims.tp)}", flush=True)
     print(f"> host allocator: {host_allocator.describe()}", flush=True)
-    for note in startup_notes(args):
+    for note in startup_notes(cfg):
         print(f"> {note}", flush=True)
     for line in steps.startup_lines():
         print(f"> {line}", flush=True)
@@ -58,45 +59,47 @@ def _print_startup(args: argparse.Namespace, runtime, steps: StepMode, start: tu
         print(f"> warning: {eval_note}", flush=True)
 
 
-def _verified_resume(args: argparse.Namespace, resume, runtime) -> tuple[int | None, list[str], str | None]:
+def _verified_resume(cfg: TrainingConfig, resume, runtime) -> tuple[int | None, list[str], str | None]:
     """The checkpoint iteration to resume from (None: from scratch), the notes on what was loaded, and the note on a
     change of data since it was saved; :class:`~megatron_epp.training.checkpointing.CheckpointError` where none verifies."""
     if resume is None:
-        if not args.load:
+        if not cfg.checkpoint.load:
             return None, [], None
-        return None, [f"warning: --load {args.load}: no checkpoint there yet "
-                      f"({'no ' + checkpointing.TRACKER if os.path.isdir(args.load) else 'no such directory'}); "
+        return None, [f"warning: --load {cfg.checkpoint.load}: no checkpoint there yet "
+                      f"({'no ' + checkpointing.TRACKER if os.path.isdir(cfg.checkpoint.load) else 'no such directory'}); "
                       "starting from scratch at iteration 0"], None
-    resume_at, load_notes = checkpointing.choose_verified(args, resume, runtime)
-    return resume_at, load_notes, None if args.finetune else checkpointing.data_change(args, resume_at)
+    resume_at, load_notes = checkpointing.choose_verified(cfg, resume, runtime)
+    return resume_at, load_notes, None if cfg.checkpoint.finetune else checkpointing.data_change(cfg, resume_at)
 
 
-def main(argv: Sequence[str] | argparse.Namespace | None = None) -> int:
-    """pretrain_gpt.py: ``argv`` are its flags, or already parsed by :func:`~megatron_epp.training.arguments.parse_args`."""
+def main(argv: Sequence[str] | TrainingConfig | argparse.Namespace | None = None) -> int:
+    """pretrain_gpt.py: ``argv`` are its flags, or already parsed: by :func:`~megatron_epp.training.arguments.parse_config`
+    (or :func:`~megatron_epp.training.arguments.parse_args`, the validated flags the config is made of)."""
     start_time = time.time()  # --exit-duration-in-mins counts from here
     try:
-        args = argv if isinstance(argv, argparse.Namespace) else parse_args(argv)
+        cfg = argv if isinstance(argv, TrainingConfig) else TrainingConfig.from_args(
+            argv if isinstance(argv, argparse.Namespace) else parse_args(argv))
         why = gpu_oversubscription(local_world_size(), gpu_count())
         if why:
             raise ArgumentError(why)
-        corpus, eval_note = check_corpus(args)
-        if args.epp_search_layout:
-            print("\n".join(driver_layout_search(args, world_size_from_env())), flush=True)
+        corpus, eval_note = check_corpus(cfg)
+        if cfg.epp.search_layout:
+            print("\n".join(driver_layout_search(cfg, world_size_from_env())), flush=True)
             return 0
-        steps = step_mode(args)
-        resume = checkpointing.check_loadable(args) if args.load else None
-        if args.load and resume is None and args.exit_on_missing_checkpoint:
-            raise ArgumentError(f"--load {args.load}: no checkpoint there (--exit-on-missing-checkpoint)")
+        steps = step_mode(cfg)
+        resume = checkpointing.check_loadable(cfg) if cfg.checkpoint.load else None
+        if cfg.checkpoint.load and resume is None and cfg.checkpoint.exit_on_missing_checkpoint:
+            raise ArgumentError(f"--load {cfg.checkpoint.load}: no checkpoint there (--exit-on-missing-checkpoint)")
         faults = FaultInjection.from_env()
     except (ArgumentError, TokenizerError) as error:
         print(error if isinstance(error, ArgumentError) else f"pretrain_gpt.py: error: {error}", file=sys.stderr)
         return 2
 
 
-    runtime = initialize(args)
-    sigterm = SigtermHandler() if args.exit_signal_handler else None  # from here on a SIGTERM is acted on after the first step
+    runtime = initialize(cfg)
+    sigterm = SigtermHandler() if cfg.training.exit_signal_handler else None  # from here on a SIGTERM is acted on after the first step
     try:  # collective: every rank hashes its share of the files before megatron-core reads any
-        resume_at, load_notes, data_note = _verified_resume(args, resume, runtime)
+        resume_at, load_notes, data_note = _verified_resume(cfg, resume, runtime)
     except checkpointing.CheckpointError as error:  # the same on every rank: one line from the logging rank
         if runtime.is_logging_rank:
             print(error, file=sys.stderr, flush=True)
@@ -109,26 +112,26 @@ def main(argv: Sequence[str] | argparse.Namespace | None = None) -> int:
             print(error, file=sys.stderr, flush=True)
         shutdown()
         return 2
-    model, config = build_model(args, runtime, context=steps.model_context())
-    optimizer, scheduler = build_optimizer(args, model, config)
+    model, config = build_model(cfg, runtime, context=steps.model_context())
+    optimizer, scheduler = build_optimizer(cfg, model, config)
     start, planner_state = (0, 0), None
     if resume is not None:
         try:
-            iteration, consumed, planner_state = checkpointing.load_checkpoint(args, resume_at, model, optimizer, scheduler, runtime)
+            iteration, consumed, planner_state = checkpointing.load_checkpoint(cfg, resume_at, model, optimizer, scheduler, runtime)
         except checkpointing.CheckpointError as error:  # on the ranks that read the damaged file: the job ends
             print(error, file=sys.stderr, flush=True)
             return 2
         start = (iteration, consumed)
     if runtime.is_logging_rank:
-        _print_startup(args, runtime, steps, start, resume_at, corpus,
+        _print_startup(cfg, runtime, steps, start, resume_at, corpus,
                        [*load_notes, data_note] if data_note else load_notes, eval_note)
 
     try:
         train(
-            args, runtime, model, optimizer, scheduler,
+            cfg, runtime, model, optimizer, scheduler,
             # the remaining iterations: nothing is planned past the last
-            train_step=steps.build(runtime, model, "train", start[1], planner_state, steps=args.train_iters - start[0]),
-            valid_step=steps.build(runtime, model, "valid", 0) if args.eval_interval and eval_note is None else None,
+            train_step=steps.build(runtime, model, "train", start[1], planner_state, steps=cfg.training.train_iters - start[0]),
+            valid_step=steps.build(runtime, model, "valid", 0) if cfg.logging.eval_interval and eval_note is None else None,
             start=start,
             start_time=start_time,
             faults=faults,

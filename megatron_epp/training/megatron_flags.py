@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the config reads ACCEPTED: the type only, no import cycle
+    from megatron_epp.training.config import TrainingConfig
 
 
 @dataclass(frozen=True)
@@ -103,20 +106,19 @@ def add_megatron_flags(parser: argparse.ArgumentParser) -> None:
         group.add_argument(flag, action=Refuse, why=why)
 
 
-def startup_notes(args: argparse.Namespace) -> list[str]:
+def startup_notes(cfg: TrainingConfig) -> list[str]:
     """The start-up lines about Megatron-LM flags: what ``--micro-batch-size`` means with ``--elastic-pp``, and the
-    accepted flags this command line gave that have no effect here."""
+    accepted flags this command line gave that have no effect here (``cfg.accepted_flags``)."""
     notes = []
-    if args.elastic_pp:
-        notes.append(f"batch: --elastic-pp plans each step's {args.global_batch_size} documents (global batch) into "
+    if cfg.epp.enabled:
+        notes.append(f"batch: --elastic-pp plans each step's {cfg.training.global_batch_size} documents (global batch) into "
                      "chunks, which replace micro-batches (the plan line counts them): --micro-batch-size is not used")
-        if args.attention_backend == "fused":
+        if cfg.model.attention_backend == "fused":
             notes.append("--attention-backend fused: Transformer Engine's cuDNN attention is not used with --elastic-pp; "
                          "ElasticAttention's auto (flash-attn where it runs, else SDPA), the same attention")
-    if getattr(args, "sequence_parallel_off_at_tp1", False):
+    if cfg.parallel.sequence_parallel_off_at_tp1:
         notes.append("--sequence-parallel at --tensor-model-parallel-size 1: turned off, as Megatron-LM does (it splits "
                      "activations over the tensor-parallel ranks, and there is one)")
-    given = [entry.flag for entry in ACCEPTED if getattr(args, entry.dest) not in (None, False)]
-    if given:
-        notes.append(f"Megatron-LM flags accepted with no effect here (see --help): {', '.join(given)}")
+    if cfg.accepted_flags:
+        notes.append(f"Megatron-LM flags accepted with no effect here (see --help): {', '.join(cfg.accepted_flags)}")
     return notes

@@ -3,7 +3,6 @@ Megatron-Core's DDP wrapper; which optional GPU kernels (Transformer Engine, fus
 
 from __future__ import annotations
 
-import argparse
 import copy
 
 import torch
@@ -23,6 +22,7 @@ from megatron_epp.executor.context import ChunkContext
 from megatron_epp.executor.spec import elastic_layer_spec, install_chunk_context
 from megatron_epp.training.extensions import probe_fused_softmax, probe_transformer_engine
 from megatron_epp.training.initialize import Runtime
+from megatron_epp.training.config import TrainingConfig
 
 
 def transformer_engine_unavailable() -> str | None:
@@ -147,41 +147,41 @@ def _stock_spec_summary() -> str:
     return spec
 
 
-def padded_vocab_size(args: argparse.Namespace) -> int:
+def padded_vocab_size(cfg: TrainingConfig) -> int:
     """``--vocab-size`` padded up to a multiple of ``--make-vocab-size-divisible-by`` x tp, as Megatron-LM pads it:
     the output layer splits evenly over the tensor-parallel ranks (megatron-core requires it) and its GEMM is
     aligned; the extra rows are never a label."""
-    multiple = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
-    return -(-args.vocab_size // multiple) * multiple
+    multiple = cfg.model.make_vocab_size_divisible_by * cfg.parallel.dims.tp
+    return -(-cfg.model.vocab_size // multiple) * multiple
 
 
-def model_shape(args: argparse.Namespace, name: str = "pretrain_gpt") -> ModelShape:
+def model_shape(cfg: TrainingConfig, name: str = "pretrain_gpt") -> ModelShape:
     """The shape of the GPT- or LLaMA-style model this driver builds, for the planner's cost model and the model
     FLOPs of ``--log-throughput``."""
     return ModelShape(
-        name, args.num_layers, args.hidden_size, args.num_attention_heads, args.ffn_hidden_size, padded_vocab_size(args),
-        num_kv_heads=args.num_query_groups if args.group_query_attention else None, kv_channels=args.kv_channels,
-        swiglu=args.swiglu, normalization=args.normalization, bias=not args.disable_bias_linear,
-        rope=args.position_embedding_type == "rope",
-        dtype=str(params_dtype(args)).removeprefix("torch."),  # what the activations and the K/V buffers are stored in
-        tied_embeddings=not args.untie_embeddings_and_output_weights,
-        learned_positions=args.max_position_embeddings if args.position_embedding_type == "learned_absolute" else 0,
-        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,  # what their masks save
+        name, cfg.model.num_layers, cfg.model.hidden_size, cfg.model.num_attention_heads, cfg.model.ffn_hidden_size, padded_vocab_size(cfg),
+        num_kv_heads=cfg.model.num_query_groups if cfg.model.group_query_attention else None, kv_channels=cfg.model.kv_channels,
+        swiglu=cfg.model.swiglu, normalization=cfg.model.normalization, bias=not cfg.model.disable_bias_linear,
+        rope=cfg.model.position_embedding_type == "rope",
+        dtype=str(params_dtype(cfg)).removeprefix("torch."),  # what the activations and the K/V buffers are stored in
+        tied_embeddings=not cfg.model.untie_embeddings_and_output_weights,
+        learned_positions=cfg.model.max_position_embeddings if cfg.model.position_embedding_type == "learned_absolute" else 0,
+        hidden_dropout=cfg.model.hidden_dropout, attention_dropout=cfg.model.attention_dropout,  # what their masks save
     )
 
 
-def architecture_summary(args: argparse.Namespace) -> str:
+def architecture_summary(cfg: TrainingConfig) -> str:
     """One phrase for the start-up line: MLP, norm, attention heads, biases, positions."""
-    heads = args.num_attention_heads
-    groups = args.num_query_groups if args.group_query_attention else heads
+    heads = cfg.model.num_attention_heads
+    groups = cfg.model.num_query_groups if cfg.model.group_query_attention else heads
     attention = f"grouped-query attention {heads}:{groups}" if groups != heads else f"{heads}-head attention"
     parts = [
-        "SwiGLU MLP" if args.swiglu else "GELU MLP",
-        f"{args.normalization} (eps {args.norm_epsilon:g}{', zero-centred weight: 1p' if args.apply_layernorm_1p else ''})",
-        attention + f", head dim {args.kv_channels or args.hidden_size // heads}",
-        "no biases" if args.disable_bias_linear else "biases",
-        (f"RoPE base {args.rotary_base}" + (f" on {args.rotary_percent:g} of each head" if args.rotary_percent != 1 else ""))
-        if args.position_embedding_type == "rope" else "learned positions",
+        "SwiGLU MLP" if cfg.model.swiglu else "GELU MLP",
+        f"{cfg.model.normalization} (eps {cfg.model.norm_epsilon:g}{', zero-centred weight: 1p' if cfg.model.apply_layernorm_1p else ''})",
+        attention + f", head dim {cfg.model.kv_channels or cfg.model.hidden_size // heads}",
+        "no biases" if cfg.model.disable_bias_linear else "biases",
+        (f"RoPE base {cfg.model.rotary_base}" + (f" on {cfg.model.rotary_percent:g} of each head" if cfg.model.rotary_percent != 1 else ""))
+        if cfg.model.position_embedding_type == "rope" else "learned positions",
     ]
     return ", ".join(parts)
 
@@ -197,39 +197,39 @@ def architecture_config(*, swiglu: bool, normalization: str, num_query_groups: i
     }
 
 
-def params_dtype(args: argparse.Namespace) -> torch.dtype:
+def params_dtype(cfg: TrainingConfig) -> torch.dtype:
     """The parameters' and activations' dtype: ``--bf16``, ``--fp16``, else fp32."""
-    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    return torch.bfloat16 if cfg.model.bf16 else torch.float16 if cfg.model.fp16 else torch.float32
 
 
-def transformer_config(args: argparse.Namespace, runtime: Runtime) -> TransformerConfig:
-    dtype = params_dtype(args)
+def transformer_config(cfg: TrainingConfig, runtime: Runtime) -> TransformerConfig:
+    dtype = params_dtype(cfg)
     return TransformerConfig(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        ffn_hidden_size=args.ffn_hidden_size,
-        hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout,
-        init_method_std=args.init_method_std,
+        num_layers=cfg.model.num_layers,
+        hidden_size=cfg.model.hidden_size,
+        num_attention_heads=cfg.model.num_attention_heads,
+        ffn_hidden_size=cfg.model.ffn_hidden_size,
+        hidden_dropout=cfg.model.hidden_dropout,
+        attention_dropout=cfg.model.attention_dropout,
+        init_method_std=cfg.model.init_method_std,
         **architecture_config(
-            swiglu=args.swiglu, normalization=args.normalization, kv_channels=args.kv_channels,
-            num_query_groups=args.num_query_groups if args.group_query_attention else None, bias=not args.disable_bias_linear,
+            swiglu=cfg.model.swiglu, normalization=cfg.model.normalization, kv_channels=cfg.model.kv_channels,
+            num_query_groups=cfg.model.num_query_groups if cfg.model.group_query_attention else None, bias=not cfg.model.disable_bias_linear,
         ),
-        layernorm_epsilon=args.norm_epsilon,
-        layernorm_zero_centered_gamma=args.apply_layernorm_1p,
-        attention_backend=AttnBackend[args.attention_backend],
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        sequence_parallel=args.sequence_parallel,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        layernorm_epsilon=cfg.model.norm_epsilon,
+        layernorm_zero_centered_gamma=cfg.model.apply_layernorm_1p,
+        attention_backend=AttnBackend[cfg.model.attention_backend],
+        tensor_model_parallel_size=cfg.parallel.dims.tp,
+        sequence_parallel=cfg.parallel.dims.sequence_parallel,
+        pipeline_model_parallel_size=cfg.parallel.dims.pp,
         pipeline_dtype=dtype,
         params_dtype=dtype,
-        bf16=args.bf16,
-        fp16=args.fp16,
+        bf16=cfg.model.bf16,
+        fp16=cfg.model.fp16,
         use_cpu_initialization=runtime.device.type == "cpu",
-        recompute_granularity=args.recompute_granularity,
-        recompute_method=args.recompute_method,
-        recompute_num_layers=args.recompute_num_layers,
+        recompute_granularity=cfg.model.recompute_granularity,
+        recompute_method=cfg.model.recompute_method,
+        recompute_num_layers=cfg.model.recompute_num_layers,
         calculate_per_token_loss=True,
         # megatron-core's bias-dropout-add (and bias-activation) fusion is torch.compile without TE/apex
         # (megatron.core.jit.jit_fuser): on CPU 60 s of compilation over 5 chunk shapes and 110 us per call against
@@ -238,7 +238,7 @@ def transformer_config(args: argparse.Namespace, runtime: Runtime) -> Transforme
         bias_dropout_fusion=False,
         apply_rope_fusion=False,
         # only where the kernel imports (apex / megatron fused kernels): it is a CUDA extension
-        masked_softmax_fusion=args.masked_softmax_fusion and runtime.device.type == "cuda" and fused_softmax_unavailable() is None,
+        masked_softmax_fusion=cfg.model.masked_softmax_fusion and runtime.device.type == "cuda" and fused_softmax_unavailable() is None,
         gradient_accumulation_fusion=False,
         deallocate_pipeline_outputs=True,
         # Megatron's batch_p2p_sync calls torch.cuda.synchronize() after every batched p2p (a guard
@@ -248,7 +248,7 @@ def transformer_config(args: argparse.Namespace, runtime: Runtime) -> Transforme
 
 
 def build_model(
-    args: argparse.Namespace, runtime: Runtime, context: ChunkContext | None = None
+    cfg: TrainingConfig, runtime: Runtime, context: ChunkContext | None = None
 ) -> tuple[DistributedDataParallel, TransformerConfig]:
     """This stage's GPTModel on its device, cast to bf16/fp16 by ``Float16Module`` under ``--bf16``/``--fp16``,
     wrapped in Megatron-Core DDP.
@@ -257,33 +257,33 @@ def build_model(
     context is installed on the GPTModel itself, where ``ChunkContext.of`` finds it through the
     DDP and Float16Module wrappers (``get_attr_wrapped_model``).
     """
-    config = transformer_config(args, runtime)
-    spec = (default_layer_spec(args.normalization, local=args.attention_backend == "local") if context is None
-            else elastic_layer_spec(elastic_base_layer_spec(args.normalization), context))
+    config = transformer_config(cfg, runtime)
+    spec = (default_layer_spec(cfg.model.normalization, local=cfg.model.attention_backend == "local") if context is None
+            else elastic_layer_spec(elastic_base_layer_spec(cfg.model.normalization), context))
     model = GPTModel(
         config,
         decoder_spec(spec, config),
-        vocab_size=padded_vocab_size(args),
-        max_sequence_length=args.max_position_embeddings,
+        vocab_size=padded_vocab_size(cfg),
+        max_sequence_length=cfg.model.max_position_embeddings,
         pre_process=runtime.is_first_stage,
         post_process=runtime.is_last_stage,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type,
-        rotary_base=args.rotary_base,
-        rotary_percent=args.rotary_percent,
+        share_embeddings_and_output_weights=not cfg.model.untie_embeddings_and_output_weights,
+        position_embedding_type=cfg.model.position_embedding_type,
+        rotary_base=cfg.model.rotary_base,
+        rotary_percent=cfg.model.rotary_percent,
     )
     if context is not None:
         install_chunk_context(model, context)
     model.to(runtime.device)
-    if args.bf16 or args.fp16:
+    if cfg.model.bf16 or cfg.model.fp16:
         # As Megatron-LM: every parameter in bf16 (fp16), LayerNorms included (CUDA's layer_norm refuses bf16
         # input with fp32 weights), the first stage's float inputs cast, the last stage's output back
         # to fp32 for the loss. The optimizer keeps fp32 main params (OptimizerConfig bf16).
         model = Float16Module(config, model)
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=not args.grad_reduce_in_bf16,
-        overlap_grad_reduce=args.overlap_grad_reduce,
-        use_distributed_optimizer=args.use_distributed_optimizer,
-        bucket_size=args.ddp_bucket_size,
+        grad_reduce_in_fp32=not cfg.optim.grad_reduce_in_bf16,
+        overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
+        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        bucket_size=cfg.parallel.ddp_bucket_size,
     )
     return DistributedDataParallel(config, ddp_config, model), config

@@ -13,7 +13,6 @@ The measurement (:func:`measure_profile`) is shared with ``scripts/profile_gpu.p
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import platform
 import statistics
@@ -42,6 +41,7 @@ from megatron_epp.executor.spec import elastic_layer_spec
 from megatron_epp.plan import Chunk, Segment
 from megatron_epp.training.arguments import ROTARY_BASE, ArgumentError
 from megatron_epp.training.model import architecture_config, elastic_base_layer_spec, model_shape
+from megatron_epp.training.config import TrainingConfig
 
 STARTUP_BUDGET_S = 60.0  # the start-up measurement's time box (optional grid points are dropped past it)
 
@@ -330,12 +330,12 @@ class Target:
     measure_on: torch.device = torch.device("cpu")
 
     @classmethod
-    def of_run(cls, args: argparse.Namespace, device: torch.device) -> "Target":
+    def of_run(cls, cfg: TrainingConfig, device: torch.device) -> "Target":
         """This run's: its device, dtype and the kernel the executor will run there (``EPP_ATTENTION_BACKEND``)."""
-        dtype = torch.bfloat16 if args.bf16 else torch.float32
+        dtype = torch.bfloat16 if cfg.model.bf16 else torch.float32
         if device.type != "cuda":
             return cls(device.type, dtype)
-        kernel = kernels.select_backend(kernels.requested_backend(), device, dtype, dropout=args.attention_dropout)
+        kernel = kernels.select_backend(kernels.requested_backend(), device, dtype, dropout=cfg.model.attention_dropout)
         return cls("cuda", dtype, torch.cuda.get_device_name(device), kernel, device)
 
     def key(self, shape: ModelShape) -> ProfileKey:
@@ -350,24 +350,24 @@ class Resolved:
     origin: str
 
 
-def _load(args: argparse.Namespace, device_type: str) -> Resolved:
+def _load(cfg: TrainingConfig, device_type: str) -> Resolved:
     """A profile that is loaded, not measured: every ``--epp-profile`` but ``auto`` on CUDA."""
-    spec, shape = args.epp_profile, model_shape(args)
-    profile = load_profile(spec, tp=args.tensor_model_parallel_size, shape=shape, device=device_type)
+    spec, shape = cfg.epp.planner.profile, model_shape(cfg)
+    profile = load_profile(spec, tp=cfg.parallel.dims.tp, shape=shape, device=device_type)
     origin = {AUTO_PROFILE: "the shipped CPU profile nearest the model", CPU_PROFILES: "the shipped CPU profile nearest the model",
               TEST_MODEL.name: "shipped"}.get(spec, "analytic" if spec in MODEL_PRESETS or profile.source == "analytic" else f"file {spec}")
     return Resolved(profile, origin)
 
 
-def _measured_on_gpu(args: argparse.Namespace, target: Target, cache_dir: Path, log: Callable[[str], None]) -> Resolved:
+def _measured_on_gpu(cfg: TrainingConfig, target: Target, cache_dir: Path, log: Callable[[str], None]) -> Resolved:
     """``auto`` on CUDA: the cache's (or a shipped) profile of this key, else one measured now and cached."""
-    shape = model_shape(args)
+    shape = model_shape(cfg)
     key = target.key(shape)
     found = find_measured_profile(key, cache_dir)
     if found is not None:
         path, profile = found
         return Resolved(profile, f"{'cache hit' if path.parent == cache_dir else 'shipped'} {path}")
-    if args.tensor_model_parallel_size != 1:
+    if cfg.parallel.dims.tp != 1:
         raise ArgumentError(f"--epp-profile {AUTO_PROFILE}: no profile of {key.describe()} in {cache_dir}, and the start-up "
                             f"profiler measures one GPU (TP 1) only: run scripts/profile_gpu.py with this model's flags "
                             f"(--epp-profile-cache {cache_dir}), or use --epp-profile analytic")
@@ -382,9 +382,9 @@ def _measured_on_gpu(args: argparse.Namespace, target: Target, cache_dir: Path, 
     rng_tracker = tensor_parallel.get_cuda_rng_tracker()
     tracker_states = rng_tracker.get_states()
     with torch.random.fork_rng(devices=[target.measure_on] if cuda else []):  # the run's seeds stay as they were
-        profile = measure_profile(shape, target.measure_on, target.dtype, target.kernel, startup_grid(args.seq_length),
+        profile = measure_profile(shape, target.measure_on, target.dtype, target.kernel, startup_grid(cfg.model.seq_length),
                                   name=f"{target.gpu} ({str(target.dtype).removeprefix('torch.')}, {target.kernel})",
-                                  budget_s=STARTUP_BUDGET_S, rotary_base=args.rotary_base, log=log,
+                                  budget_s=STARTUP_BUDGET_S, rotary_base=cfg.model.rotary_base, log=log,
                                   note="measured at start-up by pretrain_gpt.py --epp-profile auto")
     rng_tracker.set_states(tracker_states)
     if cuda:
@@ -395,42 +395,42 @@ def _measured_on_gpu(args: argparse.Namespace, target: Target, cache_dir: Path, 
     return Resolved(profile, f"cache miss, measured now in {time.perf_counter() - t0:.1f} s, cached at {path}")
 
 
-def resolve_profile(args: argparse.Namespace, target: Target, log: Callable[[str], None] = print) -> Resolved:
-    """The profile ``args.epp_profile`` names for ``target`` (see the module's doc), used at the run's TP size;
+def resolve_profile(cfg: TrainingConfig, target: Target, log: Callable[[str], None] = print) -> Resolved:
+    """The profile ``cfg.epp.planner.profile`` names for ``target`` (see the module's doc), used at the run's TP size;
     a bad profile is an :class:`ArgumentError` (one line)."""
-    cache_dir = Path(args.epp_profile_cache or default_profile_cache()).expanduser()
+    cache_dir = Path(cfg.epp.profile_cache or default_profile_cache()).expanduser()
     try:
-        if args.epp_profile == AUTO_PROFILE and target.device_type == "cuda":
-            resolved = _measured_on_gpu(args, target, cache_dir, log)
+        if cfg.epp.planner.profile == AUTO_PROFILE and target.device_type == "cuda":
+            resolved = _measured_on_gpu(cfg, target, cache_dir, log)
         else:
-            resolved = _load(args, target.device_type)
-        profile, note = profile_at_tp(resolved.profile, args.tensor_model_parallel_size)
+            resolved = _load(cfg, target.device_type)
+        profile, note = profile_at_tp(resolved.profile, cfg.parallel.dims.tp)
     except (ValueError, OSError, KeyError, TypeError) as error:
         raise ArgumentError(str(error) if str(error).startswith("--epp-profile") else f"--epp-profile: {error}") from None
     return Resolved(profile, resolved.origin + (f"; {note}" if note else ""))
 
 
-def describe(args: argparse.Namespace, resolved: Resolved) -> str:
+def describe(cfg: TrainingConfig, resolved: Resolved) -> str:
     """The start-up line: ``--epp-profile SPEC: measured|analytic on DEVICE (model NAME; where from)``."""
     p = resolved.profile
-    return f"--epp-profile {args.epp_profile}: {p.source} on {p.device} (model {p.model.name}; {resolved.origin})"
+    return f"--epp-profile {cfg.epp.planner.profile}: {p.source} on {p.device} (model {p.model.name}; {resolved.origin})"
 
 
-def check_profile(args: argparse.Namespace) -> None:
+def check_profile(cfg: TrainingConfig) -> None:
     """Before any work: a profile that is loaded (not measured on this GPU) loads and suits this device and TP."""
-    if not (args.epp_profile == AUTO_PROFILE and run_device_type() == "cuda"):
-        resolve_profile(args, Target(run_device_type(), torch.float32))
+    if not (cfg.epp.planner.profile == AUTO_PROFILE and run_device_type() == "cuda"):
+        resolve_profile(cfg, Target(run_device_type(), torch.float32))
 
 
-def startup_profile(args: argparse.Namespace, device: torch.device, target: Target | None = None) -> str:
+def startup_profile(cfg: TrainingConfig, device: torch.device, target: Target | None = None) -> Resolved:
     """After the process groups are up, before the model is built: the first rank resolves the profile (measuring
-    it on CUDA when ``auto`` finds none) and sends it to every rank, which plans on it
-    (``args.epp_profile_resolved``: :func:`planner_profile`); the start-up line. ``target``: tests only."""
+    it on CUDA when ``auto`` finds none) and sends it to every rank, which plans on it (the step builder hands it to
+    :func:`~megatron_epp.training.planning.online_planner`); :func:`describe` is its start-up line. ``target``: tests only."""
     first = not dist.is_initialized() or dist.get_rank() == 0
     box: list = [None]
     if first:
         try:
-            resolved = resolve_profile(args, target or Target.of_run(args, device))
+            resolved = resolve_profile(cfg, target or Target.of_run(cfg, device))
             box = [("ok", resolved.profile.to_dict(), resolved.origin)]
         except ArgumentError as error:
             box = [("error", str(error), None)]
@@ -439,20 +439,14 @@ def startup_profile(args: argparse.Namespace, device: torch.device, target: Targ
     status, payload, origin = box[0]
     if status == "error":
         raise ArgumentError(payload)
-    resolved = Resolved(Profile.from_dict(payload), origin)
-    args.epp_profile_resolved = resolved.profile
-    return describe(args, resolved)
+    return Resolved(Profile.from_dict(payload), origin)
 
 
-def planner_profile(args: argparse.Namespace) -> Profile:
-    """The profile the planner plans on, at the run's TP size: the one :func:`startup_profile` resolved; before
-    it (the memory-budget check before start-up) ``auto`` on CUDA takes the analytic profile of the model, whose
-    memory coefficients are those of any GPU profile (GPU activation memory is derived, ``megatron-gpu``, not
-    measured), and any other ``--epp-profile`` loads as it will."""
-    resolved = getattr(args, "epp_profile_resolved", None)
-    if resolved is not None:
-        return resolved
-    tp = args.tensor_model_parallel_size
-    if args.epp_profile == AUTO_PROFILE and run_device_type() == "cuda":
-        return analytic_profile(model_shape(args), tp)
-    return resolve_profile(args, Target(run_device_type(), torch.float32)).profile
+def planner_profile(cfg: TrainingConfig) -> Profile:
+    """The profile the planner plans on before :func:`startup_profile` resolved the run's (the memory-budget check
+    before start-up), at the run's TP size: ``auto`` on CUDA takes the analytic profile of the model, whose memory
+    coefficients are those of any GPU profile (GPU activation memory is derived, ``megatron-gpu``, not measured), and
+    any other ``--epp-profile`` loads as it will."""
+    if cfg.epp.planner.profile == AUTO_PROFILE and run_device_type() == "cuda":
+        return analytic_profile(model_shape(cfg), cfg.parallel.dims.tp)
+    return resolve_profile(cfg, Target(run_device_type(), torch.float32)).profile

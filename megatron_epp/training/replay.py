@@ -23,7 +23,8 @@ from typing import Sequence
 
 from megatron_epp.cost.model import CostModel
 from megatron_epp.plan import Plan
-from megatron_epp.training.arguments import parse_args
+from megatron_epp.training.arguments import parse_config
+from megatron_epp.training.config import TrainingConfig
 from megatron_epp.training.metrics import StepMetrics, read_metrics
 from megatron_epp.training.planning import elastic_sampler, online_planner
 
@@ -51,9 +52,9 @@ def reconstruct_plans(argv: Sequence[str], iterations: int, world_size: int = 2)
     rebuilt in this process from the same flags, document stream and planner; and the planner's cost
     model (the profile on this run's model shape and stages). Rebuilt on the profile as given: a run
     that calibrates (``--epp-calibrate-interval`` > 0) plans differently after its first fit."""
-    args = parsed_args(argv, world_size)
-    planner = online_planner(args)
-    batches = elastic_sampler(args, "train", args.data_parallel_size, planner).iterate(0)
+    cfg = parsed_config(argv, world_size)
+    planner = online_planner(cfg)
+    batches = elastic_sampler(cfg, "train", cfg.parallel.dims.dp, planner).iterate(0)
     plans = []
     for _ in range(iterations):
         batch = next(batches)
@@ -61,6 +62,6 @@ def reconstruct_plans(argv: Sequence[str], iterations: int, world_size: int = 2)
     return plans, planner.cost_model
 
 
-def parsed_args(argv: Sequence[str], world_size: int = 2):
-    """``pretrain_gpt.py``'s validated arguments for ``argv`` (vocabulary size resolved), in-process."""
-    return parse_args(list(argv), world_size=world_size)
+def parsed_config(argv: Sequence[str], world_size: int = 2) -> TrainingConfig:
+    """``pretrain_gpt.py``'s configuration for ``argv`` (validated, vocabulary size resolved), in-process."""
+    return parse_config(list(argv), world_size=world_size)

@@ -4,7 +4,6 @@ from the flags (:func:`step_mode`): megatron-core's own schedule over fixed-leng
 
 from __future__ import annotations
 
-import argparse
 from typing import Any, Iterator, Protocol
 
 import numpy as np
@@ -19,7 +18,8 @@ from megatron_epp.training.gpt_step import gpt_forward_step, microbatches
 from megatron_epp.training.initialize import Runtime
 from megatron_epp.training.metrics import ElasticMetrics
 from megatron_epp.training.planning import check_memory_budget
-from megatron_epp.training.profiling import check_profile, startup_profile
+from megatron_epp.training.profiling import Resolved, check_profile, describe, startup_profile
+from megatron_epp.training.config import TrainingConfig
 
 
 class TrainStep(Protocol):
@@ -40,22 +40,22 @@ class TrainStep(Protocol):
 class MegatronStep:
     """One global batch through Megatron-Core's own schedule (1F1B for pp > 1)."""
 
-    def __init__(self, args: argparse.Namespace, model, forward_step_func, data_iterator: Iterator) -> None:
-        self.args, self.model, self.forward_step_func, self.data_iterator = args, model, forward_step_func, data_iterator
+    def __init__(self, cfg: TrainingConfig, model, forward_step_func, data_iterator: Iterator) -> None:
+        self.cfg, self.model, self.forward_step_func, self.data_iterator = cfg, model, forward_step_func, data_iterator
         self.forward_backward = get_forward_backward_func()
 
     def __call__(self, forward_only: bool) -> tuple[list[dict[str, torch.Tensor]], np.ndarray]:
-        args = self.args
+        cfg = self.cfg
         losses = self.forward_backward(
             forward_step_func=self.forward_step_func,
             data_iterator=self.data_iterator,
             model=[self.model],
-            num_microbatches=args.num_microbatches,
-            seq_length=args.seq_length,
-            micro_batch_size=args.micro_batch_size,
+            num_microbatches=cfg.training.num_microbatches,
+            seq_length=cfg.model.seq_length,
+            micro_batch_size=cfg.training.micro_batch_size,
             forward_only=forward_only,
         )
-        return losses, np.full(args.global_batch_size, args.seq_length, dtype=np.int64)
+        return losses, np.full(cfg.training.global_batch_size, cfg.model.seq_length, dtype=np.int64)
 
     def log(self, iteration: int) -> None:
         return None
@@ -64,28 +64,28 @@ class MegatronStep:
         return None
 
 
-def build_samples(args: argparse.Namespace, split: str):
+def build_samples(cfg: TrainingConfig, split: str):
     """Fixed-length GPT samples of ``split`` ('train' or 'valid'): mock data, an indexed dataset, or several
     blended by weight (``--data-path 0.3 A 0.7 B``: each sample drawn whole from one dataset, as megatron-core's
     ``BlendedDataset``)."""
-    eod = args.eod if args.eod_mask_loss else None
-    if args.mock_data:
-        return MockGPTSamples(args.seq_length, args.vocab_size, seed=args.seed + (split == "valid"), eod_mask=eod)
-    needed = (args.train_iters if split == "train" else args.eval_iters * (args.train_iters // (args.eval_interval or args.train_iters) + 1)) * args.global_batch_size
-    sources = [split_documents(prefix, args.split, split) for prefix in args.data_blend.prefixes]
+    eod = cfg.data.eod if cfg.data.eod_mask_loss else None
+    if cfg.data.mock_data:
+        return MockGPTSamples(cfg.model.seq_length, cfg.model.vocab_size, seed=cfg.training.seed + (split == "valid"), eod_mask=eod)
+    needed = (cfg.training.train_iters if split == "train" else cfg.logging.eval_iters * (cfg.training.train_iters // (cfg.logging.eval_interval or cfg.training.train_iters) + 1)) * cfg.training.global_batch_size
+    sources = [split_documents(prefix, cfg.data.split, split) for prefix in cfg.data.data_blend.prefixes]
     if not sum(len(docs) for docs in sources):
         return None
-    if args.data_blend.weights is None:
-        return GPTSamples(sources[0], args.seq_length, seed=args.seed, num_samples=needed, eod_mask=eod)
-    return BlendedSamples(lambda d, n: GPTSamples(sources[d], args.seq_length, seed=args.seed, num_samples=n, eod_mask=eod),
-                          args.data_blend.weights, needed)
+    if cfg.data.data_blend.weights is None:
+        return GPTSamples(sources[0], cfg.model.seq_length, seed=cfg.training.seed, num_samples=needed, eod_mask=eod)
+    return BlendedSamples(lambda d, n: GPTSamples(sources[d], cfg.model.seq_length, seed=cfg.training.seed, num_samples=n, eod_mask=eod),
+                          cfg.data.data_blend.weights, needed)
 
 
 class StockSteps:
     """Megatron-core's schedule over fixed-length samples: nothing to check or resolve before the model."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
+    def __init__(self, cfg: TrainingConfig) -> None:
+        self.cfg = cfg
 
     def start(self, runtime: Runtime) -> None:
         """After the process groups are up, before the model is built: nothing here."""
@@ -94,8 +94,8 @@ class StockSteps:
         return None
 
     def batch_text(self, runtime: Runtime) -> str:
-        args = self.args
-        return (f"global batch {args.global_batch_size} = {args.num_microbatches} micro-batches x {args.micro_batch_size} "
+        cfg = self.cfg
+        return (f"global batch {cfg.training.global_batch_size} = {cfg.training.num_microbatches} micro-batches x {cfg.training.micro_batch_size} "
                 f"x dp {runtime.dims.dp}")
 
     def startup_lines(self) -> list[str]:
@@ -105,49 +105,52 @@ class StockSteps:
               steps: int | None = None) -> MegatronStep | None:
         """The step of ``split`` from ``consumed`` samples (None: no data); ``planner_state`` and ``steps`` are the
         elastic step's (a stock step has no state and an endless batch stream)."""
-        samples = build_samples(self.args, split)
+        samples = build_samples(self.cfg, split)
         if samples is None:
             return None
-        batches = microbatches(samples, consumed, self.args.global_batch_size, self.args.micro_batch_size,
+        batches = microbatches(samples, consumed, self.cfg.training.global_batch_size, self.cfg.training.micro_batch_size,
                                runtime.dp_rank, runtime.dims.dp, runtime.device)
-        return MegatronStep(self.args, model, gpt_forward_step, batches)
+        return MegatronStep(self.cfg, model, gpt_forward_step, batches)
 
 
 class ElasticSteps:
     """``--elastic-pp``: made only after a profile that loads and a memory budget that can plan (both checked here,
     before any work); the profile is resolved by :meth:`start`, on every rank."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
-        check_profile(args)  # a profile that loads (auto on CUDA is measured or found after start-up)
-        self.budget = check_memory_budget(args)
-        self.planner: str | None = None
+    def __init__(self, cfg: TrainingConfig) -> None:
+        self.cfg = cfg
+        check_profile(cfg)  # a profile that loads (auto on CUDA is measured or found after start-up)
+        self.budget = check_memory_budget(cfg)
+        self.profile: Resolved | None = None
 
     def start(self, runtime: Runtime) -> None:
         """Every rank: the first one resolves (and on CUDA may measure) the profile, all plan on it;
         :class:`~megatron_epp.training.arguments.ArgumentError` where it cannot."""
-        self.planner = startup_profile(self.args, runtime.device)
+        self.profile = startup_profile(self.cfg, runtime.device)
 
     def model_context(self) -> ChunkContext:
         return ChunkContext()
 
     def batch_text(self, runtime: Runtime) -> str:
-        return f"global batch {self.args.global_batch_size} documents"
+        return f"global batch {self.cfg.training.global_batch_size} documents"
 
     def startup_lines(self) -> list[str]:
-        return [f"planner: {self.planner}", f"memory budget: {self.budget}"]
+        planner = describe(self.cfg, self.profile) if self.profile is not None else "not resolved yet"
+        return [f"planner: {planner}", f"memory budget: {self.budget}"]
 
     def build(self, runtime: Runtime, model, split: str, consumed: int, planner_state: dict[str, Any] | None = None,
               steps: int | None = None) -> TrainStep | None:
         """The step of ``split`` from ``consumed`` samples, its planner continuing from ``planner_state``, for
         ``steps`` steps (None: no end); None where the split is empty."""
-        return elastic_train_step(self.args, runtime, model, split, consumed, planner_state, steps)
+        if self.profile is None:
+            raise RuntimeError("ElasticSteps.build before start(): the run's profile is resolved at start-up")
+        return elastic_train_step(self.cfg, self.profile.profile, runtime, model, split, consumed, planner_state, steps)
 
 
 StepMode = StockSteps | ElasticSteps
 
 
-def step_mode(args: argparse.Namespace) -> StepMode:
+def step_mode(cfg: TrainingConfig) -> StepMode:
     """The run's way of stepping; :class:`~megatron_epp.training.arguments.ArgumentError` (``--elastic-pp``) where its
     profile or memory budget cannot serve."""
-    return ElasticSteps(args) if args.elastic_pp else StockSteps(args)
+    return ElasticSteps(cfg) if cfg.epp.enabled else StockSteps(cfg)

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_epp.training.layer_bench import init_single_process
-from megatron_epp.training.arguments import ArgumentError, parse_args
+from megatron_epp.training.arguments import ArgumentError, parse_args, parse_config
 from megatron_epp.training.checkpointing import (
     METADATA, TRACKER, UNVERIFIED_FORMAT, CheckpointError, check_loadable, choose_verified, skip_note,
 )
@@ -61,7 +61,7 @@ def _flip(file) -> None:
 
 def _verdict(ckpt, *flags):
     """What --load does before megatron-core reads a file: (iteration, warning lines), or the one-line error."""
-    args = parse_args([*FLAGS, "--load", str(ckpt), *flags], world_size=2)
+    args = parse_config([*FLAGS, "--load", str(ckpt), *flags], world_size=2)
     init_single_process()
     try:
         resume = check_loadable(args)

@@ -21,7 +21,7 @@ import torch
 
 from megatron_epp.training.layer_bench import init_single_process
 from megatron_epp.training import launch
-from megatron_epp.training.arguments import ArgumentError, parse_args
+from megatron_epp.training.arguments import ArgumentError, parse_args, parse_config
 from megatron_epp.training.checkpointing import METADATA, TRACKER, check_loadable, checkpoint_metadata, data_change, record_sha256
 from megatron_epp.training.corpus_check import check_corpus
 from megatron_epp.training.faults import ExitConditions
@@ -171,7 +171,7 @@ def test_crash_during_save_leaves_the_previous_checkpoint_loadable(crashed_save,
 
 
 def _args(load, *flags: str, base: list[str] = FLAGS):
-    return parse_args([*base, "--load", str(load), *flags], world_size=2)
+    return parse_config([*base, "--load", str(load), *flags], world_size=2)
 
 
 def _break(ckpt, how: str) -> None:
@@ -297,7 +297,7 @@ def test_bin_and_idx_that_do_not_match_are_one_line(pretrain_in_process, tmp_pat
         assert len(lines) == 1 and message.format(p=prefix) in lines[0], proc.stderr
     else:
         with pytest.raises(ArgumentError, match=re.escape(message.format(p=prefix))):
-            check_corpus(parse_args(flags, world_size=1))
+            check_corpus(parse_config(flags, world_size=1))
 
 
 def test_exit_flags_are_checked():

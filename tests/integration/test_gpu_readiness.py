@@ -29,11 +29,9 @@ TINY = ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attent
 
 
 def elastic_args(*flags: str):
-    from megatron_epp.training.arguments import parse_args
+    from megatron_epp.training.arguments import parse_config
 
-    args = parse_args([*TINY, "--elastic-pp", *flags], world_size=1)
-    args.vocab_size = 257
-    return args
+    return parse_config([*TINY, "--elastic-pp", *flags], world_size=1).replace(model={"vocab_size": 257})
 
 
 def cpu_runtime():

@@ -15,7 +15,7 @@ from megatron.core.utils import unwrap_model
 
 from megatron_epp.executor.context import ChunkContext
 from megatron_epp.training.layer_bench import init_single_process
-from megatron_epp.training.arguments import parse_args
+from megatron_epp.training.arguments import parse_args, parse_config
 from megatron_epp.training.planning import online_planner
 from megatron_epp.planner.config import ParallelDims
 from megatron_epp.training.initialize import Runtime
@@ -52,8 +52,7 @@ def test_llama_flags_reach_the_model(elastic):
     elastic and the stock path: torch RMSNorm with the epsilon, QKV of 8 query and 2 K/V heads of 16,
     fc1 twice the FFN width (SwiGLU), no bias anywhere, RoPE frequencies of base 500000."""
     init_single_process()
-    args = parse_args(LLAMA + (["--elastic-pp"] if elastic else []), world_size=1)
-    args.vocab_size = 64
+    args = parse_config(LLAMA + (["--elastic-pp"] if elastic else []), world_size=1).replace(model={"vocab_size": 64})
     runtime = Runtime(torch.device("cpu"), rank=0, pp_rank=0, tp_rank=0, dp_rank=0, dims=ParallelDims())
     model, config = build_model(args, runtime, context=ChunkContext() if elastic else None)
     assert (config.gated_linear_unit, config.activation_func, config.normalization, config.layernorm_epsilon) == (True, F.silu, "RMSNorm", 1e-6)
@@ -78,8 +77,8 @@ def test_llama_flags_reach_the_model(elastic):
 def test_gpt_style_parameter_count():
     """The planner's per-layer parameter count with LayerNorm and biases, against megatron-core's layer."""
     init_single_process()
-    args = parse_args(["--mock-data", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--elastic-pp"], world_size=1)
-    args.vocab_size = 64
+    args = parse_config(["--mock-data", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--elastic-pp"],
+                        world_size=1).replace(model={"vocab_size": 64})
     runtime = Runtime(torch.device("cpu"), rank=0, pp_rank=0, tp_rank=0, dp_rank=0, dims=ParallelDims())
     model, _ = build_model(args, runtime, context=ChunkContext())
     shape = online_planner(args).cost_model.profile.model

@@ -18,6 +18,7 @@ from megatron_epp.data.gpt_samples import MockGPTSamples, sample_dict
 from megatron_epp.data.tokenizers import NullTokenizer, TokenizerError, build_tokenizer
 from megatron_epp.planner.epp import in_units
 from megatron_epp.training.arguments import build_parser, parse_args
+from megatron_epp.training.config import TrainingConfig
 from megatron_epp.training.megatron_flags import ACCEPTED, REFUSED, startup_notes
 from tests.launch import REPO, free_port, run_env
 from tests.unit.test_driver_flags import lrs_after_steps
@@ -82,13 +83,13 @@ def test_accepted_flags_are_named_at_start_up(entry):
              "--distributed-backend": ["gloo"], "--transformer-impl": ["local"], "--dataloader-type": ["single"],
              "--rerun-mode": ["disabled"]}.get(entry.flag, [])
     extra = ["--use-distributed-optimizer"] if entry.flag == "--overlap-param-gather" else []
-    notes = startup_notes(parsed(entry.flag, *value, *extra))
+    notes = startup_notes(TrainingConfig.from_args(parsed(entry.flag, *value, *extra)))
     assert [n for n in notes if n.startswith("Megatron-LM flags accepted with no effect here") and entry.flag in n]
-    assert not [n for n in startup_notes(parsed()) if "accepted" in n]
+    assert not [n for n in startup_notes(TrainingConfig.from_args(parsed())) if "accepted" in n]
 
 
 def test_elastic_start_up_says_what_micro_batch_size_means():
-    notes = startup_notes(parsed("--elastic-pp", "--micro-batch-size", "2", "--global-batch-size", "4"))
+    notes = startup_notes(TrainingConfig.from_args(parsed("--elastic-pp", "--micro-batch-size", "2", "--global-batch-size", "4")))
     assert notes[0].startswith("batch: --elastic-pp plans each step's 4 documents (global batch) into chunks, which "
                                "replace micro-batches")
 
@@ -97,8 +98,8 @@ def test_sequence_parallel_at_tp1_is_turned_off_with_a_line_as_megatron_lm():
     """Upstream's LLaMA-3 script passes --sequence-parallel at tp 1: Megatron-LM turns it off with a warning, so do we."""
     args = parsed("--sequence-parallel")
     assert args.sequence_parallel is False
-    assert [n for n in startup_notes(args) if n.startswith("--sequence-parallel at --tensor-model-parallel-size 1: turned off")]
-    assert not [n for n in startup_notes(parsed()) if "--sequence-parallel" in n]
+    assert [n for n in startup_notes(TrainingConfig.from_args(args)) if n.startswith("--sequence-parallel at --tensor-model-parallel-size 1: turned off")]
+    assert not [n for n in startup_notes(TrainingConfig.from_args(parsed())) if "--sequence-parallel" in n]
     assert parsed("--sequence-parallel", "--tensor-model-parallel-size", "2", world_size=2).sequence_parallel
 
 
@@ -202,8 +203,8 @@ def fp16_step(*flags: str):
     from megatron_epp.training.model import build_model
 
     init_single_process()
-    args = parsed("--fp16", "--num-layers", "2", "--hidden-size", "32", "--seq-length", "16", "--global-batch-size", "2",
-                  *flags)
+    args = TrainingConfig.from_args(parsed("--fp16", "--num-layers", "2", "--hidden-size", "32", "--seq-length", "16",
+                                           "--global-batch-size", "2", *flags))
     torch.manual_seed(0)
     tensor_parallel.model_parallel_cuda_manual_seed(0)
     runtime = Runtime(torch.device("cpu"), rank=0, pp_rank=0, tp_rank=0, dp_rank=0, dims=ParallelDims())

@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from megatron_epp.training.arguments import parse_args
+from megatron_epp.training.arguments import parse_config
 from megatron_epp.training.model import model_shape, padded_vocab_size
 from tests.corpus import write_corpus
 
@@ -59,7 +59,7 @@ def test_bad_flags_give_one_line_error(pretrain_in_process, flags, world_size, m
     (["--vocab-size", "1000", "--make-vocab-size-divisible-by", "8", "--tensor-model-parallel-size", "4"], 4, 1024),
 ])
 def test_vocabulary_is_padded_as_megatron_pads_it(flags, world_size, padded):
-    args = parse_args([*BASE, *flags], world_size=world_size)
+    args = parse_config([*BASE, *flags], world_size=world_size)
     assert padded_vocab_size(args) == model_shape(args).vocab == padded
 
 

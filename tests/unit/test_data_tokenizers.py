@@ -4,7 +4,6 @@ deprecated --tokenizer; one-line errors for missing or bad files. Tiny tokenizer
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import types
 from pathlib import Path

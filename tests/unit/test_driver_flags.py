@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_epp.training.arguments import parse_args
+from megatron_epp.training.arguments import parse_args, parse_config
 from megatron_epp.training.layer_bench import init_single_process
 from megatron_epp.training.corpus_check import check_corpus
 from megatron_epp.training.faults import TrainingFault, check_finite
@@ -23,13 +23,13 @@ from tests.corpus import write_corpus
 
 def lrs_after_steps(flags: list[str], steps: int) -> list[float]:
     """The learning rate after each of ``steps`` iterations, from the scheduler the loop builds for ``flags``."""
-    args = parse_args(["--mock-data", "--global-batch-size", "1", "--lr", "1e-2", "--lr-decay-style", "constant", *flags],
-                      world_size=1)
-    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=args.lr)
+    args = parse_config(["--mock-data", "--global-batch-size", "1", "--lr", "1e-2", "--lr-decay-style", "constant", *flags],
+                        world_size=1)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=args.optim.lr)
     scheduler = build_scheduler(args, optimizer)
     out = []
     for _ in range(steps):
-        scheduler.step(increment=args.global_batch_size)  # as the loop: one global batch of samples
+        scheduler.step(increment=args.training.global_batch_size)  # as the loop: one global batch of samples
         out.append(optimizer.param_groups[0]["lr"])
     return out
 
@@ -127,7 +127,7 @@ def test_an_empty_validation_split_is_said_once(tmp_path, data):
     source = ["--mock-data"] if data == "mock" else ["--data-path", write_corpus(tmp_path / "corpus", ["some text " * 4] * 10)]
 
     def note(*flags):
-        return check_corpus(parse_args([*source, "--seq-length", "16", *flags], world_size=1))[1]
+        return check_corpus(parse_config([*source, "--seq-length", "16", *flags], world_size=1))[1]
 
     assert note("--eval-interval", "2", "--split", "1,0,0") == (
         "--eval-interval 2: the validation split of --split 1,0,0 is empty; training without evaluation")
@@ -160,8 +160,8 @@ def test_log_line_averages_over_the_interval_as_megatron_lm_and_the_record_is_th
     learning rate and grad norm of iteration 4; the --epp-metrics record of iteration 4 holds iteration 4's own.
     The loop runs on stand-ins for the model, optimizer and step (one process)."""
     init_single_process()
-    args = parse_args(["--mock-data", "--train-iters", "4", "--log-interval", "2", "--global-batch-size", "2",
-                       "--lr-decay-style", "constant", "--epp-metrics", str(tmp_path / "m.jsonl")], world_size=1)
+    args = parse_config(["--mock-data", "--train-iters", "4", "--log-interval", "2", "--global-batch-size", "2",
+                         "--lr-decay-style", "constant", "--epp-metrics", str(tmp_path / "m.jsonl")], world_size=1)
     clock = [0.0]
     monkeypatch.setattr(loop, "time", SimpleNamespace(perf_counter=lambda: clock[0], time=lambda: 0.0))
     steps = iter([(0.1, 4.0, 100), (0.3, 2.0, 300), (0.2, 3.0, 100), (0.6, 1.0, 200)])  # (seconds, loss, tokens)

@@ -18,7 +18,7 @@ from megatron_epp.planner import layout as layout_module
 from megatron_epp.planner.layout import COMM_OVERLAP, Layout, enumerate_layouts, search_layout
 from megatron_epp.data.lengths import select_batch
 from megatron_epp.training import layout_search
-from megatron_epp.training.arguments import EPP_DEFAULTS, parse_args
+from megatron_epp.training.arguments import EPP_DEFAULTS, parse_config
 from megatron_epp.training.planning import elastic_documents
 from megatron_epp.training.main import main as pretrain_gpt
 
@@ -220,7 +220,7 @@ DRIVER_MODEL = ["--mock-data", "--num-layers", "4", "--hidden-size", "256", "--n
 def test_driver_search_batch_is_the_planners_sample_of_the_train_documents(monkeypatch, capsys):
     rc, seen = driver_search(monkeypatch, "--seed", "5")
     assert rc == 2 and capsys.readouterr().err.strip() == "pretrain_gpt.py: error: --epp-search-layout: stop"
-    args = parse_args([*DRIVER_MODEL, "--seed", "5"], world_size=4)
+    args = parse_config([*DRIVER_MODEL, "--seed", "5"], world_size=4)
     sequences = np.asarray(elastic_documents(args, "train").lengths) - 1  # a document of n tokens: n - 1 positions
     assert seen["batch"].tolist() == select_batch(sequences[sequences > 0], 8, 5, 1024, truncate=True).tolist()
     assert seen["world"] == 4 and seen["cluster"] == "h100-ib-gpu"

@@ -15,7 +15,8 @@ from megatron_epp.cost.profiles import GIB
 from megatron_epp.planner.calibration import MemoryCheck, activation_bytes, fit_memory_factor
 from megatron_epp.simulator import simulate
 from megatron_epp.training import memory_budget
-from megatron_epp.training.arguments import CALIBRATE_FIRST_STEP, parse_args
+from megatron_epp.training.arguments import CALIBRATE_FIRST_STEP, parse_args, parse_config
+from megatron_epp.training.config import TrainingConfig
 from megatron_epp.planner.online import OnlinePlanner
 from megatron_epp.training.planning import check_memory_budget, online_planner
 from megatron_epp.data.mock_documents import lognormal_lengths
@@ -89,7 +90,7 @@ def test_the_overshoot_line_names_the_step_the_stage_and_the_overshoot():
 
 # ----------------------------------------------------------------------------- through the planner (no GPU)
 def llama_builder(*flags: str) -> OnlinePlanner:
-    return online_planner(parse_args([*LLAMA, "--epp-memory-budget", "35", *flags], world_size=1))
+    return online_planner(parse_config([*LLAMA, "--epp-memory-budget", "35", *flags], world_size=1))
 
 
 def made(plan) -> dict:
@@ -213,11 +214,13 @@ def test_the_default_budget_on_cuda_is_free_memory_less_the_margin_and_a_given_b
                                   "fragmentation, NCCL buffers)")
     args = parse_args(LLAMA, world_size=1)
     assert args.epp_default_budget == default and args.epp_memory_budget == pytest.approx(default.budget / GIB)
-    assert check_memory_budget(args) == (f"74.52 GB per device = {default.describe()}; model states 23.79 GB (the cost "
+    cfg = TrainingConfig.from_args(args)
+    assert cfg.epp.default_budget == default and cfg.epp.planner.memory_budget_bytes == default.budget  # bytes inside
+    assert check_memory_budget(cfg) == (f"74.52 GB per device = {default.describe()}; model states 23.79 GB (the cost "
                                          "model's count, largest stage), 50.73 GB for activations")
     given = parse_args([*LLAMA, "--epp-memory-budget", "35"], world_size=1)
     assert given.epp_memory_budget == 35.0 and given.epp_default_budget is None
-    assert check_memory_budget(given) == ("35.00 GB per device (--epp-memory-budget); model states 23.79 GB (the cost "
+    assert check_memory_budget(TrainingConfig.from_args(given)) == ("35.00 GB per device (--epp-memory-budget); model states 23.79 GB (the cost "
                                           "model's count, largest stage), 11.21 GB for activations")
 
 
@@ -236,8 +239,8 @@ def test_the_drivers_planner_is_the_planner_packages_built_from_the_flags_once()
     from megatron_epp.cost.profiles import ModelShape, load_profile
     from megatron_epp.planner.config import ParallelDims, PlannerConfig
 
-    args = parse_args(["--elastic-pp", "--mock-data", "--pipeline-model-parallel-size", "2", "--num-layers", "4", "--seq-length", "1024",
-                       "--global-batch-size", "16", "--epp-memory-budget", "0.05", "--epp-calibrate-interval", "3"], world_size=2)
+    args = parse_config(["--elastic-pp", "--mock-data", "--pipeline-model-parallel-size", "2", "--num-layers", "4", "--seq-length", "1024",
+                         "--global-batch-size", "16", "--epp-memory-budget", "0.05", "--epp-calibrate-interval", "3"], world_size=2)
     wired = online_planner(args)
     shape = ModelShape("pretrain_gpt", 4, 64, 4, 256, 384, swiglu=False, tied_embeddings=True)
     by_hand = OnlinePlanner(PlannerConfig(memory_budget_bytes=0.05 * GIB, max_seq_len=1024, max_slices=8), shape, ParallelDims(pp=2),

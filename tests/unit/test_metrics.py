@@ -84,12 +84,12 @@ def test_throughput_in_the_line_and_scalars():
 
 
 def logger_args(tmp_path, **change):
-    import argparse
+    from megatron_epp.training.arguments import parse_config
 
-    args = dict(tensorboard_dir=str(tmp_path / "tb"), wandb_project=None, wandb_exp_name=None, wandb_save_dir=None,
-                epp_metrics=None, seed=3, data_blend=object())
-    args.update(change)
-    return argparse.Namespace(**args)
+    cfg = parse_config(["--mock-data", "--seed", "3"], world_size=1)
+    logging = dict(tensorboard_dir=str(tmp_path / "tb"), wandb_project=None, wandb_exp_name=None, wandb_save_dir=None,
+                   epp_metrics=None)
+    return cfg.replace(logging={**logging, **change})
 
 
 def runtime():
@@ -137,7 +137,9 @@ def test_wandb_gets_the_same_scalars(tmp_path, monkeypatch):
     logger.close()
     (_, init), (_, logged, at), finish = calls
     assert (init["project"], init["name"], init["dir"]) == ("epp", "run-1", str(tmp_path / "wb"))
-    assert init["config"]["seed"] == 3 and isinstance(init["config"]["data_blend"], str)  # JSON-friendly config
+    config = init["config"]  # the typed config, flat and JSON-friendly
+    assert config["training.seed"] == 3 and config["parallel.dims.tp"] == 1 and config["logging.wandb_project"] == "epp"
+    assert all(isinstance(v, (bool, int, float, str, list, type(None))) for v in config.values())
     assert logged == step.scalars() and at == 2 and finish == ("finish",)
 
 

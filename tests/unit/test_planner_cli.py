@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
 import re
@@ -24,9 +23,9 @@ from megatron_epp.cost.features import F
 from megatron_epp.cost.model import CostModel
 from megatron_epp.cost.profiles import GIB, load_profile, profile_at_tp
 from megatron_epp.data.mock_documents import lengths_from_file
-from megatron_epp.training.arguments import ArgumentError, parse_args
+from megatron_epp.training.arguments import ArgumentError, parse_config
 from megatron_epp.training.planning import online_planner
-from megatron_epp.training.profiling import check_profile, startup_profile
+from megatron_epp.training.profiling import check_profile, describe, startup_profile
 
 LENGTHS = [3000, 1200, 800, 500, 300, 200, 150, 90, 60, 40, 20, 10] * 2
 
@@ -238,13 +237,14 @@ def test_a_profile_used_at_another_tp_is_noted_the_same_way_by_both_clis(lengths
         main([*base, "--tp", tp, "--json"])
         out = capsys.readouterr()
         assert json.loads(out.out.splitlines()[-1])["tp"] == int(tp) and out.err == err
-    args = parse_args(["--mock-data", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "256",
-                       "--global-batch-size", "2", "--elastic-pp", "--tensor-model-parallel-size", "2"], world_size=2)
-    assert startup_profile(args, torch.device("cpu")).endswith(f"; {note})")
-    assert online_planner(args).cost_model.profile.tp == 2
+    cfg = parse_config(["--mock-data", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "256",
+                        "--global-batch-size", "2", "--elastic-pp", "--tensor-model-parallel-size", "2"], world_size=2)
+    resolved = startup_profile(cfg, torch.device("cpu"))
+    assert describe(cfg, resolved).endswith(f"; {note})") and resolved.profile.tp == 2
+    assert online_planner(cfg, resolved.profile).cost_model.profile.tp == 2 and online_planner(cfg).cost_model.profile.tp == 2
     fixed = tmp_path / "fixed.json"  # memory coefficients as given: usable at its own TP only
     replace(measured, memory=replace(measured.memory, derive="")).save(fixed)
     message = "the profile 'CPU x86_64 (1 thread, fp32, sdpa-merged)' was measured at TP=1 and its activation memory cannot be re-derived for TP=2"
     assert cli_error(capsys, monkeypatch, *base, "--epp-profile", str(fixed), "--tp", "2") == f"--tp 2: {message} (no memory 'derive')"
     with pytest.raises(ArgumentError, match=re.escape(f"--epp-profile: {message}")):
-        check_profile(argparse.Namespace(**{**vars(args), "epp_profile": str(fixed)}))
+        check_profile(cfg.replace(epp={"planner": replace(cfg.epp.planner, profile=str(fixed))}))

@@ -136,13 +136,13 @@ def test_cpu_profile_is_the_one_measured_nearest_the_model_that_runs():
 
 def test_driver_plans_the_main_job_on_the_profile_measured_at_its_shape():
     from megatron_epp.cost.profiles import PROFILE_DIR
-    from megatron_epp.training.replay import parsed_args
+    from megatron_epp.training.replay import parsed_config
     from megatron_epp.training.planning import online_planner
     import torch
 
-    from megatron_epp.training.profiling import startup_profile
+    from megatron_epp.training.profiling import describe, startup_profile
 
-    args = parsed_args(["--elastic-pp", "--mock-data", "--pipeline-model-parallel-size", "2", "--num-layers", "4",
+    args = parsed_config(["--elastic-pp", "--mock-data", "--pipeline-model-parallel-size", "2", "--num-layers", "4",
                         "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "2048",
                         "--global-batch-size", "8", "--lr", "1e-3", "--train-iters", "1", "--epp-memory-budget", "1"])
     build = online_planner(args)
@@ -152,5 +152,5 @@ def test_driver_plans_the_main_job_on_the_profile_measured_at_its_shape():
     for name in ("fwd", "bwd", "recompute", "head_bwd"):
         assert getattr(build.cost_model.profile, name) == getattr(measured, name), name
     assert build.cost_model.profile.overhead == measured.overhead
-    line = startup_profile(args, torch.device("cpu"))
+    line = describe(args, startup_profile(args, torch.device("cpu")))
     assert line.startswith("--epp-profile auto: measured on CPU") and "(model test-model-h128; the shipped CPU profile nearest" in line

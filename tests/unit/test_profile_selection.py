@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 from pathlib import Path
@@ -25,10 +24,11 @@ from megatron_epp.cost.profile_fit import fit, recompute_fit
 from megatron_epp.cost.profiles import (
     PROFILE_DIR, Profile, ProfileKey, TimeCoeffs, find_measured_profile, is_cpu_profile, load_profile,
 )
-from megatron_epp.training.replay import parsed_args
+from megatron_epp.training.replay import parsed_config
 from megatron_epp.training.layer_bench import init_single_process
 from megatron_epp.training.arguments import ArgumentError
 from megatron_epp.training.model import model_shape
+from megatron_epp.training.planning import online_planner
 from megatron_epp.training.profiling import Target, describe, planner_profile, resolve_profile, startup_profile
 from tests.paths import SHARED
 
@@ -40,13 +40,12 @@ FAKE_GPU = Target("cuda", torch.float32, gpu="Test GPU", kernel="sdpa-merged")  
 
 
 def args_for(*extra: str, cache: Path | None = None):
-    args = parsed_args([*TINY, *extra, *(["--epp-profile-cache", str(cache)] if cache else [])], world_size=1)
-    return args
+    return parsed_config([*TINY, *extra, *(["--epp-profile-cache", str(cache)] if cache else [])], world_size=1)
 
 
 def test_auto_on_cpu_plans_on_the_nearest_shipped_cpu_profile():
     args = args_for()
-    assert args.epp_profile == "auto"
+    assert args.epp.planner.profile == "auto"
     resolved = resolve_profile(args, Target("cpu", torch.float32))
     assert is_cpu_profile(resolved.profile) and resolved.profile == load_profile("cpu", tp=1, shape=model_shape(args))
     assert describe(args, resolved).startswith("--epp-profile auto: measured on CPU ")
@@ -109,7 +108,7 @@ def test_the_cache_key_holds_gpu_dtype_kernel_and_layer_shape(tmp_path):
 
 
 def test_the_shipped_h100_profile_is_found_for_its_own_key(tmp_path):
-    args = parsed_args(["--elastic-pp", "--mock-data", "--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "16",
+    args = parsed_config(["--elastic-pp", "--mock-data", "--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "16",
                         "--seq-length", "16384", "--global-batch-size", "32", "--lr", "1e-3", "--train-iters", "1", "--bf16",
                         "--epp-profile-cache", str(tmp_path), "--epp-memory-budget", "60"], world_size=1)
     h100 = Target("cuda", torch.bfloat16, gpu="NVIDIA H100 80GB HBM3", kernel="sdpa-causal")
@@ -117,7 +116,7 @@ def test_the_shipped_h100_profile_is_found_for_its_own_key(tmp_path):
     assert resolved.origin == f"shipped {PROFILE_DIR / 'gpu-h1024_h100_tp1.json'}"
     assert resolved.profile.source == "measured" and resolved.profile.device == "NVIDIA H100 80GB HBM3 (bfloat16, sdpa-causal)"
     # the same GPU with another attention kernel has no profile: at TP 2 the start-up profiler cannot measure it
-    args.tensor_model_parallel_size = 2
+    args = args.replace(parallel={"dims": dataclasses.replace(args.parallel.dims, tp=2)})
     with pytest.raises(ArgumentError, match="measures one GPU .TP 1. only: run scripts/profile_gpu.py"):
         resolve_profile(args, dataclasses.replace(h100, kernel="torch-varlen"))
 
@@ -147,8 +146,11 @@ def test_auto_on_cuda_without_a_profile_measures_one_caches_it_and_the_next_run_
     again = resolve_profile(args, FAKE_GPU, log=lines.append)
     assert again.origin == f"cache hit {path}" and again.profile == Profile.load(path)
     # the driver's start-up step: every rank plans on the profile it resolved
-    line = startup_profile(args, torch.device("cpu"), target=FAKE_GPU)
-    assert line.startswith("--epp-profile auto: measured on Test GPU") and planner_profile(args) == again.profile
+    started = startup_profile(args, torch.device("cpu"), target=FAKE_GPU)
+    assert describe(args, started).startswith("--epp-profile auto: measured on Test GPU") and started.profile == again.profile
+    assert online_planner(args, started.profile).cost_model.profile == again.profile
+    # before start-up (the memory-budget check) auto plans on the CPU here: this process has no GPU
+    assert is_cpu_profile(planner_profile(args))
 
 
 def test_profile_writes_are_atomic(tmp_path, monkeypatch):

@@ -39,7 +39,7 @@ from megatron_epp.executor.schedule import forward_backward_elastic
 from megatron_epp.executor.batches import chunk_batches, elastic_gpt_forward_step
 from megatron_epp.executor.context import ChunkContext, ChunkLayout, KVBuffer, padding_tokens, token_multiple
 from megatron_epp.plan import order as schedule_order
-from megatron_epp.training.arguments import parse_args
+from megatron_epp.training.arguments import parse_config
 from megatron_epp.training.gpt_step import gpt_forward_step, reduce_losses
 from megatron_epp.training.initialize import initialize, shutdown
 from megatron_epp.training.loop import build_optimizer
@@ -183,23 +183,23 @@ def run(argv: list[str]) -> None:
         undo_varlen = _patch(kernels, "load_torch_varlen", lambda: (reference, ""))
     # a small vocabulary, padded alike at every tp (64 is a multiple of 32 x tp for tp <= 2): the reference
     # and the tensor-parallel runs are the same model; the test's flags come after and win
-    args = parse_args(["--vocab-size", "64", "--make-vocab-size-divisible-by", "32", *flags])
+    args = parse_config(["--vocab-size", "64", "--make-vocab-size-divisible-by", "32", *flags])
     runtime = initialize(args)
     elastic = ours.mode == "elastic"
     context = BROKEN_CONTEXTS.get(ours.fault, ChunkContext)() if elastic else None
     model, config = build_model(args, runtime, context=context)
     gpt = unwrap_model(model)  # through DDP (and Float16Module with --bf16): parameters by their own names
     undo = inject(ours.fault) if ours.fault and ours.fault not in BROKEN_CONTEXTS else None
-    per_stage = args.num_layers // runtime.dims.pp
-    set_global_weights(gpt, runtime.pp_rank, per_stage, runtime.tp_rank, args.tensor_model_parallel_size, args.swiglu)
+    per_stage = args.model.num_layers // runtime.dims.pp
+    set_global_weights(gpt, runtime.pp_rank, per_stage, runtime.tp_rank, args.parallel.dims.tp, args.model.swiglu)
     build_optimizer(args, model, config)
     runs = [(case, None) for case in range(ours.cases)]
     if ours.sp_fault_cases:
-        if not args.sequence_parallel:
+        if not args.parallel.dims.sequence_parallel:
             raise ValueError("--sp-fault-cases needs --sequence-parallel")
         runs += [(case, fault) for fault in SP_FAULTS for case in range(ours.sp_fault_cases)]
     for case, fault in runs:
-        sequences = case_sequences(case, ours.case_seed, args.vocab_size)
+        sequences = case_sequences(case, ours.case_seed, args.model.vocab_size)
         model.zero_grad_buffer()
         padding = 0
         if elastic:

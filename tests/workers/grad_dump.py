@@ -14,7 +14,7 @@ import zlib
 
 import torch
 
-from megatron_epp.training.arguments import parse_args
+from megatron_epp.training.arguments import parse_config
 from megatron_epp.training.gpt_step import gpt_forward_step, microbatches, reduce_losses
 from megatron_epp.training.initialize import initialize, shutdown
 from megatron_epp.training.loop import build_optimizer
@@ -60,15 +60,15 @@ def set_global_weights(model: torch.nn.Module, pp_rank: int, layers_per_stage: i
 
 
 def dump(out_dir: str, flags: list[str]) -> None:
-    args = parse_args(flags)
+    args = parse_config(flags)
     runtime = initialize(args)
     model, config = build_model(args, runtime)
-    layers_per_stage = args.num_layers // runtime.dims.pp
-    set_global_weights(unwrap_model(model), runtime.pp_rank, layers_per_stage, runtime.tp_rank, args.tensor_model_parallel_size,
-                       args.swiglu)
+    layers_per_stage = args.model.num_layers // runtime.dims.pp
+    set_global_weights(unwrap_model(model), runtime.pp_rank, layers_per_stage, runtime.tp_rank, args.parallel.dims.tp,
+                       args.model.swiglu)
     model.broadcast_params()
     build_optimizer(args, model, config)  # installs finalize_model_grads (DP and tied-embedding sync)
-    batches = microbatches(build_samples(args, "train"), 0, args.global_batch_size, args.micro_batch_size, runtime.dp_rank, runtime.dims.dp, runtime.device)
+    batches = microbatches(build_samples(args, "train"), 0, args.training.global_batch_size, args.training.micro_batch_size, runtime.dp_rank, runtime.dims.dp, runtime.device)
     model.zero_grad_buffer()
     losses, _ = MegatronStep(args, model, gpt_forward_step, batches)(False)
     loss = reduce_losses(losses, ps.get_data_parallel_group())

@@ -43,7 +43,7 @@ from megatron_epp.executor.batches import chunk_batches, elastic_gpt_forward_ste
 from megatron_epp.executor.context import ChunkContext, token_multiple  # noqa: E402
 from megatron_epp.executor.memory_tracker import ActivationMemoryTracker  # noqa: E402
 from megatron_epp.plan import Chunk, Pipeline, Plan, Segment, chunk_kind  # noqa: E402
-from megatron_epp.training.arguments import parse_args  # noqa: E402
+from megatron_epp.training.arguments import parse_config  # noqa: E402
 from megatron_epp.training.planning import online_planner  # noqa: E402
 from megatron_epp.training.initialize import initialize  # noqa: E402
 from megatron_epp.training.model import build_model  # noqa: E402
@@ -101,7 +101,7 @@ def measure(argv: list[str]) -> None:
     p.add_argument("out")
     p.add_argument("--model-dtype", default="float32", choices=["float32", "bfloat16"])
     ours, flags = p.parse_known_args(argv)
-    args = parse_args(flags + ["--elastic-pp", "--mock-data", "--seq-length", "512", "--epp-memory-budget", "1"],
+    args = parse_config(flags + ["--elastic-pp", "--mock-data", "--seq-length", "512", "--epp-memory-budget", "1"],
                       world_size=int(os.environ.get("WORLD_SIZE", "1")))
     runtime = initialize(args)
     context = ChunkContext()
@@ -122,8 +122,8 @@ def measure(argv: list[str]) -> None:
     results = []
     for name, chunks, rcs in CASES:
         for rc in rcs:
-            plan = make_plan(chunks, rc, args.num_layers)
-            docs = [torch.randint(0, args.vocab_size, (n + 1,), generator=gen) for n in plan.seq_lengths]
+            plan = make_plan(chunks, rc, args.model.num_layers)
+            docs = [torch.randint(0, args.model.vocab_size, (n + 1,), generator=gen) for n in plan.seq_lengths]
             with ActivationMemoryTracker(torch.device("cpu"), context) as tracker:
                 forward_backward_elastic(
                     forward_step_func=elastic_gpt_forward_step,

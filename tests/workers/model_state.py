@@ -15,10 +15,9 @@ from __future__ import annotations
 import json
 import sys
 
-import torch
 import torch.distributed as dist
 
-from megatron_epp.training.arguments import parse_args
+from megatron_epp.training.arguments import parse_config
 from megatron_epp.training.planning import online_planner
 from megatron_epp.training.initialize import initialize, shutdown
 from megatron_epp.training.loop import build_optimizer
@@ -53,11 +52,11 @@ def rank_record(args, runtime) -> dict:
 
 def main() -> None:
     out, flags = sys.argv[1], sys.argv[2:]
-    args = parse_args(["--vocab-size", "64", *flags])  # the test's flags come after and win
+    args = parse_config(["--vocab-size", "64", *flags])  # the test's flags come after and win
     runtime = initialize(args)
     result = {}
     for name, sharded in (("plain", False), ("sharded", True)):
-        args.use_distributed_optimizer = sharded
+        args = args.replace(parallel={"use_distributed_optimizer": sharded})
         records = [None] * dist.get_world_size()
         dist.all_gather_object(records, rank_record(args, runtime))
         result[name] = records
