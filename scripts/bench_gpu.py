@@ -195,7 +195,7 @@ def binding_budget(specs, batches, cost_model, base, fraction: float = BIND_FRAC
     if free is None:
         fail("Megatron packing cannot plan these batches at any budget")
     states = float(cost_model.model_state_bytes()[0]) / GIB
-    need = max(max(p.stats.peak_memory_gb) for p in free)
+    need = max(max(p.stats.peak_memory_bytes) for p in free) / GIB
     target = math.ceil((states + fraction * (need - states)) / bench.GRID_GB) * bench.GRID_GB
     how = f"model states {states:.2f} GB + {fraction:g} x the {need - states:.2f} GB of activations Megatron packing's plans need without recompute"
     plans = bench.all_plans(specs, batches, cost_model, base, target)

@@ -108,7 +108,7 @@ def run_cell(data: str, lengths: np.ndarray, model: str, cap: int, cluster_name:
         stats = [p.stats for p in b.plans]
         cell["systems"][system] = {
             "fits": True, "step_ms": b.step_ms, "layout": str(b.layout), "detail": b.detail, "bound_ms": b.bound_ms,
-            "peak_gb": b.peak_memory_gb, "recomputed_layers": b.recomputed_layers, "sync_ms": b.sync_ms,
+            "peak_gb": b.peak_memory_bytes / GIB, "recomputed_layers": b.recomputed_layers, "sync_ms": b.sync_ms,
             "bubble": max(s.bubble_ratio for s in stats), "recompute_ms": max(s.recompute_ms for s in stats),
             "why": ch.reason, "search_s": time.perf_counter() - t0,
         }
@@ -118,7 +118,7 @@ def run_cell(data: str, lengths: np.ndarray, model: str, cap: int, cluster_name:
                             overlap=overlap, time_limit=flexsp_time_limit)
         groups = sorted({max(g) for g in f["sp_groups"]})
         cell["systems"]["flexsp"] = {
-            "fits": True, "step_ms": f["predicted_step_ms"], "peak_gb": f["peak_memory_gb"][0],
+            "fits": True, "step_ms": f["predicted_step_ms"], "peak_gb": f["peak_memory_bytes"][0] / GIB,
             "layout": f"ZeRO-3, {f['micro_batches']} mb, SP groups up to {groups[-1]}", "detail": f"recompute {f['recompute']}",
             "zero3_ms": f["zero3_exposed_ms"], "recompute_ms": f["recompute_ms"], "search_s": time.perf_counter() - t0,
         }

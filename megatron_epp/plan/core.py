@@ -102,8 +102,8 @@ class PlanStats:
     bound_step_ms: float | None = None  # compute only: no bubbles, recompute or communication; slowest stage
     bubble_ratio: float | None = None
     recompute_ms: float | None = None
-    peak_memory_gb: list[float] | None = None  # per stage, model states included
-    memory_budget_gb: float | None = None
+    peak_memory_bytes: list[float] | None = None  # per stage, model states included
+    memory_budget_bytes: float | None = None  # per device
     fits: bool | None = None
     num_chunks: dict[str, int] | None = None  # by kind
     num_pipelines: int | None = None

@@ -86,7 +86,22 @@ def _worst(results: list[dict]) -> dict:
     if not all(r.get("fits") for r in results):
         return next(r for r in results if not r.get("fits"))
     out = dict(max(results, key=lambda r: r["predicted_step_ms"]))
-    out["peak_memory_gb"] = np.max([r["peak_memory_gb"] for r in results], axis=0).tolist()
+    out["peak_memory_bytes"] = np.max([r["peak_memory_bytes"] for r in results], axis=0).tolist()
+    return out
+
+
+def _gb(peaks: Sequence[float] | np.ndarray) -> list[float]:
+    """Peak memory per stage in GB, as the JSON and the table give it (bytes inside)."""
+    return (np.asarray(peaks) / GIB).tolist()
+
+
+def _in_gb(entry: dict) -> dict:
+    """A baseline's summary as the JSON gives it: its ``peak_memory_bytes`` as ``peak_memory_gb``, in the same place."""
+    out = {}
+    for key, value in entry.items():
+        if key == "peak_memory_bytes":
+            key, value = "peak_memory_gb", _gb(value)
+        out[key] = value
     return out
 
 
@@ -152,9 +167,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         except PlanInfeasible as e:
             fail(e, 1)
         per_replica = [run_baselines(lengths[p], cost_model, config, names) for p in parts]
-    baselines = {n: _worst([r[n] for r in per_replica]) for n in names}
+    baselines = {n: _in_gb(_worst([r[n] for r in per_replica])) for n in names}
     info = [p.stats for p in plans]
-    peak = np.max([i.peak_memory_gb for i in info], axis=0)
+    peak = np.max([i.peak_memory_bytes for i in info], axis=0)
     summary = {
         "model": profile.model.name,
         "profile_source": profile.source,
@@ -175,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "bound_step_ms": max(i.bound_step_ms for i in info),
         "bubble_ratio": max(i.bubble_ratio for i in info),
         "recompute_ms": max(i.recompute_ms for i in info),
-        "peak_memory_gb": peak.tolist(),
+        "peak_memory_gb": _gb(peak),
         "memory_budget_gb": config.memory_budget_bytes / GIB,
         "baselines": baselines,
     }

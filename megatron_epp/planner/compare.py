@@ -40,14 +40,14 @@ BASELINES = (*COMPARED, FLEXSP)  # --baselines' names, the JSON's keys
 
 
 def summarize(plan: Plan) -> dict[str, Any]:
-    return {k: getattr(plan.stats, k) for k in ("predicted_step_ms", "peak_memory_gb", "bubble_ratio", "recompute_ms", "num_pipelines", "recomputed_layers", "num_chunks")}
+    return {k: getattr(plan.stats, k) for k in ("predicted_step_ms", "peak_memory_bytes", "bubble_ratio", "recompute_ms", "num_pipelines", "recomputed_layers", "num_chunks")}
 
 
 def run_baselines(
     lengths: Sequence[int], cost_model: CostModel, config: PlannerConfig, names: Sequence[str] = BASELINES
 ) -> dict[str, dict[str, Any]]:
-    """Predicted step time and peak memory of every baseline (``names``: of :data:`BASELINES`);
-    ``{"fits": False, "reason": ...}`` if it cannot fit."""
+    """Predicted step time and peak memory (bytes per stage, ``peak_memory_bytes``) of every baseline (``names``: of
+    :data:`BASELINES`); ``{"fits": False, "reason": ...}`` if it cannot fit."""
     out = {}
     for name in names:
         try:

@@ -59,8 +59,9 @@ class LayoutResult:
     detail: str = ""  # e.g. Seq1F1B's k
 
     @property
-    def peak_memory_gb(self) -> float:
-        return float(max(max(p.stats.peak_memory_gb) for p in self.plans))
+    def peak_memory_bytes(self) -> float:
+        """The highest predicted peak of any stage of any replica, model states included."""
+        return float(max(max(p.stats.peak_memory_bytes) for p in self.plans))
 
     @property
     def recomputed_layers(self) -> int:

@@ -12,13 +12,14 @@ measurement are the training's.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections import deque
 from typing import Any
 
 import numpy as np
 
 from megatron_epp.cost.model import CostModel
-from megatron_epp.cost.profiles import ModelShape, Profile, StageOverhead, megatron_model_state
+from megatron_epp.cost.profiles import GIB, ModelShape, Profile, StageOverhead, megatron_model_state
 from megatron_epp.plan import Plan
 from megatron_epp.planner.builders import plan_batch
 from megatron_epp.planner.calibration import (
@@ -27,6 +28,21 @@ from megatron_epp.planner.calibration import (
 from megatron_epp.planner.config import CALIBRATE_FIRST_STEP, ParallelDims, PlannerConfig
 from megatron_epp.simulator import simulate
 from megatron_epp.simulator.timeline import draw_timeline
+
+
+GB_STATS = {"peak_memory_gb": "peak_memory_bytes", "memory_budget_gb": "memory_budget_bytes"}  # before the stats held bytes
+
+
+def saved_plan(text: str) -> Plan:
+    """A plan of a checkpoint's :meth:`OnlinePlanner.state_dict`; one saved while :class:`~megatron_epp.plan.PlanStats`
+    held the peak memory and the budget in GB (:data:`GB_STATS`) is read with them in bytes."""
+    d = json.loads(text)
+    stats = d.get("stats", {})
+    for old, new in GB_STATS.items():
+        if old in stats:
+            value = stats.pop(old)
+            stats[new] = None if value is None else (np.asarray(value) * GIB).tolist()
+    return Plan.from_dict(d)
 
 
 class OnlinePlanner:
@@ -137,7 +153,7 @@ class OnlinePlanner:
         self.next_step_model = self._calibrated(state["next_step_calibration"], memory["next_step_factor"])
         self.next_step_memory_factor, self.memory_ratio = memory["next_step_factor"], memory["ratio"]
         self.measured.clear()
-        self.measured.extend((Plan.from_json(text), ms) for text, ms in state["measured"])
+        self.measured.extend((saved_plan(text), ms) for text, ms in state["measured"])
 
     def _calibrated(self, calibration: tuple[float, float, float], memory_factor: float) -> CostModel:
         """The profile's cost model with a saved time calibration ``(s, o forward, o backward)`` and memory factor."""

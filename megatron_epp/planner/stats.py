@@ -11,7 +11,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron_epp.cost.model import CostModel
-from megatron_epp.cost.profiles import GIB
 from megatron_epp.plan import Plan, PlanStats
 from megatron_epp.simulator.step import SimResult
 
@@ -64,8 +63,8 @@ def plan_stats(plan: Plan, cost_model: CostModel, sim: SimResult, budget: float,
     """What the planner predicts for ``plan`` (simulated on ``cost_model``: ``sim``) at ``budget`` bytes per GPU."""
     stats = PlanStats(
         solve_ms=solve_ms,
-        peak_memory_gb=(sim.peak_memory / GIB).tolist(),
-        memory_budget_gb=budget / GIB,
+        peak_memory_bytes=sim.peak_memory.tolist(),
+        memory_budget_bytes=float(budget),
         fits=bool((sim.peak_memory <= budget * (1 + 1e-9)).all()),
         num_chunks=plan.chunk_counts(),
         num_pipelines=len(plan.pipelines),

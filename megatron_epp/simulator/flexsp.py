@@ -215,7 +215,7 @@ def simulate_flexsp(lengths: Sequence[int], base: Profile, n_gpu: int, fabric: C
             result = _step(L, c, base, n_gpu, fabric, net, free, mode, m, overlap, num_buckets, time_limit)
             if result is not None:
                 if best is None or result["predicted_step_ms"] < best["predicted_step_ms"]:
-                    best = {**result, "peak_memory_gb": [(result.pop("peak_act") + states) / GIB]}
+                    best = {**result, "peak_memory_bytes": [result.pop("peak_act") + states]}
                 break
     if best is None:
         raise PlanInfeasible(f"FlexSP: no sequence-parallel assignment fits {budget_bytes / GIB} GB per GPU")

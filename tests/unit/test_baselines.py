@@ -66,10 +66,10 @@ def test_flexsp_memory_per_micro_batch_within_budget():
     lengths = np.array([4000, 3500, 3000, 2500, 2000, 1500, 1200, 800, 500, 300, 200, 100])
     states = model_state_bytes(SHAPE, 2)
     per_token = BASE.memory.act_token * L_ + BASE.memory.logits_token
-    budget = (states + per_token * lengths.sum() / 2 / 3) / GIB  # a third of the batch fits at once
-    out = simulate_flexsp(lengths, BASE, 2, NODE2, budget * GIB, modes=("none",))
-    assert out["micro_batches"] >= 3 and max(out["peak_memory_gb"]) <= budget
-    free = budget * GIB - states
+    budget = states + per_token * lengths.sum() / 2 / 3  # bytes: a third of the batch fits at once
+    out = simulate_flexsp(lengths, BASE, 2, NODE2, budget, modes=("none",))
+    assert out["micro_batches"] >= 3 and max(out["peak_memory_bytes"]) <= budget
+    free = budget - states
     c = sequence_costs(BASE, lengths.astype(float))
     net = NODE2.network(2)
     assert assign_microbatch(lengths[:4].astype(float), BASE, 2, net, free, "none", 16, 1.0) is None  # 13K tokens at once: no

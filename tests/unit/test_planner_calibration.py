@@ -4,6 +4,7 @@ model, the fit recovering planted values, and the training driver refitting its 
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from megatron_epp.planner import build_plan
 from megatron_epp.planner.calibration import ONLINE_PRIOR_WEIGHT, fit_step_model, repredict, simulate_steps
 from megatron_epp.simulator import simulate
 from megatron_epp.planner.config import CALIBRATE_FIRST_STEP, ParallelDims, PlannerConfig
-from megatron_epp.planner.online import OnlinePlanner
+from megatron_epp.planner.online import OnlinePlanner, saved_plan
 
 
 def bare_model() -> CostModel:
@@ -183,6 +184,21 @@ def test_driver_does_not_calibrate_with_interval_0():
     build.load_state_dict({"steps_observed": 7, "calibration": (2.0, 1.0, 1.0), "next_step_calibration": (2.0, 1.0, 1.0),
                            "measured": []})
     assert build.cost_model is model and build.next_step_model is model
+
+
+def test_a_checkpoint_saved_with_the_stats_in_gb_restores_them_in_bytes():
+    """A checkpoint's measured plans saved while the stats held the peak memory and the budget in GB are read back
+    with them in bytes, the plan otherwise as saved; one saved in bytes is read as it is."""
+    build = plan_builder(3)
+    plan = build([500] * 16)
+    stats = plan.to_dict()["stats"]
+    peak, budget = stats.pop("peak_memory_bytes"), stats.pop("memory_budget_bytes")
+    assert budget == 0.05 * GIB and len(peak) == 2
+    old = json.dumps({**plan.to_dict(), "stats": {**stats, "peak_memory_gb": [b / GIB for b in peak], "memory_budget_gb": budget / GIB}})
+    assert saved_plan(old) == plan and saved_plan(plan.to_json()) == plan
+    resumed = plan_builder(3)
+    resumed.load_state_dict({**build.state_dict(), "measured": [(old, 12.0)]})
+    assert list(resumed.measured) == [(plan, 12.0)]
 
 
 def made(plan) -> dict:

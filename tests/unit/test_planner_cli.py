@@ -21,8 +21,10 @@ from megatron_epp.planner.config import BUILDER_NAMES, PlannerConfig
 from megatron_epp.planner.data_parallel import TOKENS, split_data_parallel
 from megatron_epp.cost.features import F
 from megatron_epp.cost.model import CostModel
+from megatron_epp.cost.network import get_network
 from megatron_epp.cost.profiles import GIB, load_profile, profile_at_tp
 from megatron_epp.data.mock_documents import lengths_from_file
+from megatron_epp.simulator.step import simulate
 from megatron_epp.training.arguments import ArgumentError, parse_config
 from megatron_epp.training.planning import online_planner
 from megatron_epp.training.profiling import check_profile, describe, startup_profile
@@ -55,6 +57,27 @@ def test_cli_json_has_plan_and_every_baseline(lengths_file, capsys, tmp_path):
         assert ("predicted_step_ms" in b and "peak_memory_gb" in b) if b["fits"] else "reason" in b
     assert (tmp_path / "t.png").stat().st_size > 1000
     assert json.loads((tmp_path / "p.json").read_text())["num_stages"] == 2
+
+
+def test_memory_is_in_bytes_inside_and_in_gb_in_the_cli_json(lengths_file, capsys, tmp_path):
+    """A plan's stats hold its simulated peak per stage and the budget in bytes, as do the baselines' summaries; the
+    JSON gives them in GB under its own keys (``peak_memory_gb``, ``memory_budget_gb``), converted only there."""
+    argv = [str(lengths_file), "--epp-profile", "test-model", "--stages", "2", "--epp-memory-budget", "0.2",
+            "--network", "cpu-local", "--max-seq-len", "4096", "--baselines", "megatron,flexsp"]
+    config, profile, lengths = cli.check_input(cli.parse_args(argv))
+    cm = CostModel(profile, 2, network=get_network("cpu-local"))
+    plan = plan_batch(lengths, cm, config)
+    assert plan.stats.peak_memory_bytes == simulate(plan, cm).peak_memory.tolist()
+    assert plan.stats.memory_budget_bytes == config.memory_budget_bytes == 0.2 * GIB
+    out = run_json(capsys, *argv, "--plan-out", str(tmp_path / "p.json"))
+    written = Plan.from_json((tmp_path / "p.json").read_text())
+    assert written.stats.peak_memory_bytes == plan.stats.peak_memory_bytes and written.stats.memory_budget_bytes == 0.2 * GIB
+    assert out["peak_memory_gb"] == [b / GIB for b in plan.stats.peak_memory_bytes] and out["memory_budget_gb"] == 0.2
+    baselines = run_baselines(lengths, cm, config, ["megatron", "flexsp"])
+    for name, summary in baselines.items():
+        assert summary["fits"] and out["baselines"][name]["fits"], name
+        assert out["baselines"][name]["peak_memory_gb"] == [b / GIB for b in summary["peak_memory_bytes"]], name
+        assert "peak_memory_bytes" not in out["baselines"][name], name
 
 
 def test_cli_prints_replica_0s_schedule(lengths_file, capsys, tmp_path):
