@@ -112,3 +112,16 @@ def test_the_namespace_check_sees_a_planted_read(tmp_path):
     planted = tmp_path / "planted.py"
     planted.write_text("def f(args):\n    return args.tensor_model_parallel_size\n")
     assert namespace_reads(planted) == ["planted.py:2: args.tensor_model_parallel_size"]
+
+
+def test_main_takes_flags_a_namespace_or_a_config(tmp_path, capsys):
+    """``pretrain_gpt.py``'s main on its flags, on the validated namespace, or on the config itself (here up to a
+    check that ends the run before any process group: the same one line each way)."""
+    from megatron_epp.training.arguments import parse_config
+    from megatron_epp.training.main import main
+
+    missing = tmp_path / "none"
+    flags = ["--mock-data", "--load", str(missing), "--exit-on-missing-checkpoint"]
+    for given in (flags, parse_args(flags, world_size=1), parse_config(flags, world_size=1)):
+        assert main(given) == 2
+        assert capsys.readouterr().err == f"pretrain_gpt.py: error: --load {missing}: no checkpoint there (--exit-on-missing-checkpoint)\n"
