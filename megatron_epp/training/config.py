@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, get_type_hints
 
 from megatron_epp.data.data_path import Blend
 from megatron_epp.planner.config import ParallelDims, PlannerConfig
@@ -213,7 +213,7 @@ class TrainingConfig:
         values filled in)."""
         planner = PlannerConfig.from_args(args, args.seq_length) if args.elastic_pp or args.epp_search_layout else None
         special = {"dims": ParallelDims.from_args(args), "planner": planner, "search_layout": bool(args.epp_search_layout)}
-        sections = {f.name: _section(f.type, args, special) for f in fields(cls) if f.name != "accepted_flags"}
+        sections = {name: _section(kind, args, special) for name, kind in get_type_hints(cls).items() if name != "accepted_flags"}
         accepted = tuple(entry.flag for entry in ACCEPTED if getattr(args, entry.dest) not in (None, False))
         return cls(**sections, accepted_flags=accepted)
 
@@ -241,15 +241,13 @@ class TrainingConfig:
 
 SECTION_PREFIX = {"EPPConfig": "epp_"}  # the flags of this section are --epp-NAME; the field is NAME
 SECTIONS = (ModelConfig, ParallelConfig, OptimConfig, TrainingSection, DataConfig, CheckpointConfig, LoggingConfig, EPPConfig)
-_BY_NAME = {section.__name__: section for section in SECTIONS}
 
 
 def _dest(section: type, f: dataclasses.Field) -> str:
     return f.metadata.get("dest", SECTION_PREFIX.get(section.__name__, "") + f.name)
 
 
-def _section(kind: Any, args: argparse.Namespace, special: dict[str, Any]) -> Any:
-    section = _BY_NAME[kind] if isinstance(kind, str) else kind
+def _section(section: type, args: argparse.Namespace, special: dict[str, Any]) -> Any:
     return section(**{f.name: special[f.name] if f.name in special else getattr(args, _dest(section, f))
                       for f in fields(section)})
 

@@ -31,7 +31,7 @@ def _run_summary(cfg: TrainingConfig, runtime, steps: StepMode, start: tuple[int
         f"vocab {cfg.model.vocab_size}"
         + (f" (padded to {padded_vocab_size(cfg)})" if padded_vocab_size(cfg) != cfg.model.vocab_size else "")
         + f" | tp={runtime.dims.tp} pp={runtime.dims.pp} "
-        f"dp={runtime.dims.dp} on {runtime.device.type} {'bf16' if cfg.model.bf16 else 'fp16' if cfg.model.fp16 else 'fp32'} | "
+        f"dp={runtime.dims.dp} on {runtime.device.type} {cfg.model.precision} | "
         + steps.batch_text(runtime)
         + (f" | resumed at iteration {start[0]}" if resumed and not cfg.checkpoint.finetune else "")
         + (f" | --finetune: weights of iteration {resume_at}, starting at iteration 0" if resumed and cfg.checkpoint.finetune else "")

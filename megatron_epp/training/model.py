@@ -160,7 +160,7 @@ def model_shape(cfg: TrainingConfig, name: str = "pretrain_gpt") -> ModelShape:
     FLOPs of ``--log-throughput``."""
     return ModelShape(
         name, cfg.model.num_layers, cfg.model.hidden_size, cfg.model.num_attention_heads, cfg.model.ffn_hidden_size, padded_vocab_size(cfg),
-        num_kv_heads=cfg.model.num_query_groups if cfg.model.group_query_attention else None, kv_channels=cfg.model.kv_channels,
+        num_kv_heads=cfg.model.kv_heads, kv_channels=cfg.model.kv_channels,
         swiglu=cfg.model.swiglu, normalization=cfg.model.normalization, bias=not cfg.model.disable_bias_linear,
         rope=cfg.model.position_embedding_type == "rope",
         dtype=str(params_dtype(cfg)).removeprefix("torch."),  # what the activations and the K/V buffers are stored in
@@ -173,7 +173,7 @@ def model_shape(cfg: TrainingConfig, name: str = "pretrain_gpt") -> ModelShape:
 def architecture_summary(cfg: TrainingConfig) -> str:
     """One phrase for the start-up line: MLP, norm, attention heads, biases, positions."""
     heads = cfg.model.num_attention_heads
-    groups = cfg.model.num_query_groups if cfg.model.group_query_attention else heads
+    groups = cfg.model.kv_heads or heads
     attention = f"grouped-query attention {heads}:{groups}" if groups != heads else f"{heads}-head attention"
     parts = [
         "SwiGLU MLP" if cfg.model.swiglu else "GELU MLP",
@@ -214,7 +214,7 @@ def transformer_config(cfg: TrainingConfig, runtime: Runtime) -> TransformerConf
         init_method_std=cfg.model.init_method_std,
         **architecture_config(
             swiglu=cfg.model.swiglu, normalization=cfg.model.normalization, kv_channels=cfg.model.kv_channels,
-            num_query_groups=cfg.model.num_query_groups if cfg.model.group_query_attention else None, bias=not cfg.model.disable_bias_linear,
+            num_query_groups=cfg.model.kv_heads, bias=not cfg.model.disable_bias_linear,
         ),
         layernorm_epsilon=cfg.model.norm_epsilon,
         layernorm_zero_centered_gamma=cfg.model.apply_layernorm_1p,
