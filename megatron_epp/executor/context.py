@@ -250,6 +250,16 @@ class ChunkContext:
         self.kv: dict[tuple[int, int], KVBuffer] = {}  # (sequence, layer number) -> its K/V buffer
         self.kv_version = 0  # changes whenever a K/V buffer or its accumulators are allocated, or released (memory tracking caches on it)
         self.attention_backends: dict = {}  # the attention kernel decided per (request, device type, dtype, dropout or not, GQA or not): once per model
+        self.recomputing = False  # a recomputing layer's forward is under way (inside a backward): what an error was in
+        # test-only: called with "F" / "B" before each forward / backward of a chunk, "R" before each recomputing
+        # layer's forward and "T" before each send/receive (the training driver's EPP_FAULT_INJECT plants an
+        # out-of-memory error with it)
+        self.fault_hook: Callable[[str, ChunkLayout], None] | None = None
+
+    def before_op(self, kind: str, layout: ChunkLayout) -> None:
+        """``kind`` ("F", "B", "R": a layer's recompute, "T": a transfer) of the chunk of ``layout`` is about to run."""
+        if self.fault_hook is not None:
+            self.fault_hook(kind, layout)
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> "ChunkContext":

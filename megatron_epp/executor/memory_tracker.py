@@ -1,11 +1,14 @@
 """Measured peak activation memory of one stage during a step, on any device.
 
-CUDA: the allocator's peak (``max_memory_allocated``, its statistics reset as the step begins) above what was
-allocated when the step began: the model states as they are (weights, gradient buffers, and from the first
-optimizer step on the optimizer's states) and the step's inputs, so that the planner's activation count
-compares with it and its model states (the cost model's count) add to it to make the step's peak against the
-budget; the planner calibrates its memory model on it (``planner.calibration.fit_memory_factor``). CPU (no allocator
-statistics): the tensors autograd saves for backward, deduplicated by storage and followed until
+CUDA: the caching allocator's peaks (its statistics reset as the step begins) above what was allocated when the
+step began (the model states as they are: weights, gradient buffers, and from the first optimizer step on the
+optimizer's states; and the step's inputs): ``peak_allocated`` from ``max_memory_allocated``, and ``peak_bytes``
+from ``max_memory_reserved``, what the allocator held from the device, which is what runs out (a request the
+allocator cannot serve from its reserved blocks asks the device for more; fragmentation across the steps' varied
+chunk shapes makes reserved exceed allocated). The planner's activation count compares with ``peak_bytes`` and
+its model states (the cost model's count) add to it to make the step's peak against the budget; the planner
+calibrates its memory model on it (``planner.calibration.fit_memory_factor``). The peaks are read also when the
+step raises (an out-of-memory error: the peaks up to the failure). CPU (no allocator statistics): the tensors autograd saves for backward, deduplicated by storage and followed until
 autograd frees them (``saved_tensors_hooks``), plus the split sequences' K/V buffers (from their
 allocation by a first slice to their release by its backward); parameters are model states and are
 not counted, nor are gradients. ``peak_with_kv_grads`` (CPU) adds the split sequences' K/V gradient
@@ -45,6 +48,7 @@ class ActivationMemoryTracker:
         self.device, self.context = device, context
         self.peak_bytes = 0
         self.peak_with_kv_grads = 0
+        self.peak_allocated = 0  # CUDA: the allocated peak (peak_bytes is the reserved one); CPU: peak_bytes
         self._live: dict[int, list[int]] = {}  # storage pointer -> [bytes, references]
         self._current = 0
         self._hooks = None
@@ -67,9 +71,11 @@ class ActivationMemoryTracker:
     def __exit__(self, *exc: object) -> None:
         if self._hooks is not None:
             self._hooks.__exit__(*exc)
+            self.peak_allocated = self.peak_bytes
         else:
             torch.cuda.synchronize()
-            self.peak_bytes = self.peak_with_kv_grads = torch.cuda.max_memory_allocated() - self._start
+            self.peak_allocated = torch.cuda.max_memory_allocated() - self._start
+            self.peak_bytes = self.peak_with_kv_grads = torch.cuda.max_memory_reserved() - self._start
 
     def _pack(self, tensor: torch.Tensor):
         if isinstance(tensor, torch.nn.Parameter):

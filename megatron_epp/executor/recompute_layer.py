@@ -10,6 +10,7 @@ recompute stays off in elastic mode. A slice writes its K/V into its sequence's 
 
 from __future__ import annotations
 
+import torch
 from megatron.core import tensor_parallel
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
@@ -37,6 +38,12 @@ class ChunkRecomputeLayer(TransformerLayer):
         rest = args[1:] if "hidden_states" not in kwargs and args else args
 
         def run(h):
-            return super(ChunkRecomputeLayer, self).forward(h, *rest, **kwargs)[0]
+            if not torch.is_grad_enabled():  # the checkpoint's first forward runs without autograd
+                return super(ChunkRecomputeLayer, self).forward(h, *rest, **kwargs)[0]
+            self.context.recomputing = True  # the recompute, inside the chunk's backward
+            self.context.before_op("R", self.context.layout())
+            output = super(ChunkRecomputeLayer, self).forward(h, *rest, **kwargs)[0]
+            self.context.recomputing = False
+            return output
 
         return tensor_parallel.checkpoint(run, False, hidden_states), None

@@ -8,14 +8,31 @@ each transfer carries the chunk's own shape ``[tokens, 1, hidden]`` (under seque
 both sides from the plan, so no shape handshake is needed. Pipelines (sequence groups) run one after another with
 gradient accumulation; gradients are reduced once per step (``finalize_model_grads``) and divided by
 the global batch's token count, so the loss and gradients equal non-pipelined training.
+
+Out of memory: a stage that runs out of device memory in a forward, a backward (its recomputes included) or a
+transfer's receive buffer drops what it holds for the step (saved activations, K/V buffers, the allocator's
+cache) and runs the rest of its ops as stand-ins: no compute, zeros of the planned shape sent where the op
+would send, what it receives dropped. Every transfer the plan pairs still happens, so no rank of the pipeline
+waits for one that never comes; the other stages compute on as planned. At the end every rank of the world
+agrees (one all-reduce) whether any rank failed; if so, every rank raises :class:`StepOutOfMemory` before any
+gradient is reduced, and the caller frees, re-plans and runs the batch again (the training driver's
+``ElasticTrainStep``). The data-parallel gradient reduction therefore starts only after that agreement (never
+inside the last backward, so a replica whose stage failed mid-backward cannot leave its peers in a half-issued
+reduction): with ``--overlap-grad-reduce`` the last chunk's backward no longer overlaps it. Tensor parallelism:
+a stage's tensor-parallel ranks allocate the same shapes in the same order, so they run out together; one that
+failed alone inside a layer's collective would leave its peers waiting in it (not contained).
 """
 
 from __future__ import annotations
 
 import contextlib
+import gc
+import re
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.pipeline_parallel.schedules import backward_step, deallocate_output_tensor, forward_step
@@ -24,6 +41,51 @@ from megatron.core.utils import get_model_config, get_model_type
 from megatron_epp.executor.context import ChunkContext, ChunkLayout, token_multiple
 from megatron_epp.plan import Pipeline, Plan
 from megatron_epp.plan.order import Op, stage_ops
+
+
+@dataclass(frozen=True)
+class OpFailure:
+    """Where this rank ran out of memory: its stage, the pipeline index, the chunk (its plan id, kind and tokens),
+    the op (``forward``, ``backward``, ``recompute`` or ``transfer``), the error's first line and the bytes it asked
+    for (parsed from CUDA's message; None where it does not say)."""
+
+    stage: int
+    pipeline: int
+    chunk: int
+    chunk_kind: str
+    tokens: int
+    op: str
+    message: str
+    requested_bytes: int | None
+
+    def describe(self) -> str:
+        return f"the {self.op} of chunk {self.chunk} ({self.chunk_kind}, {self.tokens} tokens) of pipeline {self.pipeline}"
+
+
+class StepOutOfMemory(RuntimeError):
+    """Raised on every rank by :func:`forward_backward_elastic` when some rank of the world ran out of memory in the
+    step; ``failure``: this rank's :class:`OpFailure` (None on the ranks that did not fail). No gradient was reduced;
+    the model's gradient buffers hold a partial accumulation (zero them before running the batch again)."""
+
+    def __init__(self, failure: OpFailure | None) -> None:
+        super().__init__(failure.message if failure is not None else "another rank ran out of memory in this step")
+        self.failure = failure
+
+
+_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+def requested_bytes(message: str) -> int | None:
+    """The bytes an out-of-memory error says were asked for (``Tried to allocate 2.00 GiB``), else None."""
+    match = re.search(r"Tried to allocate ([0-9.]+) (B|KiB|MiB|GiB|TiB)", message)
+    return int(float(match.group(1)) * _UNITS[match.group(2)]) if match else None
+
+
+def _any_rank(flag: bool, device: torch.device) -> bool:
+    """Whether ``flag`` holds on any rank of the world (one all-reduce; every rank calls it)."""
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item() > 0)
 
 
 def _grad_sync_control(config) -> tuple[Callable[[], None], Callable[[], None]]:
@@ -91,12 +153,15 @@ def forward_backward_elastic(
     context = ChunkContext.of(model)
     runner = _StageRunner(forward_step_func, data_iterator, model, context, config, comm, plan, forward_only, collect_non_loss_data)
     disable_sync, enable_sync = _grad_sync_control(config)
-    disable_sync()
+    disable_sync()  # the gradient reduction waits for the world's agreement that no rank ran out of memory
     try:
         with context.step():
             for index, pipe in enumerate(plan.pipelines):
                 pipe_layouts = layouts[index] if layouts is not None else runner.build_layouts(pipe)
-                runner.run(pipe, pipe_layouts, on_last_backward=enable_sync if index == len(plan.pipelines) - 1 else None)
+                runner.run(index, pipe, pipe_layouts)
+            if _any_rank(runner.failure is not None, runner.device):
+                context.clear()
+                raise StepOutOfMemory(runner.failure)
     finally:
         enable_sync()
     if forward_only:
@@ -123,6 +188,8 @@ class _StageRunner:
         self.microbatch = 0
         self.num_chunks = sum(len(p.chunks) for p in plan.pipelines)
         self.multiple = token_multiple(config)  # sequence parallelism: each rank holds 1/tp of a chunk's tokens
+        self.failure: OpFailure | None = None  # set when this rank runs out of memory: the rest of the step is stand-ins
+        self.saved: dict[int, tuple[Any, Any]] = {}  # the current pipeline's forwards awaiting their backward
 
     def shape(self, layouts: Sequence[ChunkLayout], pos: int) -> list[tuple[int, int, int]]:
         return [(layouts[pos].num_tokens // self.multiple, 1, self.config.hidden_size)]
@@ -131,29 +198,74 @@ class _StageRunner:
         return [ChunkLayout.build(c, self.plan.seq_lengths, self.device, recompute=count, multiple=self.multiple)
                 for c, count in zip(pipe.chunks, pipe.recompute[self.stage])]
 
-    def run(self, pipe: Pipeline, layouts: Sequence[ChunkLayout], on_last_backward: Callable[[], None] | None) -> None:
+    def run(self, index: int, pipe: Pipeline, layouts: Sequence[ChunkLayout]) -> None:
+        """Pipeline ``index``'s ops on this stage; after an out-of-memory error (:meth:`_fail`), stand-ins."""
         ops = [op for op in stage_ops(pipe, self.stage, self.plan.num_stages) if not (self.forward_only and op.kind == "B")]
-        saved: dict[int, tuple[Any, Any]] = {}
-        last_backward = max((i for i, op in enumerate(ops) if op.kind == "B"), default=None)
+        self.saved = {}
         # Each op receives its input just before it runs and sends its result right after, fused with
         # the next op's receive where 1F1B pairs them (send F -> recv B, send B -> recv F).
-        incoming = self._receive(layouts, ops[0])
+        incoming = self._transfer(index, layouts[ops[0].pos], lambda: self._receive(layouts, ops[0]))
         for i, op in enumerate(ops):
             nxt = ops[i + 1] if i + 1 < len(ops) else None
             if op.kind == "F":
-                with self.context.running(layouts[op.pos]):
-                    input_tensor, output = incoming, self._forward(incoming, op.pos)
-                incoming = self._send_then_receive("F", output, layouts, nxt)
-                if not self.forward_only:
-                    saved[op.pos] = (input_tensor, output)
+                input_tensor = incoming
+                output = self._guarded(index, op, layouts[op.pos], lambda: self._forward(input_tensor, op.pos))
+                result = output if output is not None else self._stand_in(layouts, op)
+                incoming = self._transfer(index, layouts[op.pos], lambda: self._send_then_receive("F", result, layouts, nxt))
+                if output is not None and not self.forward_only and self.failure is None:
+                    self.saved[op.pos] = (input_tensor, output)
                     deallocate_output_tensor(output[0], self.config.deallocate_pipeline_outputs)
             else:
-                if i == last_backward and on_last_backward is not None:
-                    on_last_backward()
-                input_tensor, output = saved.pop(op.pos)
-                with self.context.running(layouts[op.pos]):
-                    grad = backward_step(input_tensor, output, incoming, self.model_type, self.config)
-                incoming = self._send_then_receive("B", grad, layouts, nxt)
+                input_tensor, output = self.saved.pop(op.pos, (None, None))
+                grad_output = incoming
+                grad = self._guarded(index, op, layouts[op.pos],
+                                     lambda: backward_step(input_tensor, output, grad_output, self.model_type, self.config))
+                del input_tensor, output
+                result = grad if self.failure is None else self._stand_in(layouts, op)
+                incoming = self._transfer(index, layouts[op.pos], lambda: self._send_then_receive("B", result, layouts, nxt))
+
+    def _guarded(self, index: int, op: Op, layout: ChunkLayout, compute: Callable[[], Any]) -> Any:
+        """``compute()`` with ``layout`` current; None once this rank has run out of memory (then or before)."""
+        if self.failure is not None:
+            return None
+        try:
+            with self.context.running(layout):
+                self.context.before_op(op.kind, layout)
+                return compute()
+        except torch.OutOfMemoryError as error:
+            what = {"F": "forward", "B": "recompute" if self.context.recomputing else "backward"}[op.kind]
+            self.context.recomputing = False
+            self._fail(index, layout, what, error)
+            return None
+
+    def _transfer(self, index: int, layout: ChunkLayout, communicate: Callable[[], Any]) -> Any:
+        """A send/receive; out of memory for its receive buffer, the step fails here and the transfer is made again
+        once this rank's step memory is released (the buffers are allocated before anything is posted)."""
+        try:
+            self.context.before_op("T", layout)
+            return communicate()
+        except torch.OutOfMemoryError as error:
+            if self.failure is None:
+                self._fail(index, layout, "transfer", error)
+            return communicate()
+
+    def _fail(self, index: int, layout: ChunkLayout, op: str, error: BaseException) -> None:
+        """Record the failure and release what this rank holds for the step."""
+        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        chunk = layout.chunk
+        self.failure = OpFailure(self.stage, index, chunk.id, chunk.kind, chunk.num_tokens, op, message, requested_bytes(str(error)))
+        self.saved.clear()
+        self.context.clear()
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _stand_in(self, layouts: Sequence[ChunkLayout], op: Op) -> torch.Tensor | None:
+        """What a failed rank sends in place of an op's result: zeros of the planned transfer's shape (nothing from
+        the last stage's forward or the first stage's backward, which send nothing)."""
+        if (op.kind == "F" and self.last) or (op.kind == "B" and self.first):
+            return None
+        return torch.zeros(self.shape(layouts, op.pos)[0], dtype=self.config.pipeline_dtype, device=self.device)
 
     def _forward(self, input_tensor, pos: int):
         output, num_tokens = forward_step(

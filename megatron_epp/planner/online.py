@@ -30,6 +30,9 @@ from megatron_epp.simulator import simulate
 from megatron_epp.simulator.timeline import draw_timeline
 
 
+# after an out-of-memory error the activation memory factor grows at least by this (the measured peak at the failure
+# bounds the plan's need from below only: a stage that fails early has not reached its peak)
+OOM_FACTOR_STEP = 1.2
 GB_STATS = {"peak_memory_gb": "peak_memory_bytes", "memory_budget_gb": "memory_budget_bytes"}  # before the stats held bytes
 
 
@@ -129,6 +132,22 @@ class OnlinePlanner:
         if factor != before:  # the next step, planned on the old factor, is planned again on this model
             self.next_step_model, self.next_step_memory_factor = model, factor
         return fit
+
+    def observe_oom(self, plan: Plan, measured: dict[int, float]) -> float:
+        """A run of ``plan`` ran out of memory. ``measured``: per stage of this replica that failed, the activation
+        bytes it held when it did (the allocator's peak above the step's start plus the request that failed; on a
+        stage that failed early this is below what the plan needs). Raise the activation memory factor to the
+        larger of those over the plan's raw prediction and the factor times :data:`OOM_FACTOR_STEP`, whatever
+        ``--epp-calibrate-interval`` says (the batch must be planned again on a model that fits it), keep it as the
+        floor of later refits, and plan the next steps (and this batch again) on it. Returns the new factor."""
+        raw = activation_bytes(plan, self.raw_model)
+        ratios = [m / raw[stage] for stage, m in measured.items() if raw[stage] > 0]
+        factor = max([self.memory_factor * OOM_FACTOR_STEP, *ratios])
+        self.memory_ratio = max(self.memory_ratio, factor)
+        model = with_memory_factor(self.cost_model, self.raw_model.profile.memory, factor)
+        self.cost_model, self.memory_factor = model, factor
+        self.next_step_model, self.next_step_memory_factor = model, factor
+        return factor
 
     def state_dict(self) -> dict[str, Any]:
         """The calibration, for a checkpoint: what a run resumed from it needs to plan and refit as this run

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
+import math
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -13,6 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
+from megatron.core import tensor_parallel
 from megatron.core.utils import get_model_config
 
 from megatron_epp.cost.model import CostModel
@@ -20,13 +23,58 @@ from megatron_epp.cost.profiles import Profile
 from megatron_epp.executor.batches import elastic_gpt_forward_step, prepare_step
 from megatron_epp.executor.context import ChunkContext, token_multiple
 from megatron_epp.executor.memory_tracker import ActivationMemoryTracker
-from megatron_epp.executor.schedule import forward_backward_elastic
-from megatron_epp.plan import Plan
+from megatron_epp.executor.schedule import OpFailure, StepOutOfMemory, forward_backward_elastic
+from megatron_epp.plan import Plan, PlanInfeasible
 from megatron_epp.planner.online import OnlinePlanner
+from megatron_epp.cost.profiles import GIB
+from megatron_epp.training.faults import FaultInjection, TrainingFault
 from megatron_epp.training.initialize import Runtime
 from megatron_epp.training.metrics import ElasticMetrics
 from megatron_epp.training.planning import elastic_sampler, online_planner
 from megatron_epp.training.config import TrainingConfig
+
+OOM_TRIES = 4  # plans of one batch that may run out of memory before the run stops (the last one's error stops it)
+OOM_BUDGET_HINT = 0.8  # the --epp-memory-budget the stopping line suggests: this share of the run's
+
+
+class RngStates:
+    """The random number generators a step draws from (torch's CPU and CUDA generators, megatron-core's
+    tensor-parallel RNG tracker), as they were when taken: a batch run again after an out-of-memory error draws
+    what its first run drew (dropout masks), so that no RNG advance is lost or doubled."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cpu = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        self.device = device
+        self.tracker = dict(tensor_parallel.get_cuda_rng_tracker().get_states())
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state(self.cuda, self.device)
+        tensor_parallel.get_cuda_rng_tracker().set_states(dict(self.tracker))
+
+
+@dataclasses.dataclass(frozen=True)
+class OomReport:
+    """One rank's part of a step that ran out of memory somewhere: its rank and replica, its failure (None where it
+    did not fail) and its activation peak up to the end of the step (bytes above the step's start; the allocator's
+    reserved peak on CUDA, what autograd saved on CPU; None in evaluation, which is not measured)."""
+
+    rank: int
+    dp_rank: int
+    failure: OpFailure | None
+    peak_bytes: int | None
+
+    def line(self) -> str:
+        f = self.failure
+        peak = "" if self.peak_bytes is None else f", activation peak {_size(self.peak_bytes)} above the step's start"
+        asked = "" if f.requested_bytes is None else f" asking for {_size(f.requested_bytes)} more"
+        return f"stage {f.stage} (rank {self.rank}) in {f.describe()}{asked}{peak}"
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / GIB:.2f} GB" if nbytes >= GIB else f"{nbytes / 2**20:.2f} MB"
 
 
 def _share_plan(plan: Plan | None, timing: tuple[float, float, float] | None) -> tuple[Plan, tuple[float, float, float]]:
@@ -51,8 +99,10 @@ class ElasticTrainStep:
     """
 
     def __init__(self, cfg: TrainingConfig, runtime: Runtime, model, sampler, consumed: int, planner: OnlinePlanner,
-                 steps: int | None = None) -> None:
-        self.cfg, self.runtime, self.model, self.planner = cfg, runtime, model, planner
+                 steps: int | None = None, faults: FaultInjection = FaultInjection()) -> None:
+        self.cfg, self.runtime, self.model, self.planner, self.faults = cfg, runtime, model, planner, faults
+        self.iteration = consumed // cfg.training.global_batch_size  # training iterations done (the fault hook's count)
+        self.tracker: ActivationMemoryTracker | None = None  # the last run's
         self.batches = sampler.iterate(consumed)
         # the global batches this function will still be asked for (None: no end, as validation): none is drawn,
         # planned or prepared beyond them, so the last step waits for no plan and the exit for no planner thread
@@ -140,20 +190,18 @@ class ElasticTrainStep:
         if self.ready is None:
             raise RuntimeError(f"the elastic step function was asked for more than its {self.cfg.training.train_iters} steps")
         batch, plan, (planning_ms, waited_ms, _), inputs = self.ready.result()
-        t1 = time.perf_counter()
-        with ActivationMemoryTracker(self.runtime.device, ChunkContext.of(self.model)) if not forward_only else contextlib.nullcontext() as memory:
-            losses = forward_backward_elastic(
-                forward_step_func=elastic_gpt_forward_step,
-                data_iterator=iter(inputs.batches),
-                model=[self.model],
-                num_microbatches=sum(len(p.chunks) for p in plan.pipelines),
-                forward_only=forward_only,
-                plan=plan,
-                layouts=inputs.layouts,
-            )
-        self.span = (t1, time.perf_counter())
-        run_ms = (self.span[1] - t1) * 1000
+        self.iteration += not forward_only
+        rng = RngStates(self.runtime.device)
+        for attempt in range(1, OOM_TRIES + 1):
+            try:
+                losses, run_ms = self._run(plan, inputs, forward_only, attempt)
+                break
+            except StepOutOfMemory as oom:
+                rng.restore()
+                plan, inputs = self._after_oom(batch, plan, oom, attempt, forward_only)
+        memory = self.tracker
         measured = None if memory is None else self._gather_stages(memory.peak_bytes)
+        allocated = None if memory is None else self._gather_stages(memory.peak_allocated)
         if not forward_only:
             self._observe(plan, run_ms, measured)
         self._prefetch()
@@ -165,8 +213,84 @@ class ElasticTrainStep:
             planning_overlap_ms=self.overlap_ms,
             padding_tokens=sum(layout.padding for pipe in inputs.layouts for layout in pipe),
             memory_factor=None if memory is None else plan.stats.memory_factor,
+            measured_allocated_bytes=allocated if allocated != measured else None,
+            model_state_bytes=None if memory is None else self.planner.raw_model.model_state_bytes().tolist(),
+            memory_budget_bytes=None if memory is None else self.planner.config.memory_budget_bytes,
+            oom_retries=attempt - 1,
         )
         return losses, batch.seq_lengths
+
+    def _run(self, plan: Plan, inputs, forward_only: bool, attempt: int) -> tuple[list[dict[str, torch.Tensor]], float]:
+        """One run of ``plan``: the last stage's losses and the span's ms. The span starts after the memory tracker's
+        device synchronisation (the previous optimizer step's tail is not this step's) and ends after its last one."""
+        context = ChunkContext.of(self.model)
+        if not forward_only:  # test-only (EPP_FAULT_INJECT=oom@...)
+            context.fault_hook = self.faults.oom_hook(self.iteration, self.runtime.rank, attempt)
+        self.tracker = None if forward_only else ActivationMemoryTracker(self.runtime.device, context)
+        try:
+            with self.tracker if self.tracker is not None else contextlib.nullcontext():
+                t1 = time.perf_counter()
+                losses = forward_backward_elastic(
+                    forward_step_func=elastic_gpt_forward_step,
+                    data_iterator=iter(inputs.batches),
+                    model=[self.model],
+                    num_microbatches=sum(len(p.chunks) for p in plan.pipelines),
+                    forward_only=forward_only,
+                    plan=plan,
+                    layouts=inputs.layouts,
+                )
+        finally:
+            context.fault_hook = None
+        self.span = (t1, time.perf_counter())
+        return losses, (self.span[1] - t1) * 1000
+
+    def _after_oom(self, batch, plan: Plan, oom: StepOutOfMemory, attempt: int, forward_only: bool):
+        """Every rank, after a run of ``plan`` in which some rank ran out of memory: release the step's memory, raise
+        the planner's activation memory factor from what was measured, and plan the batch again (one line on the
+        first rank); after :data:`OOM_TRIES` plans, :class:`TrainingFault`. Returns the new plan and its inputs."""
+        mine = OomReport(self.runtime.rank, self.runtime.dp_rank, oom.failure,
+                         None if self.tracker is None else self.tracker.peak_bytes)
+        reports: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(reports, mine)
+        failed = [r for r in reports if r.failure is not None]
+        if not forward_only:
+            self.model.zero_grad_buffer()  # the failed run's partial accumulation
+        gc.collect()
+        if self.runtime.device.type == "cuda":
+            torch.cuda.empty_cache()
+        before = self.planner.memory_factor
+        if self.plans_here:  # this replica's failures, measured against this replica's plan
+            self.planner.observe_oom(plan, {r.failure.stage: r.peak_bytes + (r.failure.requested_bytes or 0)
+                                            for r in failed if r.dp_rank == self.runtime.dp_rank and r.peak_bytes is not None})
+        what = (f"iteration {self.iteration}" if not forward_only else "an evaluation step") + ": out of memory on " + "; ".join(r.line() for r in failed)
+        if attempt == OOM_TRIES:
+            budget = self.planner.config.memory_budget_bytes
+            raise TrainingFault(f"{what}, on each of {OOM_TRIES} plans of this batch (activation memory factor now "
+                                f"{self.planner.memory_factor:.2f}): lower the memory budget, e.g. --epp-memory-budget "
+                                f"{math.floor(OOM_BUDGET_HINT * budget / GIB * 10) / 10:g} (now {budget / GIB:.1f})")
+        plan = self._plan_again(batch, what)
+        if self.runtime.rank == 0:
+            print(f" {what}: the step's memory released, nothing applied; activation memory factor {before:.3f} -> "
+                  f"{self.planner.memory_factor:.3f}, the batch planned again ({plan.summary()}; try {attempt + 1} of {OOM_TRIES})", flush=True)
+        return plan, self._prepare(batch, plan, None)[3]
+
+    def _plan_again(self, batch, what: str) -> Plan:
+        """Every rank: the batch planned again on the planner's model as it is now (after the previous step's plan in
+        the planning thread), shared with the replica; :class:`TrainingFault` on every rank where some replica's batch
+        can no longer be planned within the budget."""
+        plan, error = None, None
+        if self.pool is not None:
+            try:
+                plan = self.pool.submit(self._plan, batch, self.planner.cost_model, self.planner.memory_factor).result()[0]
+            except PlanInfeasible as infeasible:
+                error = str(infeasible)
+        errors: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(errors, error)
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise TrainingFault(f"{what}; planned again at activation memory factor {self.planner.memory_factor:.2f}, "
+                                f"the batch no longer fits: {first}")
+        return _share_plan(plan, None)[0]
 
     def _observe(self, plan: Plan, run_ms: float, measured_bytes: list[int]) -> None:
         """Give the planner's calibration this step's measured span (the last stage's, as the log records it,
@@ -210,7 +334,8 @@ class ElasticTrainStep:
 
 
 def elastic_train_step(cfg: TrainingConfig, profile: Profile, runtime: Runtime, model, split: str, consumed: int,
-                       planner_state: dict[str, Any] | None = None, steps: int | None = None) -> ElasticTrainStep | None:
+                       planner_state: dict[str, Any] | None = None, steps: int | None = None,
+                       faults: FaultInjection = FaultInjection()) -> ElasticTrainStep | None:
     """The elastic step function for ``split`` ('train'/'valid'), or None if the split is empty, planning on
     ``profile`` (the run's, resolved at start-up); its planner
     continues from ``planner_state`` (:meth:`OnlinePlanner.state_dict`, a checkpoint's) when given; ``steps``: how many
@@ -219,4 +344,4 @@ def elastic_train_step(cfg: TrainingConfig, profile: Profile, runtime: Runtime, 
     sampler = elastic_sampler(cfg, split, runtime.dims.dp, planner)
     if planner_state is not None:
         planner.load_state_dict(planner_state)
-    return None if sampler is None else ElasticTrainStep(cfg, runtime, model, sampler, consumed, planner, steps)
+    return None if sampler is None else ElasticTrainStep(cfg, runtime, model, sampler, consumed, planner, steps, faults)

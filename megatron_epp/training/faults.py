@@ -13,6 +13,7 @@ import os
 import signal
 import time
 from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -21,7 +22,8 @@ from megatron_epp.training.arguments import ArgumentError
 from megatron_epp.training.config import TrainingSection
 
 FAULT_ENV = "EPP_FAULT_INJECT"
-FAULT_KINDS = ("nan_loss", "nan_grad", "crash_in_save", "hang")
+FAULT_KINDS = ("nan_loss", "nan_grad", "crash_in_save", "hang", "oom", "oom_every")
+OOM_OPS = {"F": "forward", "B": "backward", "R": "recompute", "T": "transfer"}
 
 
 class TrainingFault(RuntimeError):
@@ -123,12 +125,18 @@ class FaultInjection:
     ``nan_loss`` (the last stage's loss of that iteration), ``nan_grad`` (the gradients of ``RANK``,
     default 0), ``crash_in_save`` (``RANK`` fails as on a full disk, after writing its part of that
     iteration's checkpoint, before it is committed) or ``hang`` (``RANK`` stops answering at the start of that
-    iteration, as a rank stuck in a kernel or on a lost node, until it is killed). No effect when the variable
-    is unset."""
+    iteration, as a rank stuck in a kernel or on a lost node, until it is killed). ``oom@ITERATION:RANK:OP[:CHUNK]``
+    (``--elastic-pp``): ``RANK`` raises ``torch.OutOfMemoryError`` in the first run of that iteration's batch, before
+    the ``OP`` of a chunk (``CHUNK``: its plan id, or its kind, ``batched``, ``split`` or ``hybrid``; default any: the
+    first such op): ``F`` a forward, ``B`` a backward, ``R`` a recomputing layer's forward inside a backward, ``T`` a
+    send/receive (as when its receive buffer cannot be allocated); ``oom_every@...`` the same in every run of that
+    batch (each plan of it, until the run gives up). No effect when the variable is unset."""
 
     kind: str | None = None
     iteration: int = 0
     rank: int = 0
+    op: str = "F"
+    chunk: int | str | None = None
 
     @classmethod
     def from_env(cls) -> FaultInjection:
@@ -137,13 +145,32 @@ class FaultInjection:
             return cls()
         try:
             kind, at = spec.split("@")
-            iteration, _, rank = at.partition(":")
-            fault = cls(kind, int(iteration), int(rank or 0))
+            iteration, rank, *where = at.split(":") + ([] if ":" in at else ["0"])
+            if len(where) > (2 if kind.startswith("oom") else 0) or (where and where[0] not in OOM_OPS):
+                raise ValueError(spec)
+            chunk = [c if c in ("batched", "split", "hybrid") else int(c) for c in where[1:]]
+            fault = cls(kind, int(iteration), int(rank or 0), *(where[:1] or ["F"]), *chunk)
         except ValueError:
             fault = cls("?")
         if fault.kind not in FAULT_KINDS:
-            raise ArgumentError(f"{FAULT_ENV}={spec}: expected KIND@ITERATION[:RANK], KIND one of {', '.join(FAULT_KINDS)}")
+            raise ArgumentError(f"{FAULT_ENV}={spec}: expected KIND@ITERATION[:RANK] (KIND one of {', '.join(FAULT_KINDS)}) "
+                                f"or oom@ITERATION:RANK:OP[:CHUNK] (OP one of {', '.join(OOM_OPS)})")
         return fault
+
+    def oom_hook(self, iteration: int, rank: int, attempt: int) -> Callable[[str, Any], None] | None:
+        """The chunk context's fault hook that plants this ``oom`` fault on ``rank`` in run ``attempt`` (1: the first)
+        of ``iteration``'s batch (once in that run), or None."""
+        if not (self.at("oom", iteration, rank) and attempt == 1 or self.at("oom_every", iteration, rank)):
+            return None
+        fired: list[bool] = []
+
+        def hook(kind: str, layout: Any) -> None:
+            if not fired and kind == self.op and self.chunk in (None, layout.chunk.id, layout.chunk.kind):
+                fired.append(True)
+                raise torch.OutOfMemoryError(f"CUDA out of memory (planted by {FAULT_ENV}: rank {rank}, iteration {iteration}, "
+                                             f"before the {OOM_OPS[kind]} of chunk {layout.chunk.id})")
+
+        return hook
 
     def at(self, kind: str, iteration: int, rank: int | None = None) -> bool:
         return self.kind == kind and self.iteration == iteration and (rank is None or rank == self.rank)

@@ -74,6 +74,25 @@ def gpu_oversubscription(local_world_size: int, device_count: int) -> str | None
     )
 
 
+ALLOC_CONF = "PYTORCH_CUDA_ALLOC_CONF"
+ALLOC_DEFAULT = "expandable_segments:True"
+
+
+def configure_cuda_allocator(environ=os.environ, cuda: bool | None = None) -> str | None:
+    """Before anything touches CUDA (the caching allocator reads ``PYTORCH_CUDA_ALLOC_CONF`` when it starts): on a
+    CUDA machine, ``expandable_segments:True`` unless the variable is set already. The chunks' shapes change every
+    step, and the default allocator's fixed segments then fragment: what it reserves from the device (what runs
+    out) grows beyond what it has allocated; expandable segments grow and shrink in place. Returns the start-up line
+    (None on a machine without CUDA, where nothing is set)."""
+    if not (torch.cuda.is_available() if cuda is None else cuda):
+        return None
+    if environ.get(ALLOC_CONF):
+        return f"CUDA allocator: {ALLOC_CONF}={environ[ALLOC_CONF]} (as set in the environment)"
+    environ[ALLOC_CONF] = ALLOC_DEFAULT
+    return (f"CUDA allocator: {ALLOC_CONF}={ALLOC_DEFAULT} (set by pretrain_gpt.py: chunk shapes change every step, and "
+            f"fixed segments fragment; set {ALLOC_CONF} to choose otherwise)")
+
+
 def select_device() -> tuple[torch.device, str]:
     """CUDA with NCCL when a GPU is present, else CPU with gloo and the CPU patches.
 

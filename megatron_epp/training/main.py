@@ -14,7 +14,9 @@ from megatron_epp.training.arguments import ArgumentError, parse_args, world_siz
 from megatron_epp.training.corpus_check import check_corpus
 from megatron_epp.training.faults import FaultInjection, SigtermHandler, TrainingFault
 from megatron_epp.training.layout_search import driver_layout_search
-from megatron_epp.training.initialize import gpu_count, gpu_oversubscription, initialize, local_world_size, shutdown
+from megatron_epp.training.initialize import (
+    configure_cuda_allocator, gpu_count, gpu_oversubscription, initialize, local_world_size, shutdown,
+)
 from megatron_epp.training.loop import build_optimizer, train
 from megatron_epp.training.megatron_flags import startup_notes
 from megatron_epp.training.model import architecture_summary, build_model, layer_spec_summary, padded_vocab_size
@@ -76,6 +78,7 @@ def main(argv: Sequence[str] | TrainingConfig | argparse.Namespace | None = None
     """pretrain_gpt.py: ``argv`` are its flags, or already parsed: by :func:`~megatron_epp.training.arguments.parse_config`
     (or :func:`~megatron_epp.training.arguments.parse_args`, the validated flags the config is made of)."""
     start_time = time.time()  # --exit-duration-in-mins counts from here
+    allocator_note = configure_cuda_allocator()  # before anything touches CUDA
     try:
         cfg = argv if isinstance(argv, TrainingConfig) else TrainingConfig.from_args(
             argv if isinstance(argv, argparse.Namespace) else parse_args(argv))
@@ -124,13 +127,14 @@ def main(argv: Sequence[str] | TrainingConfig | argparse.Namespace | None = None
         start = (iteration, consumed)
     if runtime.is_logging_rank:
         _print_startup(cfg, runtime, steps, start, resume_at, corpus,
-                       [*load_notes, data_note] if data_note else load_notes, eval_note)
+                       [*([allocator_note] if allocator_note else []), *load_notes, *([data_note] if data_note else [])], eval_note)
 
     try:
         train(
             cfg, runtime, model, optimizer, scheduler,
             # the remaining iterations: nothing is planned past the last
-            train_step=steps.build(runtime, model, "train", start[1], planner_state, steps=cfg.training.train_iters - start[0]),
+            train_step=steps.build(runtime, model, "train", start[1], planner_state, steps=cfg.training.train_iters - start[0],
+                                   faults=faults),
             valid_step=steps.build(runtime, model, "valid", 0) if cfg.logging.eval_interval and eval_note is None else None,
             start=start,
             start_time=start_time,

@@ -41,6 +41,11 @@ class ElasticMetrics:
     planning_overlap_ms: float | None = None
     padding_tokens: int = 0  # --sequence-parallel: tokens added to the step's chunks (each to a multiple of tp)
     memory_factor: float | None = None  # the activation memory factor of the prediction (1: the profile's coefficients)
+    # CUDA: the allocator's allocated peak per stage where it differs from measured_activation_bytes (its reserved peak)
+    measured_allocated_bytes: list[int] | None = None
+    model_state_bytes: list[float] | None = None  # per stage, the planner's count (the peak is these + activations)
+    memory_budget_bytes: float | None = None  # what the plan was made to fit (model states + activations per device)
+    oom_retries: int = 0  # runs of this step's batch that ran out of memory before the one that trained (each planned again)
 
     def scalars(self) -> dict[str, float]:
         """The plan's statistics as named scalars (TensorBoard, wandb)."""
@@ -55,6 +60,7 @@ class ElasticMetrics:
                 out[f"memory/stage {stage} {name} activation MB"] = value / 2**20
         if self.memory_factor is not None:
             out["memory/activation factor"] = self.memory_factor
+        out["memory/out-of-memory retries"] = float(self.oom_retries)
         return out
 
     def line(self) -> str:
@@ -68,8 +74,12 @@ class ElasticMetrics:
             pairs = ", ".join(f"{p / 2**20:.2f}/{m / 2**20:.2f}"
                               for p, m in zip(self.predicted_activation_bytes, self.measured_activation_bytes))
             text += f" | act MB pred/meas per stage: {pairs}"
+            if self.measured_allocated_bytes is not None:
+                text += " (meas: reserved; allocated " + ", ".join(f"{a / 2**20:.2f}" for a in self.measured_allocated_bytes) + ")"
             if self.memory_factor not in (None, 1.0):  # the raw model's prediction: pred / factor
                 text += f" (pred = {self.memory_factor:.3f} x the raw memory model's)"
+        if self.oom_retries:
+            text += f" | out of memory on {self.oom_retries} plan{'s' if self.oom_retries > 1 else ''} of this batch, planned again"
         return text
 
 

@@ -14,6 +14,7 @@ from megatron_epp.data.blend import BlendedSamples, split_documents
 from megatron_epp.data.gpt_samples import GPTSamples, MockGPTSamples
 from megatron_epp.executor.context import ChunkContext
 from megatron_epp.training.elastic import elastic_train_step
+from megatron_epp.training.faults import FaultInjection
 from megatron_epp.training.gpt_step import gpt_forward_step, microbatches
 from megatron_epp.training.initialize import Runtime
 from megatron_epp.training.metrics import ElasticMetrics
@@ -102,9 +103,9 @@ class StockSteps:
         return []
 
     def build(self, runtime: Runtime, model, split: str, consumed: int, planner_state: dict[str, Any] | None = None,
-              steps: int | None = None) -> MegatronStep | None:
-        """The step of ``split`` from ``consumed`` samples (None: no data); ``planner_state`` and ``steps`` are the
-        elastic step's (a stock step has no state and an endless batch stream)."""
+              steps: int | None = None, faults: FaultInjection = FaultInjection()) -> MegatronStep | None:
+        """The step of ``split`` from ``consumed`` samples (None: no data); ``planner_state``, ``steps`` and ``faults``
+        are the elastic step's (a stock step has no state, an endless batch stream and no out-of-memory recovery)."""
         samples = build_samples(self.cfg, split)
         if samples is None:
             return None
@@ -139,12 +140,13 @@ class ElasticSteps:
         return [f"planner: {planner}", f"memory budget: {self.budget}"]
 
     def build(self, runtime: Runtime, model, split: str, consumed: int, planner_state: dict[str, Any] | None = None,
-              steps: int | None = None) -> TrainStep | None:
+              steps: int | None = None, faults: FaultInjection = FaultInjection()) -> TrainStep | None:
         """The step of ``split`` from ``consumed`` samples, its planner continuing from ``planner_state``, for
-        ``steps`` steps (None: no end); None where the split is empty."""
+        ``steps`` steps (None: no end); None where the split is empty. ``faults``: the test-only fault injection
+        (an out-of-memory error planted in a step)."""
         if self.profile is None:
             raise RuntimeError("ElasticSteps.build before start(): the run's profile is resolved at start-up")
-        return elastic_train_step(self.cfg, self.profile.profile, runtime, model, split, consumed, planner_state, steps)
+        return elastic_train_step(self.cfg, self.profile.profile, runtime, model, split, consumed, planner_state, steps, faults)
 
 
 StepMode = StockSteps | ElasticSteps
