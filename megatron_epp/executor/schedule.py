@@ -108,6 +108,9 @@ def forward_backward_elastic(
     return runner.losses
 
 
+_NO_RANGE = contextlib.nullcontext()  # reusable: one object for every op while no profiler records
+
+
 class _StageRunner:
     """Runs one stage's op sequence for each pipeline of the plan."""
 
@@ -141,7 +144,7 @@ class _StageRunner:
         for i, op in enumerate(ops):
             nxt = ops[i + 1] if i + 1 < len(ops) else None
             if op.kind == "F":
-                with self.context.running(layouts[op.pos]):
+                with self._op_range(pipe, op, layouts[op.pos]), self.context.running(layouts[op.pos]):
                     input_tensor, output = incoming, self._forward(incoming, op.pos)
                 incoming = self._send_then_receive("F", output, layouts, nxt)
                 if not self.forward_only:
@@ -151,9 +154,21 @@ class _StageRunner:
                 if i == last_backward and on_last_backward is not None:
                     on_last_backward()
                 input_tensor, output = saved.pop(op.pos)
-                with self.context.running(layouts[op.pos]):
+                with self._op_range(pipe, op, layouts[op.pos]), self.context.running(layouts[op.pos]):
                     grad = backward_step(input_tensor, output, incoming, self.model_type, self.config)
                 incoming = self._send_then_receive("B", grad, layouts, nxt)
+
+    def _op_range(self, pipe: Pipeline, op: Op, layout: ChunkLayout) -> contextlib.AbstractContextManager:
+        """The op as a named range while a profiler records (torch.profiler's trace; an NVTX range under
+        ``emit_nvtx``): ``epp F p0 c3 split 4096t stage 1`` (forward or backward, pipeline, chunk position, kind, the
+        chunk's tokens, stage; a backward that recomputes layers adds ``recompute N``). Otherwise no range and no
+        name: one check of the profiler's state, no host-device sync."""
+        if not torch.autograd._profiler_enabled():
+            return _NO_RANGE
+        pipeline = next(i for i, p in enumerate(self.plan.pipelines) if p is pipe)
+        recompute = f" recompute {layout.recompute}" if op.kind == "B" and layout.recompute else ""
+        return torch.profiler.record_function(f"epp {op.kind} p{pipeline} c{op.pos} {layout.chunk.kind} "
+                                              f"{layout.chunk.num_tokens}t stage {self.stage}{recompute}")
 
     def _forward(self, input_tensor, pos: int):
         output, num_tokens = forward_step(
