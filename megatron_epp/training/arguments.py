@@ -306,10 +306,10 @@ def _profiling_flags(p: argparse.ArgumentParser) -> None:
                    "cudaProfilerStart before the first and cudaProfilerStop after the last, NVTX ranges (emit_nvtx, "
                    "record_shapes) in between, for `nsys profile --capture-range=cudaProfilerApi "
                    "--capture-range-end=stop` (on CPU nothing to capture: said at start-up); with "
-                   "--use-pytorch-profiler a torch.profiler trace instead. Each chunk's forward and backward is a "
-                   "named range: 'epp F p0 c3 split 4096t stage 1' (pipeline, chunk, kind, tokens, stage)")
+                   "--use-pytorch-profiler a torch.profiler trace instead. With --elastic-pp each chunk's forward and "
+                   "backward is a named range: 'epp F p0 c3 split 4096t stage 1' (pipeline, chunk, kind, tokens, stage)")
     g.add_argument("--profile-step-start", type=int, default=None, metavar="N",
-                   help=f"the first profiled iteration, as the log counts them (default {PROFILE_STEPS[0]}, as Megatron-LM)")
+                   help=f"the first profiled iteration, numbered as in the log (default {PROFILE_STEPS[0]}, as Megatron-LM)")
     g.add_argument("--profile-step-end", type=int, default=None, metavar="N",
                    help=f"the iteration after the last profiled one (default {PROFILE_STEPS[1]}, as Megatron-LM)")
     g.add_argument("--profile-ranks", type=int, nargs="+", default=None, metavar="RANK",

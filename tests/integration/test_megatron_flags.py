@@ -134,6 +134,8 @@ def test_refused_flags_say_why_in_one_line(pretrain_in_process, flag):
     (["--elastic-pp", "--use-flash-attn"], "--attention-backend flash: flash-attn does not import"),
     (["--tokenizer-type", "NullTokenizer"], "--tokenizer-type NullTokenizer needs --vocab-size N"),
     (["--use-mcore-model"], "unrecognized arguments: --use-mcore-model"),
+    (["--profile", "--profile-ranks", "0", "3"], "--profile-ranks 3: no such rank (the ranks are 0 to 0)"),
+    (["--profile", "--use-pytorch-profiler"], "--use-pytorch-profiler writes its trace under --tensorboard-dir"),
 ])
 def test_bad_megatron_flags_give_one_line_error(pretrain_in_process, flags, message):
     proc = pretrain_in_process("--mock-data", *flags)
