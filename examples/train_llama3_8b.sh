@@ -174,13 +174,18 @@ EVAL_AND_LOGGING_ARGS=(
     --eval-interval "$EVAL_INTERVAL"
     --save-interval "$SAVE_INTERVAL"
     --log-throughput
+    --profile
+    --profile-step-start 4
+    --profile-step-end 6
     --distributed-timeout-minutes 60
     --save "$CHECKPOINT_PATH"
     --load "$CHECKPOINT_PATH"
     --ckpt-format torch_dist
     --tensorboard-dir "$TENSORBOARD_LOGS_PATH"
 )
-# upstream's --profile --profile-step-start 4 --profile-step-end 6 are refused (run under nsys or torch.profiler)
+# --profile: iterations 4 and 5 of rank 0 between cudaProfilerStart and cudaProfilerStop, for
+# `nsys profile --capture-range=cudaProfilerApi --capture-range-end=stop` (on CPU nothing to capture: a start-up line
+# says so); add --use-pytorch-profiler for a torch.profiler trace under TENSORBOARD_LOGS_PATH instead
 
 # Run the training command (upstream: torchrun; megatron_epp.training.launch takes torchrun's options and makes a
 # SIGTERM to the launcher or the ranks save and exit 0, see README "Checkpoints and resume")

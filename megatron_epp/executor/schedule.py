@@ -173,6 +173,9 @@ def forward_backward_elastic(
     return runner.losses
 
 
+_NO_RANGE = contextlib.nullcontext()  # reusable: one object for every op while no profiler records
+
+
 class _StageRunner:
     """Runs one stage's op sequence for each pipeline of the plan."""
 
@@ -229,7 +232,7 @@ class _StageRunner:
         if self.failure is not None:
             return None
         try:
-            with self.context.running(layout):
+            with self._op_range(index, op, layout), self.context.running(layout):
                 self.context.before_op(op.kind, layout)
                 return compute()
         except torch.OutOfMemoryError as error:
@@ -266,6 +269,17 @@ class _StageRunner:
         if (op.kind == "F" and self.last) or (op.kind == "B" and self.first):
             return None
         return torch.zeros(self.shape(layouts, op.pos)[0], dtype=self.config.pipeline_dtype, device=self.device)
+
+    def _op_range(self, pipeline: int, op: Op, layout: ChunkLayout) -> contextlib.AbstractContextManager:
+        """The op as a named range while a profiler records (torch.profiler's trace; an NVTX range under
+        ``emit_nvtx``): ``epp F p0 c3 split 4096t stage 1`` (forward or backward, pipeline, chunk position, kind, the
+        chunk's tokens, stage; a backward that recomputes layers adds ``recompute N``). Otherwise no range and no
+        name: one check of the profiler's state, no host-device sync."""
+        if not torch.autograd._profiler_enabled():
+            return _NO_RANGE
+        recompute = f" recompute {layout.recompute}" if op.kind == "B" and layout.recompute else ""
+        return torch.profiler.record_function(f"epp {op.kind} p{pipeline} c{op.pos} {layout.chunk.kind} "
+                                              f"{layout.chunk.num_tokens}t stage {self.stage}{recompute}")
 
     def _forward(self, input_tensor, pos: int):
         output, num_tokens = forward_step(

@@ -297,6 +297,33 @@ def _logging_flags(p: argparse.ArgumentParser) -> None:
                         "else in --save; none without either)")
 
 
+def _profiling_flags(p: argparse.ArgumentParser) -> None:
+    """The profiling group (Megatron-LM's flags): iterations [--profile-step-start, --profile-step-end) of the
+    --profile-ranks, for nsys or torch.profiler."""
+    g = p.add_argument_group("profiling")
+    g.add_argument("--profile", action="store_true",
+                   help="profile iterations [--profile-step-start, --profile-step-end) on --profile-ranks, as Megatron-LM: "
+                   "cudaProfilerStart before the first and cudaProfilerStop after the last, NVTX ranges (emit_nvtx, "
+                   "record_shapes) in between, for `nsys profile --capture-range=cudaProfilerApi "
+                   "--capture-range-end=stop` (on CPU nothing to capture: said at start-up); with "
+                   "--use-pytorch-profiler a torch.profiler trace instead. With --elastic-pp each chunk's forward and "
+                   "backward is a named range: 'epp F p0 c3 split 4096t stage 1' (pipeline, chunk, kind, tokens, stage)")
+    g.add_argument("--profile-step-start", type=int, default=None, metavar="N",
+                   help=f"the first profiled iteration, numbered as in the log (default {PROFILE_STEPS[0]}, as Megatron-LM)")
+    g.add_argument("--profile-step-end", type=int, default=None, metavar="N",
+                   help=f"the iteration after the last profiled one (default {PROFILE_STEPS[1]}, as Megatron-LM)")
+    g.add_argument("--profile-ranks", type=int, nargs="+", default=None, metavar="RANK",
+                   help="the global ranks that profile (default 0, as Megatron-LM)")
+    g.add_argument("--use-pytorch-profiler", action="store_true",
+                   help="with --profile: torch.profiler on --profile-ranks (CPU activities, and CUDA's on a GPU; "
+                   "record_shapes, with_stack), one trace per rank written under --tensorboard-dir by "
+                   "torch.profiler.tensorboard_trace_handler (HOST_PID.TIME.pt.trace.json, named in a log line), as "
+                   "Megatron-LM; needs --tensorboard-dir")
+
+
+PROFILE_STEPS = (10, 12)  # Megatron-LM's --profile-step-start and --profile-step-end
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="pretrain_gpt.py",
@@ -315,6 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     _checkpointing_flags(p)
     _fault_flags(p)
     _logging_flags(p)
+    _profiling_flags(p)
     add_megatron_flags(p)
     return p
 
@@ -357,6 +385,7 @@ def validate_args(args: argparse.Namespace, world_size: int) -> None:
     validate_exit_args(args)
     validate_recompute_args(args)
     validate_schedule_args(args)
+    validate_profile_args(args, world_size)
     if not 0 <= args.lr_warmup_init <= args.lr:
         raise ArgumentError(f"--lr-warmup-init {args.lr_warmup_init}: must be between 0 and --lr {args.lr}")
     if args.epp_cluster and not args.epp_search_layout:
@@ -648,6 +677,35 @@ def validate_warmup_and_wsd(args: argparse.Namespace, unit: str) -> None:
         raise ArgumentError(f"--lr-decay-style WSD needs {wsd_flag} (the annealing at the end of the decay)")
     if args.lr_wsd_decay_samples_total > args.lr_decay_samples - args.lr_warmup_samples:
         raise ArgumentError(f"{wsd_flag} is longer than the decay after the warm-up (--lr-decay-{unit} less the warm-up)")
+
+
+def validate_profile_args(args: argparse.Namespace, world_size: int) -> None:
+    """``--profile``'s flags (fills the defaults of ``--profile-step-start/-end`` and ``--profile-ranks``): the
+    iterations ``[start, end)``, counted as the log counts them, hold at least one of the run's; the ranks exist;
+    ``--use-pytorch-profiler`` writes under ``--tensorboard-dir``. Without ``--profile`` none of them may be given."""
+    given = [key for key in ("profile_step_start", "profile_step_end", "profile_ranks") if getattr(args, key) is not None]
+    given += ["use_pytorch_profiler"] if args.use_pytorch_profiler else []
+    if not args.profile:
+        if given:
+            raise ArgumentError(f"--{given[0].replace('_', '-')} needs --profile")
+        return
+    start = args.profile_step_start = PROFILE_STEPS[0] if args.profile_step_start is None else args.profile_step_start
+    end = args.profile_step_end = PROFILE_STEPS[1] if args.profile_step_end is None else args.profile_step_end
+    args.profile_ranks = (0,) if args.profile_ranks is None else tuple(args.profile_ranks)
+    if start < 0:
+        raise ArgumentError(f"--profile-step-start {start}: must be >= 0")
+    if end <= start:
+        raise ArgumentError(f"--profile-step-end {end} must be larger than --profile-step-start {start} (the profiled "
+                            "iterations are start to end - 1)")
+    if end <= 1 or start > args.train_iters:
+        raise ArgumentError(f"--profile-step-start {start} --profile-step-end {end}: no iteration to profile (the run "
+                            f"trains iterations 1 to {args.train_iters}; the profiled ones are start to end - 1)")
+    outside = [rank for rank in args.profile_ranks if not 0 <= rank < world_size]
+    if outside:
+        raise ArgumentError(f"--profile-ranks {outside[0]}: no such rank (the ranks are 0 to {world_size - 1})")
+    if args.use_pytorch_profiler and not args.tensorboard_dir:
+        raise ArgumentError("--use-pytorch-profiler writes its trace under --tensorboard-dir, as Megatron-LM: give "
+                            "--tensorboard-dir DIR")
 
 
 SPLIT_WEIGHT = re.compile(r"\d+(\.\d*)?|\.\d+")  # what megatron-core's parse_and_normalize_split reads as one number

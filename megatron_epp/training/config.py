@@ -1,11 +1,12 @@
 """The typed training configuration: ``pretrain_gpt.py``'s flags, once validated, as one frozen
-:class:`TrainingConfig` of sections (model, parallel, optim, training, data, checkpoint, logging, epp).
+:class:`TrainingConfig` of sections (model, parallel, optim, training, data, checkpoint, logging, profile, epp).
 
 The flags keep Megatron-LM's names (``arguments.py`` parses and validates them into an
 ``argparse.Namespace``); :meth:`TrainingConfig.from_args` turns that namespace into this value once, and
 the rest of training reads only the sections. A field has its flag's name (``--lr-decay-style`` is
 ``optim.lr_decay_style``), less the ``epp_`` prefix in the ``epp`` section (``--epp-timeline`` is
-``epp.timeline``). The parallel sizes are one :class:`~megatron_epp.planner.config.ParallelDims`
+``epp.timeline``) and ``profile_`` in the ``profile`` section (``--profile-step-start`` is
+``profile.step_start``). The parallel sizes are one :class:`~megatron_epp.planner.config.ParallelDims`
 (``parallel.dims``) and the planner's options one :class:`~megatron_epp.planner.config.PlannerConfig`
 (``epp.planner``, the memory budget in bytes). A flag that validation folds into another (an older
 spelling, a size in iterations the schedule counts in samples) is listed in :data:`FOLDED` with where it
@@ -177,6 +178,18 @@ class LoggingConfig:
 
 
 @dataclass(frozen=True)
+class ProfileConfig:
+    """``--profile`` (``enabled``): the iterations ``[step_start, step_end)`` (as the log counts them) of the
+    ``ranks`` that profile, under nsys or, with ``--use-pytorch-profiler``, torch.profiler."""
+
+    enabled: bool = field(metadata={"dest": "profile"})
+    step_start: int | None  # None without --profile
+    step_end: int | None
+    ranks: tuple[int, ...] | None
+    use_pytorch_profiler: bool = field(metadata={"dest": "use_pytorch_profiler"})
+
+
+@dataclass(frozen=True)
 class EPPConfig:
     """``--elastic-pp`` (``enabled``) and the ``--epp-*`` options; ``planner``: the planner's options (with
     ``--elastic-pp`` or ``--epp-search-layout``, else None), its budget in bytes; ``default_budget``: how the budget
@@ -204,6 +217,7 @@ class TrainingConfig:
     data: DataConfig
     checkpoint: CheckpointConfig
     logging: LoggingConfig
+    profile: ProfileConfig
     epp: EPPConfig
     accepted_flags: tuple[str, ...] = ()  # Megatron-LM flags given that have no effect here (the start-up line)
 
@@ -239,8 +253,9 @@ class TrainingConfig:
         return out
 
 
-SECTION_PREFIX = {"EPPConfig": "epp_"}  # the flags of this section are --epp-NAME; the field is NAME
-SECTIONS = (ModelConfig, ParallelConfig, OptimConfig, TrainingSection, DataConfig, CheckpointConfig, LoggingConfig, EPPConfig)
+SECTION_PREFIX = {"EPPConfig": "epp_", "ProfileConfig": "profile_"}  # the flags of these sections are --epp-NAME (--profile-NAME); the field is NAME
+SECTIONS = (ModelConfig, ParallelConfig, OptimConfig, TrainingSection, DataConfig, CheckpointConfig, LoggingConfig, ProfileConfig,
+            EPPConfig)
 
 
 def _dest(section: type, f: dataclasses.Field) -> str:

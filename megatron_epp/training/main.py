@@ -21,6 +21,7 @@ from megatron_epp.training.loop import build_optimizer, train
 from megatron_epp.training.megatron_flags import startup_notes
 from megatron_epp.training.model import architecture_summary, build_model, layer_spec_summary, padded_vocab_size
 from megatron_epp.training.step import StepMode, step_mode
+from megatron_epp.training.step_profiler import StepProfiler, startup_note
 from megatron_epp.training.config import TrainingConfig
 
 
@@ -127,7 +128,8 @@ def main(argv: Sequence[str] | TrainingConfig | argparse.Namespace | None = None
         start = (iteration, consumed)
     if runtime.is_logging_rank:
         _print_startup(cfg, runtime, steps, start, resume_at, corpus,
-                       [*([allocator_note] if allocator_note else []), *load_notes, *([data_note] if data_note else [])], eval_note)
+                       [*filter(None, [allocator_note]), *load_notes, *filter(None, [data_note, startup_note(cfg, runtime.device, start[0])])],
+                       eval_note)
 
     try:
         train(
@@ -140,6 +142,7 @@ def main(argv: Sequence[str] | TrainingConfig | argparse.Namespace | None = None
             start_time=start_time,
             faults=faults,
             sigterm=sigterm,
+            profiler=StepProfiler(cfg, runtime, start[0]),
         )
     except TrainingFault as error:  # raised on every rank alike: one line from the logging rank
         if runtime.is_logging_rank:

@@ -89,11 +89,6 @@ REFUSED = {
                      "them out at load with --no-load-rng",
     "--use-checkpoint-args": "the model flags come from the command line; a checkpoint of another model shape or "
                              "parallel layout is refused in one line at --load",
-    "--profile": "not wired here; run under nsys or torch.profiler (--epp-timeline draws the planned schedule of each "
-                 "logged step)",
-    "--profile-step-start": "goes with --profile, which is not wired here",
-    "--profile-step-end": "goes with --profile, which is not wired here",
-    "--use-pytorch-profiler": "goes with --profile, which is not wired here",
 }
 
 

@@ -25,12 +25,16 @@ from tests.launch import REPO, free_port, run_env
 
 
 def test_llama_style_example_trains_with_falling_loss(tmp_path):
+    """Under --profile (nsys's: on CPU nothing to capture, said at start-up) it trains as without."""
     metrics = tmp_path / "metrics.jsonl"
     proc = subprocess.run(
-        ["bash", str(REPO / "examples/llama_style.sh"), "--epp-metrics", str(metrics)], cwd=tmp_path,
+        ["bash", str(REPO / "examples/llama_style.sh"), "--epp-metrics", str(metrics), "--profile", "--profile-step-start",
+         "4", "--profile-step-end", "6", "--profile-ranks", "0", "1"], cwd=tmp_path,
         env=run_env({"MASTER_PORT": str(free_port())}), capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert ("> profile: iterations 4 to 5 on ranks 0, 1 are marked for nsys (cudaProfilerStart/Stop, NVTX ranges): on cpu "
+            "there is nothing for nsys to capture, training runs unprofiled") in proc.stdout
     assert ("> architecture: SwiGLU MLP, RMSNorm (eps 1e-05), grouped-query attention 8:2, head dim 16, no biases, "
             "RoPE base 500000") in proc.stdout
     train = [m for m in read_metrics(metrics) if m.kind == "train"]

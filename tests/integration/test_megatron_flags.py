@@ -6,8 +6,10 @@ loss scale as Megatron-LM's; examples/train_llama3_8b.sh (Megatron-LM's layout) 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import subprocess
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -20,6 +22,7 @@ from megatron_epp.planner.epp import in_units
 from megatron_epp.training.arguments import build_parser, parse_args
 from megatron_epp.training.config import TrainingConfig
 from megatron_epp.training.megatron_flags import ACCEPTED, REFUSED, startup_notes
+from megatron_epp.training.metrics import read_metrics
 from tests.launch import REPO, free_port, run_env
 from tests.unit.test_driver_flags import lrs_after_steps
 
@@ -131,6 +134,8 @@ def test_refused_flags_say_why_in_one_line(pretrain_in_process, flag):
     (["--elastic-pp", "--use-flash-attn"], "--attention-backend flash: flash-attn does not import"),
     (["--tokenizer-type", "NullTokenizer"], "--tokenizer-type NullTokenizer needs --vocab-size N"),
     (["--use-mcore-model"], "unrecognized arguments: --use-mcore-model"),
+    (["--profile", "--profile-ranks", "0", "3"], "--profile-ranks 3: no such rank (the ranks are 0 to 0)"),
+    (["--profile", "--use-pytorch-profiler"], "--use-pytorch-profiler writes its trace under --tensorboard-dir"),
 ])
 def test_bad_megatron_flags_give_one_line_error(pretrain_in_process, flags, message):
     proc = pretrain_in_process("--mock-data", *flags)
@@ -235,10 +240,14 @@ def test_fp16_scales_the_loss_and_skips_an_overflowing_step():
 def test_llama3_8b_example_trains_at_toy_size(tmp_path):
     """examples/train_llama3_8b.sh, Megatron-LM's LLaMA-3-8B script with --elastic-pp added, at SIZE=toy: its flags all
     parse, 6 iterations of 8 documents train on 2 CPU ranks (pp 2), evaluate and save; the start-up lines say what
-    --micro-batch-size, --attention-backend fused and the accepted flags mean here."""
+    --micro-batch-size, --attention-backend fused and the accepted flags mean here. Its --profile --profile-step-start 4
+    --profile-step-end 6, here with --use-pytorch-profiler on both ranks, write one torch.profiler trace per rank under
+    the --tensorboard-dir, each named in a line, holding iterations 4 and 5 only, with one forward and one backward
+    range per chunk of their plans."""
     ckpt, tb = tmp_path / "ckpt", tmp_path / "tb"
     proc = subprocess.run(
-        ["bash", str(REPO / "examples/train_llama3_8b.sh"), str(ckpt), str(tb)], cwd=tmp_path,
+        ["bash", str(REPO / "examples/train_llama3_8b.sh"), str(ckpt), str(tb), "MOCK", "MOCK", "--use-pytorch-profiler",
+         "--profile-ranks", "0", "1"], cwd=tmp_path,
         env=run_env({"SIZE": "toy", "MASTER_PORT": str(free_port())}), capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
@@ -254,3 +263,31 @@ def test_llama3_8b_example_trains_at_toy_size(tmp_path):
     assert len(losses) == 6 and all(math.isfinite(x) for x in losses)
     assert out.count("validation loss at iteration") == 2
     assert sorted(p.name for p in ckpt.iterdir() if p.name.startswith("iter_")) == ["iter_0000003", "iter_0000006"]
+    assert f"> profile: torch.profiler records iterations 4 to 5 on ranks 0, 1 (record_shapes, with_stack); each rank " \
+           f"writes its trace to {tb}" in out
+    check_profiled_plans(out, tb)
+
+
+def check_profiled_plans(out: str, tb) -> None:
+    """Each rank's trace (named in its line) holds the profiler steps of iterations 4 and 5 only, and inside each one
+    forward and one backward range per chunk of that iteration's plan (the --epp-metrics record's chunk counts by
+    kind, its pipelines and tokens), of the rank's own stage; no range outside them."""
+    plans = {m.iteration: m for m in read_metrics(tb / "metrics.jsonl") if m.kind == "train"}
+    for rank in (0, 1):  # pp 2: rank r is stage r
+        path = next(line for line in out.splitlines() if line.startswith(f" profile: rank {rank} wrote")).split(" to ")[-1]
+        assert f" profile: rank {rank} wrote the torch.profiler trace of iterations 4 to 5 to {path}" in out
+        events = json.loads(open(path).read())["traceEvents"]
+        steps = {int(e["name"].split("#")[1]): (e["ts"], e["ts"] + e["dur"]) for e in events
+                 if e.get("name", "").startswith("ProfilerStep#")}
+        assert sorted(steps) == [4, 5]
+        ranges = [e for e in events if e.get("name", "").startswith("epp ")]
+        assert ranges and all(any(begin <= e["ts"] <= end for begin, end in steps.values()) for e in ranges)
+        for iteration, (begin, end) in steps.items():
+            names = [e["name"].split() for e in ranges if begin <= e["ts"] <= end]
+            assert {" ".join(name[6:8]) for name in names} == {f"stage {rank}"}
+            forward = sorted(tuple(name[2:6]) for name in names if name[1] == "F")  # pipeline, chunk, kind, tokens
+            assert forward == sorted(tuple(name[2:6]) for name in names if name[1] == "B")
+            record = plans[iteration]
+            assert Counter(kind for _, _, kind, _ in forward) == +Counter(record.elastic.num_chunks), iteration
+            assert {p for p, *_ in forward} == {f"p{i}" for i in range(record.elastic.num_pipelines)}
+            assert sum(int(tokens.removesuffix("t")) for *_, tokens in forward) == record.tokens
