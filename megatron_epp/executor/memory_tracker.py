@@ -71,6 +71,12 @@ class ActivationMemoryTracker:
             torch.cuda.synchronize()
             self.peak_bytes = self.peak_with_kv_grads = torch.cuda.max_memory_allocated() - self._start
 
+    @property
+    def held_bytes(self) -> int:
+        """CPU: the bytes held now (the saved tensors autograd still holds, and the K/V buffers), where
+        ``peak_bytes`` is the most held so far."""
+        return self._current + self._kv_unsaved
+
     def _pack(self, tensor: torch.Tensor):
         if isinstance(tensor, torch.nn.Parameter):
             return _Plain(tensor)
