@@ -68,7 +68,7 @@ TRAIN_FLAGS=(--elastic-pp --pipeline-model-parallel-size 1 --bf16 --mock-data --
 # Seq1F1B's fixed k = 4 slices every long document whatever the profile says, where the elastic builder
 # may rightly prefer packing (and then exercise neither).
 # The profile: the training check's shape, the default grid of scripts/profile_gpu.py.
-PROFILE_FLAGS=(--hidden-size 1024 --num-attention-heads 16 --num-layers 8)
+PROFILE_FLAGS=(--hidden-size 1024 --num-attention-heads 16 --num-layers 8 --seq-length 16384)  # the train check's cap: its key
 ATTENTION_FLAGS=()
 # the equivalence tests of one process (pp=1), the ones a single GPU runs
 EQUIVALENCE_SELECTION=(-k pp1)

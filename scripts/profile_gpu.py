@@ -3,8 +3,10 @@
 The model is described by pretrain_gpt.py's own model flags (``--hidden-size``, ``--num-attention-heads``,
 ``--ffn-hidden-size``, ``--group-query-attention --num-query-groups``, ``--kv-channels``, ``--swiglu``,
 ``--normalization RMSNorm``, ``--disable-bias-linear``, ``--rotary-base``, ``--vocab-size``, ...: the same
-names, parsed and checked by its parser; its vocabulary padded as training pads it). Measures, in bf16 on
-CUDA by default, with the attention kernel training would use (``EPP_ATTENTION_BACKEND``, as in training):
+names, parsed and checked by its parser; its vocabulary padded as training pads it; ``--seq-length`` is the context
+cap the profile is keyed by). Measures, in bf16 on CUDA by default (``--dtype fp16|fp32`` as ``--fp16`` or no
+``--bf16`` trains), with the attention kernel training would use (``--attention-backend``, else
+``EPP_ATTENTION_BACKEND``, as in training):
 
   * attention of ``s`` queries over ``C`` prefix + ``s`` own keys (K/V heads as the model has them),
     forward and backward, over an ``(s, C)`` grid (``--seq-lengths`` x ``--contexts``): fits ``a1`` (s^2),
@@ -12,7 +14,11 @@ CUDA by default, with the attention kernel training would use (``EPP_ATTENTION_B
   * one layer of the training spec (``ChunkRecomputeLayer`` + ``ElasticAttention`` on the local spec, RoPE)
     over ``--layer-lengths`` at ``C = 0``, plain and checkpointed back to back: the linear term ``a2`` and
     the per-chunk constant beside the attention's quadratic part, and the recompute on its own terms;
-  * the output head (linear + cross entropy) over ``--head-lengths``.
+  * the output head (final norm, output layer, megatron-core's cross entropy) over ``--head-lengths``, those whose
+    logits would take over half the GPU's free memory measured at the longest that fits;
+  * the memory one layer keeps for its backward per token, plain and checkpointed, the head's, and on CUDA the
+    backward's workspace (the caching allocator; on the CPU the tensors autograd saves), fitted per token and
+    printed; a grid point that runs out of memory is left out with one line.
 
 The measurement and the fits are the library's (``megatron_epp.training.profiling.measure_profile``, which
 ``pretrain_gpt.py --epp-profile auto`` runs at start-up on a small grid; ``megatron_epp.cost.profile_fit``).
@@ -22,13 +28,14 @@ Prints every fit's rms error (also stored in the profile's ``fit.errors``) and w
 GPU, the process's CPU time on the CPU (``--device cpu``: for checking the script, its numbers are not a
 CPU profile, ``scripts/profile_layer.py`` makes those).
 
-Memory coefficients are not measured here: bf16 takes Megatron's ``34 h`` count (``derive =
-"megatron-gpu"``), fp32 the CPU's saved-tensor count (``"saved-tensors"``); the planner re-derives both for
-the trained shape.
+The profile's memory block is measured (``derive = "measured"``): the planner uses it as measured at the
+profiled shape and carries it to another shape or TP by the ratio of its basis count (``megatron-gpu`` in bf16/fp16,
+``saved-tensors`` in fp32 or on the CPU).
 
     python scripts/profile_gpu.py --out runs/h100_h1024.json --hidden-size 1024 --num-attention-heads 16
     python scripts/profile_gpu.py --hidden-size 4096 --num-attention-heads 32 --group-query-attention --num-query-groups 8 \\
-        --swiglu --ffn-hidden-size 11008 --normalization RMSNorm --disable-bias-linear      # into the cache
+        --swiglu --ffn-hidden-size 11008 --normalization RMSNorm --disable-bias-linear --seq-length 16384   # into the cache,
+        # for runs of this layer at --seq-length 16384 (the cap is in the key, as are the GPU, dtype, kernel and torch)
     python scripts/profile_gpu.py --device cpu --hidden-size 32 --num-attention-heads 4 --vocab-size 64 \\
         --seq-lengths 16,32,64 --contexts 0,32 --layer-lengths 16,32,64 --head-lengths 16,64 --repeats 2 --out /tmp/p.json
 """
@@ -51,9 +58,11 @@ from megatron_epp.executor import kernels  # noqa: E402
 from megatron_epp.training.layer_bench import init_single_process  # noqa: E402
 from megatron_epp.training.arguments import ArgumentError, build_parser, parse_config  # noqa: E402
 from megatron_epp.training.model import model_shape  # noqa: E402
-from megatron_epp.training.profiling import ProfileGrid, device_name, measure_profile, report_errors  # noqa: E402
+from megatron_epp.training.profiling import (  # noqa: E402
+    ProfileFailed, ProfileGrid, device_name, measure_profile, report_errors, report_memory,
+)
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def ints(text: str) -> tuple[int, ...]:
@@ -93,11 +102,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"{foreign[0]}: not a flag of this script nor a model flag of pretrain_gpt.py")
     args.dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
     try:  # the model as pretrain_gpt.py builds it from these flags (defaults, checks, padded vocabulary)
-        model = parse_config([*rest, "--mock-data", "--train-iters", "1", *(["--bf16"] if args.dtype == "bf16" else [])], world_size=1)
+        dtype_flag = {"bf16": ["--bf16"], "fp16": ["--fp16"]}.get(args.dtype, [])
+        model = parse_config([*rest, "--mock-data", "--train-iters", "1", *dtype_flag], world_size=1)
     except ArgumentError as error:
         p.error(str(error).removeprefix("pretrain_gpt.py: error: "))
     args.shape = model_shape(model, args.name or f"gpu-h{model.model.hidden_size}")
-    args.rotary_base = model.model.rotary_base
+    args.rotary_base, args.seq_length, args.attention_backend = model.model.rotary_base, model.model.seq_length, model.model.attention_backend
     args.grid = ProfileGrid(args.seq_lengths, args.contexts, args.layer_lengths, args.head_lengths, args.warmup, args.repeats)
     try:
         args.grid.check()
@@ -123,13 +133,20 @@ def main(argv: list[str] | None = None) -> int:
 
         tensor_parallel.model_parallel_cuda_manual_seed(0)  # the RNG tracker the recompute checkpoint reads
     shape = args.shape
-    kernel = kernels.select_backend(kernels.requested_backend(), device, dtype)  # as training chooses (EPP_ATTENTION_BACKEND)
+    # as training chooses: --attention-backend, else EPP_ATTENTION_BACKEND
+    kernel = kernels.select_backend(kernels.requested_backend(args.attention_backend), device, dtype,
+                                    gqa=(shape.num_kv_heads or shape.num_heads) != shape.num_heads)
     name = device_name(device, dtype, kernel)
     kv = f", {shape.num_kv_heads} K/V heads" if shape.num_kv_heads else ""
     print(f"profiling {shape.name} (hidden {shape.hidden}, {shape.num_heads} heads{kv} x {shape.head_dim}, ffn {shape.ffn_hidden}"
           f"{' SwiGLU' if shape.swiglu else ''}, {shape.normalization}{'' if shape.bias else ', no biases'}, vocab {shape.vocab}) on {name}", flush=True)
-    profile = measure_profile(shape, device, dtype, kernel, args.grid, name=name, rotary_base=args.rotary_base,
-                              log=lambda line: print(line, flush=True), note="measured by scripts/profile_gpu.py")
+    try:
+        profile = measure_profile(shape, device, dtype, kernel, args.grid, name=name, rotary_base=args.rotary_base,
+                                  log=lambda line: print(line, flush=True), note="measured by scripts/profile_gpu.py",
+                                  seq_length=args.seq_length)
+    except ProfileFailed as error:
+        print(f"profile_gpu.py: error: {error} (a smaller grid: --layer-lengths, --head-lengths, --seq-lengths)", file=sys.stderr)
+        return 1
     if args.out:
         out = Path(args.out)
     else:
@@ -142,8 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     profile.save(out)
     print(f"wrote {out} ({profile.fit['seconds']:.1f} s): device {name!r}, source measured")
     report_errors(profile)
-    errors = profile.fit["errors"]
-    print(json.dumps({"profile": str(out), "device": name, "worst_rms_rel_err": max(e["rms_rel_err"] for e in errors.values())}))
+    report_memory(profile)
+    errors, m = profile.fit["errors"], profile.memory
+    memory = {k: getattr(m, k) for k in ("act_token", "ckpt_token", "logits_token", "bwd_workspace")}
+    print(json.dumps({"profile": str(out), "device": name, "worst_rms_rel_err": max(e["rms_rel_err"] for e in errors.values()),
+                      "memory": memory}))
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     return 0

@@ -179,7 +179,7 @@ def check_memory(shape: ModelShape, stack: LayerStack, memory: MemoryCoeffs) -> 
         lone, buffer = (m.lone_slice_token * s, m.kv_token * (c + s)) if c else (0.0, 0.0)
         pred.append(m.act_token * s + m.act_area * s * (c + s) + m.act_context * c + (m.act_slice * s if c else 0.0) - lone + buffer)
     logits = saved_bytes(lambda: stack.head_loss(torch.randn(1024, 1, shape.hidden, requires_grad=True))) / 1024
-    # the bench head is the output layer + cross entropy (no final layernorm, no loss mask)
+    # the bench head is the last stage's (final norm, output layer, megatron-core's cross entropy, loss mask): logits_token
     return {"activation_bytes_derived": rel_errors(pred, meas), "logits_bytes_derived": rel_errors([m.logits_token], [logits])}
 
 

@@ -11,6 +11,11 @@ Every fit is non-negative least squares of the *relative* error (:func:`fit`), a
 * the recompute (the time a checkpointed layer adds to forward + backward) is fitted on its own
   per-token and per-chunk terms, plus the forward's attention part scaled by one factor
   (:func:`recompute_fit`); see there for why it is not a ratio of the forward.
+
+Memory (:func:`measured_memory`): the bytes a layer keeps for its backward, plain and checkpointed, and the
+output head's, measured at each length (a GPU's caching allocator, or on the CPU the tensors autograd saves), are
+fitted per token by least squares (:func:`per_token_fit`); on a GPU the peak during forward + backward above the
+start gives the backward's workspace.
 """
 
 from __future__ import annotations
@@ -21,7 +26,10 @@ import numpy as np
 from scipy.optimize import nnls
 
 from megatron_epp.cost.features import NUM_FEATURES, F
-from megatron_epp.cost.profiles import MemoryCoeffs, ModelShape, Profile, StageOverhead, TimeCoeffs
+from megatron_epp.cost.profiles import (
+    DTYPE_BYTES, MEASURED_MEMORY, MemoryCoeffs, ModelShape, Profile, StageOverhead, TimeCoeffs, derived_memory,
+    megatron_model_state,
+)
 
 Fitted = tuple[TimeCoeffs, dict[str, Any]]  # coefficients and their fit's errors
 
@@ -104,3 +112,52 @@ def measured_profile(shape: ModelShape, device: str, layer: dict, head: dict, me
         head_fwd=head["head_fwd"][0], head_bwd=head["head_bwd"][0],
         memory=memory, fit=fit_info, overhead=overhead or StageOverhead(),
     )
+
+
+MEMORY_DECIMALS = 3  # measured bytes per token are stored rounded to a thousandth of a byte
+
+
+def per_token_fit(lengths: Sequence[int], nbytes: Sequence[float]) -> tuple[float, dict[str, float]]:
+    """Bytes per token of a memory measured at ``lengths`` tokens: the slope of the least-squares line through
+    the points (numpy), rounded to :data:`MEMORY_DECIMALS`; its intercept (the allocator's block rounding, a loss
+    scalar: nothing per token) and the line's relative errors go to the fit's record."""
+    n, y = np.asarray(lengths, dtype=float), np.asarray(nbytes, dtype=float)
+    (slope, intercept), *_ = np.linalg.lstsq(np.stack([n, np.ones_like(n)], 1), y, rcond=None)
+    slope = round(float(slope), MEMORY_DECIMALS)
+    return slope, {**rel_errors(slope * n + intercept, np.maximum(y, 1.0)), "intercept_bytes": float(intercept)}
+
+
+def memory_basis(device_type: str, dtype: str) -> str:
+    """The analytic count a measured memory block is completed and carried by: on the CPU what autograd saves
+    (``saved-tensors``, which the CPU measurement equals); on a GPU Megatron's count (``megatron-gpu``, bf16/fp16),
+    or ``saved-tensors`` in fp32, which Megatron's count does not cover."""
+    return "saved-tensors" if device_type == "cpu" or dtype == "float32" else "megatron-gpu"
+
+
+def measured_memory(shape: ModelShape, device_type: str, layer: dict[str, Sequence], head: dict[str, Sequence]) -> tuple[MemoryCoeffs, dict]:
+    """The memory block of a profile measured on ``device_type`` at ``shape`` (TP 1), and its fits' record.
+
+    ``layer``: ``lengths``, ``kept`` (bytes one layer keeps for its backward after its forward), ``peak`` (the most
+    above the start during forward + backward; None where not measured: CPU), ``ckpt_kept`` (the same for the
+    checkpointed layer); ``head``: ``lengths``, ``kept``. Fitted per token: ``act_token``, ``ckpt_token``,
+    ``logits_token``; where the peak is measured (a GPU's allocator) ``bwd_workspace`` is its excess over the
+    kept bytes in layers of activations, and ``kv_grad`` 1 (the allocator holds the K/V gradient accumulators);
+    on the CPU both are 0, as the saved tensors count them. The rest (K/V buffers, lone slices, the embedding, a
+    recompute's input copy) is the basis count's (:func:`memory_basis`); model states as training keeps them."""
+    fits: dict[str, dict] = {}
+    measured = {}
+    for name, lengths, nbytes in (("act_token", layer["lengths"], layer["kept"]), ("ckpt_token", layer["lengths"], layer["ckpt_kept"]),
+                                  ("logits_token", head["lengths"], head["kept"])):
+        measured[name], fits[name] = per_token_fit(lengths, nbytes)
+    allocator = {"bwd_workspace": 0.0, "kv_grad": 0.0}
+    if layer.get("peak") is not None and None not in layer["peak"]:
+        peak, fits["peak_token"] = per_token_fit(layer["lengths"], layer["peak"])
+        allocator = {"bwd_workspace": round(max(peak - measured["act_token"], 0.0) / measured["act_token"], MEMORY_DECIMALS), "kv_grad": 1.0}
+    basis = memory_basis(device_type, shape.dtype)
+    memory = MemoryCoeffs(
+        **{**derived_memory(basis, shape, 1), **measured, **allocator}, **megatron_model_state(shape.dtype, False),
+        p2p_token=float(DTYPE_BYTES[shape.dtype] * shape.hidden), derive=MEASURED_MEMORY, basis=basis,
+    )
+    return memory, {"fits": fits, "layer": {k: list(v) for k, v in layer.items() if v is not None},
+                    "head": {k: list(v) for k, v in head.items() if v is not None}}
+

@@ -177,10 +177,14 @@ class MemoryCoeffs:
     ``recompute_input_token``: what a recomputing layer holds beside its own saved tensors and its kept
     input (``ckpt_token``) per token, where those do not share the kept input's storage (RMSNorm on a
     bf16 input saves an fp32 copy of it, not the input: ``b h``; 0 where the first norm saves the
-    input itself). ``derive``: ``""`` (the numbers as given), or the analytic count the activation coefficients are
+    input itself). ``derive``: ``""`` (the numbers as given), the analytic count the activation coefficients are
     re-derived from for the profile's model shape (:func:`shape_memory`): ``"saved-tensors"`` (what
     autograd saves on CPU, counted tensor by tensor in the shape's dtype) or ``"megatron-gpu"`` (Megatron's
-    ``34 h / tp`` with flash attention).
+    ``34 h / tp`` with flash attention), or ``"measured"`` (:data:`MEASURED_MEMORY`: ``act_token``, ``ckpt_token``,
+    ``logits_token`` and, on a GPU, ``bwd_workspace`` were measured by the start-up profiler at the profile's
+    ``time_model`` and ``tp``, not re-derived; on another shape or TP they are carried by ``basis``'s ratio,
+    :func:`carry_measured_memory`). ``basis``: for ``"measured"``, the analytic count (``"saved-tensors"`` or
+    ``"megatron-gpu"``) that gives the coefficients the profiler does not measure and carries the measured ones.
     """
 
     act_token: float
@@ -201,6 +205,7 @@ class MemoryCoeffs:
     kv_grad: float = 1.0
     derive: str = ""
     recompute_input_token: float = 0.0
+    basis: str = ""
 
 
 def megatron_model_state(dtype: str, distributed_optimizer: bool) -> dict[str, Any]:
@@ -542,19 +547,52 @@ NORM_SAVED = {
 
 
 _DERIVATIONS = {"saved-tensors": saved_tensor_memory, "megatron-gpu": gpu_activation_memory}
+# ``MemoryCoeffs.derive`` of a memory block the start-up profiler measured (``training.profiling.measure_profile``), and
+# the per-token coefficients it measures (``bwd_workspace``, a ratio, is measured on a GPU's allocator too)
+MEASURED_MEMORY = "measured"
+MEASURED_COEFFS = ("act_token", "ckpt_token", "logits_token")
+ALLOCATOR_COEFFS = ("bwd_workspace", "kv_grad")  # what an allocator adds to the saved tensors: as measured, never carried
+
+
+def derived_memory(derive: str, shape: ModelShape, tp: int, sequence_parallel: bool = False) -> dict[str, float]:
+    """The activation coefficients of the analytic count ``derive`` (``saved-tensors`` or ``megatron-gpu``, which
+    assumes sequence parallelism) for ``shape`` at ``tp``."""
+    if derive not in _DERIVATIONS:
+        raise ValueError(f"unknown memory derivation {derive!r} (known: {', '.join(_DERIVATIONS)}, {MEASURED_MEMORY})")
+    sp = {"sequence_parallel": sequence_parallel} if derive == "saved-tensors" else {}
+    return _DERIVATIONS[derive](shape, tp, **sp)
+
+
+def carry_measured_memory(memory: MemoryCoeffs, ref: ModelShape, ref_tp: int, shape: ModelShape, tp: int,
+                          sequence_parallel: bool = False) -> MemoryCoeffs:
+    """A measured memory block (``derive`` ``"measured"``), measured at shape ``ref`` and TP ``ref_tp``, carried to
+    ``shape`` at ``tp``: each measured coefficient (:data:`MEASURED_COEFFS`) times the ratio of its ``basis`` count
+    at ``shape`` over at ``ref`` (so the output head's bytes follow the vocabulary, a layer's its widths and the
+    TP split), the coefficients the profiler does not measure as the ``basis`` counts them at ``shape``, and
+    ``bwd_workspace``, ``kv_grad`` as measured. Where ``shape`` and ``tp`` are those measured, every ratio is 1:
+    the coefficients as measured. A measured profile on another shape thus never keeps the measured bytes as
+    they are, nor drops them for the analytic count: it keeps the measured excess over the count."""
+    old = derived_memory(memory.basis, ref, ref_tp, sequence_parallel)
+    new = derived_memory(memory.basis, shape, tp, sequence_parallel)
+    measured = {k: getattr(memory, k) * (new[k] / old[k] if old[k] else 1.0) for k in MEASURED_COEFFS}
+    counted = {k: v for k, v in new.items() if k not in MEASURED_COEFFS + ALLOCATOR_COEFFS}
+    return replace(memory, **counted, **measured)
 
 
 def shape_memory(profile: Profile) -> Profile:
     """``profile`` with its activation coefficients re-derived for its own model shape (memory
     ``derive``), so a profile placed on another hidden / ffn / heads / vocab size scales its memory;
-    unchanged when ``derive`` is empty (coefficients as given)."""
+    unchanged when ``derive`` is empty (coefficients as given). A measured block (``"measured"``) holds for the
+    profile's ``time_model`` (the shape the profiler measured, times and memory alike) and is carried from it
+    (:func:`carry_measured_memory`)."""
     derive = profile.memory.derive
     if not derive:
         return profile
-    if derive not in _DERIVATIONS:
-        raise ValueError(f"unknown memory derivation {derive!r} (known: {', '.join(_DERIVATIONS)})")
-    sp = {"sequence_parallel": profile.sequence_parallel} if derive == "saved-tensors" else {}  # megatron-gpu assumes it
-    return replace(profile, memory=replace(profile.memory, **_DERIVATIONS[derive](profile.model, profile.tp, **sp)))
+    if derive == MEASURED_MEMORY:
+        return replace(profile, memory=carry_measured_memory(profile.memory, profile.time_model, profile.tp, profile.model,
+                                                             profile.tp, profile.sequence_parallel))
+    memory = derived_memory(derive, profile.model, profile.tp, profile.sequence_parallel)
+    return replace(profile, memory=replace(profile.memory, **memory))
 
 
 def time_scale_factors(ref: ModelShape, shape: ModelShape) -> dict[str, float]:
@@ -633,7 +671,8 @@ AUTO_PROFILE = "auto"
 ANALYTIC_PROFILE = "analytic"
 TEST_MODEL_PROFILE = PROFILE_DIR / f"{TEST_MODEL.name}_cpu.json"  # ``--epp-profile test-model``: hidden 64
 PROFILE_NAMES = (AUTO_PROFILE, ANALYTIC_PROFILE, CPU_PROFILES, TEST_MODEL.name, *MODEL_PRESETS)
-DTYPE_NAMES = {"bf16": "bfloat16", "fp32": "float32", "bfloat16": "bfloat16", "float32": "float32"}
+DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "bfloat16": "bfloat16", "float16": "float16",
+               "float32": "float32"}
 
 
 def is_cpu_profile(profile: Profile) -> bool:
@@ -645,41 +684,57 @@ def is_cpu_profile(profile: Profile) -> bool:
 @dataclass(frozen=True)
 class ProfileKey:
     """What a measured GPU profile is valid for: the GPU's name, the activations' dtype, the attention kernel
-    the executor runs there, and the layer's shape as far as its time depends on it (widths, heads, K/V heads,
-    head dimension, MLP, norm, biases, positions). Layers, vocabulary and dropout are not in it: the profile is
-    per layer, and the output head is carried to another vocabulary by FLOPs (:func:`shape_time`)."""
+    the executor runs there, the torch version (its kernels), the context cap (``--seq-length``: the start-up
+    profiler's grid is drawn from it) and the layer's shape as far as its time and memory depend on it (widths,
+    heads, K/V heads, head dimension, MLP, norm, biases, positions). Layers, vocabulary and dropout are not in it:
+    the profile is per layer, and the output head is carried to another vocabulary (its time by FLOPs,
+    :func:`shape_time`; its measured bytes by the basis count, :func:`carry_measured_memory`).
+
+    A profile records its key's torch version and context cap in ``fit["torch"]`` and ``fit["seq_length"]``;
+    one written before 2026-11-27 has no cap (an older key format): it is no key's profile, and
+    ``--epp-profile auto`` measures afresh (:func:`find_measured_profile` lists it as ignored)."""
 
     gpu: str
     dtype: str
     kernel: str
+    torch: str
+    seq_length: int
     layer: tuple
 
     @classmethod
-    def of(cls, gpu: str, dtype: str, kernel: str, shape: ModelShape) -> "ProfileKey":
+    def of(cls, gpu: str, dtype: str, kernel: str, shape: ModelShape, torch: str, seq_length: int) -> "ProfileKey":
         layer = (shape.hidden, shape.num_heads, shape.ffn_hidden, shape.num_kv_heads or shape.num_heads, shape.head_dim,
                  shape.swiglu, shape.rope, shape.normalization, shape.bias)
-        return cls(gpu, DTYPE_NAMES.get(dtype, dtype), kernel, layer)
+        return cls(gpu, DTYPE_NAMES.get(dtype, dtype), kernel, torch, int(seq_length), layer)
 
     @classmethod
     def from_profile(cls, profile: Profile) -> "ProfileKey | None":
         """The key of a measured GPU profile, read off its ``device`` (``"GPU name (dtype, kernel)"``, as
-        ``scripts/profile_gpu.py`` and the start-up profiler write it) and the shape its times were measured at;
-        None for a CPU or an analytic profile."""
+        ``scripts/profile_gpu.py`` and the start-up profiler write it), its ``fit``'s torch version and context cap,
+        and the shape its times were measured at; None for a CPU or an analytic profile, or one of the older key
+        format (:func:`is_older_key_format`)."""
         match = re.fullmatch(r"(.+) \(([^,()]+), ([^,()]+)\)", profile.device)
-        if profile.source != "measured" or is_cpu_profile(profile) or match is None:
+        if profile.source != "measured" or is_cpu_profile(profile) or match is None or is_older_key_format(profile):
             return None
-        return cls.of(match[1], match[2], match[3], profile.time_model)
+        return cls.of(match[1], match[2], match[3], profile.time_model, str(profile.fit["torch"]), int(profile.fit["seq_length"]))
 
     def file_name(self) -> str:
         """The cache file of this key: readable parts, and a digest of the whole key."""
         digest = hashlib.sha1(repr(self).encode()).hexdigest()[:10]
         gpu = re.sub(r"[^a-z0-9]+", "-", self.gpu.lower()).strip("-")
-        return f"{gpu}_{self.dtype}_{self.kernel}_h{self.layer[0]}_{digest}.json"
+        return f"{gpu}_{self.dtype}_{self.kernel}_h{self.layer[0]}_s{self.seq_length}_{digest}.json"
 
     def describe(self) -> str:
         h, heads, ffn, kv_heads, d, swiglu, rope, norm, bias = self.layer
-        return (f"{self.gpu}, {self.dtype}, {self.kernel}, hidden {h}, {heads} heads ({kv_heads} K/V) x {d}, ffn {ffn}"
-                f"{' SwiGLU' if swiglu else ''}, {norm}{'' if bias else ', no biases'}{'' if rope else ', learned positions'}")
+        return (f"{self.gpu}, {self.dtype}, {self.kernel}, torch {self.torch}, cap {self.seq_length}, hidden {h}, {heads} heads "
+                f"({kv_heads} K/V) x {d}, ffn {ffn}{' SwiGLU' if swiglu else ''}, {norm}{'' if bias else ', no biases'}"
+                f"{'' if rope else ', learned positions'}")
+
+
+def is_older_key_format(profile: Profile) -> bool:
+    """A measured GPU profile written before its key held the torch version and the context cap (2026-11-27): no
+    ``fit["torch"]`` or ``fit["seq_length"]``."""
+    return not is_cpu_profile(profile) and profile.source == "measured" and not {"torch", "seq_length"} <= set(profile.fit)
 
 
 def default_profile_cache() -> Path:
@@ -687,9 +742,11 @@ def default_profile_cache() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "megatron-epp" / "profiles"
 
 
-def find_measured_profile(key: ProfileKey, cache_dir: str | Path | None) -> tuple[Path, Profile] | None:
+def find_measured_profile(key: ProfileKey, cache_dir: str | Path | None,
+                          older: list[Path] | None = None) -> tuple[Path, Profile] | None:
     """The measured GPU profile of ``key``: the cache's own file for it, any other profile in the cache with
-    that key (``scripts/profile_gpu.py --out`` placed there), else a shipped one (``PROFILE_DIR``); None if none."""
+    that key (``scripts/profile_gpu.py --out`` placed there), else a shipped one (``PROFILE_DIR``); None if none.
+    Profiles of the older key format (:func:`is_older_key_format`) are no match; their paths go to ``older``."""
     cache = Path(cache_dir) if cache_dir is not None else None
     candidates = [cache / key.file_name()] if cache is not None else []
     candidates += sorted(cache.glob("*.json")) if cache is not None and cache.is_dir() else []
@@ -703,6 +760,8 @@ def find_measured_profile(key: ProfileKey, cache_dir: str | Path | None) -> tupl
             continue  # not a profile (or a torn file from before writes were atomic): not a match
         if ProfileKey.from_profile(profile) == key:
             return path, profile
+        if older is not None and is_older_key_format(profile):
+            older.append(path)
     return None
 
 
@@ -767,7 +826,8 @@ def load_profile(spec: str, tp: int = 8, shape: ModelShape | None = None, device
 def profile_at_tp(profile: Profile, tp: int) -> tuple[Profile, str | None]:
     """``profile`` used at tensor-parallel size ``tp`` (``epp-plan --tp``, ``pretrain_gpt.py``'s
     ``--tensor-model-parallel-size``), and a one-line note when that is not the size it was measured at: the
-    activation memory is then re-derived for ``tp`` (:func:`shape_memory`, by the memory ``derive``), the times
+    activation memory is then re-derived for ``tp`` (:func:`shape_memory`, by the memory ``derive``; a measured one
+    carried by its basis count's ratio, :func:`carry_measured_memory`), the times
     are kept as measured, neither split over the ``tp`` ranks nor charged their collectives (off by a speed
     factor, which the driver's online calibration fits). A profile whose memory coefficients cannot be
     re-derived (no ``derive``) is only usable at its own size: a ``ValueError``."""
@@ -776,6 +836,9 @@ def profile_at_tp(profile: Profile, tp: int) -> tuple[Profile, str | None]:
     if not profile.memory.derive:
         raise ValueError(f"the profile {profile.device!r} was measured at TP={profile.tp} and its activation memory "
                          f"cannot be re-derived for TP={tp} (no memory 'derive')")
+    if profile.memory.derive == MEASURED_MEMORY:  # carried to tp now: a measured block holds at the profile's own tp
+        profile = replace(profile, memory=carry_measured_memory(profile.memory, profile.time_model, profile.tp,
+                                                                profile.time_model, tp))
     return replace(profile, tp=tp), (f"the profile {profile.device!r} was measured at TP={profile.tp}; at TP={tp} its "
                                      "activation memory is re-derived, its times are as measured (not split over the "
                                      "tensor-parallel ranks: off by a speed factor)")

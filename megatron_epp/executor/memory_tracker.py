@@ -77,6 +77,12 @@ class ActivationMemoryTracker:
             self.peak_allocated = torch.cuda.max_memory_allocated() - self._start
             self.peak_bytes = self.peak_with_kv_grads = torch.cuda.max_memory_reserved() - self._start
 
+    @property
+    def held_bytes(self) -> int:
+        """CPU: the bytes held now (the saved tensors autograd still holds, and the K/V buffers), where
+        ``peak_bytes`` is the most held so far."""
+        return self._current + self._kv_unsaved
+
     def _pack(self, tensor: torch.Tensor):
         if isinstance(tensor, torch.nn.Parameter):
             return _Plain(tensor)

@@ -41,12 +41,14 @@ def elastic_sampler(cfg: TrainingConfig, split: str, dp_size: int, planner: Onli
                            dp_size=dp_size, split=by_work, truncate=cfg.epp.truncate_documents)
 
 
-def check_memory_budget(cfg: TrainingConfig) -> str:
+def check_memory_budget(cfg: TrainingConfig, profile: Profile | None = None) -> str:
     """Fail before any work if no plan fits the budget for documents of the full context length; else the
     start-up line's account of the budget: how it was found (given, or :mod:`.memory_budget`'s default), the
-    model states the planner counts in it (the largest stage's) and what it leaves for activations."""
+    model states the planner counts in it (the largest stage's) and what it leaves for activations. ``profile``:
+    the one resolved at start-up (a profile measured on the GPU, whose memory may exceed the analytic count the
+    check before start-up used); None: :func:`~megatron_epp.training.profiling.planner_profile`'s."""
     docs = max(cfg.training.global_batch_size // cfg.parallel.dims.dp, 1)
-    planner = online_planner(cfg)
+    planner = online_planner(cfg, profile)
     try:
         planner([cfg.model.seq_length] * docs)
     except PlanInfeasible as error:

@@ -125,9 +125,11 @@ class ElasticSteps:
         self.profile: Resolved | None = None
 
     def start(self, runtime: Runtime) -> None:
-        """Every rank: the first one resolves (and on CUDA may measure) the profile, all plan on it;
-        :class:`~megatron_epp.training.arguments.ArgumentError` where it cannot."""
+        """Every rank: the first one resolves (and on CUDA may measure) the profile, all plan on it, and the memory
+        budget is checked again on it (a measured profile's memory may exceed the count checked before);
+        :class:`~megatron_epp.training.arguments.ArgumentError` where either cannot serve."""
         self.profile = startup_profile(self.cfg, runtime.device)
+        self.budget = check_memory_budget(self.cfg, self.profile.profile)
 
     def model_context(self) -> ChunkContext:
         return ChunkContext()

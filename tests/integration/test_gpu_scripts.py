@@ -25,7 +25,7 @@ import sys
 import pytest
 import torch
 
-from megatron_epp.cost.profiles import load_profile
+from megatron_epp.cost.profiles import load_profile, saved_tensor_memory
 from megatron_epp.training.metrics import ElasticMetrics, StepMetrics
 from tests.launch import REPO, run_env
 
@@ -65,6 +65,13 @@ def test_gpu_profiler_smoke_run_on_cpu_makes_a_profile_the_planner_reads(tmp_pat
     assert all(0 <= v < float("inf") for v in coefficients) and profile.fwd.b1 + profile.fwd.a2 > 0
     assert set(profile.fit["errors"]) == {"attention_fwd", "attention_bwd", "fwd", "bwd", "recompute", "head_fwd", "head_bwd"}
     assert profile.fit["errors"]["attention_fwd"]["points"] == 6 and "rms rel err" in proc.stdout
+    # the memory it measured, printed and stored (on the CPU: what autograd saves, equal to the saved-tensor count)
+    m, counted = profile.memory, saved_tensor_memory(shape)
+    assert (m.derive, m.act_token, m.ckpt_token, m.logits_token) == ("measured", counted["act_token"], counted["ckpt_token"], counted["logits_token"])
+    assert (f"  memory (measured, saved-tensors basis): act_token {m.act_token:,.1f} B (0.00 % rms), ckpt_token {m.ckpt_token:,.1f} B "
+            f"(0.00 % rms), logits_token {m.logits_token:,.1f} B (0.00 % rms) per token; bwd_workspace 0.000 layers, kv_grad 0") in proc.stdout
+    printed = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert printed["memory"] == {"act_token": m.act_token, "ckpt_token": m.ckpt_token, "logits_token": m.logits_token, "bwd_workspace": 0.0}
     lengths = tmp_path / "lengths.txt.gz"
     with gzip.open(lengths, "wt") as f:
         f.write("\n".join(map(str, [300, 100, 40, 20] * 4)) + "\n")

@@ -1,11 +1,12 @@
 """Which cost profile a run plans on (``--epp-profile``, ``megatron_epp.training.profiling``), pinned on CPU.
 
 * ``auto`` on the CPU: the shipped CPU profile nearest the model (as ``cpu``);
-* ``auto`` on CUDA: the cached profile of this GPU, dtype, kernel and layer shape (a hit); the shipped measured
-  H100 profile for its own key; without one, the start-up profiler measures (here: the real profiler, a tiny model
-  and grid on the CPU standing in for a GPU), writes the cache atomically, and the next run hits it;
+* ``auto`` on CUDA: the cached profile of this GPU, dtype, kernel, torch version, context cap and layer shape (a hit);
+  the shipped H100 profile, of the older key format, is ignored cleanly; without one, the start-up profiler measures
+  (here: the real profiler, a tiny model and grid on the CPU standing in for a GPU), writes the cache atomically, and
+  the next run hits it; at TP > 1 without one, the analytic profile with the reason (never a refusal);
 * a CPU-measured profile on CUDA is refused in one line;
-* the cache key: another GPU, dtype, kernel or layer shape misses;
+* the cache key: another GPU, dtype, kernel, torch version, context cap or layer shape misses;
 * the recompute fit on the H100 timings of ``gpu-evidence/2026-11-25-h100``.
 """
 
@@ -22,7 +23,7 @@ import torch
 
 from megatron_epp.cost.profile_fit import fit, recompute_fit
 from megatron_epp.cost.profiles import (
-    PROFILE_DIR, Profile, ProfileKey, TimeCoeffs, find_measured_profile, is_cpu_profile, load_profile,
+    PROFILE_DIR, Profile, ProfileKey, TimeCoeffs, analytic_profile, find_measured_profile, is_cpu_profile, load_profile,
 )
 from megatron_epp.training.replay import parsed_config
 from megatron_epp.training.layer_bench import init_single_process
@@ -65,21 +66,30 @@ def test_a_cpu_profile_on_cuda_is_refused_in_one_line(tmp_path):
 
 
 def gpu_profile_for(args, gpu: str = "Test GPU", dtype: str = "float32", kernel: str = "sdpa-merged") -> Profile:
-    """The shipped H100 profile relabelled as measured on ``gpu`` at the run's shape (a cached profile)."""
+    """The shipped H100 profile relabelled as measured on ``gpu`` at the run's shape, with this torch and the run's
+    context cap recorded (a cached profile of the current key format)."""
     shipped = Profile.load(PROFILE_DIR / "gpu-h1024_h100_tp1.json")
     shape = model_shape(args, "cached")
-    return dataclasses.replace(shipped, device=f"{gpu} ({dtype}, {kernel})", model=shape, time_model=shape)
+    fit = {**shipped.fit, "torch": torch.__version__, "seq_length": args.model.seq_length}
+    return dataclasses.replace(shipped, device=f"{gpu} ({dtype}, {kernel})", model=shape, time_model=shape, fit=fit)
+
+
+def key_of(args, target: Target = FAKE_GPU) -> ProfileKey:
+    return target.key(model_shape(args), args.model.seq_length)
 
 
 def test_auto_on_cuda_takes_the_cached_profile_of_its_key(tmp_path):
     args = args_for(cache=tmp_path)
     cached = gpu_profile_for(args)
-    key = FAKE_GPU.key(model_shape(args))
+    key = key_of(args)
     assert ProfileKey.from_profile(cached) == key
     cached.save(tmp_path / key.file_name())
     resolved = resolve_profile(args, FAKE_GPU)
     assert resolved.profile == cached and resolved.origin == f"cache hit {tmp_path / key.file_name()}"
     assert describe(args, resolved).startswith("--epp-profile auto: measured on Test GPU (float32, sdpa-merged) (model cached; cache hit ")
+    # the start-up line prints the key it was looked up by
+    assert describe(args, resolved).endswith(f"; key Test GPU, float32, sdpa-merged, torch {torch.__version__}, cap 128, hidden 32, "
+                                             "4 heads (2 K/V) x 8, ffn 64 SwiGLU, RMSNorm, no biases)")
     # a profile placed in the cache under another name (scripts/profile_gpu.py --out) is found by its key too
     (tmp_path / key.file_name()).rename(tmp_path / "by-hand.json")
     assert find_measured_profile(key, tmp_path)[0] == tmp_path / "by-hand.json"
@@ -88,37 +98,68 @@ def test_auto_on_cuda_takes_the_cached_profile_of_its_key(tmp_path):
 def test_the_cache_key_holds_gpu_dtype_kernel_and_layer_shape(tmp_path):
     args = args_for()
     shape = model_shape(args)
-    key = FAKE_GPU.key(shape)
+    key = key_of(args)
     gpu_profile_for(args).save(tmp_path / key.file_name())
     assert find_measured_profile(key, tmp_path) is not None
+    version = torch.__version__
     others = [
-        ProfileKey.of("Other GPU", "float32", "sdpa-merged", shape),
-        ProfileKey.of("Test GPU", "bfloat16", "sdpa-merged", shape),
-        ProfileKey.of("Test GPU", "float32", "torch-varlen", shape),
-        ProfileKey.of("Test GPU", "float32", "sdpa-merged", dataclasses.replace(shape, hidden=64)),
-        ProfileKey.of("Test GPU", "float32", "sdpa-merged", dataclasses.replace(shape, num_kv_heads=4)),
-        ProfileKey.of("Test GPU", "float32", "sdpa-merged", dataclasses.replace(shape, swiglu=False)),
+        ProfileKey.of("Other GPU", "float32", "sdpa-merged", shape, version, 128),
+        ProfileKey.of("Test GPU", "bfloat16", "sdpa-merged", shape, version, 128),
+        ProfileKey.of("Test GPU", "float16", "sdpa-merged", shape, version, 128),
+        ProfileKey.of("Test GPU", "float32", "torch-varlen", shape, version, 128),
+        ProfileKey.of("Test GPU", "float32", "sdpa-merged", shape, "2.11.0+cu130", 128),
+        ProfileKey.of("Test GPU", "float32", "sdpa-merged", shape, version, 256),
+        ProfileKey.of("Test GPU", "float32", "sdpa-merged", dataclasses.replace(shape, hidden=64), version, 128),
+        ProfileKey.of("Test GPU", "float32", "sdpa-merged", dataclasses.replace(shape, num_kv_heads=4), version, 128),
+        ProfileKey.of("Test GPU", "float32", "sdpa-merged", dataclasses.replace(shape, swiglu=False), version, 128),
     ]
     for other in others:
         assert other != key and other.file_name() != key.file_name()
         assert find_measured_profile(other, tmp_path) is None, other
     # layers, vocabulary, dropout and the name are not the layer's time: the same key
     same = dataclasses.replace(shape, name="x", num_layers=7, vocab=999, hidden_dropout=0.1)
-    assert ProfileKey.of("Test GPU", "fp32", "sdpa-merged", same) == key
+    assert ProfileKey.of("Test GPU", "fp32", "sdpa-merged", same, version, 128) == key
+    # another run's cap or torch is another key: the run looks its own up
+    assert key_of(args.replace(model={"seq_length": 256})) == others[5]
+    assert key_of(args, dataclasses.replace(FAKE_GPU, torch_version="2.11.0+cu130")) == others[4]
 
 
-def test_the_shipped_h100_profile_is_found_for_its_own_key(tmp_path):
-    args = parsed_config(["--elastic-pp", "--mock-data", "--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "16",
-                        "--seq-length", "16384", "--global-batch-size", "32", "--lr", "1e-3", "--train-iters", "1", "--bf16",
-                        "--epp-profile-cache", str(tmp_path), "--epp-memory-budget", "60"], world_size=1)
-    h100 = Target("cuda", torch.bfloat16, gpu="NVIDIA H100 80GB HBM3", kernel="sdpa-causal")
-    resolved = resolve_profile(args, h100)
-    assert resolved.origin == f"shipped {PROFILE_DIR / 'gpu-h1024_h100_tp1.json'}"
-    assert resolved.profile.source == "measured" and resolved.profile.device == "NVIDIA H100 80GB HBM3 (bfloat16, sdpa-causal)"
-    # the same GPU with another attention kernel has no profile: at TP 2 the start-up profiler cannot measure it
-    args = args.replace(parallel={"dims": dataclasses.replace(args.parallel.dims, tp=2)})
-    with pytest.raises(ArgumentError, match="measures one GPU .TP 1. only: run scripts/profile_gpu.py"):
-        resolve_profile(args, dataclasses.replace(h100, kernel="torch-varlen"))
+H1024 = ["--elastic-pp", "--mock-data", "--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "16",
+         "--seq-length", "16384", "--global-batch-size", "32", "--lr", "1e-3", "--train-iters", "1", "--bf16", "--epp-memory-budget", "60"]
+H100 = Target("cuda", torch.bfloat16, gpu="NVIDIA H100 80GB HBM3", kernel="sdpa-causal", torch_version="2.11.0+cu130")
+
+
+def test_a_profile_of_the_older_key_format_is_ignored_cleanly_and_still_loads_as_a_file(tmp_path):
+    """The shipped H100 h1024 profile (2026-11-25) records no context cap: it is no key's profile, so ``auto`` does
+    not take it even on its own GPU, kernel and torch (it would plan on its unmeasured memory); it is listed as
+    ignored, and ``--epp-profile FILE`` still loads it."""
+    shipped = PROFILE_DIR / "gpu-h1024_h100_tp1.json"
+    args = parsed_config([*H1024, "--epp-profile-cache", str(tmp_path)], world_size=1)
+    key = key_of(args, H100)
+    older: list = []
+    assert ProfileKey.from_profile(Profile.load(shipped)) is None
+    assert find_measured_profile(key, tmp_path, older) is None and older == [shipped]
+    (tmp_path / "copy.json").write_text(shipped.read_text())  # in the cache too: ignored there as well, no error
+    assert find_measured_profile(key, tmp_path, older) is None and tmp_path / "copy.json" in older
+    loaded = resolve_profile(parsed_config([*H1024, "--epp-profile", str(shipped)], world_size=1), H100)
+    assert loaded.origin == f"file {shipped}" and loaded.profile.source == "measured"
+
+
+def test_auto_at_tp_2_without_a_profile_plans_on_the_analytic_one_and_says_why(tmp_path):
+    """Never a refusal: at TP > 1 the start-up profiler (a whole layer on one GPU) cannot measure the run's shard, so
+    the run plans on its model's analytic profile at its TP, and the start-up line says so, why, and the key."""
+    args = parsed_config([*H1024, "--epp-profile-cache", str(tmp_path), "--tensor-model-parallel-size", "2"], world_size=2)
+    lines: list[str] = []
+    resolved = resolve_profile(args, H100, log=lines.append)
+    assert resolved.profile == analytic_profile(model_shape(args), 2) and lines == [] and list(tmp_path.iterdir()) == []
+    line = describe(args, resolved)
+    assert line.startswith("--epp-profile auto: analytic on H100-SXM bf16 x2 (TP) (model pretrain_gpt; no measured profile of this "
+                           f"key in {tmp_path} (1 of an older key format ignored: gpu-h1024_h100_tp1.json), and the start-up "
+                           "profiler measures a whole layer on one GPU, not a TP 2 shard: the analytic profile of the model instead")
+    assert line.endswith(f"; key {key_of(args, H100).describe()})") and "\n" not in line
+    # the same from the driver's start-up step (every rank plans on it)
+    started = startup_profile(args, torch.device("cpu"), target=H100)
+    assert started.profile == resolved.profile and describe(args, started) == line
 
 
 def test_auto_on_cuda_without_a_profile_measures_one_caches_it_and_the_next_run_hits(tmp_path):
@@ -129,17 +170,20 @@ def test_auto_on_cuda_without_a_profile_measures_one_caches_it_and_the_next_run_
     rng = torch.random.get_rng_state()
     resolved = resolve_profile(args, FAKE_GPU, log=lines.append)
     assert torch.equal(torch.random.get_rng_state(), rng)  # the run's seeds as they were
-    key = FAKE_GPU.key(model_shape(args))
+    key = key_of(args)
     path = cache / key.file_name()
     assert re.fullmatch(rf"cache miss, measured now in [0-9.]+ s, cached at {re.escape(str(path))}", resolved.origin)
-    assert lines[0].startswith("> planner: no measured profile of Test GPU, float32, sdpa-merged, hidden 32, 4 heads (2 K/V)")
+    assert lines[0].startswith(f"> planner: no measured profile of Test GPU, float32, sdpa-merged, torch {torch.__version__}, cap 128, "
+                               "hidden 32, 4 heads (2 K/V)")
     assert sum(bool(re.match(r"\s+(attention|layer|head) s=", line)) for line in lines) == 6 + 4 + 2  # one line a point
     assert sum("rms rel err" in line for line in lines) == 7
+    assert sum(line.startswith("  memory (measured, saved-tensors basis): act_token ") for line in lines) == 1
     profile = resolved.profile
     assert profile.source == "measured" and profile.device == "Test GPU (float32, sdpa-merged)"
     assert ProfileKey.from_profile(profile) == key and profile.model.num_kv_heads == 2 and profile.model.swiglu
     assert set(profile.fit["errors"]) == {"attention_fwd", "attention_bwd", "fwd", "bwd", "recompute", "head_fwd", "head_bwd"}
-    assert profile.fit["seconds"] < 60 and profile.fit["skipped"] == []
+    assert profile.fit["seconds"] < 60 and profile.fit["skipped"] == [] and profile.fit["out_of_memory"] == []
+    assert profile.memory.derive == "measured" and profile.fit["seq_length"] == 128  # its memory measured (test_profile_memory.py)
     # written atomically (no temporary left) and read back whole
     assert sorted(p.name for p in cache.iterdir()) == [path.name]
     assert Profile.load(path).to_dict() == profile.to_dict()
