@@ -44,6 +44,7 @@ from megatron_epp.training.model import architecture_config, elastic_base_layer_
 from megatron_epp.training.config import TrainingConfig
 
 STARTUP_BUDGET_S = 60.0  # the start-up measurement's time box (optional grid points are dropped past it)
+MAX_POSITIONS = 32768  # RoPE's table in a LayerStack unless the caller asks for more (measure_profile: its longest layer)
 
 
 class LayerStack(torch.nn.Module):
@@ -53,7 +54,7 @@ class LayerStack(torch.nn.Module):
     ``elastic_layer_spec``): ``ChunkRecomputeLayer`` with ``ElasticAttention`` as core attention, RoPE (when the
     shape has it) through the chunk rotary embedding, all reading the stack's own :class:`ChunkContext`. A
     checkpointed forward recomputes as training does (the layout's recompute count, megatron-core's
-    ``tensor_parallel.checkpoint``). Needs megatron-core's model-parallel state with one tensor-parallel rank
+    ``tensor_parallel.checkpoint``). RoPE's table holds ``max_positions`` positions: a chunk past them is refused. Needs megatron-core's model-parallel state with one tensor-parallel rank
     (a training process at TP = 1, or ``megatron_epp.training.layer_bench.init_single_process``).
 
     :meth:`set_segments` makes a chunk current in the stack's own context until the next call, so a
@@ -61,7 +62,7 @@ class LayerStack(torch.nn.Module):
     """
 
     def __init__(self, shape: ModelShape, num_layers: int, seed: int = 0, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32, rotary_base: int = ROTARY_BASE) -> None:
+                 dtype: torch.dtype = torch.float32, rotary_base: int = ROTARY_BASE, max_positions: int = MAX_POSITIONS) -> None:
         super().__init__()
         if parallel_state.get_tensor_model_parallel_world_size() != 1:
             raise RuntimeError("LayerStack: one tensor-parallel rank only (a layer at TP > 1 needs its peers)")
@@ -85,12 +86,14 @@ class LayerStack(torch.nn.Module):
         spec = elastic_layer_spec(elastic_base_layer_spec(shape.normalization), self.context)
         self.layers = torch.nn.ModuleList(build_module(spec, config=config, layer_number=i + 1) for i in range(num_layers))
         self.rotary = ChunkRotaryEmbedding(RotaryEmbedding(config.kv_channels, rotary_percent=1.0, rotary_base=rotary_base,
-                                                           use_cpu_initialization=on_cpu), self.context) if shape.rope else None
+                                                           use_cpu_initialization=on_cpu), self.context, max_positions) if shape.rope else None
         self.head = torch.nn.Linear(shape.hidden, shape.vocab, bias=False)
         self.shape = shape
         self._recompute_layout: ChunkLayout | None = None
         self._prefixes: list[tuple[KVBuffer, int]] = []  # each slice's buffers and their prefix rows
         self.to(self.device, dtype)  # every parameter, LayerNorms included, as Float16Module does in training
+        if self.rotary is not None:
+            self.rotary.build_table()  # once, as training builds it (fp32: a plain attribute, not cast)
 
     def set_segments(self, lengths: Sequence[int], contexts: Sequence[int]) -> None:
         """Make the segments ``(s, C)`` the current chunk; a slice of context ``C > 0`` (at most one, as
@@ -269,7 +272,7 @@ def measure_profile(shape: ModelShape, device: torch.device, dtype: torch.dtype,
             log(f"  attention s={s:6d} C={c:6d}: fwd {f:8.3f} ms  bwd {b:8.3f} ms")
     attention = attention_fit(points, af, ab)
 
-    stack = LayerStack(shape, num_layers=1, device=device, dtype=dtype, rotary_base=rotary_base)
+    stack = LayerStack(shape, num_layers=1, device=device, dtype=dtype, rotary_base=rotary_base, max_positions=max(grid.layer_lengths))
     lengths, tf, tb, trc = [], [], [], []
     for s in grid.layer_lengths:
         if over(len(lengths), 3, f"layer s={s}"):
