@@ -58,7 +58,7 @@ def test_one_table_for_every_chunk_length(monkeypatch, planted):
     """100 chunks of 100 lengths (up to the last position of --seq-length) gather their angles, and their cos/sin'
     tables in bf16, from the one table built at the start: no op but the gather and the tables' own runs, megatron-core's
     per-length cache does not grow, and every chunk's angles are the table's rows. ``per-length-planted``: megatron-core's
-    ``RotaryEmbedding`` asked per chunk again (as before 2026-11-26) must be seen (its cache grows, tables are built)."""
+    ``RotaryEmbedding`` asked per chunk again (as before 2026-11-27) must be seen (its cache grows, tables are built)."""
     init_single_process()
     context = ChunkContext()
     embedding = rotary.ChunkRotaryEmbedding(RotaryEmbedding(16, 1.0, use_cpu_initialization=True), context, SEQ_LENGTH)
