@@ -9,9 +9,10 @@
 #   facts        GPU, driver, torch, what imports
 #   install      scripts/setup_gpu.sh --find-links WHEELS (offline; optional kernels from wheels only
 #                unless --build-timeout S > 0; skipped without --wheels when megatron-core imports)
-#   attention    scripts/check_cuda_attention.py: SDPA paths (and flash-attn varlen where it imports)
-#                in bf16 against an fp32 reference (query blocks: one block's scores in memory), on
-#                batched, split and hybrid chunks
+#   attention    scripts/check_cuda_attention.py: torch's varlen_attn, sdpa-causal (and flash-attn varlen
+#                where it imports) in bf16 against an fp32 reference (query blocks: one block's scores in
+#                memory), on batched, split and hybrid chunks, timed within 45 s; the bytes torch-varlen saves
+#                per layer with GQA and whether the K/V heads were expanded (the summary shows the line)
 #   equivalence  tests/integration/test_elastic_equivalence.py, its one-process cases (-k pp1): elastic vs stock
 #                Megatron-Core in fp32 (SDPA, < 1e-5) and bf16 elastic vs fp32 (every attention backend
 #                that runs; < 16 u); runs of more processes than GPUs are skipped, with the reason
@@ -134,7 +135,7 @@ result_of() {  # one line from a step's log
   case "$1" in
     facts) grep -E '^(gpu|torch) ' "$log" | tr '\n' ';' ;;
     install) grep -E '^> elastic attention|WARNING|error' "$log" | cut -c1-160 | tr '\n' ';' ;;
-    attention) grep -E '^(PASS|FAIL)' "$log" | head -n 3 | tr '\n' ';' ;;
+    attention) grep -E '^(PASS|FAIL|saved bytes per layer)' "$log" | head -n 3 | tr '\n' ';' ;;
     equivalence) grep -E '(passed|failed|error|skipped)' "$log" | tail -n 2 | tr '\n' ';' ;;
     profile) grep -E 'rms rel err' "$log" | awk '{printf "%s %s%%; ", $1, $5}' ;;
     train) grep -E '^train:' "$log" | tail -n 1 ;;

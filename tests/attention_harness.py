@@ -9,8 +9,10 @@ Used by the CPU contract test and by ``scripts/check_cuda_attention.py``.
 Also reference implementations of the two varlen kernels' documented semantics in plain torch (``einsum``
 + ``softmax``, not SDPA), which stand in for them on CPU: flash-attn's ``flash_attn_varlen_func`` (2.1+
 docstring) and torch's ``torch.nn.attention.varlen.varlen_attn`` (torch 2.13's signature, and torch 2.11's
-without ``enable_gqa``). Both: q/k/v packed as ``(total, heads, d)``, one (q-sequence, k-sequence) pair per
-``cu_seqlens`` entry, causal aligned to the bottom-right corner, GQA by query-head groups.
+without ``enable_gqa``), and of the two aten ops under it, ``aten::_flash_attention_forward`` /
+``_flash_attention_backward`` (the forward's log-sum-exp, the backward from the saved output and log-sum-exp,
+``dk``/``dv`` at the K/V heads' width). All: q/k/v packed as ``(total, heads, d)``, one (q-sequence, k-sequence)
+pair per ``cu_seqlens`` entry, causal aligned to the bottom-right corner, GQA by query-head groups.
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ from dataclasses import dataclass
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_epp.executor.context import ChunkContext, ChunkLayout
+from megatron_epp.executor.context import ChunkContext, ChunkLayout, VarlenSeqlens
 from megatron_epp.executor.attention import ElasticAttention
-from megatron_epp.executor.kernels import FlashKernel, TorchVarlenKernel, torch_varlen_kernel
+from megatron_epp.executor.kernels import AtenFlashVarlen, FlashKernel, FlashOps, TorchVarlenKernel, torch_varlen_kernel
 from megatron_epp.plan import Plan
 from megatron_epp.plan.order import backward_order
 
@@ -90,6 +92,39 @@ def run_plan(attention: ElasticAttention, plan: Plan, tensors: list[list[ChunkTe
             if context.kv:
                 raise AssertionError(f"K/V buffers not released after the pipeline: {sorted(context.kv)}")
     return results
+
+
+class SavedTensors:
+    """What autograd saves for backward while this is entered (``torch.autograd.graph.saved_tensors_hooks``): each saved
+    tensor's shape and storage, and the bytes of the distinct storages (views of one buffer count once). Records,
+    holds no tensor."""
+
+    def __init__(self) -> None:
+        self.saved: list[tuple[tuple[int, ...], int]] = []  # (shape, storage address) per saved tensor
+        self.storages: dict[int, int] = {}  # storage address -> bytes
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def __enter__(self) -> "SavedTensors":
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        self.saved.append((tuple(tensor.shape), storage.data_ptr()))
+        self.storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.storages.values())
+
+    def heads_wide(self, heads: int, besides: set[int]) -> list[tuple[int, ...]]:
+        """Shapes of the saved ``[rows, heads, d]`` tensors whose storage is none of ``besides`` (the queries' and the
+        outputs'): with fewer K/V heads than ``heads``, K/V expanded to the query heads."""
+        return [shape for shape, address in self.saved if len(shape) == 3 and shape[1] == heads and address not in besides]
 
 
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -174,11 +209,108 @@ def reference_varlen_attn_without_gqa(query, key, value, cu_seq_q, cu_seq_k, max
     return reference_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, return_aux=return_aux, scale=scale, window_size=window_size)
 
 
-def reference_torch_varlen(takes_gqa: bool = True, func=None) -> TorchVarlenKernel:
-    """A :class:`TorchVarlenKernel` in float32 for ``func`` (default: the reference of torch 2.13's signature, or
-    2.11's without ``takes_gqa``), its GQA read from its signature as the real probe reads it; on CPU, and on CUDA
-    (the equivalence suite's fp32 runs where they run on GPUs)."""
-    func = func or (reference_varlen_attn if takes_gqa else reference_varlen_attn_without_gqa)
-    kernel, why_not = torch_varlen_kernel(func, "reference", devices=("cpu", "cuda"), dtypes=(torch.float32,), min_capability=None)
+def _varlen_pairs(q, k, cum_seq_q, cum_seq_k, max_q: int, max_k: int, strict: bool = True):
+    """Each sequence pair's query and key rows, after the aten flash ops' argument contract is checked (``strict``: the
+    ``cum_seq`` cover every row, which the real kernel does not check)."""
+    assert q.dim() == k.dim() == 3 and q.shape[2] == k.shape[2] and q.shape[1] % k.shape[1] == 0, (q.shape, k.shape)
+    for cu, total in ((cum_seq_q, q.shape[0]), (cum_seq_k, k.shape[0])):
+        assert cu.dtype == torch.int32 and cu.dim() == 1 and cu.device == q.device and int(cu[0]) == 0 and int(cu[-1]) <= total
+        assert not strict or int(cu[-1]) == total, f"cum_seq end {int(cu[-1])} != total rows {total}"
+    cq, ck = cum_seq_q.tolist(), cum_seq_k.tolist()
+    assert len(cq) == len(ck) and max(b - a for a, b in zip(cq, cq[1:])) <= max_q and max(b - a for a, b in zip(ck, ck[1:])) <= max_k
+    return [(slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])) for i in range(len(cq) - 1)]
+
+
+def _causal_scores(qi, ki, scale: float, group: int):
+    """Scores ``[heads, sq, sk]`` of one pair in float32 (K/V head ``h // group`` for query head ``h``), ``-inf`` where
+    the bottom-right causal mask hides the key."""
+    scores = torch.einsum("qhd,khd->hqk", qi.float(), ki.float().repeat_interleave(group, dim=1)) * scale
+    sq, sk = qi.shape[0], ki.shape[0]
+    keep = torch.arange(sk, device=qi.device)[None, :] <= torch.arange(sq, device=qi.device)[:, None] + (sk - sq)
+    return scores.masked_fill(~keep, float("-inf"))
+
+
+def _check_causal_call(dropout_p, is_causal, scale, window_size_left, window_size_right) -> None:
+    """What ``varlen_attn(..., window_size=(-1, 0))`` passes the aten ops, the only call the library makes of them."""
+    assert dropout_p == 0.0 and is_causal is True and scale is not None, (dropout_p, is_causal, scale)
+    assert (window_size_left, window_size_right) == (-1, 0), (window_size_left, window_size_right)
+
+
+def reference_flash_attention_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, return_debug_mask,
+                                      *, scale=None, window_size_left=None, window_size_right=None, strict=True):
+    """``aten::_flash_attention_forward``'s varlen path as torch 2.11 / 2.13 have it, in plain torch (math, float32
+    inside): ``(out [T_q, heads, d], lse [heads, T_q] float32, rng_state [2] uint64, unused, debug mask (empty))``,
+    fewer K/V heads than query heads taken as FlashAttention-2 takes them (query head ``h`` reads K/V head
+    ``h // (heads / kv_heads)``), causal bottom-right aligned. Only the library's call (causal, window ``(-1, 0)``,
+    no dropout) is accepted."""
+    _check_causal_call(dropout_p, is_causal, scale, window_size_left, window_size_right)
+    assert return_debug_mask is False
+    group = query.shape[1] // key.shape[1]
+    out = torch.empty_like(query)
+    lse = torch.empty(query.shape[1], query.shape[0], dtype=torch.float32, device=query.device)
+    for qs, ks in _varlen_pairs(query, key, cum_seq_q, cum_seq_k, max_q, max_k, strict):
+        scores = _causal_scores(query[qs], key[ks], scale, group)
+        lse[:, qs] = torch.logsumexp(scores, dim=-1)
+        probs = torch.exp(scores - lse[:, qs, None])
+        out[qs] = torch.einsum("hqk,khd->qhd", probs, value[ks].float().repeat_interleave(group, dim=1)).to(query.dtype)
+    rng_state = torch.zeros(2, dtype=torch.uint64, device=query.device)
+    return out, lse, rng_state, torch.empty(0, device=query.device), torch.empty(0, dtype=query.dtype, device=query.device)
+
+
+def reference_flash_attention_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
+                                       is_causal, rng_state, unused, *, scale=None, window_size_left=None, window_size_right=None,
+                                       strict=True):
+    """``aten::_flash_attention_backward`` as documented by FlashAttention-2, in plain torch from what the forward
+    saved: ``P = exp(S - lse)`` from the GIVEN log-sum-exp, ``D = rowsum(dO * out)`` from the GIVEN output (so a wrong
+    ``out`` or ``lse`` passed back gives wrong gradients), ``dS = P (dO V^T - D)``; ``dk``/``dv`` summed over each K/V
+    head's query heads: ``(dq [T_q, heads, d], dk, dv [T_k, kv_heads, d])``."""
+    _check_causal_call(dropout_p, is_causal, scale, window_size_left, window_size_right)
+    assert out.shape == grad_out.shape == query.shape and logsumexp.shape == (query.shape[1], query.shape[0])
+    assert rng_state.dtype == torch.uint64 and rng_state.shape == (2,)
+    heads, kv_heads = query.shape[1], key.shape[1]
+    group = heads // kv_heads
+    dq, dk, dv = (torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in (query, key, value))
+    for qs, ks in _varlen_pairs(query, key, cum_seq_q, cum_seq_k, max_q, max_k, strict):
+        qi, ki, vi = query[qs].float(), key[ks].float().repeat_interleave(group, dim=1), value[ks].float().repeat_interleave(group, dim=1)
+        sk = ki.shape[0]
+        probs = torch.exp(_causal_scores(query[qs], key[ks], scale, group) - logsumexp[:, qs, None])  # hidden keys: exp(-inf) = 0
+        do = grad_out[qs].float()
+        dv_heads = torch.einsum("hqk,qhd->khd", probs, do)
+        delta = (do * out[qs].float()).sum(-1).transpose(0, 1)  # [heads, sq]
+        ds = probs * (torch.einsum("qhd,khd->hqk", do, vi) - delta[..., None])
+        dq[qs] = torch.einsum("hqk,khd->qhd", ds, ki) * scale
+        dk_heads = torch.einsum("hqk,qhd->khd", ds, qi) * scale
+        dk[ks] = dk_heads.view(sk, kv_heads, group, query.shape[2]).sum(2)
+        dv[ks] = dv_heads.view(sk, kv_heads, group, value.shape[2]).sum(2)
+    return dq.to(query.dtype), dk.to(key.dtype), dv.to(value.dtype)
+
+
+REFERENCE_FLASH_OPS = FlashOps(reference_flash_attention_forward, reference_flash_attention_backward)
+
+
+def reference_varlen_attn_saving_as_torch(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                                          window_size=(-1, -1)):
+    """torch 2.11's ``varlen_attn`` (no ``enable_gqa``) with what its autograd saves: like torch's custom op it runs the
+    aten flash ops (here the references, through :class:`AtenFlashVarlen`) and saves q, k, v as given, the output and the
+    log-sum-exp; where the memory saved matters (the plain reference's autograd saves its einsum operands instead).
+    Causal only (``window_size=(-1, 0)``, the library's call)."""
+    assert return_aux is None and tuple(window_size) == (-1, 0) and query.shape[1] == key.shape[1] == value.shape[1]
+    return AtenFlashVarlen.apply(query, key, value, VarlenSeqlens(cu_seq_q, cu_seq_k, max_q, max_k), scale, REFERENCE_FLASH_OPS)
+VARLEN_GQA_MODES = {  # each GQA mode of torch-varlen: the varlen_attn signature and the aten flash ops it comes with
+    "enable_gqa": (reference_varlen_attn, (None, "aten flash ops not used: varlen_attn has enable_gqa")),
+    "aten-flash": (reference_varlen_attn_without_gqa, (REFERENCE_FLASH_OPS, "")),
+    "expanded": (reference_varlen_attn_without_gqa, (None, "reference: no aten flash ops")),
+}
+
+
+def reference_torch_varlen(gqa: str = "enable_gqa", func=None) -> TorchVarlenKernel:
+    """A :class:`TorchVarlenKernel` in float32 whose GQA mode is ``gqa`` (``VARLEN_GQA_MODES``): the reference
+    ``varlen_attn`` of torch 2.13's signature (``enable_gqa``) or of 2.11's (without it), with the reference aten
+    flash ops (``aten-flash``) or none (``expanded``); ``func`` in place of that ``varlen_attn``. Its GQA read from
+    the signature as the real probe reads it; on CPU, and on CUDA (the equivalence suite's fp32 runs where they run
+    on GPUs)."""
+    default, flash_ops = VARLEN_GQA_MODES[gqa]
+    kernel, why_not = torch_varlen_kernel(func or default, "reference", flash_ops, devices=("cpu", "cuda"), dtypes=(torch.float32,),
+                                          min_capability=None)
     assert kernel is not None, why_not
     return kernel

@@ -42,18 +42,26 @@ which stand in for its rows of the chunk's ``key``/``value``:
     max_q, max_k, scale=..., window_size=(-1, 0))`` (``(-1, 0)`` is causal, aligned bottom-right when
     a sequence has more keys than queries: a slice over its prefix). No package to install. It has no
     dropout argument (chunks with attention dropout take another kernel, and the start-up line says
-    so) and runs on CUDA in fp16/bf16 only (torch's flash kernel). GQA: ``enable_gqa=True`` where
-    this torch's ``varlen_attn`` takes it (2.13); else (2.11) the K/V heads are expanded
-    (:func:`expand_kv_heads`: query head ``i`` reads K/V head ``i // (heads / kv_heads)``). Its
+    so) and runs on CUDA in fp16/bf16 only (torch's flash kernel). GQA, one of three modes, named on
+    the start-up line: ``enable_gqa=True`` where this torch's ``varlen_attn`` takes it (2.13); else
+    (2.11) the chunk goes through :class:`AtenFlashVarlen`, which calls the two ops ``varlen_attn``
+    itself calls, ``aten::_flash_attention_forward``/``_flash_attention_backward`` (FlashAttention-2
+    takes fewer K/V heads natively), with the K/V heads as they are: what autograd saves is the K/V
+    at ``kv_heads`` width, as with ``enable_gqa``. Only where those ops are missing or their schema is
+    not the one called (:func:`flash_ops_problem`) are the K/V heads expanded
+    (:func:`expand_kv_heads`: query head ``i`` reads K/V head ``i // (heads / kv_heads)``), and
+    autograd then saves the expanded copies (heads / kv_heads times the chunk's K/V, a slice's whole
+    prefix included), which the memory model does not count: the start-up line says so. Its
     backward is deterministic where ``torch.use_deterministic_algorithms`` is on.
 
 ``EPP_ATTENTION_BACKEND=auto|sdpa|flash|varlen`` (default ``auto``) is read when the attention is
 built; ``auto`` takes ``flash-varlen`` when it can run, else ``torch-varlen`` when it can, else SDPA;
 ``sdpa`` never takes a varlen kernel; ``flash`` (``varlen``) is an error where flash-attn (torch's
 ``varlen_attn``) cannot run. The choice is printed once per (request, device, dtype, with or without
-attention dropout, with or without GQA), with why the kernels before it were not taken. What decides is
-:func:`decide`, a pure function of the request, the device, dtype, dropout, GQA and the two kernels as
-probed (:func:`load_flash_kernel`, :func:`load_torch_varlen`; tests substitute reference kernels).
+attention dropout, with or without GQA), with why the kernels before it were not taken and, for
+``torch-varlen`` with GQA, its GQA mode. What decides is :func:`decide`, a pure function of the request, the
+device, dtype, dropout, GQA and the two kernels as probed (:func:`load_flash_kernel`, :func:`load_torch_varlen`
+with the aten flash ops of :func:`load_aten_flash_ops`; tests substitute reference kernels and ops).
 Transformer Engine's fused attention (THD packing) is not used here.
 """
 
@@ -123,13 +131,45 @@ class FlashKernel(VarlenKernel):
 
 
 @dataclass(frozen=True)
+class FlashOps:
+    """torch's own FlashAttention-2 varlen ops, ``aten::_flash_attention_forward`` and ``_flash_attention_backward``
+    (the two ``varlen_attn`` calls), as :class:`AtenFlashVarlen` calls them; tests substitute reference
+    implementations (the real ones run on CUDA only)."""
+
+    forward: Callable[..., tuple]
+    backward: Callable[..., tuple]
+
+
+# GQA on torch-varlen: K/V heads passed as they are (varlen_attn's enable_gqa, or the aten flash ops), or expanded
+GQA_MODES = ("enable_gqa", "aten-flash", "expanded")
+
+
+@dataclass(frozen=True)
 class TorchVarlenKernel(VarlenKernel):
     """torch's ``torch.nn.attention.varlen.varlen_attn`` (tests substitute a reference implementation);
-    ``takes_gqa``: it has ``enable_gqa`` (else K/V heads are expanded to the query heads)."""
+    ``takes_gqa``: it has ``enable_gqa``; ``flash_ops``: torch's aten flash ops where their schema is the one
+    :class:`AtenFlashVarlen` calls (None: ``flash_ops_why`` says why not). :attr:`gqa_mode` follows from them."""
 
     takes_gqa: bool = True
+    flash_ops: FlashOps | None = None
+    flash_ops_why: str = ""
     label: ClassVar[str] = "varlen_attn"
     has_dropout: ClassVar[bool] = False  # no dropout argument (torch 2.11 .. 2.13)
+
+    @property
+    def gqa_mode(self) -> str:
+        """How a chunk whose query heads share K/V heads runs (:data:`GQA_MODES`): ``enable_gqa`` (varlen_attn takes
+        it), ``aten-flash`` (:class:`AtenFlashVarlen`), else ``expanded`` (:func:`expand_kv_heads`, the last resort)."""
+        return "enable_gqa" if self.takes_gqa else "aten-flash" if self.flash_ops is not None else "expanded"
+
+    def gqa_note(self) -> str:
+        """The start-up line's words for :attr:`gqa_mode`."""
+        if self.gqa_mode == "enable_gqa":
+            return "GQA by varlen_attn's enable_gqa, K/V heads not expanded"
+        if self.gqa_mode == "aten-flash":
+            return "GQA by aten::_flash_attention_forward/backward (varlen_attn has no enable_gqa), K/V heads not expanded"
+        return (f"K/V heads expanded for GQA (varlen_attn has no enable_gqa; {self.flash_ops_why}): autograd saves the "
+                "expanded K/V, which the memory model does not count")
 
 
 def _version_tuple(version: str) -> tuple[int, int]:
@@ -156,11 +196,14 @@ def _probe_flash() -> tuple[FlashKernel | None, str]:
 
 
 TORCH_VARLEN_ARGUMENTS = ("scale", "window_size")  # what the call needs of varlen_attn's signature
+NO_FLASH_OPS = (None, "aten flash ops not probed")
 
 
-def torch_varlen_kernel(varlen_attn: Callable[..., torch.Tensor] | None, torch_version: str, **where) -> tuple[TorchVarlenKernel | None, str]:
+def torch_varlen_kernel(varlen_attn: Callable[..., torch.Tensor] | None, torch_version: str,
+                        flash_ops: tuple[FlashOps | None, str] = NO_FLASH_OPS, **where) -> tuple[TorchVarlenKernel | None, str]:
     """``(kernel, "")`` for this torch's ``varlen_attn`` (None: it has none), read from its signature:
     ``scale`` and ``window_size`` needed, ``enable_gqa`` used where it has it; else ``(None, why not)``.
+    ``flash_ops``: the aten flash ops as :func:`load_aten_flash_ops` gives them (GQA without ``enable_gqa``).
     ``where``: :class:`TorchVarlenKernel`'s ``devices``/``dtypes``/``min_capability`` (tests)."""
     if varlen_attn is None:
         return None, f"torch {torch_version} has no torch.nn.attention.varlen.varlen_attn"
@@ -168,7 +211,9 @@ def torch_varlen_kernel(varlen_attn: Callable[..., torch.Tensor] | None, torch_v
     missing = [name for name in TORCH_VARLEN_ARGUMENTS if name not in parameters]
     if missing:
         return None, f"torch {torch_version}'s varlen_attn takes no {'/'.join(missing)}"
-    return TorchVarlenKernel(varlen_attn, torch_version, takes_gqa="enable_gqa" in parameters, **where), ""
+    ops, ops_why = flash_ops
+    return TorchVarlenKernel(varlen_attn, torch_version, takes_gqa="enable_gqa" in parameters, flash_ops=ops,
+                             flash_ops_why=ops_why, **where), ""
 
 
 def load_torch_varlen() -> tuple[TorchVarlenKernel | None, str]:
@@ -182,7 +227,43 @@ def _probe_torch_varlen() -> tuple[TorchVarlenKernel | None, str]:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         varlen_attn = None
-    return torch_varlen_kernel(varlen_attn, torch.__version__)
+    return torch_varlen_kernel(varlen_attn, torch.__version__, load_aten_flash_ops())
+
+
+# What AtenFlashVarlen passes: the positional arguments (query .. return_debug_mask; grad_out .. unused), the
+# keywords, and the outputs it reads ((out, lse, rng_state, unused, debug); (dq, dk, dv)), as torch 2.11 and 2.13 have them
+FLASH_FORWARD_CALL = (10, ("scale", "window_size_left", "window_size_right"), 5)
+FLASH_BACKWARD_CALL = (14, ("scale", "window_size_left", "window_size_right"), 3)
+
+
+def flash_ops_problem(schema, call: tuple[int, tuple[str, ...], int]) -> str:
+    """Why an aten op of ``schema`` (a ``torch._C.FunctionSchema``) cannot be called as :class:`AtenFlashVarlen`
+    calls it (``call``: :data:`FLASH_FORWARD_CALL` or :data:`FLASH_BACKWARD_CALL`); "" where it can."""
+    positional, keywords, outputs = call
+    arguments = schema.arguments
+    have = sum(not a.kwarg_only for a in arguments)
+    missing = [name for name in keywords if name not in {a.name for a in arguments}]
+    if missing:
+        return f"{schema.name} takes no {'/'.join(missing)}"
+    if have != positional or len(schema.returns) != outputs:
+        return f"{schema.name} takes {have} positional arguments and returns {len(schema.returns)} (expected {positional}, {outputs})"
+    return ""
+
+
+def load_aten_flash_ops() -> tuple[FlashOps | None, str]:
+    """``(FlashOps, "")`` for this torch's ``aten::_flash_attention_forward``/``_flash_attention_backward`` where their
+    schemas are the ones :class:`AtenFlashVarlen` calls, else ``(None, why not)`` (read once; no kernel runs)."""
+    return _probe_aten_flash_ops()
+
+
+@functools.cache
+def _probe_aten_flash_ops() -> tuple[FlashOps | None, str]:
+    try:
+        forward, backward = torch.ops.aten._flash_attention_forward.default, torch.ops.aten._flash_attention_backward.default
+    except (AttributeError, RuntimeError) as error:
+        return None, f"torch {torch.__version__} has no aten flash ops ({type(error).__name__}: {error})"
+    why = flash_ops_problem(forward._schema, FLASH_FORWARD_CALL) or flash_ops_problem(backward._schema, FLASH_BACKWARD_CALL)
+    return (None, why) if why else (FlashOps(forward, backward), "")
 
 
 # megatron-core's AttnBackend names (pretrain_gpt.py's --attention-backend) as requests: None leaves it to the variable
@@ -241,7 +322,7 @@ def decide(request: str, device: torch.device, dtype: torch.dtype, dropout: floa
             raise AttentionBackendError(f"{ENV}=flash but flash-attn cannot run: {flash_why}")
         return "flash-varlen", f"flash-attn {flash_kernel.version}"
     varlen_reason = "" if varlen_why else f"torch {varlen_kernel.version} varlen_attn, one call per chunk" + (
-        ", K/V heads expanded for GQA (no enable_gqa in this torch)" if gqa and not varlen_kernel.takes_gqa else "")
+        f", {varlen_kernel.gqa_note()}" if gqa else "")
     if request == "varlen":
         if varlen_why:
             raise AttentionBackendError(f"{ENV}=varlen but torch's varlen_attn cannot run: {varlen_why}")
@@ -279,9 +360,10 @@ def select_backend(request: str, device: torch.device, dtype: torch.dtype,
 
 
 def reset_flash_probe() -> None:
-    """Forget the flash-attn and varlen_attn probes (tests that swap the installed flash-attn)."""
+    """Forget the flash-attn, varlen_attn and aten flash op probes (tests that swap the installed flash-attn)."""
     _probe_flash.cache_clear()
     _probe_torch_varlen.cache_clear()
+    _probe_aten_flash_ops.cache_clear()
 
 
 def segment_attention(q, k, v, mask: torch.Tensor | None, dropout: float = 0.0, scale: float | None = None, causal: bool = False) -> torch.Tensor:
@@ -442,9 +524,42 @@ def expand_kv_heads(kv: torch.Tensor, heads: int) -> torch.Tensor:
     return kv.repeat_interleave(heads // kv.shape[1], dim=1)
 
 
+class AtenFlashVarlen(torch.autograd.Function):
+    """One chunk's attention through torch's FlashAttention-2 varlen ops (``ops``: :class:`FlashOps`), the K/V heads
+    as they are (``q`` ``[N, heads, d]``, ``k``/``v`` ``[N + C, kv_heads, d]``, ``heads % kv_heads == 0``): what
+    ``varlen_attn(..., window_size=(-1, 0), enable_gqa=True)`` does on torch 2.13, for a torch whose ``varlen_attn``
+    has no ``enable_gqa`` (2.11). Causal, bottom-right aligned, no dropout. Forward saves what torch's own varlen
+    autograd saves: q, k, v (K/V at ``kv_heads`` width, views of the K/V buffer where they are), the output, the
+    fp32 log-sum-exp and the rng state (zeros, as torch's own: no dropout), and its backward passes the aten
+    backward what torch's own ``_varlen_attn_backward`` passes; it returns ``dk``/``dv`` at ``kv_heads`` width."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, seqlens, scale: float, ops: FlashOps):
+        out, lse, _, _, _ = ops.forward(
+            q, k, v, seqlens.cu_seqlens_q, seqlens.cu_seqlens_k, seqlens.max_seqlen_q, seqlens.max_seqlen_k, 0.0, True, False,
+            scale=scale, window_size_left=-1, window_size_right=0,
+        )
+        rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)  # as torch's varlen_attn keeps it: no dropout, no state
+        ctx.save_for_backward(q, k, v, out, lse, rng_state)
+        ctx.seqlens, ctx.scale, ctx.ops = seqlens, scale, ops
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, rng_state = ctx.saved_tensors
+        seqlens = ctx.seqlens
+        unused = torch.empty(0, device=q.device)  # as varlen_attn's own backward passes it
+        dq, dk, dv = ctx.ops.backward(
+            grad_out.contiguous(), q, k, v, out, lse, seqlens.cu_seqlens_q, seqlens.cu_seqlens_k, seqlens.max_seqlen_q,
+            seqlens.max_seqlen_k, 0.0, True, rng_state, unused, scale=ctx.scale, window_size_left=-1, window_size_right=0,
+        )
+        return dq, dk, dv, None, None, None
+
+
 def torch_varlen(query, key, value, layout: ChunkLayout, slice_kv, dropout: float, scale: float) -> torch.Tensor:
     """The whole chunk in one call of torch's ``varlen_attn`` (bottom-right causal: ``window_size=(-1, 0)``);
-    [N, 1, heads, d] in and out. GQA by ``enable_gqa`` where this torch has it, else by expanded K/V heads."""
+    [N, 1, heads, d] in and out. GQA as :attr:`TorchVarlenKernel.gqa_mode` says: ``enable_gqa``, else
+    :class:`AtenFlashVarlen` (K/V heads not expanded either), else expanded K/V heads."""
     if dropout > 0:
         raise ValueError("torch-varlen has no attention dropout (varlen_attn takes none): select_backend takes another kernel")
     kernel, why_not = load_torch_varlen()
@@ -452,12 +567,14 @@ def torch_varlen(query, key, value, layout: ChunkLayout, slice_kv, dropout: floa
         raise AttentionBackendError(why_not)
     q, k, v = _packed_chunk(query, key, value, layout, slice_kv, "torch-varlen")
     heads, gqa = q.shape[1], {}
+    meta = layout.varlen
     if k.shape[1] != heads:
-        if kernel.takes_gqa:
+        if kernel.gqa_mode == "aten-flash":
+            return AtenFlashVarlen.apply(q, k, v, meta, scale, kernel.flash_ops).unsqueeze(1)
+        if kernel.gqa_mode == "enable_gqa":
             gqa = {"enable_gqa": True}
         else:
             k, v = expand_kv_heads(k, heads), expand_kv_heads(v, heads)
-    meta = layout.varlen
     out = kernel.varlen_func(
         q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
         scale=scale, window_size=(-1, 0), **gqa,

@@ -2,9 +2,15 @@
 
 ``GPTModel._preprocess`` asks its ``rotary_pos_emb`` for positions ``0..s-1`` once per chunk forward and
 hands the answer to every layer. :class:`ChunkRotaryEmbedding` answers with a :class:`ChunkRope` of the
-current chunk: the frequencies up to the chunk's largest position (known on the host from the plan)
-gathered at its position ids, which is what RoPE with ``offset = C`` gives a slice and what restarting
-at 0 gives packed sequences.
+current chunk: the run's :class:`RopeTable` (megatron-core's frequencies at every position up to the run's
+``--seq-length``, built ONCE when the model is built, on the device megatron-core keeps RoPE's frequencies on)
+gathered at the chunk's position ids, which is what RoPE with ``offset = C`` gives a slice and what
+restarting at 0 gives packed sequences. Not megatron-core's ``RotaryEmbedding.forward`` per chunk: it
+caches one fp32 table per length asked for (``lru_cache(maxsize=32)``), and elastic chunks ask for a new
+length nearly every time, so up to 32 tables (about 0.5 GB at 32K positions) piled up on the device inside
+the measured training steps, where the memory calibration took them for activations. The table is a plain
+attribute, not a buffer: ``Float16Module`` would cast a buffer to bf16 (megatron-core keeps ``inv_freq`` so
+for the same reason). A chunk whose positions pass the table is refused with one line.
 
 megatron-core's training path (``apply_rotary_pos_emb``) computes ``cos``/``sin`` of those frequencies,
 casts them, rotates half of ``t`` by a chunk, a negation and a concatenation, and concatenates ``t``
@@ -31,22 +37,47 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron_epp.executor.context import ChunkContext, ChunkLayout
 
 
+class RopeTable:
+    """RoPE's angles of one run: megatron-core's ``RotaryEmbedding`` frequencies at positions ``0 .. positions - 1``,
+    ``[positions, 1, 1, rotary_dim]`` fp32, computed once by megatron-core's own ``get_emb`` (what its cached
+    ``forward`` computes for a length, without the cache: the angle at a position does not depend on the length
+    asked for, so every chunk's rows are bit for bit the ones megatron-core's per-length tables hold)."""
+
+    __slots__ = ("inner", "freqs")
+
+    def __init__(self, inner: RotaryEmbedding, positions: int) -> None:
+        if positions < 1:
+            raise ValueError(f"elastic RoPE: a table of {positions} positions")
+        self.inner = inner
+        self.freqs = inner.get_emb(positions)
+
+    @property
+    def positions(self) -> int:
+        return self.freqs.shape[0]
+
+    def at(self, layout: ChunkLayout) -> torch.Tensor:
+        """``[N, 1, 1, d]`` fp32: the angles at ``layout``'s positions (its largest known on the host: no device sync)."""
+        if layout.max_position >= self.positions:
+            raise ValueError(f"elastic RoPE: chunk {layout.chunk.id} reaches position {layout.max_position}, past the run's table of "
+                             f"--seq-length {self.positions} positions (documents are at most --seq-length tokens)")
+        return self.freqs[layout.position_ids]
+
+
 class ChunkRope:
     """RoPE of one chunk, what :class:`ChunkRotaryEmbedding` gives ``GPTModel`` for its layers' ``rotary_pos_emb``."""
 
-    __slots__ = ("inner", "layout")
+    __slots__ = ("table", "layout")
 
-    def __init__(self, inner: RotaryEmbedding, layout: ChunkLayout) -> None:
-        self.inner, self.layout = inner, layout
+    def __init__(self, table: RopeTable, layout: ChunkLayout) -> None:
+        self.table, self.layout = table, layout
 
     def freqs(self) -> torch.Tensor:
         """``[N, 1, 1, d]`` fp32: the angles at the chunk's positions (megatron-core's ``rotary_pos_emb``)."""
-        layout = self.layout
-        return self.inner(layout.max_position + 1)[layout.position_ids]  # the host knows the length: no device sync
+        return self.table.at(self.layout)
 
     def tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos`` and ``sin'`` (first half negated), ``[N, 1, 1, d]`` in ``dtype``, once per pass of the chunk."""
-        return self.layout.per_pass((ChunkRope, self.inner, dtype), lambda: self._build(dtype))
+        return self.layout.per_pass((ChunkRope, self.table, dtype), lambda: self._build(dtype))
 
     def _build(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = self.freqs()
@@ -62,7 +93,7 @@ class ChunkRope:
 
     @property
     def rotary_dim(self) -> int:
-        return 2 * self.inner.inv_freq.numel()
+        return 2 * self.table.inner.inv_freq.numel()
 
 
 def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -101,21 +132,35 @@ class _Rotate(torch.autograd.Function):
 
 
 class ChunkRotaryEmbedding(torch.nn.Module):
-    """Wraps megatron-core's ``RotaryEmbedding`` (no parameters of its own) at ``context``'s current chunk."""
+    """Wraps megatron-core's ``RotaryEmbedding`` (no parameters of its own) at ``context``'s current chunk, with one
+    :class:`RopeTable` of ``positions`` rows (the run's ``--seq-length``: no document is longer) for the run.
 
-    def __init__(self, inner: torch.nn.Module, context: ChunkContext) -> None:
+    :meth:`build_table` builds it; call it once the model is on its device (``install_chunk_context`` does), so that it
+    is allocated with the model and never inside a training step. It stays a plain attribute (fp32 under
+    ``Float16Module``, which casts buffers)."""
+
+    def __init__(self, inner: torch.nn.Module, context: ChunkContext, positions: int) -> None:
         super().__init__()
         if type(inner) is not RotaryEmbedding or inner.rotary_interleaved:
             raise ValueError(f"elastic RoPE wraps megatron-core's RotaryEmbedding without interleaving, got {type(inner).__name__}"
                              + (" (interleaved)" if getattr(inner, "rotary_interleaved", False) else ""))
         self.inner = inner
         self.context = context
+        self.positions = positions
+        self.table: RopeTable | None = None
+
+    def build_table(self) -> RopeTable:
+        """The run's table, built now (on the device of megatron-core's ``inv_freq``, where its tables would be)."""
+        self.table = RopeTable(self.inner, self.positions)
+        return self.table
 
     def get_rotary_seq_len(self, *args: Any, **kwargs: Any) -> int:
         return self.inner.get_rotary_seq_len(*args, **kwargs)
 
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group: Any = None) -> ChunkRope:
-        return ChunkRope(self.inner, self.context.layout())
+        if self.table is None:
+            raise RuntimeError("elastic RoPE: no table; build_table() (install_chunk_context) once the model is on its device")
+        return ChunkRope(self.table, self.context.layout())
 
 
 class ChunkRopeSelfAttention(SelfAttention):

@@ -1,7 +1,7 @@
 """The elastic layer spec and the GPTModel hooks that make a stage run elastic chunks.
 
 One :class:`ChunkContext` per model goes to both: ``elastic_layer_spec(base, context)`` before the
-model is built, ``install_chunk_context(model, context)`` after.
+model is built, ``install_chunk_context(model, context, seq_length)`` once it is on its device.
 """
 
 from __future__ import annotations
@@ -56,9 +56,12 @@ def elastic_layer_spec(base: ModuleSpec, context: ChunkContext) -> ModuleSpec:
     return spec
 
 
-def install_chunk_context(model: GPTModel, context: ChunkContext) -> None:
+def install_chunk_context(model: GPTModel, context: ChunkContext, seq_length: int) -> None:
     """Attach ``context`` to ``model`` (found again by :meth:`ChunkContext.of`) and make RoPE follow
-    its current chunk's position ids (learned positions take them directly from the forward step)."""
+    its current chunk's position ids (learned positions take them directly from the forward step), from one
+    table of ``seq_length`` positions (the run's ``--seq-length``: no document is longer) built here, once: call
+    this when the model is on its device, before any step."""
     setattr(model, ChunkContext.ATTRIBUTE, context)
     if model.position_embedding_type == "rope":
-        model.rotary_pos_emb = ChunkRotaryEmbedding(model.rotary_pos_emb, context)
+        model.rotary_pos_emb = ChunkRotaryEmbedding(model.rotary_pos_emb, context, seq_length)
+        model.rotary_pos_emb.build_table()

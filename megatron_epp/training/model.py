@@ -255,7 +255,8 @@ def build_model(
 
     With a ``context`` the layers are elastic (``elastic_layer_spec`` on the local spec) and the
     context is installed on the GPTModel itself, where ``ChunkContext.of`` finds it through the
-    DDP and Float16Module wrappers (``get_attr_wrapped_model``).
+    DDP and Float16Module wrappers (``get_attr_wrapped_model``); with RoPE, its one table of ``--seq-length``
+    positions is built then, on the device, in fp32 (``executor.rotary.RopeTable``).
     """
     config = transformer_config(cfg, runtime)
     spec = (default_layer_spec(cfg.model.normalization, local=cfg.model.attention_backend == "local") if context is None
@@ -272,9 +273,9 @@ def build_model(
         rotary_base=cfg.model.rotary_base,
         rotary_percent=cfg.model.rotary_percent,
     )
-    if context is not None:
-        install_chunk_context(model, context)
     model.to(runtime.device)
+    if context is not None:  # on its device: RoPE's one table of --seq-length positions is built there, before any step
+        install_chunk_context(model, context, cfg.model.seq_length)
     if cfg.model.bf16 or cfg.model.fp16:
         # As Megatron-LM: every parameter in bf16 (fp16), LayerNorms included (CUDA's layer_norm refuses bf16
         # input with fp32 weights), the first stage's float inputs cast, the last stage's output back

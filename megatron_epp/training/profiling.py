@@ -53,6 +53,7 @@ STARTUP_BUDGET_S = 60.0  # the start-up measurement's time box (optional grid po
 # the most of the device's free memory the output head's largest profile point may take (its logits and their
 # gradient, :func:`head_bytes_per_token`): a 128K vocabulary at 64K tokens would need 32 GiB of fp32 logits alone
 HEAD_MEMORY_SHARE = 0.5
+MAX_POSITIONS = 32768  # RoPE's table in a LayerStack unless the caller asks for more (measure_profile: its longest layer)
 
 
 class LayerStack(torch.nn.Module):
@@ -63,7 +64,8 @@ class LayerStack(torch.nn.Module):
     shape has it) through the chunk rotary embedding, all reading the stack's own :class:`ChunkContext`. A
     checkpointed forward recomputes as training does (the layout's recompute count, megatron-core's
     ``tensor_parallel.checkpoint``). The head is the last stage's as training builds it: the final norm, the
-    column-parallel output layer and megatron-core's cross entropy, times a loss mask. Needs megatron-core's
+    column-parallel output layer and megatron-core's cross entropy, times a loss mask. RoPE's table holds ``max_positions``
+    positions: a chunk past them is refused. Needs megatron-core's
     model-parallel state with one tensor-parallel rank (a training process at TP = 1, or
     ``megatron_epp.training.layer_bench.init_single_process``).
 
@@ -72,7 +74,7 @@ class LayerStack(torch.nn.Module):
     """
 
     def __init__(self, shape: ModelShape, num_layers: int, seed: int = 0, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32, rotary_base: int = ROTARY_BASE) -> None:
+                 dtype: torch.dtype = torch.float32, rotary_base: int = ROTARY_BASE, max_positions: int = MAX_POSITIONS) -> None:
         super().__init__()
         if parallel_state.get_tensor_model_parallel_world_size() != 1:
             raise RuntimeError("LayerStack: one tensor-parallel rank only (a layer at TP > 1 needs its peers)")
@@ -98,7 +100,7 @@ class LayerStack(torch.nn.Module):
         spec = elastic_layer_spec(elastic_base_layer_spec(shape.normalization), self.context)
         self.layers = torch.nn.ModuleList(build_module(spec, config=config, layer_number=i + 1) for i in range(num_layers))
         self.rotary = ChunkRotaryEmbedding(RotaryEmbedding(config.kv_channels, rotary_percent=1.0, rotary_base=rotary_base,
-                                                           use_cpu_initialization=on_cpu), self.context) if shape.rope else None
+                                                           use_cpu_initialization=on_cpu), self.context, max_positions) if shape.rope else None
         self.final_norm = TorchNorm(config, shape.hidden, eps=config.layernorm_epsilon)
         self.head = tensor_parallel.ColumnParallelLinear(shape.hidden, shape.vocab, config=config, init_method=config.init_method,
                                                          bias=False, gather_output=False)
@@ -106,6 +108,8 @@ class LayerStack(torch.nn.Module):
         self._recompute_layout: ChunkLayout | None = None
         self._prefixes: list[tuple[KVBuffer, int]] = []  # each slice's buffers and their prefix rows
         self.to(self.device, dtype)  # every parameter, LayerNorms included, as Float16Module does in training
+        if self.rotary is not None:
+            self.rotary.build_table()  # once, as training builds it (fp32: a plain attribute, not cast)
 
     def set_segments(self, lengths: Sequence[int], contexts: Sequence[int]) -> None:
         """Make the segments ``(s, C)`` the current chunk; a slice of context ``C > 0`` (at most one, as
@@ -446,7 +450,8 @@ def measure_profile(shape: ModelShape, device: torch.device, dtype: torch.dtype,
     shape = dataclasses.replace(shape, dtype=str(dtype).removeprefix("torch."), hidden_dropout=0.0, attention_dropout=0.0)
     m, timings = Measurement(device, grid, budget_s, log), {}
     attention, timings["attention"] = _measure_attention(m, shape, device, dtype, kernel, grid)
-    stack = LayerStack(shape, num_layers=1, device=device, dtype=dtype, rotary_base=rotary_base)
+    stack = LayerStack(shape, num_layers=1, device=device, dtype=dtype, rotary_base=rotary_base,
+                       max_positions=max(grid.layer_lengths))
     layer, layer_memory, timings["layer"] = _measure_layer(m, stack, grid.layer_lengths, attention)
     head_lengths = head_lengths_within(grid.head_lengths, shape, free_memory(device), log)
     head, head_memory, timings["head"] = _measure_head(m, stack, head_lengths)

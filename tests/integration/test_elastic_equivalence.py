@@ -13,8 +13,9 @@ norms' gradients not summed over the tensor-parallel ranks, the padding tokens c
 each break the match.
 
 The ``torch-varlen`` path (one ``varlen_attn`` call per chunk) runs the LLaMA-style plans at pp 2 with
-the tests' reference ``varlen_attn`` in torch's place (CPU fp32), both with ``enable_gqa`` and with the
-K/V heads expanded (torch 2.11), against the same reference.
+the tests' reference ``varlen_attn`` in torch's place (CPU fp32) in each of its GQA modes: with ``enable_gqa``
+(torch 2.13), through the reference aten flash ops with the K/V heads as they are (torch 2.11), and with the
+K/V heads expanded (the last resort), against the same reference.
 
 In bf16 (``Float16Module``) the elastic pipeline is held to a bound derived from bf16's precision
 against the same fp32 reference, on the SDPA path and, where they run (CUDA), on the flash-attn
@@ -43,7 +44,7 @@ LLAMA = ["--swiglu", "--normalization", "RMSNorm", "--norm-epsilon", "1e-6", "--
 
 
 PP2 = ["--pipeline-model-parallel-size", "2"]
-VARLEN = ["--attention-backend", "varlen", "--varlen-reference"]  # then enable_gqa|expanded
+VARLEN = ["--attention-backend", "varlen", "--varlen-reference"]  # then enable_gqa|aten-flash|expanded
 DROPOUT = ["--hidden-dropout", "0.2", "--attention-dropout", "0.2", *PP2]
 SP_FAULT_CASES = 2  # the first cases of the sequence-parallel run again under each of its faults
 FAULTS = ["drop_prefix", "drop_prefix_grads", "misplaced_kv", "forward_order_backward", "leak_packing"]
@@ -74,6 +75,7 @@ RUNS: dict[str, tuple[int, str, int, list[str]]] = {
     "llama-gqa_tiled_heads": (2, "elastic", 3, [*PP2, *LLAMA, "--fault", "gqa_tiled_heads"]),
     # torch-varlen with the reference varlen_attn (test_torch_varlen_path_matches_reference)
     "llama-varlen-enable_gqa": (2, "elastic", 4, [*PP2, "--random-recompute", *LLAMA, *VARLEN, "enable_gqa"]),
+    "llama-varlen-aten-flash": (2, "elastic", 4, [*PP2, "--random-recompute", *LLAMA, *VARLEN, "aten-flash"]),
     "llama-varlen-expanded": (2, "elastic", 4, [*PP2, "--random-recompute", *LLAMA, *VARLEN, "expanded"]),
     "recompute": (2, "elastic", 6, [*PP2, "--random-recompute"]),
     "dropout-plain": (2, "elastic", 4, DROPOUT),
@@ -203,11 +205,11 @@ def test_sequence_parallel_llama_style_random_plans_match_reference(runs):
         assert max(worst_mismatch(reference, elastic, c, fault, gated=True) for c in range(faulty)) > 1e-2, fault
 
 
-@pytest.mark.parametrize("gqa", ["enable_gqa", "expanded"])
+@pytest.mark.parametrize("gqa", ["enable_gqa", "aten-flash", "expanded"])
 def test_torch_varlen_path_matches_reference(runs, gqa):
     """LLaMA-style (GQA 2:1) at pp 2 with random recompute through ``torch-varlen`` (the reference ``varlen_attn``
-    in torch's place: with ``enable_gqa``, as torch 2.13; K/V heads expanded, as 2.11): stock Megatron-Core's loss
-    and gradients."""
+    in torch's place: with ``enable_gqa``, as torch 2.13; without it, over the reference aten flash ops, as on 2.11;
+    K/V heads expanded, the last resort): stock Megatron-Core's loss and gradients."""
     name = f"llama-varlen-{gqa}"
     for case in range(RUNS[name][2]):
         assert worst_mismatch(runs["reference-llama"], runs[name], case) < 1e-5, f"case {case}"

@@ -8,7 +8,8 @@
   step's one-process selection, the bench step), and its ``--cpu-rehearsal`` runs the attention check, the
   profiler and the bf16 pp=1 training end to end;
 * ``check_cuda_attention.py``'s fp32 reference (query blocks, checkpointed) equals the masked reference and
-  builds no mask larger than a block;
+  builds no mask larger than a block; on CUDA it runs no ``sdpa-masked`` (``main`` on a pretend CUDA device); its
+  saved-bytes measure sees K/V expanded to the query heads and counts their bytes, and the aten-flash path saves none;
 * the equivalence fixture skips the runs of more processes than GPUs, with the reason, and launches the rest;
 * ``bench_gpu.py --dry-run`` lists its cells, budgets and commands; its JSON from step records pairs steps by
   iteration and takes medians.
@@ -41,6 +42,10 @@ def test_attention_check_without_flash_runs_sdpa_and_reports_flash_skipped():
     assert out.count("flash-varlen  skipped (--without-flash)") == 3  # batched, split x4, hybrid
     assert out.count("  sdpa-causal ") == 3 and out.count("  sdpa-masked ") == 3 and out.count("  torch-varlen ") == 3
     assert "PASS: torch-varlen and SDPA paths match fp32; flash-varlen skipped (--without-flash)" in out
+    # torch-varlen as on the GPUs' torch 2.11 (no enable_gqa): GQA through the aten flash ops, K/V not expanded
+    assert "varlen_attn of torch reference (GQA: aten-flash)" in out
+    saved = [line for line in out.splitlines() if line.startswith("saved bytes per layer: torch-varlen ")]
+    assert len(saved) == 1 and "(K/V heads not expanded: yes) on split x4, GQA mode aten-flash" in saved[0], saved
     refused = run(sys.executable, "scripts/check_cuda_attention.py")
     assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
         "check_cuda_attention: no CUDA device (use --cpu-dry-run to check the script on CPU)"]
@@ -124,6 +129,59 @@ def load_script(name: str):
     sys.modules[name] = module  # dataclasses resolve their module by name
     spec.loader.exec_module(module)
     return module
+
+
+def test_attention_check_runs_no_masked_sdpa_on_cuda(monkeypatch, capsys):
+    """On CUDA the check runs the varlen kernels and sdpa-causal, never sdpa-masked (a CPU path: in bf16 with GQA its
+    mask sends SDPA to the math kernel, whose scores of every head ran an H100 out of memory); the CPU dry run keeps it.
+    ``main`` as on a CUDA machine (the device said to be CUDA, each layout's work replaced by a recorder): the backends
+    every layout is given."""
+    from megatron_epp.executor import kernels
+    from tests.attention_harness import REFERENCE_KERNEL, reference_torch_varlen
+
+    check = load_script("check_cuda_attention")
+    assert check.backends_for("cuda") == ("flash-varlen", "torch-varlen", "sdpa-causal")
+    assert "sdpa-masked" not in check.backends_for("cuda") and check.backends_for("cpu")[-1] == "sdpa-masked"
+    given = []
+
+    def check_layout(name, plan, attention, args, backends, device, dtype, until):
+        given.append((name, device, backends))
+        return {b: dict.fromkeys(("out", "dq", "dk", "dv"), 0.0) for b in backends}, {b: (1.0, 0.0, 1) for b in backends}, None
+
+    monkeypatch.setattr(kernels, "select_backend", kernels.select_backend)  # main's force() replaces it: restored after
+    monkeypatch.setattr(check, "setup", lambda args: ("cuda", torch.bfloat16))
+    monkeypatch.setattr(kernels, "load_flash_kernel", lambda: (REFERENCE_KERNEL, ""))  # both varlen kernels there
+    monkeypatch.setattr(kernels, "load_torch_varlen", lambda: (reference_torch_varlen("aten-flash"), ""))
+    monkeypatch.setattr(check, "check_layout", check_layout)
+    monkeypatch.setattr(check, "saved_line", lambda *args: ("saved bytes per layer: (recorded run)", True))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "pretend GPU")
+    assert check.main([]) == 0
+    assert given == [(name, "cuda", check.backends_for("cuda")) for name in ("batched", "split x4", "hybrid")], given
+    assert "backends flash-varlen, torch-varlen, sdpa-causal;" in capsys.readouterr().out
+
+
+def test_attention_check_saved_bytes_see_expanded_kv(monkeypatch):
+    """The check's saved-bytes measure (``saved_per_layer``) on the split layout with GQA 4:2: the aten-flash path saves
+    the K/V at their width (the K/V buffer once, 2 x 256 rows x 2 heads x 8 x 4 bytes) and no expanded copy; with the K/V
+    heads expanded (the last resort; a reference ``varlen_attn`` that saves what torch's does) it sees them, and counts
+    their bytes (4 heads, 64 + 128 + 192 + 256 rows, K and V) in place of the buffer's."""
+    from megatron_epp.executor import kernels
+    from tests.attention_harness import make_attention, random_tensors, reference_torch_varlen, reference_varlen_attn_saving_as_torch
+
+    check = load_script("check_cuda_attention")
+    monkeypatch.setattr(kernels, "select_backend", kernels.select_backend)  # the script's force() replaces it: restored after
+    plan = check.layouts(64)["split x4"]
+    saved = {}
+    for gqa in ("aten-flash", "expanded"):
+        kernel = reference_torch_varlen(gqa, func=reference_varlen_attn_saving_as_torch if gqa == "expanded" else None)
+        monkeypatch.setattr(kernels, "load_torch_varlen", lambda kernel=kernel: (kernel, ""))
+        tensors = random_tensors(plan, 4, 2, 8, torch.float32, "cpu", seed=0)
+        saved[gqa] = check.saved_per_layer(make_attention(4, 2, 8), plan, tensors, "cpu", heads=4)
+    assert saved["aten-flash"][1] is True and saved["expanded"][1] is False
+    rows = 64 + 128 + 192 + 256
+    queries_outputs_lse = 4 * (2 * 64 * 4 * 8 * 4 + 4 * 64 * 4 + 16)  # per slice: q, out, lse, the rng state
+    assert saved["aten-flash"][0] == queries_outputs_lse + 2 * 256 * 2 * 8 * 4, saved  # the K/V buffer, once
+    assert saved["expanded"][0] == queries_outputs_lse + 2 * rows * 4 * 8 * 4, saved  # the expanded copies, not the buffer
 
 
 def test_blocked_fp32_reference_equals_the_masked_one_and_builds_no_mask_beyond_a_block(monkeypatch):

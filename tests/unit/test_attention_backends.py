@@ -6,11 +6,15 @@ documented semantics (``tests/attention_harness.py``: plain torch, ``einsum`` + 
 Forcing ``EPP_ATTENTION_BACKEND=flash`` (``varlen``) on CPU float32 with a reference as the kernel, through
 the real path's index building (``cu_seqlens``, max lengths, the slice's prefix rows packed before its
 own), outputs and gradients (q, k, v, and the prefix-K/V path through the sequences' K/V buffers) must
-equal the SDPA path on random batched/split/hybrid plans, with and without GQA (``varlen_attn`` with
-``enable_gqa``, and torch 2.11's without it: K/V heads expanded); misplacing the prefix, leaving it out
+equal the SDPA path on random batched/split/hybrid plans, with and without GQA, in each GQA mode of
+``torch-varlen``: ``varlen_attn`` with ``enable_gqa`` (torch 2.13); torch 2.11's without it, through the
+reference aten flash ops (``aten::_flash_attention_forward``/``_backward``, K/V heads not expanded: checked
+with ``saved_tensors_hooks``); and K/V heads expanded (the last resort); misplacing the prefix, leaving it out
 of ``cu_seqlens_k`` or moving a ``cu_seq_k`` boundary by one must break the match. The kernel decision
-(:func:`kernels.decide`) is pinned for every combination of its inputs, and the SDPA paths are shown to
-exclude cuDNN attention. What this does not check: the real CUDA kernels (``scripts/check_cuda_attention.py``).
+(:func:`kernels.decide`) is pinned for every combination of its inputs (the GQA mode in its reason), the aten
+ops' schema check refuses other schemas, and the SDPA paths are shown to exclude cuDNN attention. What this does
+not check: the real CUDA kernels, and the aten flash ops' signatures on torch 2.11
+(``scripts/check_cuda_attention.py``).
 """
 
 from __future__ import annotations
@@ -32,8 +36,9 @@ from megatron_epp.executor import context as context_module
 from megatron_epp.executor.context import ChunkContext, ChunkLayout, VarlenSeqlens, varlen_seqlens
 from megatron_epp.plan import Chunk, Segment
 from tests.attention_harness import (
-    REFERENCE_KERNEL, make_attention, random_tensors, reference_flash_attn_varlen_func, reference_torch_varlen, reference_varlen_attn,
-    reference_varlen_attn_without_gqa, run_plan, worst_errors,
+    REFERENCE_FLASH_OPS, REFERENCE_KERNEL, VARLEN_GQA_MODES, SavedTensors, make_attention, random_tensors,
+    reference_flash_attention_backward, reference_flash_attention_forward, reference_flash_attn_varlen_func, reference_torch_varlen,
+    reference_varlen_attn, run_plan, worst_errors,
 )
 from tests.workers.random_plans import random_lengths, random_plan
 
@@ -101,60 +106,126 @@ def test_flash_varlen_contract_matches_sdpa(monkeypatch, capsys, heads, kv_heads
     assert "> elastic attention: sdpa-merged (EPP_ATTENTION_BACKEND=sdpa, cpu float32" in log
 
 
-def recording(func, calls: list):
-    """``func`` with each call's arguments appended to ``calls``; its signature stays ``func``'s (``functools.wraps``),
-    which is what the varlen probe reads."""
-    @functools.wraps(func)
-    def wrapper(*args, **kwargs):
-        calls.append((args, kwargs))
-        return func(*args, **kwargs)
-    return wrapper
+GQA_MODES = list(VARLEN_GQA_MODES)  # enable_gqa (torch 2.13), aten-flash (2.11), expanded (the last resort)
 
 
-@pytest.mark.parametrize("takes_gqa", [True, False], ids=["enable_gqa", "expanded"])
+def recording_kernel(gqa: str, varlen_calls: list, aten_calls: list) -> TorchVarlenKernel:
+    """The reference torch-varlen kernel in GQA mode ``gqa``, its ``varlen_attn`` calls recorded in ``varlen_calls``
+    and its aten flash forward/backward calls (``aten-flash``) in ``aten_calls`` as ``("forward"|"backward", args, kwargs)``."""
+    kernel = reference_torch_varlen(gqa, func=recording(VARLEN_GQA_MODES[gqa][0], varlen_calls))
+    if kernel.flash_ops is None:
+        return kernel
+    ops = kernel.flash_ops
+    forward, backward = (recording(op, aten_calls) for op in (ops.forward, ops.backward))
+    return dataclasses.replace(kernel, flash_ops=attention_kernels.FlashOps(forward, backward))
+
+
+@pytest.mark.parametrize("gqa", GQA_MODES)
 @pytest.mark.parametrize("heads, kv_heads", HEADS, ids=["mha", "gqa", "mqa"])
-def test_torch_varlen_contract_matches_sdpa(monkeypatch, capsys, heads, kv_heads, takes_gqa):
-    """``EPP_ATTENTION_BACKEND=varlen`` with the reference ``varlen_attn`` (torch 2.13's signature, or 2.11's
-    without ``enable_gqa``) equals the SDPA path on random batched/split/hybrid plans, outputs and gradients
-    (prefix K/V included); ONE call per chunk, with ``window_size=(-1, 0)`` (a tuple), the layer's scale, and
-    GQA as this torch takes it: ``enable_gqa=True`` and the K/V heads as they are, or the heads expanded."""
-    calls = []
-    base = reference_varlen_attn if takes_gqa else reference_varlen_attn_without_gqa
-    kernel = reference_torch_varlen(func=recording(base, calls))
-    assert kernel.takes_gqa == takes_gqa  # read from the signature
+def test_torch_varlen_contract_matches_sdpa(monkeypatch, capsys, heads, kv_heads, gqa):
+    """``EPP_ATTENTION_BACKEND=varlen`` with the reference kernel in each GQA mode equals the SDPA path on random
+    batched/split/hybrid plans, outputs and gradients (prefix K/V included); ONE kernel call per chunk with the
+    layer's scale, causal bottom-right: ``varlen_attn(..., window_size=(-1, 0))`` (a tuple), with ``enable_gqa=True``
+    and the K/V heads as they are (torch 2.13), or with the K/V heads expanded (the last resort); or, in ``aten-flash``
+    mode (2.11), every chunk whose query heads share K/V heads through the aten flash forward (``is_causal``,
+    window ``(-1, 0)``, K/V at ``kv_heads`` width) and its backward once per chunk."""
+    varlen_calls, aten_calls = [], []
+    kernel = recording_kernel(gqa, varlen_calls, aten_calls)
+    assert kernel.gqa_mode == gqa  # read from the signature and the ops given
     chunks = 0
     for case, plan in plans(8):
         use_varlen(monkeypatch, kernel)
         sdpa = run_backend(monkeypatch, "sdpa", plan, heads, kv_heads, seed=case)
-        calls.clear()
+        varlen_calls.clear()
+        aten_calls.clear()
         varlen = run_backend(monkeypatch, "varlen", plan, heads, kv_heads, seed=case)
         errors = worst_errors(varlen, sdpa)
         assert max(errors.values()) < TOL, f"case {case}: {errors}"
-        assert len(calls) == sum(len(p.chunks) for p in plan.pipelines)  # one call per chunk
-        chunks += len(calls)
-        for (q, k, v, cu_q, cu_k, max_q, max_k), kwargs in calls:
+        n = sum(len(p.chunks) for p in plan.pipelines)
+        through_aten = gqa == "aten-flash" and kv_heads != heads
+        assert len(varlen_calls) == (0 if through_aten else n)  # one call per chunk
+        names = [name for name, _, _ in aten_calls]
+        assert (names.count("forward"), names.count("backward"), len(names)) == ((n, n, 2 * n) if through_aten else (0, 0, 0))
+        chunks += n
+        for (q, k, v, cu_q, cu_k, max_q, max_k), kwargs in varlen_calls:
             assert kwargs["window_size"] == (-1, 0) and type(kwargs["window_size"]) is tuple
             assert kwargs["scale"] == pytest.approx(8 ** -0.5) and q.shape[1] == heads
-            assert k.shape[1] == v.shape[1] == (kv_heads if takes_gqa else heads)
-            assert kwargs.get("enable_gqa", False) == (takes_gqa and kv_heads != heads)
+            assert k.shape[1] == v.shape[1] == (heads if gqa == "expanded" else kv_heads)
+            assert kwargs.get("enable_gqa", False) == (gqa == "enable_gqa" and kv_heads != heads)
+        for name, args, kwargs in aten_calls:
+            q, k, v = args[(name == "backward"):][:3]
+            assert q.shape[1] == heads and k.shape[1] == v.shape[1] == kv_heads  # not expanded
+            assert kwargs == {"scale": pytest.approx(8 ** -0.5), "window_size_left": -1, "window_size_right": 0}
+            assert len(args) == (10 if name == "forward" else 14) and args[-3 if name == "forward" else -4:][:2] == (0.0, True)
     assert chunks >= 20
     log = capsys.readouterr().out
-    expanded = ", K/V heads expanded for GQA (no enable_gqa in this torch)" if kv_heads != heads and not takes_gqa else ""
-    assert f"> elastic attention: torch-varlen (EPP_ATTENTION_BACKEND=varlen, cpu float32; torch reference varlen_attn, one call per chunk{expanded})\n" in log
+    note = f", {kernel.gqa_note()}" if kv_heads != heads else ""
+    assert f"> elastic attention: torch-varlen (EPP_ATTENTION_BACKEND=varlen, cpu float32; torch reference varlen_attn, one call per chunk{note})\n" in log
 
 
-def test_torch_varlen_expanded_heads_equal_enable_gqa(monkeypatch):
-    """GQA on a torch without ``enable_gqa`` (K/V heads expanded before the call) gives what ``enable_gqa`` gives,
-    outputs and gradients; the grouping matters: K/V heads tiled (0 1 0 1, not 0 0 1 1) break the match."""
+def recording(func, calls: list, name: str | None = None):
+    """``func`` with each call's arguments appended to ``calls`` (as ``(args, kwargs)``, or ``(name, args, kwargs)`` where
+    a ``name`` is given, else the aten reference's ``forward``/``backward``); its signature stays ``func``'s
+    (``functools.wraps``), which is what the varlen probe reads."""
+    name = name or {reference_flash_attention_forward: "forward", reference_flash_attention_backward: "backward"}.get(func)
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        calls.append((args, kwargs) if name is None else (name, args, kwargs))
+        return func(*args, **kwargs)
+    return wrapper
+
+
+def test_torch_varlen_gqa_modes_agree(monkeypatch):
+    """GQA through the aten flash ops, and with the K/V heads expanded, give what ``enable_gqa`` gives, outputs and
+    gradients; the grouping matters: K/V heads tiled (0 1 0 1, not 0 0 1 1) break the match."""
     results = {}
-    for takes_gqa in (True, False):
-        use_varlen(monkeypatch, reference_torch_varlen(takes_gqa))
-        results[takes_gqa] = [run_backend(monkeypatch, "varlen", plan, 6, 2, seed=case) for case, plan in plans(4)]
-    for case, (expanded, native) in enumerate(zip(results[False], results[True])):
-        assert max(worst_errors(expanded, native).values()) < 1e-6, f"case {case}"
+    for gqa in GQA_MODES:
+        use_varlen(monkeypatch, reference_torch_varlen(gqa))
+        results[gqa] = [run_backend(monkeypatch, "varlen", plan, 6, 2, seed=case) for case, plan in plans(4)]
+    for gqa in ("aten-flash", "expanded"):
+        for case, (other, native) in enumerate(zip(results[gqa], results["enable_gqa"])):
+            assert max(worst_errors(other, native).values()) < 1e-6, f"{gqa}, case {case}"
     monkeypatch.setattr(attention_kernels, "expand_kv_heads", lambda kv, heads: kv.repeat(1, heads // kv.shape[1], 1))
     tiled = [run_backend(monkeypatch, "varlen", plan, 6, 2, seed=case) for case, plan in plans(4)]
-    assert min(max(worst_errors(t, n).values()) for t, n in zip(tiled, results[True])) > 1e-2
+    assert min(max(worst_errors(t, n).values()) for t, n in zip(tiled, results["enable_gqa"])) > 1e-2
+
+
+@pytest.mark.parametrize("planted", [False, True], ids=["as-is", "expansion-planted"])
+@pytest.mark.parametrize("heads, kv_heads", HEADS[1:], ids=["gqa", "mqa"])
+def test_aten_flash_saves_kv_at_kv_heads_width(monkeypatch, heads, kv_heads, planted):
+    """torch-varlen in ``aten-flash`` mode (torch 2.11) saves for backward what ``varlen_attn``'s own autograd saves:
+    q, the K/V at ``kv_heads`` width (a split slice's prefix rows as views of its buffer), the output, the log-sum-exp;
+    no saved tensor is K/V expanded to the query heads (``saved_tensors_hooks`` over each chunk's kernel call, on
+    random batched/split/hybrid plans). ``expansion-planted``: the K/V heads expanded before the same Function
+    (outputs and gradients still right) must be seen."""
+    use_varlen(monkeypatch, reference_torch_varlen("aten-flash"))
+    if planted:
+        real_apply = attention_kernels.AtenFlashVarlen.apply
+        expand = attention_kernels.expand_kv_heads
+        monkeypatch.setattr(attention_kernels.AtenFlashVarlen, "apply",
+                            lambda q, k, v, *rest: real_apply(q, expand(k, q.shape[1]), expand(v, q.shape[1]), *rest))
+    real_kernel, calls = attention_kernels.torch_varlen, []
+
+    def recorded(query, key, value, layout, slice_kv, *args):
+        with SavedTensors() as saved:
+            out = real_kernel(query, key, value, layout, slice_kv, *args)
+        calls.append((saved, {query.untyped_storage().data_ptr(), out.untyped_storage().data_ptr()}, layout.context))
+        return out
+
+    monkeypatch.setitem(attention_kernels.BACKENDS, "torch-varlen", recorded)
+    for case, plan in plans(4):
+        sdpa = run_backend(monkeypatch, "sdpa", plan, heads, kv_heads, seed=case)
+        varlen = run_backend(monkeypatch, "varlen", plan, heads, kv_heads, seed=case)
+        assert max(worst_errors(varlen, sdpa).values()) < TOL, f"case {case}"
+    assert len(calls) >= 10 and sum(context > 0 for *_, context in calls) >= 4  # slices with prefix K/V among them
+    expanded = [saved.heads_wide(heads, besides) for saved, besides, _ in calls]
+    kv_width = [sum(len(shape) == 3 and shape[1] == kv_heads for shape, _ in saved.saved) for saved, _, _ in calls]
+    if planted:
+        assert all(len(shapes) == 2 for shapes in expanded), expanded  # K and V, heads wide
+        return
+    assert not any(expanded), expanded
+    assert kv_width == [2] * len(calls)  # K and V, saved at kv_heads width
 
 
 def test_torch_varlen_refuses_attention_dropout():
@@ -293,7 +364,10 @@ def lenient_reference(q, k, v, cu_q, cu_k, *args, **kwargs):
 LENIENT = {  # each varlen backend's reference kernel without that check
     "flash": FlashKernel(lenient_reference, "reference", devices=("cpu",), dtypes=(torch.float32,), min_capability=None),
     "varlen": reference_torch_varlen(func=functools.partial(reference_varlen_attn, strict=False)),
+    "varlen-aten-flash": dataclasses.replace(reference_torch_varlen("aten-flash"), flash_ops=attention_kernels.FlashOps(
+        functools.partial(reference_flash_attention_forward, strict=False), functools.partial(reference_flash_attention_backward, strict=False))),
 }
+VARLEN_PATHS = {"flash": "flash", "varlen": "varlen", "varlen-aten-flash": "varlen"}  # a path -> its EPP_ATTENTION_BACKEND
 
 
 class SeqlensWithoutPrefix(ChunkContext):
@@ -324,9 +398,9 @@ def use_backend_kernel(monkeypatch, request: str, kernel) -> None:
 
 
 def broken(monkeypatch, fault: str, request: str) -> tuple[FlashKernel | TorchVarlenKernel, ChunkContext | None]:
-    """Break a varlen path's packing on purpose (``request``: ``flash`` or ``varlen``); returns the kernel and the
-    chunk context to run it with."""
-    kernel = REFERENCE_KERNEL if request == "flash" else reference_torch_varlen()
+    """Break a varlen path's packing on purpose (``request``: ``flash``, ``varlen``, or ``varlen-aten-flash``: torch-varlen
+    with GQA through the aten flash ops); returns the kernel and the chunk context to run it with."""
+    kernel = REFERENCE_KERNEL if request == "flash" else reference_torch_varlen("aten-flash" if request == "varlen-aten-flash" else "enable_gqa")
     original_pack = attention_kernels.pack_kv
 
     def prefix_rows(rows, layout):
@@ -358,11 +432,12 @@ PREFIX_FAULTS = ["prefix_after_slice_tokens", "prefix_detached", "cu_seqlens_k_w
                  "cu_seq_k_off_by_one"]
 
 
-@pytest.mark.parametrize("request_", ["flash", "varlen"])
+@pytest.mark.parametrize("request_", list(VARLEN_PATHS))
 @pytest.mark.parametrize("fault", PREFIX_FAULTS)
 def test_contract_test_catches_prefix_faults(monkeypatch, fault, request_):
-    """Each fault, planted in the real path of ``flash-varlen`` / ``torch-varlen``, is caught on every plan that
-    has a slice with context (by the reference's argument contract, or by outputs/gradients off by > 1e-2)."""
+    """Each fault, planted in the real path of ``flash-varlen`` / ``torch-varlen`` (``enable_gqa``, and GQA through the
+    aten flash ops), is caught on every plan that has a slice with context (by the reference's argument contract, or
+    by outputs/gradients off by > 1e-2)."""
     kernel, context = broken(monkeypatch, fault, request_)
     caught = checked = 0
     for case, plan in plans(4):
@@ -372,7 +447,7 @@ def test_contract_test_catches_prefix_faults(monkeypatch, fault, request_):
         sdpa = run_backend(monkeypatch, "sdpa", plan, 4, 2, seed=case)
         use_backend_kernel(monkeypatch, request_, kernel)
         try:
-            varlen = run_backend(monkeypatch, request_, plan, 4, 2, seed=case, context=context)
+            varlen = run_backend(monkeypatch, VARLEN_PATHS[request_], plan, 4, 2, seed=case, context=context)
         except AssertionError:  # the reference kernel's argument contract
             assert "lenient" not in fault and "off_by_one" not in fault
             caught += 1
@@ -608,36 +683,69 @@ def varlen_attn_without_window(query, key, value, cu_seq_q, cu_seq_k, max_q, max
     raise AssertionError("not called")
 
 
-TORCHES = {  # name -> (varlen_attn or None, torch version)
-    "no-varlen": (None, "2.10.0"), "2.11": (varlen_attn_2_11, "2.11.0+cu130"), "2.13": (varlen_attn_2_13, "2.13.0"),
-    "no-window": (varlen_attn_without_window, "2.10.0"),
+NO_WINDOW_OPS = "aten::_flash_attention_forward takes no window_size_left/window_size_right"
+TORCHES = {  # name -> (varlen_attn or None, torch version, the aten flash ops as probed)
+    "no-varlen": (None, "2.10.0", (REFERENCE_FLASH_OPS, "")),
+    "2.11": (varlen_attn_2_11, "2.11.0+cu130", (REFERENCE_FLASH_OPS, "")),
+    "2.11-no-aten": (varlen_attn_2_11, "2.11.0+cu130", (None, NO_WINDOW_OPS)),  # a torch whose aten flash ops are not the ones called
+    "2.13": (varlen_attn_2_13, "2.13.0", (REFERENCE_FLASH_OPS, "")),
+    "no-window": (varlen_attn_without_window, "2.10.0", (REFERENCE_FLASH_OPS, "")),
 }
 FLASH_BF16 = FlashKernel(reference_flash_attn_varlen_func, "2.8.3", min_capability=None)  # CUDA fp16/bf16, as flash-attn
 
 
 def probed(torch_name: str):
-    func, version = TORCHES[torch_name]
-    return attention_kernels.torch_varlen_kernel(func, version, min_capability=None)
+    func, version, flash_ops = TORCHES[torch_name]
+    return attention_kernels.torch_varlen_kernel(func, version, flash_ops, min_capability=None)
 
 
 def test_torch_varlen_probe_reads_the_signature():
-    """What the probe makes of each torch's ``varlen_attn``; this machine's torch (2.13) has ``enable_gqa``."""
+    """What the probe makes of each torch's ``varlen_attn`` and aten flash ops: the GQA mode; this machine's torch
+    (2.13) has ``enable_gqa``, and aten flash ops of the schema :class:`AtenFlashVarlen` calls."""
     assert probed("no-varlen") == (None, "torch 2.10.0 has no torch.nn.attention.varlen.varlen_attn")
     assert probed("no-window") == (None, "torch 2.10.0's varlen_attn takes no scale/window_size")
-    (k11, why11), (k13, why13) = probed("2.11"), probed("2.13")
-    assert not why11 and not why13 and k11.takes_gqa is False and k13.takes_gqa is True and k11.version == "2.11.0+cu130"
+    (k11, why11), (k13, why13), (bare, why_bare) = probed("2.11"), probed("2.13"), probed("2.11-no-aten")
+    assert not why11 and not why13 and not why_bare and k11.version == "2.11.0+cu130"
+    assert (k11.takes_gqa, k13.takes_gqa, bare.takes_gqa) == (False, True, False)
+    assert (k11.gqa_mode, k13.gqa_mode, bare.gqa_mode) == ("aten-flash", "enable_gqa", "expanded")
+    assert NO_WINDOW_OPS in bare.gqa_note() and "not count" in bare.gqa_note() and "not expanded" in k11.gqa_note()
     real, why = attention_kernels._probe_torch_varlen()  # the fixture replaced load_torch_varlen, not the probe
     from torch.nn.attention.varlen import varlen_attn
     assert not why and real.varlen_func is varlen_attn and real.version == torch.__version__
     assert real.takes_gqa == (attention_kernels._version_tuple(torch.__version__) >= (2, 13)) and real.devices == ("cuda",)
     assert real.dtypes == (torch.float16, torch.bfloat16) and real.min_capability == (8, 0)
+    assert real.flash_ops == attention_kernels.FlashOps(torch.ops.aten._flash_attention_forward.default,
+                                                        torch.ops.aten._flash_attention_backward.default) and not real.flash_ops_why
+
+
+SCHEMA_2_13 = {  # this torch's, as printed by torch.ops.aten._flash_attention_*.default._schema
+    "forward": str(torch.ops.aten._flash_attention_forward.default._schema),
+    "backward": str(torch.ops.aten._flash_attention_backward.default._schema),
+}
+
+
+def test_aten_flash_op_schemas_are_checked():
+    """The aten flash ops are used where their schema takes the call :class:`AtenFlashVarlen` makes (this torch's do);
+    a schema without the window arguments, with another positional argument, or other outputs is refused, with why."""
+    parse = torch._C.parse_schema
+    forward, backward = parse(SCHEMA_2_13["forward"]), parse(SCHEMA_2_13["backward"])
+    assert attention_kernels.flash_ops_problem(forward, attention_kernels.FLASH_FORWARD_CALL) == ""
+    assert attention_kernels.flash_ops_problem(backward, attention_kernels.FLASH_BACKWARD_CALL) == ""
+    assert attention_kernels.load_aten_flash_ops()[1] == ""
+    no_window = parse(SCHEMA_2_13["forward"].replace("SymInt? window_size_left=None, SymInt? window_size_right=None, ", ""))
+    assert attention_kernels.flash_ops_problem(no_window, attention_kernels.FLASH_FORWARD_CALL) == NO_WINDOW_OPS
+    extra = parse(SCHEMA_2_13["backward"].replace("Tensor unused, *", "Tensor unused, Tensor seed2, *"))
+    assert attention_kernels.flash_ops_problem(extra, attention_kernels.FLASH_BACKWARD_CALL) == (
+        "aten::_flash_attention_backward takes 15 positional arguments and returns 3 (expected 14, 3)")
+    fewer = parse(SCHEMA_2_13["forward"].replace(", Tensor debug_attn_mask)", ")"))
+    assert "returns 4 (expected 10, 5)" in attention_kernels.flash_ops_problem(fewer, attention_kernels.FLASH_FORWARD_CALL)
 
 
 def expected_choice(request: str, torch_name: str, device: str, dtype: torch.dtype, flash: bool, dropout: float) -> str:
     """The decision's rules, stated case by case (AttentionBackendError where the request cannot run)."""
     sdpa = {"cpu": "sdpa-masked" if dropout else "sdpa-merged", "cuda": "sdpa-causal"}[device]
     flash_runs = flash and device == "cuda" and dtype == torch.bfloat16
-    varlen_runs = torch_name in ("2.11", "2.13") and device == "cuda" and dtype == torch.bfloat16 and not dropout
+    varlen_runs = torch_name in ("2.11", "2.11-no-aten", "2.13") and device == "cuda" and dtype == torch.bfloat16 and not dropout
     if request == "sdpa":
         return sdpa
     if request == "flash":
@@ -651,10 +759,19 @@ GRID = list(itertools.product(["auto", "sdpa", "flash", "varlen"], TORCHES, ["cp
                               [False, True], [False, True], [0.0, 0.1]))
 
 
+GQA_NOTES = {  # torch -> the start-up line's GQA words where torch-varlen runs a model with GQA
+    "2.13": "GQA by varlen_attn's enable_gqa, K/V heads not expanded",
+    "2.11": "GQA by aten::_flash_attention_forward/backward (varlen_attn has no enable_gqa), K/V heads not expanded",
+    "2.11-no-aten": f"K/V heads expanded for GQA (varlen_attn has no enable_gqa; {NO_WINDOW_OPS}): autograd saves the expanded K/V, "
+                    "which the memory model does not count",
+}
+
+
 def test_decision_for_every_input():
-    """:func:`kernels.decide` over request x torch (no varlen_attn, 2.11 without enable_gqa, 2.13 with it, one
-    without window_size) x device (cpu, cuda) x dtype (fp32, bf16) x GQA x flash-attn present x dropout: the kernel
-    the rules give, and a reason that says why the kernels before it were not taken."""
+    """:func:`kernels.decide` over request x torch (no varlen_attn, 2.11 without enable_gqa with and without usable aten
+    flash ops, 2.13 with it, one without window_size) x device (cpu, cuda) x dtype (fp32, bf16) x GQA x flash-attn present
+    x dropout: the kernel the rules give, and a reason that says why the kernels before it were not taken, and, where
+    torch-varlen runs with GQA, how (enable_gqa / aten flash ops, K/V heads not expanded / expanded and not counted)."""
     for request, torch_name, device, dtype, gqa, flash, dropout in GRID:
         case = (request, torch_name, device, dtype, gqa, flash, dropout)
         flash_kernel = (FLASH_BF16, "") if flash else (None, "flash-attn does not import (test)")
@@ -666,10 +783,11 @@ def test_decision_for_every_input():
             continue
         choice, reason = run()
         assert choice == want, case
-        expanded = "K/V heads expanded for GQA (no enable_gqa in this torch)" in reason
-        assert expanded == (choice == "torch-varlen" and gqa and torch_name == "2.11"), (case, reason)
+        notes = [name for name, note in GQA_NOTES.items() if note in reason]
+        assert notes == ([torch_name] if choice == "torch-varlen" and gqa else []), (case, reason)
+        assert ("K/V heads expanded" in reason) == (notes == ["2.11-no-aten"]) and reason.count("GQA") <= 1, (case, reason)
         if choice == "torch-varlen":
-            assert f"torch {TORCHES[torch_name][1]} varlen_attn, one call per chunk" in reason, reason
+            assert reason.endswith(f"torch {TORCHES[torch_name][1]} varlen_attn, one call per chunk" + (f", {GQA_NOTES[torch_name]}" if gqa else "")), reason
         if choice == "sdpa-causal":
             assert "cuDNN attention excluded" in reason, reason
         if request == "auto" and choice != "flash-varlen":
@@ -681,12 +799,13 @@ def test_decision_for_every_input():
                                  "dtype float32, varlen_attn takes float16/bfloat16" if dtype == torch.float32 else
                                  "attention dropout 0.1, which varlen_attn has not")
                 assert "; no torch varlen: " in reason and why_no_varlen in reason, (case, reason)
-    assert len(GRID) == 512
+    assert len(GRID) == 640
 
 
 def test_cuda_lines_name_the_kernel_and_why(monkeypatch, capsys):
-    """The start-up lines on CUDA without flash-attn (torch 2.11: no enable_gqa): torch-varlen in evaluation,
-    SDPA without cuDNN under attention dropout and in fp32, each saying why; decided once per (.., dropout, GQA)."""
+    """The start-up lines on CUDA without flash-attn (torch 2.11: no enable_gqa): torch-varlen in evaluation (GQA through
+    the aten flash ops, K/V heads not expanded; where those ops are unusable, expanded and said to be uncounted), SDPA
+    without cuDNN under attention dropout and in fp32, each saying why; decided once per (.., dropout, GQA)."""
     cuda = torch.device("cuda")
     use_kernel(monkeypatch, None, "flash-attn does not import (ModuleNotFoundError: No module named 'flash_attn')")
     use_varlen(monkeypatch, probed("2.11")[0])
@@ -696,15 +815,21 @@ def test_cuda_lines_name_the_kernel_and_why(monkeypatch, capsys):
     assert attention_kernels.select_backend("auto", cuda, torch.bfloat16, decided, 0.0, gqa=True) == "torch-varlen"  # decided
     assert attention_kernels.select_backend("auto", cuda, torch.bfloat16, decided, 0.0, gqa=False) == "torch-varlen"
     assert attention_kernels.select_backend("auto", cuda, torch.float32, decided, 0.0, gqa=False) == "sdpa-causal"
+    use_varlen(monkeypatch, probed("2.11-no-aten")[0])
+    assert attention_kernels.select_backend("auto", cuda, torch.bfloat16, None, 0.0, gqa=True) == "torch-varlen"
     no_flash = "no flash: flash-attn does not import (ModuleNotFoundError: No module named 'flash_attn')"
     assert capsys.readouterr().out.splitlines() == [
         f"> elastic attention: torch-varlen (EPP_ATTENTION_BACKEND=auto, cuda bfloat16; {no_flash}; "
-        "torch 2.11.0+cu130 varlen_attn, one call per chunk, K/V heads expanded for GQA (no enable_gqa in this torch))",
+        "torch 2.11.0+cu130 varlen_attn, one call per chunk, GQA by aten::_flash_attention_forward/backward (varlen_attn has no "
+        "enable_gqa), K/V heads not expanded)",
         f"> elastic attention: sdpa-causal (EPP_ATTENTION_BACKEND=auto, cuda bfloat16, attention dropout 0.1; {no_flash}; "
         "no torch varlen: attention dropout 0.1, which varlen_attn has not; SDPA per segment, cuDNN attention excluded (a graph per new shape))",
         f"> elastic attention: torch-varlen (EPP_ATTENTION_BACKEND=auto, cuda bfloat16; {no_flash}; torch 2.11.0+cu130 varlen_attn, one call per chunk)",
         f"> elastic attention: sdpa-causal (EPP_ATTENTION_BACKEND=auto, cuda float32; {no_flash}; "
         "no torch varlen: dtype float32, varlen_attn takes float16/bfloat16; SDPA per segment, cuDNN attention excluded (a graph per new shape))",
+        f"> elastic attention: torch-varlen (EPP_ATTENTION_BACKEND=auto, cuda bfloat16; {no_flash}; "
+        f"torch 2.11.0+cu130 varlen_attn, one call per chunk, K/V heads expanded for GQA (varlen_attn has no enable_gqa; {NO_WINDOW_OPS}): "
+        "autograd saves the expanded K/V, which the memory model does not count)",
     ]
     assert len(decided) == 4
 
@@ -725,7 +850,7 @@ def test_varlen_request_errors(monkeypatch):
 
 def test_layer_decides_with_its_gqa(monkeypatch):
     """The layer tells the decision whether its query heads share K/V heads (the K/V tensors' head count)."""
-    use_varlen(monkeypatch, reference_torch_varlen(takes_gqa=False))
+    use_varlen(monkeypatch, reference_torch_varlen("expanded"))
     monkeypatch.setenv(attention_kernels.ENV, "varlen")
     for kv_heads in (4, 2):
         attention = make_attention(4, kv_heads, 8)

@@ -59,7 +59,7 @@ def model() -> GPTModel:
     context = ChunkContext()
     gpt = GPTModel(config, elastic_layer_spec(elastic_base_layer_spec(), context), vocab_size=VOCAB, max_sequence_length=64,
                    position_embedding_type="rope")
-    install_chunk_context(gpt, context)
+    install_chunk_context(gpt, context, 64)
     return gpt
 
 

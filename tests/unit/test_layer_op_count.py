@@ -118,7 +118,7 @@ def test_layer_ops_per_chunk_are_pinned(dtype):
 def test_per_layer_rope_is_counted(monkeypatch):
     """The counter sees the old path planted back: raw frequencies to every layer, megatron-core's RoPE per layer."""
     monkeypatch.setattr(rotary.ChunkRotaryEmbedding, "forward",
-                        lambda self, *args, **kwargs: rotary.ChunkRope(self.inner, self.context.layout()).freqs())
+                        lambda self, *args, **kwargs: rotary.ChunkRope(self.table, self.context.layout()).freqs())
     for dtype, counts in OLD_LAYER.items():
         layer_f, layer_b, chunk_f, _ = per_layer_and_chunk(dtype)
         assert (sum(layer_f.values()), sum(layer_b.values())) == counts, (dtype, layer_f, layer_b)
@@ -147,15 +147,17 @@ def test_no_tp_group_lookup_per_call(monkeypatch):
 @pytest.mark.parametrize("percent", [1.0, 0.5], ids=["whole-head", "rotary-percent-0.5"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_rotation_is_megatrons_bit_for_bit(dtype, percent):
-    """:meth:`ChunkRope.rotate` against megatron-core's ``apply_rotary_pos_emb`` on the same frequencies: outputs
-    and the gradients of q and k identical (grouped-query attention: 8 query heads, 2 K/V heads), positions of a
-    slice at context 4 and a packed document."""
+    """:meth:`ChunkRope.rotate` (from the run's table of 64 positions) against megatron-core's ``apply_rotary_pos_emb`` on
+    megatron-core's own frequencies for the chunk (its ``RotaryEmbedding`` called with the chunk's length, gathered at
+    its positions): the frequencies, outputs and the gradients of q and k identical (grouped-query attention: 8 query
+    heads, 2 K/V heads), positions of a slice at context 4 and a packed document."""
     init_single_process()
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     chunk = Chunk(0, "hybrid", [Segment(0, 0, 6), Segment(1, 4, 9)])
     layout = ChunkLayout.build(chunk, [6, 20], torch.device("cpu"))
-    rope = rotary.ChunkRope(RotaryEmbedding(16, percent, rotary_base=500000, use_cpu_initialization=True), layout)
+    inner = RotaryEmbedding(16, percent, rotary_base=500000, use_cpu_initialization=True)
+    rope = rotary.ChunkRope(rotary.RopeTable(inner, 64), layout)
     gen = torch.Generator().manual_seed(0)
     q, k = (torch.randn(layout.num_tokens, 2, heads, 16, generator=gen).to(dtype) for heads in (8, 2))
     gq, gk = torch.randn_like(q, dtype=torch.float32).to(dtype), torch.randn_like(k, dtype=torch.float32).to(dtype)
@@ -167,7 +169,8 @@ def test_rotation_is_megatrons_bit_for_bit(dtype, percent):
         torch.autograd.backward([out_q, out_k], [gq, gk])
         return out_q, out_k, qq.grad, kk.grad
 
-    freqs = rope.freqs()
+    freqs = inner(layout.max_position + 1)[layout.position_ids]  # megatron-core's table of the chunk's length
+    assert freqs.dtype == torch.float32 and torch.equal(rope.freqs(), freqs)
     theirs = grads(lambda a, b: (apply_rotary_pos_emb(a, freqs, config), apply_rotary_pos_emb(b, freqs, config)))
     with ChunkContext().running(layout):  # the tables of one pass, dropped after it
         ours = grads(rope.rotate)
@@ -183,7 +186,7 @@ def test_partial_rotary_passes_the_rest_unrotated():
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     layout = ChunkLayout.build(Chunk(0, "batched", [Segment(0, 0, 4)]), [4], torch.device("cpu"))
-    rope = rotary.ChunkRope(RotaryEmbedding(16, 0.5, use_cpu_initialization=True), layout)
+    rope = rotary.ChunkRope(rotary.RopeTable(RotaryEmbedding(16, 0.5, use_cpu_initialization=True), 4), layout)
     q, k = torch.randn(4, 1, 2, 16, requires_grad=True), torch.randn(4, 1, 2, 16, requires_grad=True)
     with ChunkContext().running(layout):
         out_q, out_k = rope.rotate(q, k)

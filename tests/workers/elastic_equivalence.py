@@ -171,15 +171,16 @@ def run(argv: list[str]) -> None:
     p.add_argument("--sp-fault-cases", type=int, default=0, help="the first K cases again under each of SP_FAULTS")
     p.add_argument("--random-recompute", action="store_true", help="random per (stage, chunk) recompute counts")
     p.add_argument("--attention-backend", default=None, help="EPP_ATTENTION_BACKEND for this run's model")
-    p.add_argument("--varlen-reference", choices=["enable_gqa", "expanded"], default=None,
-                   help="torch's varlen_attn replaced by the tests' reference for this run (signature with or without enable_gqa)")
+    p.add_argument("--varlen-reference", choices=["enable_gqa", "aten-flash", "expanded"], default=None,
+                   help="torch's varlen_attn replaced by the tests' reference for this run, in this GQA mode (its signature with "
+                        "enable_gqa; without it, over the reference aten flash ops or with the K/V heads expanded)")
     ours, flags = p.parse_known_args(argv)
     backend_before = os.environ.get(kernels.ENV)
     if ours.attention_backend is not None:
         os.environ[kernels.ENV] = ours.attention_backend  # read when the attention is built
     undo_varlen = None
     if ours.varlen_reference is not None:
-        reference = reference_torch_varlen(takes_gqa=ours.varlen_reference == "enable_gqa")
+        reference = reference_torch_varlen(ours.varlen_reference)
         undo_varlen = _patch(kernels, "load_torch_varlen", lambda: (reference, ""))
     # a small vocabulary, padded alike at every tp (64 is a multiple of 32 x tp for tp <= 2): the reference
     # and the tensor-parallel runs are the same model; the test's flags come after and win
