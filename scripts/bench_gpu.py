@@ -46,7 +46,12 @@ Duration: the default three cells take about 7.5 minutes on one H100, estimated 
 assumes the attention kernel torch picks by default is a fast one. ``--dry-run`` prints the cells, the
 budgets, the commands and the estimate, with no GPU.
 
-    python scripts/bench_gpu.py [--cells mock:32768,wiki:16384,stdlib:32768 | --all] [--iters 3] [--dry-run]
+``--runs megatron,epp`` runs a subset (ratios whose sides did not run are null); ``--model-flags "..."`` trains another
+model (pretrain_gpt.py's model flags, ``--seq-length`` among them fixing the cells' cap): ``gpu_check.sh --quick``
+benches its training run's model and cap, whose start-up profile that run left in the cache.
+
+    python scripts/bench_gpu.py [--cells mock:32768,wiki:16384,stdlib:32768 | --all] [--iters 3] [--runs LIST]
+                                [--model-flags "..."] [--dry-run]
 """
 
 from __future__ import annotations
@@ -125,8 +130,9 @@ def parse_cells(text: str) -> list[Cell]:
     return cells
 
 
-def cell_argv(cell: Cell, iters: int, seed: int) -> list[str]:
-    """``pretrain_gpt.py`` flags of ``cell``, without budget and builder (a wiki cell writes its dataset)."""
+def cell_argv(cell: Cell, iters: int, seed: int, model: Sequence[str] = LLAMA) -> list[str]:
+    """``pretrain_gpt.py`` flags of ``cell`` for ``model`` (its flags), without budget and builder (a wiki cell writes its
+    dataset)."""
     steps = iters + 1
     if cell.data == "mock":
         data = ["--mock-data"]
@@ -138,7 +144,7 @@ def cell_argv(cell: Cell, iters: int, seed: int) -> list[str]:
 
         data = ["--data-path", ensure_stdlib_corpus(progress=False), "--epp-truncate-documents", "--tokenizer-type", "ByteTokenizer",
                 "--split", "1,0,0"]
-    return ["--elastic-pp", "--bf16", "--pipeline-model-parallel-size", "1", *LLAMA, *data, "--seq-length", str(cell.cap),
+    return ["--elastic-pp", "--bf16", "--pipeline-model-parallel-size", "1", *model, *data, "--seq-length", str(cell.cap),
             "--global-batch-size", str(cell.global_batch_size), "--train-iters", str(steps), "--lr", "3e-4", "--log-interval", "1",
             "--log-throughput", "--seed", str(seed)]
 
@@ -173,7 +179,7 @@ class Prepared:
 
 def prepare(cell: Cell, args) -> Prepared:
     t0 = time.perf_counter()
-    argv = cell_argv(cell, args.iters, args.seed)
+    argv = cell_argv(cell, args.iters, args.seed, args.model_flags)
     batches, build = bench.planned_batches(argv, args.iters + 1, world_size=1)
     if cell.data == "wiki" and any(max(b) != cell.cap for b in batches):
         fail(f"{cell.name}: the wiki batches are not the ones written (each step's longest should be the cap)")
@@ -242,16 +248,16 @@ def cell_entry(cell: Cell, budget_gb: float, measured: dict[str, Sequence[StepMe
     """The JSON entry of a cell from its runs' measured steps (warm-up dropped; a string: why a run failed)."""
     entry: dict = {"data": cell.data, "cap": cell.cap, "budget_gb": budget_gb}
     for run in RUNS:
-        entry[run] = run_entry(measured[run], model_state_bytes)
-    entry["epp_vs_megatron"] = paired_ratio(measured["megatron"], measured["epp"])
-    entry["epp_vs_ceiling"] = paired_ratio(measured["epp_unlimited"], measured["epp"])
+        entry[run] = run_entry(measured.get(run, "not run (--runs)"), model_state_bytes)
+    entry["epp_vs_megatron"] = paired_ratio(measured.get("megatron", ""), measured.get("epp", ""))
+    entry["epp_vs_ceiling"] = paired_ratio(measured.get("epp_unlimited", ""), measured.get("epp", ""))
     return entry
 
 
 def report_lines(p: Prepared, measured: dict[str, Sequence[StepMetrics] | str], entry: dict) -> list[str]:
     out = [f"== {p.cell.name} at {p.choice.budget_gb:.4f} GB (epp_unlimited at {p.unlimited_gb:.4f} GB)"]
     for run in RUNS:
-        steps, e = measured[run], entry[run]
+        steps, e = measured.get(run, "not run (--runs)"), entry[run]
         if isinstance(steps, str):
             out.append(f"  {run:14s} did not run: {steps}")
             continue
@@ -260,7 +266,7 @@ def report_lines(p: Prepared, measured: dict[str, Sequence[StepMetrics] | str], 
         tflops = "n/a" if e["tflops"] is None else f"{e['tflops']:.0f}"
         over = " (over the budget)" if e["peak_gb"] > p.budget(run) else ""
         out.append(f"  {run:14s} step ms {e['step_ms']:.0f}, TFLOP/s {tflops}, peak {e['peak_gb']:.1f} GB{over} | {plans}")
-    seq = paired_ratio(measured["seq1f1b"], measured["epp"])
+    seq = paired_ratio(measured.get("seq1f1b", ""), measured.get("epp", ""))
     out.append("  EPP vs Megatron " + bench.show(entry["epp_vs_megatron"]) + ", vs Seq1F1B " + bench.show(seq)
                + " (baseline step ms / EPP's, > 1: EPP faster); EPP reaches " + bench.show(entry["epp_vs_ceiling"])
                + " of its ceiling's speed")
@@ -282,7 +288,7 @@ def measure(p: Prepared, args) -> dict[str, list[StepMetrics] | str]:
 
     expected = [int(sum(b)) for b in p.batches]
     measured: dict[str, list[StepMetrics] | str] = {}
-    for run in RUNS:
+    for run in args.runs:
         t0 = time.perf_counter()
         if p.plans(run) is None:
             measured[run] = "cannot run at this budget (planned in-process)"
@@ -298,6 +304,19 @@ def measure(p: Prepared, args) -> dict[str, list[StepMetrics] | str]:
     return measured
 
 
+def model_flags(text: str | None) -> tuple[list[str], int | None]:
+    """``--model-flags``: the flags (default the LLaMA-like model's) and the ``--seq-length`` among them (None: none)."""
+    if text is None:
+        return LLAMA, None
+    flags = text.split()
+    if "--seq-length" not in flags:
+        return flags, None
+    i = flags.index("--seq-length")
+    if i + 1 >= len(flags) or not flags[i + 1].isdigit():
+        fail("--model-flags: --seq-length needs a number of tokens")
+    return flags[:i] + flags[i + 2:], int(flags[i + 1])
+
+
 def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cells", default=DEFAULT_CELLS, help=f"DATA:CAP,... with DATA in {', '.join(DATA)} (default {DEFAULT_CELLS})")
@@ -306,9 +325,18 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--epp-memory-budget", type=float, default=None, help="GB per GPU for every cell (default: derived per cell)")
     ap.add_argument("--seed", type=int, default=1234, help="data order, mock and wiki documents (default 1234)")
     ap.add_argument("--run-timeout", type=float, default=300.0, help="seconds per pretrain_gpt.py run (default 300)")
+    ap.add_argument("--runs", default=",".join(RUNS), help=f"which runs of each cell (default all: {','.join(RUNS)})")
+    ap.add_argument("--model-flags", default=None, help="pretrain_gpt.py's model flags in place of the LLaMA-like 8-layer model's "
+                    "(a --seq-length among them is every cell's cap)")
     ap.add_argument("--dry-run", action="store_true", help="print the cells, budgets, commands and estimated time; train nothing")
     args = ap.parse_args(argv)
+    args.runs = [r for r in args.runs.split(",") if r]
+    if not args.runs or any(r not in RUNS for r in args.runs):
+        fail(f"--runs {','.join(args.runs)}: expected a comma-separated subset of {', '.join(RUNS)}")
+    args.model_flags, cap = model_flags(args.model_flags)
     args.cells = [Cell(d, c) for c in CAPS for d in DATA] if args.all else parse_cells(args.cells)
+    if cap is not None:
+        args.cells = [Cell(c.data, cap) for c in args.cells]
     if args.iters < 1:
         fail("--iters must be >= 1")
     if args.epp_memory_budget is not None and args.epp_memory_budget <= 0:
@@ -331,17 +359,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         if device is None:
             fail("no CUDA device (torch.cuda.is_available() is False); --dry-run shows what would run")
         os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    print(f"bench_gpu: {len(args.cells)} cell(s) {', '.join(c.name for c in args.cells)}; runs {', '.join(RUNS)}; 1 warm-up + "
+    print(f"bench_gpu: {len(args.cells)} cell(s) {', '.join(c.name for c in args.cells)}; runs {', '.join(args.runs)}; 1 warm-up + "
           f"{args.iters} measured steps each; " + (f"on {device}" if device else "dry run (budgets planned on this machine's "
                                                    "default profile, as a run here would)"), flush=True)
     prepared = [prepare(cell, args) for cell in args.cells]
-    estimate = sum(p.estimate_s(run) + p.planning_s / len(RUNS) for p in prepared for run in RUNS)
+    estimate = sum(p.estimate_s(run) + p.planning_s / len(args.runs) for p in prepared for run in args.runs)
     for p in prepared:
         print("\n".join(describe(p)))
-        for run in RUNS:
+        for run in args.runs:
             print(f"  {run:14s} (~{p.estimate_s(run):.0f} s) python3 -m torch.distributed.run --nproc-per-node 1 pretrain_gpt.py "
                   + " ".join(p.command(run)) + " --epp-metrics <file>")
-    print(f"\nestimated time on one H100: {estimate / 60:.1f} min ({len(prepared) * len(RUNS)} runs of ~{START_S:.0f} s start-up plus "
+    print(f"\nestimated time on one H100: {estimate / 60:.1f} min ({len(prepared) * len(args.runs)} runs of ~{START_S:.0f} s start-up plus "
           f"their steps at ~{TOKENS_PER_S['megatron'] / 1000:.0f}K tokens/s, Seq1F1B ~{TOKENS_PER_S['seq1f1b'] / 1000:.0f}K; planning "
           f"{sum(p.planning_s for p in prepared):.0f} s)", flush=True)
     if args.dry_run:

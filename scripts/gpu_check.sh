@@ -1,9 +1,19 @@
 #!/usr/bin/env bash
 # One command for a GPU machine (one GPU is enough): install what can be installed offline, then
 # check and measure the CUDA path, each step time-boxed, going on after a failed step, with a
-# summary at the end. About 18 minutes on one H100 with the default limits (35 at most).
+# summary at the end and, last, one JSON line of every figure measured (scripts/gpu_check_report.py).
 #
-#   bash scripts/gpu_check.sh [--out DIR] [--wheels DIR] [--build-timeout S] [--steps LIST] [--dry-run]
+#   bash scripts/gpu_check.sh --quick [--out DIR] [--wheels DIR]    # one command of at most 8 minutes (480 s of limits)
+#   bash scripts/gpu_check.sh [--out DIR] [--wheels DIR] [--build-timeout S] [--steps LIST] [--dry-run]   # the full check
+#
+# --quick: facts, install (megatron-core from its wheel: no Transformer Engine or flash-attn build), attention
+# (--budget-s 30), the pp=1 equivalence, one training run on the default path a user takes (NO --epp-profile: the
+# start-up profile measures time and allocator memory on this GPU; NO --epp-memory-budget: the GPU's free memory
+# less the margin; a model large enough that this budget binds on an H100 and an H200: recompute and smaller chunks
+# than the cap; --log-throughput; the allocator's reserved and allocated peak of every step against the budget, and
+# any out-of-memory recovery), and one bench cell on that run's model and cap (its cached profile; Megatron packing
+# and EPP only). About 6 minutes of steps on an H200; the limits sum to 480 s. The full check (about 18 minutes on
+# one H100, 35 at most) is for a second command.
 #
 # Steps (--steps takes a comma-separated subset, in this order):
 #   facts        GPU, driver, torch, what imports
@@ -27,7 +37,8 @@
 # --wheels DIR        wheels (and sdists) for setup_gpu.sh --find-links (default: $EPP_WHEELS, else .whl if present)
 # --build-timeout S   passed to setup_gpu.sh (default 0: wheels only, nothing compiled; flash-attn from
 #                     source alone takes 10-25 min)
-# --dry-run           print the steps' commands and limits, run nothing
+# --quick             the steps above in at most 480 s
+# --dry-run           print the steps' commands and limits (and their sum), run nothing
 # --cpu-rehearsal     run the same steps on the CPU at toy sizes (attention --cpu-dry-run, a tiny profile
 #                     grid, a tiny model): checks this script's plumbing before device time is spent
 # Without CUDA it refuses with one line (exit 2). Exit 0 when every step passed, 1 otherwise.
@@ -35,7 +46,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$PWD
 
-OUT_DIR="" WHEELS=${EPP_WHEELS:-} BUILD_TIMEOUT=0 STEPS="facts,install,attention,equivalence,profile,train,bench" DRY_RUN=0 REHEARSAL=0
+OUT_DIR="" WHEELS=${EPP_WHEELS:-} BUILD_TIMEOUT=0 STEPS="" DRY_RUN=0 REHEARSAL=0 QUICK=0
 ALL_STEPS=(facts install attention equivalence profile train bench)
 usage_error() { echo "gpu_check.sh: error: $*" >&2; exit 2; }
 while [ $# -gt 0 ]; do
@@ -46,11 +57,16 @@ while [ $# -gt 0 ]; do
     --steps) [ $# -ge 2 ] || usage_error "--steps needs a list"; STEPS=$2; shift 2 ;;
     --dry-run) DRY_RUN=1; shift ;;
     --cpu-rehearsal) REHEARSAL=1; shift ;;
+    --quick) QUICK=1; shift ;;
     -h|--help) sed -n '2,/^set -uo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     *) usage_error "unknown option $1 (see --help)" ;;
   esac
 done
 [[ "$BUILD_TIMEOUT" =~ ^[0-9]+$ ]] || usage_error "--build-timeout $BUILD_TIMEOUT: expected whole seconds"
+[ "$QUICK" = 0 ] || [ "$BUILD_TIMEOUT" = 0 ] || usage_error "--quick builds nothing: --build-timeout is for the full check"
+if [ -z "$STEPS" ]; then
+  if [ "$QUICK" = 1 ]; then STEPS="facts,install,attention,equivalence,train,bench"; else STEPS="facts,install,attention,equivalence,profile,train,bench"; fi
+fi
 IFS=',' read -ra WANTED <<< "$STEPS"
 for step in "${WANTED[@]}"; do
   [[ " ${ALL_STEPS[*]} " == *" $step "* ]] || usage_error "--steps: unknown step '$step' (known: ${ALL_STEPS[*]})"
@@ -74,35 +90,63 @@ ATTENTION_FLAGS=()
 # the equivalence tests of one process (pp=1), the ones a single GPU runs
 EQUIVALENCE_SELECTION=(-k pp1)
 BENCH_FLAGS=()
+# --quick's run on the default path: a LLaMA-style model (GQA 16:4, SwiGLU, RMSNorm, no biases) of 40 layers of
+# hidden 2048 at a 32K cap: 2.2B parameters (30 GB of model states with Adam), and a 32K-token chunk needs about
+# 100 GB of activations without recompute on the memory model, so the default budget (the free memory less 5 %: about
+# 132 GB on an H200, 73 GB on an H100) binds on both (planned offline on the analytic profile, 2026-11-27); 8 mock
+# documents a step (median 4K tokens, the longest at the cap).
+QUICK_MODEL=(--num-layers 40 --hidden-size 2048 --num-attention-heads 16 --group-query-attention --num-query-groups 4
+  --swiglu --ffn-hidden-size 5632 --normalization RMSNorm --disable-bias-linear --seq-length 32768)
+QUICK_TRAIN_FLAGS=(--elastic-pp --pipeline-model-parallel-size 1 --bf16 --mock-data "${QUICK_MODEL[@]}" --global-batch-size 8
+  --lr 3e-4 --lr-warmup-iters 2 --train-iters 6 --log-interval 1 --log-throughput)
+if [ "$QUICK" = 1 ]; then
+  TRAIN_FLAGS=("${QUICK_TRAIN_FLAGS[@]}")
+  ATTENTION_FLAGS=(--budget-s 30)
+  BENCH_FLAGS=(--cells mock:32768 --iters 1 --runs megatron,epp --model-flags "${QUICK_MODEL[*]}")
+fi
 if [ "$REHEARSAL" = 1 ]; then  # the same steps at toy sizes on the CPU
   TRAIN_FLAGS=(--elastic-pp --pipeline-model-parallel-size 1 --bf16 --mock-data --num-layers 2 --hidden-size 32
     --num-attention-heads 4 --seq-length 512 --global-batch-size 8 --lr 5e-3 --lr-warmup-iters 2 --train-iters 8
     --log-interval 1 --epp-memory-budget 0.004 --epp-plan seq1f1b --epp-max-slices 4)
+  [ "$QUICK" = 1 ] && TRAIN_FLAGS=(--elastic-pp --pipeline-model-parallel-size 1 --bf16 --mock-data --num-layers 2 --hidden-size 32
+    --num-attention-heads 4 --seq-length 512 --global-batch-size 8 --lr 5e-3 --lr-warmup-iters 2 --train-iters 6
+    --log-interval 1 --log-throughput)  # the default path: the CPU's default profile and budget
   PROFILE_FLAGS=(--device cpu --hidden-size 32 --num-attention-heads 4 --num-layers 2 --seq-lengths 16,32,64 --contexts 0,32
     --layer-lengths 16,32,64,128 --head-lengths 16,64 --repeats 2)
   ATTENTION_FLAGS=(--cpu-dry-run)
   BENCH_FLAGS=(--dry-run --cells mock:16384)  # plans the cell and prints its commands; trains nothing
+  [ "$QUICK" = 1 ] && BENCH_FLAGS=(--dry-run --cells mock:16384 --runs megatron,epp --model-flags "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 8192")
 fi
 
 # per step: its time limit (s; 34.5 min in all without builds) and its command
 declare -A LIMIT=([facts]=60 [install]=$((150 + BUILD_TIMEOUT * 2)) [attention]=180 [equivalence]=420 [profile]=300 [train]=360 [bench]=600)
+# --quick: 480 s in all (the device machines lend 10 minutes a command and 15 a session, its start included)
+[ "$QUICK" = 1 ] && declare -A LIMIT=([facts]=20 [install]=45 [attention]=60 [equivalence]=75 [profile]=0 [train]=170 [bench]=110)
+QUICK_SETUP=""
+[ "$QUICK" = 1 ] && QUICK_SETUP="--no-te --no-flash"  # no wheel of either exists for the GPU machines; the full check tries
 command_of() {
   case "$1" in
     facts) echo "nvidia-smi; $PYTHON - (versions; which optional packages import)" ;;
-    install) echo "bash scripts/setup_gpu.sh --find-links ${WHEELS:-<none>} --build-timeout $BUILD_TIMEOUT --log-dir $OUT_DIR/install" ;;
+    install) echo "bash scripts/setup_gpu.sh --find-links ${WHEELS:-<none>} --build-timeout $BUILD_TIMEOUT${QUICK_SETUP:+ $QUICK_SETUP} --log-dir $OUT_DIR/install" ;;
     attention) echo "$PYTHON scripts/check_cuda_attention.py ${ATTENTION_FLAGS[*]}" ;;
     equivalence) echo "$PYTHON -m pytest -q -p no:cacheprovider -rs tests/integration/test_elastic_equivalence.py ${EQUIVALENCE_SELECTION[*]}" ;;
     profile) echo "$PYTHON scripts/profile_gpu.py ${PROFILE_FLAGS[*]} --out $OUT_DIR/profile.json" ;;
-    train) echo "$PYTHON -m torch.distributed.run --nproc-per-node 1 pretrain_gpt.py ${TRAIN_FLAGS[*]} --epp-profile <profile.json, else llama-7b> --epp-metrics $OUT_DIR/metrics.jsonl" ;;
+    train) if [ "$QUICK" = 1 ]; then
+             echo "$PYTHON -m torch.distributed.run --nproc-per-node 1 pretrain_gpt.py ${TRAIN_FLAGS[*]} --epp-metrics $OUT_DIR/metrics.jsonl (no --epp-profile: the start-up profile; no --epp-memory-budget: the default budget)"
+           else
+             echo "$PYTHON -m torch.distributed.run --nproc-per-node 1 pretrain_gpt.py ${TRAIN_FLAGS[*]} --epp-profile <profile.json, else llama-7b> --epp-metrics $OUT_DIR/metrics.jsonl"
+           fi ;;
     bench) echo "$PYTHON scripts/bench_gpu.py ${BENCH_FLAGS[*]}" ;;
   esac
 }
 
 if [ "$DRY_RUN" = 1 ]; then
   echo "gpu_check.sh --dry-run: would write $OUT_DIR and run:"
+  TOTAL=0
   for step in "${ALL_STEPS[@]}"; do
-    wanted "$step" && printf '  %-12s (limit %4d s)  %s\n' "$step" "${LIMIT[$step]}" "$(command_of "$step")"
+    wanted "$step" && printf '  %-12s (limit %4d s)  %s\n' "$step" "${LIMIT[$step]}" "$(command_of "$step")" && TOTAL=$((TOTAL + LIMIT[$step]))
   done
+  echo "limits: $TOTAL s in all"
   exit 0
 fi
 
@@ -110,6 +154,7 @@ CUDA_FACT=$("$PYTHON" -c 'import torch; print("ok" if torch.cuda.is_available() 
 [ "$CUDA_FACT" = ok ] || [ "$REHEARSAL" = 1 ] || usage_error "no CUDA device ($CUDA_FACT); this script is for a GPU machine (--dry-run shows its steps)"
 
 mkdir -p "$OUT_DIR" || usage_error "--out $OUT_DIR: cannot create it"
+rm -f "$OUT_DIR/steps.tsv"
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 CUDA_DEVICE_MAX_CONNECTIONS=1
 RESULTS=() FAILED=0
 
@@ -117,7 +162,7 @@ run_step() {  # run_step NAME COMMAND...: time-boxed, output in OUT_DIR/NAME.log
   local name=$1 start=$SECONDS rc=0 status took result; shift
   echo "=== $name (limit ${LIMIT[$name]} s): $(command_of "$name")"
   if declare -F "$1" > /dev/null; then  # a function of this script: timeout runs programs, so hand it to a bash
-    set -- bash -c "$(declare -p PYTHON WHEELS BUILD_TIMEOUT OUT_DIR TRAIN_FLAGS REHEARSAL); $(declare -f "$1"); $1"
+    set -- bash -c "$(declare -p PYTHON WHEELS BUILD_TIMEOUT OUT_DIR TRAIN_FLAGS REHEARSAL QUICK QUICK_SETUP); $(declare -f "$1"); $1"
   fi
   timeout -k 20 "${LIMIT[$name]}" "$@" > "$OUT_DIR/$name.log" 2>&1 || rc=$?
   took=$((SECONDS - start))
@@ -126,6 +171,7 @@ run_step() {  # run_step NAME COMMAND...: time-boxed, output in OUT_DIR/NAME.log
   else status="FAILED rc=$rc"; FAILED=1
   fi
   result=$(result_of "$name" "$rc")
+  printf '%s\t%s\t%s\t%s\n' "$name" "$status" "$took" "${LIMIT[$name]}" >> "$OUT_DIR/steps.tsv"
   RESULTS+=("$(printf '%-12s %-14s %5d s  %s' "$name" "$status" "$took" "$result")")
   echo "    -> $status in $took s: $result"
 }
@@ -173,30 +219,18 @@ install() {
     fi
     echo "error: megatron-core does not import and no --wheels directory was given (offline: carry its wheel)"; return 1
   fi
-  bash scripts/setup_gpu.sh --find-links "$WHEELS" --build-timeout "$BUILD_TIMEOUT" --log-dir "$OUT_DIR/install"
+  bash scripts/setup_gpu.sh --find-links "$WHEELS" --build-timeout "$BUILD_TIMEOUT" $QUICK_SETUP --log-dir "$OUT_DIR/install"
 }
 
 train() {
-  local profile=llama-7b
-  [ "$REHEARSAL" = 1 ] && profile=test-model
-  [ -s "$OUT_DIR/profile.json" ] && profile="$OUT_DIR/profile.json"
+  local profile=(--epp-profile llama-7b)
+  [ "$REHEARSAL" = 1 ] && profile=(--epp-profile test-model)
+  [ -s "$OUT_DIR/profile.json" ] && profile=(--epp-profile "$OUT_DIR/profile.json")
+  [ "$QUICK" = 1 ] && profile=()  # the default path: --epp-profile auto
   rm -f "$OUT_DIR/metrics.jsonl"
   "$PYTHON" -m torch.distributed.run --nproc-per-node 1 --master-addr 127.0.0.1 --master-port 29517 pretrain_gpt.py \
-    "${TRAIN_FLAGS[@]}" --epp-profile "$profile" --epp-metrics "$OUT_DIR/metrics.jsonl" || return $?
-  "$PYTHON" - "$OUT_DIR/metrics.jsonl" <<'PY'
-import math, statistics, sys
-from megatron_epp.training.metrics import read_metrics
-steps = [m for m in read_metrics(sys.argv[1]) if m.kind == "train"]
-losses = [m.loss for m in steps]
-split = sum(m.elastic.num_chunks["split"] for m in steps)
-hybrid = sum(m.elastic.num_chunks["hybrid"] for m in steps)
-ok = len(steps) > 2 and all(map(math.isfinite, losses)) and losses[-1] < losses[0] and split > 0 and hybrid > 0
-tok = statistics.median(m.tokens_per_s for m in steps[1:])
-ratio = statistics.median(m.elastic.measured_ms / m.elastic.predicted_step_ms for m in steps[1:])
-print(f"train: {'ok' if ok else 'FAIL'}: {len(steps)} iterations, loss {losses[0]:.3f} -> {losses[-1]:.3f}, "
-      f"split chunks {split}, hybrid {hybrid}, median {tok:.0f} tokens/s, measured/predicted step x{ratio:.2f}")
-sys.exit(0 if ok else 1)
-PY
+    "${TRAIN_FLAGS[@]}" "${profile[@]}" --epp-metrics "$OUT_DIR/metrics.jsonl" || return $?
+  "$PYTHON" scripts/gpu_check_report.py --train "$OUT_DIR/metrics.jsonl" $([ "$QUICK" = 1 ] && echo --default-path)
 }
 
 echo "gpu_check.sh: steps $STEPS; output in $OUT_DIR"
@@ -212,4 +246,5 @@ wanted bench && run_step bench "$PYTHON" scripts/bench_gpu.py "${BENCH_FLAGS[@]}
   echo "gpu_check.sh summary ($(date -u +%FT%TZ)), output in $OUT_DIR"
   for line in "${RESULTS[@]}"; do echo "  $line"; done
 } | tee "$OUT_DIR/summary.txt"
+"$PYTHON" scripts/gpu_check_report.py "$OUT_DIR" | tee "$OUT_DIR/report.json" | tail -n 1
 exit $FAILED

@@ -569,8 +569,11 @@ def _measured_on_gpu(cfg: TrainingConfig, target: Target, cache_dir: Path, log: 
     t0 = time.perf_counter()
     try:
         profile = _measure_at_startup(cfg, target, shape, log)
-    except (ProfileFailed, torch.OutOfMemoryError) as error:
-        why = f"the start-up profiler could not measure a profile ({str(error).splitlines()[0][:200]}): the analytic profile of the model instead"
+    except Exception as error:  # noqa: BLE001  (out of memory, too few points, or a fault of the profiler: never the run's end)
+        what = str(error).splitlines()[0][:200] if str(error) else ""
+        if not isinstance(error, (ProfileFailed, torch.OutOfMemoryError)):
+            what = f"{type(error).__name__}: {what}"
+        why = f"the start-up profiler could not measure a profile ({what}): the analytic profile of the model instead"
         log(f"> planner: {why}")
         return Resolved(analytic_profile(shape, cfg.parallel.dims.tp), why, key.describe())
     path = cache_dir / key.file_name()

@@ -19,7 +19,7 @@ from megatron_epp.training.gpt_step import gpt_forward_step, microbatches
 from megatron_epp.training.initialize import Runtime
 from megatron_epp.training.metrics import ElasticMetrics
 from megatron_epp.training.planning import check_memory_budget
-from megatron_epp.training.profiling import Resolved, check_profile, describe, startup_profile
+from megatron_epp.training.profiling import Resolved, check_profile, describe, planner_profile, startup_profile
 from megatron_epp.training.config import TrainingConfig
 
 
@@ -121,15 +121,18 @@ class ElasticSteps:
     def __init__(self, cfg: TrainingConfig) -> None:
         self.cfg = cfg
         check_profile(cfg)  # a profile that loads (auto on CUDA is measured or found after start-up)
-        self.budget = check_memory_budget(cfg)
+        self.checked = planner_profile(cfg)  # what the budget is checked on before start-up
+        self.budget = check_memory_budget(cfg, self.checked)
         self.profile: Resolved | None = None
 
     def start(self, runtime: Runtime) -> None:
         """Every rank: the first one resolves (and on CUDA may measure) the profile, all plan on it, and the memory
-        budget is checked again on it (a measured profile's memory may exceed the count checked before);
+        budget is checked again on it where it is not the one checked before start-up (a measured profile's memory may
+        exceed the analytic count);
         :class:`~megatron_epp.training.arguments.ArgumentError` where either cannot serve."""
         self.profile = startup_profile(self.cfg, runtime.device)
-        self.budget = check_memory_budget(self.cfg, self.profile.profile)
+        if self.profile.profile != self.checked:  # measured on this GPU (or found in the cache): its memory counts
+            self.budget = check_memory_budget(self.cfg, self.profile.profile)
 
     def model_context(self) -> ChunkContext:
         return ChunkContext()

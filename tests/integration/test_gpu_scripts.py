@@ -12,7 +12,11 @@
   saved-bytes measure sees K/V expanded to the query heads and counts their bytes, and the aten-flash path saves none;
 * the equivalence fixture skips the runs of more processes than GPUs, with the reason, and launches the rest;
 * ``bench_gpu.py --dry-run`` lists its cells, budgets and commands; its JSON from step records pairs steps by
-  iteration and takes medians.
+  iteration and takes medians;
+* ``gpu_check.sh --quick`` fits one device command: its steps' limits sum to at most 480 s, its training run takes
+  the default path (no ``--epp-profile``, no ``--epp-memory-budget``), its bench cell runs that model and cap; its CPU
+  rehearsal trains on that path and ends with the report's JSON line (``gpu_check_report.py``), per step the memory
+  against the budget.
 """
 
 from __future__ import annotations
@@ -100,8 +104,9 @@ def test_gpu_check_refuses_without_cuda_and_lists_its_steps():
     assert refused.stderr.strip().splitlines() == [refused.stderr.strip()] and "gpu_check.sh: error: no CUDA device" in refused.stderr
     dry = run("bash", "scripts/gpu_check.sh", "--dry-run", "--out", "/tmp/x")
     assert dry.returncode == 0
-    steps = [line.split()[0] for line in dry.stdout.splitlines()[1:]]
+    steps = [line.split()[0] for line in dry.stdout.splitlines()[1:-1]]
     assert steps == ["facts", "install", "attention", "equivalence", "profile", "train", "bench"]
+    assert dry.stdout.splitlines()[-1] == "limits: 2070 s in all"
     assert "setup_gpu.sh --find-links" in dry.stdout and "-rs tests/integration/test_elastic_equivalence.py -k pp1" in dry.stdout
     bench = next(line for line in dry.stdout.splitlines() if line.split()[0] == "bench")
     assert "(limit  600 s)" in bench and bench.rstrip().endswith("scripts/bench_gpu.py")  # as a user runs it: no flags
@@ -307,3 +312,62 @@ def test_gpu_check_bench_step_keeps_the_last_json_line_in_the_summary(tmp_path):
     assert proc.returncode == 1, proc.stdout + proc.stderr
     line = (out / "summary.txt").read_text().splitlines()[1]
     assert line.split()[:3] == ["bench", "FAILED", "rc=3"] and '{"device": "G", "cells": [1, 2]}' in line and "cells\": [1]}" not in line
+
+
+def test_gpu_check_quick_fits_one_device_command_and_takes_the_default_path():
+    dry = run("bash", "scripts/gpu_check.sh", "--quick", "--dry-run", "--out", "/tmp/x")
+    assert dry.returncode == 0, dry.stderr
+    lines = dry.stdout.splitlines()
+    steps = {line.split()[0]: line for line in lines[1:-1]}
+    assert list(steps) == ["facts", "install", "attention", "equivalence", "train", "bench"]
+    limits = [int(line.split("(limit")[1].split("s)")[0]) for line in steps.values()]
+    assert sum(limits) <= 480 and lines[-1] == f"limits: {sum(limits)} s in all"
+    train, note = steps["train"].split(" (no --epp-profile")
+    assert "--epp-profile" not in train and "--epp-memory-budget" not in train and "--log-throughput" in train
+    assert "the start-up profile" in note and "the default budget" in note
+    assert "--no-te --no-flash" in steps["install"] and "-k pp1" in steps["equivalence"]
+    model = train.split("--mock-data ")[1].split(" --global-batch-size")[0]  # the run's model flags and cap
+    assert f"--model-flags {model}" in steps["bench"] and "--runs megatron,epp" in steps["bench"]
+    bad = run("bash", "scripts/gpu_check.sh", "--quick", "--build-timeout", "600", "--dry-run")
+    assert bad.returncode == 2 and "--quick builds nothing" in bad.stderr
+
+
+def test_gpu_check_quick_rehearsal_trains_on_the_default_path_and_reports_json(tmp_path):
+    out = tmp_path / "quick"
+    proc = run("bash", "scripts/gpu_check.sh", "--quick", "--cpu-rehearsal", "--steps", "train,bench", "--out", str(out), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert report == json.loads((out / "report.json").read_text())
+    assert set(report["steps"]) == {"train", "bench"} and all(s["status"] == "ok" for s in report["steps"].values())
+    train = report["train"]
+    assert train["lines"]["planner"].startswith("planner: --epp-profile auto") and "memory budget" in train["lines"]["memory_budget"]
+    assert train["iterations"] == 6 and train["median_tflops"] > 0 and train["oom_retries"] == 0
+    for step in train["steps"]:
+        memory = step["memory_gb"]
+        assert memory["budget"] > 0 and len(memory["peak_reserved"]) == 1 and memory["peak_reserved"] == memory["peak_allocated"]
+        assert memory["peak_reserved"][0] > memory["model_states"][0]
+    assert "train: ok" in (out / "summary.txt").read_text()
+
+
+def test_gpu_check_report_reads_a_step_over_the_budget_and_a_recovery(tmp_path):
+    """The report's figures come from the records as written: a step whose reserved peak passed the budget is listed,
+    the reserved and allocated peaks are kept apart, and the recovery lines of the log are carried."""
+    report = load_script("gpu_check_report")
+    gib = 2**30
+    elastic = ElasticMetrics("plan[epp] x", {"batched": 2, "split": 0, "hybrid": 0}, 1, 4, 1.0, 0.0, 100.0, 110.0,
+                             [10 * gib], [12 * gib], measured_allocated_bytes=[11 * gib], model_state_bytes=[5 * gib],
+                             memory_budget_bytes=16 * gib, oom_retries=1, memory_factor=1.2)
+    records = [StepMetrics(i, 5.0 - i, iter_ms=100.0, tokens=1000, elastic=elastic, tflops_per_gpu=10.0) for i in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_text("".join(r.to_json() + "\n" for r in records))
+    (tmp_path / "train.log").write_text("> planner: --epp-profile auto: measured\n iteration 2: out of memory on stage 0 (rank 0) ...\n")
+    (tmp_path / "steps.tsv").write_text("train\tok\t12\t170\n")
+    got = report.report(tmp_path)
+    assert got["steps"] == {"train": {"status": "ok", "seconds": 12, "limit_s": 170}}
+    step = got["train"]["steps"][0]["memory_gb"]
+    assert step == {"budget": 16.0, "model_states": [5.0], "peak_reserved": [17.0], "peak_allocated": [16.0], "predicted_peak": [15.0]}
+    assert got["train"]["steps_over_budget"] == [1, 2, 3] and got["train"]["oom_retries"] == 3
+    assert got["train"]["lines"]["out_of_memory"] == [" iteration 2: out of memory on stage 0 (rank 0) ..."]
+    assert got["train"]["largest_predicted_peak_share"] == 15 / 16
+    assert got["bench"] is None and got["attention"] is None
+    ok, line = report.train_verdict(tmp_path / "metrics.jsonl", default_path=True)
+    assert ok and "binding: yes" in line and "out-of-memory retries 3" in line

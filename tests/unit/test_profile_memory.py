@@ -196,6 +196,22 @@ def test_too_few_points_left_raise_and_the_run_plans_on_the_analytic_profile_wit
     assert describe(args, resolved).startswith(f"--epp-profile auto: analytic on H100-SXM bf16 x1 (TP) (model pretrain_gpt; {why}; key ")
 
 
+def test_a_fault_of_the_start_up_profiler_plans_on_the_analytic_profile_with_its_error(monkeypatch, tmp_path):
+    """Not only out-of-memory: any error the start-up measurement raises (a profiler fault) leaves the run on the
+    analytic profile, the error's type and first line in the start-up line, nothing cached."""
+    def broken(*args, **kwargs):
+        raise ValueError("a fault of the profiler")
+
+    monkeypatch.setattr(profiling, "measure_profile", broken)
+    init_single_process()
+    args = parsed_config([*TINY, "--epp-profile-cache", str(tmp_path)], world_size=1)
+    lines: list[str] = []
+    resolved = resolve_profile(args, FAKE_GPU, log=lines.append)
+    assert resolved.profile == analytic_profile(model_shape(args), 1) and list(tmp_path.iterdir()) == []
+    assert lines[-1] == ("> planner: the start-up profiler could not measure a profile (ValueError: a fault of the profiler): "
+                         "the analytic profile of the model instead")
+
+
 def test_the_start_up_profile_is_made_when_a_point_runs_out_of_memory(monkeypatch, tmp_path):
     init_single_process()
     raise_at(monkeypatch, 64)
