@@ -46,8 +46,8 @@ from megatron_epp.plan.order import Op, stage_ops
 @dataclass(frozen=True)
 class OpFailure:
     """Where this rank ran out of memory: its stage, the pipeline index, the chunk (its plan id, kind and tokens),
-    the op (``forward``, ``backward``, ``recompute`` or ``transfer``), the error's first line and the bytes it asked
-    for (parsed from CUDA's message; None where it does not say)."""
+    the op (``forward``, ``backward``, ``recompute`` or ``transfer``), the error's message (on one line, at most 600
+    characters) and the bytes it asked for (parsed from CUDA's message; None where it does not say)."""
 
     stage: int
     pipeline: int
@@ -73,6 +73,18 @@ class StepOutOfMemory(RuntimeError):
 
 
 _UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+_SIZE = r"([0-9.]+) (B|KiB|MiB|GiB|TiB)"
+# what CUDA's out-of-memory message says of the device and the caching allocator, in the order it says it
+_ALLOCATOR_FIGURES = (("total capacity of " + _SIZE, "capacity"), ("of which " + _SIZE + " is free", "free"),
+                      ("this process has " + _SIZE + " memory in use", "in use"), (_SIZE + " is allocated by PyTorch", "allocated"),
+                      (_SIZE + " is reserved by PyTorch but unallocated", "reserved unallocated"))
+
+
+def allocator_figures(message: str) -> str | None:
+    """CUDA's out-of-memory message's figures in one phrase (``139.80 GiB capacity, 123.44 MiB free, 139.67 GiB in
+    use, 134.20 GiB allocated, 2.10 GiB reserved unallocated``), None where it has none (a planted error)."""
+    found = [f"{m.group(1)} {m.group(2)} {name}" for pattern, name in _ALLOCATOR_FIGURES if (m := re.search(pattern, message))]
+    return ", ".join(found) or None
 
 
 def requested_bytes(message: str) -> int | None:
@@ -254,7 +266,7 @@ class _StageRunner:
 
     def _fail(self, index: int, layout: ChunkLayout, op: str, error: BaseException) -> None:
         """Record the failure and release what this rank holds for the step."""
-        message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        message = " ".join(str(error).split())[:600] or type(error).__name__
         chunk = layout.chunk
         self.failure = OpFailure(self.stage, index, chunk.id, chunk.kind, chunk.num_tokens, op, message, requested_bytes(str(error)))
         self.saved.clear()

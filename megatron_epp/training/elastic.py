@@ -23,7 +23,7 @@ from megatron_epp.cost.profiles import Profile
 from megatron_epp.executor.batches import elastic_gpt_forward_step, prepare_step
 from megatron_epp.executor.context import ChunkContext, token_multiple
 from megatron_epp.executor.memory_tracker import ActivationMemoryTracker
-from megatron_epp.executor.schedule import OpFailure, StepOutOfMemory, forward_backward_elastic
+from megatron_epp.executor.schedule import OpFailure, StepOutOfMemory, allocator_figures, forward_backward_elastic
 from megatron_epp.plan import Plan, PlanInfeasible
 from megatron_epp.planner.online import OnlinePlanner
 from megatron_epp.cost.profiles import GIB
@@ -70,7 +70,8 @@ class OomReport:
         f = self.failure
         peak = "" if self.peak_bytes is None else f", activation peak {_size(self.peak_bytes)} above the step's start"
         asked = "" if f.requested_bytes is None else f" asking for {_size(f.requested_bytes)} more"
-        return f"stage {f.stage} (rank {self.rank}) in {f.describe()}{asked}{peak}"
+        figures = allocator_figures(f.message)
+        return f"stage {f.stage} (rank {self.rank}) in {f.describe()}{asked}{peak}" + (f" (CUDA: {figures})" if figures else "")
 
 
 def _size(nbytes: float) -> str:
