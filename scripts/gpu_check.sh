@@ -94,11 +94,11 @@ BENCH_FLAGS=()
 # hidden 2048 at a 32K cap: 2.2B parameters (30 GB of model states with Adam), and a 32K-token chunk needs about
 # 100 GB of activations without recompute on the memory model, so the default budget (the free memory less 5 %: about
 # 132 GB on an H200, 73 GB on an H100) binds on both (planned offline on the analytic profile, 2026-11-27); 8 mock
-# documents a step (median 4K tokens, the longest at the cap).
+# documents a step (median 4K tokens, the longest at the cap); 10 steps, the memory factor refitted after the 5th.
 QUICK_MODEL=(--num-layers 40 --hidden-size 2048 --num-attention-heads 16 --group-query-attention --num-query-groups 4
   --swiglu --ffn-hidden-size 5632 --normalization RMSNorm --disable-bias-linear --seq-length 32768)
 QUICK_TRAIN_FLAGS=(--elastic-pp --pipeline-model-parallel-size 1 --bf16 --mock-data "${QUICK_MODEL[@]}" --global-batch-size 8
-  --lr 3e-4 --lr-warmup-iters 2 --train-iters 6 --log-interval 1 --log-throughput)
+  --lr 3e-4 --lr-warmup-iters 2 --train-iters 10 --log-interval 1 --log-throughput)
 if [ "$QUICK" = 1 ]; then
   TRAIN_FLAGS=("${QUICK_TRAIN_FLAGS[@]}")
   ATTENTION_FLAGS=(--budget-s 30)

@@ -1,14 +1,22 @@
 """Measured peak activation memory of one stage during a step, on any device.
 
-CUDA: the caching allocator's peaks (its statistics reset as the step begins) above what was allocated when the
-step began (the model states as they are: weights, gradient buffers, and from the first optimizer step on the
+CUDA: the caching allocator's cache is emptied as the step begins (``empty_cache``: what it reserves is then what it
+has allocated, model states and inputs), its statistics reset, and its peaks above what was allocated when the
+step began are read (the model states as they are: weights, gradient buffers, and from the first optimizer step on the
 optimizer's states; and the step's inputs): ``peak_allocated`` from ``max_memory_allocated``, and ``peak_bytes``
 from ``max_memory_reserved``, what the allocator held from the device, which is what runs out (a request the
 allocator cannot serve from its reserved blocks asks the device for more; fragmentation across the steps' varied
 chunk shapes makes reserved exceed allocated). The planner's activation count compares with ``peak_bytes`` and
 its model states (the cost model's count) add to it to make the step's peak against the budget; the planner
 calibrates its memory model on it (``planner.calibration.fit_memory_factor``). The peaks are read also when the
-step raises (an out-of-memory error: the peaks up to the failure). CPU (no allocator statistics): the tensors autograd saves for backward, deduplicated by storage and followed until
+step raises (an out-of-memory error: the peaks up to the failure). Why empty the cache: without it the reserved peak
+holds what earlier steps left cached (the optimizer step's temporaries, other chunk shapes), a step's own need is not
+seen, and a calibration on it runs away (measured on an H200, 2026-11-27, 40 layers of hidden 2048 at a 32K cap:
+reserved 102 GB above the step's start on every step from the 3rd on while 53-85 GB were allocated, the activation
+memory factor growing 1.2 -> 1.92 in 8 steps, and the first step after the first optimizer step ran out of memory
+with 97 GB of activations allocated and 9.3 GiB reserved but unallocated; emptied each step, the same run reserved
+0.6-4.1 GiB above its allocated peak, ran no step out of memory, and its time outside the schedule was unchanged:
+median 197 against 204 ms an iteration, docs/measurements/2026-11-27-h200). CPU (no allocator statistics): the tensors autograd saves for backward, deduplicated by storage and followed until
 autograd frees them (``saved_tensors_hooks``), plus the split sequences' K/V buffers (from their
 allocation by a first slice to their release by its backward); parameters are model states and are
 not counted, nor are gradients. ``peak_with_kv_grads`` (CPU) adds the split sequences' K/V gradient
@@ -61,6 +69,7 @@ class ActivationMemoryTracker:
     def __enter__(self) -> "ActivationMemoryTracker":
         if self.device.type == "cuda":
             torch.cuda.synchronize()
+            torch.cuda.empty_cache()  # the step's reserved peak is its own (see the module's doc)
             torch.cuda.reset_peak_memory_stats()
             self._start = torch.cuda.memory_allocated()
         else:

@@ -17,7 +17,7 @@ from megatron_epp.planner.config import CALIBRATE_FIRST_STEP, DEFAULT_CLUSTER, P
 from megatron_epp.training.config import TrainingConfig
 from megatron_epp.training.extensions import probe_transformer_engine
 from megatron_epp.training.megatron_flags import add_megatron_flags
-from megatron_epp.training.memory_budget import CPU_FRACTION, CUDA_MARGIN_FRACTION, default_memory_budget
+from megatron_epp.training.memory_budget import CPU_FRACTION, CUDA_FRAGMENTATION_SHARE, CUDA_LIBRARY_MARGIN, default_memory_budget
 import torch
 
 
@@ -217,7 +217,7 @@ def _elastic_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("elastic pipeline parallelism")
     g.add_argument("--elastic-pp", action="store_true",
                    help="whole documents per global batch, planned every step into batched/split/hybrid chunks")
-    add_planner_arguments(g, {**EPP_DEFAULTS, "epp_memory_budget": f"the GPU's free memory at start-up less {CUDA_MARGIN_FRACTION:.0%} of the GPU, or {CPU_FRACTION:.0%} of RAM / ranks on CPU"})
+    add_planner_arguments(g, {**EPP_DEFAULTS, "epp_memory_budget": f"the GPU's free memory at start-up less {CUDA_LIBRARY_MARGIN / GIB:.0f} GB and {CUDA_FRAGMENTATION_SHARE:.0%} of it, or {CPU_FRACTION:.0%} of RAM / ranks on CPU"})
     g.add_argument("--epp-profile-cache", default=None, metavar="DIR",
                    help="where --epp-profile auto keeps the profiles it measures on a GPU, one per GPU name, dtype, "
                    "attention kernel and layer shape (default $XDG_CACHE_HOME/megatron-epp/profiles, ~/.cache without it)")

@@ -138,3 +138,18 @@ def test_the_timed_span_starts_after_the_trackers_synchronisation(monkeypatch):
     plan = types.SimpleNamespace(pipelines=[])
     _, ms = step._run(plan, inputs, forward_only=False, attempt=1)
     assert 40 <= ms < 250, ms
+
+
+def test_on_cuda_each_step_starts_from_an_emptied_cache_and_measures_reserved_and_allocated(monkeypatch):
+    """The tracker's CUDA protocol (functions of torch.cuda stood in, in the order called): synchronize, empty the cache
+    (the step's reserved peak is then its own: without it an H200 run's reserved peak held earlier steps' cache and the
+    memory factor ran away, memory_tracker's doc), reset the peaks, read the start; at the end the reserved peak is
+    what the planner calibrates on (peak_bytes), the allocated peak beside it."""
+    from megatron_epp.executor import memory_tracker
+    calls: list[str] = []
+    values = {"memory_allocated": 100, "max_memory_allocated": 300, "max_memory_reserved": 350}
+    for name in ("synchronize", "empty_cache", "reset_peak_memory_stats", *values):
+        monkeypatch.setattr(memory_tracker.torch.cuda, name, lambda *a, name=name: calls.append(name) or values.get(name))
+    with memory_tracker.ActivationMemoryTracker(torch.device("cuda"), context=None) as tracker:
+        assert calls == ["synchronize", "empty_cache", "reset_peak_memory_stats", "memory_allocated"]
+    assert (tracker.peak_bytes, tracker.peak_allocated) == (250, 200)
