@@ -12,29 +12,18 @@ megatron-core's bit for bit, and the rotation with them, is ``tests/unit/test_la
 
 from __future__ import annotations
 
-import collections
 
 import pytest
 import torch
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_epp.executor import rotary
 from megatron_epp.executor.context import ChunkContext, ChunkLayout
 from megatron_epp.plan import Chunk, Segment
 from megatron_epp.training.layer_bench import init_single_process
+from tests.unit.test_layer_op_count import CountOps
 
 SEQ_LENGTH = 4096
-
-
-class CountOps(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def chunk_layouts(count: int) -> list[ChunkLayout]:
