@@ -47,10 +47,21 @@ def torchrun_command(nproc: int, script: str, *args: str, launcher: bool = False
     ]
 
 
+LAUNCHER_ENV = "EPP_TEST_LAUNCHER"  # "torchrun": every launch through torchrun itself (default "forked": tests.forked)
+
+
 def torchrun(nproc: int, script: str, *args: str, env: dict[str, str] | None = None, check: bool = True, timeout: int = 300) -> subprocess.CompletedProcess:
-    """``torchrun --nproc-per-node nproc script args``; on failure (if ``check``) raise with the log tail."""
+    """``torchrun --nproc-per-node nproc script args``; on failure (if ``check``) raise with the log tail. The ranks are
+    forked from a process that imported torch and megatron-core once (:mod:`tests.forked`: what torchrun gives a
+    worker, and its exit status), unless ``EPP_TEST_LAUNCHER=torchrun`` or the run chooses its host allocator
+    (``EPP_HOST_ALLOCATOR``: the re-execution is what it tests)."""
     cmd = torchrun_command(nproc, script, *args)
-    proc = subprocess.run(cmd, cwd=REPO, env=run_env(env), capture_output=True, text=True, timeout=timeout)
+    if os.environ.get(LAUNCHER_ENV, "forked") == "torchrun" or "EPP_HOST_ALLOCATOR" in (env or {}):
+        proc = subprocess.run(cmd, cwd=REPO, env=run_env(env), capture_output=True, text=True, timeout=timeout)
+    else:
+        from tests import forked  # torch and megatron-core: imported here, once, and in the forkserver
+
+        proc = forked.run(nproc, str(REPO / script), args, run_env(env), str(REPO), timeout, int(cmd[cmd.index("--master-port") + 1]), cmd)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     return proc

@@ -97,6 +97,11 @@ class ElasticTrainStep:
     and each rank builds its inputs for it (:func:`prepare_step`: chunk layouts and batches) in a
     second background thread, while the optimizer steps: the schedule then finds them ready (the
     summary says whether planning was hidden).
+
+    A run of the batch in which any rank ran out of memory (:class:`StepOutOfMemory`, raised on every rank by the
+    schedule before any gradient is reduced) is run again, up to :data:`OOM_TRIES` plans of it: the RNG states as
+    the batch's first run found them, the gradient buffers zeroed, the memory released, the planner's memory factor
+    raised (:meth:`OnlinePlanner.observe_oom`) and the batch planned again; the loop above sees one step.
     """
 
     def __init__(self, cfg: TrainingConfig, runtime: Runtime, model, sampler, consumed: int, planner: OnlinePlanner,
