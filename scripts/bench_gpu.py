@@ -33,10 +33,12 @@ batches). Per run: ``step_ms`` the median iteration ms, ``tflops`` the median ``
 per GPU, ``peak_gb`` the model states (the planner's count) plus the largest activation peak the CUDA
 allocator measured above a step's start (GiB). ``epp_vs_megatron``: the median over steps of Megatron's
 step ms / EPP's (> 1: EPP faster); ``epp_vs_ceiling``: the median of EPP-unlimited's / EPP's (<= 1: the
-share of its ceiling's speed EPP reaches under the budget). The last line is one JSON object::
+share of its ceiling's speed EPP reaches under the budget); ``epp_vs_seq1f1b`` likewise; ``steps_ms`` and the
+``*_steps`` lists: every measured step's ms and paired ratio, for the spread. The last line is one JSON object::
 
     {"device": ..., "cells": [{"data": ..., "cap": ..., "budget_gb": ..., "megatron": {"tflops": ..., "step_ms": ...,
-     "peak_gb": ...}, "seq1f1b": {...}, "epp": {...}, "epp_unlimited": {...}, "epp_vs_megatron": r, "epp_vs_ceiling": r}]}
+     "peak_gb": ..., "steps_ms": [...]}, "seq1f1b": {...}, "epp": {...}, "epp_unlimited": {...}, "epp_vs_megatron": r,
+     "epp_vs_ceiling": r, "epp_vs_seq1f1b": r, "epp_vs_megatron_steps": [...], "epp_vs_seq1f1b_steps": [...]}]}
 
 (a run that failed: its numbers null and its ``error``; ratios null where a side is missing). The same line
 is printed after each cell with the cells so far, so a run cut short keeps the cells it finished.
@@ -232,15 +234,20 @@ def run_entry(steps: Sequence[StepMetrics] | str, model_state_bytes: float) -> d
     tflops = [s.tflops_per_gpu for s in steps if s.tflops_per_gpu is not None]
     activation = max(max(s.elastic.measured_activation_bytes or [0]) for s in steps)
     return {"tflops": statistics.median(tflops) if tflops else None, "step_ms": statistics.median(s.iter_ms for s in steps),
-            "peak_gb": (model_state_bytes + activation) / GIB}
+            "peak_gb": (model_state_bytes + activation) / GIB, "steps_ms": [s.iter_ms for s in steps]}
+
+
+def paired_ratios(base: Sequence[StepMetrics] | str, epp: Sequence[StepMetrics] | str) -> list[float]:
+    """Per iteration both ran, ``base``'s iteration ms / ``epp``'s (empty if either did not run)."""
+    if isinstance(base, str) or isinstance(epp, str):
+        return []
+    by_iteration = {s.iteration: s.iter_ms for s in epp}
+    return [s.iter_ms / by_iteration[s.iteration] for s in base if s.iteration in by_iteration]
 
 
 def paired_ratio(base: Sequence[StepMetrics] | str, epp: Sequence[StepMetrics] | str) -> float | None:
-    """Median over the iterations both ran of ``base``'s iteration ms / ``epp``'s (None if either did not run)."""
-    if isinstance(base, str) or isinstance(epp, str):
-        return None
-    by_iteration = {s.iteration: s.iter_ms for s in epp}
-    ratios = [s.iter_ms / by_iteration[s.iteration] for s in base if s.iteration in by_iteration]
+    """Median of :func:`paired_ratios` (None if either did not run)."""
+    ratios = paired_ratios(base, epp)
     return statistics.median(ratios) if ratios else None
 
 
@@ -251,6 +258,9 @@ def cell_entry(cell: Cell, budget_gb: float, measured: dict[str, Sequence[StepMe
         entry[run] = run_entry(measured.get(run, "not run (--runs)"), model_state_bytes)
     entry["epp_vs_megatron"] = paired_ratio(measured.get("megatron", ""), measured.get("epp", ""))
     entry["epp_vs_ceiling"] = paired_ratio(measured.get("epp_unlimited", ""), measured.get("epp", ""))
+    entry["epp_vs_seq1f1b"] = paired_ratio(measured.get("seq1f1b", ""), measured.get("epp", ""))
+    for base in ("megatron", "seq1f1b"):  # per step, to read the spread beside the median
+        entry[f"epp_vs_{base}_steps"] = paired_ratios(measured.get(base, ""), measured.get("epp", ""))
     return entry
 
 
@@ -266,8 +276,7 @@ def report_lines(p: Prepared, measured: dict[str, Sequence[StepMetrics] | str], 
         tflops = "n/a" if e["tflops"] is None else f"{e['tflops']:.0f}"
         over = " (over the budget)" if e["peak_gb"] > p.budget(run) else ""
         out.append(f"  {run:14s} step ms {e['step_ms']:.0f}, TFLOP/s {tflops}, peak {e['peak_gb']:.1f} GB{over} | {plans}")
-    seq = paired_ratio(measured.get("seq1f1b", ""), measured.get("epp", ""))
-    out.append("  EPP vs Megatron " + bench.show(entry["epp_vs_megatron"]) + ", vs Seq1F1B " + bench.show(seq)
+    out.append("  EPP vs Megatron " + bench.show(entry["epp_vs_megatron"]) + ", vs Seq1F1B " + bench.show(entry["epp_vs_seq1f1b"])
                + " (baseline step ms / EPP's, > 1: EPP faster); EPP reaches " + bench.show(entry["epp_vs_ceiling"])
                + " of its ceiling's speed")
     return out

@@ -258,14 +258,16 @@ def test_bench_gpu_json_pairs_steps_by_iteration_and_takes_medians():
         "epp_unlimited": [step(2, 50, 600, 20), step(3, 150, 250, 22)],  # one step fewer: paired on the common two
     }
     entry = bench.cell_entry(bench.Cell("wiki", 16384), 35.5, measured, model_state_bytes=24 * 2**30)
-    assert list(entry) == ["data", "cap", "budget_gb", "megatron", "seq1f1b", "epp", "epp_unlimited", "epp_vs_megatron", "epp_vs_ceiling"]
+    assert list(entry) == ["data", "cap", "budget_gb", "megatron", "seq1f1b", "epp", "epp_unlimited", "epp_vs_megatron", "epp_vs_ceiling",
+                           "epp_vs_seq1f1b", "epp_vs_megatron_steps", "epp_vs_seq1f1b_steps"]
     assert entry["data"] == "wiki" and entry["cap"] == 16384 and entry["budget_gb"] == 35.5
-    assert entry["megatron"] == {"tflops": 100, "step_ms": 300, "peak_gb": 36.0}
-    assert entry["epp"] == {"tflops": 200, "step_ms": 200, "peak_gb": 33.5}
+    assert entry["megatron"] == {"tflops": 100, "step_ms": 300, "peak_gb": 36.0, "steps_ms": [300, 200, 900]}
+    assert entry["epp"] == {"tflops": 200, "step_ms": 200, "peak_gb": 33.5, "steps_ms": [300, 100, 200]}
     assert entry["seq1f1b"] == {"tflops": None, "step_ms": None, "peak_gb": None, "error": measured["seq1f1b"]}
     assert entry["epp_unlimited"]["step_ms"] == 100 and entry["epp_unlimited"]["peak_gb"] == 46.0
     # per iteration megatron / epp: 300/100, 200/200, 900/300 -> median 3.0 (unpaired, the medians' ratio would be 1.5)
-    assert entry["epp_vs_megatron"] == 3.0
+    assert entry["epp_vs_megatron"] == 3.0 and entry["epp_vs_megatron_steps"] == [3.0, 1.0, 3.0]  # in megatron's order
+    assert entry["epp_vs_seq1f1b"] is None and entry["epp_vs_seq1f1b_steps"] == []
     assert entry["epp_vs_ceiling"] == 0.625  # 50/100, 150/200
     assert bench.paired_ratio(measured["seq1f1b"], measured["epp"]) is None
     json.dumps(entry)  # one JSON line
