@@ -1,4 +1,4 @@
-"""The notes' cost model (section 4) evaluated for many chunks at once with numpy.
+"""The cost model (docs/planner.md, "Time model" and "Activation memory model") evaluated for many chunks at once with numpy.
 
 A chunk is reduced to its feature vector (:mod:`.features`); every time and memory quantity is a dot
 product of features with a profile's coefficients.

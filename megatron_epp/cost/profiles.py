@@ -1,7 +1,7 @@
 """Model shapes, cost-model coefficients (a *profile* per model shape and device) and presets.
 
 A profile holds, per transformer layer of one pipeline stage (already divided by the stage's
-tensor-parallel size), the fitted time coefficients of the notes' cost model (section 4) for
+tensor-parallel size), the fitted time coefficients of the cost model (docs/planner.md, "Time model") for
 forward, backward and recompute, the output head's cost on the last stage, and the memory
 coefficients. Times are in milliseconds, memory in bytes.
 

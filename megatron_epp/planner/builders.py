@@ -8,7 +8,7 @@ Plan JSON name it (:attr:`Builder.label`, :attr:`Builder.plan_label`):
   takes the fastest predicted: it never runs a plan slower than a baseline plan it could have made;
 * ``megatron``: whole sequences packed into micro-batches of ``max_seq_len`` tokens (best-fit
   decreasing), one 1F1B pipeline, the same number of checkpointed layers for every micro-batch on
-  every stage (Megatron's ``--recompute-num-layers``), the smallest that fits (notes section 6);
+  every stage (Megatron's ``--recompute-num-layers``), the smallest that fits (docs/baselines.md);
 * ``seq1f1b``: sequences longer than ``max_seq_len / k`` cut into ``k`` slices of equal work, the
   rest (and the tails) packed into ``max_seq_len / k``-token chunks; one pipeline, uniform recompute.
 """

@@ -1,4 +1,4 @@
-"""Workload-balanced chunking (notes section 5.1): slicing long sequences, packing the rest.
+"""Workload-balanced chunking (docs/planner.md, "`epp-plan` and the EPP search"): slicing long sequences, packing the rest.
 
 Work of a chunk = its forward + backward time on the whole model (:meth:`CostModel.work_vector`).
 A sequence is *long* if its work exceeds the slice budget ``T_t`` or its length the token cap

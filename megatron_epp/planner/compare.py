@@ -1,4 +1,4 @@
-"""The baselines and ablations of one batch on the same cost model and simulator (notes section 6):
+"""The baselines and ablations of one batch on the same cost model and simulator (docs/planner.md, docs/baselines.md):
 
 * ``megatron``, ``seq1f1b``: the other plan builders (:mod:`.builders`);
 * ``epp-no-ckpt`` / ``epp-full-ckpt``: the EPP planner without / with full checkpointing;

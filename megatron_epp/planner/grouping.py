@@ -1,4 +1,4 @@
-"""Sequence grouping (notes section 5.2): consecutive 1F1B pipelines by dynamic programming.
+"""Sequence grouping (docs/planner.md, "`epp-plan` and the EPP search"): consecutive 1F1B pipelines by dynamic programming.
 
 Units (the chunks of one split sequence, or one batched chunk) are sorted by chunk count, most
 first. A group ``[i, j)`` of consecutive units runs as one 1F1B pipeline; its cost is its warm-up

@@ -1,4 +1,4 @@
-"""Stage-aware chunk-level recompute (activation checkpointing, notes section 5.3) as an integer program.
+"""Stage-aware chunk-level recompute (activation checkpointing, docs/planner.md, "`epp-plan` and the EPP search") as an integer program.
 
 ``ckpt(p, k)`` layers of chunk ``k`` recompute on stage ``p``. The anti-diagonal tie
 ``ckpt(p, k) = ckpt(p + i, k + i)`` leaves one variable per diagonal ``d = k - p + P - 1``
