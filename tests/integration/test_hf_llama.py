@@ -1,0 +1,104 @@
+"""Hugging Face LLaMA in and out (``megatron_epp.training.hf_convert``), against ``transformers`` itself.
+
+A tiny random LLaMA (GQA 4:2, untied embeddings, ``rope_theta`` 500000, ``llama3`` RoPE scaling with its own
+low/high frequency factors and an original context of 16, not megatron-core's fixed 1/4/8192) is saved by
+``transformers`` in shards; one 2-rank launch imports it at TP 2, PP 2 (from the older ``rope_theta`` +
+``rope_scaling`` form of config.json) and TP 1 x DP 2, and megatron-epp's logits on five documents equal
+``transformers``' forward, on the stock path and with ``--elastic-pp`` (split, hybrid and batched chunks); so does the
+loss of a training step. A K/V swap planted in the import and a RoPE scaling factor off go red. Import -> export gives
+``transformers`` the original tensors; a run trained two steps exports to a model with that run's logits.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from tests.launch import torchrun  # noqa: E402
+
+LENGTHS = [41, 10, 31, 6, 13]  # documents (tokens + 1: each predicts its next tokens)
+TOL = dict(rtol=1e-4, atol=1e-4)
+
+
+def tiny_llama(path) -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0, "high_freq_factor": 6.0,
+                      "original_max_position_embeddings": 16, "rope_theta": 500000.0})
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(path, max_shard_size="150KB")
+    return model
+
+
+def hf_reference(model, docs):
+    with torch.no_grad():
+        logits = [model(d[None, :-1]).logits[0].float() for d in docs]
+    loss = torch.nn.functional.cross_entropy(torch.cat(logits), torch.cat([d[1:] for d in docs]))
+    return logits, float(loss)
+
+
+def close(result, logits, loss) -> bool:
+    return all(torch.allclose(a, b, **TOL) for a, b in zip(result["logits"], logits)) and abs(result["loss"] - loss) < 1e-4
+
+
+def test_hf_llama_import_export(tmp_path):
+    hf = tmp_path / "hf"
+    model = tiny_llama(hf)
+    assert (hf / "model.safetensors.index.json").exists()  # sharded
+    legacy = tmp_path / "hf_legacy"  # the LLaMA 3.x form of config.json: rope_theta + rope_scaling
+    shutil.copytree(hf, legacy)
+    config = json.loads((legacy / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config["rope_theta"] = rope.pop("rope_theta")
+    config["rope_scaling"] = rope
+    (legacy / "config.json").write_text(json.dumps(config))
+    g = torch.Generator().manual_seed(1)
+    docs = [torch.randint(0, 256, (n,), generator=g) for n in LENGTHS]
+    torch.save(docs, tmp_path / "docs.pt")
+    logits, loss = hf_reference(model, docs)
+
+    t = str(tmp_path)
+    runs = [
+        ["import", f"{t}/hf", f"{t}/tp2", "2", "1"], ["logits", f"{t}/tp2", f"{t}/docs.pt", f"{t}/tp2_stock.pt", "2", "1"],
+        ["logits", f"{t}/tp2", f"{t}/docs.pt", f"{t}/tp2_elastic.pt", "2", "1", "--elastic"],
+        ["import", f"{t}/hf_legacy", f"{t}/pp2", "1", "2"], ["logits", f"{t}/pp2", f"{t}/docs.pt", f"{t}/pp2_stock.pt", "1", "2"],
+        ["logits", f"{t}/pp2", f"{t}/docs.pt", f"{t}/pp2_elastic.pt", "1", "2", "--elastic"],
+        ["import", f"{t}/hf", f"{t}/pp1", "1", "1"], ["logits", f"{t}/pp1", f"{t}/docs.pt", f"{t}/pp1_stock.pt", "1", "1"],
+        ["logits", f"{t}/pp1", f"{t}/docs.pt", f"{t}/pp1_elastic.pt", "1", "1", "--elastic"],
+        ["logits", f"{t}/pp1", f"{t}/docs.pt", f"{t}/fault_rope.pt", "1", "1", "--elastic", "--fault", "rope_factor"],
+        ["import", f"{t}/hf", f"{t}/bad", "1", "1", "--fault", "qkv_swapped"],
+        ["logits", f"{t}/bad", f"{t}/docs.pt", f"{t}/fault_qkv.pt", "1", "1"],
+        ["export", f"{t}/pp2", f"{t}/hf_out"],
+        ["logits", f"{t}/pp2", f"{t}/docs.pt", f"{t}/trained.pt", "1", "2", "--elastic", "--train-steps", "2", "--save-trained", f"{t}/trained"],
+        ["export", f"{t}/trained", f"{t}/hf_trained"],
+    ]
+    argv = [a for run in runs for a in ["::", *run]][1:]
+    torchrun(2, "tests/workers/hf_llama.py", *argv, timeout=600)
+
+    for name in ("tp2_stock", "tp2_elastic", "pp2_stock", "pp2_elastic", "pp1_stock", "pp1_elastic"):
+        result = torch.load(tmp_path / f"{name}.pt")
+        assert close(result, logits, loss), (name, max(float((a - b).abs().max()) for a, b in zip(result["logits"], logits)), result["loss"], loss)
+    for fault in ("fault_rope", "fault_qkv"):  # the planted faults go red
+        assert not close(torch.load(tmp_path / f"{fault}.pt"), logits, loss), fault
+
+    exported = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf_out").eval()
+    original = model.state_dict()
+    assert exported.state_dict().keys() == original.keys()
+    for key, value in exported.state_dict().items():
+        assert torch.equal(value, original[key]), key
+    assert exported.config.rope_parameters == model.config.rope_parameters
+
+    trained = torch.load(tmp_path / "trained.pt")
+    assert abs(trained["loss"] - loss) < 1e-4  # the first step's loss, before the two updates
+    exported = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf_trained").eval()
+    after, _ = hf_reference(exported, docs)
+    assert not torch.allclose(after[0], logits[0], **TOL)  # it trained
+    for a, b in zip(trained["logits"], after):
+        torch.testing.assert_close(a, b, **TOL)
