@@ -3,15 +3,18 @@
 A tiny random LLaMA (GQA 4:2, untied embeddings, ``rope_theta`` 500000, ``llama3`` RoPE scaling with its own
 low/high frequency factors and an original context of 16, not megatron-core's fixed 1/4/8192) is saved by
 ``transformers`` in shards; one 2-rank launch imports it at TP 2, PP 2 (from the older ``rope_theta`` +
-``rope_scaling`` form of config.json) and TP 1 x DP 2, and megatron-epp's logits on five documents equal
+``rope_scaling`` form of config.json), and megatron-epp's logits on five documents equal
 ``transformers``' forward, on the stock path and with ``--elastic-pp`` (split, hybrid and batched chunks); so does the
 loss of a training step. A K/V swap planted in the import and a RoPE scaling factor off go red. Import -> export gives
-``transformers`` the original tensors; a run trained two steps exports to a model with that run's logits.
+``transformers`` the original tensors; a run trained two steps exports to a model with that run's logits. Last, ``pretrain_gpt.py`` with
+the flag line the import prints continues training the imported model with ``--elastic-pp`` at 4x its context (the
+RoPE scaling on), loss falling, plans with split chunks.
 """
 
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 
 import pytest
@@ -19,6 +22,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from megatron_epp.training.hf_convert import flag_line  # noqa: E402
+from megatron_epp.training.hf_llama import read_spec  # noqa: E402
+from megatron_epp.training.metrics import read_metrics  # noqa: E402
 from tests.launch import torchrun  # noqa: E402
 
 LENGTHS = [41, 10, 31, 6, 13]  # documents (tokens + 1: each predicts its next tokens)
@@ -65,28 +71,37 @@ def test_hf_llama_import_export(tmp_path):
     logits, loss = hf_reference(model, docs)
 
     t = str(tmp_path)
+    flags = shlex.split(flag_line(read_spec(str(hf)), str(hf), 1))[1:]  # what the import prints
+    extension = [*flags, "--seq-length", str(4 * 64), "--load", f"{t}/pp2", "--finetune", "--elastic-pp", "--pipeline-model-parallel-size", "2",
+                 "--mock-data", "--global-batch-size", "8", "--train-iters", "10", "--lr", "3e-3", "--log-interval", "1",
+                 "--epp-memory-budget", "0.002", "--epp-metrics", f"{t}/extension.jsonl"]
     runs = [
         ["import", f"{t}/hf", f"{t}/tp2", "2", "1"], ["logits", f"{t}/tp2", f"{t}/docs.pt", f"{t}/tp2_stock.pt", "2", "1"],
         ["logits", f"{t}/tp2", f"{t}/docs.pt", f"{t}/tp2_elastic.pt", "2", "1", "--elastic"],
+        ["logits", f"{t}/tp2", f"{t}/docs.pt", f"{t}/fault_rope.pt", "2", "1", "--elastic", "--fault", "rope_factor"],
+        ["import", f"{t}/hf", f"{t}/bad", "2", "1", "--fault", "qkv_swapped"],
+        ["logits", f"{t}/bad", f"{t}/docs.pt", f"{t}/fault_qkv.pt", "2", "1"],
         ["import", f"{t}/hf_legacy", f"{t}/pp2", "1", "2"], ["logits", f"{t}/pp2", f"{t}/docs.pt", f"{t}/pp2_stock.pt", "1", "2"],
         ["logits", f"{t}/pp2", f"{t}/docs.pt", f"{t}/pp2_elastic.pt", "1", "2", "--elastic"],
-        ["import", f"{t}/hf", f"{t}/pp1", "1", "1"], ["logits", f"{t}/pp1", f"{t}/docs.pt", f"{t}/pp1_stock.pt", "1", "1"],
-        ["logits", f"{t}/pp1", f"{t}/docs.pt", f"{t}/pp1_elastic.pt", "1", "1", "--elastic"],
-        ["logits", f"{t}/pp1", f"{t}/docs.pt", f"{t}/fault_rope.pt", "1", "1", "--elastic", "--fault", "rope_factor"],
-        ["import", f"{t}/hf", f"{t}/bad", "1", "1", "--fault", "qkv_swapped"],
-        ["logits", f"{t}/bad", f"{t}/docs.pt", f"{t}/fault_qkv.pt", "1", "1"],
         ["export", f"{t}/pp2", f"{t}/hf_out"],
         ["logits", f"{t}/pp2", f"{t}/docs.pt", f"{t}/trained.pt", "1", "2", "--elastic", "--train-steps", "2", "--save-trained", f"{t}/trained"],
         ["export", f"{t}/trained", f"{t}/hf_trained"],
+        ["pretrain", *extension],
     ]
     argv = [a for run in runs for a in ["::", *run]][1:]
     torchrun(2, "tests/workers/hf_llama.py", *argv, timeout=600)
 
-    for name in ("tp2_stock", "tp2_elastic", "pp2_stock", "pp2_elastic", "pp1_stock", "pp1_elastic"):
+    for name in ("tp2_stock", "tp2_elastic", "pp2_stock", "pp2_elastic"):
         result = torch.load(tmp_path / f"{name}.pt")
         assert close(result, logits, loss), (name, max(float((a - b).abs().max()) for a, b in zip(result["logits"], logits)), result["loss"], loss)
     for fault in ("fault_rope", "fault_qkv"):  # the planted faults go red
         assert not close(torch.load(tmp_path / f"{fault}.pt"), logits, loss), fault
+
+    # context extension: the imported model trains at 4x its context (RoPE scaled), loss falling, plans with split chunks
+    train = [m for m in read_metrics(tmp_path / "extension.jsonl") if m.kind == "train"]
+    assert [m.iteration for m in train] == list(range(1, 11))
+    assert sum(m.loss for m in train[-3:]) / 3 < 0.95 * train[0].loss, [m.loss for m in train]
+    assert any(m.elastic.num_chunks["split"] for m in train)
 
     exported = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf_out").eval()
     original = model.state_dict()

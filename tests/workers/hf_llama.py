@@ -8,6 +8,7 @@
         or --elastic through a plan of split, hybrid and batched chunks (pp stages); saved by the last stage as OUT.
         --train-steps: that many SGD steps first (the step's loss is the first's), then saved as DIR (model only)
         and the logits are the trained model's. --fault rope_factor: --rope-scaling-factor halved.
+    pretrain FLAGS...                                  pretrain_gpt.py's main with these flags (the launch's last run)
 """
 
 from __future__ import annotations
@@ -163,11 +164,18 @@ def run_logits(argv: list[str]) -> None:
     dist.barrier()
 
 
+def run_pretrain(argv: list[str]) -> None:
+    from megatron_epp.training.main import main as pretrain
+
+    if pretrain(argv) != 0:
+        raise SystemExit("pretrain_gpt.py failed")
+
+
 def main() -> None:
     for i, argv in enumerate(split_runs(sys.argv[1:])):
         if i:
             ps.destroy_model_parallel()
-        {"import": run_import, "export": run_export, "logits": run_logits}[argv[0]](argv[1:])
+        {"import": run_import, "export": run_export, "logits": run_logits, "pretrain": run_pretrain}[argv[0]](argv[1:])
     shutdown()
 
 
