@@ -28,7 +28,8 @@ from megatron_epp.training.metrics import read_metrics  # noqa: E402
 from tests.launch import torchrun  # noqa: E402
 
 LENGTHS = [41, 10, 31, 6, 13]  # documents (tokens + 1: each predicts its next tokens)
-TOL = dict(rtol=1e-4, atol=1e-4)
+# fp32: measured 2e-7 at most on the logits and the loss (2026-11-27); the planted RoPE factor moves the logits by 3e-3
+TOL = dict(rtol=1e-5, atol=1e-5)
 
 
 def tiny_llama(path) -> torch.nn.Module:
@@ -51,7 +52,7 @@ def hf_reference(model, docs):
 
 
 def close(result, logits, loss) -> bool:
-    return all(torch.allclose(a, b, **TOL) for a, b in zip(result["logits"], logits)) and abs(result["loss"] - loss) < 1e-4
+    return all(torch.allclose(a, b, **TOL) for a, b in zip(result["logits"], logits)) and abs(result["loss"] - loss) < 1e-5
 
 
 def test_hf_llama_import_export(tmp_path):
@@ -111,7 +112,7 @@ def test_hf_llama_import_export(tmp_path):
     assert exported.config.rope_parameters == model.config.rope_parameters
 
     trained = torch.load(tmp_path / "trained.pt")
-    assert abs(trained["loss"] - loss) < 1e-4  # the first step's loss, before the two updates
+    assert abs(trained["loss"] - loss) < 1e-5  # the first step's loss, before the two updates
     exported = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf_trained").eval()
     after, _ = hf_reference(exported, docs)
     assert not torch.allclose(after[0], logits[0], **TOL)  # it trained

@@ -99,3 +99,38 @@ def test_flag_line_and_disagreeing_launch(tmp_path, capsys):
             checkpointing.check_loadable(parse_config(flags + load + change, world_size=1))
     with pytest.raises(ArgumentError, match="was saved with --rope-scaling-factor 8.0, this run has 16.0"):  # a resume compares RoPE too
         checkpointing.check_loadable(parse_config(flags + ["--load", str(tmp_path / "ckpt"), "--rope-scaling-factor", "16"], world_size=1))
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0, "high_freq_factor": 6.0, "original_max_position_embeddings": 16},
+    {"rope_type": "linear", "factor": 4.0}, {"rope_type": "default"}], ids=["llama3", "linear", "default"])
+def test_rope_tables_are_transformers(tmp_path, rope):
+    """The stock path's RoPE angles (megatron-core's ``get_emb``) and the elastic chunks' table (``RopeTable``) are
+    ``transformers``' LLaMA rotary embedding, for each scaling with its own parameters; a scaling factor off is not."""
+    transformers = pytest.importorskip("transformers")
+    from megatron.core.utils import unwrap_model
+    from megatron_epp.executor.context import ChunkContext
+    from megatron_epp.planner.config import ParallelDims
+    from megatron_epp.training.initialize import Runtime
+    from megatron_epp.training.layer_bench import init_single_process
+    from megatron_epp.training.model import build_model
+
+    config = {**CONFIG, "rope_scaling": None, "rope_parameters": {**rope, "rope_theta": 500000.0}, "vocab_size": 128}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    positions = 96
+    hf = transformers.LlamaConfig(**{k: v for k, v in config.items() if k not in ("model_type", "architectures", "rope_scaling")})
+    cos, sin = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(hf)(torch.zeros(1), torch.arange(positions)[None])
+    init_single_process()
+    runtime = Runtime(torch.device("cpu"), rank=0, pp_rank=0, tp_rank=0, dp_rank=0, dims=ParallelDims())
+    flags = implied_flags(read_spec(str(tmp_path))) + ["--mock-data", "--seq-length", str(positions)]
+    for elastic in (False, True):
+        cfg = parse_config(flags + (["--elastic-pp"] if elastic else []), world_size=1)
+        gpt = unwrap_model(build_model(cfg, runtime, context=ChunkContext() if elastic else None)[0])
+        angles = (gpt.rotary_pos_emb.table.freqs if elastic else gpt.rotary_pos_emb.get_emb(positions))[:, 0, 0]
+        torch.testing.assert_close(torch.cos(angles), cos[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(torch.sin(angles), sin[0], rtol=1e-5, atol=1e-5)
+    if rope["rope_type"] != "default":  # a factor off goes red
+        key = "rope_scaling_factor" if rope["rope_type"] == "llama3" else "rotary_seq_len_interpolation_factor"
+        off = cfg.replace(model={key: rope["factor"] * 1.25})
+        angles = unwrap_model(build_model(off, runtime, context=ChunkContext())[0]).rotary_pos_emb.table.freqs[:, 0, 0]
+        assert not torch.allclose(torch.sin(angles), sin[0], rtol=1e-5, atol=1e-5)
