@@ -98,7 +98,8 @@ def import_checkpoint(args: argparse.Namespace) -> int:
 
 
 def _export_config(args: argparse.Namespace):
-    """The checkpoint's model as ``pretrain_gpt.py``'s config at the export's layout, and its LLaMA spec (one line if it is none)."""
+    """The checkpoint's model as ``pretrain_gpt.py``'s config at its own layout and at the export's, and its LLaMA spec
+    (one line if it is none)."""
     iteration_file = os.path.join(args.load, checkpointing.TRACKER)
     if not os.path.isfile(iteration_file):
         raise ArgumentError(f"--load {args.load}: no megatron-epp checkpoint ({checkpointing.TRACKER} missing)")
@@ -116,9 +117,13 @@ def _export_config(args: argparse.Namespace):
     world = world_size_from_env()
     if world % (tp * pp):
         raise ArgumentError(f"export at tp {tp} x pp {pp}: launched with {world} ranks (a multiple of {tp * pp} needed)")
-    cfg = parse_config(flags_from_record(meta["model"]) + ["--mock-data", "--load", args.load, "--finetune",
-                                                          "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)])
-    return cfg, spec
+    def config(tp: int, pp: int, world: int):
+        return parse_config(flags_from_record(meta["model"]) + ["--mock-data", "--load", args.load, "--finetune", "--tensor-model-parallel-size",
+                                                               str(tp), "--pipeline-model-parallel-size", str(pp)], world_size=world)
+
+    # checked at the layout it was saved at; loaded at the export's (megatron-core's sharded model state reshards)
+    saved = (layout["tensor_model_parallel_size"], layout["pipeline_model_parallel_size"])
+    return config(*saved, saved[0] * saved[1]), config(tp, pp, world), spec
 
 
 def _gathered(param: torch.nn.Parameter, name: str, tp: int) -> torch.Tensor:
@@ -133,8 +138,8 @@ def _gathered(param: torch.nn.Parameter, name: str, tp: int) -> torch.Tensor:
 def export_checkpoint(args: argparse.Namespace) -> int:
     from safetensors.torch import save_file
 
-    cfg, spec = _export_config(args)
-    resume = checkpointing.check_loadable(cfg)
+    saved_cfg, cfg, spec = _export_config(args)
+    resume = checkpointing.check_loadable(saved_cfg)
     if resume is None:
         raise ArgumentError(f"--load {args.load}: no checkpoint there")
     runtime = initialize(cfg)

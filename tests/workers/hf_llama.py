@@ -1,7 +1,7 @@
 """Hugging Face LLaMA import/export runs in one launch (``::`` between runs, as tests/workers/elastic_equivalence.py).
 
     import HF_DIR SAVE TP PP [--fault qkv_swapped]     hf_convert import at TP x PP (a fault: K and V swapped in linear_qkv)
-    export SAVE HF_OUT                                 hf_convert export at the checkpoint's layout
+    export SAVE HF_OUT [TP PP]                         hf_convert export at the checkpoint's layout (or TP x PP)
     logits SAVE DOCS OUT TP PP [--elastic] [--fault rope_factor] [--train-steps N --save-trained DIR]
         the checkpoint's logits on the documents of DOCS (a list of token tensors; each predicts its own next tokens)
         and the loss of a training step on them (forward and backward): the stock path, each document a micro-batch,
@@ -70,8 +70,9 @@ def run_import(argv: list[str]) -> None:
 
 
 def run_export(argv: list[str]) -> None:
-    save, out = argv
-    hf_convert.export_checkpoint(argparse.Namespace(load=save, hf_dir=out, tensor_model_parallel_size=None, pipeline_model_parallel_size=None))
+    save, out, *layout = argv  # [TP PP]: another layout than the checkpoint's
+    tp, pp = (int(x) for x in layout) if layout else (None, None)
+    hf_convert.export_checkpoint(argparse.Namespace(load=save, hf_dir=out, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp))
 
 
 def _step(model, docs, plan, elastic, forward_only, capture, runtime, config):
