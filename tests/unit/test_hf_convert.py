@@ -81,6 +81,14 @@ def test_flag_line_and_disagreeing_launch(tmp_path, capsys):
                     "--rope-scaling-high-freq-factor 4 --rope-scaling-original-max-position-embeddings 32")
     flags = shlex.split(line)[1:] + ["--mock-data"]
     saved = parse_config(flags, world_size=1)
+    # with its tokenizer.json, the line names it for --tokenizer-type HuggingFaceTokenizer (LLaMA 3's end-of-text token: the EOD)
+    tokenizers = pytest.importorskip("tokenizers")
+    vocab = {f"t{i}": i for i in range(63)} | {"<|end_of_text|>": 63}
+    tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t0")).save(str(hf / "tokenizer.json"))
+    assert main(["flags", "--hf-dir", str(hf)]) == 0
+    assert capsys.readouterr().out.strip() == f"{line} --tokenizer-type HuggingFaceTokenizer --tokenizer-model {hf}"
+    with_tokenizer = parse_config(flags + ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(hf)], world_size=1)
+    assert (with_tokenizer.data.eod, with_tokenizer.model.vocab_size) == (63, 64)
     # a checkpoint's record as the import writes it (files: none, so only the record is compared)
     path = tmp_path / "ckpt" / "iter_0000000"
     os.makedirs(path)
