@@ -69,10 +69,8 @@ class LlamaSpec:
 
 def _rope(config: dict[str, Any], where: str) -> tuple[float, dict[str, Any]]:
     """RoPE's base and scaling from either form: ``rope_parameters`` (transformers 5) or ``rope_theta`` + ``rope_scaling``."""
-    params = dict(config.get("rope_parameters") or {})
-    if not params:
-        params = dict(config.get("rope_scaling") or {})
-        params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    params.setdefault("rope_theta", config.get("rope_theta", 10000.0))  # transformers' default
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in ROPE_TYPES:
         raise HFCheckpointError(f"{where}: unsupported rope_scaling type {kind!r} (megatron-epp imports {', '.join(ROPE_TYPES)})")
