@@ -79,6 +79,20 @@ def _model_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-channels", type=int, default=None, help="head dimension (default: --hidden-size / --num-attention-heads)")
     g.add_argument("--disable-bias-linear", action="store_true", help="no biases in the linear layers")
     g.add_argument("--rotary-base", type=int, default=None, help=f"RoPE's base (theta; default {ROTARY_BASE})")
+    g.add_argument("--use-rope-scaling", action="store_true",
+                   help="LLaMA 3.x RoPE scaling (Hugging Face's rope_type llama3; megatron-core's rope_scaling): low "
+                   "frequencies divided by --rope-scaling-factor, high ones kept, the band between interpolated")
+    g.add_argument("--rope-scaling-factor", type=float, default=None, help="with --use-rope-scaling (default 8.0, as Megatron-LM)")
+    g.add_argument("--rope-scaling-low-freq-factor", type=float, default=None,
+                   help="with --use-rope-scaling: llama3's low_freq_factor (default 1.0, megatron-core's fixed value)")
+    g.add_argument("--rope-scaling-high-freq-factor", type=float, default=None,
+                   help="with --use-rope-scaling: llama3's high_freq_factor (default 4.0, megatron-core's fixed value)")
+    g.add_argument("--rope-scaling-original-max-position-embeddings", type=int, default=None,
+                   help="with --use-rope-scaling: llama3's original_max_position_embeddings, the context the model was "
+                   "pretrained at (default 8192, megatron-core's fixed value)")
+    g.add_argument("--rotary-seq-len-interpolation-factor", type=float, default=None,
+                   help="linear RoPE scaling (Hugging Face's rope_type linear): positions divided by this factor (megatron-core's "
+                   "seq_len_interpolation_factor)")
     g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
                    help="with --elastic-pp, ElasticAttention's kernels: auto = flash-attn where it runs, else PyTorch's "
                    "SDPA; flash = flash-attn (an error where it cannot run); local, unfused = SDPA; fused = auto "
@@ -758,6 +772,33 @@ def validate_architecture(args: argparse.Namespace) -> None:
     if args.rotary_base is not None and args.rotary_base < 1:
         raise ArgumentError(f"--rotary-base {args.rotary_base}: must be >= 1")
     args.rotary_base = args.rotary_base or ROTARY_BASE
+    validate_rope_scaling(args)
+
+
+ROPE_SCALING_DEFAULTS = {"rope_scaling_factor": 8.0, "rope_scaling_low_freq_factor": 1.0, "rope_scaling_high_freq_factor": 4.0,
+                         "rope_scaling_original_max_position_embeddings": 8192}  # megatron-core's RotaryEmbedding
+
+
+def validate_rope_scaling(args: argparse.Namespace) -> None:
+    """``--use-rope-scaling`` and its parameters (filled with megatron-core's values), ``--rotary-seq-len-interpolation-factor``."""
+    given = [k for k in ROPE_SCALING_DEFAULTS if getattr(args, k) is not None]
+    if given and not args.use_rope_scaling:
+        raise ArgumentError(f"--{given[0].replace('_', '-')} needs --use-rope-scaling")
+    scaled = [f for f in ("use_rope_scaling", "rotary_seq_len_interpolation_factor") if getattr(args, f) not in (None, False)]
+    if scaled and args.position_embedding_type != "rope":
+        raise ArgumentError(f"--{scaled[0].replace('_', '-')} applies only with --position-embedding-type rope")
+    if len(scaled) == 2:
+        raise ArgumentError("--use-rope-scaling and --rotary-seq-len-interpolation-factor: one RoPE scaling at a time")
+    if args.rotary_seq_len_interpolation_factor is not None and not args.rotary_seq_len_interpolation_factor >= 1:
+        raise ArgumentError(f"--rotary-seq-len-interpolation-factor {args.rotary_seq_len_interpolation_factor}: must be >= 1")
+    for key, default in ROPE_SCALING_DEFAULTS.items():
+        value = default if getattr(args, key) is None else getattr(args, key)
+        if not value > 0:
+            raise ArgumentError(f"--{key.replace('_', '-')} {value}: must be > 0")
+        setattr(args, key, value)
+    if args.use_rope_scaling and not args.rope_scaling_high_freq_factor > args.rope_scaling_low_freq_factor:
+        raise ArgumentError(f"--rope-scaling-high-freq-factor {args.rope_scaling_high_freq_factor}: must be above "
+                            f"--rope-scaling-low-freq-factor {args.rope_scaling_low_freq_factor}")
 
 
 ROTARY_BASE = 10000  # Megatron-LM's default RoPE base

@@ -54,11 +54,18 @@ TRACKER = "latest_checkpointed_iteration.txt"
 METADATA = "epp_metadata.json"
 FORMAT = "megatron-epp checkpoint 2"  # epp_metadata.json records every file's size and SHA-256
 UNVERIFIED_FORMAT = "megatron-epp checkpoint 1"  # saved before checksums were recorded: loaded with a warning
+# RoPE's scaling: compared on a resume; with --finetune (context extension) the run may change them and RoPE's base
+ROPE_ARGS = ("use_rope_scaling", "rope_scaling_factor", "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
+             "rope_scaling_original_max_position_embeddings", "rotary_seq_len_interpolation_factor")
+# What --finetune (the model's weights only) may change: the context (with RoPE), RoPE's base and scaling (a context extension), and
+# what only the optimizer's states depend on
+FINETUNE_FREE = ("max_position_embeddings", "rotary_base", *ROPE_ARGS, "data_parallel_size", "use_distributed_optimizer")
 # What a checkpoint must agree on with the run that loads it (a flag this version lacks reads as None on both sides)
 MODEL_SHAPE_ARGS = (
     "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
     "position_embedding_type", "vocab_size", "untie_embeddings_and_output_weights", "swiglu", "normalization",
     "group_query_attention", "num_query_groups", "kv_channels", "disable_bias_linear", "rotary_base", "make_vocab_size_divisible_by",
+    "norm_epsilon", "apply_layernorm_1p", "rotary_percent", *ROPE_ARGS,
 )
 # What the sample stream is a function of, besides the blend and its position (the consumed samples)
 SAMPLER_ARGS = ("split", "seed", "seq_length", "global_batch_size")
@@ -327,9 +334,11 @@ def _checkpoint_problem(cfg: TrainingConfig, iteration: int) -> str | None:
     if meta.get("iteration") != iteration:
         return f"{path} holds iteration {meta.get('iteration')}, its name and {TRACKER} say {iteration}"
     expected = checkpoint_metadata(cfg, iteration)
+    free = [k for k in FINETUNE_FREE if k != "max_position_embeddings" or cfg.model.position_embedding_type == "rope"] \
+        if cfg.checkpoint.finetune else ()
     for part in ("model", "layout"):
         for key, want in expected[part].items():
-            if key in meta.get(part, {}) and meta[part][key] != want:  # a flag the checkpoint's version did not record: not compared
+            if key in meta.get(part, {}) and meta[part][key] != want and key not in free:  # a flag the checkpoint's version did not record: not compared
                 raise ArgumentError(
                     f"--load {cfg.checkpoint.load}: iteration {iteration} was saved with --{key.replace('_', '-')} {meta[part][key]}, "
                     f"this run has {want} (a different {'model shape' if part == 'model' else 'parallel layout'})"
@@ -465,3 +474,11 @@ def load_checkpoint(
     if cfg.checkpoint.finetune:
         return 0, 0, None
     return state["iteration"], state["consumed_samples"], state.get("planner")
+
+
+def load_model_weights(cfg: TrainingConfig, iteration: int, model, runtime: Runtime) -> None:
+    """The model weights of ``--load``'s ``iteration`` only (as :func:`choose_verified` chose it), at this run's layout
+    (megatron-core's sharded model state reshards): no optimizer, RNG or planner state (``hf_convert export``)."""
+    template = _sharded_state(model, None, None, runtime, 0, 0, is_loading=True)
+    del template["rng"], template["planner"]
+    model.module.load_state_dict(dist_checkpointing.load(template, iteration_dir(cfg.checkpoint.load, iteration))["model"])

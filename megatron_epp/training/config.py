@@ -42,6 +42,12 @@ class ModelConfig:
     add_position_embedding: bool
     rotary_base: int
     rotary_percent: float
+    use_rope_scaling: bool
+    rope_scaling_factor: float
+    rope_scaling_low_freq_factor: float
+    rope_scaling_high_freq_factor: float
+    rope_scaling_original_max_position_embeddings: int
+    rotary_seq_len_interpolation_factor: float | None
     untie_embeddings_and_output_weights: bool
     hidden_dropout: float
     attention_dropout: float

@@ -180,8 +180,7 @@ def architecture_summary(cfg: TrainingConfig) -> str:
         f"{cfg.model.normalization} (eps {cfg.model.norm_epsilon:g}{', zero-centred weight: 1p' if cfg.model.apply_layernorm_1p else ''})",
         attention + f", head dim {cfg.model.kv_channels or cfg.model.hidden_size // heads}",
         "no biases" if cfg.model.disable_bias_linear else "biases",
-        (f"RoPE base {cfg.model.rotary_base}" + (f" on {cfg.model.rotary_percent:g} of each head" if cfg.model.rotary_percent != 1 else ""))
-        if cfg.model.position_embedding_type == "rope" else "learned positions",
+        rope_summary(cfg) if cfg.model.position_embedding_type == "rope" else "learned positions",
     ]
     return ", ".join(parts)
 
@@ -195,6 +194,33 @@ def architecture_config(*, swiglu: bool, normalization: str, num_query_groups: i
         "gated_linear_unit": swiglu, "activation_func": F.silu if swiglu else F.gelu, "normalization": normalization,
         "num_query_groups": num_query_groups, "kv_channels": kv_channels, "add_bias_linear": bias,
     }
+
+
+def scale_rope(model: GPTModel, cfg: TrainingConfig) -> None:
+    """``--use-rope-scaling``: the RoPE frequencies of ``model`` scaled by megatron-core's own llama3 scaling
+    (``RotaryEmbedding._apply_scaling``, Hugging Face's ``llama3`` rope) with all four of the run's parameters, where
+    ``GPTModel(rope_scaling=True)`` would fix the low/high frequency factors and the original context at 1, 4 and 8192.
+    The stock path and the elastic chunks' table (``executor.rotary.RopeTable``: megatron-core's ``get_emb`` of these
+    frequencies) both rotate by them."""
+    if not cfg.model.use_rope_scaling or cfg.model.position_embedding_type != "rope":
+        return
+    rotary = model.rotary_pos_emb
+    rotary.inv_freq = rotary._apply_scaling(
+        rotary.inv_freq, factor=cfg.model.rope_scaling_factor, low_freq_factor=cfg.model.rope_scaling_low_freq_factor,
+        high_freq_factor=cfg.model.rope_scaling_high_freq_factor,
+        original_max_position_embeddings=cfg.model.rope_scaling_original_max_position_embeddings)
+
+
+def rope_summary(cfg: TrainingConfig) -> str:
+    """RoPE's base and scaling, for the architecture line."""
+    m = cfg.model
+    text = f"RoPE base {m.rotary_base}" + (f" on {m.rotary_percent:g} of each head" if m.rotary_percent != 1 else "")
+    if m.use_rope_scaling:
+        text += (f", llama3 scaling x{m.rope_scaling_factor:g} (low/high frequency factors {m.rope_scaling_low_freq_factor:g}/"
+                 f"{m.rope_scaling_high_freq_factor:g}, original context {m.rope_scaling_original_max_position_embeddings})")
+    if m.rotary_seq_len_interpolation_factor is not None:
+        text += f", linear scaling x{m.rotary_seq_len_interpolation_factor:g}"
+    return text
 
 
 def params_dtype(cfg: TrainingConfig) -> torch.dtype:
@@ -272,7 +298,9 @@ def build_model(
         position_embedding_type=cfg.model.position_embedding_type,
         rotary_base=cfg.model.rotary_base,
         rotary_percent=cfg.model.rotary_percent,
+        seq_len_interpolation_factor=cfg.model.rotary_seq_len_interpolation_factor,
     )
+    scale_rope(model, cfg)
     model.to(runtime.device)
     if context is not None:  # on its device: RoPE's one table of --seq-length positions is built there, before any step
         install_chunk_context(model, context, cfg.model.seq_length)

@@ -1,0 +1,350 @@
+"""Hugging Face LLaMA checkpoints (``config.json`` + ``*.safetensors``) and megatron-core's GPTModel, both ways.
+
+:func:`read_spec` reads a LLaMA-family ``config.json`` (GQA, ``head_dim`` given or derived, tied or untied
+embeddings, RoPE as ``rope_theta`` + ``rope_scaling`` or transformers 5's ``rope_parameters``, scaling ``llama3`` or
+``linear``) into a :class:`LlamaSpec`; :func:`implied_flags` is the ``pretrain_gpt.py`` flag line of that model.
+:class:`ShardReader` opens the ``*.safetensors`` files (sharded with ``model.safetensors.index.json`` or one file)
+with the ``safetensors`` package and checks every tensor's name and shape from the files' headers before anything
+is read; :func:`megatron_tensor` then reads one rank's part of one megatron-core parameter, slice by slice
+(``safe_open(...).get_slice``): no rank ever holds the whole model. :func:`hf_tensors` is the way back, from a full
+(tensor-parallel-gathered) megatron-core parameter to its Hugging Face tensors.
+
+Megatron-core's layout: ``linear_qkv`` holds, per K/V group, the group's query heads, then its key, then its value
+head; ``linear_fc1`` is ``[gate; up]`` per tensor-parallel rank; the vocabulary is padded to a multiple of
+``--make-vocab-size-divisible-by`` x tp (:func:`implied_flags` chooses that multiple so that nothing is padded: padded
+rows would join the softmax and change the logits' normalisation). Hugging Face's q/k projections are already in
+the "rotate half" order megatron-core's non-interleaved RoPE uses: no permutation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+ROPE_TYPES = ("default", "llama3", "linear")
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+class HFCheckpointError(ValueError):
+    """A Hugging Face directory that cannot be imported, or a checkpoint that cannot be exported: one line."""
+
+
+@dataclass(frozen=True)
+class LlamaSpec:
+    """A LLaMA model's shape and RoPE, as a Hugging Face ``config.json`` and ``pretrain_gpt.py``'s flags say it."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_hidden_size: int
+    vocab_size: int
+    norm_epsilon: float
+    rope_theta: float
+    tied: bool
+    max_positions: int
+    rope: dict[str, Any]  # {"rope_type": "default" | "llama3" | "linear", and that type's parameters}
+
+    def expected_tensors(self) -> dict[str, tuple[int, ...]]:
+        """Every Hugging Face tensor of this model and its shape."""
+        h, q, kv, f = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.ffn_hidden_size
+        out = {"model.embed_tokens.weight": (self.vocab_size, h), "model.norm.weight": (h,)}
+        if not self.tied:
+            out["lm_head.weight"] = (self.vocab_size, h)
+        for i in range(self.num_layers):
+            p = f"model.layers.{i}."
+            out.update({
+                p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h), p + "self_attn.v_proj.weight": (kv, h),
+                p + "self_attn.o_proj.weight": (h, q), p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
+                p + "mlp.down_proj.weight": (h, f), p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+            })
+        return out
+
+
+def _rope(config: dict[str, Any], where: str) -> tuple[float, dict[str, Any]]:
+    """RoPE's base and scaling from either form: ``rope_parameters`` (transformers 5) or ``rope_theta`` + ``rope_scaling``."""
+    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    params.setdefault("rope_theta", config.get("rope_theta", 10000.0))  # transformers' default
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise HFCheckpointError(f"{where}: unsupported rope_scaling type {kind!r} (megatron-epp imports {', '.join(ROPE_TYPES)})")
+    rope: dict[str, Any] = {"rope_type": kind}
+    needed = {"llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+              "linear": ("factor",), "default": ()}[kind]
+    for key in needed:
+        if key not in params:
+            raise HFCheckpointError(f"{where}: rope_scaling of type {kind} without its {key}")
+        rope[key] = params[key]
+    return float(params["rope_theta"]), rope
+
+
+def read_spec(hf_dir: str) -> LlamaSpec:
+    """The model ``hf_dir/config.json`` describes; :class:`HFCheckpointError` when it is no LLaMA this can import."""
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isfile(path):
+        raise HFCheckpointError(f"{hf_dir}: not a Hugging Face checkpoint (no config.json)")
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except ValueError:
+        raise HFCheckpointError(f"{path}: not valid JSON") from None
+    where = path
+    if config.get("model_type") != "llama":
+        raise HFCheckpointError(f"{hf_dir}: not a LLaMA checkpoint (model_type {config.get('model_type')!r}, "
+                                f"architectures {config.get('architectures')})")
+    for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
+        if config.get(key, want) != want:
+            raise HFCheckpointError(f"{where}: {key} {config[key]!r} is not supported (LLaMA's is {want!r})")
+    try:
+        heads = int(config["num_attention_heads"])
+        theta, rope = _rope(config, where)
+        return LlamaSpec(
+            num_layers=int(config["num_hidden_layers"]), hidden_size=int(config["hidden_size"]), num_heads=heads,
+            num_kv_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
+            ffn_hidden_size=int(config["intermediate_size"]), vocab_size=int(config["vocab_size"]),
+            norm_epsilon=float(config.get("rms_norm_eps", 1e-6)), rope_theta=theta,
+            tied=bool(config.get("tie_word_embeddings", False)), max_positions=int(config.get("max_position_embeddings", 2048)),
+            rope=rope,
+        )
+    except KeyError as missing:
+        raise HFCheckpointError(f"{where}: no {missing.args[0]}") from None
+
+
+def _number(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else repr(float(x))
+
+
+def vocab_multiple(vocab_size: int, tp: int) -> int:
+    """``--make-vocab-size-divisible-by`` for this vocabulary at ``tp``: the largest power of two up to Megatron-LM's
+    128 with which nothing is padded (padded rows would change the logits' softmax)."""
+    if vocab_size % tp:
+        raise HFCheckpointError(f"vocab_size {vocab_size} is not divisible by --tensor-model-parallel-size {tp}: megatron-core "
+                                "would pad the output layer, and the padded logits would change the loss")
+    multiple = 128
+    while vocab_size % (multiple * tp):
+        multiple //= 2
+    return multiple
+
+
+def implied_flags(spec: LlamaSpec, tp: int = 1) -> list[str]:
+    """``pretrain_gpt.py``'s flags for this model (its shape, norm, RoPE and scaling, vocabulary, embeddings)."""
+    flags = ["--num-layers", str(spec.num_layers), "--hidden-size", str(spec.hidden_size),
+             "--num-attention-heads", str(spec.num_heads)]
+    if spec.num_kv_heads != spec.num_heads:
+        flags += ["--group-query-attention", "--num-query-groups", str(spec.num_kv_heads)]
+    flags += ["--kv-channels", str(spec.head_dim), "--ffn-hidden-size", str(spec.ffn_hidden_size), "--swiglu",
+              "--normalization", "RMSNorm", "--norm-epsilon", repr(spec.norm_epsilon), "--disable-bias-linear",
+              "--position-embedding-type", "rope", "--rotary-base", str(rotary_base(spec.rope_theta)),
+              "--vocab-size", str(spec.vocab_size), "--make-vocab-size-divisible-by", str(vocab_multiple(spec.vocab_size, tp)),
+              "--seq-length", str(spec.max_positions)]
+    if not spec.tied:
+        flags.append("--untie-embeddings-and-output-weights")
+    if spec.rope["rope_type"] == "llama3":
+        flags += ["--use-rope-scaling", "--rope-scaling-factor", _number(spec.rope["factor"]),
+                  "--rope-scaling-low-freq-factor", _number(spec.rope["low_freq_factor"]),
+                  "--rope-scaling-high-freq-factor", _number(spec.rope["high_freq_factor"]),
+                  "--rope-scaling-original-max-position-embeddings", str(int(spec.rope["original_max_position_embeddings"]))]
+    elif spec.rope["rope_type"] == "linear":
+        flags += ["--rotary-seq-len-interpolation-factor", _number(spec.rope["factor"])]
+    return flags
+
+
+def rotary_base(theta: float) -> int:
+    """``--rotary-base`` is an integer (Megatron-LM's type)."""
+    if not float(theta).is_integer():
+        raise HFCheckpointError(f"config.json: rope_theta {theta} is not an integer (Megatron-LM's --rotary-base is)")
+    return int(theta)
+
+
+class ShardReader:
+    """The ``*.safetensors`` files of ``hf_dir``, opened lazily; :meth:`check` compares every tensor with ``spec``
+    from the headers alone."""
+
+    def __init__(self, hf_dir: str) -> None:
+        from safetensors import safe_open  # the import's and export's one dependency beyond torch
+
+        self._open = safe_open
+        self.dir = hf_dir
+        index = os.path.join(hf_dir, INDEX)
+        if os.path.isfile(index):
+            with open(index) as f:
+                self.where = dict(json.load(f)["weight_map"])
+        elif os.path.isfile(os.path.join(hf_dir, SINGLE)):
+            self.where = None
+        else:
+            raise HFCheckpointError(f"{hf_dir}: no {SINGLE} nor {INDEX}")
+        self._files: dict[str, Any] = {}
+
+    def _file(self, name: str):
+        if name not in self._files:
+            path = os.path.join(self.dir, name)
+            if not os.path.isfile(path):
+                raise HFCheckpointError(f"{self.dir}: shard {name} is missing ({INDEX} names it)")
+            self._files[name] = self._open(path, framework="pt")
+        return self._files[name]
+
+    def names(self) -> dict[str, str]:
+        """Every tensor and the file that holds it."""
+        if self.where is None:
+            return {k: SINGLE for k in self._file(SINGLE).keys()}
+        return self.where
+
+    def check(self, spec: LlamaSpec) -> None:
+        """Every tensor ``spec`` needs is there with its shape, and no other: one line for the first that is not."""
+        found = self.names()
+        for name in sorted(set(found.values())):
+            self._file(name)  # a missing shard first
+        expected = spec.expected_tensors()
+        for name, shape in expected.items():
+            if name not in found:
+                raise HFCheckpointError(f"{self.dir}: tensor {name} is missing")
+            got = tuple(self._file(found[name]).get_slice(name).get_shape())
+            if got != shape:
+                raise HFCheckpointError(f"{self.dir}: tensor {name} has shape {list(got)}, config.json implies {list(shape)}")
+        extra = sorted(n for n in found if n not in expected and not n.endswith("rotary_emb.inv_freq"))
+        if extra:
+            raise HFCheckpointError(f"{self.dir}: tensor {extra[0]} is not part of a LLaMA model of this config.json")
+
+    def slice(self, name: str):
+        """``safe_open(...).get_slice(name)``: index it to read that part only."""
+        file = self.where[name] if self.where is not None else SINGLE
+        return self._file(file).get_slice(name)
+
+
+def _rows(reader: ShardReader, name: str, start: int, stop: int) -> torch.Tensor:
+    return reader.slice(name)[start:stop]
+
+
+def _cols(reader: ShardReader, name: str, start: int, stop: int) -> torch.Tensor:
+    return reader.slice(name)[:, start:stop]
+
+
+def megatron_tensor(reader: ShardReader, spec: LlamaSpec, name: str, layer: int | None, tp: int, tp_rank: int,
+                    padded_vocab: int) -> torch.Tensor:
+    """Tensor-parallel rank ``tp_rank``'s part of megatron-core's parameter ``name`` (local to its stage; ``layer``:
+    its global layer index), read from the Hugging Face tensors slice by slice."""
+    if name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        source = "lm_head.weight" if name == "output_layer.weight" and not spec.tied else "model.embed_tokens.weight"
+        rows = padded_vocab // tp
+        part = _rows(reader, source, tp_rank * rows, min((tp_rank + 1) * rows, spec.vocab_size))
+        return torch.cat([part, part.new_zeros(rows - part.shape[0], part.shape[1])]) if part.shape[0] < rows else part
+    if name == "decoder.final_layernorm.weight":
+        return _rows(reader, "model.norm.weight", 0, spec.hidden_size)
+    hf = f"model.layers.{layer}."
+    local = name.split(".", 3)[3]  # decoder.layers.<i>.<local>
+    d, f = spec.head_dim, spec.ffn_hidden_size
+    if local == "input_layernorm.weight":
+        return _rows(reader, hf + "input_layernorm.weight", 0, spec.hidden_size)
+    if local == "pre_mlp_layernorm.weight":
+        return _rows(reader, hf + "post_attention_layernorm.weight", 0, spec.hidden_size)
+    if local == "self_attention.linear_qkv.weight":
+        groups, per_group = spec.num_kv_heads // tp, spec.num_heads // spec.num_kv_heads
+        parts = []
+        for g in range(tp_rank * groups, (tp_rank + 1) * groups):
+            parts += [_rows(reader, hf + "self_attn.q_proj.weight", g * per_group * d, (g + 1) * per_group * d),
+                      _rows(reader, hf + "self_attn.k_proj.weight", g * d, (g + 1) * d),
+                      _rows(reader, hf + "self_attn.v_proj.weight", g * d, (g + 1) * d)]
+        return torch.cat(parts)
+    if local == "self_attention.linear_proj.weight":
+        width = spec.num_heads * d // tp
+        return _cols(reader, hf + "self_attn.o_proj.weight", tp_rank * width, (tp_rank + 1) * width)
+    if local == "mlp.linear_fc1.weight":
+        width = f // tp
+        return torch.cat([_rows(reader, hf + f"mlp.{p}_proj.weight", tp_rank * width, (tp_rank + 1) * width) for p in ("gate", "up")])
+    if local == "mlp.linear_fc2.weight":
+        width = f // tp
+        return _cols(reader, hf + "mlp.down_proj.weight", tp_rank * width, (tp_rank + 1) * width)
+    raise HFCheckpointError(f"megatron-core parameter {name} has no Hugging Face LLaMA counterpart")
+
+
+def gather_order(name: str, full: torch.Tensor, tp: int) -> torch.Tensor:
+    """A parameter gathered over the tensor-parallel ranks along its partition dimension, in the unsharded order:
+    a SwiGLU ``linear_fc1`` gathers as ``[gate_0; up_0; gate_1; up_1 ...]``, reordered here to ``[gate; up]``."""
+    if name.endswith("mlp.linear_fc1.weight") and tp > 1:
+        shards = [s.chunk(2, 0) for s in full.chunk(tp, 0)]
+        return torch.cat([s[0] for s in shards] + [s[1] for s in shards])
+    return full
+
+
+def hf_tensors(spec: LlamaSpec, name: str, layer: int | None, full: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The Hugging Face tensors of megatron-core's whole (gathered) parameter ``name``; ``layer``: its global index."""
+    if name == "embedding.word_embeddings.weight":
+        return {"model.embed_tokens.weight": full[: spec.vocab_size]}
+    if name == "output_layer.weight":
+        return {} if spec.tied else {"lm_head.weight": full[: spec.vocab_size]}
+    if name == "decoder.final_layernorm.weight":
+        return {"model.norm.weight": full}
+    hf = f"model.layers.{layer}."
+    local = name.split(".", 3)[3]
+    if local == "input_layernorm.weight":
+        return {hf + "input_layernorm.weight": full}
+    if local == "pre_mlp_layernorm.weight":
+        return {hf + "post_attention_layernorm.weight": full}
+    if local == "self_attention.linear_qkv.weight":
+        d, per_group = spec.head_dim, spec.num_heads // spec.num_kv_heads
+        grouped = full.reshape(spec.num_kv_heads, (per_group + 2) * d, spec.hidden_size)
+        q, k, v = grouped.split([per_group * d, d, d], dim=1)
+        return {hf + "self_attn.q_proj.weight": q.reshape(-1, spec.hidden_size), hf + "self_attn.k_proj.weight": k.reshape(-1, spec.hidden_size),
+                hf + "self_attn.v_proj.weight": v.reshape(-1, spec.hidden_size)}
+    if local == "self_attention.linear_proj.weight":
+        return {hf + "self_attn.o_proj.weight": full}
+    if local == "mlp.linear_fc1.weight":
+        gate, up = full.chunk(2, 0)
+        return {hf + "mlp.gate_proj.weight": gate, hf + "mlp.up_proj.weight": up}
+    if local == "mlp.linear_fc2.weight":
+        return {hf + "mlp.down_proj.weight": full}
+    raise HFCheckpointError(f"megatron-core parameter {name} has no Hugging Face LLaMA counterpart")
+
+
+def hf_config(spec: LlamaSpec) -> dict[str, Any]:
+    """``config.json`` of ``spec`` (transformers 5's ``rope_parameters``)."""
+    rope = {"rope_theta": spec.rope_theta, **spec.rope}
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+        "hidden_size": spec.hidden_size, "intermediate_size": spec.ffn_hidden_size, "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
+        "vocab_size": spec.vocab_size, "rms_norm_eps": spec.norm_epsilon, "max_position_embeddings": spec.max_positions,
+        "rope_parameters": rope, "tie_word_embeddings": spec.tied, "dtype": "float32",
+    }
+
+
+def spec_from_record(model: dict[str, Any]) -> LlamaSpec:
+    """The LLaMA a megatron-epp checkpoint holds, from its ``epp_metadata.json`` model record (``pretrain_gpt.py``'s
+    flags); :class:`HFCheckpointError` for a model that is no LLaMA (GELU, LayerNorm, biases, learned positions)."""
+    for key, want in (("swiglu", True), ("normalization", "RMSNorm"), ("disable_bias_linear", True), ("position_embedding_type", "rope"),
+                      ("apply_layernorm_1p", False), ("rotary_percent", 1.0)):
+        if model.get(key, want) != want:
+            raise HFCheckpointError(f"the checkpoint's --{key.replace('_', '-')} is {model.get(key)!r}: a Hugging Face LLaMA needs {want!r}")
+    heads = model["num_attention_heads"]
+    if model.get("use_rope_scaling"):
+        rope = {"rope_type": "llama3", "factor": model["rope_scaling_factor"], "low_freq_factor": model["rope_scaling_low_freq_factor"],
+                "high_freq_factor": model["rope_scaling_high_freq_factor"],
+                "original_max_position_embeddings": model["rope_scaling_original_max_position_embeddings"]}
+    elif model.get("rotary_seq_len_interpolation_factor"):
+        rope = {"rope_type": "linear", "factor": model["rotary_seq_len_interpolation_factor"]}
+    else:
+        rope = {"rope_type": "default"}
+    return LlamaSpec(
+        num_layers=model["num_layers"], hidden_size=model["hidden_size"], num_heads=heads,
+        num_kv_heads=model["num_query_groups"] if model.get("group_query_attention") else heads,
+        head_dim=model.get("kv_channels") or model["hidden_size"] // heads, ffn_hidden_size=model["ffn_hidden_size"],
+        vocab_size=model["vocab_size"], norm_epsilon=model["norm_epsilon"], rope_theta=float(model["rotary_base"]),
+        tied=not model["untie_embeddings_and_output_weights"], max_positions=model["max_position_embeddings"], rope=rope,
+    )
+
+
+def flags_from_record(model: dict[str, Any]) -> list[str]:
+    """``pretrain_gpt.py``'s flags that give a checkpoint's model record (its values as flags; True: the switch)."""
+    flags: list[str] = []
+    for key, value in model.items():
+        if value is None or value is False or (key == "num_query_groups" and not model.get("group_query_attention")):
+            continue
+        flags += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
+    return flags + ["--seq-length", str(model["max_position_embeddings"])]
