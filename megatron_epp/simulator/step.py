@@ -1,9 +1,10 @@
 """Event-driven simulation of a Plan on ``P`` stages: per-stage timeline, step time, memory.
 
-Every stage runs its ops in the order of :func:`megatron_epp.plan.order.stage_ops` (pipelines one after
-another, no barrier between them: gradient accumulation needs none). An op starts when the stage is
-free and its input has arrived: a forward needs the previous stage's forward of the chunk plus one
-point-to-point send, a backward the next stage's backward plus one send. A backward also recomputes
+Every stage runs its ops in the order of :func:`megatron_epp.plan.order.stage_ops`, sends and receives
+included: the lists the executor runs (pipelines one after another, no barrier between them: gradient
+accumulation needs none). A receive waits for the other stage's send plus one point-to-point time
+(a forward's input: the previous stage's forward of the chunk; a backward's output gradient: the next
+stage's backward); a forward or backward starts when the stage is free. A backward also recomputes
 the chunk's checkpointed layers first. Peak memory comes from the exact walk of :mod:`memory`.
 """
 
@@ -75,11 +76,16 @@ def step_ms(plan: Plan, cost_model: CostModel) -> float:
 
 
 def _run(plan: Plan, costs: list[ChunkCosts]) -> tuple[list[Event], np.ndarray]:
-    """Every op of the step as an event, and the time each stage finishes."""
+    """Every forward and backward of the step as an event, and the time each stage finishes. The stages walk
+    their op lists with the sends and receives (:func:`~megatron_epp.plan.order.plan_stage_ops`): a send takes
+    no stage time and leaves at the stage's current time; a receive waits until its send has left and crossed
+    the link (the chunk's point-to-point time)."""
     P = plan.num_stages
-    queues = plan_stage_ops(plan)
-    fend = [np.full((P, len(pipe.chunks)), np.nan) for pipe in plan.pipelines]
-    bend = [np.full((P, len(pipe.chunks)), np.nan) for pipe in plan.pipelines]
+    queues = plan_stage_ops(plan, comms=True)
+    # when each stage's send of chunk k of pipeline pi left: forward outputs, input gradients
+    sent = {"SEND_F": [np.full((P, len(pipe.chunks)), np.nan) for pipe in plan.pipelines],
+            "SEND_B": [np.full((P, len(pipe.chunks)), np.nan) for pipe in plan.pipelines]}
+    source = {"RECV_F": ("SEND_F", -1), "RECV_B": ("SEND_B", 1)}  # a receive's send and the stage it comes from
     free = np.zeros(P)
     nxt = [0] * P
     events: list[Event] = []
@@ -89,21 +95,25 @@ def _run(plan: Plan, costs: list[ChunkCosts]) -> tuple[list[Event], np.ndarray]:
         for p in range(P):
             while nxt[p] < len(queues[p]):
                 pi, op = queues[p][nxt[p]]
-                c, k = costs[pi], op.pos
-                if op.kind == "F":
-                    ready = 0.0 if p == 0 else fend[pi][p - 1, k] + c.p2p_ms[k]
-                    rc, dur = 0.0, c.fwd[p, k]
+                c, k, kind = costs[pi], op.pos, op.kind
+                if kind in sent:
+                    sent[kind][pi][p, k] = free[p]
+                elif kind in source:
+                    send, step = source[kind]
+                    left = sent[send][pi][p + step, k]
+                    if np.isnan(left):
+                        break
+                    free[p] = max(free[p], left + c.p2p_ms[k])
                 else:
-                    ready = fend[pi][p, k] if p == P - 1 else bend[pi][p + 1, k] + c.p2p_ms[k]
-                    rc = plan.pipelines[pi].recompute[p][k] * c.rc_layer[k]
-                    dur = c.bwd[p, k] + rc
-                if np.isnan(ready):
-                    break
-                start = max(free[p], ready)
-                free[p] = start + dur
-                (fend if op.kind == "F" else bend)[pi][p, k] = free[p]
-                chunk = plan.pipelines[pi].chunks[k]
-                events.append(Event(p, op.kind, pi, k, chunk.id, chunk.kind, start, free[p], rc))
+                    if kind == "F":
+                        rc, dur = 0.0, c.fwd[p, k]
+                    else:
+                        rc = plan.pipelines[pi].recompute[p][k] * c.rc_layer[k]
+                        dur = c.bwd[p, k] + rc
+                    start = free[p]
+                    free[p] = start + dur
+                    chunk = plan.pipelines[pi].chunks[k]
+                    events.append(Event(p, kind, pi, k, chunk.id, chunk.kind, start, free[p], rc))
                 nxt[p] += 1
                 remaining -= 1
                 progressed = True
