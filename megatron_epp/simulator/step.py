@@ -79,13 +79,14 @@ def _run(plan: Plan, costs: list[ChunkCosts]) -> tuple[list[Event], np.ndarray]:
     """Every forward and backward of the step as an event, and the time each stage finishes. The stages walk
     their op lists with the sends and receives (:func:`~megatron_epp.plan.order.plan_stage_ops`): a send takes
     no stage time and leaves at the stage's current time; a receive waits until its send has left and crossed
-    the link (the chunk's point-to-point time)."""
+    the link (the chunk's point-to-point time); a backward needs its chunk's forward on the same stage."""
     P = plan.num_stages
     queues = plan_stage_ops(plan, comms=True)
     # when each stage's send of chunk k of pipeline pi left: forward outputs, input gradients
     sent = {"SEND_F": [np.full((P, len(pipe.chunks)), np.nan) for pipe in plan.pipelines],
             "SEND_B": [np.full((P, len(pipe.chunks)), np.nan) for pipe in plan.pipelines]}
     source = {"RECV_F": ("SEND_F", -1), "RECV_B": ("SEND_B", 1)}  # a receive's send and the stage it comes from
+    forwarded = [np.zeros((P, len(pipe.chunks)), dtype=bool) for pipe in plan.pipelines]
     free = np.zeros(P)
     nxt = [0] * P
     events: list[Event] = []
@@ -107,6 +108,9 @@ def _run(plan: Plan, costs: list[ChunkCosts]) -> tuple[list[Event], np.ndarray]:
                 else:
                     if kind == "F":
                         rc, dur = 0.0, c.fwd[p, k]
+                        forwarded[pi][p, k] = True
+                    elif not forwarded[pi][p, k]:  # a backward needs its chunk's forward on this stage
+                        break
                     else:
                         rc = plan.pipelines[pi].recompute[p][k] * c.rc_layer[k]
                         dur = c.bwd[p, k] + rc
