@@ -106,8 +106,10 @@ BROKEN_CONTEXTS = {
 }
 
 
-def _tokens(tensors) -> int:
-    return (tensors[0] if isinstance(tensors, list) else tensors).shape[0]
+def _tokens(tensors) -> int | None:
+    """The token count of what a send is given (None: nothing, or a loss at the last stage)."""
+    tensor = tensors[0] if isinstance(tensors, list) else tensors
+    return tensor.shape[0] if tensor is not None and tensor.dim() else None
 
 
 class RecordingCommunicator(P2PCommunicator):
