@@ -28,9 +28,6 @@ from megatron_epp.plan.core import Chunk, Pipeline, Plan
 
 KIND_SUFFIX = {"batched": "", "split": "s", "hybrid": "h"}
 OpKind = Literal["F", "B", "SEND_F", "RECV_F", "SEND_B", "RECV_B"]
-COMPUTE: tuple[OpKind, ...] = ("F", "B")
-SENDS: dict[str, OpKind] = {"F": "SEND_F", "B": "SEND_B"}  # what a compute op's result goes out as
-RECVS: dict[str, OpKind] = {"F": "RECV_F", "B": "RECV_B"}  # what a compute op's input comes in as
 _OP = re.compile(r"(\+?)(F|B|SEND_F|RECV_F|SEND_B|RECV_B)(\d+)")
 
 
@@ -117,22 +114,23 @@ def stage_ops(pipe: Pipeline, stage: int, num_stages: int, *, comms: bool = Fals
 def add_send_recv(ops: list[Op], stage: int, num_stages: int) -> list[Op]:
     """Stage ``stage``'s compute ops with their sends and receives: each op's receive just before it (batched with
     the send before it where that send goes the other way: 1F1B's paired exchange), its send right after it."""
-
-    def receives(op: Op) -> bool:
-        return stage > 0 if op.kind == "F" else stage < num_stages - 1
-
-    def sends(op: Op) -> bool:
-        return stage < num_stages - 1 if op.kind == "F" else stage > 0
-
+    first, last = stage == 0, stage == num_stages - 1
     out: list[Op] = []
     for op in ops:
-        if op.kind not in COMPUTE:
+        if op.kind == "F":
+            if not first:  # batched with a backward's send of the input gradient just before
+                out.append(Op("RECV_F", op.pos, bool(out) and out[-1].kind == "SEND_B"))
+            out.append(op)
+            if not last:
+                out.append(Op("SEND_F", op.pos))
+        elif op.kind == "B":
+            if not last:  # batched with a forward's send of its output just before
+                out.append(Op("RECV_B", op.pos, bool(out) and out[-1].kind == "SEND_F"))
+            out.append(op)
+            if not first:
+                out.append(Op("SEND_B", op.pos))
+        else:
             raise ValueError(f"add_send_recv takes compute ops (F, B), got {op}")
-        if receives(op):
-            out.append(Op(RECVS[op.kind], op.pos, batched=bool(out) and out[-1].kind == SENDS["B" if op.kind == "F" else "F"]))
-        out.append(op)
-        if sends(op):
-            out.append(Op(SENDS[op.kind], op.pos))
     return out
 
 

@@ -82,38 +82,38 @@ def _run(plan: Plan, costs: list[ChunkCosts]) -> tuple[list[Event], np.ndarray]:
     the link (the chunk's point-to-point time); a backward needs its chunk's forward on the same stage."""
     P = plan.num_stages
     queues = plan_stage_ops(plan, comms=True)
-    # when each stage's send of chunk k of pipeline pi left: forward outputs, input gradients
-    sent = {"SEND_F": [np.full((P, len(pipe.chunks)), np.nan) for pipe in plan.pipelines],
-            "SEND_B": [np.full((P, len(pipe.chunks)), np.nan) for pipe in plan.pipelines]}
-    source = {"RECV_F": ("SEND_F", -1), "RECV_B": ("SEND_B", 1)}  # a receive's send and the stage it comes from
-    forwarded = [np.zeros((P, len(pipe.chunks)), dtype=bool) for pipe in plan.pipelines]
-    free = np.zeros(P)
+    # the costs as Python floats (the same doubles, read faster than numpy scalars)
+    fwd, bwd = [c.fwd.tolist() for c in costs], [c.bwd.tolist() for c in costs]
+    p2p, rc_layer = [c.p2p_ms.tolist() for c in costs], [c.rc_layer.tolist() for c in costs]
+    sent: dict[tuple[str, int, int, int], float] = {}  # ("F" | "B", pipeline, stage, chunk) -> when its send left
+    forwarded: set[tuple[int, int, int]] = set()  # (pipeline, stage, chunk) whose forward ran
+    free = [0.0] * P
     nxt = [0] * P
     events: list[Event] = []
     remaining = sum(len(q) for q in queues)
     while remaining:
         progressed = False
         for p in range(P):
-            while nxt[p] < len(queues[p]):
-                pi, op = queues[p][nxt[p]]
-                c, k, kind = costs[pi], op.pos, op.kind
-                if kind in sent:
-                    sent[kind][pi][p, k] = free[p]
-                elif kind in source:
-                    send, step = source[kind]
-                    left = sent[send][pi][p + step, k]
-                    if np.isnan(left):
+            queue = queues[p]
+            while nxt[p] < len(queue):
+                pi, op = queue[nxt[p]]
+                k, kind = op.pos, op.kind
+                if kind == "SEND_F" or kind == "SEND_B":
+                    sent[kind[-1], pi, p, k] = free[p]
+                elif kind == "RECV_F" or kind == "RECV_B":
+                    left = sent.get((kind[-1], pi, p - 1 if kind == "RECV_F" else p + 1, k))
+                    if left is None:
                         break
-                    free[p] = max(free[p], left + c.p2p_ms[k])
+                    free[p] = max(free[p], left + p2p[pi][k])
                 else:
                     if kind == "F":
-                        rc, dur = 0.0, c.fwd[p, k]
-                        forwarded[pi][p, k] = True
-                    elif not forwarded[pi][p, k]:  # a backward needs its chunk's forward on this stage
+                        rc, dur = 0.0, fwd[pi][p][k]
+                        forwarded.add((pi, p, k))
+                    elif (pi, p, k) not in forwarded:  # a backward needs its chunk's forward on this stage
                         break
                     else:
-                        rc = plan.pipelines[pi].recompute[p][k] * c.rc_layer[k]
-                        dur = c.bwd[p, k] + rc
+                        rc = plan.pipelines[pi].recompute[p][k] * rc_layer[pi][k]
+                        dur = bwd[pi][p][k] + rc
                     start = free[p]
                     free[p] = start + dur
                     chunk = plan.pipelines[pi].chunks[k]
@@ -125,4 +125,4 @@ def _run(plan: Plan, costs: list[ChunkCosts]) -> tuple[list[Event], np.ndarray]:
             waiting = ", ".join(f"stage {p} at step {i} ({op_label(plan.pipelines[q[i][0]], q[i][1])})"
                                 for p, (q, i) in enumerate(zip(queues, nxt)) if i < len(q))
             raise ScheduleDeadlock(f"no stage can run its next op: {waiting}; the op order:\n{format_stage_ops(plan)}")
-    return events, free
+    return events, np.array(free)
