@@ -1,4 +1,4 @@
-"""Elastic 1F1B order: which chunk each stage runs forward or backward next. Pure Python.
+"""Elastic 1F1B order: which chunk each stage runs forward or backward next, and what it sends and receives. Pure Python.
 
 The executor, the simulator and the planner's memory check all walk this one order, so what is
 planned is what runs.
@@ -20,8 +20,8 @@ planned is what runs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 import re
+from dataclasses import dataclass
 from typing import Literal
 
 from megatron_epp.plan.core import Chunk, Pipeline, Plan
