@@ -1,7 +1,8 @@
 """Elastic 1F1B: run a Plan's chunks of different sizes through Megatron-Core's pipeline stages.
 
-The op order per stage comes from :mod:`megatron_epp.plan.order` (warm-up
-``P - p - 1 + K_max - 1``, then one forward / one backward, then cool-down). Compute and
+The op list per stage comes from :mod:`megatron_epp.plan.order` (warm-up
+``P - p - 1 + K_max - 1``, then one forward / one backward, then cool-down), its sends and receives
+included (the lists the simulator walks); the stage runner only executes it. Compute and
 communication reuse megatron-core's ``forward_step`` / ``backward_step`` and ``P2PCommunicator``;
 each transfer carries the chunk's own shape ``[tokens, 1, hidden]`` (under sequence parallelism
 ``[tokens / tp, 1, hidden]``, the chunk padded to a multiple of tp: ``ChunkLayout.build``), known to
@@ -214,30 +215,68 @@ class _StageRunner:
                 for c, count in zip(pipe.chunks, pipe.recompute[self.stage])]
 
     def run(self, index: int, pipe: Pipeline, layouts: Sequence[ChunkLayout]) -> None:
-        """Pipeline ``index``'s ops on this stage; after an out-of-memory error (:meth:`_fail`), stand-ins."""
-        ops = [op for op in stage_ops(pipe, self.stage, self.plan.num_stages) if not (self.forward_only and op.kind == "B")]
+        """Pipeline ``index``'s op list on this stage, sends and receives included (:func:`stage_ops` with
+        ``comms``); after an out-of-memory error (:meth:`_fail`), stand-ins."""
+        ops = stage_ops(pipe, self.stage, self.plan.num_stages, comms=True, forward_only=self.forward_only)
         self.saved = {}
-        # Each op receives its input just before it runs and sends its result right after, fused with
-        # the next op's receive where 1F1B pairs them (send F -> recv B, send B -> recv F).
-        incoming = self._transfer(index, layouts[ops[0].pos], lambda: self._receive(layouts, ops[0]))
-        for i, op in enumerate(ops):
-            nxt = ops[i + 1] if i + 1 < len(ops) else None
+        received: dict[tuple[str, int], Any] = {}  # ("F" | "B", pos) -> a forward input / output gradient, awaiting its op
+        results: dict[tuple[str, int], Any] = {}  # ("F" | "B", pos) -> a forward output / input gradient, awaiting its send
+        sent = {(op.kind[-1], op.pos) for op in ops if op.kind.startswith("SEND")}  # the results this stage sends
+        i = 0
+        while i < len(ops):
+            op = ops[i]
             if op.kind == "F":
-                input_tensor = incoming
+                input_tensor = received.pop(("F", op.pos), [None])  # [None]: nothing received, as at a pipeline end
                 output = self._guarded(index, op, layouts[op.pos], lambda: self._forward(input_tensor, op.pos))
-                result = output if output is not None else self._stand_in(layouts, op)
-                incoming = self._transfer(index, layouts[op.pos], lambda: self._send_then_receive("F", result, layouts, nxt))
                 if output is not None and not self.forward_only and self.failure is None:
                     self.saved[op.pos] = (input_tensor, output)
-                    deallocate_output_tensor(output[0], self.config.deallocate_pipeline_outputs)
-            else:
+                if ("F", op.pos) in sent:
+                    results["F", op.pos] = output if output is not None else self._stand_in(layouts, op)
+                else:  # the last stage: Megatron's 1F1B frees the output's data here as after a send
+                    self._release(output)
+            elif op.kind == "B":
                 input_tensor, output = self.saved.pop(op.pos, (None, None))
-                grad_output = incoming
+                grad_output = received.pop(("B", op.pos), [None])
                 grad = self._guarded(index, op, layouts[op.pos],
                                      lambda: backward_step(input_tensor, output, grad_output, self.model_type, self.config))
-                del input_tensor, output
-                result = grad if self.failure is None else self._stand_in(layouts, op)
-                incoming = self._transfer(index, layouts[op.pos], lambda: self._send_then_receive("B", result, layouts, nxt))
+                del input_tensor, output, grad_output
+                if ("B", op.pos) in sent:
+                    results["B", op.pos] = grad if self.failure is None else self._stand_in(layouts, op)
+            else:
+                recv = ops[i + 1] if i + 1 < len(ops) and ops[i + 1].batched else None
+                self._communicate(index, layouts, op, recv, results, received)
+                i += 2 if recv is not None else 1
+                continue
+            i += 1
+
+    def _communicate(self, index: int, layouts: Sequence[ChunkLayout], op: Op, recv: Op | None,
+                     results: dict[tuple[str, int], Any], received: dict[tuple[str, int], Any]) -> None:
+        """A send (with ``recv``, the receive batched with it: one exchange) or a receive of the op list."""
+        if op.kind.startswith("RECV"):
+            direction = op.kind[-1]
+            receive = self.comm.recv_forward if direction == "F" else self.comm.recv_backward
+            edge = self.first if direction == "F" else self.last
+            received[direction, op.pos] = self._transfer(index, layouts[op.pos], lambda: receive(self.shape(layouts, op.pos), edge))
+            return
+        direction = op.kind[-1]
+        tensor = results.pop((direction, op.pos))
+        if direction == "F":
+            if recv is None:
+                self._transfer(index, layouts[op.pos], lambda: self.comm.send_forward(tensor, self.last))
+            else:
+                received["B", recv.pos] = self._transfer(index, layouts[op.pos], lambda: self.comm.send_forward_recv_backward(
+                    tensor, self.shape(layouts, recv.pos), self.last))
+            self._release(tensor)
+        elif recv is None:
+            self._transfer(index, layouts[op.pos], lambda: self.comm.send_backward(tensor, self.first))
+        else:
+            received["F", recv.pos] = self._transfer(index, layouts[op.pos], lambda: self.comm.send_backward_recv_forward(
+                tensor, self.shape(layouts, recv.pos), self.first))
+
+    def _release(self, output) -> None:
+        """Free a sent forward output's data (its graph stays for the backward), as Megatron's schedules do."""
+        if output is not None and self.failure is None and not self.forward_only:
+            deallocate_output_tensor(output[0], self.config.deallocate_pipeline_outputs)
 
     def _guarded(self, index: int, op: Op, layout: ChunkLayout, compute: Callable[[], Any]) -> Any:
         """``compute()`` with ``layout`` current; None once this rank has run out of memory (then or before)."""
@@ -275,11 +314,8 @@ class _StageRunner:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def _stand_in(self, layouts: Sequence[ChunkLayout], op: Op) -> torch.Tensor | None:
-        """What a failed rank sends in place of an op's result: zeros of the planned transfer's shape (nothing from
-        the last stage's forward or the first stage's backward, which send nothing)."""
-        if (op.kind == "F" and self.last) or (op.kind == "B" and self.first):
-            return None
+    def _stand_in(self, layouts: Sequence[ChunkLayout], op: Op) -> torch.Tensor:
+        """What a failed rank sends in place of an op's result: zeros of the planned transfer's shape."""
         return torch.zeros(self.shape(layouts, op.pos)[0], dtype=self.config.pipeline_dtype, device=self.device)
 
     def _op_range(self, pipeline: int, op: Op, layout: ChunkLayout) -> contextlib.AbstractContextManager:
@@ -302,22 +338,3 @@ class _StageRunner:
         self.microbatch += 1
         self.total_tokens += num_tokens
         return output
-
-    def _receive(self, layouts: Sequence[ChunkLayout], op: Op | None):
-        if op is None:
-            return None
-        if op.kind == "F":
-            return self.comm.recv_forward(self.shape(layouts, op.pos), self.first)
-        return self.comm.recv_backward(self.shape(layouts, op.pos), self.last)
-
-    def _send_then_receive(self, kind: str, tensor, layouts: Sequence[ChunkLayout], nxt: Op | None):
-        """Send a forward output / input grad, and receive what the next op needs (fused when 1F1B pairs them)."""
-        if kind == "F":
-            if nxt is not None and nxt.kind == "B":
-                return self.comm.send_forward_recv_backward(tensor, self.shape(layouts, nxt.pos), self.last)
-            self.comm.send_forward(tensor, self.last)
-        else:
-            if nxt is not None and nxt.kind == "F":
-                return self.comm.send_backward_recv_forward(tensor, self.shape(layouts, nxt.pos), self.first)
-            self.comm.send_backward(tensor, self.first)
-        return self._receive(layouts, nxt)

@@ -67,7 +67,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--plan-out", help="write the Plan JSON (replica 0) here")
     ap.add_argument("--timeline", help="draw replica 0's per-stage Gantt chart to this PNG")
     ap.add_argument("--print-schedule", action="store_true",
-                    help="print replica 0's op order: one column per stage, F/B + chunk id + s (split) or h (hybrid)")
+                    help="print replica 0's op lists: one column per stage, F/B + chunk id + s (split) or h (hybrid), "
+                         "its sends and receives SEND_F/RECV_F/SEND_B/RECV_B + chunk (+RECV: batched with the send before)")
     return ap.parse_args(argv)
 
 

@@ -1,9 +1,10 @@
 """Event-driven simulation of a Plan on ``P`` stages: per-stage timeline, step time, memory.
 
-Every stage runs its ops in the order of :func:`megatron_epp.plan.order.stage_ops` (pipelines one after
-another, no barrier between them: gradient accumulation needs none). An op starts when the stage is
-free and its input has arrived: a forward needs the previous stage's forward of the chunk plus one
-point-to-point send, a backward the next stage's backward plus one send. A backward also recomputes
+Every stage runs its ops in the order of :func:`megatron_epp.plan.order.stage_ops`, sends and receives
+included: the lists the executor runs (pipelines one after another, no barrier between them: gradient
+accumulation needs none). A receive waits for the other stage's send plus one point-to-point time
+(a forward's input: the previous stage's forward of the chunk; a backward's output gradient: the next
+stage's backward); a forward or backward starts when the stage is free. A backward also recomputes
 the chunk's checkpointed layers first. Peak memory comes from the exact walk of :mod:`memory`.
 """
 
@@ -75,35 +76,48 @@ def step_ms(plan: Plan, cost_model: CostModel) -> float:
 
 
 def _run(plan: Plan, costs: list[ChunkCosts]) -> tuple[list[Event], np.ndarray]:
-    """Every op of the step as an event, and the time each stage finishes."""
+    """Every forward and backward of the step as an event, and the time each stage finishes. The stages walk
+    their op lists with the sends and receives (:func:`~megatron_epp.plan.order.plan_stage_ops`): a send takes
+    no stage time and leaves at the stage's current time; a receive waits until its send has left and crossed
+    the link (the chunk's point-to-point time); a backward needs its chunk's forward on the same stage."""
     P = plan.num_stages
-    queues = plan_stage_ops(plan)
-    fend = [np.full((P, len(pipe.chunks)), np.nan) for pipe in plan.pipelines]
-    bend = [np.full((P, len(pipe.chunks)), np.nan) for pipe in plan.pipelines]
-    free = np.zeros(P)
+    queues = plan_stage_ops(plan, comms=True)
+    # the costs as Python floats (the same doubles, read faster than numpy scalars)
+    fwd, bwd = [c.fwd.tolist() for c in costs], [c.bwd.tolist() for c in costs]
+    p2p, rc_layer = [c.p2p_ms.tolist() for c in costs], [c.rc_layer.tolist() for c in costs]
+    sent: dict[tuple[str, int, int, int], float] = {}  # ("F" | "B", pipeline, stage, chunk) -> when its send left
+    forwarded: set[tuple[int, int, int]] = set()  # (pipeline, stage, chunk) whose forward ran
+    free = [0.0] * P
     nxt = [0] * P
     events: list[Event] = []
     remaining = sum(len(q) for q in queues)
     while remaining:
         progressed = False
         for p in range(P):
-            while nxt[p] < len(queues[p]):
-                pi, op = queues[p][nxt[p]]
-                c, k = costs[pi], op.pos
-                if op.kind == "F":
-                    ready = 0.0 if p == 0 else fend[pi][p - 1, k] + c.p2p_ms[k]
-                    rc, dur = 0.0, c.fwd[p, k]
+            queue = queues[p]
+            while nxt[p] < len(queue):
+                pi, op = queue[nxt[p]]
+                k, kind = op.pos, op.kind
+                if kind == "SEND_F" or kind == "SEND_B":
+                    sent[kind[-1], pi, p, k] = free[p]
+                elif kind == "RECV_F" or kind == "RECV_B":
+                    left = sent.get((kind[-1], pi, p - 1 if kind == "RECV_F" else p + 1, k))
+                    if left is None:
+                        break
+                    free[p] = max(free[p], left + p2p[pi][k])
                 else:
-                    ready = fend[pi][p, k] if p == P - 1 else bend[pi][p + 1, k] + c.p2p_ms[k]
-                    rc = plan.pipelines[pi].recompute[p][k] * c.rc_layer[k]
-                    dur = c.bwd[p, k] + rc
-                if np.isnan(ready):
-                    break
-                start = max(free[p], ready)
-                free[p] = start + dur
-                (fend if op.kind == "F" else bend)[pi][p, k] = free[p]
-                chunk = plan.pipelines[pi].chunks[k]
-                events.append(Event(p, op.kind, pi, k, chunk.id, chunk.kind, start, free[p], rc))
+                    if kind == "F":
+                        rc, dur = 0.0, fwd[pi][p][k]
+                        forwarded.add((pi, p, k))
+                    elif (pi, p, k) not in forwarded:  # a backward needs its chunk's forward on this stage
+                        break
+                    else:
+                        rc = plan.pipelines[pi].recompute[p][k] * rc_layer[pi][k]
+                        dur = bwd[pi][p][k] + rc
+                    start = free[p]
+                    free[p] = start + dur
+                    chunk = plan.pipelines[pi].chunks[k]
+                    events.append(Event(p, kind, pi, k, chunk.id, chunk.kind, start, free[p], rc))
                 nxt[p] += 1
                 remaining -= 1
                 progressed = True
@@ -111,4 +125,4 @@ def _run(plan: Plan, costs: list[ChunkCosts]) -> tuple[list[Event], np.ndarray]:
             waiting = ", ".join(f"stage {p} at step {i} ({op_label(plan.pipelines[q[i][0]], q[i][1])})"
                                 for p, (q, i) in enumerate(zip(queues, nxt)) if i < len(q))
             raise ScheduleDeadlock(f"no stage can run its next op: {waiting}; the op order:\n{format_stage_ops(plan)}")
-    return events, free
+    return events, np.array(free)

@@ -258,6 +258,116 @@ def test_random_plans_cover_every_chunk_kind_and_shape():
     assert kinds == {"batched", "split", "hybrid"} and pipelines == {1, 2, 3} and max(slices) >= 5
 
 
+# The op lists with their sends and receives (megatron_epp.plan.order.stage_ops(..., comms=True)) drive the executor,
+# the simulator and the pipeline-order formatter: each checked on the same plan, pp 4's case 0 (three pipelines,
+# batched, split and hybrid chunks, a batched exchange on every stage); the executor on every plan of its runs.
+OP_LIST_RUNS = ("pp2", "pp4", "dp2xpp2")
+CALLS = {"SEND_F": "send_forward", "SEND_B": "send_backward", "RECV_F": "recv_forward", "RECV_B": "recv_backward"}
+
+
+def op_list_transfers(plan, stage: int) -> list[tuple]:
+    """The communicator calls the op lists of ``stage`` ask for: one per send or receive, a receive batched with
+    the send before it joining that send's call (``send_forward_recv_backward``), with the tokens of the chunks."""
+    from megatron_epp.plan.order import stage_ops
+
+    calls: list[tuple] = []
+    for pipe in plan.pipelines:
+        for op in stage_ops(pipe, stage, plan.num_stages, comms=True):
+            tokens = pipe.chunks[op.pos].num_tokens
+            if op.batched:
+                name, sent = calls.pop()
+                calls.append((f"{name}_{CALLS[op.kind]}", sent, tokens))
+            elif op.kind in CALLS:
+                calls.append((CALLS[op.kind], tokens))
+    return calls
+
+
+def saved_plan(runs, name: str, case: int):
+    from megatron_epp.plan import Plan
+
+    return Plan.from_json(torch.load(runs[name] / f"case{case}_stage0.pt")["plan"])
+
+
+def test_the_executor_makes_the_transfers_of_the_op_lists(runs):
+    """Each stage's communicator calls, in order, are the sends and receives of its op lists, batched where they
+    are batched (and nothing at a pipeline end): on the same plan as the simulator's and the formatter's tests,
+    and on every plan of the pp 2, pp 4 and dp 2 x pp 2 runs."""
+    batched = 0
+    for name in OP_LIST_RUNS:
+        for case in range(RUNS[name][2]):
+            plan = saved_plan(runs, name, case)
+            for stage in range(plan.num_stages):
+                made = [tuple(call) for call in torch.load(runs[name] / f"case{case}_stage{stage}.pt")["transfers"]]
+                expected = op_list_transfers(plan, stage)
+                assert made == expected, (name, case, stage)
+                batched += sum("_recv_" in call[0] for call in expected)
+    assert batched > 0
+
+
+def test_the_simulator_walks_the_op_lists(runs, monkeypatch):
+    """On the same plan: per stage, the simulated forwards and backwards come in the op lists' order; a stage that
+    waited before one waited in its receive, until the other stage's send (the end of its forward or backward of
+    the chunk) plus the transfer time; and a send taken out of the lists leaves its receive waiting forever
+    (the simulator names that receive)."""
+    import numpy as np
+
+    from megatron_epp.cost.features import chunk_features
+    from megatron_epp.cost.model import CostModel
+    from megatron_epp.cost.profiles import load_profile
+    from megatron_epp.plan.order import plan_stage_ops
+    from megatron_epp.simulator import step
+    from megatron_epp.simulator.step import ScheduleDeadlock, simulate
+
+    plan = saved_plan(runs, "pp4", 0)
+    cost_model = CostModel(load_profile("test-model"), plan.num_stages)
+    costs = [cost_model.costs(chunk_features(p.chunks)) for p in plan.pipelines]
+    sim = simulate(plan, cost_model)
+    lists = plan_stage_ops(plan, comms=True)
+    end = {(e.pipeline, e.stage, e.op, e.pos): e.end for e in sim.events}
+    waited = 0
+    for stage, ops in enumerate(lists):
+        events = [e for e in sim.events if e.stage == stage]
+        assert [(e.pipeline, e.op, e.pos) for e in events] == [(pi, op.kind, op.pos) for pi, op in ops if op.kind in ("F", "B")]
+        index = {(e.pipeline, e.op, e.pos): i for i, e in enumerate(events)}
+        for (pi, op), (_, then) in zip(ops, ops[1:]):
+            if op.kind not in ("RECV_F", "RECV_B"):
+                continue
+            assert (then.kind, then.pos) == (op.kind[-1], op.pos)  # a receive comes right before its op
+            i = index[pi, then.kind, then.pos]
+            sender = (pi, stage - 1 if then.kind == "F" else stage + 1, then.kind, op.pos)
+            arrives = end[sender] + costs[pi].p2p_ms[op.pos]
+            assert events[i].start >= arrives
+            if events[i].start > (events[i - 1].end if i else 0.0):  # the stage was idle: it waited in this receive
+                assert events[i].start == arrives
+                waited += 1
+    assert waited > 0
+    dropped = next(i for i, (_, op) in enumerate(lists[1]) if op.kind == "SEND_F")
+    broken = [ops if p != 1 else ops[:dropped] + ops[dropped + 1:] for p, ops in enumerate(lists)]
+    monkeypatch.setattr(step, "plan_stage_ops", lambda plan, comms: broken)
+    with pytest.raises(ScheduleDeadlock, match=r"stage 2 at step \d+ \(RECV_F"):
+        simulate(plan, cost_model)
+    assert np.isfinite(sim.step_ms)
+
+
+def test_the_formatter_prints_the_op_lists(runs):
+    """On the same plan: each stage's column of the printed order is its op lists, sends and receives included,
+    pipeline by pipeline; every send printed on one stage is printed as a receive on the stage it goes to."""
+    from megatron_epp.plan.order import format_stage_ops, op_label, stage_ops
+
+    plan = saved_plan(runs, "pp4", 0)
+    lines = format_stage_ops(plan).splitlines()
+    starts = [lines[0].index(f"Stage {p}") for p in range(plan.num_stages)]
+    columns = [[line[a:b].strip() for line in lines[1:]] for a, b in zip(starts, [*starts[1:], None])]
+    for stage, column in enumerate(columns):
+        expected = [op_label(pipe, op) for pipe in plan.pipelines for op in stage_ops(pipe, stage, plan.num_stages, comms=True)]
+        assert [cell for cell in column if cell] == expected, stage
+    for stage in range(plan.num_stages - 1):
+        sent = [c.removeprefix("SEND_F") for c in columns[stage] if c.startswith("SEND_F")]
+        assert sent and sent == [c.lstrip("+").removeprefix("RECV_F") for c in columns[stage + 1] if c.lstrip("+").startswith("RECV_F")]
+        back = [c.removeprefix("SEND_B") for c in columns[stage + 1] if c.startswith("SEND_B")]
+        assert back and back == [c.lstrip("+").removeprefix("RECV_B") for c in columns[stage] if c.lstrip("+").startswith("RECV_B")]
+
+
 # bf16 keeps 8 significant bits: unit roundoff u = 2^-8 (3.9e-3). Weights, activations and the
 # gradients flowing between layers are each rounded to it, and the worst tensors are the LayerNorm
 # weight/bias gradients, sums over every token of products of rounded values: stock Megatron-Core in

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from megatron_epp.plan import Chunk, Pipeline, Plan, PlanError, Segment
-from megatron_epp.plan.order import backward_order, format_stage_ops, num_warmup, stage_ops
+from megatron_epp.plan.order import Op, add_send_recv, backward_order, format_stage_ops, num_warmup, stage_ops
 
 LENGTHS = [10, 3, 4, 12]
 
@@ -133,7 +133,7 @@ def test_stage_ops_run_each_chunk_once_and_backward_after_forward():
 
 def test_format_stage_ops_is_a_table_of_each_stages_op_order():
     plan = make_plan(good_chunks(), groups=[[0, 1], [2, 3, 4, 5]])
-    assert format_stage_ops(plan) == """\
+    assert format_stage_ops(plan, comms=False) == """\
             Stage 0  Stage 1
 Step 00 p0  F0s      F0s
 Step 01 p0  F1h      F1h
@@ -147,8 +147,36 @@ Step 08 p1  B4s      F5
 Step 09 p1  B3s      B3s
 Step 10 p1  B2s      B2s
 Step 11 p1  B5       B5"""
+    # with the sends and receives (the default): a receive batched with the send before it reads "+RECV"; the
+    # last stage has fewer ops in pipeline 0 (no RECV_B), its last cell of that pipeline blank
+    assert format_stage_ops(plan) == """\
+            Stage 0    Stage 1
+Step 00 p0  F0s        RECV_F0s
+Step 01 p0  SEND_F0s   F0s
+Step 02 p0  F1h        RECV_F1h
+Step 03 p0  SEND_F1h   F1h
+Step 04 p0  +RECV_B1h  B1h
+Step 05 p0  B1h        SEND_B1h
+Step 06 p0  RECV_B0s   B0s
+Step 07 p0  B0s        SEND_B0s
+Step 08 p1  F2s        RECV_F2s
+Step 09 p1  SEND_F2s   F2s
+Step 10 p1  F3s        RECV_F3s
+Step 11 p1  SEND_F3s   F3s
+Step 12 p1  F4s        RECV_F4s
+Step 13 p1  SEND_F4s   F4s
+Step 14 p1  F5         B4s
+Step 15 p1  SEND_F5    SEND_B4s
+Step 16 p1  +RECV_B4s  +RECV_F5
+Step 17 p1  B4s        F5
+Step 18 p1  RECV_B3s   B3s
+Step 19 p1  B3s        SEND_B3s
+Step 20 p1  RECV_B2s   B2s
+Step 21 p1  B2s        SEND_B2s
+Step 22 p1  RECV_B5    B5
+Step 23 p1  B5         SEND_B5"""
     pipe = Pipeline([Chunk(7, "batched", [Segment(0, 0, 10)]), Chunk(9, "batched", [Segment(1, 0, 3)])], [[0, 0]] * 3)
-    assert format_stage_ops(pipe, 3).splitlines() == [
+    assert format_stage_ops(pipe, 3, comms=False).splitlines() == [
         "        Stage 0  Stage 1  Stage 2",
         "Step 0  F7       F7       F7",
         "Step 1  F9       F9       B7",
@@ -157,3 +185,38 @@ Step 11 p1  B5       B5"""
     ]
     with pytest.raises(ValueError, match="needs num_stages"):
         format_stage_ops(pipe)
+
+
+def test_ops_read_as_they_print():
+    ops = Op.list_from_str("RECV_F0 F0 SEND_F0 +RECV_B1 B1 SEND_B1 +RECV_F2")
+    assert ops[3] == Op("RECV_B", 1, batched=True) and ops[1] == Op("F", 0) and ops[5] == Op("SEND_B", 1)
+    assert " ".join(map(str, ops)) == "RECV_F0 F0 SEND_F0 +RECV_B1 B1 SEND_B1 +RECV_F2"
+    for bad in ("X3", "F", "+SEND_F3", "+F1", "F-1", "RECV_F3+"):
+        with pytest.raises(ValueError, match="not an op"):
+            Op.from_str(bad)
+
+
+def test_sends_and_receives_are_ops_of_each_stages_list():
+    """1F1B on three stages: each op receives its input just before it runs (batched with the send before it where
+    the send goes the other way) and sends its result right after; nothing crosses a pipeline end; every send
+    has its receive on the neighbouring stage, in the same order."""
+    pipe = Pipeline([Chunk(i, "batched", [Segment(i, 0, 2)]) for i in range(3)], [[0] * 3] * 3)
+    assert stage_ops(pipe, 0, 3, comms=True) == Op.list_from_str(
+        "F0 SEND_F0 F1 SEND_F1 F2 SEND_F2 +RECV_B0 B0 RECV_B1 B1 RECV_B2 B2")
+    assert stage_ops(pipe, 1, 3, comms=True) == Op.list_from_str(
+        "RECV_F0 F0 SEND_F0 RECV_F1 F1 SEND_F1 +RECV_B0 B0 SEND_B0 +RECV_F2 F2 SEND_F2 +RECV_B1 B1 SEND_B1 RECV_B2 B2 SEND_B2")
+    assert stage_ops(pipe, 2, 3, comms=True) == Op.list_from_str(
+        "RECV_F0 F0 B0 SEND_B0 +RECV_F1 F1 B1 SEND_B1 +RECV_F2 F2 B2 SEND_B2")
+    assert stage_ops(pipe, 1, 3, comms=True, forward_only=True) == Op.list_from_str("RECV_F0 F0 SEND_F0 RECV_F1 F1 SEND_F1 RECV_F2 F2 SEND_F2")
+    assert stage_ops(pipe, 0, 1, comms=True) == stage_ops(pipe, 0, 1)  # one stage: nothing to send
+    pipe = make_plan(good_chunks(), stages=4).pipelines[0]
+    lists = [stage_ops(pipe, p, 4, comms=True) for p in range(4)]
+    for p in range(4):
+        assert [op for op in lists[p] if op.kind in ("F", "B")] == stage_ops(pipe, p, 4)
+        for send, recv, to in (("SEND_F", "RECV_F", p + 1), ("SEND_B", "RECV_B", p - 1)):
+            if 0 <= to < 4:
+                assert [op.pos for op in lists[p] if op.kind == send] == [op.pos for op in lists[to] if op.kind == recv]
+            else:
+                assert not any(op.kind == send for op in lists[p])
+    with pytest.raises(ValueError, match="takes compute ops"):
+        add_send_recv(Op.list_from_str("F0 SEND_F0"), 0, 2)

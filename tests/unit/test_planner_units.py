@@ -268,14 +268,14 @@ def test_elastic_plan_is_never_predicted_slower_than_packing_alone():
 
 def test_deadlock_shows_where_each_stage_waits_and_the_op_order():
     """Slices of sequence 0 not consecutive (validate would reject it): the last stage's backward of
-    the second slice comes before its forward."""
+    the second slice comes before its forward, so the first stage waits in the receive of that backward's gradient."""
     chunks = [Chunk(0, "split", [Segment(0, 0, 5)]), Chunk(1, "batched", [Segment(1, 0, 3)]), Chunk(2, "split", [Segment(0, 5, 10)])]
     plan = Plan([10, 3], 2, [1, 1], [Pipeline(chunks, [[0, 0, 0], [0, 0, 0]])])
     with pytest.raises(ScheduleDeadlock) as failure:
         simulate(plan, CostModel(load_profile("test-model"), 2, np.array([1, 1])))
     message = str(failure.value)
-    assert message.startswith("no stage can run its next op: stage 0 at step 3 (B2s), stage 1 at step 2 (B2s); the op order:\n")
-    assert message.endswith("Step 2  F2s      B2s\nStep 3  B2s      F2s\nStep 4  B0s      B0s\nStep 5  B1       B1")
+    assert message.startswith("no stage can run its next op: stage 0 at step 6 (+RECV_B2s), stage 1 at step 4 (B2s); the op order:\n")
+    assert "\nStep 04  F2s        B2s\nStep 05  SEND_F2s   SEND_B2s\nStep 06  +RECV_B2s  +RECV_F2s\n" in message
 
 
 def test_no_candidate_slices_below_the_smallest_token_cap(monkeypatch):

@@ -11,7 +11,8 @@ micro-batch. ``elastic``: a random valid plan per case (per data-parallel rank) 
 Faults in what the layers see of a chunk come from a broken chunk context given to the model.
 ``--sp-fault-cases K`` (with ``--sequence-parallel``): after the N cases, the first K again under each of
 ``SP_FAULTS`` in the same launch (saved as ``FAULT_case...``). Each case also saves the padding tokens its
-plan's chunks got on this rank (``padding``).
+plan's chunks got on this rank (``padding``), and in elastic runs the plan (``plan``, JSON) and the transfers the
+schedule made (``transfers``: :class:`RecordingCommunicator`'s calls).
 
 Several runs separated by ``::`` share the launch (one process start; the same world size): each builds its own
 model-parallel groups, model and optimizer, and tears the groups down for the next; a fault patched into a module
@@ -33,6 +34,8 @@ import numpy as np
 import torch
 from megatron.core import parallel_state as ps
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron.core.utils import get_model_config
 
 from megatron_epp.executor import kernels, recompute_layer
 from megatron_epp.executor.schedule import forward_backward_elastic
@@ -101,6 +104,45 @@ class LeakPacking(ChunkContext):
 BROKEN_CONTEXTS = {
     "drop_prefix": DropPrefix, "drop_prefix_grads": DropPrefixGrads, "misplaced_kv": MisplacedKV, "leak_packing": LeakPacking,
 }
+
+
+def _tokens(tensors) -> int | None:
+    """The token count of what a send is given (None: nothing, or a loss at the last stage)."""
+    tensor = tensors[0] if isinstance(tensors, list) else tensors
+    return tensor.shape[0] if tensor is not None and tensor.dim() else None
+
+
+class RecordingCommunicator(P2PCommunicator):
+    """Megatron-Core's communicator that records each call the schedule makes: ``(method, tokens sent or received,
+    ...)``; a call at a pipeline end that moves nothing is recorded too (the op lists have none)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls: list[tuple] = []
+
+    def recv_forward(self, tensor_shapes, is_first_stage):
+        self.calls.append(("recv_forward", tensor_shapes[0][0]))
+        return super().recv_forward(tensor_shapes, is_first_stage)
+
+    def recv_backward(self, tensor_shapes, is_last_stage):
+        self.calls.append(("recv_backward", tensor_shapes[0][0]))
+        return super().recv_backward(tensor_shapes, is_last_stage)
+
+    def send_forward(self, output_tensors, is_last_stage):
+        self.calls.append(("send_forward", _tokens(output_tensors)))
+        return super().send_forward(output_tensors, is_last_stage)
+
+    def send_backward(self, input_tensor_grads, is_first_stage):
+        self.calls.append(("send_backward", _tokens(input_tensor_grads)))
+        return super().send_backward(input_tensor_grads, is_first_stage)
+
+    def send_forward_recv_backward(self, output_tensors, tensor_shapes, is_last_stage):
+        self.calls.append(("send_forward_recv_backward", _tokens(output_tensors), tensor_shapes[0][0]))
+        return super().send_forward_recv_backward(output_tensors, tensor_shapes, is_last_stage)
+
+    def send_backward_recv_forward(self, input_tensor_grads, tensor_shapes, is_first_stage):
+        self.calls.append(("send_backward_recv_forward", _tokens(input_tensor_grads), tensor_shapes[0][0]))
+        return super().send_backward_recv_forward(input_tensor_grads, tensor_shapes, is_first_stage)
 
 
 def _patch(module, name: str, value) -> Callable[[], None]:
@@ -202,7 +244,7 @@ def run(argv: list[str]) -> None:
     for case, fault in runs:
         sequences = case_sequences(case, ours.case_seed, args.model.vocab_size)
         model.zero_grad_buffer()
-        padding = 0
+        padding, record = 0, {}
         if elastic:
             mine = sequences[runtime.dp_rank :: runtime.dims.dp]
             plan = random_plan(np.random.default_rng([ours.case_seed, case, runtime.dp_rank, 7]), [len(t) for t, _ in mine], runtime.dims.pp, per_stage)
@@ -214,11 +256,13 @@ def run(argv: list[str]) -> None:
             padding = sum(padding_tokens(c.num_tokens, multiple) for c in plan.chunks())
             batches = chunk_batches(plan, mine, runtime.device, multiple)
             untagged = untag_sequence_parallel_norms(gpt) if fault == "sp_norm_grads_not_reduced" else []
+            comm = RecordingCommunicator(pp_group=ps.get_pipeline_model_parallel_group(), config=get_model_config(model))
             losses = forward_backward_elastic(
                 forward_step_func=elastic_gpt_forward_step,
                 data_iterator=padding_in_loss(batches) if fault == "sp_padding_in_loss" else batches,
-                model=[model], num_microbatches=sum(len(q.chunks) for q in plan.pipelines), plan=plan,
+                model=[model], num_microbatches=sum(len(q.chunks) for q in plan.pipelines), plan=plan, p2p_communicator=comm,
             )
+            record = {"plan": plan.to_json(), "transfers": comm.calls}
             for q in untagged:
                 q.sequence_parallel = True
         else:
@@ -235,7 +279,7 @@ def run(argv: list[str]) -> None:
         if runtime.dp_rank == 0 and runtime.tp_rank == 0:
             grads = {global_name(n, runtime.pp_rank, per_stage): q.main_grad.detach().cpu().clone() for n, q in gpt.named_parameters()}
             prefix = f"{fault}_" if fault else ""
-            torch.save({"loss": loss, "grads": grads, "padding": padding}, f"{ours.out}/{prefix}case{case}_stage{runtime.pp_rank}.pt")
+            torch.save({"loss": loss, "grads": grads, "padding": padding, **record}, f"{ours.out}/{prefix}case{case}_stage{runtime.pp_rank}.pt")
     for undo_patch in (undo, undo_varlen):
         if undo_patch is not None:
             undo_patch()
