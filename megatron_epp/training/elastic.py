@@ -25,6 +25,7 @@ from megatron_epp.executor.context import ChunkContext, token_multiple
 from megatron_epp.executor.memory_tracker import ActivationMemoryTracker
 from megatron_epp.executor.schedule import OpFailure, StepOutOfMemory, allocator_figures, forward_backward_elastic
 from megatron_epp.plan import Plan, PlanInfeasible
+from megatron_epp.planner.builders import baseline_ratios
 from megatron_epp.planner.online import OnlinePlanner
 from megatron_epp.cost.profiles import GIB
 from megatron_epp.training.faults import FaultInjection, TrainingFault
@@ -223,6 +224,7 @@ class ElasticTrainStep:
             model_state_bytes=None if memory is None else self.planner.raw_model.model_state_bytes().tolist(),
             memory_budget_bytes=None if memory is None else self.planner.config.memory_budget_bytes,
             oom_retries=attempt - 1,
+            baseline_ratios=baseline_ratios(plan),
         )
         return losses, batch.seq_lengths
 
