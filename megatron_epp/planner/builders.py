@@ -173,6 +173,21 @@ def _elastic_plan(lengths: Sequence[int], cost_model: CostModel, config: Planner
     return replace(best, builder=ELASTIC.plan_label, stats=stats)
 
 
+def baseline_ratios(plan: Plan) -> dict[str, float] | None:
+    """The elastic builder's plan against the baselines it weighed on the same cost model (``stats.candidates_ms``):
+    Megatron packing's and the fastest Seq1F1B's predicted step time over the chosen plan's (> 1: the chosen plan is
+    faster), keyed by their plan labels (``megatron``, ``seq1f1b-k2``); a baseline that does not fit (or that the
+    recompute mode leaves out) is absent. None for a plan the elastic builder did not make."""
+    candidates = plan.stats.candidates_ms
+    if not candidates or plan.stats.chosen not in candidates:
+        return None
+    own = candidates[plan.stats.chosen]
+    seq1f1b = [b.plan_label for b in SEQ1F1B.variants() if b.plan_label in candidates]
+    labels = ([MEGATRON.plan_label] if MEGATRON.plan_label in candidates else []) + (
+        [min(seq1f1b, key=candidates.__getitem__)] if seq1f1b else [])
+    return {label: candidates[label] / own for label in labels}
+
+
 def _megatron_plan(lengths: Sequence[int], cost_model: CostModel, config: PlannerConfig, known: BaselinePlans | None) -> Plan:
     return _uniform_plan(lengths, cost_model, config.memory_budget_bytes, config.max_seq_len, None, MEGATRON.plan_label)
 

@@ -5,15 +5,20 @@ cost model of one model shape and parallel layout, and recalibrates that model o
 (their times and per-stage activation peaks, as plain numbers) by :mod:`.calibration`. Built from a
 :class:`~megatron_epp.planner.config.PlannerConfig`, a :class:`~megatron_epp.cost.profiles.ModelShape`, a
 :class:`~megatron_epp.planner.config.ParallelDims` and the resolved profile: the training driver turns its flags
-into those once (``training.elastic.online_planner``); the planning thread, the broadcast of the plan and the
-measurement are the training's.
+into those once (``training.planning.online_planner``), one per run, shared by the memory budget's start-up check,
+training and validation. It plans ahead: :meth:`OnlinePlanner.plan_ahead` starts a batch's plan in the planner's
+thread and returns a :class:`PlanTicket`; :meth:`OnlinePlanner.take` gives the plan to run, planned again where the
+calibration changed the activation memory factor since. The broadcast of the plan and the measurement are the
+training's.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -48,6 +53,27 @@ def saved_plan(text: str) -> Plan:
     return Plan.from_dict(d)
 
 
+@dataclasses.dataclass(frozen=True)
+class Planned:
+    """A batch's plan (validated; its predicted activation peaks and memory factor in its stats), the cost model it was
+    planned on, the planner's time on it (ms) and when it ran (``perf_counter`` seconds: start, end)."""
+
+    plan: Plan
+    cost_model: CostModel
+    planning_ms: float
+    span: tuple[float, float]
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanTicket:
+    """A batch planned ahead (:meth:`OnlinePlanner.plan_ahead`): its lengths, the cost model it is planned on and the
+    plan being made in the planner's thread; :meth:`OnlinePlanner.take` gives the plan to run."""
+
+    lengths: list[int]
+    cost_model: CostModel
+    planned: Future  # of a Planned
+
+
 class OnlinePlanner:
     """The ``--epp-plan`` builder on the planner's cost model for this model and pipeline, calibrated to
     this machine on the measured steps (``--epp-calibrate-interval``): their times (speed factor and per-chunk
@@ -80,10 +106,43 @@ class OnlinePlanner:
         self.memory_ratio = 0.0
         self.memory_check: MemoryCheck | None = None  # the last observed step's, when its peaks were measured
         self.memory_note: str | None = None  # its line for the log: a peak over the budget, or a new memory factor
+        self._thread: ThreadPoolExecutor | None = None  # plans ahead (plan_ahead), made on first use
+        self._planned_ahead = False  # plan_ahead was called in this process
 
     def __call__(self, lengths: list[int], cost_model: CostModel | None = None) -> Plan:
         """The plan of ``lengths`` on ``cost_model`` (default: the current one)."""
         return plan_batch(lengths, cost_model or self.cost_model, self.config)
+
+    def plan_ahead(self, lengths: list[int]) -> PlanTicket:
+        """Start planning ``lengths`` in the planner's thread, on the current cost model (the first batch this process
+        plans: on the model the run planned its next step on, a resumed run's checkpoint's, as the run it resumes
+        planned it); one planner's plans are made one at a time, in order. Its plan: :meth:`take`."""
+        model, factor = ((self.cost_model, self.memory_factor) if self._planned_ahead
+                         else (self.next_step_model, self.next_step_memory_factor))
+        self._planned_ahead = True
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epp-planner")
+        return PlanTicket(lengths, model, self._thread.submit(self._plan, lengths, model, factor))
+
+    def take(self, ticket: PlanTicket) -> Planned:
+        """The plan of a ticket (waiting for it if it is still being made), planned again here on
+        :attr:`next_step_model` where the activation memory factor changed since it was planned, with its
+        predicted times on the current cost model (:meth:`repredict`). Raises what planning raised
+        (:class:`~megatron_epp.plan.PlanInfeasible`)."""
+        planned = ticket.planned.result()
+        if ticket.cost_model is not self.next_step_model:
+            planned = self._plan(ticket.lengths, self.next_step_model, self.next_step_memory_factor)
+        return dataclasses.replace(planned, plan=self.repredict(planned.plan))
+
+    def _plan(self, lengths: list[int], cost_model: CostModel, memory_factor: float) -> Planned:
+        """``lengths`` planned on ``cost_model`` (of activation memory factor ``memory_factor``), with the plan's
+        predicted activation peaks on that model."""
+        t0 = time.perf_counter()
+        plan = self(lengths, cost_model).validate()
+        t1 = time.perf_counter()
+        plan.stats.predicted_activation_bytes = self.predicted_activation_bytes(plan, cost_model)
+        plan.stats.memory_factor = memory_factor
+        return Planned(plan, cost_model, (t1 - t0) * 1000, (t0, t1))
 
     def observe(self, plan: Plan, measured_ms: float, measured_activation_bytes: list[float] | None = None) -> StepFit | None:
         """Take a training step's plan, measured span (``forward_backward_elastic`` on the last stage, the span
@@ -94,7 +153,7 @@ class OnlinePlanner:
         and plan the following steps on the result; a step whose peak (model states + activations) exceeds
         the budget refits the memory factor at once. Returns the time fit when one was made. A change of the
         memory factor makes :attr:`next_step_model` the new model: the step after this one, planned before,
-        is planned again on it (the driver compares models). :attr:`memory_note`: the line to log about it."""
+        is planned again on it (:meth:`take`). :attr:`memory_note`: the line to log about it."""
         self.steps_observed += 1
         self.memory_check = check = None if measured_activation_bytes is None else MemoryCheck(
             self.steps_observed, activation_bytes(plan, self.raw_model), np.asarray(measured_activation_bytes, dtype=float),

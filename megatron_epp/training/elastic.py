@@ -18,19 +18,18 @@ from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
 from megatron.core.utils import get_model_config
 
-from megatron_epp.cost.model import CostModel
-from megatron_epp.cost.profiles import Profile
 from megatron_epp.executor.batches import elastic_gpt_forward_step, prepare_step
 from megatron_epp.executor.context import ChunkContext, token_multiple
 from megatron_epp.executor.memory_tracker import ActivationMemoryTracker
 from megatron_epp.executor.schedule import OpFailure, StepOutOfMemory, allocator_figures, forward_backward_elastic
 from megatron_epp.plan import Plan, PlanInfeasible
-from megatron_epp.planner.online import OnlinePlanner
+from megatron_epp.planner.builders import baseline_ratios
+from megatron_epp.planner.online import OnlinePlanner, PlanTicket
 from megatron_epp.cost.profiles import GIB
 from megatron_epp.training.faults import FaultInjection, TrainingFault
 from megatron_epp.training.initialize import Runtime
 from megatron_epp.training.metrics import ElasticMetrics
-from megatron_epp.training.planning import elastic_sampler, online_planner
+from megatron_epp.training.planning import elastic_sampler
 from megatron_epp.training.config import TrainingConfig
 
 OOM_TRIES = 4  # plans of one batch that may run out of memory before the run stops (the last one's error stops it)
@@ -114,10 +113,9 @@ class ElasticTrainStep:
         # planned or prepared beyond them, so the last step waits for no plan and the exit for no planner thread
         self.batches_left = steps
         self.plans_here = ps.get_model_parallel_group().rank() == 0
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epp-planner") if self.plans_here else None
         self.preparer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epp-prepare")
         self.token_multiple = token_multiple(get_model_config(model))  # each chunk padded to it (sequence parallelism)
-        self.pending: tuple[Any, Future | None, CostModel] | None = None  # the next batch, its plan's future, the model it is planned on
+        self.pending: tuple[Any, PlanTicket | None] | None = None  # the next batch and its plan's ticket (the planning rank's)
         self.ready: Future | None = None  # the next step's (batch, plan, planning timing, StepInputs)
         self.last_metrics: ElasticMetrics | None = None
         self.last_plan: Plan | None = None
@@ -125,20 +123,11 @@ class ElasticTrainStep:
         self.span: tuple[float, float] | None = None  # the last step's forward_backward_elastic (perf_counter)
         self.overlap_ms = 0.0  # the planner's time inside it (the planning rank's, shared with the plan)
 
-    def _plan(self, batch, cost_model: CostModel, memory_factor: float) -> tuple[Plan, float, tuple[float, float]]:
-        """Plan ``batch`` on ``cost_model`` (of activation memory factor ``memory_factor``): the plan, with its
-        predicted activation peaks on that model; the planning ms; its span (perf_counter)."""
-        lengths = batch.seq_lengths[batch.positions(self.runtime.dp_rank)].tolist()
-        t0 = time.perf_counter()
-        result = self.planner(lengths, cost_model).validate()
-        elapsed_ms = (time.perf_counter() - t0) * 1000
-        result.stats.predicted_activation_bytes = self.planner.predicted_activation_bytes(result, cost_model)
-        result.stats.memory_factor = memory_factor
-        return result, elapsed_ms, (t0, t0 + elapsed_ms / 1000)
-
-    def _plan_async(self, batch, cost_model: CostModel, memory_factor: float) -> Future | None:
-        """Plan ``batch`` on ``cost_model`` (the model as this step left it, whatever a later fit makes it)."""
-        return None if self.pool is None else self.pool.submit(self._plan, batch, cost_model, memory_factor)
+    def _plan_ahead(self, batch) -> PlanTicket | None:
+        """Start planning ``batch`` in the planner's thread (the planning rank; None elsewhere and past the last batch)."""
+        if batch is None or not self.plans_here:
+            return None
+        return self.planner.plan_ahead(batch.seq_lengths[batch.positions(self.runtime.dp_rank)].tolist())
 
     def _draw(self):
         """The next global batch, or None past the last one this function is asked for."""
@@ -152,27 +141,21 @@ class ElasticTrainStep:
         """This step's batch, plan and ``(planning ms, waited ms, planning ms inside the last step's span)``
         (waiting for the planner only if it is still running): the plan was made while the last step ran,
         on the planning rank's core; or None past the last step."""
-        planner = self.planner
-        if self.pending is None:  # the first step of this process: planned as the run planned it (a resumed run's too)
+        if self.pending is None:  # the first step of this process
             first = self._draw()
-            model = planner.next_step_model
-            self.pending = (first, self._plan_async(first, model, planner.next_step_memory_factor) if first is not None else None, model)
-        batch, future, planned_on = self.pending
+            self.pending = (first, self._plan_ahead(first))
+        batch, ticket = self.pending
         if batch is None:
             return None
         plan, timing = None, None
-        if future is not None:
-            t0 = time.perf_counter()
-            plan, plan_ms, (start, end) = future.result()
-            if planned_on is not planner.next_step_model:  # the memory factor changed since: planned again, on the new model
-                plan, plan_ms, (start, end) = self._plan(batch, planner.next_step_model, planner.next_step_memory_factor)
+        t0 = time.perf_counter()
+        planned = None if ticket is None else self.planner.take(ticket)
         upcoming = self._draw()
-        self.pending = (upcoming, self._plan_async(upcoming, planner.cost_model, planner.memory_factor) if upcoming is not None else None,
-                        planner.cost_model)
-        if future is not None:
-            plan = planner.repredict(plan)
+        self.pending = (upcoming, self._plan_ahead(upcoming))
+        if planned is not None:
+            plan, (start, end) = planned.plan, planned.span
             overlap = max(0.0, min(end, self.span[1]) - max(start, self.span[0])) * 1000 if self.span else 0.0
-            timing = (plan_ms, (time.perf_counter() - t0) * 1000, overlap)
+            timing = (planned.planning_ms, (time.perf_counter() - t0) * 1000, overlap)
         return (batch, *_share_plan(plan, timing))
 
     def _prefetch(self) -> None:
@@ -223,6 +206,7 @@ class ElasticTrainStep:
             model_state_bytes=None if memory is None else self.planner.raw_model.model_state_bytes().tolist(),
             memory_budget_bytes=None if memory is None else self.planner.config.memory_budget_bytes,
             oom_retries=attempt - 1,
+            baseline_ratios=baseline_ratios(plan),
         )
         return losses, batch.seq_lengths
 
@@ -285,9 +269,9 @@ class ElasticTrainStep:
         the planning thread), shared with the replica; :class:`TrainingFault` on every rank where some replica's batch
         can no longer be planned within the budget."""
         plan, error = None, None
-        if self.pool is not None:
+        if self.plans_here:
             try:
-                plan = self.pool.submit(self._plan, batch, self.planner.cost_model, self.planner.memory_factor).result()[0]
+                plan = self.planner.take(self._plan_ahead(batch)).plan
             except PlanInfeasible as infeasible:
                 error = str(infeasible)
         errors: list[Any] = [None] * dist.get_world_size()
@@ -339,14 +323,13 @@ class ElasticTrainStep:
         return dataclasses.replace(self.last_metrics, speed_factor=s, stage_overhead_ms=o)
 
 
-def elastic_train_step(cfg: TrainingConfig, profile: Profile, runtime: Runtime, model, split: str, consumed: int,
+def elastic_train_step(cfg: TrainingConfig, planner: OnlinePlanner, runtime: Runtime, model, split: str, consumed: int,
                        planner_state: dict[str, Any] | None = None, steps: int | None = None,
                        faults: FaultInjection = FaultInjection()) -> ElasticTrainStep | None:
-    """The elastic step function for ``split`` ('train'/'valid'), or None if the split is empty, planning on
-    ``profile`` (the run's, resolved at start-up); its planner
+    """The elastic step function for ``split`` ('train'/'valid'), or None if the split is empty, planning with
+    ``planner`` (the run's one, shared by training and validation); the planner
     continues from ``planner_state`` (:meth:`OnlinePlanner.state_dict`, a checkpoint's) when given; ``steps``: how many
     steps it will run (the training's remaining iterations; None: no end)."""
-    planner = online_planner(cfg, profile)
     sampler = elastic_sampler(cfg, split, runtime.dims.dp, planner)
     if planner_state is not None:
         planner.load_state_dict(planner_state)

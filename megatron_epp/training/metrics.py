@@ -46,6 +46,9 @@ class ElasticMetrics:
     model_state_bytes: list[float] | None = None  # per stage, the planner's count (the peak is these + activations)
     memory_budget_bytes: float | None = None  # what the plan was made to fit (model states + activations per device)
     oom_retries: int = 0  # runs of this step's batch that ran out of memory before the one that trained (each planned again)
+    # the elastic builder's plan against the baselines it weighed on the same cost model: Megatron packing's and the
+    # fastest Seq1F1B's predicted step time over the chosen plan's (> 1: faster), by plan label (planner.builders.baseline_ratios)
+    baseline_ratios: dict[str, float] | None = None
 
     def scalars(self) -> dict[str, float]:
         """The plan's statistics as named scalars (TensorBoard, wandb)."""
@@ -61,11 +64,16 @@ class ElasticMetrics:
         if self.memory_factor is not None:
             out["memory/activation factor"] = self.memory_factor
         out["memory/out-of-memory retries"] = float(self.oom_retries)
+        for label, ratio in (self.baseline_ratios or {}).items():
+            out[f"plan/predicted {label.split('-k')[0]} / plan"] = ratio
         return out
 
     def line(self) -> str:
         hidden = "hidden" if self.planning_wait_ms < 1.0 else f"exposed {self.planning_wait_ms:.1f} ms"
-        text = f"{self.plan} | " + (f"SP padding: {self.padding_tokens} token{'s' if self.padding_tokens > 1 else ''} | " if self.padding_tokens else "")
+        text = f"{self.plan} | "
+        if self.baseline_ratios:
+            text += "baseline/plan predicted: " + ", ".join(f"{label} {r:.2f}x" for label, r in self.baseline_ratios.items()) + " | "
+        text += (f"SP padding: {self.padding_tokens} token{'s' if self.padding_tokens > 1 else ''} | " if self.padding_tokens else "")
         text += f"planning ms: {self.planning_ms:.1f} ({hidden}) | "
         if self.predicted_step_ms is not None:
             text += f"predicted ms: {self.predicted_step_ms:.1f} | "

@@ -36,19 +36,20 @@ def elastic_sampler(cfg: TrainingConfig, split: str, dp_size: int, planner: Onli
         return None
     # the work vector of the model as built, never a calibrated one: every rank must split the batch the
     # same way, and each replica calibrates its own planner
-    by_work = functools.partial(split_data_parallel, work_vector=planner.cost_model.work_vector())
+    by_work = functools.partial(split_data_parallel, work_vector=planner.raw_model.work_vector())
     return SequenceSampler(documents, cfg.training.global_batch_size, cfg.model.seq_length, seed=cfg.training.seed,
                            dp_size=dp_size, split=by_work, truncate=cfg.epp.truncate_documents)
 
 
-def check_memory_budget(cfg: TrainingConfig, profile: Profile | None = None) -> str:
+def check_memory_budget(cfg: TrainingConfig, planner: OnlinePlanner | None = None) -> str:
     """Fail before any work if no plan fits the budget for documents of the full context length; else the
     start-up line's account of the budget: how it was found (given, or :mod:`.memory_budget`'s default), the
-    model states the planner counts in it (the largest stage's) and what it leaves for activations. ``profile``:
-    the one resolved at start-up (a profile measured on the GPU, whose memory may exceed the analytic count the
-    check before start-up used); None: :func:`~megatron_epp.training.profiling.planner_profile`'s."""
+    model states the planner counts in it (the largest stage's) and what it leaves for activations. ``planner``:
+    the run's (:func:`online_planner`), on the profile resolved at start-up (a profile measured on the GPU, whose
+    memory may exceed the analytic count the check before start-up used) or, before it, on
+    :func:`~megatron_epp.training.profiling.planner_profile`'s (None: one built on that)."""
     docs = max(cfg.training.global_batch_size // cfg.parallel.dims.dp, 1)
-    planner = online_planner(cfg, profile)
+    planner = planner or online_planner(cfg)
     try:
         planner([cfg.model.seq_length] * docs)
     except PlanInfeasible as error:

@@ -18,7 +18,7 @@ from megatron_epp.training.faults import FaultInjection
 from megatron_epp.training.gpt_step import gpt_forward_step, microbatches
 from megatron_epp.training.initialize import Runtime
 from megatron_epp.training.metrics import ElasticMetrics
-from megatron_epp.training.planning import check_memory_budget
+from megatron_epp.training.planning import check_memory_budget, online_planner
 from megatron_epp.training.profiling import Resolved, check_profile, describe, planner_profile, startup_profile
 from megatron_epp.training.config import TrainingConfig
 
@@ -122,7 +122,10 @@ class ElasticSteps:
         self.cfg = cfg
         check_profile(cfg)  # a profile that loads (auto on CUDA is measured or found after start-up)
         self.checked = planner_profile(cfg)  # what the budget is checked on before start-up
-        self.budget = check_memory_budget(cfg, self.checked)
+        # the run's one planner: the budget check's, training's and validation's (built again at start-up on a
+        # profile other than the one checked here)
+        self.planner = online_planner(cfg, self.checked)
+        self.budget = check_memory_budget(cfg, self.planner)
         self.profile: Resolved | None = None
 
     def start(self, runtime: Runtime) -> None:
@@ -132,7 +135,8 @@ class ElasticSteps:
         :class:`~megatron_epp.training.arguments.ArgumentError` where either cannot serve."""
         self.profile = startup_profile(self.cfg, runtime.device)
         if self.profile.profile != self.checked:  # measured on this GPU (or found in the cache): its memory counts
-            self.budget = check_memory_budget(self.cfg, self.profile.profile)
+            self.planner = online_planner(self.cfg, self.profile.profile)
+            self.budget = check_memory_budget(self.cfg, self.planner)
 
     def model_context(self) -> ChunkContext:
         return ChunkContext()
@@ -151,7 +155,7 @@ class ElasticSteps:
         (an out-of-memory error planted in a step)."""
         if self.profile is None:
             raise RuntimeError("ElasticSteps.build before start(): the run's profile is resolved at start-up")
-        return elastic_train_step(self.cfg, self.profile.profile, runtime, model, split, consumed, planner_state, steps, faults)
+        return elastic_train_step(self.cfg, self.planner, runtime, model, split, consumed, planner_state, steps, faults)
 
 
 StepMode = StockSteps | ElasticSteps

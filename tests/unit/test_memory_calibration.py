@@ -150,24 +150,24 @@ def made(plan) -> dict:
 
 
 def drive(build: OnlinePlanner, steps: int, ratio_of_step, start: int = 1, batches=None):
-    """Run ``steps`` training steps as ``ElasticTrainStep`` does (each plan made one step ahead, on the model the
-    step before left; made again when the memory factor changed): each step's activation peaks are
+    """Run ``steps`` training steps as ``ElasticTrainStep`` does (each plan made one step ahead,
+    ``OnlinePlanner.plan_ahead``, on the model the step before left; taken after the step before is observed,
+    ``OnlinePlanner.take``, made again when the memory factor changed): each step's activation peaks are
     ``ratio_of_step(k)`` x the raw model's (an allocator that many times the profile's count; None: not
     measured), its time the simulator's. Returns, per step, (plan, the model it was planned on, raw predicted bytes, measured bytes,
     the memory note)."""
     lengths = batches or [lognormal_lengths(16, median=2048, sigma=1.2, max_length=16384, seed=k).tolist() for k in range(start + steps + 2)]
-    plans = {start: (build(lengths[start], build.next_step_model), build.next_step_model)}
-    plans[start + 1] = (build(lengths[start + 1], build.cost_model), build.cost_model)
+    planned = build.take(build.plan_ahead(lengths[start]))
+    ticket = build.plan_ahead(lengths[start + 1])
     out = []
     for k in range(start, start + steps):
-        plan, model = plans[k]
+        plan, model = planned.plan, planned.cost_model
         raw = activation_bytes(plan, build.raw_model)
         measured = None if ratio_of_step is None else raw * ratio_of_step(k)
         build.observe(plan, simulate(plan, build.raw_model).step_ms, None if measured is None else measured.tolist())
         out.append((plan, model, raw, measured, build.memory_note))
-        if plans[k + 1][1] is not build.next_step_model:
-            plans[k + 1] = (build(lengths[k + 1], build.next_step_model), build.next_step_model)
-        plans[k + 2] = (build(lengths[k + 2], build.cost_model), build.cost_model)
+        planned = build.take(ticket)
+        ticket = build.plan_ahead(lengths[k + 2])
     return out
 
 

@@ -38,13 +38,18 @@ def test_the_log_line_is_printed_from_the_record():
     assert elastic_step(memory_factor=1.3305).scalars()["memory/activation factor"] == 1.3305
     for padding, said in ((1, "SP padding: 1 token | "), (3, "SP padding: 3 tokens | ")):
         assert f"recomputed_layers=0 | {said}planning ms:" in elastic_step(padding_tokens=padding).line()
+    # the elastic builder's plan beside the baselines it weighed: their predicted step time over the plan's
+    ratios = elastic_step(baseline_ratios={"megatron": 1.1667, "seq1f1b-k2": 1.0951})
+    assert "recomputed_layers=0 | baseline/plan predicted: megatron 1.17x, seq1f1b-k2 1.10x | planning ms:" in ratios.line()
+    assert {k: v for k, v in ratios.scalars().items() if k.endswith(" / plan")} == {
+        "plan/predicted megatron / plan": 1.1667, "plan/predicted seq1f1b / plan": 1.0951}
     plain = StepMetrics(2, 5.157642, train_iters=6, consumed_samples=32, iter_ms=3999.3, tokens=15172, lr=2.25e-3, grad_norm=2.2691)
     assert plain.line() == LINE.split(" | plan[")[0]
     assert StepMetrics(4, 2.0, kind="valid").line() == " validation loss at iteration 4 | lm loss value: 2.000000E+00 | lm loss PPL: 7.389056E+00"
 
 
 def test_records_round_trip_json_lines(tmp_path):
-    records = [elastic_step(memory_factor=1.25), StepMetrics(2, 4.25, kind="valid"), StepMetrics(3, 1 / 3, train_iters=6, consumed_samples=48,
+    records = [elastic_step(memory_factor=1.25, baseline_ratios={"megatron": 1.25}), StepMetrics(2, 4.25, kind="valid"), StepMetrics(3, 1 / 3, train_iters=6, consumed_samples=48,
                                                                                iter_ms=10.0, tokens=100, lr=1e-3, grad_norm=0.5)]
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(r.to_json() + "\n" for r in records))

@@ -240,6 +240,14 @@ def test_a_restored_calibration_plans_and_refits_as_the_saved_run():
         assert made(plans[resumed, k]) == made(plans[run, k]), k
     assert made(plans[run, saved_at + 1]) != made(resumed(batches[saved_at], resumed.cost_model)), \
         "planned on the latest fit, the step's plan would be the same: the test would show nothing"
+    # the training's tickets (OnlinePlanner.plan_ahead) make those two plans: the first of the process on the model
+    # the checkpoint's next step was planned on, the next on the latest fit
+    ticketed = plan_builder(interval, budget_gb=0.015)
+    ticketed.load_state_dict(saved)
+    tickets = [ticketed.plan_ahead(batches[saved_at]), ticketed.plan_ahead(batches[saved_at + 1])]
+    assert tickets[0].cost_model is ticketed.next_step_model and tickets[1].cost_model is ticketed.cost_model
+    for k, ticket in zip((saved_at + 1, saved_at + 2), tickets):
+        assert ticket.planned.result().plan.to_dict()["pipelines"] == plans[run, k].to_dict()["pipelines"], k
     for k in range(saved_at + 1, refit + 1):
         step(run, k)
         step(resumed, k)

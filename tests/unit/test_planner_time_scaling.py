@@ -116,7 +116,7 @@ def test_analytic_profile_scales_to_a_fresh_analytic_profile():
 
 def test_cpu_profile_is_the_one_measured_nearest_the_model_that_runs():
     """``--epp-profile cpu`` (the default): the shipped CPU profile measured at the run's shape when there is
-    one (hidden 128: the main job's and the benchmark's model, whose chunks hidden-64 coefficients over-predict
+    one (hidden 128: the benchmark's model, whose chunks hidden-64 coefficients over-predict
     by 8-40 %), else the nearest; the test model's without a shape (epp-plan)."""
     from megatron_epp.cost.profiles import PROFILE_DIR, TEST_MODEL, nearest_cpu_profile, shape_distance
 
@@ -141,16 +141,17 @@ def test_driver_plans_the_main_job_on_the_profile_measured_at_its_shape():
     import torch
 
     from megatron_epp.training.profiling import describe, startup_profile
+    from tests.unit.test_main_job import main_job_flags
 
-    args = parsed_config(["--elastic-pp", "--mock-data", "--pipeline-model-parallel-size", "2", "--num-layers", "4",
-                        "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "2048",
-                        "--global-batch-size", "8", "--lr", "1e-3", "--train-iters", "1", "--epp-memory-budget", "1"])
+    args = parsed_config([*main_job_flags(), "--mock-data"])
     build = online_planner(args)
-    measured = next(profile for profile in map(Profile.load, PROFILE_DIR.glob("*_cpu.json")) if profile.time_model.hidden == 128)
-    # the coefficients measured at hidden 128, as measured (hidden-64 ones scaled by FLOPs would differ)
-    assert build.cost_model.profile.model.hidden == 128
-    for name in ("fwd", "bwd", "recompute", "head_bwd"):
+    hidden = args.model.hidden_size
+    measured = next(profile for profile in map(Profile.load, PROFILE_DIR.glob("*_cpu.json")) if profile.time_model.hidden == hidden)
+    # the layers' coefficients measured at the main job's hidden size, as measured (others scaled by FLOPs would
+    # differ; the head's are scaled to the main job's vocabulary where the profile's differs)
+    assert build.cost_model.profile.model.hidden == hidden
+    for name in ("fwd", "bwd", "recompute") + (("head_bwd",) if measured.model.vocab == build.cost_model.profile.model.vocab else ()):
         assert getattr(build.cost_model.profile, name) == getattr(measured, name), name
     assert build.cost_model.profile.overhead == measured.overhead
     line = describe(args, startup_profile(args, torch.device("cpu")))
-    assert line.startswith("--epp-profile auto: measured on CPU") and "(model test-model-h128; the shipped CPU profile nearest" in line
+    assert line.startswith("--epp-profile auto: measured on CPU") and f"(model {measured.model.name}; the shipped CPU profile nearest" in line
