@@ -49,6 +49,7 @@ from megatron_epp.data.blend import Blend
 from megatron_epp.training.arguments import ArgumentError
 from megatron_epp.training.initialize import Runtime, set_seed
 from megatron_epp.training.config import TrainingConfig
+from megatron_epp.training.model import pad_vocab, padded_vocab_size
 
 TRACKER = "latest_checkpointed_iteration.txt"
 METADATA = "epp_metadata.json"
@@ -79,6 +80,8 @@ LAYOUT_SIZES = (
 # the sizes whose change leaves every pipeline stage as saved: the dp_reshardable optimizer format and the planner's
 # calibration (fitted to the stages' times and memory) carry over a change of these alone
 REPLICA_SIZES = ("data_parallel_size",)
+# model-shape flags compared through the padded vocabulary size they give at each layout's tensor-parallel size
+PADDING_ARGS = ("make_vocab_size_divisible_by", "padded_vocab_size")
 
 
 def iteration_dir(root: str, iteration: int) -> str:
@@ -208,7 +211,7 @@ def checkpoint_metadata(cfg: TrainingConfig, iteration: int, consumed_samples: i
     return {
         "format": FORMAT,
         "iteration": iteration,
-        "model": {k: getattr(cfg.model, k) for k in MODEL_SHAPE_ARGS},
+        "model": {**{k: getattr(cfg.model, k) for k in MODEL_SHAPE_ARGS}, "padded_vocab_size": padded_vocab_size(cfg)},
         "layout": layout_record(cfg),
         "data": data_record(cfg),
         "consumed_samples": consumed_samples,
@@ -459,8 +462,15 @@ def _checkpoint_problem(cfg: TrainingConfig, iteration: int) -> str | None:
         return f"{path}/{METADATA}: checksum mismatch (its record was changed after save)"
     if meta.get("iteration") != iteration:
         return f"{path} holds iteration {meta.get('iteration')}, its name and {TRACKER} say {iteration}"
+    saved_model = meta.get("model", {})
+    padded = saved_model.get("padded_vocab_size") or pad_vocab(
+        saved_model.get("vocab_size"), saved_model.get("make_vocab_size_divisible_by"), meta["layout"]["tensor_model_parallel_size"])
+    if padded != padded_vocab_size(cfg):
+        raise ArgumentError(f"--load {cfg.checkpoint.load}: iteration {iteration} {_vocab_padding(cfg, padded)}")
     for key, want in checkpoint_metadata(cfg, iteration)["model"].items():
-        if key in meta.get("model", {}) and meta["model"][key] != want:  # a flag the checkpoint's version did not record: not compared
+        if key in PADDING_ARGS:  # the padded vocabulary is the shape (the flag times tp: it may change with tp)
+            continue
+        if key in saved_model and saved_model[key] != want:  # a flag the checkpoint's version did not record: not compared
             raise ArgumentError(
                 f"--load {cfg.checkpoint.load}: iteration {iteration} was saved with --{key.replace('_', '-')} {meta['model'][key]}, "
                 f"this run has {want} (a different model shape)"
@@ -476,6 +486,16 @@ def _checkpoint_problem(cfg: TrainingConfig, iteration: int) -> str | None:
         if problem:
             return f"{path}/{problem}"
     return None
+
+
+def _vocab_padding(cfg: TrainingConfig, saved: int) -> str:
+    """The refusal of a checkpoint whose output layer is padded to ``saved`` rows, not this run's, and the
+    ``--make-vocab-size-divisible-by`` that pads this run's vocabulary to them at its tensor-parallel size, if any."""
+    tp = cfg.parallel.dims.tp
+    fits = [d for d in range(saved // tp, 0, -1) if pad_vocab(cfg.model.vocab_size, d, tp) == saved]
+    return (f"has its vocabulary padded to {saved} rows, this run pads it to {padded_vocab_size(cfg)} (--make-vocab-size-divisible-by "
+            f"{cfg.model.make_vocab_size_divisible_by} x tp {tp}): a different model shape (the padded rows enter the softmax)"
+            + (f"; --make-vocab-size-divisible-by {fits[0]} pads it to {saved} at tp {tp}" if fits else ""))
 
 
 def choose_verified(cfg: TrainingConfig, resume: Resume, runtime: Runtime) -> tuple[int, list[str]]:
@@ -582,8 +602,10 @@ def load_checkpoint(
         if cfg.checkpoint.finetune or not _has_planner_state(path):
             del template["planner"]
         elif reshard.changed:  # the calibration of the saved stage this rank's stage is (stages_kept), else none
-            if reshard.stages_kept:
-                template["planner"] = ShardedObject(PLANNER_KEY, None, *reshard.saved_place(runtime), replica_id=0)
+            if reshard.stages_kept:  # every saved rank's (small): dist_checkpointing loads a ShardedObject's every shard or none
+                shape, _ = reshard.saved_place(runtime)
+                template["planner"] = [ShardedObject(PLANNER_KEY, None, shape, place, replica_id=int(runtime.rank != 0))
+                                       for place in np.ndindex(*shape)]
             else:
                 del template["planner"]
         if cfg.checkpoint.no_load_rng or cfg.checkpoint.finetune or reshard.changed:
@@ -605,4 +627,8 @@ def load_checkpoint(
         set_seed(cfg.training.seed + state["iteration"], runtime.pp_rank)  # as reshard_notes says
     if cfg.checkpoint.finetune:
         return 0, 0, None
-    return state["iteration"], state["consumed_samples"], state.get("planner")
+    planner = state.get("planner")
+    if isinstance(planner, list):  # another layout, every stage as saved: the saved rank's in this rank's place
+        shape, place = reshard.saved_place(runtime)
+        planner = planner[list(np.ndindex(*shape)).index(place)]
+    return state["iteration"], state["consumed_samples"], planner
