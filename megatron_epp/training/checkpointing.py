@@ -13,11 +13,11 @@ and records the size and SHA-256 of every other file of the checkpoint, and its 
 
 Loading trusts nothing it has not verified. :func:`check_loadable` (before any process group exists, on
 every rank: reads only ``epp_metadata.json`` and the files' sizes) refuses a foreign checkpoint (another
-model shape or layout) and picks the candidates: the tracker's iteration, then (unless ``--no-ckpt-fallback``)
+model shape, or a layout its optimizer states cannot reshard to: :class:`Reshard`) and picks the candidates: the tracker's iteration, then (unless ``--no-ckpt-fallback``)
 the older ones; a candidate whose metadata is damaged or whose files are missing or of another size is
 skipped with one warning line. :func:`choose_verified` (collective, after the process group exists) checks the
 candidates' checksums, newest first, before megatron-core reads any file: each rank hashes the files its own
-rank number wrote (``__R_*.distcp``; rank 0 the shared ones), the files a rank reads back on a load of the same
+rank number wrote (``__R_*.distcp``, at another world size R modulo it; rank 0 the shared ones), the files a rank reads back on a load of the same
 layout, so the whole checkpoint is read once, by all ranks in parallel (one rank hashing all of it would take
 world-size times longer; every rank hashing all of it would read it world-size times). A damaged checkpoint is
 one line naming the file, or with the fallback one warning line and the next older one. Checkpoints saved
