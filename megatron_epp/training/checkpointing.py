@@ -464,7 +464,7 @@ def _checkpoint_problem(cfg: TrainingConfig, iteration: int) -> str | None:
         return f"{path} holds iteration {meta.get('iteration')}, its name and {TRACKER} say {iteration}"
     saved_model = meta.get("model", {})
     padded = saved_model.get("padded_vocab_size") or pad_vocab(
-        saved_model.get("vocab_size"), saved_model.get("make_vocab_size_divisible_by"), meta["layout"]["tensor_model_parallel_size"])
+        saved_model.get("vocab_size"), saved_model.get("make_vocab_size_divisible_by"), meta.get("layout", {}).get("tensor_model_parallel_size", 1))
     if padded != padded_vocab_size(cfg):
         raise ArgumentError(f"--load {cfg.checkpoint.load}: iteration {iteration} {_vocab_padding(cfg, padded)}")
     for key, want in checkpoint_metadata(cfg, iteration)["model"].items():
