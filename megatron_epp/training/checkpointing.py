@@ -269,10 +269,12 @@ class Reshard:
         return None
 
     def saved_place(self, runtime: Runtime) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """The saved per-rank objects' grid, and the place in it whose object this rank loads: its own rank in each
-        size kept, its rank modulo the saved size in each size changed (a replica size: the saved replicas are alike)."""
-        shape = tuple(self.saved.get(key, 1) for key, _, _ in LAYOUT_SIZES)
-        return shape, tuple(getattr(runtime, rank) % size for (_, _, rank), size in zip(LAYOUT_SIZES, shape))
+        """The saved per-rank objects' grid (the sizes the checkpoint recorded, in :data:`LAYOUT_SIZES`' order: a size added
+        later is not in an older checkpoint's grid), and the place in it whose object this rank loads: its own rank in
+        each size kept, its rank modulo the saved size in each size changed (a replica size: the saved replicas are alike)."""
+        recorded = [(key, rank) for key, _, rank in LAYOUT_SIZES if key in self.saved]
+        shape = tuple(self.saved[key] for key, _ in recorded)
+        return shape, tuple(getattr(runtime, rank) % size for (_, rank), size in zip(recorded, shape))
 
 
 def reshard_notes(cfg: TrainingConfig, iteration: int) -> list[str]:
@@ -599,17 +601,18 @@ def load_checkpoint(
     template = _sharded_state(model, optimizer if load_optim else None, scheduler, runtime, 0, 0, is_loading=True,
                               sharding_type=reshard.saved.get("distrib_optim_sharding_type"))
     try:
-        if cfg.checkpoint.finetune or not _has_planner_state(path):
+        grid = reshard.saved_place(runtime)  # the per-rank objects as saved (a size the checkpoint did not record: not in it)
+        if cfg.checkpoint.finetune or not _has_planner_state(path) or not reshard.stages_kept:
             del template["planner"]
-        elif reshard.changed:  # the calibration of the saved stage this rank's stage is (stages_kept), else none
-            if reshard.stages_kept:  # every saved rank's (small): dist_checkpointing loads a ShardedObject's every shard or none
-                shape, _ = reshard.saved_place(runtime)
-                template["planner"] = [ShardedObject(PLANNER_KEY, None, shape, place, replica_id=int(runtime.rank != 0))
-                                       for place in np.ndindex(*shape)]
-            else:
-                del template["planner"]
+        elif reshard.changed:  # every saved rank's calibration (small): dist_checkpointing loads every shard of a ShardedObject or none
+            template["planner"] = [ShardedObject(PLANNER_KEY, None, grid[0], place, replica_id=int(runtime.rank != 0))
+                                   for place in np.ndindex(*grid[0])]
+        else:
+            template["planner"] = ShardedObject(PLANNER_KEY, None, *grid, replica_id=0)
         if cfg.checkpoint.no_load_rng or cfg.checkpoint.finetune or reshard.changed:
             del template["rng"]
+        else:
+            template["rng"] = ShardedObject("rng_state", None, *grid, replica_id=0)
         state = dist_checkpointing.load(template, path)
     except (pickle.UnpicklingError, EOFError, UnicodeDecodeError) as error:  # torch's message would advise weights_only=False
         raise CheckpointError(f"pretrain_gpt.py: error: --load {cfg.checkpoint.load}: {path} is damaged: a file does not unpickle "
