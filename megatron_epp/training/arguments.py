@@ -269,6 +269,11 @@ def _checkpointing_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--finetune", action="store_true",
                    help="load the model weights only: no optimizer, LR schedule or RNG state, and start at iteration 0, "
                    "sample 0 (as Megatron-LM)")
+    g.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
+                   help="with --use-distributed-optimizer: save its states in megatron-core's fully_reshardable format "
+                   "(gathered over the data-parallel ranks at save, in model space), which loads at any other tensor and "
+                   "pipeline size too; the default dp_reshardable format (each rank its own shard, no gather) reshards "
+                   "over the data-parallel size only (as Megatron-LM)")
     g.add_argument("--ckpt-format", default="torch_dist",
                    help="torch_dist only: megatron-core's distributed checkpoint, what megatron-epp writes and reads "
                    "(Megatron-LM's default)")
@@ -521,6 +526,9 @@ def validate_checkpoint_args(args: argparse.Namespace) -> None:
     given = [f for f in ("no_load_optim", "no_load_rng", "finetune", "exit_on_missing_checkpoint") if getattr(args, f)]
     if given and args.load is None:
         raise ArgumentError(f"--{given[0].replace('_', '-')} needs --load")
+    if args.dist_ckpt_optim_fully_reshardable and not args.use_distributed_optimizer:
+        raise ArgumentError("--dist-ckpt-optim-fully-reshardable needs --use-distributed-optimizer "
+                            "(the plain optimizer's checkpoint reshards to any layout as it is)")
 
 
 # the numeric flags' ranges, checked before anything divides by them (a None is a flag left to its default)

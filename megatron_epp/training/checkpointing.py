@@ -13,11 +13,11 @@ and records the size and SHA-256 of every other file of the checkpoint, and its 
 
 Loading trusts nothing it has not verified. :func:`check_loadable` (before any process group exists, on
 every rank: reads only ``epp_metadata.json`` and the files' sizes) refuses a foreign checkpoint (another
-model shape or layout) and picks the candidates: the tracker's iteration, then (unless ``--no-ckpt-fallback``)
+model shape, or a layout its optimizer states cannot reshard to: :class:`Reshard`) and picks the candidates: the tracker's iteration, then (unless ``--no-ckpt-fallback``)
 the older ones; a candidate whose metadata is damaged or whose files are missing or of another size is
 skipped with one warning line. :func:`choose_verified` (collective, after the process group exists) checks the
 candidates' checksums, newest first, before megatron-core reads any file: each rank hashes the files its own
-rank number wrote (``__R_*.distcp``; rank 0 the shared ones), the files a rank reads back on a load of the same
+rank number wrote (``__R_*.distcp``, at another world size R modulo it; rank 0 the shared ones), the files a rank reads back on a load of the same
 layout, so the whole checkpoint is read once, by all ranks in parallel (one rank hashing all of it would take
 world-size times longer; every rank hashing all of it would read it world-size times). A damaged checkpoint is
 one line naming the file, or with the fallback one warning line and the next older one. Checkpoints saved
@@ -47,8 +47,9 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from megatron_epp.data.blend import Blend
 from megatron_epp.training.arguments import ArgumentError
-from megatron_epp.training.initialize import Runtime
+from megatron_epp.training.initialize import Runtime, set_seed
 from megatron_epp.training.config import TrainingConfig
+from megatron_epp.training.model import pad_vocab, padded_vocab_size
 
 TRACKER = "latest_checkpointed_iteration.txt"
 METADATA = "epp_metadata.json"
@@ -59,7 +60,7 @@ ROPE_ARGS = ("use_rope_scaling", "rope_scaling_factor", "rope_scaling_low_freq_f
              "rope_scaling_original_max_position_embeddings", "rotary_seq_len_interpolation_factor")
 # What --finetune (the model's weights only) may change: the context (with RoPE), RoPE's base and scaling (a context extension), and
 # what only the optimizer's states depend on
-FINETUNE_FREE = ("max_position_embeddings", "rotary_base", *ROPE_ARGS, "data_parallel_size", "use_distributed_optimizer")
+FINETUNE_FREE = ("max_position_embeddings", "rotary_base", *ROPE_ARGS)  # the layout may change anyway (Reshard); --finetune loads no optimizer
 # What a checkpoint must agree on with the run that loads it (a flag this version lacks reads as None on both sides)
 MODEL_SHAPE_ARGS = (
     "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
@@ -69,11 +70,25 @@ MODEL_SHAPE_ARGS = (
 )
 # What the sample stream is a function of, besides the blend and its position (the consumed samples)
 SAMPLER_ARGS = ("split", "seed", "seq_length", "global_batch_size")
-# --use-distributed-optimizer: each rank's shard of the optimizer states saved in model space (one tensor per
-# parameter, resharded on load), not megatron-core's default flat-range format, which dist_checkpointing
-# 0.16.1 no longer accepts ("ShardedTensor.flattened_range is not supported")
-OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+# --use-distributed-optimizer: megatron-core's dp_reshardable format (each rank's flat shard as it is: no gather at save,
+# reshards over the data-parallel size only) or, --dist-ckpt-optim-fully-reshardable, its fully_reshardable one (gathered
+# over the data-parallel ranks into model space at save: loads at any layout); not its default flat-range format, which
+# dist_checkpointing 0.16.1 no longer accepts ("ShardedTensor.flattened_range is not supported")
+DP_RESHARDABLE, FULLY_RESHARDABLE = "dp_reshardable", "fully_reshardable"
 PLANNER_KEY = "epp_planner_state"
+# The parallel sizes of the layout record: (its key, the ParallelDims field, the Runtime's rank of this rank in it), in the
+# order of the per-rank objects' grid (RNG states, planner calibration). A checkpoint loads at any other sizes: megatron-core's
+# dist_checkpointing reshards the model's and the optimizer's ShardedTensors.
+LAYOUT_SIZES = (
+    ("pipeline_model_parallel_size", "pp", "pp_rank"),
+    ("tensor_model_parallel_size", "tp", "tp_rank"),
+    ("data_parallel_size", "dp", "dp_rank"),
+)
+# the sizes whose change leaves every pipeline stage as saved: the dp_reshardable optimizer format and the planner's
+# calibration (fitted to the stages' times and memory) carry over a change of these alone
+REPLICA_SIZES = ("data_parallel_size",)
+# model-shape flags compared through the padded vocabulary size they give at each layout's tensor-parallel size
+PADDING_ARGS = ("make_vocab_size_divisible_by", "padded_vocab_size")
 
 
 def iteration_dir(root: str, iteration: int) -> str:
@@ -101,16 +116,15 @@ def _set_rng_state(state: dict[str, Any]) -> None:
 
 def _sharded_state(
     model, optimizer, scheduler, runtime: Runtime, iteration: int, consumed: int, is_loading: bool = False,
-    planner_state: dict[str, Any] | None = None,
+    planner_state: dict[str, Any] | None = None, sharding_type: str | None = None,
 ) -> dict[str, Any]:
     """What a checkpoint holds; ``is_loading`` makes the optimizer build its (still empty) state first. ``optimizer``
     None: the model, iteration, samples, RNG and planner parts only (a load without the optimizer: building its
-    sharded state would create Adam states without their step)."""
+    sharded state would create Adam states without their step). ``sharding_type``: the distributed optimizer's format."""
     model_state = model.module.sharded_state_dict()
-    layout = (runtime.dims.pp, runtime.dims.tp, runtime.dims.dp)
-    here = (runtime.pp_rank, runtime.tp_rank, runtime.dp_rank)
+    layout, here = _grid(runtime)
     optimizer_part = {} if optimizer is None else {
-        "optimizer": optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=OPTIMIZER_METADATA),
+        "optimizer": optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=optimizer_metadata(sharding_type)),
         "scheduler": scheduler.state_dict(),
     }
     return {
@@ -122,6 +136,22 @@ def _sharded_state(
         # the elastic planner's online calibration (planner.online.OnlinePlanner.state_dict; None without --elastic-pp)
         "planner": ShardedObject(PLANNER_KEY, planner_state, layout, here, replica_id=0),
     }
+
+
+def _grid(runtime: Runtime) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The per-rank objects' grid (the layout's sizes) and this rank's place in it, in :data:`LAYOUT_SIZES`' order."""
+    return (tuple(getattr(runtime.dims, dims) for _, dims, _ in LAYOUT_SIZES),
+            tuple(getattr(runtime, rank) for _, _, rank in LAYOUT_SIZES))
+
+
+def optimizer_metadata(sharding_type: str | None) -> dict[str, Any]:
+    """megatron-core's ``sharded_state_dict`` metadata for the distributed optimizer's ``sharding_type`` (ignored by the
+    plain optimizer, whose states are saved per parameter in model space). ``fully_reshardable`` gathers the states
+    over the data-parallel ranks with NCCL on CUDA (every rank then saves a part), over gloo to the first
+    data-parallel rank on CPU (megatron-core's memory-efficient variant: its non-gloo gather is CUDA-only); the two
+    load interchangeably."""
+    return {"distrib_optim_sharding_type": sharding_type or DP_RESHARDABLE,
+            "distrib_optim_fully_reshardable_mem_efficient": not torch.cuda.is_available()}
 
 
 def _init_distributed_optimizer_states(optimizer) -> None:
@@ -147,8 +177,28 @@ def _restore_distributed_optimizer_steps(optimizer) -> None:
             for group in opt.optimizer.param_groups:
                 for param in group["params"]:
                     state = opt.optimizer.state.get(param)
-                    if state and "step" in state:
-                        state["step"] = torch.tensor(float(group["step"]), dtype=state["step"].dtype)
+                    if state:  # fully_reshardable: loaded without its step (_load_optimizer)
+                        state["step"] = torch.tensor(float(group["step"]), dtype=torch.float32)
+
+
+def _load_optimizer(optimizer, state: dict[str, Any]) -> None:
+    """``optimizer.load_state_dict(state)``. megatron-core 0.16.1 without Apex or Transformer Engine cannot load the
+    distributed optimizer's ``fully_reshardable`` states: it copies every torch Adam state of the parameter, its
+    ``step`` included, from the checkpoint's, which has none (``KeyError: 'step'``); so the steps are taken out of
+    the states just before (:func:`_restore_distributed_optimizer_steps` puts them back from the param groups)."""
+    patched = [opt for opt in getattr(optimizer, "chained_optimizers", [optimizer]) if isinstance(opt, DistributedOptimizer)]
+    for opt in patched:
+        def stepless(param_state, opt=opt, load=opt.load_parameter_state_from_fully_reshardable):
+            for adam_state in opt.optimizer.state.values():
+                adam_state.pop("step", None)
+            load(param_state)
+        opt.load_parameter_state_from_fully_reshardable = stepless  # this load only: the instance attribute is removed below
+    try:
+        with torch.no_grad():  # the distributed optimizer copies into its fp32 shards, views of the parameters
+            optimizer.load_state_dict(state)
+    finally:
+        for opt in patched:
+            del opt.load_parameter_state_from_fully_reshardable
 
 
 def data_record(cfg: TrainingConfig) -> dict[str, Any]:
@@ -168,12 +218,97 @@ def checkpoint_metadata(cfg: TrainingConfig, iteration: int, consumed_samples: i
     return {
         "format": FORMAT,
         "iteration": iteration,
-        "model": {k: getattr(cfg.model, k) for k in MODEL_SHAPE_ARGS},
-        "layout": {"tensor_model_parallel_size": cfg.parallel.dims.tp, "pipeline_model_parallel_size": cfg.parallel.dims.pp,
-                   "data_parallel_size": cfg.parallel.dims.dp, "use_distributed_optimizer": cfg.parallel.use_distributed_optimizer},
+        "model": {**{k: getattr(cfg.model, k) for k in MODEL_SHAPE_ARGS}, "padded_vocab_size": padded_vocab_size(cfg)},
+        "layout": layout_record(cfg),
         "data": data_record(cfg),
         "consumed_samples": consumed_samples,
     }
+
+
+def layout_record(cfg: TrainingConfig) -> dict[str, Any]:
+    """The parallel layout a checkpoint is saved with: the sizes of :data:`LAYOUT_SIZES`, the optimizer and its
+    format (``distrib_optim_sharding_type``: None for the plain optimizer)."""
+    sharding = (FULLY_RESHARDABLE if cfg.checkpoint.dist_ckpt_optim_fully_reshardable else DP_RESHARDABLE) \
+        if cfg.parallel.use_distributed_optimizer else None
+    return {**{key: getattr(cfg.parallel.dims, dims) for key, dims, _ in LAYOUT_SIZES},
+            "use_distributed_optimizer": cfg.parallel.use_distributed_optimizer, "distrib_optim_sharding_type": sharding}
+
+
+@dataclass(frozen=True)
+class Reshard:
+    """How ``--load``'s checkpoint meets this run's layout: its layout record (:func:`layout_record`; a checkpoint
+    saved before the optimizer format was recorded: ``dp_reshardable`` with the distributed optimizer) and the
+    sizes of :data:`LAYOUT_SIZES` that differ, as ``{key: (saved, now)}`` (empty: the same layout)."""
+
+    saved: dict[str, Any]
+    changed: dict[str, tuple[int, int]]
+
+    @classmethod
+    def of(cls, cfg: TrainingConfig, meta: dict[str, Any]) -> "Reshard":
+        saved = dict(meta.get("layout", {}))
+        if saved.get("use_distributed_optimizer") and saved.get("distrib_optim_sharding_type") is None:
+            saved["distrib_optim_sharding_type"] = DP_RESHARDABLE
+        now = layout_record(cfg)
+        return cls(saved, {key: (saved.get(key, 1), now[key]) for key, _, _ in LAYOUT_SIZES if saved.get(key, 1) != now[key]})
+
+    @property
+    def stages_kept(self) -> bool:
+        """Whether every pipeline stage is as saved (only replica sizes changed): the planner's calibration carries over."""
+        return all(key in REPLICA_SIZES for key in self.changed)
+
+    def describe(self, side: int, stages_only: bool = False) -> str:
+        """The changed sizes (``stages_only``: but the replica sizes), as saved (``side`` 0) or now (1): ``pp 2, dp 1``."""
+        return ", ".join(f"{dims} {self.changed[key][side]}" for key, dims, _ in LAYOUT_SIZES
+                         if key in self.changed and not (stages_only and key in REPLICA_SIZES))
+
+    def problem(self, cfg: TrainingConfig) -> str | None:
+        """Why the optimizer states cannot load at this layout (loaded: not ``--no-load-optim``/``--finetune``), else None."""
+        if cfg.checkpoint.no_load_optim or cfg.checkpoint.finetune:
+            return None
+        saved_do = bool(self.saved.get("use_distributed_optimizer"))
+        if saved_do != cfg.parallel.use_distributed_optimizer:
+            return (f"saved with --use-distributed-optimizer {saved_do}, this run has {cfg.parallel.use_distributed_optimizer}: "
+                    "the optimizer states do not convert between the two (--no-load-optim loads the model alone)")
+        if saved_do and self.saved["distrib_optim_sharding_type"] == DP_RESHARDABLE and not self.stages_kept:
+            return (f"saved with {self.describe(0)} and the distributed optimizer's states in megatron-core's dp_reshardable "
+                    f"format, which reshards over the data-parallel size only; this run has {self.describe(1)} (save with "
+                    "--dist-ckpt-optim-fully-reshardable to change the other sizes, or --no-load-optim to load the model alone)")
+        return None
+
+    def saved_place(self, runtime: Runtime) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The saved per-rank objects' grid (the sizes the checkpoint recorded, in :data:`LAYOUT_SIZES`' order: a size added
+        later is not in an older checkpoint's grid), and the place in it whose object this rank loads: its own rank in
+        each size kept, its rank modulo the saved size in each size changed (a replica size: the saved replicas are alike)."""
+        recorded = [(key, rank) for key, _, rank in LAYOUT_SIZES if key in self.saved]
+        shape = tuple(self.saved[key] for key, _ in recorded)
+        return shape, tuple(getattr(runtime, rank) % size for (_, rank), size in zip(recorded, shape))
+
+
+def reshard_notes(cfg: TrainingConfig, iteration: int) -> list[str]:
+    """The lines of a resume at another layout (none at the same one): what is resharded, that the RNG states restart
+    from ``--seed`` and the iteration (unless not loaded), and whether the planner's calibration carries over."""
+    path = iteration_dir(cfg.checkpoint.load, iteration)
+    meta = _read_metadata(path)
+    reshard = Reshard.of(cfg, meta)
+    if not reshard.changed:
+        return []
+    where = f"--load {cfg.checkpoint.load}: iteration {iteration}"
+    loaded = "the model" if cfg.checkpoint.no_load_optim or cfg.checkpoint.finetune else "the model and optimizer states"
+    notes = [f"{where} was saved at {reshard.describe(0)}, this run is at {reshard.describe(1)}: {loaded} resharded"
+             + ("" if cfg.checkpoint.finetune else
+                f"; the data stream goes on at sample {meta['consumed_samples']}, split over this run's data-parallel replicas")]
+    if not (cfg.checkpoint.no_load_rng or cfg.checkpoint.finetune):
+        notes.append(f"{where}: the random generators restart from --seed {cfg.training.seed} and iteration {iteration} "
+                     "(their saved states are per rank of another layout)")
+    if not cfg.checkpoint.finetune and _has_planner_state(path):
+        notes.append(f"{where}: the planner's calibration " + (
+            "carries over (every pipeline stage as saved)" if reshard.stages_kept else
+            f"restarts from the profile (fitted to the stages of {reshard.describe(0, stages_only=True)})"))
+    return notes
+
+
+def _has_planner_state(path: str) -> bool:
+    return any(key.startswith(PLANNER_KEY + "/") for key in FileSystemReader(path).read_metadata().state_dict_metadata)
 
 
 class CheckpointError(RuntimeError):
@@ -195,11 +330,12 @@ _WRITER = re.compile(r"__(\d+)_\d+\.distcp")
 
 
 def _hashed_by(name: str, rank: int, world_size: int) -> bool:
-    """Whether ``rank`` hashes the checkpoint file ``name``: the ``__R_*.distcp`` files the rank R wrote (at
-    save still in its page cache; on a load of the same layout the shards R reads), the rest rank 0."""
+    """Whether ``rank`` hashes the checkpoint file ``name`` (every file exactly one rank of ``world_size``): the
+    ``__R_*.distcp`` files the rank R wrote (at save still in its page cache; on a load of the same layout the shards R
+    reads), those of a writer rank this world lacks (a load at a smaller layout) rank R modulo the world size; the
+    shared files rank 0."""
     match = _WRITER.fullmatch(name)
-    writer = int(match.group(1)) if match and int(match.group(1)) < world_size else 0
-    return writer == rank
+    return (int(match.group(1)) % world_size if match else 0) == rank
 
 
 def _file_problem(path: str, name: str, expected: dict[str, Any]) -> str | None:
@@ -229,7 +365,9 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)  # left by a run that died while saving
         os.makedirs(tmp)
     dist.barrier()
-    dist_checkpointing.save(_sharded_state(model, optimizer, scheduler, runtime, iteration, consumed, planner_state=planner_state), tmp)
+    state = _sharded_state(model, optimizer, scheduler, runtime, iteration, consumed, planner_state=planner_state,
+                           sharding_type=layout_record(cfg)["distrib_optim_sharding_type"])
+    dist_checkpointing.save(state, tmp)
     if before_commit is not None:
         before_commit()
     dist.barrier()  # every rank's files written (rank 0's .metadata, common.pt, metadata.json included)
@@ -333,16 +471,24 @@ def _checkpoint_problem(cfg: TrainingConfig, iteration: int) -> str | None:
         return f"{path}/{METADATA}: checksum mismatch (its record was changed after save)"
     if meta.get("iteration") != iteration:
         return f"{path} holds iteration {meta.get('iteration')}, its name and {TRACKER} say {iteration}"
-    expected = checkpoint_metadata(cfg, iteration)
+    saved_model = meta.get("model", {})
     free = [k for k in FINETUNE_FREE if k != "max_position_embeddings" or cfg.model.position_embedding_type == "rope"] \
         if cfg.checkpoint.finetune else ()
-    for part in ("model", "layout"):
-        for key, want in expected[part].items():
-            if key in meta.get(part, {}) and meta[part][key] != want and key not in free:  # a flag the checkpoint's version did not record: not compared
-                raise ArgumentError(
-                    f"--load {cfg.checkpoint.load}: iteration {iteration} was saved with --{key.replace('_', '-')} {meta[part][key]}, "
-                    f"this run has {want} (a different {'model shape' if part == 'model' else 'parallel layout'})"
-                )
+    padded = saved_model.get("padded_vocab_size") or pad_vocab(
+        saved_model.get("vocab_size"), saved_model.get("make_vocab_size_divisible_by"), meta.get("layout", {}).get("tensor_model_parallel_size", 1))
+    if padded != padded_vocab_size(cfg):
+        raise ArgumentError(f"--load {cfg.checkpoint.load}: iteration {iteration} {_vocab_padding(cfg, padded)}")
+    for key, want in checkpoint_metadata(cfg, iteration)["model"].items():
+        if key in PADDING_ARGS:  # the padded vocabulary is the shape (the flag times tp: it may change with tp)
+            continue
+        if key in saved_model and saved_model[key] != want and key not in free:  # a flag the checkpoint's version did not record: not compared
+            raise ArgumentError(
+                f"--load {cfg.checkpoint.load}: iteration {iteration} was saved with --{key.replace('_', '-')} {meta['model'][key]}, "
+                f"this run has {want} (a different model shape)"
+            )
+    layout_problem = Reshard.of(cfg, meta).problem(cfg)  # another layout loads (resharded), but for these optimizer states
+    if layout_problem:
+        raise ArgumentError(f"--load {cfg.checkpoint.load}: iteration {iteration} was {layout_problem}")
     if meta["format"] == UNVERIFIED_FORMAT:
         missing = _missing_files(path)
         return f"{path} is truncated: {missing}" if missing else None
@@ -351,6 +497,16 @@ def _checkpoint_problem(cfg: TrainingConfig, iteration: int) -> str | None:
         if problem:
             return f"{path}/{problem}"
     return None
+
+
+def _vocab_padding(cfg: TrainingConfig, saved: int) -> str:
+    """The refusal of a checkpoint whose output layer is padded to ``saved`` rows, not this run's, and the
+    ``--make-vocab-size-divisible-by`` that pads this run's vocabulary to them at its tensor-parallel size, if any."""
+    tp = cfg.parallel.dims.tp
+    fits = [d for d in range(saved // tp, 0, -1) if pad_vocab(cfg.model.vocab_size, d, tp) == saved]
+    return (f"has its vocabulary padded to {saved} rows, this run pads it to {padded_vocab_size(cfg)} (--make-vocab-size-divisible-by "
+            f"{cfg.model.make_vocab_size_divisible_by} x tp {tp}): a different model shape (the padded rows enter the softmax)"
+            + (f"; --make-vocab-size-divisible-by {fits[0]} pads it to {saved} at tp {tp}" if fits else ""))
 
 
 def choose_verified(cfg: TrainingConfig, resume: Resume, runtime: Runtime) -> tuple[int, list[str]]:
@@ -447,33 +603,47 @@ def load_checkpoint(
     sample 0. A file megatron-core or torch cannot read (only a checkpoint saved without checksums gets that far
     damaged) is a :class:`CheckpointError`."""
     path = iteration_dir(cfg.checkpoint.load, iteration)
+    reshard = Reshard.of(cfg, _read_metadata(path))  # another layout: check_loadable refused what cannot reshard
     load_optim = not (cfg.checkpoint.no_load_optim or cfg.checkpoint.finetune)
     if load_optim:
         _init_distributed_optimizer_states(optimizer)
-    template = _sharded_state(model, optimizer if load_optim else None, scheduler, runtime, 0, 0, is_loading=True)
+    template = _sharded_state(model, optimizer if load_optim else None, scheduler, runtime, 0, 0, is_loading=True,
+                              sharding_type=reshard.saved.get("distrib_optim_sharding_type"))
     try:
-        saved_keys = FileSystemReader(path).read_metadata().state_dict_metadata
-        if cfg.checkpoint.finetune or not any(key.startswith(PLANNER_KEY + "/") for key in saved_keys):
+        grid = reshard.saved_place(runtime)  # the per-rank objects as saved (a size the checkpoint did not record: not in it)
+        if cfg.checkpoint.finetune or not _has_planner_state(path) or not reshard.stages_kept:
             del template["planner"]
-        if cfg.checkpoint.no_load_rng or cfg.checkpoint.finetune:
+        elif reshard.changed:  # every saved rank's calibration (small): dist_checkpointing loads every shard of a ShardedObject or none
+            template["planner"] = [ShardedObject(PLANNER_KEY, None, grid[0], place, replica_id=int(runtime.rank != 0))
+                                   for place in np.ndindex(*grid[0])]
+        else:
+            template["planner"] = ShardedObject(PLANNER_KEY, None, *grid, replica_id=0)
+        if cfg.checkpoint.no_load_rng or cfg.checkpoint.finetune or reshard.changed:
             del template["rng"]
+        else:
+            template["rng"] = ShardedObject("rng_state", None, *grid, replica_id=0)
         state = dist_checkpointing.load(template, path)
     except (pickle.UnpicklingError, EOFError, UnicodeDecodeError) as error:  # torch's message would advise weights_only=False
         raise CheckpointError(f"pretrain_gpt.py: error: --load {cfg.checkpoint.load}: {path} is damaged: a file does not unpickle "
                               f"({type(error).__name__})") from None
     model.module.load_state_dict(state["model"])
     if load_optim:
-        with torch.no_grad():  # the distributed optimizer copies into its fp32 shards, views of the parameters
-            optimizer.load_state_dict(state["optimizer"])
+        _load_optimizer(optimizer, state["optimizer"])
         _restore_distributed_optimizer_steps(optimizer)
         scheduler.load_state_dict(state["scheduler"])
     else:
         optimizer.reload_model_params()  # the optimizer's fp32 main params from the loaded model
     if "rng" in state:
         _set_rng_state(state["rng"])
+    elif reshard.changed and not (cfg.checkpoint.no_load_rng or cfg.checkpoint.finetune):
+        set_seed(cfg.training.seed + state["iteration"], runtime.pp_rank)  # as reshard_notes says
     if cfg.checkpoint.finetune:
         return 0, 0, None
-    return state["iteration"], state["consumed_samples"], state.get("planner")
+    planner = state.get("planner")
+    if isinstance(planner, list):  # another layout, every stage as saved: the saved rank's in this rank's place
+        shape, place = reshard.saved_place(runtime)
+        planner = planner[list(np.ndindex(*shape)).index(place)]
+    return state["iteration"], state["consumed_samples"], planner
 
 
 def load_model_weights(cfg: TrainingConfig, iteration: int, model, runtime: Runtime) -> None:

@@ -167,6 +167,7 @@ class CheckpointConfig:
     no_load_optim: bool
     no_load_rng: bool
     finetune: bool
+    dist_ckpt_optim_fully_reshardable: bool
     ckpt_format: str
 
 

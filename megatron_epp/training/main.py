@@ -72,7 +72,7 @@ def _verified_resume(cfg: TrainingConfig, resume, runtime) -> tuple[int | None, 
                       f"({'no ' + checkpointing.TRACKER if os.path.isdir(cfg.checkpoint.load) else 'no such directory'}); "
                       "starting from scratch at iteration 0"], None
     resume_at, load_notes = checkpointing.choose_verified(cfg, resume, runtime)
-    return resume_at, load_notes, None if cfg.checkpoint.finetune else checkpointing.data_change(cfg, resume_at)
+    return resume_at, load_notes + checkpointing.reshard_notes(cfg, resume_at), None if cfg.checkpoint.finetune else checkpointing.data_change(cfg, resume_at)
 
 
 def main(argv: Sequence[str] | TrainingConfig | argparse.Namespace | None = None) -> int:

@@ -151,8 +151,13 @@ def padded_vocab_size(cfg: TrainingConfig) -> int:
     """``--vocab-size`` padded up to a multiple of ``--make-vocab-size-divisible-by`` x tp, as Megatron-LM pads it:
     the output layer splits evenly over the tensor-parallel ranks (megatron-core requires it) and its GEMM is
     aligned; the extra rows are never a label."""
-    multiple = cfg.model.make_vocab_size_divisible_by * cfg.parallel.dims.tp
-    return -(-cfg.model.vocab_size // multiple) * multiple
+    return pad_vocab(cfg.model.vocab_size, cfg.model.make_vocab_size_divisible_by, cfg.parallel.dims.tp)
+
+
+def pad_vocab(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """``vocab_size`` padded up to a multiple of ``divisible_by`` x ``tp`` (:func:`padded_vocab_size`)."""
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
 
 
 def model_shape(cfg: TrainingConfig, name: str = "pretrain_gpt") -> ModelShape:
