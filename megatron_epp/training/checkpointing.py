@@ -58,9 +58,9 @@ UNVERIFIED_FORMAT = "megatron-epp checkpoint 1"  # saved before checksums were r
 # RoPE's scaling: compared on a resume; with --finetune (context extension) the run may change them and RoPE's base
 ROPE_ARGS = ("use_rope_scaling", "rope_scaling_factor", "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
              "rope_scaling_original_max_position_embeddings", "rotary_seq_len_interpolation_factor")
-# What --finetune (the model's weights only) may change: the context (with RoPE), RoPE's base and scaling (a context extension), and
-# what only the optimizer's states depend on
-FINETUNE_FREE = ("max_position_embeddings", "rotary_base", *ROPE_ARGS)  # the layout may change anyway (Reshard); --finetune loads no optimizer
+# What --finetune (the model's weights only) may change besides the layout (any layout loads: Reshard): the context (with RoPE),
+# RoPE's base and scaling (a context extension)
+FINETUNE_FREE = ("max_position_embeddings", "rotary_base", *ROPE_ARGS)
 # What a checkpoint must agree on with the run that loads it (a flag this version lacks reads as None on both sides)
 MODEL_SHAPE_ARGS = (
     "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
