@@ -340,11 +340,15 @@ def spec_from_record(model: dict[str, Any]) -> LlamaSpec:
     )
 
 
+# What a checkpoint's model record holds that is no flag: derived from the flags (and the layout)
+DERIVED_RECORD_KEYS = ("padded_vocab_size",)
+
+
 def flags_from_record(model: dict[str, Any]) -> list[str]:
     """``pretrain_gpt.py``'s flags that give a checkpoint's model record (its values as flags; True: the switch)."""
     flags: list[str] = []
     for key, value in model.items():
-        if value is None or value is False or (key == "num_query_groups" and not model.get("group_query_attention")):
+        if key in DERIVED_RECORD_KEYS or value is None or value is False or (key == "num_query_groups" and not model.get("group_query_attention")):
             continue
         flags += [f"--{key.replace('_', '-')}"] + ([] if value is True else [str(value)])
     return flags + ["--seq-length", str(model["max_position_embeddings"])]
