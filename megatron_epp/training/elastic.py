@@ -79,10 +79,14 @@ def _size(nbytes: float) -> str:
 
 
 def _share_plan(plan: Plan | None, timing: tuple[float, float, float] | None) -> tuple[Plan, tuple[float, float, float]]:
-    """Give every rank of this model replica (all stages, all tensor ranks) the plan of its first rank
-    and its ``(planning ms, of which waited ms, of which inside the last step's span)``."""
+    """Give every rank of this model replica (all stages, all tensor and context-parallel ranks) the plan of its first
+    rank and its ``(planning ms, of which waited ms, of which inside the last step's span)``: over the context-parallel
+    group of the model-parallel groups' first ranks (they share one), then over each model-parallel group."""
     group = ps.get_model_parallel_group()
     box = [(plan.to_json(), timing) if plan is not None else None]
+    cp_group = ps.get_context_parallel_group()
+    if cp_group.size() > 1 and group.rank() == 0:  # every rank of a context-parallel group has the same model-parallel rank
+        dist.broadcast_object_list(box, src=dist.get_global_rank(cp_group, 0), group=cp_group)
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
     text, timing = box[0]
     return Plan.from_json(text), timing
@@ -113,7 +117,7 @@ class ElasticTrainStep:
         # the global batches this function will still be asked for (None: no end, as validation): none is drawn,
         # planned or prepared beyond them, so the last step waits for no plan and the exit for no planner thread
         self.batches_left = steps
-        self.plans_here = ps.get_model_parallel_group().rank() == 0
+        self.plans_here = ps.get_model_parallel_group().rank() == 0 and runtime.cp_rank == 0
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epp-planner") if self.plans_here else None
         self.preparer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epp-prepare")
         self.token_multiple = token_multiple(get_model_config(model))  # each chunk padded to it (sequence parallelism)
@@ -188,7 +192,8 @@ class ElasticTrainStep:
 
     def _prepare(self, batch, plan: Plan, timing):
         tensors = [(torch.from_numpy(s.tokens), torch.from_numpy(s.labels)) for s in batch.sequences(self.runtime.dp_rank)]
-        return batch, plan, timing, prepare_step(plan, self.runtime.pp_rank, tensors, self.runtime.device, self.token_multiple)
+        return batch, plan, timing, prepare_step(plan, self.runtime.pp_rank, tensors, self.runtime.device, self.token_multiple,
+                                                 self.runtime.cp_rank, self.runtime.dims.cp)
 
     def __call__(self, forward_only: bool) -> tuple[list[dict[str, torch.Tensor]], np.ndarray]:
         if self.ready is None:

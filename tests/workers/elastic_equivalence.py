@@ -40,6 +40,7 @@ from megatron_epp.executor.batches import chunk_batches, elastic_gpt_forward_ste
 from megatron_epp.executor.context import ChunkContext, ChunkLayout, KVBuffer, padding_tokens, token_multiple
 from megatron_epp.plan import order as schedule_order
 from megatron_epp.training.arguments import parse_config
+from megatron_epp.training import gpt_step
 from megatron_epp.training.gpt_step import gpt_forward_step, reduce_losses
 from megatron_epp.training.initialize import initialize, shutdown
 from megatron_epp.training.loop import build_optimizer
@@ -151,6 +152,11 @@ def padding_in_loss(batches):
         yield {**batch, "loss_mask": torch.ones_like(batch["loss_mask"])} if batch else batch
 
 
+def loss_group():
+    """The group the losses are summed over (the training loop's): looked up at each use, so a fault can replace it."""
+    return gpt_step.loss_group()
+
+
 def case_sequences(case: int, seed: int, vocab: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     rng = np.random.default_rng([seed, case])
     out = []
@@ -212,7 +218,7 @@ def run(argv: list[str]) -> None:
                     pipe.recompute = rng.integers(0, per_stage + 1, size=(runtime.dims.pp, len(pipe.chunks))).tolist()
             multiple = token_multiple(config)
             padding = sum(padding_tokens(c.num_tokens, multiple) for c in plan.chunks())
-            batches = chunk_batches(plan, mine, runtime.device, multiple)
+            batches = chunk_batches(plan, mine, runtime.device, multiple, runtime.cp_rank, runtime.dims.cp)
             untagged = untag_sequence_parallel_norms(gpt) if fault == "sp_norm_grads_not_reduced" else []
             losses = forward_backward_elastic(
                 forward_step_func=elastic_gpt_forward_step,
@@ -231,8 +237,8 @@ def run(argv: list[str]) -> None:
                 forward_step_func=gpt_forward_step, data_iterator=batches, model=[model],
                 num_microbatches=len(sequences), seq_length=1, micro_batch_size=1,
             )
-        loss = reduce_losses(losses, ps.get_data_parallel_group())
-        if runtime.dp_rank == 0 and runtime.tp_rank == 0:
+        loss = reduce_losses(losses, loss_group())
+        if runtime.dp_rank == 0 and runtime.tp_rank == 0 and runtime.cp_rank == 0:
             grads = {global_name(n, runtime.pp_rank, per_stage): q.main_grad.detach().cpu().clone() for n, q in gpt.named_parameters()}
             prefix = f"{fault}_" if fault else ""
             torch.save({"loss": loss, "grads": grads, "padding": padding}, f"{ours.out}/{prefix}case{case}_stage{runtime.pp_rank}.pt")
