@@ -102,6 +102,8 @@ def _sharded_state(
     model_state = model.module.sharded_state_dict()
     layout = (runtime.dims.pp, runtime.dims.tp, runtime.dims.dp)
     here = (runtime.pp_rank, runtime.tp_rank, runtime.dp_rank)
+    if runtime.dims.cp > 1:  # each context-parallel rank its own RNG and planner object (cp 1: the layout as before)
+        layout, here = (*layout, runtime.dims.cp), (*here, runtime.cp_rank)
     optimizer_part = {} if optimizer is None else {
         "optimizer": optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=OPTIMIZER_METADATA),
         "scheduler": scheduler.state_dict(),
@@ -163,7 +165,8 @@ def checkpoint_metadata(cfg: TrainingConfig, iteration: int, consumed_samples: i
         "iteration": iteration,
         "model": {k: getattr(cfg.model, k) for k in MODEL_SHAPE_ARGS},
         "layout": {"tensor_model_parallel_size": cfg.parallel.dims.tp, "pipeline_model_parallel_size": cfg.parallel.dims.pp,
-                   "data_parallel_size": cfg.parallel.dims.dp, "use_distributed_optimizer": cfg.parallel.use_distributed_optimizer},
+                   "data_parallel_size": cfg.parallel.dims.dp, "context_parallel_size": cfg.parallel.dims.cp,
+                   "use_distributed_optimizer": cfg.parallel.use_distributed_optimizer},
         "data": data_record(cfg),
         "consumed_samples": consumed_samples,
     }
