@@ -211,8 +211,10 @@ class ElasticTrainStep:
                 rng.restore()
                 plan, inputs = self._after_oom(batch, plan, oom, attempt, forward_only)
         memory = self.tracker
-        measured = None if memory is None else self._gather_stages(memory.peak_bytes)
-        allocated = None if memory is None else self._gather_stages(memory.peak_allocated)
+        per_cp = None if memory is None or self.runtime.dims.cp == 1 else self._gather_stages(memory.peak_bytes, by_cp_rank=True)
+        measured = [max(stage) for stage in per_cp] if per_cp is not None else None if memory is None else self._gather_stages(memory.peak_bytes)
+        allocated = None if memory is None else (self._gather_stages(memory.peak_allocated) if per_cp is None else
+                                                 [max(stage) for stage in self._gather_stages(memory.peak_allocated, by_cp_rank=True)])
         if not forward_only:
             self._observe(plan, run_ms, measured)
         self._prefetch()
@@ -228,6 +230,7 @@ class ElasticTrainStep:
             model_state_bytes=None if memory is None else self.planner.raw_model.model_state_bytes().tolist(),
             memory_budget_bytes=None if memory is None else self.planner.config.memory_budget_bytes,
             oom_retries=attempt - 1,
+            measured_cp_activation_bytes=per_cp,
         )
         return losses, batch.seq_lengths
 
@@ -322,8 +325,13 @@ class ElasticTrainStep:
         """This rank's planner calibration, for a checkpoint (:meth:`OnlinePlanner.state_dict`)."""
         return self.planner.state_dict()
 
-    def _gather_stages(self, measured: int) -> list[int]:
-        """This rank's measured peak activation bytes, of every stage (gathered over the pipeline)."""
+    def _gather_stages(self, measured: int, by_cp_rank: bool = False) -> list[Any]:
+        """This rank's measured peak activation bytes, of every stage (gathered over the pipeline); ``by_cp_rank``: of
+        every stage and context-parallel rank (``[stage][cp rank]``, gathered over the context-parallel group first)."""
+        if by_cp_rank:
+            mine: Any = [None] * self.runtime.dims.cp
+            dist.all_gather_object(mine, measured, group=ps.get_context_parallel_group())
+            measured = mine
         per_stage: list[Any] = [None] * self.runtime.dims.pp
         dist.all_gather_object(per_stage, measured, group=ps.get_pipeline_model_parallel_group())
         return per_stage

@@ -36,7 +36,7 @@ def test_the_log_line_is_printed_from_the_record():
     assert calibrated == LINE + " (pred = 1.331 x the raw memory model's)"
     assert elastic_step(memory_factor=1.0).line() == LINE
     assert elastic_step(memory_factor=1.3305).scalars()["memory/activation factor"] == 1.3305
-    for padding, said in ((1, "SP padding: 1 token | "), (3, "SP padding: 3 tokens | ")):
+    for padding, said in ((1, "padding: 1 token | "), (3, "padding: 3 tokens | ")):
         assert f"recomputed_layers=0 | {said}planning ms:" in elastic_step(padding_tokens=padding).line()
     plain = StepMetrics(2, 5.157642, train_iters=6, consumed_samples=32, iter_ms=3999.3, tokens=15172, lr=2.25e-3, grad_norm=2.2691)
     assert plain.line() == LINE.split(" | plan[")[0]
