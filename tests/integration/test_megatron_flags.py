@@ -301,7 +301,7 @@ def test_llama3_8b_example_trains_at_toy_size_with_context_parallelism(tmp_path)
     ckpt, tb = tmp_path / "ckpt", tmp_path / "tb"
     proc = subprocess.run(
         ["bash", str(REPO / "examples/train_llama3_8b.sh"), str(ckpt), str(tb), "MOCK", "MOCK", "--train-samples", "16",
-         "--epp-plan", "seq1f1b", "--epp-max-slices", "4"],
+         "--profile-step-start", "1", "--profile-step-end", "2", "--epp-plan", "seq1f1b", "--epp-max-slices", "4"],
         cwd=tmp_path, env=run_env({"SIZE": "toy", "CP_SIZE": "2", "PP_SIZE": "1", "MASTER_PORT": str(free_port())}),
         capture_output=True, text=True, timeout=600,
     )
@@ -311,5 +311,5 @@ def test_llama3_8b_example_trains_at_toy_size_with_context_parallelism(tmp_path)
     assert "> context parallelism: --context-parallel-size 2 is Ulysses all-to-all here (--cp-comm-type a2a" in out
     steps = [line for line in out.splitlines() if line.startswith(" iteration ")]
     assert len(steps) == 2 and all("act MB meas per stage and CP rank: " in line for line in steps), steps
-    assert all("plan[seq1f1b]" in line and " split=0 " not in line for line in steps), steps
+    assert all("plan[seq1f1b-k4]" in line and " split=0 " not in line for line in steps), steps
     assert all(math.isfinite(float(line.split("lm loss: ")[1].split()[0])) for line in steps)
