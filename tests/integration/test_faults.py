@@ -204,6 +204,8 @@ def _break(ckpt, how: str) -> None:
     ("renamed", [], "holds iteration 3, its name and latest_checkpointed_iteration.txt say 2"),
     (None, ["--hidden-size", "64"], "saved with --hidden-size 32, this run has 64 (a different model shape)"),
     (None, ["--pipeline-model-parallel-size", "1"], "saved with --pipeline-model-parallel-size 2, this run has 1 (a different parallel layout)"),
+    (None, ["--pipeline-model-parallel-size", "1", "--context-parallel-size", "2"],
+     "saved with --context-parallel-size 1, this run has 2 (a different parallel layout)"),
 ])
 def test_truncated_or_foreign_checkpoint_is_refused(crashed_save, tmp_path, how, flags, message):
     ckpt = tmp_path / "ckpt"
