@@ -19,7 +19,7 @@ from megatron_epp.data.documents import DocumentDataset
 from megatron_epp.data.gpt_samples import MockGPTSamples, sample_dict
 from megatron_epp.data.tokenizers import NullTokenizer, TokenizerError, build_tokenizer
 from megatron_epp.planner.epp import in_units
-from megatron_epp.training.arguments import build_parser, parse_args
+from megatron_epp.training.arguments import build_parser, parse_args, parse_config
 from megatron_epp.training.config import TrainingConfig
 from megatron_epp.training.megatron_flags import ACCEPTED, REFUSED, startup_notes
 from megatron_epp.training.metrics import read_metrics
@@ -313,3 +313,17 @@ def test_llama3_8b_example_trains_at_toy_size_with_context_parallelism(tmp_path)
     assert len(steps) == 2 and all("act MB meas per stage and CP rank: " in line for line in steps), steps
     assert all("plan[seq1f1b-k4]" in line and " split=0 " not in line for line in steps), steps
     assert all(math.isfinite(float(line.split("lm loss: ")[1].split()[0])) for line in steps)
+
+
+@pytest.mark.parametrize("size, world, dims", [("8b", 32, (2, 1, 4, 4)), ("8b-128k", 32, (2, 4, 4, 1))])
+def test_llama3_8b_example_flags_parse_at_full_size(tmp_path, size, world, dims):
+    """examples/train_llama3_8b.sh at its GPU sizes (the command it would run, printed with PYTHON=echo): pretrain_gpt.py
+    parses its flags for a world of ``world`` ranks into (tp, cp, pp, dp) ``dims``; 8b-128k: --seq-length 131072 with
+    --context-parallel-size 4."""
+    proc = subprocess.run(["bash", str(REPO / "examples/train_llama3_8b.sh"), str(tmp_path / "c"), str(tmp_path / "t")],
+                          cwd=tmp_path, env=run_env({"SIZE": size, "PYTHON": "echo"}), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    argv = proc.stdout.split()
+    cfg = parse_config(argv[argv.index(str(REPO / "pretrain_gpt.py")) + 1:], world_size=world)
+    d = cfg.parallel.dims
+    assert (d.tp, d.cp, d.pp, d.dp) == dims and cfg.model.seq_length == (131072 if size == "8b-128k" else 8192)
