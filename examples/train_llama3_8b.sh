@@ -5,9 +5,14 @@
 #
 #   bash examples/train_llama3_8b.sh [CHECKPOINT_PATH] [TENSORBOARD_LOGS_PATH] [TOKENIZER_ARG|MOCK] [DATA_ARG|MOCK]
 #   SIZE=toy bash examples/train_llama3_8b.sh /tmp/ckpt /tmp/tb   # the same flags on a toy model: CPU, 2 ranks
+#   NUM_NODES=4 NODE_RANK=... MASTER_ADDR=... SIZE=8b-128k bash examples/train_llama3_8b.sh   # 128K documents, CP 4
 #
-# SIZE=8b (default): 8 GPUs per node, tp 2 x pp 4. SIZE=toy: a 4-layer model of the same shape (GQA 4:2,
-# SwiGLU, untied, no biases, RoPE base 1e6), pp 2 over 2 CPU ranks (gloo), 6 iterations of 8 documents.
+# SIZE=8b (default): 8 GPUs per node, tp 2 x pp 4. SIZE=8b-128k: documents up to 128K tokens (--seq-length 131072),
+# 4 nodes of 8 GPUs, tp 2 x cp 4 x pp 4 (context parallelism, Ulysses all-to-all: each chunk's tokens split over
+# the 4 CP ranks of a stage, attention on every token for heads / 4), as Megatron-LM's long-context recipes set
+# --context-parallel-size. SIZE=toy: a 4-layer model of the same shape (GQA 4:2, SwiGLU, untied, no biases, RoPE
+# base 1e6), pp 2 over 2 CPU ranks (gloo), 6 iterations of 8 documents; CP_SIZE=2 PP_SIZE=1 runs it at cp 2
+# (2 ranks; the ranks are CP_SIZE x PP_SIZE).
 # Extra arguments after the four positional ones go to pretrain_gpt.py (the last one given wins).
 
 # Environment variables for performance tuning
@@ -41,9 +46,19 @@ case "$SIZE" in
     TRAIN_SAMPLES=1953125000; LR_DECAY_SAMPLES=1949218748; LR_WARMUP_SAMPLES=3906252
     EVAL_ITERS=32; EVAL_INTERVAL=100; SAVE_INTERVAL=1000
     ;;
+  8b-128k)
+    GPUS_PER_NODE=${GPUS_PER_NODE:-8}
+    TP_SIZE=2; CP_SIZE=4; PP_SIZE=4  # 32 GPUs: world = tp x cp x pp x dp
+    GLOBAL_BATCH_SIZE=8  # documents of up to 128K tokens: about 1M tokens a step, as SIZE=8b's 128 x 8K
+    NUM_LAYERS=32; HIDDEN_SIZE=4096; FFN_HIDDEN_SIZE=14336; NUM_HEADS=32; NUM_QUERY_GROUPS=8; KV_CHANNELS=128
+    SEQ_LENGTH=131072
+    VOCAB_SIZE=128256
+    TRAIN_SAMPLES=122070312; LR_DECAY_SAMPLES=121826170; LR_WARMUP_SAMPLES=244141
+    EVAL_ITERS=32; EVAL_INTERVAL=100; SAVE_INTERVAL=1000
+    ;;
   toy)
-    GPUS_PER_NODE=${GPUS_PER_NODE:-2}
-    TP_SIZE=1; CP_SIZE=1; PP_SIZE=2
+    TP_SIZE=1; CP_SIZE=${CP_SIZE:-1}; PP_SIZE=${PP_SIZE:-2}
+    GPUS_PER_NODE=${GPUS_PER_NODE:-$((CP_SIZE * PP_SIZE))}
     GLOBAL_BATCH_SIZE=8
     NUM_LAYERS=4; HIDDEN_SIZE=64; FFN_HIDDEN_SIZE=176; NUM_HEADS=4; NUM_QUERY_GROUPS=2; KV_CHANNELS=16
     SEQ_LENGTH=256
@@ -52,7 +67,7 @@ case "$SIZE" in
     EVAL_ITERS=1; EVAL_INTERVAL=3; SAVE_INTERVAL=3
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
     ;;
-  *) echo "SIZE=$SIZE: 8b or toy" >&2; exit 2 ;;
+  *) echo "SIZE=$SIZE: 8b, 8b-128k or toy" >&2; exit 2 ;;
 esac
 MICRO_BATCH_SIZE=1  # with --elastic-pp chunks replace micro-batches (pretrain_gpt.py says so at start-up)
 MAX_POSITION_EMBEDDINGS=$SEQ_LENGTH

@@ -11,6 +11,15 @@ with ``is_causal`` and the slice's prefix and own keys two calls merged by their
 (what the CPU cost profiles fit); on CUDA the whole chunk is one varlen call (flash-attn's where it is
 installed, else torch's own ``varlen_attn``: fp16/bf16, no attention dropout), else SDPA per segment
 (``is_causal``, torch's lower-right causal bias for the slice) with cuDNN attention excluded.
+
+Context parallelism (Ulysses, ``--context-parallel-size N``): each of a stage's N context-parallel ranks holds an
+equal block of the chunk's tokens (``ChunkLayout.local_range``) for all its heads; megatron-core's all-to-all over the
+context-parallel group (``all_to_all_sp2hp``) gives each rank every token of the chunk for ``heads / N`` heads, the
+chunk's attention above runs on them unchanged (segments, the slice's prefix, the kernel), and the inverse all-to-all
+(``all_to_all_hp2sp``) gives each rank its own tokens back with all heads. K/V heads are split the same way where N
+divides them; otherwise each is first repeated (as the query heads that share it are spread over the ranks) to
+``lcm(kv_heads, N)`` heads, so every rank holds the K/V heads its query heads read. A split slice's K/V buffer holds
+this rank's K/V heads only.
 """
 
 from __future__ import annotations
@@ -20,7 +29,8 @@ import math
 from typing import Any, Callable
 
 import torch
-from megatron.core import tensor_parallel
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.tensor_parallel.mappings import all_to_all_hp2sp, all_to_all_sp2hp
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -83,10 +93,24 @@ class ElasticAttention(MegatronModule):
         # --attention-backend (config.attention_backend), else EPP_ATTENTION_BACKEND, checked here
         self.backend_request = kernels.requested_backend(config.attention_backend.name)
         kernels.check_request(self.backend_request)
+        cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+        self.cp_group = cp_group if cp_group is not None else parallel_state.get_context_parallel_group(check_initialized=False)
+        self.cp_size = config.context_parallel_size
+        if self.cp_size > 1 and (self.cp_group is None or self.cp_group.size() != self.cp_size):
+            raise ValueError(f"ElasticAttention: context_parallel_size {self.cp_size} without its context-parallel group")
 
     def forward(self, query, key, value, attention_mask=None, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
         if packed_seq_params is not None or attention_bias is not None:
             raise ValueError("ElasticAttention takes its packing from the current chunk, not packed_seq_params/bias")
+        if self.cp_size == 1:
+            return self._attend(query, key, value)
+        key, value = (replicate_kv_heads(t, self.cp_size) for t in (key, value))
+        query, key, value = (tokens_to_heads(t, self.cp_group) for t in (query, key, value))
+        out = self._attend(query, key, value)  # [s, b, heads / N * d]
+        return heads_to_tokens(out, self.cp_group)
+
+    def _attend(self, query, key, value):
+        """The chunk's attention on every token of it: [s, b, heads, d] in, [s, b, heads * d] out."""
         layout = self.context.layout()
         slice_kv = self._slice_kv(layout, key, value) if layout.split_index is not None else None
         dropout = self.dropout_p if self.training else 0.0
@@ -105,3 +129,30 @@ class ElasticAttention(MegatronModule):
         buffer = self.context.kv_buffer(seq, layer, layout.seq_length, key)
         release = (lambda: self.context.release(seq, layer)) if layout.context == 0 else None
         return _SliceKV.apply(key[start:end], value[start:end], buffer, layout.context, release)
+
+
+def replicate_kv_heads(kv: torch.Tensor, cp_size: int) -> torch.Tensor:
+    """``kv`` ``[s, b, kv_heads, d]`` as :func:`tokens_to_heads` can split it over ``cp_size`` ranks: as it is where
+    ``cp_size`` divides ``kv_heads``, else each K/V head repeated ``lcm(kv_heads, cp_size) / kv_heads`` times in place
+    (the query heads that share it may be spread over several ranks; each then gets a copy, and autograd sums the
+    copies' gradients). Query head ``i`` of ``heads`` still reads head ``i // (heads / heads')`` of the result."""
+    kv_heads = kv.shape[2]
+    if kv_heads % cp_size == 0:
+        return kv
+    return kv.repeat_interleave(math.lcm(kv_heads, cp_size) // kv_heads, dim=2)
+
+
+def tokens_to_heads(t: torch.Tensor, group) -> torch.Tensor:
+    """``[s / N, b, h, d]`` (this rank's block of tokens, every head) to ``[s, b, h / N, d]`` (every token, this
+    rank's heads): megatron-core's ``all_to_all_sp2hp`` over the context-parallel ``group`` (autograd: the inverse)."""
+    s, b, h, d = t.shape
+    n = group.size()
+    return all_to_all_sp2hp(t.reshape(s * b, h * d), group).reshape(s * n, b, h // n, d)
+
+
+def heads_to_tokens(t: torch.Tensor, group) -> torch.Tensor:
+    """``[s, b, h / N * d]`` (every token, this rank's heads) to ``[s / N, b, h * d]`` (this rank's tokens, every
+    head): megatron-core's ``all_to_all_hp2sp`` over ``group``."""
+    s, b, hd = t.shape
+    n = group.size()
+    return all_to_all_hp2sp(t.reshape(s * b, hd), group).reshape(s // n, b, hd * n)

@@ -24,10 +24,12 @@ def per_token_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> tupl
     return loss, count.int(), {"lm loss": torch.stack([loss.detach(), count.detach()])}
 
 
-def chunk_batches(plan: Plan, sequences: Sequence[TokensAndLabels] | None, device: torch.device, multiple: int = 1) -> Iterator[Batch]:
+def chunk_batches(plan: Plan, sequences: Sequence[TokensAndLabels] | None, device: torch.device, multiple: int = 1,
+                  cp_rank: int = 0, cp_size: int = 1) -> Iterator[Batch]:
     """One batch ``[1, tokens]`` per chunk in forward order; empty dicts where the stage has no data.
     ``sequences``: CPU tensors (on CUDA the batches go from pinned memory without blocking). ``multiple``: as
-    ``ChunkLayout.build``'s; the padding tokens are token 0 with label 0 and loss mask 0."""
+    ``ChunkLayout.build``'s; the padding tokens are token 0 with label 0 and loss mask 0. Under context parallelism
+    only context-parallel rank ``cp_rank``'s block of each padded chunk (``ChunkLayout.local_range``)."""
     for chunk in plan.chunks():
         if sequences is None:
             yield {}
@@ -37,10 +39,12 @@ def chunk_batches(plan: Plan, sequences: Sequence[TokensAndLabels] | None, devic
         labels = torch.cat([sequences[s.seq][1][s.start : s.end] for s in chunk.segments] + [pad])
         loss_mask = torch.ones(1, tokens.numel())
         loss_mask[:, chunk.num_tokens :] = 0
+        share = tokens.numel() // cp_size
+        mine = slice(cp_rank * share, (cp_rank + 1) * share)
         yield {
-            "tokens": to_device(tokens[None], device),
-            "labels": to_device(labels[None], device),
-            "loss_mask": to_device(loss_mask, device),
+            "tokens": to_device(tokens[None, mine], device),
+            "labels": to_device(labels[None, mine], device),
+            "loss_mask": to_device(loss_mask[:, mine], device),
         }
 
 
@@ -58,21 +62,22 @@ class StepInputs:
 
 
 def prepare_step(plan: Plan, stage: int, sequences: Sequence[TokensAndLabels] | None, device: torch.device,
-                 multiple: int = 1) -> StepInputs:
+                 multiple: int = 1, cp_rank: int = 0, cp_size: int = 1) -> StepInputs:
     """``stage``'s :class:`StepInputs` for ``plan`` on ``device``, every chunk padded to a multiple of
-    ``multiple`` tokens (``token_multiple(config)``: sequence parallelism)."""
+    ``multiple`` tokens (``token_multiple(config)``: sequence and context parallelism); context-parallel rank
+    ``cp_rank`` of ``cp_size`` gets its block of each chunk."""
     layouts = [
-        [ChunkLayout.build(c, plan.seq_lengths, device, recompute=count, multiple=multiple)
+        [ChunkLayout.build(c, plan.seq_lengths, device, recompute=count, multiple=multiple, cp_rank=cp_rank, cp_size=cp_size)
          for c, count in zip(pipe.chunks, pipe.recompute[stage])]
         for pipe in plan.pipelines
     ]
-    return StepInputs(plan, stage, layouts, list(chunk_batches(plan, sequences, device, multiple)))
+    return StepInputs(plan, stage, layouts, list(chunk_batches(plan, sequences, device, multiple, cp_rank, cp_size)))
 
 
 def elastic_gpt_forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module):
     """``forward_step_func`` for elastic chunks: positions come from the plan (the model's current
-    chunk), tokens from the batch."""
+    chunk: this context-parallel rank's tokens'), tokens from the batch."""
     batch = next(data_iterator)
-    positions = ChunkContext.of(model).layout().position_ids[None]
+    positions = ChunkContext.of(model).layout().local_position_ids[None]
     output = model(batch.get("tokens"), positions, None, labels=batch.get("labels"))
     return output, partial(per_token_loss, batch.get("loss_mask"))

@@ -83,7 +83,9 @@ class ChunkLayout:
     device: torch.device
     recompute: int = 0  # layers of this stage that recompute this chunk (the stage's first ones)
     max_position: int = 0  # the largest of position_ids, known on the host (RoPE's table length without a sync)
-    padding: int = 0  # tokens after the chunk's own, a segment of their own (sequence parallelism: see ``build``)
+    padding: int = 0  # tokens after the chunk's own, a segment of their own (sequence or context parallelism: see ``build``)
+    cp_rank: int = 0  # context parallelism: this rank's index in its group; it holds the chunk's tokens ``local_range``
+    cp_size: int = 1
     # built on first use within one forward or backward of the chunk and dropped when it ends (``ChunkContext.running``)
     transient: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -100,6 +102,24 @@ class ChunkLayout:
     def num_tokens(self) -> int:
         """The chunk's tokens as the layers see them: its own plus the padding."""
         return self.chunk.num_tokens + self.padding
+
+    @property
+    def local_tokens(self) -> int:
+        """The tokens this context-parallel rank holds outside attention: ``num_tokens / cp_size``."""
+        return self.num_tokens // self.cp_size
+
+    @property
+    def local_range(self) -> tuple[int, int]:
+        """``[start, end)`` of this context-parallel rank's tokens in the (padded) chunk: the ``cp_rank``-th of
+        ``cp_size`` equal blocks (the whole chunk without context parallelism)."""
+        start = self.cp_rank * self.local_tokens
+        return start, start + self.local_tokens
+
+    @cached_property
+    def local_position_ids(self) -> torch.Tensor:
+        """``[local_tokens]``: the absolute positions of this rank's own tokens (its embeddings' and RoPE's)."""
+        start, end = self.local_range
+        return self.position_ids[start:end]
 
     @property
     def split_seq(self) -> int | None:
@@ -119,7 +139,8 @@ class ChunkLayout:
         return varlen_seqlens(self.bounds, self.split_index, self.context, self.device)
 
     @classmethod
-    def build(cls, chunk: Chunk, seq_lengths: list[int], device: torch.device, recompute: int = 0, multiple: int = 1) -> "ChunkLayout":
+    def build(cls, chunk: Chunk, seq_lengths: list[int], device: torch.device, recompute: int = 0, multiple: int = 1,
+              cp_rank: int = 0, cp_size: int = 1) -> "ChunkLayout":
         """The layout of ``chunk`` from the plan alone (host work: no device sync; on CUDA the
         positions go from pinned memory without blocking).
 
@@ -127,7 +148,12 @@ class ChunkLayout:
         sequence parallelism, which splits every chunk's tokens evenly over the tensor-parallel ranks). The chunk
         is then padded at its end with ``padding_tokens(n, multiple)`` tokens as a segment of their own (positions
         from 0): they attend only to each other and come after every real token, so no real token attends to them;
-        their loss mask is 0 (``chunk_batches``), so they change neither the loss nor any gradient."""
+        their loss mask is 0 (``chunk_batches``), so they change neither the loss nor any gradient. Under context
+        parallelism (``cp_size`` ranks, ``multiple`` a multiple of it: :func:`token_multiple`) rank ``cp_rank`` holds
+        the ``cp_rank``-th of ``cp_size`` equal blocks of the padded chunk (``local_range``); the layout's segments,
+        positions and prefix stay the whole chunk's, which its attention sees after the all-to-all."""
+        if multiple % cp_size or not 0 <= cp_rank < cp_size:
+            raise ValueError(f"context parallelism: rank {cp_rank} of {cp_size} with chunks padded to a multiple of {multiple}")
         cu = chunk.cu_seqlens()
         padding = padding_tokens(cu[-1], multiple)
         split = next((i for i, s in enumerate(chunk.segments) if s.length != seq_lengths[s.seq]), None)
@@ -145,6 +171,8 @@ class ChunkLayout:
             recompute=recompute,
             max_position=max(max(s.end for s in chunk.segments), padding) - 1,
             padding=padding,
+            cp_rank=cp_rank,
+            cp_size=cp_size,
         )
 
 
@@ -155,8 +183,10 @@ def padding_tokens(tokens: int, multiple: int) -> int:
 
 def token_multiple(config) -> int:
     """What every chunk's token count must be a multiple of for a model of ``config`` (a ``TransformerConfig``):
-    the tensor-parallel size under sequence parallelism, else 1."""
-    return config.tensor_model_parallel_size if config.sequence_parallel else 1
+    the context-parallel size (each CP rank holds an equal block of the chunk), times the tensor-parallel size under
+    sequence parallelism (each TP rank an equal share of its CP rank's block). A rank holds ``tokens / multiple``
+    of a chunk between layers: what a stage sends."""
+    return (config.tensor_model_parallel_size if config.sequence_parallel else 1) * config.context_parallel_size
 
 
 def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:

@@ -56,11 +56,12 @@ class RopeTable:
         return self.freqs.shape[0]
 
     def at(self, layout: ChunkLayout) -> torch.Tensor:
-        """``[N, 1, 1, d]`` fp32: the angles at ``layout``'s positions (its largest known on the host: no device sync)."""
+        """``[n, 1, 1, d]`` fp32: the angles at the positions of ``layout``'s tokens on this rank (all ``N`` of the chunk
+        without context parallelism; its largest known on the host: no device sync)."""
         if layout.max_position >= self.positions:
             raise ValueError(f"elastic RoPE: chunk {layout.chunk.id} reaches position {layout.max_position}, past the run's table of "
                              f"--seq-length {self.positions} positions (documents are at most --seq-length tokens)")
-        return self.freqs[layout.position_ids]
+        return self.freqs[layout.local_position_ids]
 
 
 class ChunkRope:

@@ -160,7 +160,7 @@ def forward_backward_elastic(
     config = get_model_config(model)
     multiple = token_multiple(config)
     if layouts is not None and any(layout.num_tokens % multiple for pipe in layouts for layout in pipe):
-        raise ValueError(f"sequence parallelism splits every chunk over {multiple} tensor-parallel ranks: build the "
+        raise ValueError(f"sequence/context parallelism splits every chunk over {multiple} ranks: build the "
                          f"layouts with multiple={multiple} (ChunkLayout.build pads each chunk)")
     comm = p2p_communicator or P2PCommunicator(pp_group=pp_group, config=config)
     context = ChunkContext.of(model)
@@ -203,7 +203,8 @@ class _StageRunner:
         self.losses: list[dict[str, torch.Tensor]] = []
         self.microbatch = 0
         self.num_chunks = sum(len(p.chunks) for p in plan.pipelines)
-        self.multiple = token_multiple(config)  # sequence parallelism: each rank holds 1/tp of a chunk's tokens
+        self.multiple = token_multiple(config)  # sequence and context parallelism: each rank holds 1/multiple of a chunk's tokens
+        self.cp_rank, self.cp_size = parallel_state.get_context_parallel_rank(), parallel_state.get_context_parallel_world_size()
         self.failure: OpFailure | None = None  # set when this rank runs out of memory: the rest of the step is stand-ins
         self.saved: dict[int, tuple[Any, Any]] = {}  # the current pipeline's forwards awaiting their backward
 
@@ -211,7 +212,8 @@ class _StageRunner:
         return [(layouts[pos].num_tokens // self.multiple, 1, self.config.hidden_size)]
 
     def build_layouts(self, pipe: Pipeline) -> list[ChunkLayout]:
-        return [ChunkLayout.build(c, self.plan.seq_lengths, self.device, recompute=count, multiple=self.multiple)
+        return [ChunkLayout.build(c, self.plan.seq_lengths, self.device, recompute=count, multiple=self.multiple,
+                                  cp_rank=self.cp_rank, cp_size=self.cp_size)
                 for c, count in zip(pipe.chunks, pipe.recompute[self.stage])]
 
     def run(self, index: int, pipe: Pipeline, layouts: Sequence[ChunkLayout]) -> None:

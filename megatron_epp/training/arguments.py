@@ -114,7 +114,11 @@ def _parallelism_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None,
                    help="Megatron's interleaved schedule: not supported (the elastic schedule runs one model chunk per stage)")
     g.add_argument("--context-parallel-size", type=int, default=None,
-                   help="not supported: EPP splits long sequences along the pipeline instead")
+                   help="context-parallel ranks per pipeline stage (with --elastic-pp; default 1): Ulysses, each chunk's tokens "
+                   "split evenly over them (padded to a multiple), an all-to-all to heads / N around core attention")
+    g.add_argument("--cp-comm-type", nargs="+", default=None,
+                   help="context parallelism's communication: a2a (Ulysses, the only one implemented; also what "
+                   "--context-parallel-size alone means here); p2p, allgather, a2a+p2p are refused")
     g.add_argument("--sequence-parallel", action="store_true",
                    help="Megatron's sequence parallelism: activations outside attention split along the sequence over "
                    "the tensor-parallel ranks (needs --tensor-model-parallel-size > 1; with --elastic-pp each chunk is padded to a "
@@ -427,9 +431,10 @@ def validate_parallel_args(args: argparse.Namespace, world_size: int) -> None:
     for flag, value in UNSUPPORTED_PARALLELISM.items():
         if getattr(args, flag) not in (None, 1):
             raise ArgumentError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: {value}")
-    if world_size % (tp * pp):
-        raise ArgumentError(f"world size {world_size} is not divisible by tp {tp} x pp {pp}")
-    args.data_parallel_size = world_size // (tp * pp)
+    cp = validate_context_parallel_args(args)
+    if world_size % (tp * cp * pp):
+        raise ArgumentError(f"world size {world_size} is not divisible by tp {tp} x cp {cp} x pp {pp}")
+    args.data_parallel_size = world_size // (tp * cp * pp)
     validate_wandb_args(args)
     # as Megatron-LM (which warns): at tp 1 there is nothing to split the sequence over; a start-up line says so
     args.sequence_parallel_off_at_tp1 = bool(args.sequence_parallel and tp == 1)
@@ -445,6 +450,36 @@ def validate_parallel_args(args: argparse.Namespace, world_size: int) -> None:
         raise ArgumentError(f"--ddp-bucket-size {args.ddp_bucket_size}: must be >= 1 parameters")
     if args.epp_metrics is None and (args.tensorboard_dir or args.save):
         args.epp_metrics = os.path.join(args.tensorboard_dir or args.save, "metrics.jsonl")
+
+
+CP_COMM_TYPES = ("a2a",)  # implemented; Megatron-LM's others are refused in one line
+CP_COMM_REFUSED = ("p2p", "allgather", "a2a+p2p")
+
+
+def validate_context_parallel_args(args: argparse.Namespace) -> int:
+    """``--context-parallel-size`` (fills it: 1 when not given) and ``--cp-comm-type`` (fills it: ``a2a`` under
+    context parallelism, None without); returns the size."""
+    cp = args.context_parallel_size = 1 if args.context_parallel_size is None else args.context_parallel_size
+    if cp < 1:
+        raise ArgumentError(f"--context-parallel-size {cp}: must be >= 1")
+    kinds = args.cp_comm_type or []
+    refused = [kind for kind in kinds if kind not in CP_COMM_TYPES]
+    if refused:
+        known = "not implemented" if refused[0] in CP_COMM_REFUSED else "unknown"
+        raise ArgumentError(f"--cp-comm-type {refused[0]}: {known} here; context parallelism is Ulysses all-to-all (a2a) only")
+    if len(kinds) > 1:
+        raise ArgumentError(f"--cp-comm-type {' '.join(kinds)}: one type for every layer (a2a)")
+    if cp > 1 and not args.elastic_pp:
+        raise ArgumentError(f"--context-parallel-size {cp} needs --elastic-pp (megatron-core's own context parallelism "
+                            "needs Transformer Engine's attention, which the stock path here does not build)")
+    if cp > 1:
+        heads = args.num_attention_heads // args.tensor_model_parallel_size
+        if args.num_attention_heads % args.tensor_model_parallel_size == 0 and heads % cp:
+            raise ArgumentError(f"--context-parallel-size {cp} does not divide the {heads} attention heads per tensor-parallel "
+                                f"rank (--num-attention-heads {args.num_attention_heads} / --tensor-model-parallel-size "
+                                f"{args.tensor_model_parallel_size}): the all-to-all gives each rank heads / {cp}")
+    args.cp_comm_type = "a2a" if cp > 1 else None
+    return cp
 
 
 def validate_model_args(args: argparse.Namespace) -> None:
@@ -814,8 +849,6 @@ ROTARY_BASE = 10000  # Megatron-LM's default RoPE base
 UNSUPPORTED_PARALLELISM = {
     "virtual_pipeline_model_parallel_size": "the interleaved (virtual) pipeline schedule is not supported; "
     "--elastic-pp runs its own elastic 1F1B schedule with one model chunk per stage",
-    "context_parallel_size": "context parallelism is not supported; --elastic-pp cuts long sequences into "
-    "slices that flow through the pipeline instead (see --epp-max-slices)",
 }
 
 

@@ -83,7 +83,10 @@ LAYOUT_SIZES = (
     ("pipeline_model_parallel_size", "pp", "pp_rank"),
     ("tensor_model_parallel_size", "tp", "tp_rank"),
     ("data_parallel_size", "dp", "dp_rank"),
+    ("context_parallel_size", "cp", "cp_rank"),
 )
+# sizes recorded (and in the grid) only where they are not 1: a checkpoint without context parallelism is as before it existed
+OPTIONAL_SIZES = ("context_parallel_size",)
 # the sizes whose change leaves every pipeline stage as saved: the dp_reshardable optimizer format and the planner's
 # calibration (fitted to the stages' times and memory) carry over a change of these alone
 REPLICA_SIZES = ("data_parallel_size",)
@@ -140,8 +143,8 @@ def _sharded_state(
 
 def _grid(runtime: Runtime) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """The per-rank objects' grid (the layout's sizes) and this rank's place in it, in :data:`LAYOUT_SIZES`' order."""
-    return (tuple(getattr(runtime.dims, dims) for _, dims, _ in LAYOUT_SIZES),
-            tuple(getattr(runtime, rank) for _, _, rank in LAYOUT_SIZES))
+    sizes = [(dims, rank) for key, dims, rank in LAYOUT_SIZES if key not in OPTIONAL_SIZES or getattr(runtime.dims, dims) != 1]
+    return tuple(getattr(runtime.dims, dims) for dims, _ in sizes), tuple(getattr(runtime, rank) for _, rank in sizes)
 
 
 def optimizer_metadata(sharding_type: str | None) -> dict[str, Any]:
@@ -230,7 +233,8 @@ def layout_record(cfg: TrainingConfig) -> dict[str, Any]:
     format (``distrib_optim_sharding_type``: None for the plain optimizer)."""
     sharding = (FULLY_RESHARDABLE if cfg.checkpoint.dist_ckpt_optim_fully_reshardable else DP_RESHARDABLE) \
         if cfg.parallel.use_distributed_optimizer else None
-    return {**{key: getattr(cfg.parallel.dims, dims) for key, dims, _ in LAYOUT_SIZES},
+    return {**{key: getattr(cfg.parallel.dims, dims) for key, dims, _ in LAYOUT_SIZES
+               if key not in OPTIONAL_SIZES or getattr(cfg.parallel.dims, dims) != 1},
             "use_distributed_optimizer": cfg.parallel.use_distributed_optimizer, "distrib_optim_sharding_type": sharding}
 
 
@@ -249,7 +253,7 @@ class Reshard:
         if saved.get("use_distributed_optimizer") and saved.get("distrib_optim_sharding_type") is None:
             saved["distrib_optim_sharding_type"] = DP_RESHARDABLE
         now = layout_record(cfg)
-        return cls(saved, {key: (saved.get(key, 1), now[key]) for key, _, _ in LAYOUT_SIZES if saved.get(key, 1) != now[key]})
+        return cls(saved, {key: (saved.get(key, 1), now.get(key, 1)) for key, _, _ in LAYOUT_SIZES if saved.get(key, 1) != now.get(key, 1)})
 
     @property
     def stages_kept(self) -> bool:
@@ -264,7 +268,11 @@ class Reshard:
     def problem(self, cfg: TrainingConfig) -> str | None:
         """Why the optimizer states cannot load at this layout (loaded: not ``--no-load-optim``/``--finetune``), else None."""
         if cfg.checkpoint.no_load_optim or cfg.checkpoint.finetune:
-            return None
+            return None  # the model alone: its weights are replicated over the context-parallel ranks too
+        if "context_parallel_size" in self.changed:
+            return (f"saved with --context-parallel-size {self.changed['context_parallel_size'][0]}, this run has "
+                    f"{self.changed['context_parallel_size'][1]}: the optimizer states do not move between context-parallel "
+                    "sizes yet (--no-load-optim or --finetune loads the model alone)")
         saved_do = bool(self.saved.get("use_distributed_optimizer"))
         if saved_do != cfg.parallel.use_distributed_optimizer:
             return (f"saved with --use-distributed-optimizer {saved_do}, this run has {cfg.parallel.use_distributed_optimizer}: "

@@ -278,7 +278,8 @@ def _section(section: type, args: argparse.Namespace, special: dict[str, Any]) -
 FOLDED = {
     "tensor_model_parallel_size": "parallel.dims.tp", "pipeline_model_parallel_size": "parallel.dims.pp",
     "data_parallel_size": "parallel.dims.dp", "sequence_parallel": "parallel.dims.sequence_parallel",
-    "virtual_pipeline_model_parallel_size": "refused unless 1", "context_parallel_size": "refused unless 1",
+    "virtual_pipeline_model_parallel_size": "refused unless 1", "context_parallel_size": "parallel.dims.cp",
+    "cp_comm_type": "a2a, the only one (parallel.dims.cp > 1)",
     "use_rotary_position_embeddings": "model.position_embedding_type", "tokenizer": "data.tokenizer_type/tokenizer_model",
     "lr_warmup_iters": "optim.lr_warmup_samples", "lr_warmup_fraction": "optim.lr_warmup_samples",
     "lr_decay_iters": "optim.lr_decay_samples", "lr_wsd_decay_iters": "optim.lr_wsd_decay_samples_total",

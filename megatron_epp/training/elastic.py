@@ -78,10 +78,14 @@ def _size(nbytes: float) -> str:
 
 
 def _share_plan(plan: Plan | None, timing: tuple[float, float, float] | None) -> tuple[Plan, tuple[float, float, float]]:
-    """Give every rank of this model replica (all stages, all tensor ranks) the plan of its first rank
-    and its ``(planning ms, of which waited ms, of which inside the last step's span)``."""
+    """Give every rank of this model replica (all stages, all tensor and context-parallel ranks) the plan of its first
+    rank and its ``(planning ms, of which waited ms, of which inside the last step's span)``: over the context-parallel
+    group of the model-parallel groups' first ranks (they share one), then over each model-parallel group."""
     group = ps.get_model_parallel_group()
     box = [(plan.to_json(), timing) if plan is not None else None]
+    cp_group = ps.get_context_parallel_group()
+    if cp_group.size() > 1 and group.rank() == 0:  # every rank of a context-parallel group has the same model-parallel rank
+        dist.broadcast_object_list(box, src=dist.get_global_rank(cp_group, 0), group=cp_group)
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
     text, timing = box[0]
     return Plan.from_json(text), timing
@@ -112,7 +116,7 @@ class ElasticTrainStep:
         # the global batches this function will still be asked for (None: no end, as validation): none is drawn,
         # planned or prepared beyond them, so the last step waits for no plan and the exit for no planner thread
         self.batches_left = steps
-        self.plans_here = ps.get_model_parallel_group().rank() == 0
+        self.plans_here = ps.get_model_parallel_group().rank() == 0 and runtime.cp_rank == 0  # one planner per replica
         self.preparer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epp-prepare")
         self.token_multiple = token_multiple(get_model_config(model))  # each chunk padded to it (sequence parallelism)
         self.pending: tuple[Any, PlanTicket | None] | None = None  # the next batch and its plan's ticket (the planning rank's)
@@ -171,7 +175,8 @@ class ElasticTrainStep:
 
     def _prepare(self, batch, plan: Plan, timing):
         tensors = [(torch.from_numpy(s.tokens), torch.from_numpy(s.labels)) for s in batch.sequences(self.runtime.dp_rank)]
-        return batch, plan, timing, prepare_step(plan, self.runtime.pp_rank, tensors, self.runtime.device, self.token_multiple)
+        return batch, plan, timing, prepare_step(plan, self.runtime.pp_rank, tensors, self.runtime.device, self.token_multiple,
+                                                 self.runtime.cp_rank, self.runtime.dims.cp)
 
     def __call__(self, forward_only: bool) -> tuple[list[dict[str, torch.Tensor]], np.ndarray]:
         if self.ready is None:
@@ -189,8 +194,10 @@ class ElasticTrainStep:
                 rng.restore()
                 plan, inputs = self._after_oom(batch, plan, oom, attempt, forward_only)
         memory = self.tracker
-        measured = None if memory is None else self._gather_stages(memory.peak_bytes)
-        allocated = None if memory is None else self._gather_stages(memory.peak_allocated)
+        per_cp = None if memory is None or self.runtime.dims.cp == 1 else self._gather_stages(memory.peak_bytes, by_cp_rank=True)
+        measured = [max(stage) for stage in per_cp] if per_cp is not None else None if memory is None else self._gather_stages(memory.peak_bytes)
+        allocated = None if memory is None else (self._gather_stages(memory.peak_allocated) if per_cp is None else
+                                                 [max(stage) for stage in self._gather_stages(memory.peak_allocated, by_cp_rank=True)])
         if not forward_only:
             self._observe(plan, run_ms, measured)
         self._prefetch()
@@ -207,6 +214,7 @@ class ElasticTrainStep:
             memory_budget_bytes=None if memory is None else self.planner.config.memory_budget_bytes,
             oom_retries=attempt - 1,
             baseline_ratios=baseline_ratios(plan),
+            measured_cp_activation_bytes=per_cp,
         )
         return losses, batch.seq_lengths
 
@@ -301,8 +309,13 @@ class ElasticTrainStep:
         """This rank's planner calibration, for a checkpoint (:meth:`OnlinePlanner.state_dict`)."""
         return self.planner.state_dict()
 
-    def _gather_stages(self, measured: int) -> list[int]:
-        """This rank's measured peak activation bytes, of every stage (gathered over the pipeline)."""
+    def _gather_stages(self, measured: int, by_cp_rank: bool = False) -> list[Any]:
+        """This rank's measured peak activation bytes, of every stage (gathered over the pipeline); ``by_cp_rank``: of
+        every stage and context-parallel rank (``[stage][cp rank]``, gathered over the context-parallel group first)."""
+        if by_cp_rank:
+            mine: Any = [None] * self.runtime.dims.cp
+            dist.all_gather_object(mine, measured, group=ps.get_context_parallel_group())
+            measured = mine
         per_stage: list[Any] = [None] * self.runtime.dims.pp
         dist.all_gather_object(per_stage, measured, group=ps.get_pipeline_model_parallel_group())
         return per_stage

@@ -6,6 +6,7 @@ from functools import partial
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
+from megatron.core import parallel_state
 
 from megatron_epp.executor.batches import Batch, per_token_loss
 
@@ -51,8 +52,15 @@ def gpt_forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module) -> 
     return output, partial(per_token_loss, batch["loss_mask"])
 
 
+def loss_group() -> Any:
+    """What the last stage's per-micro-batch loss sums are summed over: the data-parallel ranks with the context-parallel
+    ones (each context-parallel rank's sums are of its own block of every chunk's tokens)."""
+    return parallel_state.get_data_parallel_group(with_context_parallel=True)
+
+
 def reduce_losses(losses: list[dict[str, torch.Tensor]], dp_group: Any) -> float | None:
-    """Global-batch mean token loss from the last stage's per-micro-batch ``[sum, count]``; None elsewhere."""
+    """Global-batch mean token loss from the last stage's per-micro-batch ``[sum, count]``; None elsewhere. ``dp_group``:
+    the data-parallel group with context parallelism (each context-parallel rank's sums are of its own tokens)."""
     if not losses:
         return None
     total = torch.stack([d["lm loss"] for d in losses]).sum(0).double()

@@ -29,6 +29,7 @@ class Runtime:
     tp_rank: int
     dp_rank: int
     dims: ParallelDims
+    cp_rank: int = 0  # this rank's index in its context-parallel group (its share of each chunk's tokens)
 
     @property
     def world_size(self) -> int:
@@ -134,15 +135,17 @@ def initialize(cfg: TrainingConfig) -> Runtime:
             world_size=int(os.environ.get("WORLD_SIZE", "1")),
             timeout=timedelta(minutes=cfg.parallel.distributed_timeout_minutes),
         )
+    # megatron-core's order (tp-cp-ep-dp-pp): a pipeline group holds ranks of one CP index, so stage-to-stage sends go
+    # rank to rank within it; gradients are reduced (and the distributed optimizer sharded) over DP x CP
     ps.initialize_model_parallel(
-        cfg.parallel.dims.tp, cfg.parallel.dims.pp,
+        cfg.parallel.dims.tp, cfg.parallel.dims.pp, context_parallel_size=cfg.parallel.dims.cp,
         distributed_timeout_minutes=cfg.parallel.distributed_timeout_minutes,
     )
     dims = cfg.parallel.dims
-    megatron_sizes = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
-                      ps.get_data_parallel_world_size(), dist.get_world_size())
-    if megatron_sizes != (dims.tp, dims.pp, dims.dp, dims.world_size):
-        raise RuntimeError(f"megatron-core's groups (tp, pp, dp, world) {megatron_sizes} are not the configuration's {dims}")
+    megatron_sizes = (ps.get_tensor_model_parallel_world_size(), ps.get_context_parallel_world_size(),
+                      ps.get_pipeline_model_parallel_world_size(), ps.get_data_parallel_world_size(), dist.get_world_size())
+    if megatron_sizes != (dims.tp, dims.cp, dims.pp, dims.dp, dims.world_size):
+        raise RuntimeError(f"megatron-core's groups (tp, cp, pp, dp, world) {megatron_sizes} are not the configuration's {dims}")
     runtime = Runtime(
         device=device,
         rank=dist.get_rank(),
@@ -150,6 +153,7 @@ def initialize(cfg: TrainingConfig) -> Runtime:
         tp_rank=ps.get_tensor_model_parallel_rank(),
         dp_rank=ps.get_data_parallel_rank(),
         dims=dims,
+        cp_rank=ps.get_context_parallel_rank(),
     )
     set_seed(cfg.training.seed, runtime.pp_rank)
     return runtime

@@ -33,7 +33,7 @@ def _run_summary(cfg: TrainingConfig, runtime, steps: StepMode, start: tuple[int
         f"> GPT: {cfg.model.num_layers} layers, hidden {cfg.model.hidden_size}, {cfg.model.num_attention_heads} heads, "
         f"vocab {cfg.model.vocab_size}"
         + (f" (padded to {padded_vocab_size(cfg)})" if padded_vocab_size(cfg) != cfg.model.vocab_size else "")
-        + f" | tp={runtime.dims.tp} pp={runtime.dims.pp} "
+        + f" | tp={runtime.dims.tp} " + (f"cp={runtime.dims.cp} " if runtime.dims.cp > 1 else "") + f"pp={runtime.dims.pp} "
         f"dp={runtime.dims.dp} on {runtime.device.type} {cfg.model.precision} | "
         + steps.batch_text(runtime)
         + (f" | resumed at iteration {start[0]}" if resumed and not cfg.checkpoint.finetune else "")

@@ -111,6 +111,12 @@ def startup_notes(cfg: TrainingConfig) -> list[str]:
         if cfg.model.attention_backend == "fused":
             notes.append("--attention-backend fused: Transformer Engine's cuDNN attention is not used with --elastic-pp; "
                          "ElasticAttention's auto (flash-attn where it runs, else SDPA), the same attention")
+    if cfg.parallel.dims.cp > 1:
+        notes.append(f"context parallelism: --context-parallel-size {cfg.parallel.dims.cp} is Ulysses all-to-all here "
+                     "(--cp-comm-type a2a, the only one): each chunk padded to a multiple of "
+                     f"{cfg.parallel.dims.cp * (cfg.parallel.dims.tp if cfg.parallel.dims.sequence_parallel else 1)} tokens and "
+                     f"split evenly over the {cfg.parallel.dims.cp} ranks of a stage, attention on every token for heads / "
+                     f"{cfg.parallel.dims.cp}")
     if cfg.parallel.sequence_parallel_off_at_tp1:
         notes.append("--sequence-parallel at --tensor-model-parallel-size 1: turned off, as Megatron-LM does (it splits "
                      "activations over the tensor-parallel ranks, and there is one)")

@@ -39,7 +39,7 @@ class ElasticMetrics:
     # the planner's time (planning the next step, in a thread on the planning rank's core) inside this step's
     # forward_backward_elastic span on that rank: the time model does not count it
     planning_overlap_ms: float | None = None
-    padding_tokens: int = 0  # --sequence-parallel: tokens added to the step's chunks (each to a multiple of tp)
+    padding_tokens: int = 0  # --sequence-parallel / --context-parallel-size: tokens added to the step's chunks (each to a multiple of tp x cp)
     memory_factor: float | None = None  # the activation memory factor of the prediction (1: the profile's coefficients)
     # CUDA: the allocator's allocated peak per stage where it differs from measured_activation_bytes (its reserved peak)
     measured_allocated_bytes: list[int] | None = None
@@ -49,6 +49,9 @@ class ElasticMetrics:
     # the elastic builder's plan against the baselines it weighed on the same cost model: Megatron packing's and the
     # fastest Seq1F1B's predicted step time over the chosen plan's (> 1: faster), by plan label (planner.builders.baseline_ratios)
     baseline_ratios: dict[str, float] | None = None
+    # --context-parallel-size N > 1: the measured peak per stage and context-parallel rank ([stage][cp rank]; the
+    # per-stage measured_activation_bytes is the largest of a stage's)
+    measured_cp_activation_bytes: list[list[int]] | None = None
 
     def scalars(self) -> dict[str, float]:
         """The plan's statistics as named scalars (TensorBoard, wandb)."""
@@ -73,7 +76,7 @@ class ElasticMetrics:
         text = f"{self.plan} | "
         if self.baseline_ratios:
             text += "baseline/plan predicted: " + ", ".join(f"{label} {r:.2f}x" for label, r in self.baseline_ratios.items()) + " | "
-        text += (f"SP padding: {self.padding_tokens} token{'s' if self.padding_tokens > 1 else ''} | " if self.padding_tokens else "")
+        text += (f"padding: {self.padding_tokens} token{'s' if self.padding_tokens > 1 else ''} | " if self.padding_tokens else "")
         text += f"planning ms: {self.planning_ms:.1f} ({hidden}) | "
         if self.predicted_step_ms is not None:
             text += f"predicted ms: {self.predicted_step_ms:.1f} | "
@@ -86,6 +89,9 @@ class ElasticMetrics:
                 text += " (meas: reserved; allocated " + ", ".join(f"{a / 2**20:.2f}" for a in self.measured_allocated_bytes) + ")"
             if self.memory_factor not in (None, 1.0):  # the raw model's prediction: pred / factor
                 text += f" (pred = {self.memory_factor:.3f} x the raw memory model's)"
+            if self.measured_cp_activation_bytes is not None:
+                text += " | act MB meas per stage and CP rank: " + ", ".join(
+                    "/".join(f"{m / 2**20:.2f}" for m in stage) for stage in self.measured_cp_activation_bytes)
         if self.oom_retries:
             text += f" | out of memory on {self.oom_retries} plan{'s' if self.oom_retries > 1 else ''} of this batch, planned again"
         return text

@@ -252,6 +252,8 @@ def transformer_config(cfg: TrainingConfig, runtime: Runtime) -> TransformerConf
         attention_backend=AttnBackend[cfg.model.attention_backend],
         tensor_model_parallel_size=cfg.parallel.dims.tp,
         sequence_parallel=cfg.parallel.dims.sequence_parallel,
+        context_parallel_size=cfg.parallel.dims.cp,
+        cp_comm_type="a2a" if cfg.parallel.dims.cp > 1 else None,
         pipeline_model_parallel_size=cfg.parallel.dims.pp,
         pipeline_dtype=dtype,
         params_dtype=dtype,

@@ -47,6 +47,8 @@ PP2 = ["--pipeline-model-parallel-size", "2"]
 VARLEN = ["--attention-backend", "varlen", "--varlen-reference"]  # then enable_gqa|aten-flash|expanded
 DROPOUT = ["--hidden-dropout", "0.2", "--attention-dropout", "0.2", *PP2]
 SP_FAULT_CASES = 2  # the first cases of the sequence-parallel run again under each of its faults
+CP2 = ["--elastic-pp", "--context-parallel-size", "2"]
+CP_FAULTS = ["cp_all_to_all_order", "cp_rope_of_another_rank", "cp_loss_not_summed"]
 FAULTS = ["drop_prefix", "drop_prefix_grads", "misplaced_kv", "forward_order_backward", "leak_packing"]
 
 
@@ -63,6 +65,7 @@ RUNS: dict[str, tuple[int, str, int, list[str]]] = {
     "reference-learned_absolute": (1, "reference", CASES, ["--position-embedding-type", "learned_absolute"]),
     "reference-llama": (1, "reference", CASES, LLAMA),
     "reference-bf16": (1, "reference", CASES, ["--bf16"]),
+    "reference-llama-kv1": (1, "reference", 3, [*LLAMA, "--num-query-groups", "1"]),
     # random plans (test_random_plans_match_reference)
     "pp1": (1, "elastic", 8, layout(1, 1, "rope")),
     "pp2": (2, "elastic", 8, layout(2, 1, "rope")),
@@ -88,6 +91,13 @@ RUNS: dict[str, tuple[int, str, int, list[str]]] = {
     "bf16-pp1-flash": (1, "elastic", CASES, ["--pipeline-model-parallel-size", "1", "--bf16", "--attention-backend", "flash"]),
     "bf16-pp1-varlen": (1, "elastic", CASES, ["--pipeline-model-parallel-size", "1", "--bf16", "--attention-backend", "varlen"]),
     "bf16-drop_prefix": (2, "elastic", 3, [*PP2, "--bf16", "--fault", "drop_prefix"]),
+    # context parallelism (Ulysses), test_context_parallel_*
+    "cp2": (2, "elastic", 4, [*CP2, "--random-recompute"]),
+    "cp2-llama-kv1": (2, "elastic", 3, [*CP2, *LLAMA, "--num-query-groups", "1"]),
+    "bf16-cp2": (2, "elastic", 4, [*CP2, "--bf16"]),
+    **{f"cp2-{fault}": (2, "elastic", 2, [*CP2, "--fault", fault]) for fault in CP_FAULTS},
+    "pp2xcp2-llama": (4, "elastic", 3, [*PP2, *CP2, *LLAMA, "--random-recompute"]),
+    "tp2xcp2-sp-llama": (4, "elastic", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel", *CP2, *LLAMA]),
 }
 
 
@@ -413,3 +423,40 @@ def test_bf16_elastic_matches_fp32_reference(runs, pp, backend):
 
 def test_bf16_bound_catches_a_dropped_prefix(runs):
     assert max(worst_mismatch(runs["reference-rope"], runs["bf16-drop_prefix"], c) for c in range(3)) > BF16_BOUND
+
+
+def padded(run: Path) -> int:
+    """The padding tokens the run's plans' chunks got (on its first stage)."""
+    return sum(torch.load(p)["padding"] for p in run.glob("case*_stage0.pt"))
+
+
+@pytest.mark.parametrize("name, reference, gated", [
+    ("cp2", "reference-rope", False), ("cp2-llama-kv1", "reference-llama-kv1", True), ("pp2xcp2-llama", "reference-llama", True),
+    ("tp2xcp2-sp-llama", "reference-llama", True),
+])
+def test_context_parallel_matches_reference(runs, name, reference, gated):
+    """Context parallelism (Ulysses all-to-all over 2 ranks): each chunk padded to an even token count (checked: some
+    are) and split in two token blocks, attention on every token for half the heads. cp 2 at pp 1 (4 query = 4 K/V
+    heads split, random recompute); LLaMA-style with one K/V head at cp 2 (replicated on both ranks); pp 2 x cp 2 with
+    2 K/V heads (split) and random recompute; tp 2 x cp 2 with --sequence-parallel (one K/V head per tensor rank,
+    replicated over the CP ranks; chunks padded to a multiple of 4): stock Megatron-Core's loss and gradients."""
+    elastic = runs[name]
+    assert padded(elastic) > 0
+    for case in range(RUNS[name][2]):
+        assert worst_mismatch(runs[reference], elastic, case, gated=gated) < 1e-5, f"case {case}"
+
+
+@pytest.mark.parametrize("fault", CP_FAULTS)
+def test_context_parallel_fault_breaks_the_match(runs, fault):
+    """The ranks' token blocks gathered in the wrong order by the all-to-all, RoPE at the positions of another rank's
+    block, the loss (gradients, token count, reported loss) not summed over the CP ranks: each breaks the match."""
+    name = f"cp2-{fault}"
+    assert max(worst_mismatch(runs["reference-rope"], runs[name], c) for c in range(RUNS[name][2])) > 1e-2
+
+
+def test_bf16_context_parallel_matches_fp32_reference(runs):
+    """bf16 at cp 2 against the fp32 reference: within the bf16 bound, and no further than twice stock bf16's error."""
+    for case in range(RUNS["bf16-cp2"][2]):
+        error, stock = worst_mismatch(runs["reference-rope"], runs["bf16-cp2"], case), worst_mismatch(runs["reference-rope"], runs["reference-bf16"], case)
+        assert error < BF16_BOUND, f"case {case}: {error:.2e} >= 16 u = {BF16_BOUND:.2e}"
+        assert error < 2 * stock + BF16_UNIT_ROUNDOFF, f"case {case}: {error:.2e}, stock bf16 {stock:.2e}"

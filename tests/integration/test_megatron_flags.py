@@ -19,7 +19,7 @@ from megatron_epp.data.documents import DocumentDataset
 from megatron_epp.data.gpt_samples import MockGPTSamples, sample_dict
 from megatron_epp.data.tokenizers import NullTokenizer, TokenizerError, build_tokenizer
 from megatron_epp.planner.epp import in_units
-from megatron_epp.training.arguments import build_parser, parse_args
+from megatron_epp.training.arguments import build_parser, parse_args, parse_config
 from megatron_epp.training.config import TrainingConfig
 from megatron_epp.training.megatron_flags import ACCEPTED, REFUSED, startup_notes
 from megatron_epp.training.metrics import read_metrics
@@ -291,3 +291,39 @@ def check_profiled_plans(out: str, tb) -> None:
             assert Counter(kind for _, _, kind, _ in forward) == +Counter(record.elastic.num_chunks), iteration
             assert {p for p, *_ in forward} == {f"p{i}" for i in range(record.elastic.num_pipelines)}
             assert sum(int(tokens.removesuffix("t")) for *_, tokens in forward) == record.tokens
+
+
+def test_llama3_8b_example_trains_at_toy_size_with_context_parallelism(tmp_path):
+    """examples/train_llama3_8b.sh at SIZE=toy with CP_SIZE=2 PP_SIZE=1 (the ranks: 2): the script's flags with
+    --context-parallel-size 2 train 2 iterations of 8 documents on 2 CPU ranks, planned by Seq1F1B (4 slices per
+    document: split chunks, each slice's prefix K/V held per CP rank for its heads), the start-up lines saying the
+    layout and what CP means here; the log line has each CP rank's measured activation peak."""
+    ckpt, tb = tmp_path / "ckpt", tmp_path / "tb"
+    proc = subprocess.run(
+        ["bash", str(REPO / "examples/train_llama3_8b.sh"), str(ckpt), str(tb), "MOCK", "MOCK", "--train-samples", "16",
+         "--profile-step-start", "1", "--profile-step-end", "2", "--epp-plan", "seq1f1b", "--epp-max-slices", "4"],
+        cwd=tmp_path, env=run_env({"SIZE": "toy", "CP_SIZE": "2", "PP_SIZE": "1", "MASTER_PORT": str(free_port())}),
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    out = proc.stdout
+    assert "| tp=1 cp=2 pp=1 dp=1 on cpu" in out
+    assert "> context parallelism: --context-parallel-size 2 is Ulysses all-to-all here (--cp-comm-type a2a" in out
+    steps = [line for line in out.splitlines() if line.startswith(" iteration ")]
+    assert len(steps) == 2 and all("act MB meas per stage and CP rank: " in line for line in steps), steps
+    assert all("plan[seq1f1b-k4]" in line and " split=0 " not in line for line in steps), steps
+    assert all(math.isfinite(float(line.split("lm loss: ")[1].split()[0])) for line in steps)
+
+
+@pytest.mark.parametrize("size, world, dims", [("8b", 32, (2, 1, 4, 4)), ("8b-128k", 32, (2, 4, 4, 1))])
+def test_llama3_8b_example_flags_parse_at_full_size(tmp_path, size, world, dims):
+    """examples/train_llama3_8b.sh at its GPU sizes (the command it would run, printed with PYTHON=echo): pretrain_gpt.py
+    parses its flags for a world of ``world`` ranks into (tp, cp, pp, dp) ``dims``; 8b-128k: --seq-length 131072 with
+    --context-parallel-size 4."""
+    proc = subprocess.run(["bash", str(REPO / "examples/train_llama3_8b.sh"), str(tmp_path / "c"), str(tmp_path / "t")],
+                          cwd=tmp_path, env=run_env({"SIZE": size, "PYTHON": "echo"}), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    argv = proc.stdout.split()
+    cfg = parse_config(argv[argv.index(str(REPO / "pretrain_gpt.py")) + 1:], world_size=world)
+    d = cfg.parallel.dims
+    assert (d.tp, d.cp, d.pp, d.dp) == dims and cfg.model.seq_length == (131072 if size == "8b-128k" else 8192)

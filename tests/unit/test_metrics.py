@@ -36,7 +36,7 @@ def test_the_log_line_is_printed_from_the_record():
     assert calibrated == LINE + " (pred = 1.331 x the raw memory model's)"
     assert elastic_step(memory_factor=1.0).line() == LINE
     assert elastic_step(memory_factor=1.3305).scalars()["memory/activation factor"] == 1.3305
-    for padding, said in ((1, "SP padding: 1 token | "), (3, "SP padding: 3 tokens | ")):
+    for padding, said in ((1, "padding: 1 token | "), (3, "padding: 3 tokens | ")):
         assert f"recomputed_layers=0 | {said}planning ms:" in elastic_step(padding_tokens=padding).line()
     # the elastic builder's plan beside the baselines it weighed: their predicted step time over the plan's
     ratios = elastic_step(baseline_ratios={"megatron": 1.1667, "seq1f1b-k2": 1.0951})

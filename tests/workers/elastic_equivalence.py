@@ -1,7 +1,8 @@
 """Random elastic plans vs a non-pipelined reference, many cases in one process-group launch.
 
     torchrun ... tests/workers/elastic_equivalence.py OUT --mode reference|elastic --cases N
-        [--fault drop_prefix|drop_prefix_grads|misplaced_kv|leak_packing|forward_order_backward|recompute_without_rng_restore|gqa_tiled_heads]
+        [--fault drop_prefix|drop_prefix_grads|misplaced_kv|leak_packing|forward_order_backward|recompute_without_rng_restore|gqa_tiled_heads
+                 |cp_all_to_all_order|cp_rope_of_another_rank|cp_loss_not_summed]
         [--sp-fault-cases K] [--attention-backend auto|sdpa|flash|varlen] [--varlen-reference enable_gqa|expanded]
         [pretrain_gpt flags...] [:: OUT --mode ... (another run)]...
 
@@ -37,12 +38,13 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.utils import get_model_config
 
-from megatron_epp.executor import kernels, recompute_layer
+from megatron_epp.executor import attention, kernels, recompute_layer
 from megatron_epp.executor.schedule import forward_backward_elastic
 from megatron_epp.executor.batches import chunk_batches, elastic_gpt_forward_step
 from megatron_epp.executor.context import ChunkContext, ChunkLayout, KVBuffer, padding_tokens, token_multiple
 from megatron_epp.plan import order as schedule_order
 from megatron_epp.training.arguments import parse_config
+from megatron_epp.training import gpt_step
 from megatron_epp.training.gpt_step import gpt_forward_step, reduce_losses
 from megatron_epp.training.initialize import initialize, shutdown
 from megatron_epp.training.loop import build_optimizer
@@ -101,8 +103,19 @@ class LeakPacking(ChunkContext):
         return super().running(layout if layout.split_index is not None else dataclasses.replace(layout, bounds=[(0, layout.num_tokens)]))
 
 
+class RopeOfAnotherRank(ChunkContext):
+    """Context parallelism: RoPE rotates each rank's tokens by the positions of the next rank's block."""
+
+    def running(self, layout: ChunkLayout):
+        start, end = layout.local_range
+        shift = (end - start) % layout.num_tokens if layout.cp_size > 1 else 0
+        layout.__dict__["local_position_ids"] = layout.position_ids.roll(-shift)[start:end]  # the cached property's slot
+        return super().running(layout)
+
+
 BROKEN_CONTEXTS = {
     "drop_prefix": DropPrefix, "drop_prefix_grads": DropPrefixGrads, "misplaced_kv": MisplacedKV, "leak_packing": LeakPacking,
+    "cp_rope_of_another_rank": RopeOfAnotherRank,
 }
 
 
@@ -170,8 +183,25 @@ def inject(fault: str) -> Callable[[], None]:
             return attend(q, k.repeat(1, 1, repeat, 1), v.repeat(1, 1, repeat, 1), *rest, **kwargs)
 
         return _patch(kernels, "segment_attention", tiled)
+    if fault == "cp_all_to_all_order":
+        gather = attention.tokens_to_heads
+
+        def reversed_blocks(t, group):  # the ranks' token blocks gathered last rank first
+            out = gather(t, group)
+            return out.reshape(group.size(), -1, *out.shape[1:]).flip(0).reshape(out.shape)
+
+        return _patch(attention, "tokens_to_heads", reversed_blocks)
     raise ValueError(fault)
 
+
+def inject_before_model(fault: str | None) -> Callable[[], None] | None:
+    """Faults in what the model's DDP and the loss take from megatron-core's groups (so set before the model is built);
+    None for the others. ``cp_loss_not_summed``: the data-parallel group asked for with context parallelism is the one
+    without it, so neither the gradients nor the token count nor the reported loss are summed over the CP ranks."""
+    if fault != "cp_loss_not_summed":
+        return None
+    dp_group = ps.get_data_parallel_group
+    return _patch(ps, "get_data_parallel_group", lambda with_context_parallel=False, partial_data_parallel=False, **kwargs: dp_group(**kwargs))
 
 # sequence parallelism, checked in the launch of the good cases: the norms' gradients not summed over the
 # tensor-parallel ranks (their sequence_parallel tag dropped); the padding tokens counted in the loss
@@ -191,6 +221,11 @@ def padding_in_loss(batches):
     """Every token of every chunk counted in the loss, the padding too."""
     for batch in batches:
         yield {**batch, "loss_mask": torch.ones_like(batch["loss_mask"])} if batch else batch
+
+
+def loss_group():
+    """The group the losses are summed over (the training loop's): looked up at each use, so a fault can replace it."""
+    return gpt_step.loss_group()
 
 
 def case_sequences(case: int, seed: int, vocab: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -230,9 +265,10 @@ def run(argv: list[str]) -> None:
     runtime = initialize(args)
     elastic = ours.mode == "elastic"
     context = BROKEN_CONTEXTS.get(ours.fault, ChunkContext)() if elastic else None
+    undo_groups = inject_before_model(ours.fault)
     model, config = build_model(args, runtime, context=context)
     gpt = unwrap_model(model)  # through DDP (and Float16Module with --bf16): parameters by their own names
-    undo = inject(ours.fault) if ours.fault and ours.fault not in BROKEN_CONTEXTS else None
+    undo = inject(ours.fault) if ours.fault and ours.fault not in BROKEN_CONTEXTS and undo_groups is None else None
     per_stage = args.model.num_layers // runtime.dims.pp
     set_global_weights(gpt, runtime.pp_rank, per_stage, runtime.tp_rank, args.parallel.dims.tp, args.model.swiglu)
     build_optimizer(args, model, config)
@@ -254,7 +290,7 @@ def run(argv: list[str]) -> None:
                     pipe.recompute = rng.integers(0, per_stage + 1, size=(runtime.dims.pp, len(pipe.chunks))).tolist()
             multiple = token_multiple(config)
             padding = sum(padding_tokens(c.num_tokens, multiple) for c in plan.chunks())
-            batches = chunk_batches(plan, mine, runtime.device, multiple)
+            batches = chunk_batches(plan, mine, runtime.device, multiple, runtime.cp_rank, runtime.dims.cp)
             untagged = untag_sequence_parallel_norms(gpt) if fault == "sp_norm_grads_not_reduced" else []
             comm = RecordingCommunicator(pp_group=ps.get_pipeline_model_parallel_group(), config=get_model_config(model))
             losses = forward_backward_elastic(
@@ -275,12 +311,12 @@ def run(argv: list[str]) -> None:
                 forward_step_func=gpt_forward_step, data_iterator=batches, model=[model],
                 num_microbatches=len(sequences), seq_length=1, micro_batch_size=1,
             )
-        loss = reduce_losses(losses, ps.get_data_parallel_group())
-        if runtime.dp_rank == 0 and runtime.tp_rank == 0:
+        loss = reduce_losses(losses, loss_group())
+        if runtime.dp_rank == 0 and runtime.tp_rank == 0 and runtime.cp_rank == 0:
             grads = {global_name(n, runtime.pp_rank, per_stage): q.main_grad.detach().cpu().clone() for n, q in gpt.named_parameters()}
             prefix = f"{fault}_" if fault else ""
             torch.save({"loss": loss, "grads": grads, "padding": padding, **record}, f"{ours.out}/{prefix}case{case}_stage{runtime.pp_rank}.pt")
-    for undo_patch in (undo, undo_varlen):
+    for undo_patch in (undo, undo_varlen, undo_groups):
         if undo_patch is not None:
             undo_patch()
     if backend_before is None:
