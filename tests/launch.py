@@ -50,13 +50,24 @@ def torchrun_command(nproc: int, script: str, *args: str, launcher: bool = False
 LAUNCHER_ENV = "EPP_TEST_LAUNCHER"  # "torchrun": every launch through torchrun itself (default "forked": tests.forked)
 
 
+def launcher_mode(env: dict[str, str] | None = None) -> str:
+    """``"torchrun"`` or ``"forked"`` for a launch with ``env``: torchrun where ``EPP_TEST_LAUNCHER=torchrun``, where the
+    run chooses its host allocator (``EPP_HOST_ALLOCATOR``: the re-execution is what it tests) and where a CUDA device
+    is visible (a rank forked from a process that imported torch and megatron-core cannot initialise CUDA: "Cannot
+    re-initialize CUDA in forked subprocess", seen on an H200 on 2026-11-27); else forked."""
+    import torch
+
+    if os.environ.get(LAUNCHER_ENV, "forked") == "torchrun" or "EPP_HOST_ALLOCATOR" in (env or {}) or torch.cuda.is_available():
+        return "torchrun"
+    return "forked"
+
+
 def torchrun(nproc: int, script: str, *args: str, env: dict[str, str] | None = None, check: bool = True, timeout: int = 300) -> subprocess.CompletedProcess:
     """``torchrun --nproc-per-node nproc script args``; on failure (if ``check``) raise with the log tail. The ranks are
     forked from a process that imported torch and megatron-core once (:mod:`tests.forked`: what torchrun gives a
-    worker, and its exit status), unless ``EPP_TEST_LAUNCHER=torchrun`` or the run chooses its host allocator
-    (``EPP_HOST_ALLOCATOR``: the re-execution is what it tests)."""
+    worker, and its exit status), unless :func:`launcher_mode` says torchrun."""
     cmd = torchrun_command(nproc, script, *args)
-    if os.environ.get(LAUNCHER_ENV, "forked") == "torchrun" or "EPP_HOST_ALLOCATOR" in (env or {}):
+    if launcher_mode(env) == "torchrun":
         proc = subprocess.run(cmd, cwd=REPO, env=run_env(env), capture_output=True, text=True, timeout=timeout)
     else:
         from tests import forked  # torch and megatron-core: imported here, once, and in the forkserver

@@ -64,3 +64,19 @@ def test_a_hang_ends_at_the_timeout(script, tmp_path):
         torchrun(2, script, "hang", str(tmp_path / "pid"), check=False, timeout=5)
     assert time.monotonic() - start < 30
     assert not any(alive(int((tmp_path / f"pid.{rank}").read_text())) for rank in (0, 1))
+
+
+def test_ranks_are_forked_only_without_a_cuda_device(monkeypatch):
+    import torch
+
+    from tests.launch import LAUNCHER_ENV, launcher_mode
+
+    monkeypatch.delenv(LAUNCHER_ENV, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert launcher_mode() == "forked"
+    assert launcher_mode({"EPP_HOST_ALLOCATOR": "system"}) == "torchrun"  # the re-execution is under test
+    monkeypatch.setenv(LAUNCHER_ENV, "torchrun")
+    assert launcher_mode() == "torchrun"
+    monkeypatch.delenv(LAUNCHER_ENV)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a forked rank cannot initialise CUDA (H200, 2026-11-27)
+    assert launcher_mode() == "torchrun"
