@@ -65,27 +65,28 @@ class PlannerConfig:
 @dataclass(frozen=True)
 class ParallelDims:
     """The parallel layout a run plans for: tensor-parallel size ``tp`` (with ``sequence_parallel``),
-    pipeline stages ``pp`` and data-parallel replicas ``dp``."""
+    pipeline stages ``pp``, data-parallel replicas ``dp`` and context-parallel (Ulysses all-to-all) size ``cp``."""
 
     tp: int = 1
     pp: int = 1
     dp: int = 1
+    cp: int = 1
     sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
-        if min(self.tp, self.pp, self.dp) < 1:
-            raise ValueError(f"parallel sizes must be >= 1 (tp {self.tp}, pp {self.pp}, dp {self.dp})")
+        if min(self.tp, self.pp, self.dp, self.cp) < 1:
+            raise ValueError(f"parallel sizes must be >= 1 (tp {self.tp}, pp {self.pp}, dp {self.dp}, cp {self.cp})")
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ParallelDims":
         """From the validated ``--tensor-model-parallel-size``, ``--pipeline-model-parallel-size``,
-        ``--sequence-parallel`` and the data-parallel size they leave of the world."""
+        ``--sequence-parallel``, ``--context-parallel-size`` and the data-parallel size they leave of the world."""
         return cls(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.data_parallel_size,
-                   args.sequence_parallel)
+                   getattr(args, "context_parallel_size", 1) or 1, args.sequence_parallel)
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.cp * self.pp * self.dp
 
 
 def add_planner_arguments(group: Any, defaults: dict[str, Any]) -> None:
@@ -112,7 +113,7 @@ def add_planner_arguments(group: Any, defaults: dict[str, Any]) -> None:
                        help="wall-clock safety limit of the recompute integer program: seconds per 10,000 nonzeros of the "
                        "program, at least this (a deterministic node limit bounds the solve first)" + note("epp_time_limit"))
     group.add_argument("--epp-search-layout", action="store_true", default=None,
-                       help="search the parallel layout (TP or Ulysses SP x PP x DP) for this world size, model and "
+                       help="search the parallel layout (TP x CP x PP x DP; CP: --context-parallel-size with --elastic-pp) for this world size, model and "
                        "length distribution on the --epp-cluster preset; print the best flags and exit")
     group.add_argument("--epp-cluster", default=None, choices=sorted(CLUSTERS),
                        help=f"cluster preset of --epp-search-layout (default {DEFAULT_CLUSTER})")

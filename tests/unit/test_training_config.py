@@ -46,7 +46,7 @@ def test_every_flag_lands_in_a_section(argv):
                 continue
             assert getattr(value, f.name) == getattr(args, config_module._dest(type(value), f)), (section.name, f.name)
     assert cfg.parallel.dims == ParallelDims(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                                             args.data_parallel_size, args.sequence_parallel)
+                                             args.data_parallel_size, sequence_parallel=args.sequence_parallel)
     assert cfg.parallel.dims.world_size == 4
 
 
