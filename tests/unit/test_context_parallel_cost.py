@@ -149,3 +149,19 @@ def test_online_planner_plans_at_cp():
     assert two.cost_model.costs(feats).act_layer[0] < 0.6 * one.cost_model.costs(feats).act_layer[0]
     plan = two([900, 500, 300, 100])
     assert np.isfinite(plan.stats.predicted_step_ms)
+
+
+def test_gradient_sync_over_dp_x_cp():
+    """The CP ranks hold the same weights: the gradient reduce-scatter and the weights' all-gather run over DP x CP,
+    of the GPU's whole TP shard; at cp 1 over DP as before."""
+    from megatron_epp.cost.clusters import COMM_OVERLAP
+    from megatron_epp.planner.layout import Layout, dp_sync_ms, layout_cost_model
+
+    shape, cluster = MODEL_PRESETS["llama-7b"], get_cluster("a800-ib-node")
+    for layout, group in ((Layout(2, 2, 1, 8), 16), (Layout(2, 1, 1, 16), 16), (Layout(4, 2, 2, 2), 4), (Layout(8, 1, 1, 4), 4)):
+        cm = layout_cost_model(shape, cluster, layout)
+        params = shape.rank_parameters(cm.layers, layout.tp).max()
+        comm = sum(cluster.strided_allgather_ms(b * params, group, layout.tp * layout.pp) for b in (4.0, 2.0))
+        assert dp_sync_ms(cm, cluster, layout) == pytest.approx((1 - COMM_OVERLAP) * comm), str(layout)
+    same = [dp_sync_ms(layout_cost_model(shape, cluster, x), cluster, x) for x in (Layout(2, 2, 1, 8), Layout(2, 1, 1, 16))]
+    assert same[0] == pytest.approx(same[1])
