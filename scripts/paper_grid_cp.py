@@ -6,13 +6,16 @@ those rows (the same batch: :func:`paper_grid.length_pool`, :func:`paper_grid.ba
 old cell) this plans EPP again with the current search (TP x CP layouts, context parallelism by Ulysses
 all-to-all, model states as megatron-core holds them) and reports, row by row:
 
-* ``old SP``: EPP's step on the SP + FSDP layout (the old cell);
+* ``old EPP``: EPP's step and layout in the old cell (SP + FSDP in the SP rows);
 * ``TP ref``: EPP's best TP-only step, the old cell's runner-up when it was a TP layout (the search reported it:
   ``why``), else the new search's best TP layout among those it planned (None if it planned none);
 * ``new``: EPP's step on the best runnable layout now, and the layout;
 * ``advantage kept``: ``(TP ref / new - 1) / (TP ref / old SP - 1)``: the share of the SP layout's gain over the
   best TP layout that the runnable layouts keep (1: all of it, 0: none, < 0: slower than TP, which the search never
   picks when it planned the TP layout).
+
+With ``--all-rows`` the rows where EPP chose a TP layout follow (``TP ref``: that step; ``kept by new``: what a CP
+layout gains over it, 0 where the search keeps TP).
 
     python scripts/paper_grid_cp.py --cells docs/measurements/2026-11-27-cpu-cp/sp_rows_cp.jsonl   # resumable
     python scripts/paper_grid_cp.py --cells FILE --report-only --out docs/measurements/2026-11-27-cpu-cp/sp_rows_cp.md
@@ -53,11 +56,14 @@ OLD = ROOT / "docs" / "measurements" / "2026-11-24-cpu" / "paper_grid_cells.json
 KEYS = ("data", "model", "cap", "cluster")
 
 
-def sp_rows(path: Path) -> list[dict]:
-    """The old cells whose EPP layout was Ulysses SP, cheapest search first (as many as time allows get done)."""
+def sp_rows(path: Path, all_rows: bool = False) -> list[dict]:
+    """The old cells whose EPP layout was Ulysses SP, cheapest search first (as many as time allows get done); with
+    ``all_rows`` then the others (EPP on a TP layout), cheapest first."""
     cells = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    rows = [c for c in cells if c["systems"]["epp"].get("layout", "").startswith("SP")]
-    return sorted(rows, key=lambda c: c["systems"]["epp"]["search_s"])
+    is_sp = [c["systems"]["epp"].get("layout", "").startswith("SP") for c in cells]
+    first = sorted((c for c, sp in zip(cells, is_sp) if sp), key=lambda c: c["systems"]["epp"]["search_s"])
+    rest = sorted((c for c, sp in zip(cells, is_sp) if not sp and c["systems"]["epp"]["fits"]), key=lambda c: c["systems"]["epp"]["search_s"])
+    return first + (rest if all_rows else [])
 
 
 def old_tp_runner_up(cell: dict) -> float | None:
@@ -84,7 +90,7 @@ def run_row(cell: dict) -> dict:
 
 
 def table(old: list[dict], new: dict[tuple, dict]) -> tuple[list[str], list[dict]]:
-    lines = ["| data | model | cap | cluster | old SP (SP + FSDP) | TP ref | new (runnable) | SP gain over TP | kept by new | advantage kept |",
+    lines = ["| data | model | cap | cluster | old EPP (2026-11-24) | TP ref | new EPP (runnable layouts) | SP gain over TP ref | new gain over TP ref | SP advantage kept |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     rows = []
     for c in old:
@@ -99,8 +105,9 @@ def table(old: list[dict], new: dict[tuple, dict]) -> tuple[list[str], list[dict
             lines.append(head + f" | | does not fit: {n['reason']} | | | |")
             rows.append({**dict(zip(KEYS, key)), "fits": False})
             continue
-        ref = old_tp_runner_up(c) or n["new_tp_best_planned_ms"]
-        gain = ref / e["step_ms"] - 1 if ref else None
+        # an SP row: the best TP step the old search reported (else the new search planned); a TP row: its own step
+        ref = (old_tp_runner_up(c) or n["new_tp_best_planned_ms"]) if e["layout"].startswith("SP") else e["step_ms"]
+        gain = ref / e["step_ms"] - 1 if ref and e["layout"].startswith("SP") else None
         kept = ref / n["step_ms"] - 1 if ref else None
         share = kept / gain if gain and gain > 0 else None
         rows.append({**dict(zip(KEYS, key)), "old_sp_ms": e["step_ms"], "tp_ref_ms": ref, "new_ms": n["step_ms"], "new_layout": n["layout"],
@@ -118,9 +125,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cells", type=Path, required=True, help="JSON lines: rows done appended; those there not re-run")
     ap.add_argument("--report-only", action="store_true")
     ap.add_argument("--limit", type=int, default=None, help="run at most this many rows (cheapest first)")
+    ap.add_argument("--all-rows", action="store_true", help="after the SP rows, the rows where EPP chose a TP layout")
     ap.add_argument("--out", type=Path, default=None, help="markdown file the table is written to")
     args = ap.parse_args(argv)
-    old = sp_rows(args.old)
+    old = sp_rows(args.old, args.all_rows)
     done = {}
     if args.cells.exists():
         for line in args.cells.read_text().splitlines():
