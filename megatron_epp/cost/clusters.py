@@ -16,8 +16,9 @@ Collectives (one model for every system, stated in docs/baselines.md):
   GPU moves ``(g-1)/g * n``; within a node at NVLink speed, across nodes at the node's InfiniBand
   (``gpus_per_node`` x the per-GPU share), whichever is slower;
 * overlap: a collective that can run behind compute (ZeRO-3/FSDP gathers, gradient reduce-scatter,
-  the data-parallel gradient sync; not context parallelism's all-to-alls: core attention waits for them) hides at most ``overlap`` of its time and at most the compute it
-  runs behind: ``exposed = max((1 - overlap) * comm, comm - compute)`` (:func:`exposed_ms`).
+  the data-parallel gradient sync) hides at most ``overlap`` of its time and at most the compute it
+  runs behind: ``exposed = max((1 - overlap) * comm, comm - compute)`` (:func:`exposed_ms`); context
+  parallelism's all-to-alls hide nothing (core attention waits for them: :func:`cp_profile`).
 """
 
 from __future__ import annotations
@@ -192,7 +193,7 @@ def cp_profile(profile: Profile, cp: int, network: Network) -> Profile:
     else:
         memory = replace(profile.memory, **derived_memory(profile.memory.derive, shape, tp, profile.sequence_parallel, cp))
     return replace(
-        profile, device=f"{profile.device} x CP{cp}", cp=cp, fwd=layer(profile.fwd), bwd=layer(profile.bwd),
+        profile, cp=cp, fwd=layer(profile.fwd), bwd=layer(profile.bwd),
         recompute=layer(profile.recompute), head_fwd=head(profile.head_fwd), head_bwd=head(profile.head_bwd),
         memory=replace(memory, p2p_token=profile.memory.p2p_token / cp),
     )
