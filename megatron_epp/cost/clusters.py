@@ -1,5 +1,5 @@
 """Cluster presets named after real machines, their collectives, and the per-stage profile of a
-parallel layout (tensor parallelism, or Ulysses sequence parallelism with FSDP, inside a node).
+parallel layout (tensor parallelism x context parallelism, Ulysses all-to-all, inside a node).
 
 A :class:`Cluster` is ``num_nodes`` nodes of ``gpus_per_node`` GPUs: an :class:`Accelerator` (peak
 bf16 dense TFLOP/s), its memory, NVLink inside a node and InfiniBand between nodes. Bandwidths are
@@ -17,7 +17,8 @@ Collectives (one model for every system, stated in docs/baselines.md):
   (``gpus_per_node`` x the per-GPU share), whichever is slower;
 * overlap: a collective that can run behind compute (ZeRO-3/FSDP gathers, gradient reduce-scatter,
   the data-parallel gradient sync) hides at most ``overlap`` of its time and at most the compute it
-  runs behind: ``exposed = max((1 - overlap) * comm, comm - compute)`` (:func:`exposed_ms`).
+  runs behind: ``exposed = max((1 - overlap) * comm, comm - compute)`` (:func:`exposed_ms`); context
+  parallelism's all-to-alls hide nothing (core attention waits for them: :func:`cp_profile`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from megatron_epp.cost.network import Network
-from megatron_epp.cost.profiles import PROFILE_DIR, Accelerator, ModelShape, Profile, TimeCoeffs, analytic_profile
+from megatron_epp.cost.profiles import (DTYPE_BYTES, MEASURED_MEMORY, PROFILE_DIR, Accelerator, ModelShape, Profile, TimeCoeffs,
+                                        analytic_profile, carry_measured_memory, check_context_parallel, derived_memory,
+                                        kv_heads_split)
 
 # Fraction of a collective's time hidden behind compute where it can overlap (ZeRO-3 / FSDP parameter
 # gathers and gradient reduce-scatters, the data-parallel gradient sync). The same 0.5 as the analytic
@@ -127,9 +130,6 @@ def get_cluster(name: str) -> Cluster:
     return CLUSTERS[name]
 
 
-INTRA_MODES = ("tp", "sp")  # inside a stage: tensor parallelism, or Ulysses sequence parallelism + FSDP
-
-
 def measured_profile_path(shape: ModelShape, cluster: Cluster, tp: int) -> Path:
     """Where a measured GPU profile of this shape, device and TP size would be (``scripts/profile_gpu.py --out``)."""
     device = cluster.accelerator.name.split()[0].lower()
@@ -144,49 +144,64 @@ def tp_profile(shape: ModelShape, cluster: Cluster, tp: int) -> Profile:
     return analytic_profile(shape, tp, cluster.accelerator)
 
 
-def sp_profile(shape: ModelShape, cluster: Cluster, sp: int, layers_per_stage: int, overlap: float = COMM_OVERLAP) -> Profile:
-    """A stage of ``sp`` GPUs running Ulysses sequence parallelism with FSDP (ZeRO-3) inside the node,
-    as InfiniPipe does: each GPU computes ``1/sp`` of a chunk's tokens through the whole layer (the
-    attention on ``1/sp`` of the heads over all tokens) at the tp = 1 cost, divided by ``sp``; per
-    layer the forward pays 4 all-to-alls (Q, K, V, output: ``2 (2 h + 2 h_kv) / sp`` bytes per token and
-    GPU, ``(sp-1)/sp`` of it leaving the GPU, over NVLink, not overlapped), the backward the same 4, a
-    recompute the forward's again; per layer and chunk, FSDP gathers the layer's bf16 weights in the
-    forward (and the recompute) and gathers them again and reduce-scatters the fp32 gradients in the
-    backward, with ``(1 - overlap)`` of it exposed (a per-chunk constant: chunks of a pipeline are long
-    enough that the compute bound of :func:`exposed_ms` does not bind; stated in docs/baselines.md). Memory: the
-    activations per token are Megatron's ``34 h / sp`` (each GPU keeps ``1/sp`` of the tokens), the model
-    states are sharded ``sp`` ways, plus two gathered layers of bf16 weights and one of fp32 gradients."""
-    if sp < 2 or sp > cluster.gpus_per_node:
-        raise ValueError(f"sequence parallel size {sp}: between 2 and the node's {cluster.gpus_per_node} GPUs")
-    base = analytic_profile(shape, 1, cluster.accelerator)
-    acc = cluster.accelerator
-    h, kv = shape.hidden, shape.kv_hidden
-    a2a = 2.0 * (2 * h + 2 * kv) / sp * (sp - 1) / sp / (cluster.nvlink_gbps * 1e6)  # ms per token: Q, K, V, output
-    a2a_lat = 4 * NVLINK_LATENCY_US * 1e-3
-    p_layer = shape.params_per_layer()
-    gather = 2.0 * p_layer * (sp - 1) / sp / (cluster.nvlink_gbps * 1e6) * (1 - overlap)
-    scatter = 4.0 * p_layer * (sp - 1) / sp / (cluster.nvlink_gbps * 1e6) * (1 - overlap)
+def cp_profile(profile: Profile, cp: int, network: Network) -> Profile:
+    """``profile`` (one GPU of a stage at its ``tp``) placed at context-parallel size ``cp`` (Ulysses all-to-all,
+    ``--context-parallel-size cp --cp-comm-type a2a``; ``cp`` must divide the heads of a TP rank): the profile itself
+    at ``cp`` = 1.
 
-    def div(t: TimeCoeffs, comm_token: float, const: float) -> TimeCoeffs:
-        return TimeCoeffs(t.a1 / sp, t.a1c / sp, t.a2 / sp + comm_token, t.ac / sp, t.bs, t.b1 + const)
+    Time: each GPU runs its ``1 / cp`` of a chunk's tokens through the linear layers (and their tensor-parallel
+    collectives) and every token for ``heads / cp`` of the heads in core attention, so the per-token, per-pair and
+    per-prefix-token coefficients (layers and output head) are divided by ``cp``; the per-segment and per-chunk
+    launches are not. Per layer and chunk the forward pays 4 all-to-alls over the ``cp`` GPUs (q, k, v in, the
+    output back), the backward the same 4 (their gradients), a recompute the forward's again: per token of the chunk
+    a GPU holds ``b (2 q + 2 h_kv) / tp / cp`` bytes of them (``b``: the shape's activation bytes), of which
+    :meth:`Network.alltoall_ms` sends ``(cp-1)/cp``; K and V replicated (``cp`` not dividing the K/V heads of a TP
+    rank, :func:`~megatron_epp.cost.profiles.kv_heads_split`) are gathered whole, ``b 2 h_kv / tp`` per token. Not
+    overlapped (core attention waits for them): their bytes go on the per-token term, their latencies on the
+    per-chunk constant. Stage-to-stage sends carry ``1 / cp`` of the tokens per GPU (rank to rank, the same CP index).
 
-    fwd = div(base.fwd, a2a, a2a_lat + gather)
-    bwd = div(base.bwd, a2a, a2a_lat + gather + scatter)
-    head = lambda t: TimeCoeffs(t.a1 / sp, t.a1c / sp, t.a2 / sp, t.ac / sp, t.bs, t.b1)  # noqa: E731
-    gathered = (2 * 2.0 + 4.0) * sp / max(layers_per_stage, 1)  # per (param / sp) of the stage
-    memory = replace(analytic_profile(shape, sp, acc).memory, weight=2.0 + gathered)
+    Memory: the activation coefficients of the profile's ``derive`` count at ``cp`` (a CP rank's share:
+    :func:`~megatron_epp.cost.profiles.saved_tensor_memory`, :func:`~megatron_epp.cost.profiles.gpu_activation_memory`;
+    a measured block carried there by its basis count); model states as megatron-core holds them: weights and
+    gradients replicated over CP, the distributed optimizer sharded over DP x CP (:meth:`CostModel.model_state_bytes`
+    reads ``profile.cp``). A profile without a ``derive`` cannot be re-derived: a ``ValueError``."""
+    shape, tp = profile.model, profile.tp
+    check_context_parallel(shape, tp, cp)
+    if cp == 1:
+        return profile
+    if profile.cp != 1:
+        raise ValueError(f"the profile {profile.device!r} is already at context-parallel size {profile.cp}")
+    if not profile.memory.derive:
+        raise ValueError(f"the profile {profile.device!r}: its activation memory cannot be re-derived for context "
+                         "parallelism (no memory 'derive')")
+    b = DTYPE_BYTES[shape.dtype]
+    kv = shape.kv_hidden / tp / (cp if kv_heads_split(shape, tp, cp) else 1)
+    per_token = b * (2 * shape.q_hidden / tp / cp + 2 * kv)  # q, output; k, v: bytes per token of the chunk, per GPU
+    latency = network.alltoall_ms(0.0, cp)
+    a2a_token = network.alltoall_ms(per_token * 1e6, cp) / 1e6 - latency / 1e6  # ms per token (linear in the bytes)
+    a2a_chunk = 4 * latency  # ms per layer and chunk
+
+    def layer(t: TimeCoeffs) -> TimeCoeffs:
+        return TimeCoeffs(t.a1 / cp, t.a1c / cp, t.a2 / cp + a2a_token, t.ac / cp, t.bs, t.b1 + a2a_chunk)
+
+    def head(t: TimeCoeffs) -> TimeCoeffs:
+        return TimeCoeffs(t.a1 / cp, t.a1c / cp, t.a2 / cp, t.ac / cp, t.bs, t.b1)
+
+    if profile.memory.derive == MEASURED_MEMORY:
+        memory = carry_measured_memory(profile.memory, profile.time_model, tp, profile.time_model, tp, profile.sequence_parallel,
+                                       cp=cp, ref_cp=1)
+    else:
+        memory = replace(profile.memory, **derived_memory(profile.memory.derive, shape, tp, profile.sequence_parallel, cp))
     return replace(
-        base, device=f"{acc.name} x{sp} (Ulysses SP + FSDP)", tp=sp, fwd=fwd, bwd=bwd, recompute=fwd,
-        head_fwd=head(base.head_fwd), head_bwd=head(base.head_bwd), memory=memory,
-        fit={"note": f"analytic Ulysses SP={sp} + FSDP in the node, overlap {overlap}; not measured"},
+        profile, cp=cp, fwd=layer(profile.fwd), bwd=layer(profile.bwd),
+        recompute=layer(profile.recompute), head_fwd=head(profile.head_fwd), head_bwd=head(profile.head_bwd),
+        memory=replace(memory, p2p_token=profile.memory.p2p_token / cp),
     )
 
 
-def stage_profile(shape: ModelShape, cluster: Cluster, intra: str, size: int, layers_per_stage: int,
-                  overlap: float = COMM_OVERLAP) -> Profile:
-    """The per-GPU profile of one pipeline stage of ``size`` GPUs (``intra``: ``tp`` or ``sp``)."""
-    if intra == "tp" or size == 1:
-        return tp_profile(shape, cluster, size)
-    if intra == "sp":
-        return sp_profile(shape, cluster, size, layers_per_stage, overlap)
-    raise ValueError(f"intra-stage parallelism {intra!r}: one of {', '.join(INTRA_MODES)}")
+def stage_profile(shape: ModelShape, cluster: Cluster, tp: int, cp: int, pipeline_span: int) -> Profile:
+    """The per-GPU profile of one pipeline stage of ``tp x cp`` GPUs (inside a node): :func:`tp_profile` placed at
+    ``cp`` (:func:`cp_profile`) on the cluster's links (the CP group inside the node: NVLink)."""
+    if tp * cp > cluster.gpus_per_node:
+        raise ValueError(f"a stage of TP={tp} x CP={cp} GPUs: more than the node's {cluster.gpus_per_node}")
+    return cp_profile(tp_profile(shape, cluster, tp), cp, cluster.network(pipeline_span))

@@ -17,6 +17,12 @@ from megatron_epp.cost.network import NETWORKS, Network
 from megatron_epp.cost.profiles import Profile, StageOverhead, TimeCoeffs, shape_memory, shape_time
 
 
+def default_network(profile: Profile) -> Network:
+    """The network a cost model of ``profile`` uses unless given one: ``fat-tree`` for an analytic profile, else
+    ``cpu-local`` (processes on one host)."""
+    return NETWORKS["fat-tree" if profile.source == "analytic" else "cpu-local"]
+
+
 @dataclass
 class ChunkCosts:
     """Per-stage time (ms) and per-layer memory (bytes) of a list of chunks."""
@@ -61,7 +67,7 @@ class CostModel:
             layers_per_stage if layers_per_stage is not None else split_layers(profile.model.num_layers, num_stages)
         )
         self.dp = dp
-        self.network = network or NETWORKS["fat-tree" if profile.source == "analytic" else "cpu-local"]
+        self.network = network or default_network(profile)
         self.speed_factor = float(speed_factor)
 
     def calibrated(self, speed_factor: float, overhead: StageOverhead) -> "CostModel":
@@ -79,13 +85,14 @@ class CostModel:
         return self.speed_factor * ((p.fwd.vector() + p.bwd.vector()) * self.layers.sum() + p.head_fwd.vector() + p.head_bwd.vector())
 
     def costs(self, feats: np.ndarray) -> ChunkCosts:
-        """Time and memory of chunks of features ``feats``; under sequence parallelism each chunk padded to a
-        multiple of ``tp`` tokens (time and activations count the padding; a split sequence's K/V buffer holds
-        only its own tokens)."""
+        """Time and memory of chunks of features ``feats``; each chunk padded to a multiple of ``tp`` tokens under
+        sequence parallelism, times ``cp`` under context parallelism (time and activations count the padding; a split
+        sequence's K/V buffer holds only its own tokens)."""
         p, m, s = self.profile, self.profile.memory, self.speed_factor
         own_tokens = feats[:, F.S]
-        if p.sequence_parallel:
-            feats = padded_features(feats, p.tp)
+        multiple = (p.tp if p.sequence_parallel else 1) * p.cp
+        if multiple > 1:
+            feats = padded_features(feats, multiple)
         L = self.layers[:, None].astype(float)
         last = (np.arange(self.num_stages) == self.num_stages - 1)[:, None]
         tokens = feats[:, F.S]
@@ -145,7 +152,9 @@ class CostModel:
     def model_state_bytes(self) -> np.ndarray:
         """Weights, gradients and optimizer states per GPU of every stage (``ModelShape.rank_parameters``:
         embedding on the first stage, final norm and output layer on the last), the optimizer's divided
-        over the data-parallel ranks with a distributed optimizer."""
+        over the data-parallel ranks with a distributed optimizer: as megatron-core holds them under context
+        parallelism (``profile.cp``), weights and gradients replicated over the CP ranks, the optimizer sharded over
+        DP x CP."""
         m = self.profile.memory
-        optim = m.optim / (self.dp if m.distributed_optimizer else 1)
+        optim = m.optim / (self.dp * self.profile.cp if m.distributed_optimizer else 1)
         return self.profile.model.rank_parameters(self.layers, self.profile.tp) * (m.weight + m.grad + optim)

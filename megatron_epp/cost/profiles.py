@@ -259,6 +259,10 @@ class Profile:
     # split over the tensor-parallel ranks, and every chunk is padded to a multiple of ``tp`` tokens
     # (``CostModel.costs``); counted by the ``saved-tensors`` derivation
     sequence_parallel: bool = False
+    # context parallelism (Ulysses all-to-all, ``--context-parallel-size``) inside the stage: a GPU holds ``1 / cp`` of
+    # a chunk's tokens outside core attention and ``heads / cp`` inside it (``cost.clusters.cp_profile`` places a
+    # profile at ``cp``: times, all-to-alls; the memory derivations count a CP rank's share)
+    cp: int = 1
 
     def __post_init__(self) -> None:
         if self.time_model is None:
@@ -287,6 +291,7 @@ class Profile:
             overhead=StageOverhead(**d["overhead"]) if "overhead" in d else StageOverhead(),
             time_model=ModelShape(**d["time_model"]) if d.get("time_model") else None,
             sequence_parallel=bool(d.get("sequence_parallel", False)),
+            cp=int(d.get("cp", 1)),
             **tc,
         )
 
@@ -383,7 +388,22 @@ def analytic_profile(shape: ModelShape, tp: int = 8, acc: Accelerator = H100) ->
     )
 
 
-def gpu_activation_memory(shape: ModelShape, tp: int) -> dict[str, float]:
+def kv_heads_split(shape: ModelShape, tp: int, cp: int) -> bool:
+    """Whether context parallelism of size ``cp`` splits the K/V heads of a tensor-parallel rank (``cp`` divides them:
+    each CP rank holds ``1 / cp`` of them after the all-to-all) rather than replicating them (every CP rank holds all
+    of the TP rank's K/V heads, gathered over the CP group: grouped-query attention with fewer K/V heads than ``cp``)."""
+    return cp == 1 or ((shape.num_kv_heads or shape.num_heads) / tp) % cp == 0
+
+
+def check_context_parallel(shape: ModelShape, tp: int, cp: int) -> None:
+    """A one-line ``ValueError`` unless ``cp`` (>= 1) divides the attention heads of a tensor-parallel rank."""
+    heads = shape.num_heads / tp
+    if cp < 1 or (cp > 1 and heads % cp):
+        raise ValueError(f"--context-parallel-size {cp}: must divide the {heads:g} attention heads per tensor-parallel rank "
+                         f"({shape.num_heads} heads, TP={tp})")
+
+
+def gpu_activation_memory(shape: ModelShape, tp: int, cp: int = 1) -> dict[str, float]:
     """Megatron's activation count per layer and token (bf16 whatever the shape's dtype, sequence
     parallel, flash attention: no quadratic term), ``34 h / tp`` for a GPT layer: the attention's
     QKV input ``2 h``, Q ``2 q``, K and V ``2 * 2 h_kv``, the output projection's input ``2 q`` and a
@@ -396,14 +416,24 @@ def gpu_activation_memory(shape: ModelShape, tp: int) -> dict[str, float]:
     (``native_dropout``'s boolean mask; Megatron's count has them whatever the probability, so at ``hidden_dropout``
     0, where nothing is saved, this over-counts ``2 h / tp``), and with ``hidden_dropout`` above 0 the first stage's
     embedding dropout saves one more (``embed_token`` = ``h / tp``, sequence parallel); attention dropout adds
-    nothing: flash-attn's and SDPA's flash / memory-efficient kernels keep only the RNG state."""
-    h, q, f, kv = shape.hidden, shape.q_hidden, shape.ffn_hidden, 2 * 2.0 * shape.kv_hidden / tp
-    attention = 2 * h + 2 * q + 2 * q + h
+    nothing: flash-attn's and SDPA's flash / memory-efficient kernels keep only the RNG state.
+
+    Context parallelism ``cp`` (Ulysses: :func:`saved_tensor_memory` has the layout), per token of the chunk (its
+    padded tokens, all CP ranks'): outside core attention a rank holds ``1 / cp`` of the tokens, so every term above
+    is divided by ``cp`` except K and V, ``2 * 2 h_kv / tp / cp`` when ``cp`` divides the rank's K/V heads
+    (:func:`kv_heads_split`) else ``2 * 2 h_kv / tp`` (replicated), and core attention saves its output
+    (``2 q / tp / cp``) apart from the output projection's input (the all-to-all back makes a new tensor); a split
+    sequence's K/V buffer holds this rank's K/V heads. At ``cp`` = 1 the count above."""
+    check_context_parallel(shape, tp, cp)
+    h, q, f = shape.hidden, shape.q_hidden, shape.ffn_hidden
+    kv = 2 * 2.0 * shape.kv_hidden / tp / (cp if kv_heads_split(shape, tp, cp) else 1)
+    attention = 2 * h + 2 * q + 2 * q + h + (2 * q if cp > 1 else 0)
     mlp = 2 * h + (4 if shape.swiglu else 2) * f + 2 * f + h
+    share = tp * cp  # the GPUs a chunk's tokens (outside core attention) or its heads (inside) are divided over
     return {
-        "act_token": (attention + mlp + 4 * h) / tp + kv, "act_area": 0.0, "act_context": 0.0, "ckpt_token": 2.0 * h / tp,
-        "kv_token": kv, "lone_slice_token": kv, "logits_token": 4.0 * shape.vocab / tp,
-        "embed_token": h / tp if shape.hidden_dropout > 0 else 0.0,
+        "act_token": (attention + mlp + 4 * h) / share + kv, "act_area": 0.0, "act_context": 0.0, "ckpt_token": 2.0 * h / share,
+        "kv_token": kv, "lone_slice_token": kv, "logits_token": 4.0 * shape.vocab / share,
+        "embed_token": h / share if shape.hidden_dropout > 0 else 0.0,
     }
 
 
@@ -418,7 +448,8 @@ def _counted_activation_bytes(shape: ModelShape) -> float:
     return b
 
 
-def _saved_attention(shape: ModelShape, b: float, q: float, kv: float, heads: float) -> tuple[float, float, float, float]:
+def _saved_attention(shape: ModelShape, b: float, q: float, kv: float, heads: float,
+                     all_to_all: bool = False) -> tuple[float, float, float, float]:
     """:func:`saved_tensor_memory`'s attention term on one tensor-parallel rank (``q``, ``kv``, ``heads``: its share
     of the queries' width, the K/V heads' width and the query heads; ``b`` bytes per activation): the bytes saved per
     token (``act_token``'s share), per query-key pair (``act_area``), per prefix key (``act_context``) and per token of
@@ -442,7 +473,20 @@ def _saved_attention(shape: ModelShape, b: float, q: float, kv: float, heads: fl
       (probabilities, dropout mask, dropped probabilities): ``act_area`` = ``12 heads``, ``act_context`` =
       ``4 q`` or ``8 q`` per prefix key (the slice's k, v copies of its buffer's rows); the QKV output stays
       saved only as v's storage, so a lone slice (its v read from the buffer) does not save it.
+
+    ``all_to_all`` (context parallelism): q, k and v reach core attention through their own all-to-alls (after RoPE,
+    which runs on the rank's own tokens), new storages of ``b q``, ``b h_kv``, ``b h_kv`` per token (this rank's
+    heads over all the chunk's tokens), which the kernel saves in place of the RoPE outputs and the QKV output (those
+    are the all-to-alls' inputs, saved by nothing); the flash kernel's output is saved apart from the output
+    projection's input (the all-to-all back is a new tensor); a lone slice does not save its k and v (read from its
+    buffer); on the math path v is a view of its all-to-all output unless copied.
     """
+    if all_to_all:
+        if shape.attention_dropout > 0:  # SDPA's math path, in fp32 (MATH_SDPA_SAVED)
+            v_copy = b != 4 or kv != q
+            attention = (0.0 if v_copy else b * kv) + 4 * q * (3 if v_copy else 2)
+            return attention, 4 * MATH_SDPA_SAVED * heads, 4 * q * (2 if v_copy else 1), 0.0 if v_copy else b * kv
+        return b * q + 2 * b * kv + b * q + 4 * heads, 0.0, 0.0, 2 * b * kv
     qkv = b * (q + 2 * kv)
     if shape.attention_dropout > 0:  # SDPA's math path, in fp32 (MATH_SDPA_SAVED)
         v_copy = b != 4 or kv != q  # V upcast to fp32 or repeated over the query heads: not a view of the QKV output
@@ -456,7 +500,7 @@ def _saved_attention(shape: ModelShape, b: float, q: float, kv: float, heads: fl
     return attention, area, prefix, lone
 
 
-def saved_tensor_memory(shape: ModelShape, tp: int = 1, sequence_parallel: bool = False) -> dict[str, float]:
+def saved_tensor_memory(shape: ModelShape, tp: int = 1, sequence_parallel: bool = False, cp: int = 1) -> dict[str, float]:
     """Bytes autograd saves for backward, counted tensor by tensor (deduplicated by storage, as
     :class:`~megatron_epp.executor.memory_tracker.ActivationMemoryTracker` counts them), for one
     Megatron-Core local-spec layer with :class:`ElasticAttention` on the SDPA-masked path (CPU),
@@ -507,27 +551,40 @@ def saved_tensor_memory(shape: ModelShape, tp: int = 1, sequence_parallel: bool 
     fp32 with grouped-query attention; hidden dropout at tp 2 with sequence parallelism). On CUDA the :func:`gpu_activation_memory` count holds
     instead (its hidden-dropout masks are one byte per element; flash-attn's and SDPA's flash/efficient kernels
     save only the RNG state for attention dropout): not measured.
+
+    Context parallelism ``cp`` (``--context-parallel-size``, Ulysses all-to-all; per token of the chunk, padded, all
+    CP ranks' tokens; one CP rank's bytes): outside core attention a rank holds ``1 / cp`` of the chunk's tokens, so
+    everything above but core attention is divided by ``cp`` (the norms, the linear layers' inputs, the output
+    projection's input ``b q / cp``, the MLP, the dropout masks, a checkpointed layer's input, the output head's and
+    the embedding's tensors, RMSNorm's recompute copy); inside it a rank holds every token for ``heads / cp`` of the
+    heads: ``q / cp``, ``heads / cp``, and the K/V heads ``h_kv / cp`` when ``cp`` divides the rank's K/V heads
+    (:func:`kv_heads_split`) else all ``h_kv`` (replicated); what core attention saves is :func:`_saved_attention`'s
+    ``all_to_all`` count (the all-to-alls' outputs); a split sequence's K/V buffer (``kv_token``, and what a lone
+    slice does not save) holds this rank's K/V heads. The all-to-alls' send buffers live within the layer's forward
+    (or backward) only, at no row of the memory walk. At ``cp`` = 1 the count above, unchanged.
     """
+    check_context_parallel(shape, tp, cp)
     b = _counted_activation_bytes(shape)
-    sp = tp if sequence_parallel else 1  # the share of a chunk's tokens a rank holds outside attention
+    sp = (tp if sequence_parallel else 1) * cp  # the share of a chunk's tokens a rank holds outside attention
     H = shape.hidden  # norm inputs and outputs are whole on every tensor-parallel rank
     q, kv, heads, f = shape.q_hidden / tp, shape.kv_hidden / tp, shape.num_heads / tp, shape.ffn_hidden / tp
+    kv_rank = kv / cp if kv_heads_split(shape, tp, cp) else kv  # inside core attention
     norm = NORM_SAVED[shape.normalization](b, H) / sp
-    attention, area, prefix, lone = _saved_attention(shape, b, q, kv, heads)
+    attention, area, prefix, lone = _saved_attention(shape, b, q / cp, kv_rank, heads / cp, all_to_all=cp > 1)
     mask = b * H / sp if shape.hidden_dropout > 0 else 0.0  # a hidden dropout's mask (CPU: the scaled keep mask in b)
     per_token = (
         2 * norm  # the two norms
         + 2 * b * H / sp  # QKV linear and fc1 inputs
         + attention
-        + b * q  # output projection input
-        + (5 if shape.swiglu else 2) * b * f  # the MLP's activation and fc2 inputs
+        + b * q / cp  # output projection input
+        + (5 if shape.swiglu else 2) * b * f / cp  # the MLP's activation and fc2 inputs
         + 2 * mask  # the hidden dropouts after attention and after the MLP
     )
     return {
         "act_token": per_token, "act_area": area, "act_context": prefix, "act_slice": 0.0,
-        "lone_slice_token": lone, "ckpt_token": b * H / sp, "kv_token": 2 * b * kv,
-        "logits_token": norm + b * H / sp + 4 * shape.vocab / tp + 13,
-        "embed_token": (8.0 if shape.rope else 16.0) + (tp > 1) + mask,  # + the embedding's dropout
+        "lone_slice_token": lone, "ckpt_token": b * H / sp, "kv_token": 2 * b * kv_rank,
+        "logits_token": norm + b * H / sp + (4 * shape.vocab / tp + 13) / cp,
+        "embed_token": ((8.0 if shape.rope else 16.0) + (tp > 1)) / cp + mask,  # + the embedding's dropout
         "bwd_workspace": 0.0,
         "kv_grad": 0.0,
         # the recomputed layer's first norm saves its input itself, except RMSNorm's fp32 copy of a bf16 input
@@ -554,26 +611,28 @@ MEASURED_COEFFS = ("act_token", "ckpt_token", "logits_token")
 ALLOCATOR_COEFFS = ("bwd_workspace", "kv_grad")  # what an allocator adds to the saved tensors: as measured, never carried
 
 
-def derived_memory(derive: str, shape: ModelShape, tp: int, sequence_parallel: bool = False) -> dict[str, float]:
+def derived_memory(derive: str, shape: ModelShape, tp: int, sequence_parallel: bool = False, cp: int = 1) -> dict[str, float]:
     """The activation coefficients of the analytic count ``derive`` (``saved-tensors`` or ``megatron-gpu``, which
-    assumes sequence parallelism) for ``shape`` at ``tp``."""
+    assumes sequence parallelism) for ``shape`` at ``tp`` and context-parallel size ``cp`` (one CP rank's share)."""
     if derive not in _DERIVATIONS:
         raise ValueError(f"unknown memory derivation {derive!r} (known: {', '.join(_DERIVATIONS)}, {MEASURED_MEMORY})")
     sp = {"sequence_parallel": sequence_parallel} if derive == "saved-tensors" else {}
-    return _DERIVATIONS[derive](shape, tp, **sp)
+    return _DERIVATIONS[derive](shape, tp, cp=cp, **sp)
 
 
 def carry_measured_memory(memory: MemoryCoeffs, ref: ModelShape, ref_tp: int, shape: ModelShape, tp: int,
-                          sequence_parallel: bool = False) -> MemoryCoeffs:
+                          sequence_parallel: bool = False, cp: int = 1, ref_cp: int | None = None) -> MemoryCoeffs:
     """A measured memory block (``derive`` ``"measured"``), measured at shape ``ref`` and TP ``ref_tp``, carried to
     ``shape`` at ``tp``: each measured coefficient (:data:`MEASURED_COEFFS`) times the ratio of its ``basis`` count
     at ``shape`` over at ``ref`` (so the output head's bytes follow the vocabulary, a layer's its widths and the
     TP split), the coefficients the profiler does not measure as the ``basis`` counts them at ``shape``, and
     ``bwd_workspace``, ``kv_grad`` as measured. Where ``shape`` and ``tp`` are those measured, every ratio is 1:
     the coefficients as measured. A measured profile on another shape thus never keeps the measured bytes as
-    they are, nor drops them for the analytic count: it keeps the measured excess over the count."""
-    old = derived_memory(memory.basis, ref, ref_tp, sequence_parallel)
-    new = derived_memory(memory.basis, shape, tp, sequence_parallel)
+    they are, nor drops them for the analytic count: it keeps the measured excess over the count. ``cp``: the
+    context-parallel size carried to, from ``ref_cp`` (default: ``cp``, the block already at it; the profiler
+    measures at 1)."""
+    old = derived_memory(memory.basis, ref, ref_tp, sequence_parallel, cp if ref_cp is None else ref_cp)
+    new = derived_memory(memory.basis, shape, tp, sequence_parallel, cp)
     measured = {k: getattr(memory, k) * (new[k] / old[k] if old[k] else 1.0) for k in MEASURED_COEFFS}
     counted = {k: v for k, v in new.items() if k not in MEASURED_COEFFS + ALLOCATOR_COEFFS}
     return replace(memory, **counted, **measured)
@@ -590,8 +649,8 @@ def shape_memory(profile: Profile) -> Profile:
         return profile
     if derive == MEASURED_MEMORY:
         return replace(profile, memory=carry_measured_memory(profile.memory, profile.time_model, profile.tp, profile.model,
-                                                             profile.tp, profile.sequence_parallel))
-    memory = derived_memory(derive, profile.model, profile.tp, profile.sequence_parallel)
+                                                             profile.tp, profile.sequence_parallel, profile.cp))
+    memory = derived_memory(derive, profile.model, profile.tp, profile.sequence_parallel, profile.cp)
     return replace(profile, memory=replace(profile.memory, **memory))
 
 

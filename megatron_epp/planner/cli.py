@@ -207,13 +207,13 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 
 def print_layout_search(args: argparse.Namespace, config: PlannerConfig, tp: int, lengths: np.ndarray) -> None:
-    """``--epp-search-layout``: EPP's best layout (TP or Ulysses SP x PP x DP) for the world size
+    """``--epp-search-layout``: EPP's best layout (TP x CP x PP x DP) for the world size
     ``tp x --stages x --dp`` (``tp``: ``--tp``, else the preset's) on the ``--epp-cluster`` preset; the last line is its flags."""
     world = tp * args.stages * args.dp
     with solver_output_to_stderr():
         try:
             choice, cluster = search_for_world(lengths, MODEL_PRESETS[config.profile], args.epp_cluster or DEFAULT_CLUSTER,
-                                               world, config, runnable_only=False)
+                                               world, config)
         except PlanInfeasible as e:
             fail(e, 1)
         except ValueError as e:  # a world size that is no whole number of the cluster's nodes

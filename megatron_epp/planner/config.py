@@ -114,7 +114,7 @@ def add_planner_arguments(group: Any, defaults: dict[str, Any]) -> None:
                        help="wall-clock safety limit of the recompute integer program: seconds per 10,000 nonzeros of the "
                        "program, at least this (a deterministic node limit bounds the solve first)" + note("epp_time_limit"))
     group.add_argument("--epp-search-layout", action="store_true", default=None,
-                       help="search the parallel layout (TP or Ulysses SP x PP x DP) for this world size, model and "
+                       help="search the parallel layout (TP x CP x PP x DP; CP: --context-parallel-size with --elastic-pp) for this world size, model and "
                        "length distribution on the --epp-cluster preset; print the best flags and exit")
     group.add_argument("--epp-cluster", default=None, choices=sorted(CLUSTERS),
                        help=f"cluster preset of --epp-search-layout (default {DEFAULT_CLUSTER})")

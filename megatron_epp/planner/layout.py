@@ -1,12 +1,15 @@
-"""The parallel layout search: which TP (or Ulysses SP + FSDP) x PP x DP to run a system with.
+"""The parallel layout search: which TP x CP x PP x DP to run a system with.
 
 For a model, a cluster (:mod:`megatron_epp.cost.clusters`) and a batch of lengths, every layout
-``intra x size`` (inside a stage, within a node; ``tp`` or ``sp``, sizes 1, 2, 4, 8 dividing the
-heads) ``x pp`` (dividing the layers) ``x dp`` (the rest of the world size; several pipelines in
-parallel, the batch split over them as training splits it) is a candidate. A layout's step is the
+``tp x cp`` (inside a stage, within a node: tensor parallelism of 1, 2, 4, 8, 16 dividing the heads, times
+context parallelism, Ulysses all-to-all, of 1, 2, 4, 8, 16 dividing the heads of a TP rank; ``cp`` > 1 for
+EPP only, :data:`SYSTEM_CP`) ``x pp`` (dividing the layers) ``x dp`` (the rest of the world size; several
+pipelines in parallel, the batch split over them as training splits it) is a candidate, and every one runs:
+:meth:`Layout.flags` are ``pretrain_gpt.py --elastic-pp``'s. A layout's step is the
 slowest replica's simulated step (each replica planned by the system's builder on that layout's
 cost model) plus the exposed data-parallel gradient sync: a reduce-scatter of fp32 gradients and an
-all-gather of bf16 weights of the GPU's shard over the ``dp`` replicas
+all-gather of bf16 weights of the GPU's shard over the ``dp x cp`` ranks (megatron-core reduces gradients
+and shards the distributed optimizer over DP x CP)
 (:func:`~megatron_epp.cost.clusters.exposed_ms` with nothing to hide behind but the overlap share).
 
 The search is exact and cheap: layouts are visited by their lower bound (the compute-only bound
@@ -22,7 +25,7 @@ from typing import Sequence
 
 import numpy as np
 
-from megatron_epp.cost.clusters import COMM_OVERLAP, INTRA_MODES, Cluster, get_cluster, stage_profile
+from megatron_epp.cost.clusters import COMM_OVERLAP, Cluster, get_cluster, stage_profile
 from megatron_epp.cost.model import CostModel
 from megatron_epp.cost.profiles import GIB, ModelShape
 from megatron_epp.plan import Plan, PlanInfeasible
@@ -32,21 +35,32 @@ from megatron_epp.planner.data_parallel import split_data_parallel
 
 
 
+# how pretrain_gpt.py runs context parallelism: Ulysses all-to-all, with --elastic-pp only
+CONTEXT_PARALLEL_FLAGS = ["--cp-comm-type", "a2a", "--elastic-pp"]
+
+
 @dataclass(frozen=True)
 class Layout:
-    intra: str  # "tp" or "sp" inside a stage
-    size: int  # GPUs per stage
+    tp: int  # tensor-parallel size
+    cp: int  # context-parallel size (Ulysses all-to-all); a stage is tp x cp GPUs
     pp: int
     dp: int
 
+    @property
+    def size(self) -> int:
+        """GPUs per stage."""
+        return self.tp * self.cp
+
     def __str__(self) -> str:
-        return f"{self.intra.upper()}{self.size}xPP{self.pp}xDP{self.dp}"
+        return f"TP{self.tp}{f'xCP{self.cp}' if self.cp > 1 else ''}xPP{self.pp}xDP{self.dp}"
 
     def flags(self) -> list[str]:
-        """``pretrain_gpt.py``'s flags for this layout (data parallel = the rest of the world size)."""
-        if self.intra == "sp" and self.size > 1:
-            raise ValueError(f"{self}: Ulysses sequence parallelism is simulated only; pretrain_gpt.py runs TP layouts")
-        return ["--tensor-model-parallel-size", str(self.size), "--pipeline-model-parallel-size", str(self.pp)]
+        """``pretrain_gpt.py``'s flags for this layout (data parallel = the rest of the world size); a CP layout's
+        include ``--elastic-pp`` (context parallelism runs with it only)."""
+        out = ["--tensor-model-parallel-size", str(self.tp), "--pipeline-model-parallel-size", str(self.pp)]
+        if self.cp > 1:
+            out += ["--context-parallel-size", str(self.cp), *CONTEXT_PARALLEL_FLAGS]
+        return out
 
 
 @dataclass
@@ -83,39 +97,44 @@ class LayoutChoice:
         return f"{b.layout} {b.step_ms:.0f} ms beats {r.layout} {r.step_ms:.0f} ms (x{r.step_ms / b.step_ms:.2f})"
 
 
-def enumerate_layouts(shape: ModelShape, cluster: Cluster, intra_modes: Sequence[str] = INTRA_MODES,
+SIZES = (1, 2, 4, 8, 16)  # tensor- and context-parallel sizes the search tries
+
+
+def enumerate_layouts(shape: ModelShape, cluster: Cluster, context_parallel: bool = True,
                       num_sequences: int | None = None) -> list[Layout]:
-    """Every layout of the cluster's world size for this model (see the module docstring)."""
+    """Every layout of the cluster's world size for this model (see the module docstring); ``context_parallel``:
+    with CP sizes above 1."""
     out = []
-    sizes = [s for s in (1, 2, 4, 8, 16) if s <= cluster.gpus_per_node and shape.num_heads % s == 0]
-    for intra in intra_modes:
-        for size in sizes:
-            if intra == "sp" and size == 1:
-                continue  # the same as tp 1
+    tps = [s for s in SIZES if s <= cluster.gpus_per_node and shape.num_heads % s == 0]
+    for tp in tps:
+        cps = [c for c in (SIZES if context_parallel else (1,)) if tp * c <= cluster.gpus_per_node and (shape.num_heads // tp) % c == 0]
+        for cp in cps:
             for pp in range(1, shape.num_layers + 1):
-                if shape.num_layers % pp or cluster.world_size % (size * pp):
+                if shape.num_layers % pp or cluster.world_size % (tp * cp * pp):
                     continue
-                dp = cluster.world_size // (size * pp)
+                dp = cluster.world_size // (tp * cp * pp)
                 if num_sequences is not None and dp > num_sequences:
                     continue
-                out.append(Layout(intra, size, pp, dp))
+                out.append(Layout(tp, cp, pp, dp))
     return out
 
 
-def layout_cost_model(shape: ModelShape, cluster: Cluster, layout: Layout, overlap: float = COMM_OVERLAP) -> CostModel:
-    profile = stage_profile(shape, cluster, layout.intra, layout.size, shape.num_layers // layout.pp, overlap)
-    return CostModel(profile, layout.pp, dp=layout.dp, network=cluster.network(layout.size * layout.pp))
+def layout_cost_model(shape: ModelShape, cluster: Cluster, layout: Layout) -> CostModel:
+    network = cluster.network(layout.size * layout.pp)
+    return CostModel(stage_profile(shape, cluster, layout.tp, layout.cp, layout.size * layout.pp), layout.pp, dp=layout.dp,
+                     network=network)
 
 
 def dp_sync_ms(cost_model: CostModel, cluster: Cluster, layout: Layout, overlap: float = COMM_OVERLAP) -> float:
-    """The exposed data-parallel gradient sync of the slowest stage's GPU (fp32 reduce-scatter + bf16 all-gather)."""
-    if layout.dp == 1:
+    """The exposed gradient sync of the slowest stage's GPU over its ``dp x cp`` ranks (fp32 reduce-scatter + bf16
+    all-gather; the CP ranks hold the same weights)."""
+    group = layout.dp * layout.cp
+    if group == 1:
         return 0.0
-    params = cost_model.model_state_bytes().max() / sum(
-        (cost_model.profile.memory.weight, cost_model.profile.memory.grad,
-         cost_model.profile.memory.optim / (layout.dp if cost_model.profile.memory.distributed_optimizer else 1)))
-    comm = cluster.strided_allgather_ms(4.0 * params, layout.dp, layout.size * layout.pp)
-    comm += cluster.strided_allgather_ms(2.0 * params, layout.dp, layout.size * layout.pp)
+    m = cost_model.profile.memory
+    params = cost_model.model_state_bytes().max() / sum((m.weight, m.grad, m.optim / (group if m.distributed_optimizer else 1)))
+    comm = cluster.strided_allgather_ms(4.0 * params, group, layout.tp * layout.pp)
+    comm += cluster.strided_allgather_ms(2.0 * params, group, layout.tp * layout.pp)
     return (1.0 - overlap) * comm  # overlapped with the last backward at the overlap share (exposed_ms's floor)
 
 
@@ -149,7 +168,7 @@ def evaluate_layout(lengths: np.ndarray, shape: ModelShape, cluster: Cluster, la
                     known: Sequence[BaselinePlans] | None = None) -> LayoutResult:
     """Plan every replica of ``layout`` with ``system``; raises :class:`PlanInfeasible` if one does not fit.
     ``known``: per replica, the baseline plans already made on this layout (:meth:`Builder.plan`)."""
-    cm = layout_cost_model(shape, cluster, layout, overlap)
+    cm = layout_cost_model(shape, cluster, layout)
     sync = dp_sync_ms(cm, cluster, layout, overlap)
     parts = split_data_parallel(lengths, layout.dp, cm.work_vector())
     plans, details = [], set()
@@ -162,7 +181,9 @@ def evaluate_layout(lengths: np.ndarray, shape: ModelShape, cluster: Cluster, la
     return LayoutResult(layout, step, bound, sync, plans, "+".join(sorted(d for d in details if d)))
 
 
-SYSTEM_INTRA = {ELASTIC: INTRA_MODES, MEGATRON: ("tp",), SEQ1F1B: ("tp",)}  # Megatron and Seq1F1B have no Ulysses SP
+# whether a system's search tries context parallelism: EPP's does; the baselines are Megatron-LM's and Seq1F1B's
+# published systems (TP x PP x DP), as the paper compares with (pretrain_gpt.py runs their plans at CP too)
+SYSTEM_CP = {ELASTIC: True, MEGATRON: False, SEQ1F1B: False}
 # the cheap plans that rank layouts before the expensive system plans the best few: for EPP the best of Megatron
 # packing and Seq1F1B on the layout, an upper bound of EPP's step there (the elastic builder weighs both plans), so
 # EPP's chosen layout is never slower than either baseline's best layout
@@ -268,9 +289,10 @@ def _rank_by_proxy(cands: list[_Candidate], proxies: _Proxies, max_evaluated: in
 
 
 def search_layout(lengths: Sequence[int], shape: ModelShape, cluster: Cluster, system: Builder, config: PlannerConfig,
-                  intra_modes: Sequence[str] | None = None, overlap: float = COMM_OVERLAP, exhaustive: bool = False,
+                  context_parallel: bool | None = None, overlap: float = COMM_OVERLAP, exhaustive: bool = False,
                   max_evaluated: int = MAX_EVALUATED) -> LayoutChoice:
     """The best layout for ``system`` (module docstring). Raises :class:`PlanInfeasible` if none fits.
+    ``context_parallel``: search CP sizes above 1 (None: :data:`SYSTEM_CP`).
 
     Unless ``exhaustive``: layouts whose lower bound is no better than the runner-up's step are not
     planned (exact), and when more than ``max_evaluated`` remain, only the ``max_evaluated`` best by a
@@ -281,8 +303,9 @@ def search_layout(lengths: Sequence[int], shape: ModelShape, cluster: Cluster, s
     ``max_evaluated`` (:func:`_rank_by_proxy`: the same layouts as planning them all)."""
     L = np.asarray(lengths, dtype=np.int64)
     cands, skipped = [], {}
-    for layout in enumerate_layouts(shape, cluster, intra_modes or SYSTEM_INTRA[system], len(L)):
-        cm = layout_cost_model(shape, cluster, layout, overlap)
+    cp = SYSTEM_CP[system] if context_parallel is None else context_parallel
+    for layout in enumerate_layouts(shape, cluster, cp, len(L)):
+        cm = layout_cost_model(shape, cluster, layout)
         states = cm.model_state_bytes().max()
         if states >= config.memory_budget_bytes:
             skipped[str(layout)] = f"model states {states / GIB:.1f} GB per GPU"
@@ -321,23 +344,19 @@ def cluster_for_world(cluster: Cluster, world_size: int) -> Cluster:
 
 
 def describe_choice(choice: LayoutChoice, cluster: Cluster) -> list[str]:
-    """Lines that report a layout search: the best layout, why (the runner-up), the others, and last
-    the best layout's ``pretrain_gpt.py`` flags (for an SP layout: a note that it is simulated only)."""
+    """Lines that report a layout search: the best layout, why (the runner-up), the others (TP and TP x CP), and
+    last the best layout's ``pretrain_gpt.py`` flags."""
     best = choice.best
     lines = [f"layout search on {cluster.name} ({cluster.num_nodes} x {cluster.gpus_per_node} GPUs): best {best.layout}, "
              f"predicted step {best.step_ms:.1f} ms (bound {best.bound_ms:.1f} ms, DP sync {best.sync_ms:.1f} ms); {choice.reason}"]
     lines += [f"  {r.layout}: {r.step_ms:.1f} ms" for r in choice.evaluated[1:]]
     lines += [f"  {name}: not planned ({why})" for name, why in sorted(choice.skipped.items())]
-    try:
-        lines.append(" ".join(best.layout.flags()))
-    except ValueError as note:
-        lines.append(f"# {note}")
+    lines.append(" ".join(best.layout.flags()))
     return lines
 
 
-def search_for_world(lengths: Sequence[int], shape: ModelShape, cluster_name: str, world_size: int, config: PlannerConfig,
-                     runnable_only: bool) -> tuple[LayoutChoice, Cluster]:
-    """EPP's best layout for ``world_size`` GPUs of the preset ``cluster_name``; ``runnable_only``: TP
-    layouts (what ``pretrain_gpt.py`` runs), else TP and Ulysses SP."""
+def search_for_world(lengths: Sequence[int], shape: ModelShape, cluster_name: str, world_size: int,
+                     config: PlannerConfig) -> tuple[LayoutChoice, Cluster]:
+    """EPP's best layout (TP x CP x PP x DP) for ``world_size`` GPUs of the preset ``cluster_name``."""
     cluster = cluster_for_world(get_cluster(cluster_name), world_size)
-    return search_layout(lengths, shape, cluster, ELASTIC, config, intra_modes=("tp",) if runnable_only else None), cluster
+    return search_layout(lengths, shape, cluster, ELASTIC, config), cluster

@@ -23,8 +23,9 @@ from typing import Any
 
 import numpy as np
 
-from megatron_epp.cost.model import CostModel
-from megatron_epp.cost.profiles import GIB, ModelShape, Profile, StageOverhead, megatron_model_state
+from megatron_epp.cost.clusters import cp_profile
+from megatron_epp.cost.model import CostModel, default_network
+from megatron_epp.cost.profiles import GIB, ModelShape, Profile, StageOverhead, megatron_model_state, shape_memory, shape_time
 from megatron_epp.plan import Plan
 from megatron_epp.planner.builders import plan_batch
 from megatron_epp.planner.calibration import (
@@ -87,10 +88,10 @@ class OnlinePlanner:
         self.config = config
         shape = dataclasses.replace(shape, name=profile.model.name)
         memory = dataclasses.replace(profile.memory, **megatron_model_state(shape.dtype, distributed_optimizer))
-        self.cost_model = CostModel(
-            dataclasses.replace(profile, model=shape, memory=memory, sequence_parallel=dims.sequence_parallel),
-            dims.pp, dp=dims.dp,
-        )
+        profile = dataclasses.replace(profile, model=shape, memory=memory, sequence_parallel=dims.sequence_parallel)
+        if dims.cp > 1:  # placed at CP once shaped (its all-to-all time is not carried by FLOPs)
+            profile = cp_profile(shape_time(shape_memory(profile)), dims.cp, default_network(profile))
+        self.cost_model = CostModel(profile, dims.pp, dp=dims.dp)
         self.raw_model = self.cost_model  # the profile's memory coefficients (memory factor 1), for the raw prediction
         self.calibrate_interval = calibrate_interval
         self.measured: deque[tuple[Plan, float]] = deque(maxlen=max(self.calibrate_interval, CALIBRATE_FIRST_STEP - 1))

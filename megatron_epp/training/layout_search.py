@@ -6,8 +6,8 @@ the train split's documents (``--data-path``, or the mock documents), one longer
 unless ``--epp-truncate-documents`` (as in ``--elastic-pp`` training), the cluster the ``--epp-cluster`` preset
 resized to the world size, the planner's settings the ``--epp-*`` flags given, else the driver's defaults (the
 budget: ``--epp-memory-budget``, else the preset's GPU memory; :func:`~megatron_epp.training.arguments.validate_search_args`).
-Only layouts the driver runs (TP x PP x DP) are searched; ``epp-plan --epp-search-layout`` also weighs Ulysses
-SP stages (simulated only).
+The layouts are TP x CP x PP x DP (context parallelism, Ulysses all-to-all, with ``--elastic-pp``), as
+``epp-plan --epp-search-layout``'s.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def driver_layout_search(cfg: TrainingConfig, world_size: int) -> list[str]:
         raise ArgumentError(f"--epp-search-layout: --seq-length {cfg.model.seq_length}: {error}; pass --epp-truncate-documents "
                             "to cut them") from None
     try:
-        choice, sized = search_for_world(batch, shape, cfg.epp.cluster, world_size, cfg.epp.planner, runnable_only=True)
+        choice, sized = search_for_world(batch, shape, cfg.epp.cluster, world_size, cfg.epp.planner)
     except (PlanInfeasible, ValueError) as error:
         raise ArgumentError(f"--epp-search-layout: {error}") from None
     return describe_choice(choice, sized)

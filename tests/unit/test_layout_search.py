@@ -7,18 +7,18 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from megatron_epp.cost.clusters import A800, Cluster, sp_profile, tp_profile
-from megatron_epp.cost.profiles import GIB, ModelShape
+from megatron_epp.cost.clusters import A800, CLUSTERS, Cluster
+from megatron_epp.cost.profiles import GIB, MODEL_PRESETS, ModelShape
 from megatron_epp.plan import PlanInfeasible
 from megatron_epp.planner.cli import main as epp_plan
 from megatron_epp.planner.builders import ELASTIC, MEGATRON, SEQ1F1B, baseline_builders
-from megatron_epp.planner.config import PlannerConfig
+from megatron_epp.planner.config import ParallelDims, PlannerConfig
 from megatron_epp.planner.data_parallel import split_data_parallel
 from megatron_epp.planner import layout as layout_module
-from megatron_epp.planner.layout import COMM_OVERLAP, Layout, enumerate_layouts, search_layout
+from megatron_epp.planner.layout import COMM_OVERLAP, Layout, cluster_for_world, enumerate_layouts, search_layout
 from megatron_epp.data.lengths import select_batch
 from megatron_epp.training import layout_search
-from megatron_epp.training.arguments import EPP_DEFAULTS, parse_config
+from megatron_epp.training.arguments import EPP_DEFAULTS, parse_args, parse_config
 from megatron_epp.training.planning import elastic_documents
 from megatron_epp.training.main import main as pretrain_gpt
 
@@ -59,7 +59,8 @@ def evaluate_layout(monkeypatch, evaluations):
 
 def test_enumeration_covers_every_layout():
     got = {str(x) for x in enumerate_layouts(SHAPE, TOY)}
-    assert got == {"TP1xPP1xDP4", "TP1xPP2xDP2", "TP1xPP4xDP1", "TP2xPP1xDP2", "TP2xPP2xDP1", "SP2xPP1xDP2", "SP2xPP2xDP1"}
+    assert got == {"TP1xPP1xDP4", "TP1xPP2xDP2", "TP1xPP4xDP1", "TP2xPP1xDP2", "TP2xPP2xDP1", "TP1xCP2xPP1xDP2", "TP1xCP2xPP2xDP1"}
+    assert {str(x) for x in enumerate_layouts(SHAPE, TOY, context_parallel=False)} == {n for n in got if "CP" not in n}
 
 
 @pytest.mark.parametrize("memory_gb", [80.0, 0.5])
@@ -139,7 +140,7 @@ def test_known_baseline_plans_give_the_same_epp_plans():
     them again: the same steps and choices as making them."""
     L = lengths()
     config = PlannerConfig(memory_budget_bytes=80.0 * GIB, max_seq_len=32768)
-    for layout in (Layout("tp", 1, 2, 2), Layout("sp", 2, 1, 2)):
+    for layout in (Layout(1, 1, 2, 2), Layout(1, 2, 1, 2)):
         fresh = layout_module.evaluate_layout(L, SHAPE, TOY, layout, ELASTIC, config)
         cm = layout_module.layout_cost_model(SHAPE, TOY, layout)
         known = []
@@ -159,22 +160,62 @@ def test_known_baseline_plans_give_the_same_epp_plans():
 
 def test_megatron_and_seq1f1b_search_tp_layouts_only(evaluate_layout):
     choice = search_layout(lengths(), SHAPE, TOY, MEGATRON, PlannerConfig(memory_budget_bytes=80.0 * GIB, max_seq_len=32768), exhaustive=True)
-    assert all(r.layout.intra == "tp" for r in choice.evaluated)
-
-
-def test_sp_stage_moves_an_eighth_of_tp_bytes():
-    big = ModelShape("big", 4, 4096, 32, 11008, 32000, dtype="bfloat16")
-    node8 = Cluster("n8", A800, 80.0, 8, 1, 200.0, 6.25)
-    tp, sp, one = tp_profile(big, node8, 8), sp_profile(big, node8, 8, 4, overlap=0.5), tp_profile(big, node8, 1)
-    tp_comm = tp.fwd.a2 - one.fwd.a2 / 8  # per token: TP's exposed collectives (half of them, overlap 0.5)
-    sp_comm = sp.fwd.a2 - one.fwd.a2 / 8  # SP's all-to-alls (not overlapped)
-    assert sp_comm == pytest.approx(tp_comm * 2 / 8, rel=1e-6)
+    assert all(r.layout.cp == 1 for r in choice.evaluated)
 
 
 def test_flags():
-    assert Layout("tp", 2, 4, 1).flags() == ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4"]
-    with pytest.raises(ValueError, match="simulated only"):
-        Layout("sp", 2, 4, 1).flags()
+    assert Layout(2, 1, 4, 1).flags() == ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4"]
+    assert str(Layout(2, 4, 1, 4)) == "TP2xCP4xPP1xDP4"
+    assert Layout(2, 4, 1, 4).flags() == ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1",
+                                          "--context-parallel-size", "4", "--cp-comm-type", "a2a", "--elastic-pp"]
+
+
+def preset_flags(shape: ModelShape) -> list[str]:
+    """pretrain_gpt.py's flags of a LLaMA preset (SwiGLU, RMSNorm, no biases, RoPE, bf16) at a 128K context."""
+    return ["--mock-data", "--num-layers", str(shape.num_layers), "--hidden-size", str(shape.hidden), "--num-attention-heads",
+            str(shape.num_heads), "--ffn-hidden-size", str(shape.ffn_hidden), "--swiglu", "--normalization", "RMSNorm",
+            "--disable-bias-linear", "--position-embedding-type", "rope", "--seq-length", "131072",
+            "--max-position-embeddings", "131072", "--bf16"]
+
+
+def searchable_layouts() -> list[tuple[str, ModelShape, Layout]]:
+    """Every layout the search can return (it returns one of :func:`enumerate_layouts`'): each LLaMA preset on each
+    cluster preset, whole (32 GPUs) and resized to one node and to 2, 4 GPUs; the toy model on the toy cluster."""
+    out = [("toy", SHAPE, layout) for layout in enumerate_layouts(SHAPE, TOY)]
+    for name, cluster in CLUSTERS.items():
+        for world in (2, 4, 8, 32):
+            for model, shape in MODEL_PRESETS.items():
+                out += [(f"{model} {name} {world}", shape, layout) for layout in enumerate_layouts(shape, cluster_for_world(cluster, world))]
+    return out
+
+
+def parse_layout(shape: ModelShape, layout: Layout) -> ParallelDims:
+    """pretrain_gpt.py's argument parser on the model's flags and ``layout.flags()`` at the layout's world size: the
+    parallel sizes it runs (a refused flag raises)."""
+    world = layout.tp * layout.cp * layout.pp * layout.dp
+    shape_flags = preset_flags(shape) if shape is not SHAPE else [
+        "--mock-data", "--num-layers", str(SHAPE.num_layers), "--hidden-size", str(SHAPE.hidden), "--num-attention-heads",
+        str(SHAPE.num_heads), "--ffn-hidden-size", str(SHAPE.ffn_hidden), "--seq-length", "32768", "--max-position-embeddings", "32768", "--bf16"]
+    return ParallelDims.from_args(parse_args([*shape_flags, *layout.flags()], world_size=world))
+
+
+SEARCHABLE = searchable_layouts()
+
+
+def test_every_tp_layout_the_search_can_return_parses():
+    """The layouts without context parallelism: ``pretrain_gpt.py``'s parser takes their flags as they are printed."""
+    tp_only = [(what, shape, layout) for what, shape, layout in SEARCHABLE if layout.cp == 1]
+    assert len(tp_only) > 100
+    for what, shape, layout in tp_only:
+        assert parse_layout(shape, layout) == ParallelDims(layout.tp, layout.pp, layout.dp, layout.cp), (what, str(layout))
+
+
+def test_every_cp_layout_the_search_can_return_parses():
+    """The layouts with context parallelism (TP x CP, with --elastic-pp): every one parses to its sizes."""
+    with_cp = [(what, shape, layout) for what, shape, layout in SEARCHABLE if layout.cp > 1]
+    assert {layout.cp for _, _, layout in with_cp} == {2, 4, 8}
+    for what, shape, layout in with_cp:
+        assert parse_layout(shape, layout) == ParallelDims(layout.tp, layout.pp, layout.dp, layout.cp), (what, str(layout))
 
 
 def test_epp_plan_and_pretrain_gpt_print_the_best_flags(tmp_path, capsys, monkeypatch):
@@ -186,14 +227,16 @@ def test_epp_plan_and_pretrain_gpt_print_the_best_flags(tmp_path, capsys, monkey
               "--epp-search-layout", "--epp-cluster", "h100-ib-gpu"])
     out = capsys.readouterr().out.strip().splitlines()
     assert out[0].startswith("layout search on h100-ib-gpu (2 x 8 GPUs): best ")
-    assert out[-1].startswith("--tensor-model-parallel-size ") or out[-1].startswith("# ")
+    assert out[-1].startswith("--tensor-model-parallel-size ")
     monkeypatch.setenv("WORLD_SIZE", "4")
     rc = pretrain_gpt(["--mock-data", "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "1024",
                        "--global-batch-size", "8", "--bf16", "--epp-search-layout", "--epp-cluster", "a800-ib-node"])
     out = capsys.readouterr().out.strip().splitlines()
-    assert rc == 0 and out[-1].split()[::2] == ["--tensor-model-parallel-size", "--pipeline-model-parallel-size"]
-    size, pp = int(out[-1].split()[1]), int(out[-1].split()[3])
-    assert 4 % (size * pp) == 0
+    flags = out[-1].split()
+    assert rc == 0 and flags[:4:2] == ["--tensor-model-parallel-size", "--pipeline-model-parallel-size"]
+    tp, pp = int(flags[1]), int(flags[3])
+    cp = int(flags[flags.index("--context-parallel-size") + 1]) if "--context-parallel-size" in flags else 1
+    assert 4 % (tp * cp * pp) == 0 and any(line.strip().startswith("TP1xCP2x") for line in out)  # CP layouts beside TP ones
     assert pretrain_gpt(["--mock-data", "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4",
                          "--epp-cluster", "a800-ib-node"]) == 2
     assert "--epp-cluster applies only with --epp-search-layout" in capsys.readouterr().err
@@ -204,7 +247,7 @@ def driver_search(monkeypatch, *argv: str) -> tuple[int, dict]:
     it would search (the batch, the planner settings, the cluster); the search itself is checked above."""
     seen = {}
 
-    def search(batch, shape, cluster, world, config, runnable_only):
+    def search(batch, shape, cluster, world, config):
         seen.update(batch=batch, config=config, cluster=cluster, world=world)
         raise ValueError("stop")
 

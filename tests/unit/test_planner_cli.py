@@ -235,7 +235,7 @@ def test_search_layout_world_size_defaults_to_the_presets_tp(lengths_file, monke
     """``--epp-search-layout`` without ``--tp``: the world size is the preset's TP (8) x --stages x --dp."""
     worlds = []
 
-    def search(lengths, shape, cluster, world, config, runnable_only):
+    def search(lengths, shape, cluster, world, config):
         worlds.append(world)
         raise ValueError("stop")
 
