@@ -547,21 +547,11 @@ def saved_tensor_memory(shape: ModelShape, tp: int = 1, sequence_parallel: bool 
       parallelism (the embedding's dropout runs after the scatter to the sequence-parallel region);
     * an attention dropout takes SDPA to its math path: :func:`_saved_attention`.
 
-    Measured byte-exact by ``tests/integration/test_planner_memory.py`` (attention dropout in fp32; both dropouts in bf16, and in
-    fp32 with grouped-query attention; hidden dropout at tp 2 with sequence parallelism). On CUDA the :func:`gpu_activation_memory` count holds
-    instead (its hidden-dropout masks are one byte per element; flash-attn's and SDPA's flash/efficient kernels
-    save only the RNG state for attention dropout): not measured.
+    Measured byte-exact by ``tests/integration/test_planner_memory.py`` (the cases: docs/planner.md). On CUDA the
+    :func:`gpu_activation_memory` count holds instead (one-byte dropout masks, no attention-dropout tensors).
 
-    Context parallelism ``cp`` (``--context-parallel-size``, Ulysses all-to-all; per token of the chunk, padded, all
-    CP ranks' tokens; one CP rank's bytes): outside core attention a rank holds ``1 / cp`` of the chunk's tokens, so
-    everything above but core attention is divided by ``cp`` (the norms, the linear layers' inputs, the output
-    projection's input ``b q / cp``, the MLP, the dropout masks, a checkpointed layer's input, the output head's and
-    the embedding's tensors, RMSNorm's recompute copy); inside it a rank holds every token for ``heads / cp`` of the
-    heads: ``q / cp``, ``heads / cp``, and the K/V heads ``h_kv / cp`` when ``cp`` divides the rank's K/V heads
-    (:func:`kv_heads_split`) else all ``h_kv`` (replicated); what core attention saves is :func:`_saved_attention`'s
-    ``all_to_all`` count (the all-to-alls' outputs); a split sequence's K/V buffer (``kv_token``, and what a lone
-    slice does not save) holds this rank's K/V heads. The all-to-alls' send buffers live within the layer's forward
-    (or backward) only, at no row of the memory walk. At ``cp`` = 1 the count above, unchanged.
+    Context parallelism ``cp``: one CP rank's bytes per token of the whole (padded) chunk, as docs/planner.md's
+    "Activation memory model" says; at ``cp`` = 1 the count above.
     """
     check_context_parallel(shape, tp, cp)
     b = _counted_activation_bytes(shape)
