@@ -71,7 +71,7 @@ MODEL_SHAPE_ARGS = (
 # What the sample stream is a function of, besides the blend and its position (the consumed samples)
 SAMPLER_ARGS = ("split", "seed", "seq_length", "global_batch_size")
 # --use-distributed-optimizer: megatron-core's dp_reshardable format (each rank's flat shard as it is: no gather at save,
-# reshards over the data-parallel size only) or, --dist-ckpt-optim-fully-reshardable, its fully_reshardable one (gathered
+# reshards over the data- and context-parallel sizes only, DP x CP being the group it shards over) or, --dist-ckpt-optim-fully-reshardable, its fully_reshardable one (gathered
 # over the data-parallel ranks into model space at save: loads at any layout); not its default flat-range format, which
 # dist_checkpointing 0.16.1 no longer accepts ("ShardedTensor.flattened_range is not supported")
 DP_RESHARDABLE, FULLY_RESHARDABLE = "dp_reshardable", "fully_reshardable"
@@ -90,6 +90,9 @@ OPTIONAL_SIZES = ("context_parallel_size",)
 # the sizes whose change leaves every pipeline stage as saved: the dp_reshardable optimizer format and the planner's
 # calibration (fitted to the stages' times and memory) carry over a change of these alone
 REPLICA_SIZES = ("data_parallel_size",)
+# the sizes the distributed optimizer shards its states over (megatron-core: the data-parallel group with context
+# parallelism, DP x CP): its dp_reshardable format carries over a change of these alone
+OPTIMIZER_REPLICA_SIZES = ("data_parallel_size", "context_parallel_size")
 # model-shape flags compared through the padded vocabulary size they give at each layout's tensor-parallel size
 PADDING_ARGS = ("make_vocab_size_divisible_by", "padded_vocab_size")
 
@@ -269,17 +272,14 @@ class Reshard:
         """Why the optimizer states cannot load at this layout (loaded: not ``--no-load-optim``/``--finetune``), else None."""
         if cfg.checkpoint.no_load_optim or cfg.checkpoint.finetune:
             return None  # the model alone: its weights are replicated over the context-parallel ranks too
-        if "context_parallel_size" in self.changed:
-            return (f"saved with --context-parallel-size {self.changed['context_parallel_size'][0]}, this run has "
-                    f"{self.changed['context_parallel_size'][1]}: the optimizer states do not move between context-parallel "
-                    "sizes yet (--no-load-optim or --finetune loads the model alone)")
         saved_do = bool(self.saved.get("use_distributed_optimizer"))
         if saved_do != cfg.parallel.use_distributed_optimizer:
             return (f"saved with --use-distributed-optimizer {saved_do}, this run has {cfg.parallel.use_distributed_optimizer}: "
                     "the optimizer states do not convert between the two (--no-load-optim loads the model alone)")
-        if saved_do and self.saved["distrib_optim_sharding_type"] == DP_RESHARDABLE and not self.stages_kept:
+        if saved_do and self.saved["distrib_optim_sharding_type"] == DP_RESHARDABLE \
+                and not all(key in OPTIMIZER_REPLICA_SIZES for key in self.changed):
             return (f"saved with {self.describe(0)} and the distributed optimizer's states in megatron-core's dp_reshardable "
-                    f"format, which reshards over the data-parallel size only; this run has {self.describe(1)} (save with "
+                    f"format, which reshards over the data- and context-parallel sizes only; this run has {self.describe(1)} (save with "
                     "--dist-ckpt-optim-fully-reshardable to change the other sizes, or --no-load-optim to load the model alone)")
         return None
 

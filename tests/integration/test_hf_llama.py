@@ -8,7 +8,7 @@ low/high frequency factors and an original context of 16, not megatron-core's fi
 loss of a training step. A K/V swap planted in the import and a RoPE scaling factor off go red. Import -> export gives
 ``transformers`` the original tensors (also exported at another layout than the import's); a run trained two steps exports to a model with that run's logits. Last, ``pretrain_gpt.py`` with
 the flag line the import prints continues training the imported model with ``--elastic-pp`` at 4x its context (the
-RoPE scaling on), loss falling, plans with split chunks.
+RoPE scaling on), loss falling, plans with split chunks, at pp 1 x cp 2 (the PP 2 import resharded, context parallelism).
 """
 
 from __future__ import annotations
@@ -73,7 +73,8 @@ def test_hf_llama_import_export(tmp_path):
 
     t = str(tmp_path)
     flags = shlex.split(flag_line(read_spec(str(legacy)), str(legacy), 1))[1:]  # what the import of the PP 2 checkpoint prints
-    extension = [*flags, "--seq-length", str(4 * 64), "--load", f"{t}/pp2", "--finetune", "--elastic-pp", "--pipeline-model-parallel-size", "2",
+    extension = [*flags, "--seq-length", str(4 * 64), "--load", f"{t}/pp2", "--finetune", "--elastic-pp", "--pipeline-model-parallel-size", "1",
+                 "--context-parallel-size", "2",
                  "--mock-data", "--global-batch-size", "8", "--train-iters", "10", "--lr", "3e-3", "--log-interval", "1",
                  "--epp-memory-budget", "0.002", "--epp-metrics", f"{t}/extension.jsonl"]
     runs = [
@@ -99,7 +100,7 @@ def test_hf_llama_import_export(tmp_path):
     for fault in ("fault_rope", "fault_qkv"):  # the planted faults go red
         assert not close(torch.load(tmp_path / f"{fault}.pt"), logits, loss), fault
 
-    # context extension: the imported model trains at 4x its context (RoPE scaled), loss falling, plans with split chunks
+    # context extension: the imported model trains at 4x its context (RoPE scaled) at pp 1 x cp 2, loss falling, plans with split chunks
     train = [m for m in read_metrics(tmp_path / "extension.jsonl") if m.kind == "train"]
     assert [m.iteration for m in train] == list(range(1, 11))
     assert sum(m.loss for m in train[-3:]) / 3 < 0.95 * train[0].loss, [m.loss for m in train]

@@ -2,7 +2,7 @@
 
 The reference run trains 5 steps at pp 2 with the distributed optimizer in megatron-core's fully_reshardable format
 (--dist-ckpt-optim-fully-reshardable) and saves at 3. Resumed from 3 at pp 1 x dp 2 and at pp 1 x tp 2, and from
-those at dp 1 and tp 1, every step has the reference's loss within fp32 tolerance: EPP's loss is the batch's, whatever
+those at dp 1, cp 2 (context parallelism) and tp 1, every step has the reference's loss within fp32 tolerance: EPP's loss is the batch's, whatever
 the layout, so the model, the optimizer states, the LR schedule and the data stream (sample position, DP split) all
 carried over. A resume at tp 1 from tp 2 that saves at once holds the tp 2 run's model and optimizer tensors bit for bit.
 The runs say in one line each what was resharded, that the RNG states restart, whether the planner's calibration
@@ -79,11 +79,16 @@ def test_pp2_resumes_at_pp1_dp2_then_at_dp1(reference, tmp_path):
                                      "--load", str(tmp_path / "dp2")], world_size=2))
     assert str(refused.value) == (
         f"pretrain_gpt.py: error: --load {tmp_path / 'dp2'}: iteration 5 was saved with tp 1, dp 2 and the distributed optimizer's states in "
-        "megatron-core's dp_reshardable format, which reshards over the data-parallel size only; this run has tp 2, dp 1 (save "
+        "megatron-core's dp_reshardable format, which reshards over the data- and context-parallel sizes only; this run has tp 2, dp 1 (save "
         "with --dist-ckpt-optim-fully-reshardable to change the other sizes, or --no-load-optim to load the model alone)")
     dp1, notes = _resume(tmp_path, "dp1", 1, tmp_path / "dp2", 4, *PP1)
     _equal_losses(dp1, ref, 5)
     assert notes == _notes(tmp_path / "dp2", 4, "dp 2", "dp 1", "carries over (every pipeline stage as saved)"), notes
+    # dp 2 -> cp 2: the distributed optimizer shards over DP x CP, so its dp_reshardable states move to context parallelism
+    cp2, notes = _resume(tmp_path, "cp2", 2, tmp_path / "dp2", 4, *PP1, "--context-parallel-size", "2")
+    _equal_losses(cp2, ref, 5)
+    assert notes[0].startswith(f"--load {tmp_path / 'dp2'}: iteration 4 was saved at dp 2, cp 1, this run is at dp 1, cp 2: the model "
+                               "and optimizer states resharded"), notes
 
 
 def test_pp2_resumes_at_tp2_whose_states_load_at_tp1_bit_for_bit(reference, tmp_path):
