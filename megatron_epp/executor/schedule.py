@@ -254,13 +254,12 @@ class _StageRunner:
     def _communicate(self, index: int, layouts: Sequence[ChunkLayout], op: Op, recv: Op | None,
                      results: dict[tuple[str, int], Any], received: dict[tuple[str, int], Any]) -> None:
         """A send (with ``recv``, the receive batched with it: one exchange) or a receive of the op list."""
+        direction = op.kind[-1]
         if op.kind.startswith("RECV"):
-            direction = op.kind[-1]
             receive = self.comm.recv_forward if direction == "F" else self.comm.recv_backward
             edge = self.first if direction == "F" else self.last
             received[direction, op.pos] = self._transfer(index, layouts[op.pos], lambda: receive(self.shape(layouts, op.pos), edge))
             return
-        direction = op.kind[-1]
         tensor = results.pop((direction, op.pos))
         if direction == "F":
             if recv is None:

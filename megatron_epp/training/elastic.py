@@ -194,10 +194,8 @@ class ElasticTrainStep:
                 rng.restore()
                 plan, inputs = self._after_oom(batch, plan, oom, attempt, forward_only)
         memory = self.tracker
-        per_cp = None if memory is None or self.runtime.dims.cp == 1 else self._gather_stages(memory.peak_bytes, by_cp_rank=True)
-        measured = [max(stage) for stage in per_cp] if per_cp is not None else None if memory is None else self._gather_stages(memory.peak_bytes)
-        allocated = None if memory is None else (self._gather_stages(memory.peak_allocated) if per_cp is None else
-                                                 [max(stage) for stage in self._gather_stages(memory.peak_allocated, by_cp_rank=True)])
+        measured, per_cp = (None, None) if memory is None else self._stage_peaks(memory.peak_bytes)
+        allocated = None if memory is None else self._stage_peaks(memory.peak_allocated)[0]
         if not forward_only:
             self._observe(plan, run_ms, measured)
         self._prefetch()
@@ -308,6 +306,14 @@ class ElasticTrainStep:
     def state_dict(self) -> dict[str, Any]:
         """This rank's planner calibration, for a checkpoint (:meth:`OnlinePlanner.state_dict`)."""
         return self.planner.state_dict()
+
+    def _stage_peaks(self, measured: int) -> tuple[list[int], list[list[int]] | None]:
+        """Of every stage, the largest of its ranks' ``measured`` and, under context parallelism, each CP rank's
+        (``[stage][cp rank]``; None without it)."""
+        if self.runtime.dims.cp == 1:
+            return self._gather_stages(measured), None
+        per_cp = self._gather_stages(measured, by_cp_rank=True)
+        return [max(stage) for stage in per_cp], per_cp
 
     def _gather_stages(self, measured: int, by_cp_rank: bool = False) -> list[Any]:
         """This rank's measured peak activation bytes, of every stage (gathered over the pipeline); ``by_cp_rank``: of
