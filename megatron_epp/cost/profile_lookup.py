@@ -24,7 +24,7 @@ PROFILE_DIR = Path(__file__).parent / "profiles"
 # the one measured nearest the model that runs (:func:`nearest_cpu_profile`)
 CPU_PROFILES = "cpu"
 # ``--epp-profile auto`` (the default): on CUDA a profile measured on this GPU for this dtype, attention kernel and
-# layer shape (the cache, a shipped one, or measured at start-up: ``megatron_epp.training.profiling``); on the
+# layer shape (the cache, a shipped one, or measured at start-up: ``megatron_epp.training.profile_resolution``); on the
 # CPU, ``cpu``. ``--epp-profile analytic``: the analytic (FLOPs / peak x MFU) profile of the model's own shape
 AUTO_PROFILE = "auto"
 ANALYTIC_PROFILE = "analytic"
