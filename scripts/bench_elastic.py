@@ -98,7 +98,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_epp.cost.model import CostModel  # noqa: E402
-from megatron_epp.cost.profiles import GIB  # noqa: E402
+from megatron_epp.base.units import GIB  # noqa: E402
 from megatron_epp.plan import Plan, PlanInfeasible  # noqa: E402
 from megatron_epp.planner.builders import ELASTIC, MEGATRON, SEQ1F1B, Builder, plan_batch  # noqa: E402
 from megatron_epp.planner.config import PlannerConfig  # noqa: E402

@@ -78,7 +78,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 import bench_elastic as bench  # noqa: E402  (its builders, budget search and wiki data)
 
-from megatron_epp.cost.profiles import GIB  # noqa: E402
+from megatron_epp.base.units import GIB  # noqa: E402
 from megatron_epp.plan import Plan  # noqa: E402
 from megatron_epp.planner.builders import ELASTIC, MEGATRON, SEQ1F1B  # noqa: E402
 from megatron_epp.training.metrics import StepMetrics  # noqa: E402

@@ -41,7 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from megatron_epp.cost.model import CostModel  # noqa: E402
 from megatron_epp.cost.network import get_network  # noqa: E402
 from megatron_epp.cost.clusters import get_cluster  # noqa: E402
-from megatron_epp.cost.profiles import GIB, MODEL_PRESETS, load_profile  # noqa: E402
+from megatron_epp.base.units import GIB  # noqa: E402
+from megatron_epp.cost.profile_lookup import load_profile  # noqa: E402
+from megatron_epp.cost.shape import MODEL_PRESETS  # noqa: E402
 from megatron_epp.planner.layout import search_layout  # noqa: E402
 from megatron_epp.planner import build_plan  # noqa: E402
 from megatron_epp.planner.builders import ELASTIC, plan_batch  # noqa: E402

@@ -39,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_epp.planner.calibration import fit_step_model, simulate_steps  # noqa: E402
 from megatron_epp.training.replay import reconstruct_plans, run_pretrain  # noqa: E402
-from megatron_epp.cost.profiles import TEST_MODEL_PROFILE, Profile  # noqa: E402
+from megatron_epp.cost.profile import Profile  # noqa: E402
+from megatron_epp.cost.profile_lookup import TEST_MODEL_PROFILE  # noqa: E402
 from megatron_epp.training.metrics import StepMetrics  # noqa: E402
 
 def model_flags(profile: Path, seq_length: int) -> list[str]:

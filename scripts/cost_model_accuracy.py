@@ -21,7 +21,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_epp.cost.model import CostModel  # noqa: E402
-from megatron_epp.cost.profiles import GIB, load_profile  # noqa: E402
+from megatron_epp.base.units import GIB  # noqa: E402
+from megatron_epp.cost.profile_lookup import load_profile  # noqa: E402
 from megatron_epp.planner import build_plan  # noqa: E402
 from megatron_epp.data.mock_documents import WIKIPEDIA_LENGTHS  # noqa: E402
 from megatron_epp.data.lengths import read_lengths  # noqa: E402

@@ -33,9 +33,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from megatron_epp.base.units import GIB  # noqa: E402
 from megatron_epp.training.metrics import StepMetrics, read_metrics  # noqa: E402
-
-GIB = float(2**30)
 
 
 def _text(path: Path) -> str | None:

@@ -46,7 +46,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from megatron_epp.cost.clusters import COMM_OVERLAP, get_cluster  # noqa: E402
-from megatron_epp.cost.profiles import GIB, MODEL_PRESETS, analytic_profile  # noqa: E402
+from megatron_epp.base.units import GIB  # noqa: E402
+from megatron_epp.cost.analytic import analytic_profile  # noqa: E402
+from megatron_epp.cost.shape import MODEL_PRESETS  # noqa: E402
 from megatron_epp.plan import PlanInfeasible  # noqa: E402
 from megatron_epp.planner.builders import ELASTIC, MEGATRON, SEQ1F1B  # noqa: E402
 from megatron_epp.planner.cli import solver_output_to_stderr  # noqa: E402

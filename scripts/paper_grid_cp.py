@@ -45,7 +45,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from paper_grid import batch, length_pool  # noqa: E402
 
 from megatron_epp.cost.clusters import get_cluster  # noqa: E402
-from megatron_epp.cost.profiles import GIB, MODEL_PRESETS  # noqa: E402
+from megatron_epp.base.units import GIB  # noqa: E402
+from megatron_epp.cost.shape import MODEL_PRESETS  # noqa: E402
 from megatron_epp.plan import PlanInfeasible  # noqa: E402
 from megatron_epp.planner.builders import ELASTIC  # noqa: E402
 from megatron_epp.planner.cli import solver_output_to_stderr  # noqa: E402

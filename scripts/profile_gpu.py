@@ -53,7 +53,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from megatron_epp.cost.profiles import ProfileKey, default_profile_cache  # noqa: E402
+from megatron_epp.cost.profile_lookup import ProfileKey, default_profile_cache  # noqa: E402
 from megatron_epp.executor import kernels  # noqa: E402
 from megatron_epp.training.layer_bench import init_single_process  # noqa: E402
 from megatron_epp.training.arguments import ArgumentError, build_parser, parse_config  # noqa: E402

@@ -52,10 +52,11 @@ from megatron_epp.training.layer_bench import LayerStack, init_single_process, s
 from megatron_epp.cost.profile_fit import fit, measured_profile, recompute_fit, rel_errors  # noqa: E402
 from megatron_epp.cost.features import NUM_FEATURES, F, chunk_features  # noqa: E402
 from megatron_epp.plan import Chunk, Segment  # noqa: E402
-from megatron_epp.cost.profiles import (  # noqa: E402
-    TEST_MODEL, TEST_MODEL_PROFILE, MemoryCoeffs, ModelShape, StageOverhead, TimeCoeffs, load_profile,
-    saved_tensor_memory, shape_time,
-)
+from megatron_epp.cost.activation_memory import saved_tensor_memory  # noqa: E402
+from megatron_epp.cost.analytic import shape_time  # noqa: E402
+from megatron_epp.cost.profile import MemoryCoeffs, StageOverhead, TimeCoeffs  # noqa: E402
+from megatron_epp.cost.profile_lookup import TEST_MODEL_PROFILE, load_profile  # noqa: E402
+from megatron_epp.cost.shape import TEST_MODEL, ModelShape  # noqa: E402
 
 
 TERMS = [c.name for c in F]  # the feature columns: SQ SC S C SEGMENTS CHUNKS

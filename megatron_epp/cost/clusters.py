@@ -27,9 +27,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from megatron_epp.cost.network import Network
-from megatron_epp.cost.profiles import (DTYPE_BYTES, MEASURED_MEMORY, PROFILE_DIR, Accelerator, ModelShape, Profile, TimeCoeffs,
-                                        analytic_profile, carry_measured_memory, check_context_parallel, derived_memory,
-                                        kv_heads_split)
+from megatron_epp.cost.activation_memory import MEASURED_MEMORY, carry_measured_memory, derived_memory
+from megatron_epp.cost.analytic import Accelerator, analytic_profile
+from megatron_epp.cost.profile import Profile, TimeCoeffs
+from megatron_epp.cost.profile_lookup import PROFILE_DIR
+from megatron_epp.cost.shape import DTYPE_BYTES, ModelShape, check_context_parallel, kv_heads_split
 
 # Fraction of a collective's time hidden behind compute where it can overlap (ZeRO-3 / FSDP parameter
 # gathers and gradient reduce-scatters, the data-parallel gradient sync). The same 0.5 as the analytic
@@ -156,12 +158,12 @@ def cp_profile(profile: Profile, cp: int, network: Network) -> Profile:
     output back), the backward the same 4 (their gradients), a recompute the forward's again: per token of the chunk
     a GPU holds ``b (2 q + 2 h_kv) / tp / cp`` bytes of them (``b``: the shape's activation bytes), of which
     :meth:`Network.alltoall_ms` sends ``(cp-1)/cp``; K and V replicated (``cp`` not dividing the K/V heads of a TP
-    rank, :func:`~megatron_epp.cost.profiles.kv_heads_split`) are gathered whole, ``b 2 h_kv / tp`` per token. Not
+    rank, :func:`~megatron_epp.cost.shape.kv_heads_split`) are gathered whole, ``b 2 h_kv / tp`` per token. Not
     overlapped (core attention waits for them): their bytes go on the per-token term, their latencies on the
     per-chunk constant. Stage-to-stage sends carry ``1 / cp`` of the tokens per GPU (rank to rank, the same CP index).
 
     Memory: the activation coefficients of the profile's ``derive`` count at ``cp`` (a CP rank's share:
-    :func:`~megatron_epp.cost.profiles.saved_tensor_memory`, :func:`~megatron_epp.cost.profiles.gpu_activation_memory`;
+    :func:`~megatron_epp.cost.activation_memory.saved_tensor_memory`, :func:`~megatron_epp.cost.activation_memory.gpu_activation_memory`;
     a measured block carried there by its basis count); model states as megatron-core holds them: weights and
     gradients replicated over CP, the distributed optimizer sharded over DP x CP (:meth:`CostModel.model_state_bytes`
     reads ``profile.cp``). A profile without a ``derive`` cannot be re-derived: a ``ValueError``."""

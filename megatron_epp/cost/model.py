@@ -14,7 +14,9 @@ import numpy as np
 from megatron_epp.plan import split_layers
 from megatron_epp.cost.features import F, padded_features
 from megatron_epp.cost.network import NETWORKS, Network
-from megatron_epp.cost.profiles import Profile, StageOverhead, TimeCoeffs, shape_memory, shape_time
+from megatron_epp.cost.activation_memory import shape_memory
+from megatron_epp.cost.analytic import shape_time
+from megatron_epp.cost.profile import Profile, StageOverhead, TimeCoeffs
 
 
 def default_network(profile: Profile) -> Network:

@@ -26,10 +26,9 @@ import numpy as np
 from scipy.optimize import nnls
 
 from megatron_epp.cost.features import NUM_FEATURES, F
-from megatron_epp.cost.profiles import (
-    DTYPE_BYTES, MEASURED_MEMORY, MemoryCoeffs, ModelShape, Profile, StageOverhead, TimeCoeffs, derived_memory,
-    megatron_model_state,
-)
+from megatron_epp.cost.activation_memory import MEASURED_MEMORY, derived_memory
+from megatron_epp.cost.profile import MemoryCoeffs, Profile, StageOverhead, TimeCoeffs, megatron_model_state
+from megatron_epp.cost.shape import DTYPE_BYTES, ModelShape
 
 Fitted = tuple[TimeCoeffs, dict[str, Any]]  # coefficients and their fit's errors
 

@@ -28,7 +28,7 @@ from megatron_epp.planner.config import PlannerConfig
 from megatron_epp.cost.features import chunk_features
 from megatron_epp.cost.model import CostModel
 from megatron_epp.simulator.memory import pipeline_memory
-from megatron_epp.cost.profiles import GIB
+from megatron_epp.base.units import GIB
 
 SEQ1F1B_K = 4  # seq1f1b's slice count when the config sets no max_slices
 SEQ1F1B_KS = (2, 4, 8, 16)  # Seq1F1B's fixed slice counts: the baseline reports its best, the elastic builder weighs each

@@ -31,7 +31,8 @@ from scipy.optimize import least_squares
 
 from megatron_epp.cost.features import chunk_features
 from megatron_epp.cost.model import CostModel
-from megatron_epp.cost.profiles import GIB, MemoryCoeffs, StageOverhead
+from megatron_epp.base.units import GIB
+from megatron_epp.cost.profile import MemoryCoeffs, StageOverhead
 from megatron_epp.plan import Plan
 from megatron_epp.planner.stats import PredictedTimes
 from megatron_epp.simulator.memory import peak_memory

@@ -15,7 +15,10 @@ import numpy as np
 
 from megatron_epp.cost.model import CostModel
 from megatron_epp.cost.network import NETWORKS, get_network
-from megatron_epp.cost.profiles import GIB, MODEL_PRESETS, Profile, load_profile, profile_at_tp
+from megatron_epp.base.units import GIB
+from megatron_epp.cost.profile import Profile
+from megatron_epp.cost.profile_lookup import load_profile, profile_at_tp
+from megatron_epp.cost.shape import MODEL_PRESETS
 from megatron_epp.plan import Plan, PlanInfeasible
 from megatron_epp.plan.order import format_stage_ops
 from megatron_epp.planner.builders import ELASTIC, plan_batch

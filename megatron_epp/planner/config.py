@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from megatron_epp.cost.clusters import CLUSTERS
-from megatron_epp.cost.profiles import GIB
+from megatron_epp.base.units import GIB
 
 BUILDER_NAMES = ("elastic", "megatron", "seq1f1b")
 DEFAULT_CLUSTER = "h100-ib-gpu"  # --epp-search-layout's cluster preset

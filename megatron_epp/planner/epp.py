@@ -31,7 +31,7 @@ from megatron_epp.cost.features import F, chunk_features, sequence_features
 from megatron_epp.cost.model import ChunkCosts, CostModel
 from megatron_epp.planner.grouping import group_units_both
 from megatron_epp.simulator.memory import pipeline_memory
-from megatron_epp.cost.profiles import GIB
+from megatron_epp.base.units import GIB
 from megatron_epp.planner.stats import ChunkingChoice, ProgramSummary, plan_stats
 from megatron_epp.simulator.step import SimResult, simulate
 

@@ -27,7 +27,8 @@ import numpy as np
 
 from megatron_epp.cost.clusters import COMM_OVERLAP, Cluster, get_cluster, stage_profile
 from megatron_epp.cost.model import CostModel
-from megatron_epp.cost.profiles import GIB, ModelShape
+from megatron_epp.base.units import GIB
+from megatron_epp.cost.shape import ModelShape
 from megatron_epp.plan import Plan, PlanInfeasible
 from megatron_epp.planner.builders import ELASTIC, MEGATRON, SEQ1F1B, SEQ1F1B_KS, BaselinePlans, Builder
 from megatron_epp.planner.config import PlannerConfig

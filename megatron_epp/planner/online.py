@@ -3,7 +3,7 @@
 :class:`OnlinePlanner` plans a batch with the configured builder (:func:`~megatron_epp.planner.builders.plan_batch`) on the
 cost model of one model shape and parallel layout, and recalibrates that model on the steps the training measured
 (their times and per-stage activation peaks, as plain numbers) by :mod:`.calibration`. Built from a
-:class:`~megatron_epp.planner.config.PlannerConfig`, a :class:`~megatron_epp.cost.profiles.ModelShape`, a
+:class:`~megatron_epp.planner.config.PlannerConfig`, a :class:`~megatron_epp.cost.shape.ModelShape`, a
 :class:`~megatron_epp.planner.config.ParallelDims` and the resolved profile: the training driver turns its flags
 into those once (``training.planning.online_planner``), one per run, shared by the memory budget's start-up check,
 training and validation. It plans ahead: :meth:`OnlinePlanner.plan_ahead` starts a batch's plan in the planner's
@@ -25,7 +25,11 @@ import numpy as np
 
 from megatron_epp.cost.clusters import cp_profile
 from megatron_epp.cost.model import CostModel, default_network
-from megatron_epp.cost.profiles import GIB, ModelShape, Profile, StageOverhead, megatron_model_state, shape_memory, shape_time
+from megatron_epp.base.units import GIB
+from megatron_epp.cost.activation_memory import shape_memory
+from megatron_epp.cost.analytic import shape_time
+from megatron_epp.cost.profile import Profile, StageOverhead, megatron_model_state
+from megatron_epp.cost.shape import ModelShape
 from megatron_epp.plan import Plan
 from megatron_epp.planner.builders import plan_batch
 from megatron_epp.planner.calibration import (

@@ -17,7 +17,7 @@ import numpy as np
 from scipy import sparse
 from scipy.optimize import Bounds, LinearConstraint, milp
 
-from megatron_epp.cost.profiles import GIB
+from megatron_epp.base.units import GIB
 from megatron_epp.planner.config import Recompute
 from megatron_epp.simulator.memory import StageMemory
 

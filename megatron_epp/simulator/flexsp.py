@@ -38,7 +38,10 @@ from megatron_epp.cost.clusters import A800, COMM_OVERLAP, H100_SXM, Cluster, ex
 from megatron_epp.cost.features import F, sequence_features
 from megatron_epp.cost.model import CostModel
 from megatron_epp.cost.network import Network
-from megatron_epp.cost.profiles import GIB, H100, Accelerator, Profile, analytic_profile, shape_memory, shape_time
+from megatron_epp.base.units import GIB
+from megatron_epp.cost.activation_memory import shape_memory
+from megatron_epp.cost.analytic import H100, Accelerator, analytic_profile, shape_time
+from megatron_epp.cost.profile import Profile
 
 A2A_PER_LAYER = 4  # Q, K, V, output: forward; the same again in backward and in a recompute
 MIP_GAP = 0.02  # FlexSP's MILP is solved to this relative gap (or its time limit)

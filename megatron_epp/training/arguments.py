@@ -9,7 +9,7 @@ import re
 from typing import Sequence
 
 from megatron_epp.cost.clusters import get_cluster
-from megatron_epp.cost.profiles import GIB
+from megatron_epp.base.units import GIB
 from megatron_epp.data.data_path import Blend, BlendError
 from megatron_epp.data.tokenizers import TokenizerError, add_tokenizer_arguments, resolve_tokenizer_args, tokenizer_from_args
 from megatron_epp.executor.kernels import load_flash_kernel

@@ -25,7 +25,7 @@ from megatron_epp.executor.schedule import OpFailure, StepOutOfMemory, allocator
 from megatron_epp.plan import Plan, PlanInfeasible
 from megatron_epp.planner.builders import baseline_ratios
 from megatron_epp.planner.online import OnlinePlanner, PlanTicket
-from megatron_epp.cost.profiles import GIB
+from megatron_epp.base.units import GIB
 from megatron_epp.training.faults import FaultInjection, TrainingFault
 from megatron_epp.training.initialize import Runtime
 from megatron_epp.training.metrics import ElasticMetrics

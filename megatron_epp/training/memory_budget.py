@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import psutil
 import torch
 
-from megatron_epp.cost.profiles import GIB
+from megatron_epp.base.units import GIB
 
 CUDA_LIBRARY_MARGIN = 3.0 * GIB  # the CUDA context and libraries' growth after the start-up reading (measured 2.7 GiB)
 CUDA_FRAGMENTATION_SHARE = 0.03  # of the free memory: reserved above allocated within a step (measured up to 4 % of it)

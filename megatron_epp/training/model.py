@@ -17,7 +17,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-from megatron_epp.cost.profiles import ModelShape
+from megatron_epp.cost.shape import ModelShape
 from megatron_epp.executor.context import ChunkContext
 from megatron_epp.executor.spec import elastic_layer_spec, install_chunk_context
 from megatron_epp.training.extensions import probe_fused_softmax, probe_transformer_engine

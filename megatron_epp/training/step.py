@@ -19,7 +19,7 @@ from megatron_epp.training.gpt_step import gpt_forward_step, microbatches
 from megatron_epp.training.initialize import Runtime
 from megatron_epp.training.metrics import ElasticMetrics
 from megatron_epp.training.planning import check_memory_budget, online_planner
-from megatron_epp.training.profiling import Resolved, check_profile, describe, planner_profile, startup_profile
+from megatron_epp.training.profile_resolution import Resolved, check_profile, describe, planner_profile, startup_profile
 from megatron_epp.training.config import TrainingConfig
 
 

@@ -323,7 +323,7 @@ def test_the_simulator_walks_the_op_lists(runs, monkeypatch):
 
     from megatron_epp.cost.features import chunk_features
     from megatron_epp.cost.model import CostModel
-    from megatron_epp.cost.profiles import load_profile
+    from megatron_epp.cost.profile_lookup import load_profile
     from megatron_epp.plan.order import plan_stage_ops
     from megatron_epp.simulator import step
     from megatron_epp.simulator.step import ScheduleDeadlock, simulate

@@ -21,7 +21,9 @@ import sys
 import pytest
 import torch
 
-from megatron_epp.cost.profiles import PROFILE_DIR, PROFILE_SOURCES, MODEL_PRESETS, Profile, load_profile
+from megatron_epp.cost.profile import PROFILE_SOURCES, Profile
+from megatron_epp.cost.profile_lookup import PROFILE_DIR, load_profile
+from megatron_epp.cost.shape import MODEL_PRESETS
 from tests.launch import REPO, run_env
 
 TINY = ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "512",

@@ -30,7 +30,8 @@ import sys
 import pytest
 import torch
 
-from megatron_epp.cost.profiles import load_profile, saved_tensor_memory
+from megatron_epp.cost.activation_memory import saved_tensor_memory
+from megatron_epp.cost.profile_lookup import load_profile
 from megatron_epp.training.metrics import ElasticMetrics, StepMetrics
 from tests.launch import REPO, run_env
 

@@ -22,7 +22,9 @@ import sys
 import pytest
 
 from megatron_epp.cost.model import CostModel
-from megatron_epp.cost.profiles import MODEL_PRESETS, gpu_activation_memory, load_profile, saved_tensor_memory
+from megatron_epp.cost.activation_memory import gpu_activation_memory, saved_tensor_memory
+from megatron_epp.cost.profile_lookup import load_profile
+from megatron_epp.cost.shape import MODEL_PRESETS
 from tests.launch import REPO, free_port, run_env, torchrun_command
 from tests.workers.runs import RUN_SEPARATOR
 
@@ -142,7 +144,7 @@ def test_walk_counts_the_recompute_of_the_last_checkpointed_layer():
     from megatron_epp.plan import Chunk, Pipeline, Segment
     from megatron_epp.cost.features import chunk_features
     from megatron_epp.simulator.memory import stage_memory
-    from megatron_epp.cost.profiles import MemoryCoeffs
+    from megatron_epp.cost.profile import MemoryCoeffs
 
     profile = load_profile("test-model")
     memory = MemoryCoeffs(10.0, 0.0, 0.0, 1.0, 2.0, 0.0, 0.0, 0.0, 0.0, False, 0.0, bwd_workspace=0.0)

@@ -20,7 +20,8 @@ SCRIPT = """
 import json, resource
 import numpy as np
 from megatron_epp.cost.model import CostModel
-from megatron_epp.cost.profiles import GIB, load_profile
+from megatron_epp.base.units import GIB
+from megatron_epp.cost.profile_lookup import load_profile
 from megatron_epp.planner.builders import plan_batch
 from megatron_epp.planner.config import PlannerConfig
 rng = np.random.default_rng(0)

@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 
 from megatron_epp.cost.clusters import A800, NVLINK_LATENCY_US, Cluster
-from megatron_epp.cost.profiles import GIB, ModelShape, analytic_profile
+from megatron_epp.base.units import GIB
+from megatron_epp.cost.analytic import analytic_profile
+from megatron_epp.cost.shape import ModelShape
 from megatron_epp.plan import PlanInfeasible
 from megatron_epp.planner.builders import MEGATRON, SEQ1F1B
 from megatron_epp.planner.config import PlannerConfig

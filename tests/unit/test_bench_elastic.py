@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from megatron_epp.cost.model import CostModel
-from megatron_epp.cost.profiles import GIB, load_profile
+from megatron_epp.base.units import GIB
+from megatron_epp.cost.profile_lookup import load_profile
 from megatron_epp.planner.builders import ELASTIC, MEGATRON, SEQ1F1B
 from megatron_epp.planner.config import PlannerConfig
 from megatron_epp.training.metrics import ElasticMetrics, StepMetrics

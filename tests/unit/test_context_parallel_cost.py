@@ -13,10 +13,10 @@ from megatron_epp.cost.clusters import CLUSTERS, cp_profile, get_cluster, stage_
 from megatron_epp.cost.features import sequence_features
 from megatron_epp.cost.model import CostModel
 from megatron_epp.cost.network import Network
-from megatron_epp.cost.profiles import (
-    MEASURED_MEMORY, MODEL_PRESETS, TEST_MODEL, ModelShape, analytic_profile, gpu_activation_memory, load_profile,
-    saved_tensor_memory, shape_memory,
-)
+from megatron_epp.cost.activation_memory import MEASURED_MEMORY, gpu_activation_memory, saved_tensor_memory, shape_memory
+from megatron_epp.cost.analytic import analytic_profile
+from megatron_epp.cost.profile_lookup import load_profile
+from megatron_epp.cost.shape import MODEL_PRESETS, TEST_MODEL, ModelShape
 
 LLAMA_GQA = ModelShape("gqa", 4, 4096, 32, 14336, 32000, num_kv_heads=8, dtype="bfloat16", normalization="RMSNorm", bias=False)
 
@@ -139,7 +139,7 @@ def test_measured_memory_carried_to_cp_once():
 def test_online_planner_plans_at_cp():
     from megatron_epp.planner.config import ParallelDims, PlannerConfig
     from megatron_epp.planner.online import OnlinePlanner
-    from megatron_epp.cost.profiles import GIB
+    from megatron_epp.base.units import GIB
 
     config = PlannerConfig(memory_budget_bytes=0.05 * GIB, max_seq_len=1024, max_slices=8)
     one = OnlinePlanner(config, TEST_MODEL, ParallelDims(pp=2), load_profile("test-model"))

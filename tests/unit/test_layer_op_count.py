@@ -27,7 +27,7 @@ from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_e
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_epp.cost.profiles import ModelShape
+from megatron_epp.cost.shape import ModelShape
 from megatron_epp.executor import rotary, spec
 from megatron_epp.executor.context import ChunkContext, ChunkLayout
 from megatron_epp.plan import Chunk, Segment

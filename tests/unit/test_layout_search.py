@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from megatron_epp.cost.clusters import A800, CLUSTERS, Cluster
-from megatron_epp.cost.profiles import GIB, MODEL_PRESETS, ModelShape
+from megatron_epp.base.units import GIB
+from megatron_epp.cost.shape import MODEL_PRESETS, ModelShape
 from megatron_epp.plan import PlanInfeasible
 from megatron_epp.planner.cli import main as epp_plan
 from megatron_epp.planner.builders import ELASTIC, MEGATRON, SEQ1F1B, baseline_builders

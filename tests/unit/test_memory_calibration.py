@@ -14,7 +14,10 @@ import numpy as np
 import pytest
 
 from megatron_epp.cost.model import CostModel
-from megatron_epp.cost.profiles import GIB, analytic_profile, load_profile, saved_tensor_memory
+from megatron_epp.base.units import GIB
+from megatron_epp.cost.activation_memory import saved_tensor_memory
+from megatron_epp.cost.analytic import analytic_profile
+from megatron_epp.cost.profile_lookup import load_profile
 from megatron_epp.planner.calibration import MemoryCheck, activation_bytes, fit_memory_factor
 from megatron_epp.simulator import simulate
 from megatron_epp.training import memory_budget
@@ -289,7 +292,8 @@ def test_the_drivers_planner_is_the_planner_packages_built_from_the_flags_once()
     """``training.planning.online_planner`` only wires: the planner it builds from ``pretrain_gpt.py``'s flags plans and
     calibrates as an ``OnlinePlanner`` built by hand from the config, shape, parallel dims and profile those flags mean
     (the planner tests build it so, without training)."""
-    from megatron_epp.cost.profiles import ModelShape, load_profile
+    from megatron_epp.cost.profile_lookup import load_profile
+    from megatron_epp.cost.shape import ModelShape
     from megatron_epp.planner.config import ParallelDims, PlannerConfig
 
     args = parse_config(["--elastic-pp", "--mock-data", "--pipeline-model-parallel-size", "2", "--num-layers", "4", "--seq-length", "1024",

@@ -58,7 +58,7 @@ def test_records_round_trip_json_lines(tmp_path):
 
 
 def test_model_flops_match_a_hand_count():
-    from megatron_epp.cost.profiles import ModelShape
+    from megatron_epp.cost.shape import ModelShape
 
     shape = ModelShape("tiny", num_layers=2, hidden=8, num_heads=2, ffn_hidden=32, vocab=10, swiglu=False)
     # per layer and token: QKV 2*8*24 + projection 2*8*8 + MLP 2*(8*32 + 32*8) = 384 + 128 + 1024 = 1536 FLOPs;

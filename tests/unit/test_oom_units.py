@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_epp.cost.profiles import GIB
+from megatron_epp.base.units import GIB
 from megatron_epp.executor import schedule
 from megatron_epp.executor.schedule import OpFailure, requested_bytes
 from megatron_epp.planner.calibration import activation_bytes

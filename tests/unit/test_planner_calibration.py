@@ -11,7 +11,10 @@ import pytest
 
 from megatron_epp.cost.features import chunk_features
 from megatron_epp.cost.model import CostModel
-from megatron_epp.cost.profiles import GIB, ModelShape, Profile, StageOverhead, load_profile
+from megatron_epp.base.units import GIB
+from megatron_epp.cost.profile import Profile, StageOverhead
+from megatron_epp.cost.profile_lookup import load_profile
+from megatron_epp.cost.shape import ModelShape
 from megatron_epp.planner import build_plan
 from megatron_epp.planner.calibration import ONLINE_PRIOR_WEIGHT, fit_step_model, repredict, simulate_steps
 from megatron_epp.simulator import simulate

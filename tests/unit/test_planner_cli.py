@@ -22,12 +22,13 @@ from megatron_epp.planner.data_parallel import TOKENS, split_data_parallel
 from megatron_epp.cost.features import F
 from megatron_epp.cost.model import CostModel
 from megatron_epp.cost.network import get_network
-from megatron_epp.cost.profiles import GIB, load_profile, profile_at_tp
+from megatron_epp.base.units import GIB
+from megatron_epp.cost.profile_lookup import load_profile, profile_at_tp
 from megatron_epp.data.mock_documents import lengths_from_file
 from megatron_epp.simulator.step import simulate
 from megatron_epp.training.arguments import ArgumentError, parse_config
 from megatron_epp.training.planning import online_planner
-from megatron_epp.training.profiling import check_profile, describe, startup_profile
+from megatron_epp.training.profile_resolution import check_profile, describe, startup_profile
 
 LENGTHS = [3000, 1200, 800, 500, 300, 200, 150, 90, 60, 40, 20, 10] * 2
 

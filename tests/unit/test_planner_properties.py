@@ -14,7 +14,8 @@ from megatron_epp.planner.epp import PlanInfeasible, build_plan
 from megatron_epp.cost.features import chunk_features
 from megatron_epp.cost.model import CostModel
 from megatron_epp.simulator.memory import pipeline_memory
-from megatron_epp.cost.profiles import GIB, load_profile
+from megatron_epp.base.units import GIB
+from megatron_epp.cost.profile_lookup import load_profile
 from megatron_epp.simulator.step import simulate
 from megatron_epp.plan.order import sequence_units
 

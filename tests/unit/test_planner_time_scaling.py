@@ -11,7 +11,10 @@ import pytest
 from megatron_epp.cost.features import chunk_features
 from megatron_epp.cost.model import CostModel
 from megatron_epp.plan import Chunk, Segment
-from megatron_epp.cost.profiles import MODEL_PRESETS, Profile, analytic_profile, load_profile, shape_time
+from megatron_epp.cost.analytic import analytic_profile, shape_time
+from megatron_epp.cost.profile import Profile
+from megatron_epp.cost.profile_lookup import load_profile
+from megatron_epp.cost.shape import MODEL_PRESETS
 
 
 def placed(profile: Profile, **changes) -> Profile:
@@ -118,7 +121,8 @@ def test_cpu_profile_is_the_one_measured_nearest_the_model_that_runs():
     """``--epp-profile cpu`` (the default): the shipped CPU profile measured at the run's shape when there is
     one (hidden 128: the benchmark's model, whose chunks hidden-64 coefficients over-predict
     by 8-40 %), else the nearest; the test model's without a shape (epp-plan)."""
-    from megatron_epp.cost.profiles import PROFILE_DIR, TEST_MODEL, nearest_cpu_profile, shape_distance
+    from megatron_epp.cost.profile_lookup import PROFILE_DIR, nearest_cpu_profile, shape_distance
+    from megatron_epp.cost.shape import TEST_MODEL
 
     shipped = {profile.time_model.hidden: profile for profile in map(Profile.load, PROFILE_DIR.glob("*_cpu.json"))}
     assert {64, 128} <= set(shipped)
@@ -135,12 +139,12 @@ def test_cpu_profile_is_the_one_measured_nearest_the_model_that_runs():
 
 
 def test_driver_plans_the_main_job_on_the_profile_measured_at_its_shape():
-    from megatron_epp.cost.profiles import PROFILE_DIR
+    from megatron_epp.cost.profile_lookup import PROFILE_DIR
     from megatron_epp.training.replay import parsed_config
     from megatron_epp.training.planning import online_planner
     import torch
 
-    from megatron_epp.training.profiling import describe, startup_profile
+    from megatron_epp.training.profile_resolution import describe, startup_profile
     from tests.unit.test_main_job import main_job_flags
 
     args = parsed_config([*main_job_flags(), "--mock-data"])

@@ -15,7 +15,11 @@ from megatron_epp.cost.model import CostModel
 from megatron_epp.planner.grouping import group_units
 from megatron_epp.simulator.memory import pipeline_memory, stage_memory
 from megatron_epp.cost.network import Network
-from megatron_epp.cost.profiles import GIB, MODEL_PRESETS, MemoryCoeffs, Profile, TimeCoeffs, analytic_profile, load_profile
+from megatron_epp.base.units import GIB
+from megatron_epp.cost.analytic import analytic_profile
+from megatron_epp.cost.profile import MemoryCoeffs, Profile, TimeCoeffs
+from megatron_epp.cost.profile_lookup import load_profile
+from megatron_epp.cost.shape import MODEL_PRESETS
 from megatron_epp.simulator.step import ScheduleDeadlock, simulate
 
 IDEAL = Network("ideal", 1e30, 0.0, 1e30, 0.0)

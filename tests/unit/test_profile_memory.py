@@ -21,13 +21,15 @@ import torch
 
 from megatron_epp.cost.model import CostModel
 from megatron_epp.cost.profile_fit import measured_memory, per_token_fit
-from megatron_epp.cost.profiles import (
-    MEASURED_COEFFS, ModelShape, analytic_profile, gpu_activation_memory, profile_at_tp, saved_tensor_memory, shape_memory,
-)
-from megatron_epp.training import profiling
+from megatron_epp.cost.activation_memory import MEASURED_COEFFS, gpu_activation_memory, saved_tensor_memory, shape_memory
+from megatron_epp.cost.analytic import analytic_profile
+from megatron_epp.cost.profile_lookup import profile_at_tp
+from megatron_epp.cost.shape import ModelShape
+from megatron_epp.training import profile_resolution, profiling
 from megatron_epp.training.layer_bench import init_single_process
 from megatron_epp.training.model import model_shape
-from megatron_epp.training.profiling import ProfileFailed, ProfileGrid, Target, describe, head_lengths_within, measure_profile, resolve_profile
+from megatron_epp.training.profile_resolution import Target, describe, resolve_profile
+from megatron_epp.training.profiling import ProfileFailed, ProfileGrid, head_lengths_within, measure_profile
 from megatron_epp.training.replay import parsed_config
 
 LLAMA = ModelShape("llama-like", 1, 64, 8, 96, 128, num_kv_heads=2, kv_channels=16, normalization="RMSNorm", bias=False)
@@ -202,7 +204,7 @@ def test_a_fault_of_the_start_up_profiler_plans_on_the_analytic_profile_with_its
     def broken(*args, **kwargs):
         raise ValueError("a fault of the profiler")
 
-    monkeypatch.setattr(profiling, "measure_profile", broken)
+    monkeypatch.setattr(profile_resolution, "measure_profile", broken)
     init_single_process()
     args = parsed_config([*TINY, "--epp-profile-cache", str(tmp_path)], world_size=1)
     lines: list[str] = []
@@ -250,8 +252,8 @@ def test_the_run_measures_in_its_dtype_with_its_attention_kernel(monkeypatch):
         asked.append((request, dtype, gqa))
         return f"kernel-for-{request}"
 
-    monkeypatch.setattr(profiling.kernels, "select_backend", select)
-    monkeypatch.setattr(profiling.torch.cuda, "get_device_name", lambda device: "Test GPU")
+    monkeypatch.setattr(profile_resolution.kernels, "select_backend", select)
+    monkeypatch.setattr(profile_resolution.torch.cuda, "get_device_name", lambda device: "Test GPU")
     monkeypatch.delenv("EPP_ATTENTION_BACKEND", raising=False)
     cuda = torch.device("cuda")
     fp16 = Target.of_run(parsed_config([*TINY, "--fp16"], world_size=1), cuda)
@@ -274,10 +276,10 @@ def test_the_budget_is_checked_again_on_the_profile_resolved_at_start_up(monkeyp
     cfg = parsed_config([*TINY, "--epp-memory-budget", "0.05"], world_size=1)
     mode = step.ElasticSteps(cfg)  # the CPU profile's count fits
     before = mode.budget
-    fitted = profiling.resolve_profile(cfg, Target("cpu", torch.float32))
+    fitted = profile_resolution.resolve_profile(cfg, Target("cpu", torch.float32))
     heavy = dataclasses.replace(fitted.profile, memory=dataclasses.replace(fitted.profile.memory, derive="",
                                                                             act_token=fitted.profile.memory.act_token * 1e6))
-    monkeypatch.setattr(step, "startup_profile", lambda cfg, device: profiling.Resolved(heavy, "measured at start-up"))
+    monkeypatch.setattr(step, "startup_profile", lambda cfg, device: profile_resolution.Resolved(heavy, "measured at start-up"))
     with pytest.raises(ArgumentError, match=r"--epp-memory-budget 0\.0\d* GB: 2 documents of --seq-length 128 tokens per replica "
                                              "cannot be planned"):
         mode.start(type("Runtime", (), {"device": torch.device("cpu")})())

@@ -8,7 +8,7 @@ on the same 30 random plans (2, 4 and 8 stages, 1-3 pipelines): (1) every event 
 import importlib.util, json, statistics, subprocess, sys, tempfile, time
 import numpy as np
 from megatron_epp.cost.model import CostModel
-from megatron_epp.cost.profiles import load_profile
+from megatron_epp.cost.profile_lookup import load_profile
 from megatron_epp.simulator import step as new
 from tests.workers.random_plans import random_plan
 
