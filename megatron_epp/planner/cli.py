@@ -22,11 +22,12 @@ from megatron_epp.cost.shape import MODEL_PRESETS
 from megatron_epp.plan import Plan, PlanInfeasible
 from megatron_epp.plan.order import format_stage_ops
 from megatron_epp.planner.builders import ELASTIC, plan_batch
-from megatron_epp.planner.compare import BASELINES, run_baselines
+from megatron_epp.planner.compare import BASELINES, FLEXSP, run_baselines
 from megatron_epp.planner.config import DEFAULT_CLUSTER, PlannerConfig, add_planner_arguments
 from megatron_epp.planner.layout import describe_choice, search_for_world
 from megatron_epp.data.lengths import read_lengths, select_batch
 from megatron_epp.planner.data_parallel import split_data_parallel
+from megatron_epp.simulator.flexsp import check_flexsp_profile
 from megatron_epp.simulator.step import simulate
 from megatron_epp.simulator.timeline import draw_timeline
 
@@ -144,6 +145,11 @@ def check_input(args: argparse.Namespace) -> tuple[PlannerConfig, Profile, np.nd
     except ValueError as e:
         raise ValueError(f"--tp {args.tp}: {e}") from None
     check_layout(profile, args.stages)
+    if FLEXSP in args.baselines.split(","):
+        try:
+            check_flexsp_profile(profile)
+        except ValueError as e:
+            raise ValueError(f"--baselines flexsp: {e} (leave flexsp out of --baselines, or pass a model preset --epp-profile)") from None
     pool = read_lengths(args.lengths)
     try:
         lengths = select_batch(pool, args.gbs, args.seed, args.max_seq_len, args.truncate)

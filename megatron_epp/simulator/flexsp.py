@@ -252,12 +252,19 @@ def _step(L, c, base, n_gpu, fabric, net, free, mode, m, overlap, num_buckets, t
             "zero3_exposed_ms": zero_total, "recompute_ms": recompute_ms}
 
 
+def check_flexsp_profile(prof: Profile) -> None:
+    """FlexSP plans each GPU on its own (sequence parallelism, no TP): it needs per-GPU (tp = 1) costs, which a tp = 1
+    profile has and an analytic one is rebuilt with; a ``ValueError`` otherwise."""
+    if prof.tp != 1 and prof.source != "analytic":
+        raise ValueError(f"FlexSP needs the per-GPU (tp=1) costs, and this {prof.source} profile is for tp={prof.tp}: "
+                         "a tp=1 or an analytic profile")
+
+
 def plan_flexsp(lengths: Sequence[int], cost_model: CostModel, budget_bytes: float, **kw: Any) -> dict[str, Any]:
     """FlexSP on the GPUs of one pipeline replica of ``cost_model`` (``num_stages * tp``), on its network
     and device (an analytic profile is rebuilt at tp = 1; a measured profile must be tp = 1)."""
     prof = cost_model.profile
-    if prof.tp != 1 and prof.source != "analytic":
-        raise ValueError("FlexSP needs the per-GPU (tp=1) costs: a tp=1 or an analytic profile")
+    check_flexsp_profile(prof)
     base = prof if prof.tp == 1 else analytic_profile(prof.model, 1, _accelerator_of(prof))
     return simulate_flexsp(lengths, base, cost_model.num_stages * prof.tp, cost_model.network, budget_bytes, **kw)
 

@@ -196,6 +196,8 @@ def cli_error(capsys, monkeypatch, *argv: str) -> str:
     (["--epp-cluster", "a800-ib-node"], "--epp-cluster applies only with --epp-search-layout"),
     (["--epp-search-layout", "--epp-profile", "test-model"], "--epp-search-layout needs a model preset --epp-profile (llama-7b, llama-13b, llama-30b)"),
     (["--epp-search-layout", "--epp-plan", "megatron"], "--epp-plan megatron: --epp-search-layout searches EPP's (elastic) layout"),
+    (["--tp", "2", "--epp-profile", "cpu", "--max-seq-len", "4096"], "--baselines flexsp: FlexSP needs the per-GPU (tp=1) costs, and this "
+     "measured profile is for tp=2: a tp=1 or an analytic profile (leave flexsp out of --baselines, or pass a model preset --epp-profile)"),
     (["--max-seq-len", "1000"], "--max-seq-len 1000: 4 document(s) longer than the cap (longest 3000 tokens); pass --truncate to cut them"),
 ])
 def test_cli_rejects_bad_options_in_one_line(lengths_file, capsys, monkeypatch, tmp_path, argv, message):
