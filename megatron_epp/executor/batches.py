@@ -39,12 +39,16 @@ def chunk_batches(plan: Plan, sequences: Sequence[TokensAndLabels] | None, devic
         labels = torch.cat([sequences[s.seq][1][s.start : s.end] for s in chunk.segments] + [pad])
         loss_mask = torch.ones(1, tokens.numel())
         loss_mask[:, chunk.num_tokens :] = 0
-        share = tokens.numel() // cp_size
-        mine = slice(cp_rank * share, (cp_rank + 1) * share)
+        if cp_size > 1:
+            # this rank's block in storages of its own: a view would keep the whole chunk's, and autograd saves them
+            # (the embedding its ids, the loss its mask: 12 B a local token the memory model does not count)
+            share = tokens.numel() // cp_size
+            mine = slice(cp_rank * share, (cp_rank + 1) * share)
+            tokens, labels, loss_mask = (t[..., mine].clone() for t in (tokens, labels, loss_mask))
         yield {
-            "tokens": to_device(tokens[None, mine], device),
-            "labels": to_device(labels[None, mine], device),
-            "loss_mask": to_device(loss_mask[:, mine], device),
+            "tokens": to_device(tokens[None], device),
+            "labels": to_device(labels[None], device),
+            "loss_mask": to_device(loss_mask, device),
         }
 
 

@@ -117,9 +117,11 @@ class ChunkLayout:
 
     @cached_property
     def local_position_ids(self) -> torch.Tensor:
-        """``[local_tokens]``: the absolute positions of this rank's own tokens (its embeddings' and RoPE's)."""
+        """``[local_tokens]``: the absolute positions of this rank's own tokens (its embeddings' and RoPE's), under
+        context parallelism in a storage of their own (learned position embeddings save them: a view would keep the
+        whole chunk's)."""
         start, end = self.local_range
-        return self.position_ids[start:end]
+        return self.position_ids[start:end].clone() if self.cp_size > 1 else self.position_ids
 
     @property
     def split_seq(self) -> int | None:

@@ -1,7 +1,7 @@
 """scripts/slurm/train.sbatch on a one-host SLURM cluster (scripts/slurm/local_cluster.sh).
 
-Single node (1 x torchrun with 2 ranks), two nodes (2 x torchrun with 1 rank each, pp=2 across the
-"nodes"), a failing training that must fail `sbatch --wait`, and a job stopped by `scancel --signal=TERM`
+Single node (1 x torchrun with 2 ranks), two nodes (2 x torchrun with 2 ranks each, pp=2 across the
+"nodes", --context-parallel-size 2 inside each), a failing training that must fail `sbatch --wait`, and a job stopped by `scancel --signal=TERM`
 that saves, exits 0 and is resumed by a second job. Each job's log must show every
 iteration with a loss: a job that never trained can still exit 0. Without SLURM installed the tests
 skip, except under CI=true, where they fail (bash scripts/setup_env.sh installs it as root).
@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 
+from megatron_epp.training.metrics import read_metrics
 from tests.launch import free_port, logged_losses
 from tests.paths import REPO
 
@@ -88,9 +89,23 @@ def test_single_node(cluster, tmp_path):
     assert_trained(rc, log, 1, "tp=1 pp=2 dp=1")
 
 
-def test_two_nodes_pipeline_across_nodes(cluster, tmp_path):
-    rc, log = sbatch(cluster, tmp_path / "job.out", *TINY, nodes=2, NPROC_PER_NODE="1")
-    assert_trained(rc, log, 2, "tp=1 pp=2 dp=1")
+def test_two_nodes_pipeline_across_nodes_context_parallel_inside(cluster, tmp_path):
+    """2 nodes x 2 ranks, pp 2 x cp 2 (InfiniPipe's layout: Ulysses context parallelism inside a node, the elastic
+    pipeline across nodes; megatron-core's rank order puts a stage's CP group on one node). CP in effect: the layout
+    line says cp=2, every step's log line has each stage's and CP rank's measured activation peak, and each of the
+    four equals the planner's prediction for a CP rank of its stage to the byte (calibration off)."""
+    metrics = tmp_path / "metrics.jsonl"
+    rc, log = sbatch(cluster, tmp_path / "job.out", *TINY, "--context-parallel-size", "2", "--epp-calibrate-interval", "0",
+                     "--epp-metrics", str(metrics), nodes=2, NPROC_PER_NODE="2")
+    assert_trained(rc, log, 2, "tp=1 cp=2 pp=2 dp=1")
+    records = read_metrics(metrics)
+    assert [m.iteration for m in records] == list(range(1, ITERS + 1))
+    for m in records:
+        e = m.elastic
+        assert e.memory_factor == 1.0 and len(e.measured_cp_activation_bytes) == 2, e
+        assert all(len(ranks) == 2 and all(meas == pred for meas in ranks)
+                   for pred, ranks in zip(e.predicted_activation_bytes, e.measured_cp_activation_bytes, strict=True)), e
+        assert "act MB meas per stage and CP rank: " in m.line() and m.line() in log
 
 
 def test_failing_training_fails_the_job(cluster, tmp_path):

@@ -2,6 +2,7 @@
 
     python tests/workers/memory_chunks.py OUT.json [--model-dtype float32|bfloat16] [pretrain_gpt model flags...] [:: OUT2.json ...]
     torchrun --nproc-per-node 2 tests/workers/memory_chunks.py OUT.json --tensor-model-parallel-size 2 --sequence-parallel ...
+    torchrun --nproc-per-node 2 tests/workers/memory_chunks.py OUT.json --context-parallel-size 2 ...
 
 Several models separated by ``::`` are measured in one process (one start; each on its own model-parallel groups).
 
@@ -15,8 +16,10 @@ accumulators counted (the tracker's ``peak_with_kv_grads``, the planner with ``k
 sees; ``pred_grads_seen``: the walk's peak over the moments the CPU tracker samples, when tensors are saved: the
 forwards' ends and the recomputes, not the start of a backward, where a middle slice holds the accumulators beside
 everything its forward left).
-Writes ``[{case, rc, pred, meas, pred_grads, pred_grads_seen, meas_grads}]`` (tensor-parallel
-rank 0's, under torchrun: a tensor-parallel stage, its chunks padded under sequence parallelism).
+Writes ``[{case, rc, pred, meas, pred_grads, pred_grads_seen, meas_grads}]`` (rank 0's, under torchrun: a
+tensor-parallel stage, its chunks padded under sequence parallelism; or a context-parallel one,
+``--context-parallel-size``, each rank holding its block of every padded chunk, with every CP rank's peaks in
+``meas_cp`` and ``meas_grads_cp``).
 """
 
 from __future__ import annotations
@@ -127,7 +130,8 @@ def measure(argv: list[str]) -> None:
             with ActivationMemoryTracker(torch.device("cpu"), context) as tracker:
                 forward_backward_elastic(
                     forward_step_func=elastic_gpt_forward_step,
-                    data_iterator=chunk_batches(plan, [(d[:-1], d[1:]) for d in docs], runtime.device, token_multiple(config)),
+                    data_iterator=chunk_batches(plan, [(d[:-1], d[1:]) for d in docs], runtime.device, token_multiple(config),
+                                                ps.get_context_parallel_rank(), ps.get_context_parallel_world_size()),
                     model=[model], num_microbatches=len(plan.pipelines[0].chunks), plan=plan,
                 )
             model.zero_grad_buffer()
@@ -136,6 +140,12 @@ def measure(argv: list[str]) -> None:
             results.append({"case": name, "rc": plan.pipelines[0].recompute[0], "pred": pred, "meas": tracker.peak_bytes,
                             "pred_grads": pred_grads, "pred_grads_seen": peak_the_tracker_sees(with_kv_grads.cost_model, plan),
                             "meas_grads": tracker.peak_with_kv_grads})
+    if ps.get_context_parallel_world_size() > 1:  # every CP rank's peaks (each holds its own block of every chunk)
+        peaks = [None] * ps.get_context_parallel_world_size()
+        torch.distributed.all_gather_object(peaks, [(r["meas"], r["meas_grads"]) for r in results],
+                                            group=ps.get_context_parallel_group())
+        for i, r in enumerate(results):
+            r["meas_cp"], r["meas_grads_cp"] = ([rank[i][k] for rank in peaks] for k in (0, 1))
     if runtime.rank == 0:
         with open(ours.out, "w") as f:
             json.dump(results, f)
