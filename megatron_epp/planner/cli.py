@@ -23,7 +23,7 @@ from megatron_epp.planner.compare import BASELINES, run_baselines
 from megatron_epp.planner.config import DEFAULT_CLUSTER, PlannerConfig, add_planner_arguments
 from megatron_epp.planner.layout import describe_choice, search_for_world
 from megatron_epp.data.lengths import read_lengths, select_batch
-from megatron_epp.planner.data_parallel import split_data_parallel
+from megatron_epp.planner.data_parallel import dp_split
 from megatron_epp.simulator.step import simulate
 from megatron_epp.simulator.timeline import draw_timeline
 
@@ -160,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.epp_search_layout:
         return print_layout_search(args, config, profile.tp, lengths)
     cost_model = CostModel(profile, args.stages, dp=args.dp, network=get_network(args.network))
-    parts = split_data_parallel(lengths, args.dp, cost_model.work_vector())
+    parts = dp_split(lengths, args.dp, cost_model.work_vector())
     names = [n for n in args.baselines.split(",") if n]
     with solver_output_to_stderr():
         try:

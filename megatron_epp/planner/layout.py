@@ -31,7 +31,7 @@ from megatron_epp.cost.profiles import GIB, ModelShape
 from megatron_epp.plan import Plan, PlanInfeasible
 from megatron_epp.planner.builders import ELASTIC, MEGATRON, SEQ1F1B, SEQ1F1B_KS, BaselinePlans, Builder
 from megatron_epp.planner.config import PlannerConfig
-from megatron_epp.planner.data_parallel import split_data_parallel
+from megatron_epp.planner.data_parallel import dp_split
 
 
 
@@ -170,7 +170,7 @@ def evaluate_layout(lengths: np.ndarray, shape: ModelShape, cluster: Cluster, la
     ``known``: per replica, the baseline plans already made on this layout (:meth:`Builder.plan`)."""
     cm = layout_cost_model(shape, cluster, layout)
     sync = dp_sync_ms(cm, cluster, layout, overlap)
-    parts = split_data_parallel(lengths, layout.dp, cm.work_vector())
+    parts = dp_split(lengths, layout.dp, cm.work_vector())
     plans, details = [], set()
     for i, p in enumerate(parts):
         plan, detail = system_plan(system, lengths[p], cm, config, None if known is None else known[i])
@@ -310,7 +310,7 @@ def search_layout(lengths: Sequence[int], shape: ModelShape, cluster: Cluster, s
         if states >= config.memory_budget_bytes:
             skipped[str(layout)] = f"model states {states / GIB:.1f} GB per GPU"
             continue
-        parts = split_data_parallel(L, layout.dp, cm.work_vector())
+        parts = dp_split(L, layout.dp, cm.work_vector())
         cands.append(_Candidate(layout, cm, parts, dp_sync_ms(cm, cluster, layout, overlap), [cm.bound_ms(L[p]) for p in parts]))
     known: dict[tuple[str, int], dict[Builder, Plan | None]] = {}  # the proxy ranking's plans, by (layout, replica)
     if not exhaustive and system != MEGATRON and len(cands) > max_evaluated:

@@ -18,7 +18,7 @@ from megatron_epp.planner import cli
 from megatron_epp.planner.cli import main
 from megatron_epp.planner.compare import BASELINES, run_baselines
 from megatron_epp.planner.config import BUILDER_NAMES, PlannerConfig
-from megatron_epp.planner.data_parallel import TOKENS, split_data_parallel
+from megatron_epp.planner.data_parallel import TOKENS, dp_split
 from megatron_epp.cost.features import F
 from megatron_epp.cost.model import CostModel
 from megatron_epp.cost.network import get_network
@@ -103,10 +103,10 @@ def test_cli_preset_with_data_parallel_split(lengths_file, capsys, tmp_path):
                    "--plan-out", str(tmp_path / "p.json"))
     assert out["dp"] == 2 and out["predicted_step_ms"] > out["bound_step_ms"] > 0
     # replica 0 plans the sequences of the one split training makes: by the cost model's work
-    parts = split_data_parallel(np.array(LENGTHS), 2, CostModel(load_profile("llama-7b"), 4, dp=2).work_vector())
+    parts = dp_split(np.array(LENGTHS), 2, CostModel(load_profile("llama-7b"), 4, dp=2).work_vector())
     assert sorted(np.concatenate(parts).tolist()) == list(range(len(LENGTHS)))
     assert json.loads((tmp_path / "p.json").read_text())["seq_lengths"] == np.array(LENGTHS)[parts[0]].tolist()
-    tokens = split_data_parallel(np.array(LENGTHS), 2, TOKENS)
+    tokens = dp_split(np.array(LENGTHS), 2, TOKENS)
     assert abs(sum(np.array(LENGTHS)[tokens[0]]) - sum(np.array(LENGTHS)[tokens[1]])) <= 10
 
 
@@ -123,7 +123,7 @@ def test_cli_splits_data_parallel_by_modelled_work(tmp_path, capsys):
     work = CostModel(load_profile(str(tmp_path / "profile.json")), 2, dp=2).work_vector()  # whole sequences: 1 segment, 1 chunk each
     no_segment = work.copy()
     no_segment[F.SEGMENTS] = 0.0
-    parts, by_tokens, by_no_segment = (split_data_parallel(lengths, 2, w) for w in (work, TOKENS, no_segment))
+    parts, by_tokens, by_no_segment = (dp_split(lengths, 2, w) for w in (work, TOKENS, no_segment))
     assert parts[0].tolist() != by_tokens[0].tolist() and parts[0].tolist() != by_no_segment[0].tolist()  # the check discriminates
     assert json.loads((tmp_path / "p.json").read_text())["seq_lengths"] == lengths[parts[0]].tolist()
 
