@@ -153,8 +153,8 @@ def test_known_baseline_plans_give_the_same_epp_plans():
                     made[builder] = None
             known.append(made)
         reused = layout_module.evaluate_layout(L, SHAPE, TOY, layout, ELASTIC, config, known=known)
-        assert [p.stats.predicted_step_ms for p in reused.plans] == [p.stats.predicted_step_ms for p in fresh.plans]
-        assert [p.stats.candidates_ms for p in reused.plans] == [p.stats.candidates_ms for p in fresh.plans]
+        assert [p.report.predicted_step_ms for p in reused.plans] == [p.report.predicted_step_ms for p in fresh.plans]
+        assert [p.report.candidates_ms for p in reused.plans] == [p.report.candidates_ms for p in fresh.plans]
         assert reused.detail == fresh.detail
 
 
