@@ -149,7 +149,7 @@ class Candidate:
 
 @dataclass(frozen=True)
 class _Finalist:
-    """A finalist's plan with its recompute decided and simulated, and what its stats take from the search."""
+    """A finalist's plan with its recompute decided and simulated, and what its report takes from the search."""
 
     plan: Plan
     sim: SimResult

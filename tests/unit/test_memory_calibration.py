@@ -116,8 +116,8 @@ def test_the_cuda_default_count_is_megatrons_which_is_nearer_the_allocators_peak
     runs, ratios = evidence(), {"megatron-gpu": [], "saved-tensors": []}
     for name, flags in LLAMA_RUNS.items():
         plans, model = reconstruct_plans([*LLAMA, "--train-iters", "4", *flags], 4, world_size=1)
-        megatron = np.array([activation_bytes(plan, model)[0] for plan in plans])
-        saved = np.array([activation_bytes(plan, allocator_count(model))[0] for plan in plans])
+        megatron = np.array([activation_bytes(step.plan, model)[0] for step in plans])
+        saved = np.array([activation_bytes(step.plan, allocator_count(model))[0] for step in plans])
         assert megatron / MIB == pytest.approx(runs[name][:, 0] / MIB, abs=0.01), name  # the runs' own predictions
         ratios["megatron-gpu"] += list(runs[name][:, 1] / megatron)
         ratios["saved-tensors"] += list(runs[name][:, 1] / saved)
