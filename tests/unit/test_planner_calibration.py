@@ -11,6 +11,7 @@ import pytest
 from megatron_epp.cost.features import chunk_features
 from megatron_epp.cost.model import CostModel
 from megatron_epp.cost.profiles import GIB, ModelShape, Profile, StageOverhead, load_profile
+from megatron_epp.plan import MemoryPrediction, PlannedStep
 from megatron_epp.planner import build_plan
 from megatron_epp.planner.calibration import ONLINE_PRIOR_WEIGHT, fit_step_model, repredict, simulate_steps
 from megatron_epp.simulator import simulate
@@ -138,6 +139,10 @@ def test_repredict_moves_a_plan_onto_the_new_calibration():
     assert (moved.report.speed_factor, moved.report.stage_overhead_ms) == (2.0, 3.0)
     assert moved.report.bound_step_ms == pytest.approx(new.bound_ms(np.array(plan.seq_lengths)))
     assert moved.report.peak_memory_bytes == report.peak_memory_bytes  # the times only
+    # what the training step shares over the replica: the plan, its report and the memory prediction, as they were
+    shared = dataclasses.replace(moved, memory=MemoryPrediction([1.5e6, 2.5e6], 1.25))
+    assert PlannedStep.from_json(shared.to_json()) == shared and PlannedStep.from_json(moved.to_json()) == moved
+    assert shared.summary() == plan.summary(report.chosen)
 
 
 # ----------------------------------------------------------------------------- the training driver's hook
