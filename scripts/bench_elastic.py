@@ -99,7 +99,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from megatron_epp.cost.model import CostModel  # noqa: E402
 from megatron_epp.base.units import GIB  # noqa: E402
-from megatron_epp.plan import Plan, PlanInfeasible  # noqa: E402
+from megatron_epp.plan import Plan, PlannedStep, PlanInfeasible  # noqa: E402
 from megatron_epp.planner.builders import ELASTIC, MEGATRON, SEQ1F1B, Builder, plan_batch  # noqa: E402
 from megatron_epp.planner.config import PlannerConfig  # noqa: E402
 from megatron_epp.training.metrics import StepMetrics  # noqa: E402
@@ -127,7 +127,7 @@ def builders(ks: Sequence[int]) -> list[Builder]:
 
 # --------------------------------------------------------------------------------------------- planning
 def plan_steps(builder: Builder, batches: Sequence[Sequence[int]], cost_model: CostModel, base: PlannerConfig,
-               budget_gb: float) -> list[Plan] | None:
+               budget_gb: float) -> list[PlannedStep] | None:
     """The plans ``builder``'s run makes for ``batches`` at ``budget_gb``, or None if it cannot run there:
     its start-up check fails (``training.planning.check_memory_budget``: a full batch of ``--seq-length``
     documents must be plannable) or a step cannot be planned."""
@@ -139,8 +139,8 @@ def plan_steps(builder: Builder, batches: Sequence[Sequence[int]], cost_model: C
         return None
 
 
-def recomputed(plans: Sequence[Plan] | None) -> list[int] | None:
-    return None if plans is None else [p.recomputed_layers() for p in plans]
+def recomputed(plans: Sequence[PlannedStep] | None) -> list[int] | None:
+    return None if plans is None else [p.plan.recomputed_layers() for p in plans]
 
 
 def plan_shape(plan: Plan) -> tuple:
@@ -171,11 +171,11 @@ class BudgetChoice:
 
     budget_gb: float
     chosen: str  # how it was chosen
-    plans: dict[Builder, list[Plan] | None]  # every builder's plans at budget_gb, per step (None: cannot run)
+    plans: dict[Builder, list[PlannedStep] | None]  # every builder's plans at budget_gb, per step (None: cannot run)
     below_gb: float | None = None  # the grid point below the chosen budget (searched budgets only)
     recompute_below: dict[str, list[int] | None] | None = None
     # where memory binds: EPP's plans at a budget where memory shapes none of them, and that budget (the ceiling)
-    unbound: tuple[float, list[Plan]] | None = None
+    unbound: tuple[float, list[PlannedStep]] | None = None
 
     @property
     def recompute(self) -> dict[str, list[int] | None]:
@@ -229,21 +229,21 @@ def choose_nobind_budget(specs: Sequence[Builder], batches, cost_model: CostMode
                         all_plans(specs, batches, cost_model, base, budget))
 
 
-def unbound_epp_plans(batches, cost_model: CostModel, base: PlannerConfig, from_gb: float) -> tuple[float, list[Plan]]:
+def unbound_epp_plans(batches, cost_model: CostModel, base: PlannerConfig, from_gb: float) -> tuple[float, list[PlannedStep]]:
     """EPP's plans at a budget where memory shapes none of them (``from_gb`` doubled until doubling it again
     changes no plan), and that budget: what EPP would plan with no memory limit at all."""
     budget = from_gb
     plans = plan_steps(EPP, batches, cost_model, base, budget)
     while True:
         more = plan_steps(EPP, batches, cost_model, base, budget * 2)
-        if plans is not None and more is not None and list(map(plan_shape, plans)) == list(map(plan_shape, more)):
+        if plans is not None and more is not None and [plan_shape(p.plan) for p in plans] == [plan_shape(p.plan) for p in more]:
             return budget, plans
         budget, plans = budget * 2, more
         if budget > MAX_BUDGET_GB:
             fail(f"EPP's plans still change with the budget at {MAX_BUDGET_GB:.0f} GB per stage")
 
 
-def all_plans(specs: Sequence[Builder], batches, cost_model: CostModel, base: PlannerConfig, budget_gb: float) -> dict[Builder, list[Plan] | None]:
+def all_plans(specs: Sequence[Builder], batches, cost_model: CostModel, base: PlannerConfig, budget_gb: float) -> dict[Builder, list[PlannedStep] | None]:
     return {s: plan_steps(s, batches, cost_model, base, budget_gb) for s in specs}
 
 
@@ -308,7 +308,7 @@ def summarize(measured: dict[Builder, list[list[StepMetrics]]], predicted: dict[
         epp = np.array([predicted[EPP]])
         # EPP's predicted step over its compute-only bound (no bubble, recompute or per-chunk constants):
         # what any plan could still gain, median over the measured steps
-        sim["epp_over_bound"] = float(np.median(epp[0] / [p.stats.bound_step_ms for p in choice.plans[EPP][1:]]))
+        sim["epp_over_bound"] = float(np.median(epp[0] / [p.report.bound_step_ms for p in choice.plans[EPP][1:]]))
         ratios = {b: paired_ratio(np.array([p]), epp) for b, p in predicted.items() if b != EPP}
         sim["megatron"] = next((r for b, r in ratios.items() if b == MEGATRON), None)
         seq = {b.k: r for b, r in ratios.items() if b.family == SEQ1F1B}
@@ -317,7 +317,7 @@ def summarize(measured: dict[Builder, list[list[StepMetrics]]], predicted: dict[
             sim["seq1f1b"] = seq[sim["seq1f1b_k"]]
     if choice.unbound is not None and predicted:
         # the ceiling: the baselines here against EPP with no memory limit (a budget cannot make EPP faster)
-        free = np.array([[p.stats.predicted_step_ms for p in choice.unbound[1][1:]]])
+        free = np.array([[p.report.predicted_step_ms for p in choice.unbound[1][1:]]])
         ceiling = {b: paired_ratio(np.array([p]), free) for b, p in predicted.items() if b != EPP}
         seq = [r for b, r in ceiling.items() if b.family == SEQ1F1B]
         sim["ceiling"] = {"budget_gb": choice.unbound[0], "megatron": next((r for b, r in ceiling.items() if b == MEGATRON), None),
@@ -629,7 +629,7 @@ def prepare(name: str, args, specs: list[Builder]) -> tuple[list[str], list[list
         choice.unbound = unbound_epp_plans(batches, build.cost_model, build.config, choice.budget_gb)
     for line in choice.lines(BINDS[name]):
         print("  " + line)
-    predicted = {b: [p.stats.predicted_step_ms for p in ps[1:]] for b, ps in choice.plans.items() if ps is not None}
+    predicted = {b: [p.report.predicted_step_ms for p in ps[1:]] for b, ps in choice.plans.items() if ps is not None}
     sim = summarize({}, predicted, choice)["simulated"]
     ceiling = sim.get("ceiling")
     print(f"  simulated ({time.perf_counter() - t0:.0f} s of planning in-process), predicted ms median per step: "

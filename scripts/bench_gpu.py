@@ -79,7 +79,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 import bench_elastic as bench  # noqa: E402  (its builders, budget search and wiki data)
 
 from megatron_epp.base.units import GIB  # noqa: E402
-from megatron_epp.plan import Plan  # noqa: E402
+from megatron_epp.plan import PlannedStep  # noqa: E402
 from megatron_epp.planner.builders import ELASTIC, MEGATRON, SEQ1F1B  # noqa: E402
 from megatron_epp.training.metrics import StepMetrics  # noqa: E402
 
@@ -160,7 +160,7 @@ class Prepared:
     batches: list[list[int]]
     choice: "bench.BudgetChoice"
     unlimited_gb: float
-    unlimited_plans: list[Plan]
+    unlimited_plans: list[PlannedStep]
     model_state_bytes: float
     planning_s: float
 
@@ -170,7 +170,7 @@ class Prepared:
     def command(self, run: str) -> list[str]:
         return [*self.argv, "--epp-memory-budget", repr(self.budget(run)), *RUNS[run].flags()]
 
-    def plans(self, run: str) -> list[Plan] | None:
+    def plans(self, run: str) -> list[PlannedStep] | None:
         return self.unlimited_plans if run == "epp_unlimited" else self.choice.plans[RUNS[run]]
 
     def estimate_s(self, run: str) -> float:
@@ -203,7 +203,7 @@ def binding_budget(specs, batches, cost_model, base, fraction: float = BIND_FRAC
     if free is None:
         fail("Megatron packing cannot plan these batches at any budget")
     states = float(cost_model.model_state_bytes()[0]) / GIB
-    need = max(max(p.stats.peak_memory_bytes) for p in free) / GIB
+    need = max(max(p.report.peak_memory_bytes) for p in free) / GIB
     target = math.ceil((states + fraction * (need - states)) / bench.GRID_GB) * bench.GRID_GB
     how = f"model states {states:.2f} GB + {fraction:g} x the {need - states:.2f} GB of activations Megatron packing's plans need without recompute"
     plans = bench.all_plans(specs, batches, cost_model, base, target)

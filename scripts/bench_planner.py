@@ -73,8 +73,8 @@ def solve_times(pool: np.ndarray, cm: CostModel, config: PlannerConfig, n: int, 
         plan = plan_batch(lengths, cm, config)
         wall.append((time.perf_counter() - t0) * 1e3)
         cpu.append((time.process_time() - c0) * 1e3)
-        gap = max(gap, plan.stats.mip_gap or 0.0)
-        recomputed += plan.stats.recomputed_layers
+        gap = max(gap, plan.report.mip_gap or 0.0)
+        recomputed += plan.report.recomputed_layers
     return wall, cpu, gap, recomputed
 
 
@@ -144,8 +144,8 @@ def main() -> None:
             for seed in range(args.seeds):
                 lengths = np.minimum(np.random.default_rng(seed).choice(pool, 512), cap)
                 plan = build_plan(lengths, cm, args.epp_memory_budget * GIB)
-                rows["epp"].append(plan.stats.predicted_step_ms)
-                bound.append(plan.stats.bound_step_ms)
+                rows["epp"].append(plan.report.predicted_step_ms)
+                bound.append(plan.report.bound_step_ms)
                 for n, r in run_baselines(lengths, cm, PlannerConfig(args.epp_memory_budget * GIB, cap, args.epp_profile)).items():
                     rows[n].append(r["predicted_step_ms"] if r["fits"] else np.nan)
             epp, b = np.mean(rows["epp"]), np.mean(bound)

@@ -126,10 +126,10 @@ def main() -> None:
         for i, step in enumerate(steps[1:], start=1):
             plan = None
             if plans is not None:
-                plan = plans[i]
-                if plan.summary() != step.elastic.plan:
+                if plans[i].summary() != step.elastic.plan:
                     mismatched += 1
                     continue
+                plan = plans[i].plan
             rows.append((name, kind, plan, step.elastic.measured_ms, step.elastic.predicted_step_ms, sum(step.elastic.num_chunks.values())))
         chunks = np.median([sum(s.elastic.num_chunks.values()) for s in steps[1:]])
         print(f"  ran {name:18s} {len(steps) - 1} steps, median {chunks:.0f} chunks, measured "

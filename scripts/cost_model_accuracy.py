@@ -40,7 +40,7 @@ def main() -> None:
     init_single_process()
     profile = load_profile(args.epp_profile)
     lengths = np.minimum(np.random.default_rng(args.seed).choice(read_lengths(WIKIPEDIA_LENGTHS), 96), 8192)
-    plan = build_plan(lengths, CostModel(profile, 2), 0.25 * GIB)
+    plan = build_plan(lengths, CostModel(profile, 2), 0.25 * GIB).plan
     whole = CostModel(profile, 1)  # one stage holding every layer and the head
     stack = LayerStack(profile.model, profile.model.num_layers)
     rows = []

@@ -107,7 +107,7 @@ def run_cell(data: str, lengths: np.ndarray, model: str, cap: int, cluster_name:
             cell["systems"][system] = {"fits": False, "reason": str(e)}
             continue
         b = ch.best
-        stats = [p.stats for p in b.plans]
+        stats = [p.report for p in b.plans]
         cell["systems"][system] = {
             "fits": True, "step_ms": b.step_ms, "layout": str(b.layout), "detail": b.detail, "bound_ms": b.bound_ms,
             "peak_gb": b.peak_memory_bytes / GIB, "recomputed_layers": b.recomputed_layers, "sync_ms": b.sync_ms,

@@ -25,8 +25,8 @@ from megatron_epp.data.blend import BlendedDocuments, BlendIndex
 from megatron_epp.data.documents import DocumentSource
 
 # how a global batch's sequences are dealt to the data-parallel replicas: (sequence lengths, dp size) -> per replica
-# the ascending positions of its sequences (training passes the planner's split_data_parallel on its cost model)
-Split = Callable[[np.ndarray, int], list[np.ndarray]]
+# the ascending positions of its sequences (training passes the planner's dp_split on its cost model)
+DpSplit = Callable[[np.ndarray, int], list[np.ndarray]]
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class GlobalBatch:
 
 class SequenceSampler:
     """Endless, resumable global batches of ``global_batch_size`` whole documents; see the module
-    docstring. ``split``: how a global batch is dealt to the ``dp_size`` replicas (:data:`Split`; training
+    docstring. ``dp_split``: how a global batch is dealt to the ``dp_size`` replicas (:data:`DpSplit`; training
     passes the planner's data-parallel split on its cost model), needed when ``dp_size`` > 1; ``truncate``
     allows documents longer than the context cap."""
 
@@ -75,19 +75,19 @@ class SequenceSampler:
         seq_length: int,
         seed: int = 1234,
         dp_size: int = 1,
-        split: Split | None = None,
+        dp_split: DpSplit | None = None,
         truncate: bool = False,
     ) -> None:
         if global_batch_size < dp_size:
             raise ValueError(f"global_batch_size {global_batch_size} < dp_size {dp_size}")
-        if split is None and dp_size > 1:
-            raise ValueError(f"dp_size {dp_size}: the sampler needs the data-parallel split (split=)")
+        if dp_split is None and dp_size > 1:
+            raise ValueError(f"dp_size {dp_size}: the sampler needs the data-parallel split (dp_split=)")
         self.documents = documents
         self.global_batch_size = global_batch_size
         self.seq_length = seq_length
         self.seed = seed
         self.dp_size = dp_size
-        self.split = split
+        self.dp_split = dp_split
         lengths = np.asarray(documents.lengths, dtype=np.int64)
         blended = isinstance(documents, BlendedDocuments)
         parts = documents.parts if blended else [range(len(lengths))]
@@ -150,7 +150,7 @@ class SequenceSampler:
         while True:
             doc_indices = self.stream(consumed, self.global_batch_size)
             seq_lengths = self._seq_lengths[doc_indices]
-            assignment = self.split(seq_lengths, self.dp_size) if self.split is not None else [np.arange(len(seq_lengths))]
+            assignment = self.dp_split(seq_lengths, self.dp_size) if self.dp_split is not None else [np.arange(len(seq_lengths))]
             yield GlobalBatch(consumed, doc_indices, seq_lengths, assignment, self.documents)
             consumed += self.global_batch_size
 

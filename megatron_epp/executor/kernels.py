@@ -1,68 +1,17 @@
-"""The kernels behind :class:`ElasticAttention`, and the one decision of which runs.
+"""The kernels behind :class:`ElasticAttention`, and the one decision of which runs (:func:`decide`).
 
-Five ways to compute a chunk's attention (block-diagonal causal over its segments, the slice's
-queries also seeing its prefix K/V, placed before its own keys). Every kernel takes the slice's keys
-and values as ``slice_kv``: rows ``[0, C + s)`` of its sequence's K/V buffer (prefix, then its own),
-which stand in for its rows of the chunk's ``key``/``value``:
+Five ways to compute a chunk's attention (block-diagonal causal over its segments, the slice's queries also seeing
+its prefix K/V, placed before its own keys): ``sdpa-merged`` (CPU), ``sdpa-masked``, ``sdpa-causal``,
+``flash-varlen`` and ``torch-varlen``. Every kernel takes the slice's keys and values as ``slice_kv``: rows
+``[0, C + s)`` of its sequence's K/V buffer (prefix, then its own), which stand in for its rows of the chunk's
+``key``/``value``. When each runs, what it computes and saves, its GQA modes and what was measured of it are in
+docs/gpu.md ("What the CUDA path does").
 
-``sdpa-merged``
-    CPU: one SDPA per segment without context, ``is_causal=True`` (the CPU flash kernel skips the
-    blocks above the diagonal: half the work of a whole ``s x s`` rectangle, and no mask to build or
-    save); the slice with context in two calls of the same kernel, its queries over the prefix keys
-    ``[0, C)`` without a mask and over its own keys causal, merged by their log-sum-exp
-    (:class:`PrefixMergedAttention`; its backward runs the kernel's backward on each part with the
-    merged output and log-sum-exp, which gives each part's exact share of the gradients). No mask at
-    all; the CPU cost profiles are fitted on it. With attention dropout (which the CPU flash kernel
-    does not have) the decision is ``sdpa-masked``, as SDPA's math path needs the explicit mask.
-``sdpa-masked``
-    One ``scaled_dot_product_attention`` per segment with an explicit bottom-right causal mask over
-    its ``C + s`` keys (it computes the whole ``s x (C + s)`` rectangle, and SDPA saves a float copy of
-    the mask per layer). Devices that are neither CPU nor CUDA; on CPU, chunks with attention dropout.
-``sdpa-causal``
-    CUDA where neither varlen kernel runs (fp32, attention dropout without flash-attn, a torch without
-    ``varlen_attn``): one SDPA per segment, ``is_causal=True`` for segments without context (so the
-    flash / memory-efficient SDPA kernels run, no mask is built) and, for the slice with prefix K/V,
-    torch's ``causal_lower_right(s, C + s)`` bias: the same bottom-right causal mask, never built,
-    which SDPA's flash kernel (bf16/fp16) and memory-efficient kernel (fp32 too, not with GQA) run as
-    such; where neither can, torch builds the mask itself (as the explicit mask did). A torch whose
-    ``CausalBias`` takes no ``enable_gqa`` (older than the one it was written for) takes the explicit
-    mask. Every call runs under ``sdpa_kernel(SDPA_BACKENDS)``: flash, memory-efficient, math, never
-    cuDNN attention, which torch's default dispatch prefers on H100 and which builds a graph per new
-    shape (156 ms a call over varied lengths against 0.65 ms flash, measured on an H100 on
-    2026-11-25); every segment of every chunk has a new length. ``sdpa-masked`` runs under it too.
-``flash-varlen``
-    CUDA with flash-attn >= 2.1 and fp16/bf16: the whole chunk in ONE ``flash_attn_varlen_func``
-    call, queries packed over all segments, keys/values packed with the slice's buffer rows in place
-    of its own tokens (one copy in a hybrid chunk, none in a split chunk: its keys are the buffer's
-    rows), ``cu_seqlens_q``/``cu_seqlens_k`` from the chunk layout, ``causal=True``
-    (bottom-right aligned since flash-attn 2.1, which is what a slice with context needs), GQA native.
-``torch-varlen``
-    CUDA without flash-attn, fp16/bf16, no attention dropout: the same packing in ONE call of torch's
-    own varlen flash attention, ``torch.nn.attention.varlen.varlen_attn(q, k, v, cu_seq_q, cu_seq_k,
-    max_q, max_k, scale=..., window_size=(-1, 0))`` (``(-1, 0)`` is causal, aligned bottom-right when
-    a sequence has more keys than queries: a slice over its prefix). No package to install. It has no
-    dropout argument (chunks with attention dropout take another kernel, and the start-up line says
-    so) and runs on CUDA in fp16/bf16 only (torch's flash kernel). GQA, one of three modes, named on
-    the start-up line: ``enable_gqa=True`` where this torch's ``varlen_attn`` takes it (2.13); else
-    (2.11) the chunk goes through :class:`AtenFlashVarlen`, which calls the two ops ``varlen_attn``
-    itself calls, ``aten::_flash_attention_forward``/``_flash_attention_backward`` (FlashAttention-2
-    takes fewer K/V heads natively), with the K/V heads as they are: what autograd saves is the K/V
-    at ``kv_heads`` width, as with ``enable_gqa``. Only where those ops are missing or their schema is
-    not the one called (:func:`flash_ops_problem`) are the K/V heads expanded
-    (:func:`expand_kv_heads`: query head ``i`` reads K/V head ``i // (heads / kv_heads)``), and
-    autograd then saves the expanded copies (heads / kv_heads times the chunk's K/V, a slice's whole
-    prefix included), which the memory model does not count: the start-up line says so. Its
-    backward is deterministic where ``torch.use_deterministic_algorithms`` is on.
-
-``EPP_ATTENTION_BACKEND=auto|sdpa|flash|varlen`` (default ``auto``) is read when the attention is
-built; ``auto`` takes ``flash-varlen`` when it can run, else ``torch-varlen`` when it can, else SDPA;
-``sdpa`` never takes a varlen kernel; ``flash`` (``varlen``) is an error where flash-attn (torch's
-``varlen_attn``) cannot run. The choice is printed once per (request, device, dtype, with or without
-attention dropout, with or without GQA), with why the kernels before it were not taken and, for
-``torch-varlen`` with GQA, its GQA mode. What decides is :func:`decide`, a pure function of the request, the
-device, dtype, dropout, GQA and the two kernels as probed (:func:`load_flash_kernel`, :func:`load_torch_varlen`
-with the aten flash ops of :func:`load_aten_flash_ops`; tests substitute reference kernels and ops).
-Transformer Engine's fused attention (THD packing) is not used here.
+``EPP_ATTENTION_BACKEND=auto|sdpa|flash|varlen`` (default ``auto``) is read when the attention is built; the choice
+is printed once per (request, device, dtype, with or without attention dropout, with or without GQA). What decides is
+:func:`decide`, a pure function of the request, the device, dtype, dropout, GQA and the two kernels as probed
+(:func:`load_flash_kernel`, :func:`load_torch_varlen` with the aten flash ops of :func:`load_aten_flash_ops`; tests
+substitute reference kernels and ops).
 """
 
 from __future__ import annotations

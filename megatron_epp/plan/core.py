@@ -11,13 +11,14 @@ Chunk kinds:
 
 A plan holds one or more *pipelines* (sequence groups) that run one after another with gradient
 accumulation between them; each lists its chunks in forward order and, per stage and chunk, how many
-of the stage's layers recompute their activations in backward.
+of the stage's layers recompute their activations in backward. What the planner predicted of a plan is
+its report, beside it (:mod:`.report`).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from numbers import Integral
 from typing import Any, Iterable, Literal
 
@@ -94,39 +95,6 @@ class Pipeline:
 
 
 @dataclass
-class PlanStats:
-    """What the planner predicted for a plan (``None``: not computed by the builder that made it)."""
-
-    solve_ms: float | None = None
-    predicted_step_ms: float | None = None
-    bound_step_ms: float | None = None  # compute only: no bubbles, recompute or communication; slowest stage
-    bubble_ratio: float | None = None
-    recompute_ms: float | None = None
-    peak_memory_bytes: list[float] | None = None  # per stage, model states included
-    memory_budget_bytes: float | None = None  # per device
-    fits: bool | None = None
-    num_chunks: dict[str, int] | None = None  # by kind
-    num_pipelines: int | None = None
-    recomputed_layers: int | None = None
-    predicted_activation_bytes: list[float] | None = None  # per stage, model states excluded
-    memory_factor: float | None = None  # the activation memory factor they were predicted with (1: the profile's coefficients)
-    # the cost model's calibration the times were predicted with: the speed factor s (measured = s x
-    # modelled; 1 on the profile's machine) and the per-chunk stage overhead o (forward + backward, profile ms)
-    speed_factor: float | None = None
-    stage_overhead_ms: float | None = None
-    # the recompute program (elastic builder only)
-    mip_gap: float | None = None
-    recompute_method: str | None = None  # "milp", "greedy", "none", "full", or several joined by +
-    program_recompute_ms: float | None = None  # the recompute time the program minimised
-    # the chunking search's choice (elastic builder only)
-    slice_budget_ms: float | None = None
-    token_cap: int | None = None
-    # the elastic builder's choice among its own plan and the baselines' (planner.builders.ELASTIC)
-    chosen: str | None = None  # the builder whose plan won: "epp", "megatron", "seq1f1b-k4", ...
-    candidates_ms: dict[str, float] | None = None  # predicted step ms of every candidate that fits
-
-
-@dataclass
 class Plan:
     """A whole training step: the batch's sequence lengths and the pipelines that cover it."""
 
@@ -135,7 +103,6 @@ class Plan:
     layers_per_stage: list[int]
     pipelines: list[Pipeline]
     builder: str = "manual"
-    stats: PlanStats = field(default_factory=PlanStats)
 
     # ----------------------------------------------------------------------------- queries
     def chunks(self) -> Iterable[Chunk]:
@@ -155,10 +122,11 @@ class Plan:
     def recomputed_layers(self) -> int:
         return sum(sum(row) for p in self.pipelines for row in p.recompute)
 
-    def summary(self) -> str:
+    def summary(self, chosen: str | None = None) -> str:
+        """One line: the builder (``= chosen``: the plan the elastic builder chose, where not its own) and the counts."""
         counts = self.chunk_counts()
         return (
-            f"plan[{self.builder}{'' if self.stats.chosen in (None, self.builder) else ' = ' + self.stats.chosen}] seqs={len(self.seq_lengths)} tokens={self.num_tokens} "
+            f"plan[{self.builder}{'' if chosen in (None, self.builder) else ' = ' + chosen}] seqs={len(self.seq_lengths)} tokens={self.num_tokens} "
             f"chunks={sum(counts.values())} (batched={counts['batched']} split={counts['split']} "
             f"hybrid={counts['hybrid']}) pipelines={len(self.pipelines)} "
             f"recomputed_layers={self.recomputed_layers()}"
@@ -173,6 +141,8 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Plan":
+        """The plan of :meth:`to_dict`; the ``stats`` a plan's JSON held before its report was apart (a checkpoint's
+        measured plans) are not part of it."""
         pipelines = [
             Pipeline(
                 chunks=[
@@ -189,7 +159,6 @@ class Plan:
             layers_per_stage=list(d["layers_per_stage"]),
             pipelines=pipelines,
             builder=d.get("builder", "manual"),
-            stats=PlanStats(**d.get("stats", {})),
         )
 
     @classmethod

@@ -1,7 +1,7 @@
-"""The EPP planner: a batch's sequence lengths -> a Plan (numpy and scipy only, no torch).
+"""The EPP planner: a batch's sequence lengths -> a Plan and its report (numpy and scipy only, no torch).
 
 Chunking (:mod:`.chunking`), grouping into 1F1B pipelines (:mod:`.grouping`), per-stage recompute
-as an integer program (:mod:`.recompute`), the EPP builder (:mod:`.epp`), the typed parts of its stats
+as an integer program (:mod:`.recompute`), the EPP builder (:mod:`.epp`), the typed parts of a plan's report
 (:mod:`.stats`); the settings (:mod:`.config`, ``--epp-*``), the builders elastic|megatron|seq1f1b as typed
 records in one registry (:mod:`.builders`), the data-parallel split (:mod:`.data_parallel`); :mod:`.compare` predicts the
 baselines and ablations on one batch (``epp-plan``, :mod:`.cli`); :mod:`.online` is the training's planner,

@@ -1,7 +1,9 @@
 """The plan builders, one typed record each (:class:`Builder`: its name, Seq1F1B's ``k``, its function), in one
 registry, :data:`BUILDERS` (``--epp-plan``), on the same cost model. A builder's identity is the record
-(:data:`ELASTIC`, :data:`MEGATRON`, :data:`SEQ1F1B`, ``SEQ1F1B.at(4)``); strings only where flags, logs and the
-Plan JSON name it (:attr:`Builder.label`, :attr:`Builder.plan_label`):
+(:data:`ELASTIC`, :data:`MEGATRON`, :data:`SEQ1F1B`, ``SEQ1F1B.at(4)``), also in :class:`PlannerConfig`; strings only
+where flags, logs and the Plan JSON name it (:attr:`Builder.label`, :attr:`Builder.plan_label`; ``--epp-plan``'s name
+becomes its record in :meth:`PlannerConfig.from_args`). A builder gives a plan with its report
+(:class:`~megatron_epp.plan.PlannedStep`):
 
 * ``elastic``: the EPP planner (:func:`~megatron_epp.planner.epp.build_plan`), which also weighs the
   plans below (Megatron packing, Seq1F1B with k = 2, 4, 8, 16 up to ``max_slices``) on the same cost model and budget and
@@ -17,18 +19,20 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import numpy as np
 
-from megatron_epp.plan import Plan
+from megatron_epp.plan import Plan, PlannedStep, PlanReport
 from megatron_epp.planner.epp import SLICE_COUNTS, PlanInfeasible, build_plan, finish, make_plan, order_units
 from megatron_epp.planner.chunking import build_units, equal_count_cuts
-from megatron_epp.planner.config import PlannerConfig
 from megatron_epp.cost.features import chunk_features
 from megatron_epp.cost.model import CostModel
 from megatron_epp.simulator.memory import pipeline_memory
 from megatron_epp.base.units import GIB
+
+if TYPE_CHECKING:  # the config holds a builder record: it imports this module
+    from megatron_epp.planner.config import PlannerConfig
 
 SEQ1F1B_K = 4  # seq1f1b's slice count when the config sets no max_slices
 SEQ1F1B_KS = (2, 4, 8, 16)  # Seq1F1B's fixed slice counts: the baseline reports its best, the elastic builder weighs each
@@ -46,7 +50,7 @@ def uniform_recompute(plan: Plan, cost_model: CostModel, budget: float) -> None:
     raise PlanInfeasible(f"does not fit {budget / GIB:.0f} GB even with full recompute")
 
 
-def _uniform_plan(lengths: Sequence[int], cost_model: CostModel, budget_bytes: float, chunk_tokens: int, cuts, name: str) -> Plan:
+def _uniform_plan(lengths: Sequence[int], cost_model: CostModel, budget_bytes: float, chunk_tokens: int, cuts, name: str) -> PlannedStep:
     t0 = time.perf_counter()
     L = np.asarray(lengths, dtype=np.int64)
     if L.max() > chunk_tokens and cuts is None:
@@ -63,7 +67,7 @@ def slice_counts(config: PlannerConfig) -> Sequence[int]:
     return SLICE_COUNTS if config.max_slices is None else range(1, config.max_slices + 1)
 
 
-Build = Callable[[Sequence[int], CostModel, PlannerConfig, "BaselinePlans | None"], Plan]
+Build = Callable[[Sequence[int], CostModel, "PlannerConfig", "BaselinePlans | None"], PlannedStep]
 
 
 @dataclass(frozen=True)
@@ -71,13 +75,16 @@ class Builder:
     """One plan builder: ``name`` (its ``--epp-plan`` value, or an ablation's name in the comparison), Seq1F1B's fixed
     slice count ``k`` (None: the config's ``max_slices``, else :data:`SEQ1F1B_K`; in the layout search and as the
     elastic builder's candidates, each of :data:`SEQ1F1B_KS`), ``build`` (lengths, cost model, config and the baseline
-    plans made before, :data:`BaselinePlans`, or None: a plan, not validated) and ``plan_name``, what its plans are
+    plans made before, :data:`BaselinePlans`, or None: a plan with its report, not validated) and ``plan_name``, what its plans are
     called where that differs from ``name`` (the elastic builder's: ``epp``). Compared and hashed by name and k."""
 
     name: str
     build: Build = field(compare=False, repr=False)
     k: int | None = None
     plan_name: str | None = field(default=None, compare=False)
+
+    def __str__(self) -> str:
+        return self.label
 
     @property
     def label(self) -> str:
@@ -86,7 +93,7 @@ class Builder:
 
     @property
     def plan_label(self) -> str:
-        """What its plans are called (``Plan.builder``, ``stats.chosen``): ``epp``, ``megatron``, ``seq1f1b-k4``."""
+        """What its plans are called (``Plan.builder``, ``PlanReport.chosen``): ``epp``, ``megatron``, ``seq1f1b-k4``."""
         name = self.plan_name or self.name
         return name if self.k is None else f"{name}-k{self.k}"
 
@@ -108,25 +115,27 @@ class Builder:
         return ["--epp-plan", self.name] + ([] if self.k is None else ["--epp-max-slices", str(self.k)])
 
     def configure(self, config: PlannerConfig) -> PlannerConfig:
-        """``config`` set to this builder (``builder``, and ``max_slices`` = ``k`` where it has one): what
-        :func:`plan_batch` and a run with :meth:`flags` plan with."""
-        return replace(config, builder=self.name, max_slices=config.max_slices if self.k is None else self.k)
+        """``config`` set to this builder (``builder``: its :attr:`family`, and ``max_slices`` = ``k`` where it has one):
+        what :func:`plan_batch` and a run with :meth:`flags` plan with."""
+        return replace(config, builder=self.family, max_slices=config.max_slices if self.k is None else self.k)
 
     def plan(self, lengths: Sequence[int], cost_model: CostModel, config: PlannerConfig, known: BaselinePlans | None = None,
-             validate: bool = True) -> Plan:
-        """This builder's plan of one global batch (one data-parallel replica); ``known``: baseline plans of the same
+             validate: bool = True) -> PlannedStep:
+        """This builder's plan of one global batch (one data-parallel replica) with its report; ``known``: baseline plans of the same
         lengths, cost model and config made before, taken from there where this builder's is (the elastic builder
         weighs those it needs); ``validate=False``: a score only. Raises :class:`PlanInfeasible` if nothing fits."""
         if known is not None and self in known:
-            plan = known[self]
-            if plan is None:
+            step = known[self]
+            if step is None:
                 raise PlanInfeasible(f"{self.plan_label} does not fit")
         else:
-            plan = self.build(lengths, cost_model, config if self.k is None else replace(config, max_slices=self.k), known)
-        return plan.validate() if validate else plan
+            step = self.build(lengths, cost_model, config if self.k is None else replace(config, max_slices=self.k), known)
+        if validate:
+            step.plan.validate()
+        return step
 
 
-BaselinePlans = Mapping[Builder, Plan | None]  # baseline plans already made, by builder (None: it does not fit)
+BaselinePlans = Mapping[Builder, PlannedStep | None]  # baseline plans already made, by builder (None: it does not fit)
 
 
 def baseline_builders(config: PlannerConfig) -> list[Builder]:
@@ -136,26 +145,26 @@ def baseline_builders(config: PlannerConfig) -> list[Builder]:
 
 
 def baseline_candidates(lengths: Sequence[int], cost_model: CostModel, config: PlannerConfig,
-                        known: BaselinePlans | None = None) -> list[Plan]:
+                        known: BaselinePlans | None = None) -> list[PlannedStep]:
     """The baseline plans the elastic builder weighs (:func:`baseline_builders`; not validated: the elastic builder's
     caller validates the one it chooses, those that do not fit left out; ``known``: as :meth:`Builder.plan`). Their
     uniform recompute is one of the answers the adaptive/greedy programs search over, so only those
     modes weigh them (``none`` takes them only without recompute; ``full`` never)."""
     if config.recompute == "full":
         return []
-    plans = []
+    steps = []
     for builder in baseline_builders(config):
         try:
-            plan = builder.plan(lengths, cost_model, config, known, validate=False)
+            step = builder.plan(lengths, cost_model, config, known, validate=False)
         except PlanInfeasible:
             continue
-        if config.recompute != "none" or plan.recomputed_layers() == 0:
-            plans.append(plan)
-    return plans
+        if config.recompute != "none" or step.plan.recomputed_layers() == 0:
+            steps.append(step)
+    return steps
 
 
-def _elastic_plan(lengths: Sequence[int], cost_model: CostModel, config: PlannerConfig, known: BaselinePlans | None) -> Plan:
-    """EPP's own plan, or a baseline plan where that is predicted faster (``stats.chosen``: which), named ``epp``."""
+def _elastic_plan(lengths: Sequence[int], cost_model: CostModel, config: PlannerConfig, known: BaselinePlans | None) -> PlannedStep:
+    """EPP's own plan, or a baseline plan where that is predicted faster (the report's ``chosen``: which), named ``epp``."""
     t0 = time.perf_counter()
     candidates, error = [], None
     try:
@@ -167,32 +176,33 @@ def _elastic_plan(lengths: Sequence[int], cost_model: CostModel, config: Planner
     candidates += baseline_candidates(lengths, cost_model, config, known)
     if not candidates:
         raise error or PlanInfeasible(f"no plan fits {config.memory_budget_bytes / GIB} GB per GPU")
-    best = min(candidates, key=lambda p: p.stats.predicted_step_ms)  # first wins ties: EPP's own plan
-    stats = replace(best.stats, chosen=best.builder, candidates_ms={p.builder: round(p.stats.predicted_step_ms, 3) for p in candidates},
-                    solve_ms=(time.perf_counter() - t0) * 1e3)
-    return replace(best, builder=ELASTIC.plan_label, stats=stats)
+    best = min(candidates, key=lambda c: c.report.predicted_step_ms)  # first wins ties: EPP's own plan
+    report = replace(best.report, chosen=best.plan.builder,
+                     candidates_ms={c.plan.builder: round(c.report.predicted_step_ms, 3) for c in candidates},
+                     solve_ms=(time.perf_counter() - t0) * 1e3)
+    return PlannedStep(replace(best.plan, builder=ELASTIC.plan_label), report)
 
 
-def baseline_ratios(plan: Plan) -> dict[str, float] | None:
-    """The elastic builder's plan against the baselines it weighed on the same cost model (``stats.candidates_ms``):
+def baseline_ratios(report: PlanReport) -> dict[str, float] | None:
+    """The elastic builder's plan against the baselines it weighed on the same cost model (``report.candidates_ms``):
     Megatron packing's and the fastest Seq1F1B's predicted step time over the chosen plan's (> 1: the chosen plan is
     faster), keyed by their plan labels (``megatron``, ``seq1f1b-k2``); a baseline that does not fit (or that the
     recompute mode leaves out) is absent. None for a plan the elastic builder did not make."""
-    candidates = plan.stats.candidates_ms
-    if not candidates or plan.stats.chosen not in candidates:
+    candidates = report.candidates_ms
+    if not candidates or report.chosen not in candidates:
         return None
-    own = candidates[plan.stats.chosen]
+    own = candidates[report.chosen]
     seq1f1b = [b.plan_label for b in SEQ1F1B.variants() if b.plan_label in candidates]
     labels = ([MEGATRON.plan_label] if MEGATRON.plan_label in candidates else []) + (
         [min(seq1f1b, key=candidates.__getitem__)] if seq1f1b else [])
     return {label: candidates[label] / own for label in labels}
 
 
-def _megatron_plan(lengths: Sequence[int], cost_model: CostModel, config: PlannerConfig, known: BaselinePlans | None) -> Plan:
+def _megatron_plan(lengths: Sequence[int], cost_model: CostModel, config: PlannerConfig, known: BaselinePlans | None) -> PlannedStep:
     return _uniform_plan(lengths, cost_model, config.memory_budget_bytes, config.max_seq_len, None, MEGATRON.plan_label)
 
 
-def _seq1f1b_plan(lengths: Sequence[int], cost_model: CostModel, config: PlannerConfig, known: BaselinePlans | None) -> Plan:
+def _seq1f1b_plan(lengths: Sequence[int], cost_model: CostModel, config: PlannerConfig, known: BaselinePlans | None) -> PlannedStep:
     k = SEQ1F1B_K if config.max_slices is None else config.max_slices
     max_seq_len = config.max_seq_len
     L = np.asarray(lengths, dtype=np.int64)
@@ -207,10 +217,10 @@ def _seq1f1b_plan(lengths: Sequence[int], cost_model: CostModel, config: Planner
 ELASTIC = Builder("elastic", _elastic_plan, plan_name="epp")
 MEGATRON = Builder("megatron", _megatron_plan)
 SEQ1F1B = Builder("seq1f1b", _seq1f1b_plan)
-BUILDERS: dict[str, Builder] = {b.name: b for b in (ELASTIC, MEGATRON, SEQ1F1B)}  # by --epp-plan (config.builder)
+BUILDERS: dict[str, Builder] = {b.name: b for b in (ELASTIC, MEGATRON, SEQ1F1B)}  # by --epp-plan's name: the flag's choices
 
 
-def plan_batch(lengths: Sequence[int], cost_model: CostModel, config: PlannerConfig) -> Plan:
-    """The plan of one global batch (one data-parallel replica) by ``config.builder``, validated.
+def plan_batch(lengths: Sequence[int], cost_model: CostModel, config: PlannerConfig) -> PlannedStep:
+    """The plan of one global batch (one data-parallel replica) by ``config.builder``, validated, with its report.
     Raises :class:`PlanInfeasible` if nothing fits."""
-    return BUILDERS[config.builder].plan(lengths, cost_model, config)
+    return config.builder.plan(lengths, cost_model, config)

@@ -33,7 +33,7 @@ from megatron_epp.cost.features import chunk_features
 from megatron_epp.cost.model import CostModel
 from megatron_epp.base.units import GIB
 from megatron_epp.cost.profile import MemoryCoeffs, StageOverhead
-from megatron_epp.plan import Plan
+from megatron_epp.plan import Plan, PlannedStep
 from megatron_epp.planner.stats import PredictedTimes
 from megatron_epp.simulator.memory import peak_memory
 from megatron_epp.simulator.step import simulate, step_ms
@@ -144,13 +144,14 @@ def fit_step_model(plans: Sequence[Plan], measured_ms: Sequence[float], cost_mod
     return StepFit(s, u / s, share, simulate_steps(plans, cost_model) / y - 1, s * g(u / s) / y - 1)
 
 
-def repredict(plan: Plan, cost_model: CostModel) -> Plan:
-    """``plan`` with its predicted times (``plan.stats``) on ``cost_model``, in place; unchanged if they
-    were predicted with the same calibration (speed factor and overhead)."""
-    o = cost_model.profile.overhead
-    if (plan.stats.speed_factor, plan.stats.stage_overhead_ms) != (cost_model.speed_factor, o.fwd_ms + o.bwd_ms):
-        plan.stats = PredictedTimes.of(plan, cost_model, simulate(plan, cost_model)).onto(plan.stats)
-    return plan
+def repredict(step: PlannedStep, cost_model: CostModel) -> PlannedStep:
+    """``step`` with its report's predicted times on ``cost_model`` (a new report); ``step`` itself if they were
+    predicted with the same calibration (speed factor and overhead)."""
+    o, report = cost_model.profile.overhead, step.report
+    if (report.speed_factor, report.stage_overhead_ms) == (cost_model.speed_factor, o.fwd_ms + o.bwd_ms):
+        return step
+    times = PredictedTimes.of(step.plan, cost_model, simulate(step.plan, cost_model))
+    return dataclasses.replace(step, report=times.onto(report))
 
 
 # ----------------------------------------------------------------------------- activation memory

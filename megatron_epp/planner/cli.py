@@ -19,21 +19,21 @@ from megatron_epp.base.units import GIB
 from megatron_epp.cost.profile import Profile
 from megatron_epp.cost.profile_lookup import load_profile, profile_at_tp
 from megatron_epp.cost.shape import MODEL_PRESETS
-from megatron_epp.plan import Plan, PlanInfeasible
+from megatron_epp.plan import PlannedStep, PlanInfeasible
 from megatron_epp.plan.order import format_stage_ops
 from megatron_epp.planner.builders import ELASTIC, plan_batch
 from megatron_epp.planner.compare import BASELINES, FLEXSP, run_baselines
 from megatron_epp.planner.config import DEFAULT_CLUSTER, PlannerConfig, add_planner_arguments
 from megatron_epp.planner.layout import describe_choice, search_for_world
 from megatron_epp.data.lengths import read_lengths, select_batch
-from megatron_epp.planner.data_parallel import split_data_parallel
+from megatron_epp.planner.data_parallel import dp_split
 from megatron_epp.simulator.flexsp import check_flexsp_profile
 from megatron_epp.simulator.step import simulate
 from megatron_epp.simulator.timeline import draw_timeline
 
 PRESET_TP = 8  # the presets' tensor-parallel size unless --tp says otherwise
 DEFAULTS = {  # epp-plan's defaults of the planner options (pretrain_gpt.py has its own)
-    "epp_plan": PlannerConfig.builder, "epp_memory_budget": 80.0, "epp_profile": "llama-13b", "epp_recompute": PlannerConfig.recompute,
+    "epp_plan": PlannerConfig.builder.name, "epp_memory_budget": 80.0, "epp_profile": "llama-13b", "epp_recompute": PlannerConfig.recompute,
     "epp_max_slices": None, "epp_time_limit": PlannerConfig.time_limit,
 }
 
@@ -137,8 +137,8 @@ def check_input(args: argparse.Namespace) -> tuple[PlannerConfig, Profile, np.nd
     config = PlannerConfig.from_args(args, args.max_seq_len)
     if args.epp_search_layout and config.profile not in MODEL_PRESETS:
         raise ValueError(f"--epp-search-layout needs a model preset --epp-profile ({', '.join(MODEL_PRESETS)})")
-    if args.epp_search_layout and config.builder != ELASTIC.name:
-        raise ValueError(f"--epp-plan {config.builder}: --epp-search-layout searches EPP's (elastic) layout")
+    if args.epp_search_layout and config.builder != ELASTIC:
+        raise ValueError(f"--epp-plan {config.builder.name}: --epp-search-layout searches EPP's (elastic) layout")
     profile = load_profile(config.profile, PRESET_TP if args.tp is None else args.tp)
     try:
         profile, note = profile_at_tp(profile, profile.tp if args.tp is None else args.tp)
@@ -169,16 +169,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.epp_search_layout:
         return print_layout_search(args, config, profile.tp, lengths)
     cost_model = CostModel(profile, args.stages, dp=args.dp, network=get_network(args.network))
-    parts = split_data_parallel(lengths, args.dp, cost_model.work_vector())
+    parts = dp_split(lengths, args.dp, cost_model.work_vector())
     names = [n for n in args.baselines.split(",") if n]
     with solver_output_to_stderr():
         try:
-            plans: list[Plan] = [plan_batch(lengths[p], cost_model, config) for p in parts]
+            plans: list[PlannedStep] = [plan_batch(lengths[p], cost_model, config) for p in parts]
         except PlanInfeasible as e:
             fail(e, 1)
         per_replica = [run_baselines(lengths[p], cost_model, config, names) for p in parts]
     baselines = {n: _in_gb(_worst([r[n] for r in per_replica])) for n in names}
-    info = [p.stats for p in plans]
+    info = [p.report for p in plans]
     peak = np.max([i.peak_memory_bytes for i in info], axis=0)
     summary = {
         "model": profile.model.name,
@@ -191,7 +191,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "num_sequences": int(len(lengths)),
         "num_tokens": int(lengths.sum()),
         "solve_ms": max(i.solve_ms for i in info),
-        "chosen": sorted({i.chosen or plans[0].builder for i in info}),  # whose plan won (elastic: EPP's own or a baseline's)
+        "chosen": sorted({i.chosen or plans[0].plan.builder for i in info}),  # whose plan won (elastic: EPP's own or a baseline's)
         "num_chunks": {k: sum(i.num_chunks[k] for i in info) for k in info[0].num_chunks},
         "num_pipelines": sum(i.num_pipelines for i in info),
         "recomputed_layers": sum(i.recomputed_layers for i in info),
@@ -206,11 +206,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     }
     print_table(summary)
     if args.print_schedule:
-        print(format_stage_ops(plans[0]))
+        print(format_stage_ops(plans[0].plan))
     if args.plan_out:
-        Path(args.plan_out).write_text(plans[0].to_json())
+        Path(args.plan_out).write_text(plans[0].plan.to_json())
     if args.timeline:
-        draw_timeline(simulate(plans[0], cost_model), args.stages, args.timeline)
+        draw_timeline(simulate(plans[0].plan, cost_model), args.stages, args.timeline)
     if args.json:
         print(json.dumps(summary, separators=(",", ":")))
 

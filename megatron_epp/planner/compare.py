@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
-from megatron_epp.plan import Plan, PlanInfeasible
+from megatron_epp.plan import PlannedStep, PlanInfeasible
 from megatron_epp.cost.model import CostModel
 from megatron_epp.planner.epp import build_plan
 from megatron_epp.planner.builders import MEGATRON, SEQ1F1B, BaselinePlans, Builder, slice_counts
@@ -24,7 +24,7 @@ from megatron_epp.simulator.flexsp import plan_flexsp
 def _ablation(name: str, **options: Any) -> Builder:
     """The EPP planner (:func:`build_plan`) with ``options`` set, its plans named ``name``."""
 
-    def build(lengths: Sequence[int], cost_model: CostModel, config: PlannerConfig, known: BaselinePlans | None) -> Plan:
+    def build(lengths: Sequence[int], cost_model: CostModel, config: PlannerConfig, known: BaselinePlans | None) -> PlannedStep:
         kw = {"recompute": config.recompute, **options}
         return build_plan(lengths, cost_model, config.memory_budget_bytes, slice_counts=slice_counts(config), time_limit=config.time_limit,
                           builder=name, **kw)
@@ -39,8 +39,8 @@ FLEXSP = "flexsp"
 BASELINES = (*COMPARED, FLEXSP)  # --baselines' names, the JSON's keys
 
 
-def summarize(plan: Plan) -> dict[str, Any]:
-    return {k: getattr(plan.stats, k) for k in ("predicted_step_ms", "peak_memory_bytes", "bubble_ratio", "recompute_ms", "num_pipelines", "recomputed_layers", "num_chunks")}
+def summarize(step: PlannedStep) -> dict[str, Any]:
+    return {k: getattr(step.report, k) for k in ("predicted_step_ms", "peak_memory_bytes", "bubble_ratio", "recompute_ms", "num_pipelines", "recomputed_layers", "num_chunks")}
 
 
 def run_baselines(

@@ -5,25 +5,25 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from megatron_epp.cost.clusters import CLUSTERS
 from megatron_epp.base.units import GIB
+from megatron_epp.planner.builders import BUILDERS, ELASTIC, Builder
+from megatron_epp.planner.recompute import RECOMPUTE_MODES, Recompute
 
-BUILDER_NAMES = ("elastic", "megatron", "seq1f1b")
 DEFAULT_CLUSTER = "h100-ib-gpu"  # --epp-search-layout's cluster preset
-RECOMPUTE_MODES = ("adaptive", "greedy", "none", "full")
 # --epp-calibrate-interval: the first fit after this step (the first step is warm-up: lazy initialisation,
 # first-touch allocations), on the steps after the warm-up; then every --epp-calibrate-interval steps
 CALIBRATE_FIRST_STEP = 5
-Recompute = Literal["adaptive", "greedy", "none", "full"]
 
 
 @dataclass(frozen=True)
 class PlannerConfig:
     """What a plan builder needs besides the lengths and the cost model.
 
-    ``builder``: ``elastic`` (EPP), ``megatron`` (packing only) or ``seq1f1b`` (fixed slices);
+    ``builder``: :data:`~megatron_epp.planner.builders.ELASTIC` (EPP), ``MEGATRON`` (packing only) or ``SEQ1F1B``
+    (fixed slices), a record of :data:`~megatron_epp.planner.builders.BUILDERS` (``--epp-plan`` names it);
     ``memory_budget_bytes``: per device (``--epp-memory-budget``, given in GB); ``profile``: the cost-model profile (a preset or a JSON path);
     ``recompute``: ``adaptive`` (the per-(stage, chunk) integer program), ``greedy`` (its greedy
     heuristic), ``none`` or ``full``; ``max_slices``: most slices per sequence (seq1f1b: its ``k``),
@@ -35,14 +35,14 @@ class PlannerConfig:
     memory_budget_bytes: float
     max_seq_len: int
     profile: str = "auto"
-    builder: str = "elastic"
+    builder: Builder = ELASTIC
     recompute: Recompute = "adaptive"
     max_slices: int | None = None
     time_limit: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.builder not in BUILDER_NAMES:
-            raise ValueError(f"--epp-plan {self.builder!r}: one of {', '.join(BUILDER_NAMES)}")
+        if self.builder not in BUILDERS.values():
+            raise ValueError(f"--epp-plan {self.builder!r}: one of {', '.join(BUILDERS)}")
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"--epp-recompute {self.recompute!r}: one of {', '.join(RECOMPUTE_MODES)}")
         if self.memory_budget_bytes <= 0:
@@ -55,9 +55,9 @@ class PlannerConfig:
     @classmethod
     def from_args(cls, args: argparse.Namespace, max_seq_len: int) -> "PlannerConfig":
         """From the options of :func:`add_planner_arguments` (defaults filled in): the one place the budget's GB
-        become bytes."""
+        become bytes, and ``--epp-plan``'s name its builder."""
         return cls(
-            memory_budget_bytes=args.epp_memory_budget * GIB, max_seq_len=max_seq_len, profile=args.epp_profile, builder=args.epp_plan,
+            memory_budget_bytes=args.epp_memory_budget * GIB, max_seq_len=max_seq_len, profile=args.epp_profile, builder=BUILDERS[args.epp_plan],
             recompute=args.epp_recompute, max_slices=args.epp_max_slices, time_limit=args.epp_time_limit,
         )
 
@@ -97,7 +97,7 @@ def add_planner_arguments(group: Any, defaults: dict[str, Any]) -> None:
     def note(dest: str) -> str:
         return f" (default {defaults[dest]})".replace("%", "%%")
 
-    group.add_argument("--epp-plan", choices=BUILDER_NAMES, default=None,
+    group.add_argument("--epp-plan", choices=list(BUILDERS), default=None,
                        help="plan builder: elastic (EPP), megatron = packing only, seq1f1b = fixed slices" + note("epp_plan"))
     group.add_argument("--epp-memory-budget", type=float, default=None, help="GB per device for the planner" + note("epp_memory_budget"))
     group.add_argument("--epp-profile", default=None,

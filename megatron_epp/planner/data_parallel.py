@@ -11,7 +11,7 @@ from megatron_epp.cost.features import NUM_FEATURES, F, sequence_features
 TOKENS = np.eye(NUM_FEATURES)[F.S]  # a work vector that counts tokens
 
 
-def split_data_parallel(lengths: np.ndarray, dp: int, work_vector: np.ndarray) -> list[np.ndarray]:
+def dp_split(lengths: np.ndarray, dp: int, work_vector: np.ndarray) -> list[np.ndarray]:
     """Longest-processing-time split over ``dp`` replicas: sequences by modelled work (each as one
     chunk, :func:`sequence_features` ``@ work_vector``, e.g. :meth:`CostModel.work_vector`), most
     first, each onto the replica with the least work so far. Deterministic (ties go to the earlier

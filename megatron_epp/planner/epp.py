@@ -12,7 +12,7 @@
 3. recompute (:mod:`.recompute`) per pipeline on the exact memory walk (:mod:`memory`), and the
    full-recompute variant;
 4. simulation (:mod:`simulator`) of every finalist: the fastest predicted step wins, its numbers in
-   ``Plan.stats``.
+   its report (:class:`~megatron_epp.plan.PlanReport`, beside the plan in a :class:`~megatron_epp.plan.PlannedStep`).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from typing import Sequence
 
 import numpy as np
 
-from megatron_epp.plan import Pipeline, Plan, PlanInfeasible
-from megatron_epp.planner.config import Recompute
+from megatron_epp.plan import Pipeline, Plan, PlanInfeasible, PlannedStep
+from megatron_epp.planner.recompute import Recompute
 from megatron_epp.planner.recompute import MemoryInfeasible, solve_recompute
 from megatron_epp.planner.chunking import PACK_RELAX, Chunking, build_units
 from megatron_epp.cost.features import F, chunk_features, sequence_features
@@ -32,7 +32,7 @@ from megatron_epp.cost.model import ChunkCosts, CostModel
 from megatron_epp.planner.grouping import group_units_both
 from megatron_epp.simulator.memory import pipeline_memory
 from megatron_epp.base.units import GIB
-from megatron_epp.planner.stats import ChunkingChoice, ProgramSummary, plan_stats
+from megatron_epp.planner.stats import ChunkingChoice, ProgramSummary, planned_step
 from megatron_epp.simulator.step import SimResult, simulate
 
 SLICE_COUNTS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
@@ -90,12 +90,11 @@ def apply_recompute(plan: Plan, cost_model: CostModel, budget: float, mode: Reco
     return ProgramSummary(mip_gap=float(max(gaps)), recompute_method="+".join(sorted(methods)), program_recompute_ms=rc)
 
 
-def finish(plan: Plan, cost_model: CostModel, budget: float, t0: float) -> Plan:
-    """Simulate and record the predicted numbers in ``plan.stats`` (:func:`~megatron_epp.planner.stats.plan_stats`),
-    not validated (:meth:`~megatron_epp.planner.builders.Builder.plan` validates); for the uniform builders."""
+def finish(plan: Plan, cost_model: CostModel, budget: float, t0: float) -> PlannedStep:
+    """Simulate ``plan`` and give it with its report (:func:`~megatron_epp.planner.stats.planned_step`), not validated
+    (:meth:`~megatron_epp.planner.builders.Builder.plan` validates); for the uniform builders."""
     solve_ms = (time.perf_counter() - t0) * 1e3
-    plan.stats = plan_stats(plan, cost_model, simulate(plan, cost_model), budget, solve_ms)
-    return plan
+    return planned_step(plan, cost_model, simulate(plan, cost_model), budget, solve_ms)
 
 
 def least_sequence_bytes(cost_model: CostModel, n: int) -> np.ndarray:
@@ -150,7 +149,7 @@ class Candidate:
 
 @dataclass(frozen=True)
 class _Finalist:
-    """A finalist's plan with its recompute decided and simulated, and what its stats take from the search."""
+    """A finalist's plan with its recompute decided and simulated, and what its report takes from the search."""
 
     plan: Plan
     sim: SimResult
@@ -258,8 +257,8 @@ def build_plan(
     time_limit: float = 1.0,
     mip_rel_gap: float = 0.01,
     builder: str = "epp",
-) -> Plan:
-    """Elastic pipeline plan of one global batch (one data-parallel replica).
+) -> PlannedStep:
+    """Elastic pipeline plan of one global batch (one data-parallel replica), with its report.
 
     ``budget_bytes``: per GPU. ``recompute``: ``"adaptive"`` (the integer program), ``"greedy"``,
     ``"none"`` or ``"full"``. ``balance=False``: even slices and token-only packing into chunks of
@@ -295,8 +294,7 @@ def build_plan(
         raise PlanInfeasible(f"no {recompute!r} plan fits {budget_bytes / GIB} GB per GPU: {why}")
     best = min(plans, key=lambda f: f.sim.step_ms)  # first wins ties
     best.plan.validate()
-    best.plan.stats = plan_stats(best.plan, cost_model, best.sim, budget_bytes, (time.perf_counter() - t0) * 1e3, best.program, best.chunking)
-    return best.plan
+    return planned_step(best.plan, cost_model, best.sim, budget_bytes, (time.perf_counter() - t0) * 1e3, best.program, best.chunking)
 
 
 @dataclass(frozen=True)

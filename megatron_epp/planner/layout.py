@@ -29,10 +29,10 @@ from megatron_epp.cost.clusters import COMM_OVERLAP, Cluster, get_cluster, stage
 from megatron_epp.cost.model import CostModel
 from megatron_epp.base.units import GIB
 from megatron_epp.cost.shape import ModelShape
-from megatron_epp.plan import Plan, PlanInfeasible
+from megatron_epp.plan import PlannedStep, PlanInfeasible
 from megatron_epp.planner.builders import ELASTIC, MEGATRON, SEQ1F1B, SEQ1F1B_KS, BaselinePlans, Builder
 from megatron_epp.planner.config import PlannerConfig
-from megatron_epp.planner.data_parallel import split_data_parallel
+from megatron_epp.planner.data_parallel import dp_split
 
 
 
@@ -70,17 +70,17 @@ class LayoutResult:
     step_ms: float
     bound_ms: float  # compute-only lower bound of this layout (slowest replica) + the exposed sync
     sync_ms: float
-    plans: list[Plan] = field(default_factory=list)
+    plans: list[PlannedStep] = field(default_factory=list)  # per replica
     detail: str = ""  # e.g. Seq1F1B's k
 
     @property
     def peak_memory_bytes(self) -> float:
         """The highest predicted peak of any stage of any replica, model states included."""
-        return float(max(max(p.stats.peak_memory_bytes) for p in self.plans))
+        return float(max(max(p.report.peak_memory_bytes) for p in self.plans))
 
     @property
     def recomputed_layers(self) -> int:
-        return int(sum(p.stats.recomputed_layers for p in self.plans))
+        return int(sum(p.report.recomputed_layers for p in self.plans))
 
 
 @dataclass
@@ -140,14 +140,14 @@ def dp_sync_ms(cost_model: CostModel, cluster: Cluster, layout: Layout, overlap:
 
 
 def system_plan(system: Builder, L: np.ndarray, cm: CostModel, cfg: PlannerConfig,
-                known: BaselinePlans | None = None) -> tuple[Plan, str]:
+                known: BaselinePlans | None = None) -> tuple[PlannedStep, str]:
     """A replica's plan by ``system`` and what it chose: :data:`ELASTIC` (the elastic planner, which also weighs
     Megatron's and Seq1F1B's plans; which won), :data:`MEGATRON` (packing, uniform recompute), :data:`SEQ1F1B` (the
     best k of :data:`SEQ1F1B_KS`; ``k<k>``), validated. ``known``: the baseline plans of those already made
     (:meth:`Builder.plan`'s, or None)."""
     if system == ELASTIC:
-        plan = ELASTIC.plan(L, cm, cfg, known)
-        return plan, plan.stats.chosen or ""
+        step = ELASTIC.plan(L, cm, cfg, known)
+        return step, step.report.chosen or ""
     if system == MEGATRON:
         return MEGATRON.plan(L, cm, cfg, known), ""
     if system == SEQ1F1B:
@@ -159,8 +159,9 @@ def system_plan(system: Builder, L: np.ndarray, cm: CostModel, cfg: PlannerConfi
                 continue
         if not made:
             raise PlanInfeasible(f"Seq1F1B: no k of {SEQ1F1B_KS} fits")
-        best, variant = min(made, key=lambda m: m[0].stats.predicted_step_ms)
-        return best.validate(), f"k{variant.k}"  # the chosen k's plan only: the others are scores
+        best, variant = min(made, key=lambda m: m[0].report.predicted_step_ms)
+        best.plan.validate()
+        return best, f"k{variant.k}"  # the chosen k's plan only: the others are scores
     raise ValueError(f"unknown system {system.label!r}: elastic, megatron or seq1f1b")
 
 
@@ -171,13 +172,13 @@ def evaluate_layout(lengths: np.ndarray, shape: ModelShape, cluster: Cluster, la
     ``known``: per replica, the baseline plans already made on this layout (:meth:`Builder.plan`)."""
     cm = layout_cost_model(shape, cluster, layout)
     sync = dp_sync_ms(cm, cluster, layout, overlap)
-    parts = split_data_parallel(lengths, layout.dp, cm.work_vector())
+    parts = dp_split(lengths, layout.dp, cm.work_vector())
     plans, details = [], set()
     for i, p in enumerate(parts):
         plan, detail = system_plan(system, lengths[p], cm, config, None if known is None else known[i])
         plans.append(plan)
         details.add(detail)
-    step = max(p.stats.predicted_step_ms for p in plans) + sync
+    step = max(p.report.predicted_step_ms for p in plans) + sync
     bound = max(cm.bound_ms(lengths[p]) for p in parts) + sync
     return LayoutResult(layout, step, bound, sync, plans, "+".join(sorted(d for d in details if d)))
 
@@ -219,7 +220,7 @@ class _Proxies:
     def __init__(self, L: np.ndarray, system: Builder, config: PlannerConfig):
         self.L, self.config = L, config
         self.baselines = PROXIES[system]
-        self.plans: dict[tuple[str, int], dict[Builder, Plan | None]] = {}  # (layout, replica) -> builder -> plan
+        self.plans: dict[tuple[str, int], dict[Builder, PlannedStep | None]] = {}  # (layout, replica) -> builder -> plan
 
     def replica(self, c: _Candidate, baseline: Builder, r: int) -> float:
         """Replica ``r``'s step by ``baseline`` (its best plan, as :func:`system_plan`'s) plus the layout's sync
@@ -233,7 +234,7 @@ class _Proxies:
                 except PlanInfeasible:
                     made[variant] = None
             if made[variant] is not None:
-                steps.append(made[variant].stats.predicted_step_ms)
+                steps.append(made[variant].report.predicted_step_ms)
         return min(steps) + c.sync if steps else np.inf
 
     def order(self, c: _Candidate) -> list[int]:
@@ -311,9 +312,9 @@ def search_layout(lengths: Sequence[int], shape: ModelShape, cluster: Cluster, s
         if states >= config.memory_budget_bytes:
             skipped[str(layout)] = f"model states {states / GIB:.1f} GB per GPU"
             continue
-        parts = split_data_parallel(L, layout.dp, cm.work_vector())
+        parts = dp_split(L, layout.dp, cm.work_vector())
         cands.append(_Candidate(layout, cm, parts, dp_sync_ms(cm, cluster, layout, overlap), [cm.bound_ms(L[p]) for p in parts]))
-    known: dict[tuple[str, int], dict[Builder, Plan | None]] = {}  # the proxy ranking's plans, by (layout, replica)
+    known: dict[tuple[str, int], dict[Builder, PlannedStep | None]] = {}  # the proxy ranking's plans, by (layout, replica)
     if not exhaustive and system != MEGATRON and len(cands) > max_evaluated:
         proxies = _Proxies(L, system, config)
         cands = _rank_by_proxy(cands, proxies, max_evaluated, skipped)

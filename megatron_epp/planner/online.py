@@ -15,7 +15,6 @@ training's.
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,12 +24,11 @@ import numpy as np
 
 from megatron_epp.cost.clusters import cp_profile
 from megatron_epp.cost.model import CostModel, default_network
-from megatron_epp.base.units import GIB
 from megatron_epp.cost.activation_memory import shape_memory
 from megatron_epp.cost.analytic import shape_time
 from megatron_epp.cost.profile import Profile, StageOverhead, megatron_model_state
 from megatron_epp.cost.shape import ModelShape
-from megatron_epp.plan import Plan
+from megatron_epp.plan import MemoryPrediction, Plan, PlannedStep
 from megatron_epp.planner.builders import plan_batch
 from megatron_epp.planner.calibration import (
     ONLINE_PRIOR_WEIGHT, MemoryCheck, StepFit, activation_bytes, fit_memory_factor, fit_step_model, repredict, with_memory_factor,
@@ -43,27 +41,14 @@ from megatron_epp.simulator.timeline import draw_timeline
 # after an out-of-memory error the activation memory factor grows at least by this (the measured peak at the failure
 # bounds the plan's need from below only: a stage that fails early has not reached its peak)
 OOM_FACTOR_STEP = 1.2
-GB_STATS = {"peak_memory_gb": "peak_memory_bytes", "memory_budget_gb": "memory_budget_bytes"}  # before the stats held bytes
-
-
-def saved_plan(text: str) -> Plan:
-    """A plan of a checkpoint's :meth:`OnlinePlanner.state_dict`; one saved while :class:`~megatron_epp.plan.PlanStats`
-    held the peak memory and the budget in GB (:data:`GB_STATS`) is read with them in bytes."""
-    d = json.loads(text)
-    stats = d.get("stats", {})
-    for old, new in GB_STATS.items():
-        if old in stats:
-            value = stats.pop(old)
-            stats[new] = None if value is None else (np.asarray(value) * GIB).tolist()
-    return Plan.from_dict(d)
 
 
 @dataclasses.dataclass(frozen=True)
 class Planned:
-    """A batch's plan (validated; its predicted activation peaks and memory factor in its stats), the cost model it was
-    planned on, the planner's time on it (ms) and when it ran (``perf_counter`` seconds: start, end)."""
+    """A batch's plan (validated) with its report and its predicted activation peaks (``step.memory``), the cost model
+    it was planned on, the planner's time on it (ms) and when it ran (``perf_counter`` seconds: start, end)."""
 
-    plan: Plan
+    step: PlannedStep
     cost_model: CostModel
     planning_ms: float
     span: tuple[float, float]
@@ -114,8 +99,8 @@ class OnlinePlanner:
         self._thread: ThreadPoolExecutor | None = None  # plans ahead (plan_ahead), made on first use
         self._planned_ahead = False  # plan_ahead was called in this process
 
-    def __call__(self, lengths: list[int], cost_model: CostModel | None = None) -> Plan:
-        """The plan of ``lengths`` on ``cost_model`` (default: the current one)."""
+    def __call__(self, lengths: list[int], cost_model: CostModel | None = None) -> PlannedStep:
+        """The plan of ``lengths`` on ``cost_model`` (default: the current one), validated, with its report."""
         return plan_batch(lengths, cost_model or self.cost_model, self.config)
 
     def plan_ahead(self, lengths: list[int]) -> PlanTicket:
@@ -137,17 +122,16 @@ class OnlinePlanner:
         planned = ticket.planned.result()
         if ticket.cost_model is not self.next_step_model:
             planned = self._plan(ticket.lengths, self.next_step_model, self.next_step_memory_factor)
-        return dataclasses.replace(planned, plan=self.repredict(planned.plan))
+        return dataclasses.replace(planned, step=self.repredict(planned.step))
 
     def _plan(self, lengths: list[int], cost_model: CostModel, memory_factor: float) -> Planned:
         """``lengths`` planned on ``cost_model`` (of activation memory factor ``memory_factor``), with the plan's
         predicted activation peaks on that model."""
         t0 = time.perf_counter()
-        plan = self(lengths, cost_model).validate()
+        step = self(lengths, cost_model)
         t1 = time.perf_counter()
-        plan.stats.predicted_activation_bytes = self.predicted_activation_bytes(plan, cost_model)
-        plan.stats.memory_factor = memory_factor
-        return Planned(plan, cost_model, (t1 - t0) * 1000, (t0, t1))
+        memory = MemoryPrediction(self.predicted_activation_bytes(step.plan, cost_model), memory_factor)
+        return Planned(dataclasses.replace(step, memory=memory), cost_model, (t1 - t0) * 1000, (t0, t1))
 
     def observe(self, plan: Plan, measured_ms: float, measured_activation_bytes: list[float] | None = None) -> StepFit | None:
         """Take a training step's plan, measured span (``forward_backward_elastic`` on the last stage, the span
@@ -236,25 +220,25 @@ class OnlinePlanner:
         self.next_step_model = self._calibrated(state["next_step_calibration"], memory["next_step_factor"])
         self.next_step_memory_factor, self.memory_ratio = memory["next_step_factor"], memory["ratio"]
         self.measured.clear()
-        self.measured.extend((saved_plan(text), ms) for text, ms in state["measured"])
+        self.measured.extend((Plan.from_json(text), ms) for text, ms in state["measured"])
 
     def _calibrated(self, calibration: tuple[float, float, float], memory_factor: float) -> CostModel:
         """The profile's cost model with a saved time calibration ``(s, o forward, o backward)`` and memory factor."""
         model = self.raw_model.calibrated(calibration[0], StageOverhead(*calibration[1:]))
         return model if memory_factor == 1.0 else with_memory_factor(model, self.raw_model.profile.memory, memory_factor)
 
-    def repredict(self, plan: Plan) -> Plan:
-        """``plan``'s predicted times on the current cost model: a plan made one step ahead, before the
+    def repredict(self, step: PlannedStep) -> PlannedStep:
+        """``step`` with its predicted times on the current cost model: a plan made one step ahead, before the
         last calibration, is simulated again, so that every step's prediction uses the latest fit."""
-        return repredict(plan, self.cost_model)
+        return repredict(step, self.cost_model)
 
     def predicted_activation_bytes(self, plan: Plan, cost_model: CostModel | None = None) -> list[float]:
         """Per-stage peak activation bytes (model states excluded) by the planner's exact memory walk on
         ``cost_model`` (default: the current one, calibrated)."""
         return activation_bytes(plan, cost_model or self.cost_model).tolist()
 
-    def draw(self, plan: Plan, path: str) -> None:
-        draw_timeline(simulate(plan, self.cost_model), plan.num_stages, path, title=plan.summary())
+    def draw(self, step: PlannedStep, path: str) -> None:
+        draw_timeline(simulate(step.plan, self.cost_model), step.plan.num_stages, path, title=step.summary())
 
 
 def _calibration(cost_model: CostModel) -> tuple[float, float, float]:

@@ -13,13 +13,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
+
 import numpy as np
 from scipy import sparse
 from scipy.optimize import Bounds, LinearConstraint, milp
 
 from megatron_epp.base.units import GIB
-from megatron_epp.planner.config import Recompute
 from megatron_epp.simulator.memory import StageMemory
+
+Recompute = Literal["adaptive", "greedy", "none", "full"]  # --epp-recompute
+RECOMPUTE_MODES: tuple[Recompute, ...] = ("adaptive", "greedy", "none", "full")
 
 
 NODE_LIMIT = 500  # branch-and-bound nodes per program: the deterministic work limit

@@ -1,5 +1,5 @@
-"""The typed parts of a plan's :class:`~megatron_epp.plan.PlanStats` that the planner's steps produce, and the one
-place that puts them together (:func:`plan_stats`): the predicted times (:class:`PredictedTimes`, also what a new
+"""The typed parts of a plan's :class:`~megatron_epp.plan.PlanReport` that the planner's steps produce, and the one
+place that puts them together (:func:`plan_report`): the predicted times (:class:`PredictedTimes`, also what a new
 calibration re-predicts), the recompute program's summary (:class:`ProgramSummary`) and the chunking search's choice
 (:class:`ChunkingChoice`)."""
 
@@ -11,13 +11,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron_epp.cost.model import CostModel
-from megatron_epp.plan import Plan, PlanStats
+from megatron_epp.plan import Plan, PlannedStep, PlanReport
 from megatron_epp.simulator.step import SimResult
 
 
 @dataclass(frozen=True)
 class PredictedTimes:
-    """The time fields of :class:`PlanStats` for a plan simulated on a cost model, with the calibration (speed
+    """The time fields of :class:`PlanReport` for a plan simulated on a cost model, with the calibration (speed
     factor, per-chunk stage overhead) they were predicted with."""
 
     predicted_step_ms: float
@@ -34,9 +34,9 @@ class PredictedTimes:
                    bubble_ratio=sim.bubble_ratio, recompute_ms=sim.recompute_ms, speed_factor=cost_model.speed_factor,
                    stage_overhead_ms=overhead.fwd_ms + overhead.bwd_ms)
 
-    def onto(self, stats: PlanStats) -> PlanStats:
-        """``stats`` with these times."""
-        return dataclasses.replace(stats, predicted_step_ms=self.predicted_step_ms, bound_step_ms=self.bound_step_ms,
+    def onto(self, report: PlanReport) -> PlanReport:
+        """``report`` with these times."""
+        return dataclasses.replace(report, predicted_step_ms=self.predicted_step_ms, bound_step_ms=self.bound_step_ms,
                                    bubble_ratio=self.bubble_ratio, recompute_ms=self.recompute_ms,
                                    speed_factor=self.speed_factor, stage_overhead_ms=self.stage_overhead_ms)
 
@@ -58,11 +58,12 @@ class ChunkingChoice:
     token_cap: int
 
 
-def plan_stats(plan: Plan, cost_model: CostModel, sim: SimResult, budget: float, solve_ms: float,
-               program: ProgramSummary | None = None, chunking: ChunkingChoice | None = None) -> PlanStats:
-    """What the planner predicts for ``plan`` (simulated on ``cost_model``: ``sim``) at ``budget`` bytes per GPU."""
-    stats = PlanStats(
+def planned_step(plan: Plan, cost_model: CostModel, sim: SimResult, budget: float, solve_ms: float,
+                 program: ProgramSummary | None = None, chunking: ChunkingChoice | None = None) -> PlannedStep:
+    """``plan`` with what the planner predicts for it (simulated on ``cost_model``: ``sim``) at ``budget`` bytes per GPU."""
+    report = PlanReport(
         solve_ms=solve_ms,
+        **dataclasses.asdict(PredictedTimes.of(plan, cost_model, sim)),
         peak_memory_bytes=sim.peak_memory.tolist(),
         memory_budget_bytes=float(budget),
         fits=bool((sim.peak_memory <= budget * (1 + 1e-9)).all()),
@@ -75,4 +76,4 @@ def plan_stats(plan: Plan, cost_model: CostModel, sim: SimResult, budget: float,
         slice_budget_ms=None if chunking is None else chunking.slice_budget_ms,
         token_cap=None if chunking is None else chunking.token_cap,
     )
-    return PredictedTimes.of(plan, cost_model, sim).onto(stats)
+    return PlannedStep(plan, report)

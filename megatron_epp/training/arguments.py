@@ -853,7 +853,7 @@ UNSUPPORTED_PARALLELISM = {
 
 
 EPP_DEFAULTS = {  # pretrain_gpt.py's defaults of the planner options (epp-plan has its own)
-    "epp_plan": PlannerConfig.builder, "epp_max_slices": 8, "epp_profile": "auto", "epp_recompute": PlannerConfig.recompute,
+    "epp_plan": PlannerConfig.builder.name, "epp_max_slices": 8, "epp_profile": "auto", "epp_recompute": PlannerConfig.recompute,
     "epp_time_limit": PlannerConfig.time_limit,
 }
 
@@ -902,8 +902,8 @@ def validate_search_args(args: argparse.Namespace, given: list[str]) -> None:
     refused = [key for key in given if key in SEARCH_REFUSES]
     if refused:
         raise ArgumentError(f"--{refused[0].replace('_', '-')} does not apply with --epp-search-layout ({SEARCH_REFUSES[refused[0]]})")
-    if args.epp_plan not in (None, PlannerConfig.builder):
-        raise ArgumentError(f"--epp-plan {args.epp_plan}: --epp-search-layout searches EPP's ({PlannerConfig.builder}) layout")
+    if args.epp_plan not in (None, PlannerConfig.builder.name):
+        raise ArgumentError(f"--epp-plan {args.epp_plan}: --epp-search-layout searches EPP's ({PlannerConfig.builder.name}) layout")
     for key, value in EPP_DEFAULTS.items():
         if getattr(args, key) is None and key not in SEARCH_REFUSES:
             setattr(args, key, value)

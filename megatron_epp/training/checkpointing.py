@@ -20,8 +20,8 @@ candidates' checksums, newest first, before megatron-core reads any file: each r
 rank number wrote (``__R_*.distcp``, at another world size R modulo it; rank 0 the shared ones), the files a rank reads back on a load of the same
 layout, so the whole checkpoint is read once, by all ranks in parallel (one rank hashing all of it would take
 world-size times longer; every rank hashing all of it would read it world-size times). A damaged checkpoint is
-one line naming the file, or with the fallback one warning line and the next older one. Checkpoints saved
-before checksums were recorded load with a warning that they are unverified. :func:`data_change` words, as a
+one line naming the file, or with the fallback one warning line and the next older one. A checkpoint saved
+before checksums were recorded (``megatron-epp checkpoint 1``) is refused in one line. :func:`data_change` words, as a
 warning, a resume on another data stream (Megatron-LM allows it).
 """
 
@@ -54,7 +54,6 @@ from megatron_epp.training.model import pad_vocab, padded_vocab_size
 TRACKER = "latest_checkpointed_iteration.txt"
 METADATA = "epp_metadata.json"
 FORMAT = "megatron-epp checkpoint 2"  # epp_metadata.json records every file's size and SHA-256
-UNVERIFIED_FORMAT = "megatron-epp checkpoint 1"  # saved before checksums were recorded: loaded with a warning
 # RoPE's scaling: compared on a resume; with --finetune (context extension) the run may change them and RoPE's base
 ROPE_ARGS = ("use_rope_scaling", "rope_scaling_factor", "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
              "rope_scaling_original_max_position_embeddings", "rotary_seq_len_interpolation_factor")
@@ -473,9 +472,12 @@ def _checkpoint_problem(cfg: TrainingConfig, iteration: int) -> str | None:
     meta = _read_metadata(path)
     if not isinstance(meta, dict):
         return f"{path}/{METADATA}: damaged (not valid JSON)"
-    if meta.get("format") not in (FORMAT, UNVERIFIED_FORMAT):
+    if not str(meta.get("format")).startswith("megatron-epp checkpoint"):
         return f"{path} is not a megatron-epp checkpoint (no valid {METADATA})"
-    if meta["format"] == FORMAT and meta.get("sha256") != record_sha256(meta):
+    if meta["format"] != FORMAT:  # "megatron-epp checkpoint 1": saved before the files' checksums were recorded
+        raise ArgumentError(f"--load {cfg.checkpoint.load}: iteration {iteration} is a {meta['format']!r}, saved by an "
+                            f"older megatron-epp without its files' checksums; this version loads {FORMAT!r} only")
+    if meta.get("sha256") != record_sha256(meta):
         return f"{path}/{METADATA}: checksum mismatch (its record was changed after save)"
     if meta.get("iteration") != iteration:
         return f"{path} holds iteration {meta.get('iteration')}, its name and {TRACKER} say {iteration}"
@@ -497,9 +499,6 @@ def _checkpoint_problem(cfg: TrainingConfig, iteration: int) -> str | None:
     layout_problem = Reshard.of(cfg, meta).problem(cfg)  # another layout loads (resharded), but for these optimizer states
     if layout_problem:
         raise ArgumentError(f"--load {cfg.checkpoint.load}: iteration {iteration} was {layout_problem}")
-    if meta["format"] == UNVERIFIED_FORMAT:
-        missing = _missing_files(path)
-        return f"{path} is truncated: {missing}" if missing else None
     for name, record in meta["files"].items():
         problem = _file_problem(path, name, {"bytes": record["bytes"]})  # sizes here; checksums in choose_verified
         if problem:
@@ -519,7 +518,7 @@ def _vocab_padding(cfg: TrainingConfig, saved: int) -> str:
 
 def choose_verified(cfg: TrainingConfig, resume: Resume, runtime: Runtime) -> tuple[int, list[str]]:
     """Collective: the newest of ``resume``'s candidates whose files match their checksums, and the warning lines
-    (one per checkpoint skipped, here or by :func:`check_loadable`; one for a checkpoint saved without checksums); :class:`CheckpointError` (one line,
+    (one per checkpoint skipped, here or by :func:`check_loadable`); :class:`CheckpointError` (one line,
     the same on every rank) when the tracker's checkpoint is damaged and ``--no-ckpt-fallback`` is given, or none
     verifies. Each rank hashes the files :func:`_hashed_by` gives it; the ranks then share what they found."""
     skipped = list(resume.skipped)
@@ -527,9 +526,6 @@ def choose_verified(cfg: TrainingConfig, resume: Resume, runtime: Runtime) -> tu
         path = iteration_dir(resume.root, iteration)
         meta = _read_metadata(path)
         notes = [skip_note(resume.root, problem) for problem in skipped]
-        if meta["format"] == UNVERIFIED_FORMAT:
-            return iteration, notes + [f"warning: --load {resume.root}: iteration {iteration} was saved without "
-                                       "checksums (before megatron-epp recorded them): loaded unverified"]
         mine = [_file_problem(path, name, record) for name, record in meta["files"].items()
                 if _hashed_by(name, runtime.rank, runtime.world_size)]
         found: list[list[str | None] | None] = [None] * runtime.world_size
@@ -578,27 +574,6 @@ def data_change(cfg: TrainingConfig, iteration: int) -> str | None:
     return (f"warning: --load {cfg.checkpoint.load}: iteration {iteration} was trained on other data ({'; '.join(changes)}); "
             f"training goes on at sample {meta['consumed_samples']} of this run's stream, as in Megatron-LM: samples "
             "drawn before are not replayed or skipped by dataset, so some documents may repeat and others never come")
-
-
-def _missing_files(path: str) -> str | None:
-    """What of a dist_checkpointing (torch_dist) directory is absent or shorter than its metadata says."""
-    for name in ("metadata.json", "common.pt", ".metadata"):
-        if not os.path.isfile(os.path.join(path, name)):
-            return f"{name} missing"
-    try:
-        storage = FileSystemReader(path).read_metadata().storage_data
-    except Exception as error:  # an unreadable .metadata: whatever torch raises for it
-        return f".metadata unreadable ({type(error).__name__})"
-    needed: dict[str, int] = {}
-    for info in storage.values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    for name, size in sorted(needed.items()):
-        file = os.path.join(path, name)
-        if not os.path.isfile(file):
-            return f"{name} missing"
-        if os.path.getsize(file) < size:
-            return f"{name} holds {os.path.getsize(file)} bytes, its metadata needs {size}"
-    return None
 
 
 def load_checkpoint(

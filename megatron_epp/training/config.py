@@ -253,7 +253,7 @@ class TrainingConfig:
                 continue
             for f in fields(value):
                 item = getattr(value, f.name)
-                inner = dataclasses.asdict(item) if dataclasses.is_dataclass(item) else {"": item}
+                inner = {g.name: getattr(item, g.name) for g in fields(item)} if dataclasses.is_dataclass(item) else {"": item}
                 for key, v in inner.items():
                     plain = v if isinstance(v, (bool, int, float, str, list, type(None))) else str(v)
                     out[f"{section.name}.{f.name}" + (f".{key}" if key else "")] = plain

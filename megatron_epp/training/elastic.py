@@ -22,7 +22,7 @@ from megatron_epp.executor.batches import elastic_gpt_forward_step, prepare_step
 from megatron_epp.executor.context import ChunkContext, token_multiple
 from megatron_epp.executor.memory_tracker import ActivationMemoryTracker
 from megatron_epp.executor.schedule import OpFailure, StepOutOfMemory, allocator_figures, forward_backward_elastic
-from megatron_epp.plan import Plan, PlanInfeasible
+from megatron_epp.plan import Plan, PlannedStep, PlanInfeasible
 from megatron_epp.planner.builders import baseline_ratios
 from megatron_epp.planner.online import OnlinePlanner, PlanTicket
 from megatron_epp.base.units import GIB
@@ -77,18 +77,18 @@ def _size(nbytes: float) -> str:
     return f"{nbytes / GIB:.2f} GB" if nbytes >= GIB else f"{nbytes / 2**20:.2f} MB"
 
 
-def _share_plan(plan: Plan | None, timing: tuple[float, float, float] | None) -> tuple[Plan, tuple[float, float, float]]:
+def _share_plan(step: PlannedStep | None, timing: tuple[float, float, float] | None) -> tuple[PlannedStep, tuple[float, float, float]]:
     """Give every rank of this model replica (all stages, all tensor and context-parallel ranks) the plan of its first
-    rank and its ``(planning ms, of which waited ms, of which inside the last step's span)``: over the context-parallel
+    rank, with its report and memory prediction, and its ``(planning ms, of which waited ms, of which inside the last step's span)``: over the context-parallel
     group of the model-parallel groups' first ranks (they share one), then over each model-parallel group."""
     group = ps.get_model_parallel_group()
-    box = [(plan.to_json(), timing) if plan is not None else None]
+    box = [(step.to_json(), timing) if step is not None else None]
     cp_group = ps.get_context_parallel_group()
     if cp_group.size() > 1 and group.rank() == 0:  # every rank of a context-parallel group has the same model-parallel rank
         dist.broadcast_object_list(box, src=dist.get_global_rank(cp_group, 0), group=cp_group)
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
     text, timing = box[0]
-    return Plan.from_json(text), timing
+    return PlannedStep.from_json(text), timing
 
 
 class ElasticTrainStep:
@@ -120,9 +120,9 @@ class ElasticTrainStep:
         self.preparer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epp-prepare")
         self.token_multiple = token_multiple(get_model_config(model))  # each chunk padded to it (sequence parallelism)
         self.pending: tuple[Any, PlanTicket | None] | None = None  # the next batch and its plan's ticket (the planning rank's)
-        self.ready: Future | None = None  # the next step's (batch, plan, planning timing, StepInputs)
+        self.ready: Future | None = None  # the next step's (batch, PlannedStep, planning timing, StepInputs)
         self.last_metrics: ElasticMetrics | None = None
-        self.last_plan: Plan | None = None
+        self.last_step: PlannedStep | None = None
         self.logged_calibration: tuple[float, float] | None = None
         self.span: tuple[float, float] | None = None  # the last step's forward_backward_elastic (perf_counter)
         self.overlap_ms = 0.0  # the planner's time inside it (the planning rank's, shared with the plan)
@@ -151,16 +151,16 @@ class ElasticTrainStep:
         batch, ticket = self.pending
         if batch is None:
             return None
-        plan, timing = None, None
+        step, timing = None, None
         t0 = time.perf_counter()
         planned = None if ticket is None else self.planner.take(ticket)
         upcoming = self._draw()
         self.pending = (upcoming, self._plan_ahead(upcoming))
         if planned is not None:
-            plan, (start, end) = planned.plan, planned.span
+            step, (start, end) = planned.step, planned.span
             overlap = max(0.0, min(end, self.span[1]) - max(start, self.span[0])) * 1000 if self.span else 0.0
             timing = (planned.planning_ms, (time.perf_counter() - t0) * 1000, overlap)
-        return (batch, *_share_plan(plan, timing))
+        return (batch, *_share_plan(step, timing))
 
     def _prefetch(self) -> None:
         """Share the next step's plan now (a collective of the replica) and build its inputs in the background;
@@ -169,13 +169,13 @@ class ElasticTrainStep:
         if planned is None:
             self.ready = None
             return
-        batch, plan, timing = planned
+        batch, step, timing = planned
         self.overlap_ms = timing[2]
-        self.ready = self.preparer.submit(self._prepare, batch, plan, timing)
+        self.ready = self.preparer.submit(self._prepare, batch, step, timing)
 
-    def _prepare(self, batch, plan: Plan, timing):
+    def _prepare(self, batch, step: PlannedStep, timing):
         tensors = [(torch.from_numpy(s.tokens), torch.from_numpy(s.labels)) for s in batch.sequences(self.runtime.dp_rank)]
-        return batch, plan, timing, prepare_step(plan, self.runtime.pp_rank, tensors, self.runtime.device, self.token_multiple,
+        return batch, step, timing, prepare_step(step.plan, self.runtime.pp_rank, tensors, self.runtime.device, self.token_multiple,
                                                  self.runtime.cp_rank, self.runtime.dims.cp)
 
     def __call__(self, forward_only: bool) -> tuple[list[dict[str, torch.Tensor]], np.ndarray]:
@@ -183,35 +183,36 @@ class ElasticTrainStep:
             self._prefetch()
         if self.ready is None:
             raise RuntimeError(f"the elastic step function was asked for more than its {self.cfg.training.train_iters} steps")
-        batch, plan, (planning_ms, waited_ms, _), inputs = self.ready.result()
+        batch, step, (planning_ms, waited_ms, _), inputs = self.ready.result()
         self.iteration += not forward_only
         rng = RngStates(self.runtime.device)
         for attempt in range(1, OOM_TRIES + 1):
             try:
-                losses, run_ms = self._run(plan, inputs, forward_only, attempt)
+                losses, run_ms = self._run(step.plan, inputs, forward_only, attempt)
                 break
             except StepOutOfMemory as oom:
                 rng.restore()
-                plan, inputs = self._after_oom(batch, plan, oom, attempt, forward_only)
+                step, inputs = self._after_oom(batch, step, oom, attempt, forward_only)
         memory = self.tracker
         measured, per_cp = (None, None) if memory is None else self._stage_peaks(memory.peak_bytes)
         allocated = None if memory is None else self._stage_peaks(memory.peak_allocated)[0]
         if not forward_only:
-            self._observe(plan, run_ms, measured)
+            self._observe(step.plan, run_ms, measured)
         self._prefetch()
-        self.last_plan = plan
+        self.last_step = step
+        plan, report = step.plan, step.report
         self.last_metrics = ElasticMetrics(
-            plan.summary(), plan.chunk_counts(), len(plan.pipelines), plan.recomputed_layers(), planning_ms, waited_ms,
-            plan.stats.predicted_step_ms, run_ms,
-            None if memory is None else plan.stats.predicted_activation_bytes, measured,
+            step.summary(), plan.chunk_counts(), len(plan.pipelines), plan.recomputed_layers(), planning_ms, waited_ms,
+            report.predicted_step_ms, run_ms,
+            None if memory is None else step.memory.activation_bytes, measured,
             planning_overlap_ms=self.overlap_ms,
             padding_tokens=sum(layout.padding for pipe in inputs.layouts for layout in pipe),
-            memory_factor=None if memory is None else plan.stats.memory_factor,
+            memory_factor=None if memory is None else step.memory.memory_factor,
             measured_allocated_bytes=allocated if allocated != measured else None,
             model_state_bytes=None if memory is None else self.planner.raw_model.model_state_bytes().tolist(),
             memory_budget_bytes=None if memory is None else self.planner.config.memory_budget_bytes,
             oom_retries=attempt - 1,
-            baseline_ratios=baseline_ratios(plan),
+            baseline_ratios=baseline_ratios(report),
             measured_cp_activation_bytes=per_cp,
         )
         return losses, batch.seq_lengths
@@ -240,8 +241,8 @@ class ElasticTrainStep:
         self.span = (t1, time.perf_counter())
         return losses, (self.span[1] - t1) * 1000
 
-    def _after_oom(self, batch, plan: Plan, oom: StepOutOfMemory, attempt: int, forward_only: bool):
-        """Every rank, after a run of ``plan`` in which some rank ran out of memory: release the step's memory, raise
+    def _after_oom(self, batch, step: PlannedStep, oom: StepOutOfMemory, attempt: int, forward_only: bool):
+        """Every rank, after a run of ``step``'s plan in which some rank ran out of memory: release the step's memory, raise
         the planner's activation memory factor from what was measured, and plan the batch again (one line on the
         first rank); after :data:`OOM_TRIES` plans, :class:`TrainingFault`. Returns the new plan and its inputs."""
         mine = OomReport(self.runtime.rank, self.runtime.dp_rank, oom.failure,
@@ -256,7 +257,7 @@ class ElasticTrainStep:
             torch.cuda.empty_cache()
         before = self.planner.memory_factor
         if self.plans_here:  # this replica's failures, measured against this replica's plan
-            self.planner.observe_oom(plan, {r.failure.stage: r.peak_bytes + (r.failure.requested_bytes or 0)
+            self.planner.observe_oom(step.plan, {r.failure.stage: r.peak_bytes + (r.failure.requested_bytes or 0)
                                             for r in failed if r.dp_rank == self.runtime.dp_rank and r.peak_bytes is not None})
         what = (f"iteration {self.iteration}" if not forward_only else "an evaluation step") + ": out of memory on " + "; ".join(r.line() for r in failed)
         if attempt == OOM_TRIES:
@@ -264,20 +265,20 @@ class ElasticTrainStep:
             raise TrainingFault(f"{what}, on each of {OOM_TRIES} plans of this batch (activation memory factor now "
                                 f"{self.planner.memory_factor:.2f}): lower the memory budget, e.g. --epp-memory-budget "
                                 f"{math.floor(OOM_BUDGET_HINT * budget / GIB * 10) / 10:g} (now {budget / GIB:.1f})")
-        plan = self._plan_again(batch, what)
+        step = self._plan_again(batch, what)
         if self.runtime.rank == 0:
             print(f" {what}: the step's memory released, nothing applied; activation memory factor {before:.3f} -> "
-                  f"{self.planner.memory_factor:.3f}, the batch planned again ({plan.summary()}; try {attempt + 1} of {OOM_TRIES})", flush=True)
-        return plan, self._prepare(batch, plan, None)[3]
+                  f"{self.planner.memory_factor:.3f}, the batch planned again ({step.summary()}; try {attempt + 1} of {OOM_TRIES})", flush=True)
+        return step, self._prepare(batch, step, None)[3]
 
-    def _plan_again(self, batch, what: str) -> Plan:
+    def _plan_again(self, batch, what: str) -> PlannedStep:
         """Every rank: the batch planned again on the planner's model as it is now (after the previous step's plan in
         the planning thread), shared with the replica; :class:`TrainingFault` on every rank where some replica's batch
         can no longer be planned within the budget."""
-        plan, error = None, None
+        step, error = None, None
         if self.plans_here:
             try:
-                plan = self.planner.take(self._plan_ahead(batch)).plan
+                step = self.planner.take(self._plan_ahead(batch)).step
             except PlanInfeasible as infeasible:
                 error = str(infeasible)
         errors: list[Any] = [None] * dist.get_world_size()
@@ -286,7 +287,7 @@ class ElasticTrainStep:
         if first is not None:
             raise TrainingFault(f"{what}; planned again at activation memory factor {self.planner.memory_factor:.2f}, "
                                 f"the batch no longer fits: {first}")
-        return _share_plan(plan, None)[0]
+        return _share_plan(step, None)[0]
 
     def _observe(self, plan: Plan, run_ms: float, measured_bytes: list[int]) -> None:
         """Give the planner's calibration this step's measured span (the last stage's, as the log records it,
@@ -330,10 +331,10 @@ class ElasticTrainStep:
         """This step's metrics for the log line and record, with the calibration its prediction used (and a
         line on the logging rank when that changed since the last logged step); with ``--epp-timeline
         DIR``, also that step's timeline picture."""
-        if self.cfg.epp.timeline and self.runtime.rank == 0 and self.last_plan is not None:
+        if self.cfg.epp.timeline and self.runtime.rank == 0 and self.last_step is not None:
             os.makedirs(self.cfg.epp.timeline, exist_ok=True)
-            self.planner.draw(self.last_plan, os.path.join(self.cfg.epp.timeline, f"plan_iter_{iteration:07d}.png"))
-        s, o = self.last_plan.stats.speed_factor, self.last_plan.stats.stage_overhead_ms
+            self.planner.draw(self.last_step, os.path.join(self.cfg.epp.timeline, f"plan_iter_{iteration:07d}.png"))
+        s, o = self.last_step.report.speed_factor, self.last_step.report.stage_overhead_ms
         if self.runtime.is_logging_rank and self.logged_calibration not in (None, (s, o)):
             was_s, was_o = self.logged_calibration
             print(f" cost model calibrated on this machine's steps: speed factor s {was_s:.3f} -> {s:.3f}, stage overhead "

@@ -10,7 +10,7 @@ from megatron_epp.data.blend import blended_documents
 from megatron_epp.data.mock_documents import MockDocuments, lognormal_lengths
 from megatron_epp.data.sequence_sampler import SequenceSampler
 from megatron_epp.plan import PlanInfeasible
-from megatron_epp.planner.data_parallel import split_data_parallel
+from megatron_epp.planner.data_parallel import dp_split
 from megatron_epp.planner.online import OnlinePlanner
 from megatron_epp.base.units import GIB
 from megatron_epp.cost.profile import Profile
@@ -37,9 +37,9 @@ def elastic_sampler(cfg: TrainingConfig, split: str, dp_size: int, planner: Onli
         return None
     # the work vector of the model as built, never a calibrated one: every rank must split the batch the
     # same way, and each replica calibrates its own planner
-    by_work = functools.partial(split_data_parallel, work_vector=planner.raw_model.work_vector())
+    by_work = functools.partial(dp_split, work_vector=planner.raw_model.work_vector())
     return SequenceSampler(documents, cfg.training.global_batch_size, cfg.model.seq_length, seed=cfg.training.seed,
-                           dp_size=dp_size, split=by_work, truncate=cfg.epp.truncate_documents)
+                           dp_size=dp_size, dp_split=by_work, truncate=cfg.epp.truncate_documents)
 
 
 def check_memory_budget(cfg: TrainingConfig, planner: OnlinePlanner | None = None) -> str:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Sequence
 
 from megatron_epp.cost.model import CostModel
-from megatron_epp.plan import Plan
+from megatron_epp.plan import PlannedStep
 from megatron_epp.training.arguments import parse_config
 from megatron_epp.training.config import TrainingConfig
 from megatron_epp.training.metrics import StepMetrics, read_metrics
@@ -47,8 +47,8 @@ def run_pretrain(argv: Sequence[str], nproc: int = 2, timeout: float = 900) -> l
         return [m for m in read_metrics(metrics) if m.kind == "train"]
 
 
-def reconstruct_plans(argv: Sequence[str], iterations: int, world_size: int = 2) -> tuple[list[Plan], CostModel]:
-    """The plans ``pretrain_gpt.py argv`` runs in its first ``iterations`` steps (data-parallel rank 0),
+def reconstruct_plans(argv: Sequence[str], iterations: int, world_size: int = 2) -> tuple[list[PlannedStep], CostModel]:
+    """The plans ``pretrain_gpt.py argv`` runs in its first ``iterations`` steps (data-parallel rank 0), with their reports,
     rebuilt in this process from the same flags, document stream and planner; and the planner's cost
     model (the profile on this run's model shape and stages). Rebuilt on the profile as given: a run
     that calibrates (``--epp-calibrate-interval`` > 0) plans differently after its first fit."""
@@ -58,7 +58,7 @@ def reconstruct_plans(argv: Sequence[str], iterations: int, world_size: int = 2)
     plans = []
     for _ in range(iterations):
         batch = next(batches)
-        plans.append(planner(batch.seq_lengths[batch.positions(0)].tolist()).validate())
+        plans.append(planner(batch.seq_lengths[batch.positions(0)].tolist()))  # validated
     return plans, planner.cost_model
 
 

@@ -1,6 +1,7 @@
 """The training step: one interface (:class:`TrainStep`) that the loop runs, and the two ways of making it, picked once
-from the flags (:func:`step_mode`): megatron-core's own schedule over fixed-length samples (:class:`StockSteps`) or
-``--elastic-pp``'s planned schedule over whole documents (:class:`ElasticSteps`)."""
+from the flags (:func:`step_mode`): megatron-core's own schedule over fixed-length samples (:class:`StockSteps`, whose
+steps are :class:`StockTrainStep`) or ``--elastic-pp``'s planned schedule over whole documents (:class:`ElasticSteps`,
+whose steps are :class:`~megatron_epp.training.elastic.ElasticTrainStep`)."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ class TrainStep(Protocol):
         """What a checkpoint keeps of this step besides the model and optimizer (None: nothing)."""
 
 
-class MegatronStep:
+class StockTrainStep:
     """One global batch through Megatron-Core's own schedule (1F1B for pp > 1)."""
 
     def __init__(self, cfg: TrainingConfig, model, forward_step_func, data_iterator: Iterator) -> None:
@@ -103,7 +104,7 @@ class StockSteps:
         return []
 
     def build(self, runtime: Runtime, model, split: str, consumed: int, planner_state: dict[str, Any] | None = None,
-              steps: int | None = None, faults: FaultInjection = FaultInjection()) -> MegatronStep | None:
+              steps: int | None = None, faults: FaultInjection = FaultInjection()) -> StockTrainStep | None:
         """The step of ``split`` from ``consumed`` samples (None: no data); ``planner_state``, ``steps`` and ``faults``
         are the elastic step's (a stock step has no state, an endless batch stream and no out-of-memory recovery)."""
         samples = build_samples(self.cfg, split)
@@ -111,7 +112,7 @@ class StockSteps:
             return None
         batches = microbatches(samples, consumed, self.cfg.training.global_batch_size, self.cfg.training.micro_batch_size,
                                runtime.dp_rank, runtime.dims.dp, runtime.device)
-        return MegatronStep(self.cfg, model, gpt_forward_step, batches)
+        return StockTrainStep(self.cfg, model, gpt_forward_step, batches)
 
 
 class ElasticSteps:

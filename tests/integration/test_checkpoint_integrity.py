@@ -19,7 +19,7 @@ import pytest
 from megatron_epp.training.layer_bench import init_single_process
 from megatron_epp.training.arguments import ArgumentError, parse_args, parse_config
 from megatron_epp.training.checkpointing import (
-    METADATA, TRACKER, UNVERIFIED_FORMAT, CheckpointError, check_loadable, choose_verified, skip_note,
+    METADATA, TRACKER, CheckpointError, check_loadable, choose_verified, skip_note,
 )
 from tests.launch import logged_losses, torchrun
 from tests.integration.test_faults import FLAGS, SHORT
@@ -101,17 +101,16 @@ def test_missing_or_resized_files_are_caught_and_all_damaged_is_an_error(saved, 
         f"{shard}: {size} bytes, saved with {size - 1}")
 
 
-def test_a_checkpoint_saved_before_checksums_loads_with_one_warning(saved, tmp_path):
+def test_a_checkpoint_saved_before_checksums_is_refused_in_one_line(saved, tmp_path):
     ckpt = tmp_path / "ckpt"
     shutil.copytree(saved[0], ckpt)
     meta_file = ckpt / "iter_0000004" / METADATA
     meta = json.loads(meta_file.read_text())
-    old = {**{k: v for k, v in meta.items() if k not in ("files", "sha256")}, "format": UNVERIFIED_FORMAT}
-    old["model"] = {("add_bias_linear" if k == "disable_bias_linear" else k): (None if k == "disable_bias_linear" else v)
-                    for k, v in meta["model"].items()}  # as that version recorded it
-    meta_file.write_text(json.dumps(old))
-    assert _verdict(ckpt) == (4, [f"warning: --load {ckpt}: iteration 4 was saved without checksums (before megatron-epp "
-                                  "recorded them): loaded unverified"])
+    meta_file.write_text(json.dumps({**{k: v for k, v in meta.items() if k not in ("files", "sha256")},
+                                     "format": "megatron-epp checkpoint 1"}))
+    assert _verdict(ckpt) == (
+        f"pretrain_gpt.py: error: --load {ckpt}: iteration 4 is a 'megatron-epp checkpoint 1', saved by an older megatron-epp without its "
+        "files' checksums; this version loads 'megatron-epp checkpoint 2' only")
 
 
 def test_the_bias_flag_is_part_of_the_model_shape(saved):

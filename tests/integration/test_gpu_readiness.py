@@ -137,13 +137,13 @@ def test_one_stage_under_a_tight_budget_still_splits_and_packs():
 
     lengths = [512, 400, 60, 30, 20, 10, 200, 5]
     seq1f1b = ("--epp-plan", "seq1f1b", "--epp-max-slices", "4")
-    tight = online_planner(elastic_args("--pipeline-model-parallel-size", "1", *seq1f1b, "--epp-memory-budget", "0.003"))(lengths).validate()
+    tight = online_planner(elastic_args("--pipeline-model-parallel-size", "1", *seq1f1b, "--epp-memory-budget", "0.003"))(lengths).plan
     assert tight.num_stages == 1 and tight.chunk_counts()["split"] > 0 and tight.chunk_counts()["hybrid"] > 0
     assert tight.recomputed_layers() > 0
-    elastic = online_planner(elastic_args("--pipeline-model-parallel-size", "1", "--epp-memory-budget", "0.003"))(lengths).validate()
-    assert elastic.stats.fits and elastic.recomputed_layers() > 0
-    assert elastic.stats.predicted_step_ms <= elastic.stats.candidates_ms["seq1f1b-k4"]
-    loose = online_planner(elastic_args("--pipeline-model-parallel-size", "1", "--epp-memory-budget", "1"))(lengths)
+    elastic = online_planner(elastic_args("--pipeline-model-parallel-size", "1", "--epp-memory-budget", "0.003"))(lengths)
+    assert elastic.report.fits and elastic.plan.recomputed_layers() > 0
+    assert elastic.report.predicted_step_ms <= elastic.report.candidates_ms["seq1f1b-k4"]
+    loose = online_planner(elastic_args("--pipeline-model-parallel-size", "1", "--epp-memory-budget", "1"))(lengths).plan
     assert loose.chunk_counts()["split"] == 0
 
 

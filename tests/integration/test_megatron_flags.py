@@ -204,7 +204,7 @@ def fp16_step(*flags: str):
     from megatron_epp.planner.config import ParallelDims
     from megatron_epp.training.initialize import Runtime
     from megatron_epp.training.loop import build_optimizer
-    from megatron_epp.training.step import MegatronStep, build_samples
+    from megatron_epp.training.step import StockTrainStep, build_samples
     from megatron_epp.training.model import build_model
 
     init_single_process()
@@ -220,7 +220,7 @@ def fp16_step(*flags: str):
     batches = microbatches(build_samples(args, "train"), 0, 2, 1, 0, 1, runtime.device)
     model.zero_grad_buffer()
     optimizer.zero_grad()
-    MegatronStep(args, model, gpt_forward_step, batches)(False)
+    StockTrainStep(args, model, gpt_forward_step, batches)(False)
     grads = torch.cat([b.grad_data.float().clone() for b in model.buffers])
     update_ok, _, _ = optimizer.step()
     return before, grads, update_ok, optimizer.get_loss_scale().item()

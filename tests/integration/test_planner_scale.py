@@ -26,9 +26,9 @@ from megatron_epp.planner.builders import plan_batch
 from megatron_epp.planner.config import PlannerConfig
 rng = np.random.default_rng(0)
 lengths = np.clip(np.rint(rng.lognormal(np.log(3200), 1.9, 2048)), 2, 65536).astype(np.int64)
-plan = plan_batch(lengths, CostModel(load_profile("llama-13b", 8), 4), PlannerConfig(24.0 * GIB, 65536, "llama-13b"))
-print(json.dumps({"peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "chunks": sum(1 for _ in plan.chunks()),
-                  "recomputed_layers": plan.stats.recomputed_layers, "fits": plan.stats.fits}))
+step = plan_batch(lengths, CostModel(load_profile("llama-13b", 8), 4), PlannerConfig(24.0 * GIB, 65536, "llama-13b"))
+print(json.dumps({"peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "chunks": sum(1 for _ in step.plan.chunks()),
+                  "recomputed_layers": step.report.recomputed_layers, "fits": step.report.fits}))
 """
 
 

@@ -98,11 +98,12 @@ def test_megatron_layout_step_equals_hand_computation():
 def test_seq1f1b_step_equals_hand_computation_and_best_k_is_reported():
     cm = layout_cost_model(SHAPE, NODE2, Layout(1, 1, 1, 2))
     config = PlannerConfig(memory_budget_bytes=80.0 * GIB, max_seq_len=1024, max_slices=2)
-    plan = SEQ1F1B.plan([1000, 300], cm, config)
+    step = SEQ1F1B.plan([1000, 300], cm, config)
+    plan = step.plan
     slices = [c for c in plan.chunks() if any(s.seq == 0 for s in c.segments)]
     assert len(slices) == 2  # 1000 > 1024 / 2: two slices of equal work
     hand = sum(chunk_ms([(s.length, s.start) for s in c.segments]) for c in plan.chunks())  # one stage: no overlap
-    assert plan.stats.predicted_step_ms == pytest.approx(hand, rel=1e-9)
+    assert step.report.predicted_step_ms == pytest.approx(hand, rel=1e-9)
     best, k = system_plan(SEQ1F1B, np.array([1000, 300]), cm, PlannerConfig(memory_budget_bytes=80.0 * GIB, max_seq_len=1024))
-    each = [SEQ1F1B.at(k).plan([1000, 300], cm, PlannerConfig(80.0 * GIB, 1024)).stats.predicted_step_ms for k in (2, 4, 8, 16)]
-    assert best.stats.predicted_step_ms == min(each) and k == f"k{(2, 4, 8, 16)[int(np.argmin(each))]}"
+    each = [SEQ1F1B.at(k).plan([1000, 300], cm, PlannerConfig(80.0 * GIB, 1024)).report.predicted_step_ms for k in (2, 4, 8, 16)]
+    assert best.report.predicted_step_ms == min(each) and k == f"k{(2, 4, 8, 16)[int(np.argmin(each))]}"

@@ -71,7 +71,7 @@ def test_nobind_budget_recomputes_nothing_and_fixes_epps_plans(bench, planner, b
     assert choice.budget_gb > bind.budget_gb
     assert all(r == [0, 0, 0] for r in choice.recompute.values())
     doubled = bench.plan_steps(bench.EPP, BATCHES, cost_model, base, 2 * choice.budget_gb)
-    assert list(map(bench.plan_shape, doubled)) == list(map(bench.plan_shape, choice.plans[bench.EPP]))
+    assert [bench.plan_shape(p.plan) for p in doubled] == [bench.plan_shape(p.plan) for p in choice.plans[bench.EPP]]
 
 
 def test_wiki_batches_each_reach_the_cap_in_the_samplers_order(bench, tmp_path, monkeypatch):
@@ -130,7 +130,7 @@ def test_report_prints_goals_and_ends_with_the_json_line(bench, planner, measure
     cost_model, base = planner
     specs = list(measured)
     choice = bench.BudgetChoice(0.25, "given", bench.all_plans(specs, BATCHES, cost_model, base, 0.25))
-    predicted = {b: [p.stats.predicted_step_ms for p in ps[1:]] for b, ps in choice.plans.items()}
+    predicted = {b: [p.report.predicted_step_ms for p in ps[1:]] for b, ps in choice.plans.items()}
     results = {name: (choice, predicted, measured, {}) for name in bench.DATASETS}
     results["wiki"] = (choice, predicted, {b: r for b, r in measured.items() if b != MEGATRON},
                        {MEGATRON: "pretrain_gpt.py failed (1): error: x"})
@@ -147,7 +147,7 @@ def test_report_prints_goals_and_ends_with_the_json_line(bench, planner, measure
     assert sim["megatron"] == pytest.approx(np.median(np.array(predicted[MEGATRON]) / epp_ms))
     assert sim["seq1f1b_k"] in (2, 4, 8) and sim["seq1f1b"] == pytest.approx(
         min(np.median(np.array(predicted[SEQ1F1B.at(k)]) / epp_ms) for k in (2, 4, 8)))
-    bounds = [p.stats.bound_step_ms for p in choice.plans[bench.EPP][1:]]
+    bounds = [p.report.bound_step_ms for p in choice.plans[bench.EPP][1:]]
     assert sim["epp_over_bound"] == pytest.approx(np.median(epp_ms / bounds)) and sim["epp_over_bound"] >= 1.0
     assert data["wiki"]["megatron"] is None and data["wiki"]["seq1f1b"] == pytest.approx(1.4)
     assert data["config"]["seq_length"] == CAP
@@ -166,13 +166,13 @@ def test_ceiling_is_epp_without_a_memory_limit(bench, planner, bind, measured, c
     free_gb, free = bench.unbound_epp_plans(BATCHES, cost_model, base, bind.budget_gb)
     assert free_gb > bind.budget_gb
     again = bench.plan_steps(bench.EPP, BATCHES, cost_model, base, free_gb * 2)
-    assert list(map(bench.plan_shape, again)) == list(map(bench.plan_shape, free))
-    at_budget = [p.stats.predicted_step_ms for p in bind.plans[bench.EPP]]
-    assert all(f.stats.predicted_step_ms <= b * (1 + 1e-9) for f, b in zip(free, at_budget))
+    assert [bench.plan_shape(p.plan) for p in again] == [bench.plan_shape(p.plan) for p in free]
+    at_budget = [p.report.predicted_step_ms for p in bind.plans[bench.EPP]]
+    assert all(f.report.predicted_step_ms <= b * (1 + 1e-9) for f, b in zip(free, at_budget))
     bind.unbound = (free_gb, free)
-    predicted = {b: [p.stats.predicted_step_ms for p in ps[1:]] for b, ps in bind.plans.items()}
+    predicted = {b: [p.report.predicted_step_ms for p in ps[1:]] for b, ps in bind.plans.items()}
     ceiling = bench.summarize({}, predicted, bind)["simulated"]["ceiling"]
-    free_ms = np.array([p.stats.predicted_step_ms for p in free[1:]])
+    free_ms = np.array([p.report.predicted_step_ms for p in free[1:]])
     assert ceiling["budget_gb"] == free_gb
     assert ceiling["megatron"] == pytest.approx(np.median(np.array(predicted[MEGATRON]) / free_ms))
     assert ceiling["seq1f1b"] == pytest.approx(min(np.median(np.array(predicted[SEQ1F1B.at(k)]) / free_ms) for k in (2, 4)))

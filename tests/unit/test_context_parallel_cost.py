@@ -147,8 +147,8 @@ def test_online_planner_plans_at_cp():
     assert one.cost_model.profile.cp == 1 and two.cost_model.profile.cp == 2
     feats = sequence_features([1000])
     assert two.cost_model.costs(feats).act_layer[0] < 0.6 * one.cost_model.costs(feats).act_layer[0]
-    plan = two([900, 500, 300, 100])
-    assert np.isfinite(plan.stats.predicted_step_ms)
+    step = two([900, 500, 300, 100])
+    assert np.isfinite(step.report.predicted_step_ms)
 
 
 def test_gradient_sync_over_dp_x_cp():

@@ -16,7 +16,7 @@ from megatron_epp.data.documents import DocumentDataset
 from megatron_epp.data.gpt_samples import GPTSamples
 from megatron_epp.data.mock_documents import MockDocuments, lognormal_lengths
 from megatron_epp.data.sequence_sampler import SequenceSampler
-from megatron_epp.planner.data_parallel import TOKENS, split_data_parallel
+from megatron_epp.planner.data_parallel import TOKENS, dp_split
 from tests.corpus import write_corpus
 
 
@@ -77,7 +77,7 @@ def two_sources():
 def blended_sampler(seed=9, weights=(0.3, 0.7)) -> tuple[SequenceSampler, BlendedDocuments]:
     docs = BlendedDocuments(two_sources(), weights)
     return SequenceSampler(docs, global_batch_size=10, seq_length=256, seed=seed, dp_size=2,
-                           split=functools.partial(split_data_parallel, work_vector=TOKENS)), docs
+                           dp_split=functools.partial(dp_split, work_vector=TOKENS)), docs
 
 
 def test_elastic_blend_draws_whole_documents_by_weight():

@@ -9,9 +9,9 @@ import pytest
 
 from megatron_epp.data.mock_documents import MockDocuments, lengths_from_file, lognormal_lengths
 from megatron_epp.data.sequence_sampler import SequenceSampler
-from megatron_epp.planner.data_parallel import TOKENS, split_data_parallel
+from megatron_epp.planner.data_parallel import TOKENS, dp_split
 
-BY_TOKENS = functools.partial(split_data_parallel, work_vector=TOKENS)  # training injects the planner's split
+BY_TOKENS = functools.partial(dp_split, work_vector=TOKENS)  # training injects the planner's split
 
 SEQ = 512
 LENGTHS = lognormal_lengths(300, median=120, sigma=1.3, max_length=4 * SEQ, seed=0)
@@ -21,7 +21,7 @@ DOCS = MockDocuments(LENGTHS, vocab_size=100, seed=1)
 
 def make_sampler(**kw) -> SequenceSampler:
     return SequenceSampler(
-        DOCS, **{"global_batch_size": 16, "seq_length": SEQ, "seed": 9, "dp_size": 4, "split": BY_TOKENS, "truncate": True, **kw}
+        DOCS, **{"global_batch_size": 16, "seq_length": SEQ, "seed": 9, "dp_size": 4, "dp_split": BY_TOKENS, "truncate": True, **kw}
     )
 
 
@@ -67,7 +67,7 @@ def test_resume_equals_uninterrupted():
 def test_too_long_documents_need_truncate_and_truncated_sequences():
     expected = int(np.count_nonzero(LENGTHS > SEQ + 1))
     with pytest.raises(ValueError, match=f"{expected} of 297 documents are longer than the context cap seq_length {SEQ}"):
-        SequenceSampler(DOCS, global_batch_size=16, seq_length=SEQ, seed=9, dp_size=4, split=BY_TOKENS)
+        SequenceSampler(DOCS, global_batch_size=16, seq_length=SEQ, seed=9, dp_size=4, dp_split=BY_TOKENS)
     sampler = make_sampler()
     assert expected > 0 and sampler.num_truncated == expected
     for batch in take(sampler, 20):
@@ -96,29 +96,29 @@ def test_rank_sharding_partitions_the_batch():
 
 def test_balance_beats_round_robin_on_skewed_batch():
     lengths = np.array([4000, 3000, 2500, 800, 600, 400, 300, 200, 100, 100, 50, 50])
-    ranks = split_data_parallel(lengths, 4, TOKENS)
+    ranks = dp_split(lengths, 4, TOKENS)
     greedy_max = max(lengths[r].sum() for r in ranks)
     round_robin_max = max(lengths[r::4].sum() for r in range(4))
     assert greedy_max < round_robin_max
     assert greedy_max == 4000  # the longest sequence alone is the lower bound
     # longest first: a long sequence arriving last must not land on an already loaded rank
     late_long = np.array([1, 1, 1, 1, 4])
-    assert [late_long[r].sum() for r in split_data_parallel(late_long, 2, TOKENS)] == [4, 4]
+    assert [late_long[r].sum() for r in dp_split(late_long, 2, TOKENS)] == [4, 4]
     # by modelled work (here attention's s^2 only) a long sequence weighs more than several short ones
     skewed = np.array([8, 4, 4, 4, 4])
-    assert [r.tolist() for r in split_data_parallel(skewed, 2, TOKENS)] == [[0, 3], [1, 2, 4]]
+    assert [r.tolist() for r in dp_split(skewed, 2, TOKENS)] == [[0, 3], [1, 2, 4]]
     quadratic = np.eye(6)[0]
-    assert [r.tolist() for r in split_data_parallel(skewed, 2, quadratic)] == [[0], [1, 2, 3, 4]]
+    assert [r.tolist() for r in dp_split(skewed, 2, quadratic)] == [[0], [1, 2, 3, 4]]
 
 
 def test_sampler_deals_the_batch_by_the_given_split():
     lengths = np.array([9, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5, 5]) + 1
     docs = MockDocuments(lengths, vocab_size=50, seed=0)
     quadratic = np.eye(6)[0]
-    by_tokens = next(SequenceSampler(docs, 16, 64, seed=1, dp_size=2, split=BY_TOKENS).iterate())
-    by_work = next(SequenceSampler(docs, 16, 64, seed=1, dp_size=2, split=functools.partial(split_data_parallel, work_vector=quadratic)).iterate())
-    assert [a.tolist() for a in by_work.assignment] == [a.tolist() for a in split_data_parallel(by_work.seq_lengths, 2, quadratic)]
-    assert [a.tolist() for a in by_tokens.assignment] == [a.tolist() for a in split_data_parallel(by_tokens.seq_lengths, 2, TOKENS)]
+    by_tokens = next(SequenceSampler(docs, 16, 64, seed=1, dp_size=2, dp_split=BY_TOKENS).iterate())
+    by_work = next(SequenceSampler(docs, 16, 64, seed=1, dp_size=2, dp_split=functools.partial(dp_split, work_vector=quadratic)).iterate())
+    assert [a.tolist() for a in by_work.assignment] == [a.tolist() for a in dp_split(by_work.seq_lengths, 2, quadratic)]
+    assert [a.tolist() for a in by_tokens.assignment] == [a.tolist() for a in dp_split(by_tokens.seq_lengths, 2, TOKENS)]
     assert [a.tolist() for a in by_work.assignment] != [a.tolist() for a in by_tokens.assignment]
 
 

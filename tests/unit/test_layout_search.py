@@ -14,7 +14,7 @@ from megatron_epp.plan import PlanInfeasible
 from megatron_epp.planner.cli import main as epp_plan
 from megatron_epp.planner.builders import ELASTIC, MEGATRON, SEQ1F1B, baseline_builders
 from megatron_epp.planner.config import ParallelDims, PlannerConfig
-from megatron_epp.planner.data_parallel import split_data_parallel
+from megatron_epp.planner.data_parallel import dp_split
 from megatron_epp.planner import layout as layout_module
 from megatron_epp.planner.layout import COMM_OVERLAP, Layout, cluster_for_world, enumerate_layouts, search_layout
 from megatron_epp.data.lengths import select_batch
@@ -145,7 +145,7 @@ def test_known_baseline_plans_give_the_same_epp_plans():
         fresh = layout_module.evaluate_layout(L, SHAPE, TOY, layout, ELASTIC, config)
         cm = layout_module.layout_cost_model(SHAPE, TOY, layout)
         known = []
-        for p in split_data_parallel(L, layout.dp, cm.work_vector()):
+        for p in dp_split(L, layout.dp, cm.work_vector()):
             made = {}
             for builder in baseline_builders(config):
                 try:
@@ -154,8 +154,8 @@ def test_known_baseline_plans_give_the_same_epp_plans():
                     made[builder] = None
             known.append(made)
         reused = layout_module.evaluate_layout(L, SHAPE, TOY, layout, ELASTIC, config, known=known)
-        assert [p.stats.predicted_step_ms for p in reused.plans] == [p.stats.predicted_step_ms for p in fresh.plans]
-        assert [p.stats.candidates_ms for p in reused.plans] == [p.stats.candidates_ms for p in fresh.plans]
+        assert [p.report.predicted_step_ms for p in reused.plans] == [p.report.predicted_step_ms for p in fresh.plans]
+        assert [p.report.candidates_ms for p in reused.plans] == [p.report.candidates_ms for p in fresh.plans]
         assert reused.detail == fresh.detail
 
 

@@ -119,8 +119,8 @@ def test_the_cuda_default_count_is_megatrons_which_is_nearer_the_allocators_peak
     runs, ratios = evidence(), {"megatron-gpu": [], "saved-tensors": []}
     for name, flags in LLAMA_RUNS.items():
         plans, model = reconstruct_plans([*LLAMA, "--train-iters", "4", *flags], 4, world_size=1)
-        megatron = np.array([activation_bytes(plan, model)[0] for plan in plans])
-        saved = np.array([activation_bytes(plan, allocator_count(model))[0] for plan in plans])
+        megatron = np.array([activation_bytes(step.plan, model)[0] for step in plans])
+        saved = np.array([activation_bytes(step.plan, allocator_count(model))[0] for step in plans])
         assert megatron / MIB == pytest.approx(runs[name][:, 0] / MIB, abs=0.01), name  # the runs' own predictions
         ratios["megatron-gpu"] += list(runs[name][:, 1] / megatron)
         ratios["saved-tensors"] += list(runs[name][:, 1] / saved)
@@ -148,8 +148,9 @@ def llama_builder(*flags: str) -> OnlinePlanner:
     return online_planner(parse_config([*LLAMA, "--epp-memory-budget", "35", *flags], world_size=1))
 
 
-def made(plan) -> dict:
-    return {**plan.to_dict(), "stats": {**plan.to_dict()["stats"], "solve_ms": None}}
+def made(step) -> dict:
+    """A plan, its report without how long its search took, and its memory prediction."""
+    return {**step.plan.to_dict(), "report": {**dataclasses.asdict(step.report), "solve_ms": None}, "memory": step.memory}
 
 
 def drive(build: OnlinePlanner, steps: int, ratio_of_step, start: int = 1, batches=None):
@@ -157,18 +158,19 @@ def drive(build: OnlinePlanner, steps: int, ratio_of_step, start: int = 1, batch
     ``OnlinePlanner.plan_ahead``, on the model the step before left; taken after the step before is observed,
     ``OnlinePlanner.take``, made again when the memory factor changed): each step's activation peaks are
     ``ratio_of_step(k)`` x the raw model's (an allocator that many times the profile's count; None: not
-    measured), its time the simulator's. Returns, per step, (plan, the model it was planned on, raw predicted bytes, measured bytes,
+    measured), its time the simulator's. Returns, per step, (its PlannedStep, the model it was planned on, raw predicted bytes, measured bytes,
     the memory note)."""
     lengths = batches or [lognormal_lengths(16, median=2048, sigma=1.2, max_length=16384, seed=k).tolist() for k in range(start + steps + 2)]
     planned = build.take(build.plan_ahead(lengths[start]))
     ticket = build.plan_ahead(lengths[start + 1])
     out = []
     for k in range(start, start + steps):
-        plan, model = planned.plan, planned.cost_model
+        step, model = planned.step, planned.cost_model
+        plan = step.plan
         raw = activation_bytes(plan, build.raw_model)
         measured = None if ratio_of_step is None else raw * ratio_of_step(k)
         build.observe(plan, simulate(plan, build.raw_model).step_ms, None if measured is None else measured.tolist())
-        out.append((plan, model, raw, measured, build.memory_note))
+        out.append((step, model, raw, measured, build.memory_note))
         planned = build.take(ticket)
         ticket = build.plan_ahead(lengths[k + 2])
     return out
@@ -182,18 +184,19 @@ def test_an_allocator_a_third_above_the_model_is_over_once_then_every_plan_fits(
     build = llama_builder("--epp-calibrate-interval", "20")
     states, budget = build.raw_model.model_state_bytes()[0], build.config.memory_budget_bytes
     steps = drive(build, 8, lambda k: 1.33)
-    plan, model, raw, measured, note = steps[0]
+    _, model, raw, measured, note = steps[0]
     assert states + raw[0] <= budget < states + measured[0]  # the raw model planned within the budget: 25 % low
     assert re.fullmatch(r" memory: step 1 stage 0 peak 3\d\.\d GB > budget 35\.0 GB \(\+\d+ %; model states 23\.8 GB \+ "
                         r"activations 1\d\.\d GB measured, 1\d\.\d GB by the raw memory model\); recalibrating: activation "
                         r"memory factor 1\.000 -> 1\.330", note), note
     assert build.memory_factor == pytest.approx(1.33) and build.steps_observed == 8
     assert steps[1][1] is not steps[0][1]  # step 2, planned before step 1's peak, was planned again
-    for plan, model, raw, measured, note in steps[1:]:
+    for step, model, raw, measured, note in steps[1:]:
         assert note is None
-        assert activation_bytes(plan, model)[0] == pytest.approx(1.33 * raw[0])  # the plan's calibrated prediction
-        assert states + activation_bytes(plan, model)[0] <= budget * (1 + 1e-9)
-        assert max(plan.stats.peak_memory_bytes) <= budget * (1 + 1e-9)
+        assert activation_bytes(step.plan, model)[0] == pytest.approx(1.33 * raw[0])  # the plan's calibrated prediction
+        assert step.memory.activation_bytes[0] == pytest.approx(1.33 * raw[0]) and step.memory.memory_factor == pytest.approx(1.33)
+        assert states + activation_bytes(step.plan, model)[0] <= budget * (1 + 1e-9)
+        assert max(step.report.peak_memory_bytes) <= budget * (1 + 1e-9)
         assert states + measured[0] <= budget * (1 + 1e-9)
     # the memory factor does not undo the time calibration, nor the other way around
     assert build.cost_model.speed_factor == pytest.approx(1.0, rel=1e-3)
@@ -226,7 +229,7 @@ def test_where_the_measurement_is_the_models_own_count_nothing_changes():
     assert all(note is None for *_, note in steps)
     assert build.memory_factor == 1.0 and build.memory_ratio == 1.0 and build.cost_model.profile.memory == model.profile.memory
     assert build.cost_model.speed_factor == blind.cost_model.speed_factor != 1.0  # the time fit at step 5 ran, alike
-    assert [made(plan) for plan, *_ in steps] == [made(plan) for plan, *_ in unmeasured]
+    assert [made(step) for step, *_ in steps] == [made(step) for step, *_ in unmeasured]
 
 
 def test_with_calibration_off_an_overshoot_is_reported_and_nothing_refit():
@@ -307,8 +310,8 @@ def test_the_drivers_planner_is_the_planner_packages_built_from_the_flags_once()
     for step in range(6):
         plans = [p(lengths[step:] + lengths[:step]) for p in (wired, by_hand)]
         assert made(plans[0]) == made(plans[1])
-        for p, plan in zip((wired, by_hand), plans):
-            p.observe(plan, 40.0 + 3 * step)
+        for p, planned in zip((wired, by_hand), plans):
+            p.observe(planned.plan, 40.0 + 3 * step)
     states = [p.state_dict() for p in (wired, by_hand)]
     o = by_hand.raw_model.profile.overhead
     assert states[0]["steps_observed"] == 6 and tuple(states[0]["calibration"]) != (1.0, o.fwd_ms, o.bwd_ms)  # a fit was made

@@ -33,7 +33,7 @@ def test_an_out_of_memory_raises_the_factor_from_the_measured_peak_whatever_the_
     factor x OOM_FACTOR_STEP, with --epp-calibrate-interval 0 too; the next step's model is the new one (so a plan
     made ahead is made again), and a later refit never goes below it (it is the ratio's floor)."""
     planner = plan_builder(interval, budget_gb=0.01)
-    plan = planner(LENGTHS)
+    plan = planner(LENGTHS).plan
     raw = activation_bytes(plan, planner.raw_model)
     old_model = planner.cost_model
     assert planner.observe_oom(plan, {1: 1.7 * raw[1]}) == pytest.approx(1.7)  # the measurement above the step
@@ -42,7 +42,7 @@ def test_an_out_of_memory_raises_the_factor_from_the_measured_peak_whatever_the_
     assert planner.memory_ratio == pytest.approx(1.7)
     assert planner.observe_oom(plan, {0: 0.5 * raw[0]}) == pytest.approx(1.7 * OOM_FACTOR_STEP)  # early failure: the step
     assert planner.observe_oom(plan, {}) == pytest.approx(1.7 * OOM_FACTOR_STEP**2)  # another replica failed
-    again = planner(LENGTHS)
+    again = planner(LENGTHS).plan
     assert np.all(activation_bytes(again, planner.cost_model) <= planner.config.memory_budget_bytes)
     assert again.recomputed_layers() > plan.recomputed_layers()  # the plan made again fits a larger need
 

@@ -4,7 +4,6 @@ model, the fit recovering planted values, and the training driver refitting its 
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import numpy as np
 import pytest
@@ -15,11 +14,12 @@ from megatron_epp.base.units import GIB
 from megatron_epp.cost.profile import Profile, StageOverhead
 from megatron_epp.cost.profile_lookup import load_profile
 from megatron_epp.cost.shape import ModelShape
+from megatron_epp.plan import MemoryPrediction, PlannedStep
 from megatron_epp.planner import build_plan
 from megatron_epp.planner.calibration import ONLINE_PRIOR_WEIGHT, fit_step_model, repredict, simulate_steps
 from megatron_epp.simulator import simulate
 from megatron_epp.planner.config import CALIBRATE_FIRST_STEP, ParallelDims, PlannerConfig
-from megatron_epp.planner.online import OnlinePlanner, saved_plan
+from megatron_epp.planner.online import OnlinePlanner
 
 
 def bare_model() -> CostModel:
@@ -30,7 +30,7 @@ def bare_model() -> CostModel:
 def varied_plans(cm: CostModel, seed: int) -> list:
     """Plans with few large and many small chunks (packing only, 8 slices, a tight budget)."""
     rng = np.random.default_rng(seed)
-    return [build_plan(np.minimum(rng.lognormal(6, 1.2, size=16).astype(int) + 2, 4096), cm, gb * GIB, slice_counts=k)
+    return [build_plan(np.minimum(rng.lognormal(6, 1.2, size=16).astype(int) + 2, 4096), cm, gb * GIB, slice_counts=k).plan
             for gb, k in ((1.0, [1]), (1.0, [8]), (0.05, range(1, 9)), (1.0, [4]), (1.0, range(1, 9)))]
 
 
@@ -46,7 +46,7 @@ def test_profile_overhead_round_trip_and_default():
 
 def test_overhead_is_added_per_chunk_on_every_stage():
     cm = bare_model()
-    plan = build_plan([300, 900, 2000, 64, 64], cm, 1.0 * GIB)
+    plan = build_plan([300, 900, 2000, 64, 64], cm, 1.0 * GIB).plan
     feats = chunk_features(plan.chunks())
     base = cm.costs(feats)
     more = cm.calibrated(1.0, StageOverhead(2.0, 3.0)).costs(feats)
@@ -59,7 +59,7 @@ def test_speed_factor_scales_every_time_and_so_the_step():
     """The fit rests on this: a step on a model with speed factor s is s times the step at s = 1."""
     cm = bare_model().calibrated(1.0, StageOverhead(2.0, 3.0))
     fast = cm.calibrated(2.5, StageOverhead(2.0, 3.0))
-    plan = build_plan([300, 900, 2000, 64, 64], cm, 0.05 * GIB)
+    plan = build_plan([300, 900, 2000, 64, 64], cm, 0.05 * GIB).plan
     feats = chunk_features(plan.chunks())
     a, b = cm.costs(feats), fast.costs(feats)
     for name in ("fwd", "bwd", "rc_layer", "p2p_ms"):
@@ -113,7 +113,7 @@ def test_prior_keeps_the_overhead_when_the_steps_cannot_tell_it_from_the_speed()
     """Plans of one shape (8 equal sequences, packed): any o fits them with the right s; the online
     fit keeps the overhead it starts from and gets the speed factor."""
     start = bare_model().calibrated(1.0, StageOverhead(4.0, 4.0))
-    plans = [build_plan([500] * 8, start, 1.0 * GIB, slice_counts=[1]) for _ in range(4)]
+    plans = [build_plan([500] * 8, start, 1.0 * GIB, slice_counts=[1]).plan for _ in range(4)]
     measured = 3.0 * simulate_steps(plans, start)
     fit = fit_step_model(plans, measured, start, prior_weight=ONLINE_PRIOR_WEIGHT)
     assert fit.overhead_ms == pytest.approx(8.0, rel=1e-3)
@@ -131,15 +131,21 @@ def test_fit_rejects_bad_input():
 
 def test_repredict_moves_a_plan_onto_the_new_calibration():
     cm = bare_model()
-    plan = build_plan([300, 900, 2000, 64, 64], cm, 0.05 * GIB)
-    assert (plan.stats.speed_factor, plan.stats.stage_overhead_ms) == (1.0, 0.0)
-    before = plan.stats.predicted_step_ms
-    assert repredict(plan, cm).stats.predicted_step_ms == before  # same calibration: untouched
+    step = build_plan([300, 900, 2000, 64, 64], cm, 0.05 * GIB)
+    plan, report = step.plan, step.report
+    assert (report.speed_factor, report.stage_overhead_ms) == (1.0, 0.0)
+    assert repredict(step, cm) is step  # same calibration: untouched
     new = cm.calibrated(2.0, StageOverhead(1.0, 2.0))
-    repredict(plan, new)
-    assert plan.stats.predicted_step_ms == pytest.approx(simulate(plan, new).step_ms) and plan.stats.predicted_step_ms > 2 * before
-    assert (plan.stats.speed_factor, plan.stats.stage_overhead_ms) == (2.0, 3.0)
-    assert plan.stats.bound_step_ms == pytest.approx(new.bound_ms(np.array(plan.seq_lengths)))
+    moved = repredict(step, new)
+    assert moved.plan is plan and step.report is report  # a new report beside the same plan; the old one as it was
+    assert moved.report.predicted_step_ms == pytest.approx(simulate(plan, new).step_ms) and moved.report.predicted_step_ms > 2 * report.predicted_step_ms
+    assert (moved.report.speed_factor, moved.report.stage_overhead_ms) == (2.0, 3.0)
+    assert moved.report.bound_step_ms == pytest.approx(new.bound_ms(np.array(plan.seq_lengths)))
+    assert moved.report.peak_memory_bytes == report.peak_memory_bytes  # the times only
+    # what the training step shares over the replica: the plan, its report and the memory prediction, as they were
+    shared = dataclasses.replace(moved, memory=MemoryPrediction([1.5e6, 2.5e6], 1.25))
+    assert PlannedStep.from_json(shared.to_json()) == shared and PlannedStep.from_json(moved.to_json()) == moved
+    assert shared.summary() == plan.summary(report.chosen)
 
 
 # ----------------------------------------------------------------------------- the training driver's hook
@@ -160,7 +166,7 @@ def test_driver_refits_its_planners_model_after_the_first_steps_and_every_interv
     rng = np.random.default_rng(0)
     fits = {}
     for step in range(1, 18):
-        plan = build(np.minimum(rng.lognormal(5.5, 1.2, size=16).astype(int) + 2, 1024).tolist())
+        plan = build(np.minimum(rng.lognormal(5.5, 1.2, size=16).astype(int) + 2, 1024).tolist()).plan
         fit = build.observe(plan, simulate(plan, machine).step_ms * (3.0 if step == 1 else 1.0))  # a slow warm-up
         if fit is not None:
             fits[step] = fit
@@ -172,15 +178,15 @@ def test_driver_refits_its_planners_model_after_the_first_steps_and_every_interv
         assert fit.speed_factor == pytest.approx(1.5, rel=0.02)
         assert fit.overhead_ms == pytest.approx(profile_o.fwd_ms + profile_o.bwd_ms, rel=0.02)
     # the plans made after a fit predict this machine
-    plan = build(np.minimum(rng.lognormal(5.5, 1.2, size=16).astype(int) + 2, 1024).tolist())
-    assert plan.stats.speed_factor == build.cost_model.speed_factor
-    assert plan.stats.predicted_step_ms == pytest.approx(simulate(plan, machine).step_ms, rel=0.02)
+    step = build(np.minimum(rng.lognormal(5.5, 1.2, size=16).astype(int) + 2, 1024).tolist())
+    assert step.report.speed_factor == build.cost_model.speed_factor
+    assert step.report.predicted_step_ms == pytest.approx(simulate(step.plan, machine).step_ms, rel=0.02)
 
 
 def test_driver_does_not_calibrate_with_interval_0():
     build = plan_builder(0)
     model = build.cost_model
-    plan = build([500] * 16)
+    plan = build([500] * 16).plan
     assert all(build.observe(plan, 1000.0) is None for _ in range(30))
     assert build.cost_model is model
     # a checkpoint's calibration is not taken either: off means the profile as given
@@ -189,24 +195,9 @@ def test_driver_does_not_calibrate_with_interval_0():
     assert build.cost_model is model and build.next_step_model is model
 
 
-def test_a_checkpoint_saved_with_the_stats_in_gb_restores_them_in_bytes():
-    """A checkpoint's measured plans saved while the stats held the peak memory and the budget in GB are read back
-    with them in bytes, the plan otherwise as saved; one saved in bytes is read as it is."""
-    build = plan_builder(3)
-    plan = build([500] * 16)
-    stats = plan.to_dict()["stats"]
-    peak, budget = stats.pop("peak_memory_bytes"), stats.pop("memory_budget_bytes")
-    assert budget == 0.05 * GIB and len(peak) == 2
-    old = json.dumps({**plan.to_dict(), "stats": {**stats, "peak_memory_gb": [b / GIB for b in peak], "memory_budget_gb": budget / GIB}})
-    assert saved_plan(old) == plan and saved_plan(plan.to_json()) == plan
-    resumed = plan_builder(3)
-    resumed.load_state_dict({**build.state_dict(), "measured": [(old, 12.0)]})
-    assert list(resumed.measured) == [(plan, 12.0)]
-
-
-def made(plan) -> dict:
-    """What a plan is, without how long its search took."""
-    return {**plan.to_dict(), "stats": {**plan.to_dict()["stats"], "solve_ms": None}}
+def made(step) -> dict:
+    """What a plan is and its report, without how long its search took."""
+    return {**step.plan.to_dict(), "report": {**dataclasses.asdict(step.report), "solve_ms": None}}
 
 
 def test_a_restored_calibration_plans_and_refits_as_the_saved_run():
@@ -225,7 +216,7 @@ def test_a_restored_calibration_plans_and_refits_as_the_saved_run():
 
     def step(build: OnlinePlanner, k: int) -> None:
         """Step ``k`` as the driver runs it: observe, then plan step k + 2 on the model it leaves."""
-        fits[build, k] = build.observe(plans[build, k], simulate(plans[build, k], machine).step_ms)
+        fits[build, k] = build.observe(plans[build, k].plan, simulate(plans[build, k].plan, machine).step_ms)
         if k + 2 <= refit:
             plans[build, k + 2] = build(batches[k + 1], build.cost_model)
 
@@ -250,7 +241,7 @@ def test_a_restored_calibration_plans_and_refits_as_the_saved_run():
     tickets = [ticketed.plan_ahead(batches[saved_at]), ticketed.plan_ahead(batches[saved_at + 1])]
     assert tickets[0].cost_model is ticketed.next_step_model and tickets[1].cost_model is ticketed.cost_model
     for k, ticket in zip((saved_at + 1, saved_at + 2), tickets):
-        assert ticket.planned.result().plan.to_dict()["pipelines"] == plans[run, k].to_dict()["pipelines"], k
+        assert ticket.planned.result().step.plan.to_dict()["pipelines"] == plans[run, k].plan.to_dict()["pipelines"], k
     for k in range(saved_at + 1, refit + 1):
         step(run, k)
         step(resumed, k)

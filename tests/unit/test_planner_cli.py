@@ -13,12 +13,12 @@ import torch
 
 from megatron_epp.plan import Plan, PlanInfeasible
 from megatron_epp.plan.order import format_stage_ops
-from megatron_epp.planner.builders import BUILDERS, MEGATRON, SEQ1F1B, plan_batch
+from megatron_epp.planner.builders import BUILDERS, ELASTIC, MEGATRON, SEQ1F1B, plan_batch
 from megatron_epp.planner import cli
 from megatron_epp.planner.cli import main
 from megatron_epp.planner.compare import BASELINES, run_baselines
-from megatron_epp.planner.config import BUILDER_NAMES, PlannerConfig
-from megatron_epp.planner.data_parallel import TOKENS, split_data_parallel
+from megatron_epp.planner.config import PlannerConfig
+from megatron_epp.planner.data_parallel import TOKENS, dp_split
 from megatron_epp.cost.features import F
 from megatron_epp.cost.model import CostModel
 from megatron_epp.cost.network import get_network
@@ -61,19 +61,20 @@ def test_cli_json_has_plan_and_every_baseline(lengths_file, capsys, tmp_path):
 
 
 def test_memory_is_in_bytes_inside_and_in_gb_in_the_cli_json(lengths_file, capsys, tmp_path):
-    """A plan's stats hold its simulated peak per stage and the budget in bytes, as do the baselines' summaries; the
-    JSON gives them in GB under its own keys (``peak_memory_gb``, ``memory_budget_gb``), converted only there."""
+    """A plan's report holds its simulated peak per stage and the budget in bytes, as do the baselines' summaries; the
+    JSON gives them in GB under its own keys (``peak_memory_gb``, ``memory_budget_gb``), converted only there;
+    ``--plan-out`` writes the plan, what to run, without the report."""
     argv = [str(lengths_file), "--epp-profile", "test-model", "--stages", "2", "--epp-memory-budget", "0.2",
             "--network", "cpu-local", "--max-seq-len", "4096", "--baselines", "megatron,flexsp"]
     config, profile, lengths = cli.check_input(cli.parse_args(argv))
     cm = CostModel(profile, 2, network=get_network("cpu-local"))
-    plan = plan_batch(lengths, cm, config)
-    assert plan.stats.peak_memory_bytes == simulate(plan, cm).peak_memory.tolist()
-    assert plan.stats.memory_budget_bytes == config.memory_budget_bytes == 0.2 * GIB
+    step = plan_batch(lengths, cm, config)
+    assert step.report.peak_memory_bytes == simulate(step.plan, cm).peak_memory.tolist()
+    assert step.report.memory_budget_bytes == config.memory_budget_bytes == 0.2 * GIB
     out = run_json(capsys, *argv, "--plan-out", str(tmp_path / "p.json"))
-    written = Plan.from_json((tmp_path / "p.json").read_text())
-    assert written.stats.peak_memory_bytes == plan.stats.peak_memory_bytes and written.stats.memory_budget_bytes == 0.2 * GIB
-    assert out["peak_memory_gb"] == [b / GIB for b in plan.stats.peak_memory_bytes] and out["memory_budget_gb"] == 0.2
+    text = (tmp_path / "p.json").read_text()
+    assert Plan.from_json(text) == step.plan and "stats" not in json.loads(text) and "report" not in json.loads(text)
+    assert out["peak_memory_gb"] == [b / GIB for b in step.report.peak_memory_bytes] and out["memory_budget_gb"] == 0.2
     baselines = run_baselines(lengths, cm, config, ["megatron", "flexsp"])
     for name, summary in baselines.items():
         assert summary["fits"] and out["baselines"][name]["fits"], name
@@ -104,10 +105,10 @@ def test_cli_preset_with_data_parallel_split(lengths_file, capsys, tmp_path):
                    "--plan-out", str(tmp_path / "p.json"))
     assert out["dp"] == 2 and out["predicted_step_ms"] > out["bound_step_ms"] > 0
     # replica 0 plans the sequences of the one split training makes: by the cost model's work
-    parts = split_data_parallel(np.array(LENGTHS), 2, CostModel(load_profile("llama-7b"), 4, dp=2).work_vector())
+    parts = dp_split(np.array(LENGTHS), 2, CostModel(load_profile("llama-7b"), 4, dp=2).work_vector())
     assert sorted(np.concatenate(parts).tolist()) == list(range(len(LENGTHS)))
     assert json.loads((tmp_path / "p.json").read_text())["seq_lengths"] == np.array(LENGTHS)[parts[0]].tolist()
-    tokens = split_data_parallel(np.array(LENGTHS), 2, TOKENS)
+    tokens = dp_split(np.array(LENGTHS), 2, TOKENS)
     assert abs(sum(np.array(LENGTHS)[tokens[0]]) - sum(np.array(LENGTHS)[tokens[1]])) <= 10
 
 
@@ -124,7 +125,7 @@ def test_cli_splits_data_parallel_by_modelled_work(tmp_path, capsys):
     work = CostModel(load_profile(str(tmp_path / "profile.json")), 2, dp=2).work_vector()  # whole sequences: 1 segment, 1 chunk each
     no_segment = work.copy()
     no_segment[F.SEGMENTS] = 0.0
-    parts, by_tokens, by_no_segment = (split_data_parallel(lengths, 2, w) for w in (work, TOKENS, no_segment))
+    parts, by_tokens, by_no_segment = (dp_split(lengths, 2, w) for w in (work, TOKENS, no_segment))
     assert parts[0].tolist() != by_tokens[0].tolist() and parts[0].tolist() != by_no_segment[0].tolist()  # the check discriminates
     assert json.loads((tmp_path / "p.json").read_text())["seq_lengths"] == lengths[parts[0]].tolist()
 
@@ -142,20 +143,25 @@ def test_cli_takes_the_planner_options(lengths_file, capsys):
 def test_baselines_shapes_and_infeasibility():
     cm = CostModel(load_profile("test-model"), 2)
     config = PlannerConfig(memory_budget_bytes=1.0 * GIB, max_seq_len=4096)
-    meg = MEGATRON.plan(LENGTHS, cm, config)
+    meg = MEGATRON.plan(LENGTHS, cm, config).plan
     assert {c.kind for c in meg.chunks()} == {"batched"} and all(c.num_tokens <= 4096 for c in meg.chunks())
     assert len({r for p in meg.pipelines for row in p.recompute for r in row}) == 1  # uniform recompute
-    s1 = SEQ1F1B.plan(LENGTHS, cm, config)  # k = 4 by default
+    s1 = SEQ1F1B.plan(LENGTHS, cm, config).plan  # k = 4 by default
     assert [sum(1 for c in s1.chunks() if any(s.seq == 0 for s in c.segments))] == [4]  # 3000 > 4096/4: 4 slices
     assert s1.builder == SEQ1F1B.at(4).plan_label == "seq1f1b-k4"
     k2 = SEQ1F1B.at(2)
-    assert k2.plan(LENGTHS, cm, config).builder == "seq1f1b-k2" == k2.label  # the record's k, not the config's
-    assert k2.plan(LENGTHS, cm, config).pipelines == SEQ1F1B.plan(LENGTHS, cm, PlannerConfig(1.0 * GIB, 4096, max_slices=2)).pipelines
-    assert set(BUILDERS) == {"elastic", "megatron", "seq1f1b"} == set(BUILDER_NAMES)
-    assert k2.flags() == ["--epp-plan", "seq1f1b", "--epp-max-slices", "2"] and k2.configure(config).max_slices == 2
-    assert plan_batch(LENGTHS, cm, k2.configure(config)).pipelines == k2.plan(LENGTHS, cm, config).pipelines
-    via_registry = plan_batch(LENGTHS, cm, PlannerConfig(1.0 * GIB, 4096, builder="megatron"))
-    assert via_registry.builder == "megatron" and via_registry.pipelines == meg.pipelines
+    assert k2.plan(LENGTHS, cm, config).plan.builder == "seq1f1b-k2" == k2.label  # the record's k, not the config's
+    assert k2.plan(LENGTHS, cm, config).plan.pipelines == SEQ1F1B.plan(LENGTHS, cm, PlannerConfig(1.0 * GIB, 4096, max_slices=2)).plan.pipelines
+    assert set(BUILDERS) == {"elastic", "megatron", "seq1f1b"} and all(BUILDERS[b.name] is b for b in (ELASTIC, MEGATRON, SEQ1F1B))
+    assert k2.flags() == ["--epp-plan", "seq1f1b", "--epp-max-slices", "2"]
+    assert (k2.configure(config).builder, k2.configure(config).max_slices) == (SEQ1F1B, 2)  # the record, not its name
+    assert plan_batch(LENGTHS, cm, k2.configure(config)).plan.pipelines == k2.plan(LENGTHS, cm, config).plan.pipelines
+    via_registry = plan_batch(LENGTHS, cm, PlannerConfig(1.0 * GIB, 4096, builder=MEGATRON))
+    assert via_registry.plan.builder == "megatron" and via_registry.plan.pipelines == meg.pipelines
+    # the flag's name becomes the record at the edge (PlannerConfig.from_args); inside, a name is no builder
+    assert parse_config(["--elastic-pp", "--mock-data", "--epp-plan", "seq1f1b"], world_size=1).epp.planner.builder is SEQ1F1B
+    with pytest.raises(ValueError, match="--epp-plan 'megatron': one of elastic, megatron, seq1f1b"):
+        PlannerConfig(1.0 * GIB, 4096, builder="megatron")
     res = run_baselines(LENGTHS, cm, PlannerConfig(0.004 * GIB, 4096))  # 4 MB: not even the model states fit
     assert not any(r["fits"] for r in res.values())
 

@@ -63,11 +63,11 @@ batches = st.lists(st.integers(1, 3000), min_size=1, max_size=40)
 def test_epp_plans_are_valid_and_fit(lengths, stages, memory_mb, mode):
     cm = CostModel(PROFILE, stages)
     try:
-        plan = build_plan(lengths, cm, memory_mb / 1024 * GIB, recompute=mode)
+        step = build_plan(lengths, cm, memory_mb / 1024 * GIB, recompute=mode)
     except PlanInfeasible:
         assume(False)
-    check_plan(plan, cm, memory_mb / 1024)
-    assert plan.stats.fits and plan.stats.predicted_step_ms >= plan.stats.bound_step_ms * (1 - 1e-9)
+    check_plan(step.plan, cm, memory_mb / 1024)
+    assert step.report.fits and step.report.predicted_step_ms >= step.report.bound_step_ms * (1 - 1e-9)
 
 
 @settings(max_examples=30, deadline=None)
@@ -78,7 +78,7 @@ def test_baseline_plans_are_valid_and_fit(lengths, stages, memory_mb):
     checked = 0
     for builder in (MEGATRON, SEQ1F1B):
         try:
-            plan = builder.plan(lengths, cm, config)
+            plan = builder.plan(lengths, cm, config).plan
         except PlanInfeasible:
             continue
         check_plan(plan, cm, memory_mb / 1024)
@@ -94,18 +94,18 @@ def test_elastic_never_predicted_slower_than_a_baseline_it_could_make(lengths, s
     cm = CostModel(PROFILE, stages)
     config = PlannerConfig(memory_mb / 1024 * GIB, 3000)
     try:
-        plan = plan_batch(lengths, cm, config)
+        step = plan_batch(lengths, cm, config)
     except PlanInfeasible:
         assume(False)
-    check_plan(plan, cm, memory_mb / 1024)
+    check_plan(step.plan, cm, memory_mb / 1024)
     compared = 0
     for builder in (MEGATRON, *(SEQ1F1B.at(k) for k in (2, 4, 8))):
         try:
             other = builder.plan(lengths, cm, config)
         except PlanInfeasible:
             continue
-        assert plan.stats.predicted_step_ms <= other.stats.predicted_step_ms * (1 + 1e-9), (builder.label, plan.stats.candidates_ms)
-        assert builder.plan_label in plan.stats.candidates_ms
+        assert step.report.predicted_step_ms <= other.report.predicted_step_ms * (1 + 1e-9), (builder.label, step.report.candidates_ms)
+        assert builder.plan_label in step.report.candidates_ms
         compared += 1
     assume(compared)  # no baseline fits: nothing compared; baselines that never plan: Unsatisfiable
 
@@ -122,15 +122,15 @@ def test_epp_never_predicted_slower_than_its_ablations_or_packing_and_never_belo
     cm = CostModel(PROFILE, stages)
     config = PlannerConfig(memory_mb / 1024 * GIB, 3000, max_slices=max_slices)
     try:
-        plan = plan_batch(lengths, cm, config)
+        step = plan_batch(lengths, cm, config)
     except PlanInfeasible:
         assume(False)
-    epp, bound = plan.stats.predicted_step_ms, plan.stats.bound_step_ms
+    epp, bound = step.report.predicted_step_ms, step.report.bound_step_ms
     assert epp >= bound * (1 - 1e-9)
     compared = 0
     for name, other in run_baselines(lengths, cm, config, ABLATIONS_AND_PACKING).items():
         if other["fits"]:
-            assert epp <= other["predicted_step_ms"] * (1 + 1e-9), (name, other["predicted_step_ms"], plan.stats.candidates_ms)
+            assert epp <= other["predicted_step_ms"] * (1 + 1e-9), (name, other["predicted_step_ms"], step.report.candidates_ms)
             assert other["predicted_step_ms"] >= bound * (1 - 1e-9), name
             compared += 1
     assume(compared)  # none fits: nothing compared (rare where EPP fits: 0 of 60 sampled); never any: Unsatisfiable

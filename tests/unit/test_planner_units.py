@@ -267,7 +267,7 @@ def test_elastic_plan_is_never_predicted_slower_than_packing_alone():
         lengths = lengths_from_file(WIKIPEDIA_LENGTHS, 16, seed, max_length=1024).tolist()
         elastic = build_plan(lengths, cm, 0.05 * GIB, recompute="none")
         packed = build_plan(lengths, cm, 0.05 * GIB, recompute="none", slice_counts=[1])
-        assert elastic.stats.predicted_step_ms <= packed.stats.predicted_step_ms + 1e-6, (seed, elastic.summary())
+        assert elastic.report.predicted_step_ms <= packed.report.predicted_step_ms + 1e-6, (seed, elastic.summary())
 
 
 def test_deadlock_shows_where_each_stage_waits_and_the_op_order():
@@ -304,7 +304,7 @@ def test_no_candidate_slices_below_the_smallest_token_cap(monkeypatch):
     plan = epp.build_plan(lengths, cm, states + 0.003 * GIB)
     assert budgets and all(t >= least for t, _, balance in budgets if balance), min(t for t, _, b in budgets if b) / least
     assert all(c >= epp.MIN_CHUNK_TOKENS for t, c, balance in budgets if not balance)
-    assert plan.stats.fits
+    assert plan.report.fits
     # a budget whose memory cap is below the smallest token cap (39 tokens here): one line, not an IndexError
     assert epp.token_cap(cm, states + 0.0015 * GIB) < epp.MIN_CHUNK_TOKENS
     with pytest.raises(PlanInfeasible, match="no 'adaptive' plan fits"):

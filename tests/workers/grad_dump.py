@@ -18,7 +18,7 @@ from megatron_epp.training.arguments import parse_config
 from megatron_epp.training.gpt_step import gpt_forward_step, microbatches, reduce_losses
 from megatron_epp.training.initialize import initialize, shutdown
 from megatron_epp.training.loop import build_optimizer
-from megatron_epp.training.step import MegatronStep, build_samples
+from megatron_epp.training.step import StockTrainStep, build_samples
 from megatron_epp.training.model import build_model
 from megatron.core import parallel_state as ps
 from megatron.core.utils import unwrap_model
@@ -70,7 +70,7 @@ def dump(out_dir: str, flags: list[str]) -> None:
     build_optimizer(args, model, config)  # installs finalize_model_grads (DP and tied-embedding sync)
     batches = microbatches(build_samples(args, "train"), 0, args.training.global_batch_size, args.training.micro_batch_size, runtime.dp_rank, runtime.dims.dp, runtime.device)
     model.zero_grad_buffer()
-    losses, _ = MegatronStep(args, model, gpt_forward_step, batches)(False)
+    losses, _ = StockTrainStep(args, model, gpt_forward_step, batches)(False)
     loss = reduce_losses(losses, ps.get_data_parallel_group())
     grads = {
         global_name(n, runtime.pp_rank, layers_per_stage): p.main_grad.detach().clone()
