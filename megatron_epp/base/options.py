@@ -6,7 +6,6 @@ Sections nest: a field whose default is a dataclass (``field(default_factory=Sec
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any, Iterator, Mapping
@@ -144,8 +143,3 @@ def replace_keys(config: Any, paths: Mapping[str, tuple[str, ...]], changes: Map
         section = getattr(config, head)
         direct[head] = replace_keys(section, {k: tuple(k.split(".")) for k in inner}, inner)
     return dataclasses.replace(config, **direct)
-
-
-def defaults_of(parser: argparse.ArgumentParser) -> dict[str, Any]:
-    """The parser's dests and defaults (its actions'), for a test that they are the fields'."""
-    return {a.dest: a.default for a in parser._actions if a.dest not in (argparse.SUPPRESS, "help")}
