@@ -1,4 +1,5 @@
-"""Command-line flags, with Megatron-LM's names, and their validation before any distributed work."""
+"""``pretrain_gpt.py``'s command line: the parser, generated from :class:`TrainingConfig`'s fields (Megatron-LM's flag
+names), and the validation that turns the options given into the final frozen config, before any distributed work."""
 
 from __future__ import annotations
 
