@@ -12,12 +12,13 @@ import warnings
 # they would stand before the one-line error of a bad flag.
 warnings.filterwarnings("ignore", message="(Transformer Engine and )?Apex (is|are) not installed")
 
-from megatron_epp.training.arguments import ArgumentError, parse_args  # noqa: E402
+from megatron_epp.training.arguments import ArgumentError, parse_config  # noqa: E402
 
 
-def run() -> int:
+def run(argv: list[str] | None = None) -> int:
+    """``pretrain_gpt.py FLAGS`` (``argv``, default the command line's): exit status 2 and one line for bad flags."""
     try:
-        args = parse_args(sys.argv[1:])
+        cfg = parse_config(sys.argv[1:] if argv is None else argv)
     except ArgumentError as error:
         print(error, file=sys.stderr)
         return 2
@@ -25,7 +26,7 @@ def run() -> int:
     # without megatron-core's import, seconds per process.
     from megatron_epp.training.main import main
 
-    return main(args)
+    return main(cfg)
 
 
 if __name__ == "__main__":

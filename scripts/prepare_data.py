@@ -57,7 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        resolve_tokenizer_args(args, "prepare_data.py")
+        vars(args).update(resolve_tokenizer_args(args, "prepare_data.py"))
         tokenizer = tokenizer_from_args(args)
         result = prepare_dataset(
             args.input,

@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_elastic import wiki_dataset  # noqa: E402  (scripts/ is this script's directory)
 from megatron_epp.training.replay import run_pretrain  # noqa: E402
-from megatron_epp.training.arguments import CALIBRATE_FIRST_STEP  # noqa: E402
+from megatron_epp.planner.config import CALIBRATE_FIRST_STEP  # noqa: E402
 from megatron_epp.training.metrics import StepMetrics  # noqa: E402
 
 GOAL = 0.10

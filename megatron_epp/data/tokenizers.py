@@ -20,10 +20,13 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers
+
+from megatron_epp.base.options import add_fields_to_parser, option
 
 # Special tokens tried, in order, as the end-of-document token of a tokenizer file.
 KNOWN_EOD_TOKENS: tuple[str, ...] = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
@@ -254,36 +257,41 @@ def build_tokenizer(
     return HFTokenizer.from_file(tokenizer_model, eod_token)
 
 
+@dataclass(frozen=True)
+class TokenizerOptions:
+    """The tokenizer flags, for every command line that tokenizes (one spelling across them)."""
+
+    tokenizer_type: str | None = option("--tokenizer-type", metavar="TYPE", help=f"{' | '.join(TOKENIZER_TYPES)} (default ByteTokenizer: UTF-8 bytes, vocabulary 257; NullTokenizer: "
+                                        "as Megatron-LM, --vocab-size N ids plus the end-of-document id N, text of space-separated ids)")
+    tokenizer_model: str | None = option("--tokenizer-model", metavar="PATH",
+                                         help="HuggingFaceTokenizer: a tokenizer.json, or a local directory holding one")
+    vocab_file: str | None = option("--vocab-file", help="GPT2BPETokenizer: GPT-2's vocab.json")
+    merge_file: str | None = option("--merge-file", help="GPT2BPETokenizer: GPT-2's merges.txt")
+    eod_token: str | None = option("--eod-token", help="end-of-document token of a file-based tokenizer (default: the first of "
+                                   f"{', '.join(KNOWN_EOD_TOKENS)})")
+    tokenizer: str | None = option("--tokenizer", metavar="byte|FILE", help="deprecated: --tokenizer-type ByteTokenizer, or "
+                                   "--tokenizer-type HuggingFaceTokenizer --tokenizer-model FILE")
+
+
 def add_tokenizer_arguments(group) -> None:
-    """The tokenizer flags, for every CLI that tokenizes (one spelling across them)."""
-    group.add_argument("--tokenizer-type", default=None, metavar="TYPE",
-                       help=f"{' | '.join(TOKENIZER_TYPES)} (default ByteTokenizer: UTF-8 bytes, vocabulary 257; NullTokenizer: "
-                       "as Megatron-LM, --vocab-size N ids plus the end-of-document id N, text of space-separated ids)")
-    group.add_argument("--tokenizer-model", default=None, metavar="PATH",
-                       help="HuggingFaceTokenizer: a tokenizer.json, or a local directory holding one")
-    group.add_argument("--vocab-file", default=None, help="GPT2BPETokenizer: GPT-2's vocab.json")
-    group.add_argument("--merge-file", default=None, help="GPT2BPETokenizer: GPT-2's merges.txt")
-    group.add_argument("--eod-token", default=None,
-                       help=f"end-of-document token of a file-based tokenizer (default: the first of {', '.join(KNOWN_EOD_TOKENS)})")
-    group.add_argument("--tokenizer", default=None, metavar="byte|FILE",
-                       help="deprecated: --tokenizer-type ByteTokenizer, or --tokenizer-type HuggingFaceTokenizer --tokenizer-model FILE")
+    """The tokenizer flags (:class:`TokenizerOptions`) on ``group``, an argparse parser or group."""
+    add_fields_to_parser(group, TokenizerOptions)
 
 
-def resolve_tokenizer_args(args: argparse.Namespace, prog: str) -> None:
-    """Fill ``--tokenizer-type`` (default ``ByteTokenizer``) and map the deprecated ``--tokenizer`` onto the new
-    flags, printing one deprecation line on stderr; both spellings at once is an error."""
+def resolve_tokenizer_args(args, prog: str) -> dict[str, str | None]:
+    """``--tokenizer-type`` (default ``ByteTokenizer``) and the deprecated ``--tokenizer`` mapped onto the new flags
+    (one deprecation line on stderr; both spellings at once is an error): the changed values, by dest."""
     if args.tokenizer is not None:
         if args.tokenizer_type is not None or args.tokenizer_model is not None:
             raise TokenizerError("--tokenizer is the deprecated spelling of --tokenizer-type/--tokenizer-model: give one of them")
         if args.tokenizer == "byte":
-            args.tokenizer_type, new = "ByteTokenizer", "--tokenizer-type ByteTokenizer"
+            changes, new = {"tokenizer_type": "ByteTokenizer"}, "--tokenizer-type ByteTokenizer"
         else:
-            args.tokenizer_type, args.tokenizer_model = "HuggingFaceTokenizer", args.tokenizer
+            changes = {"tokenizer_type": "HuggingFaceTokenizer", "tokenizer_model": args.tokenizer}
             new = f"--tokenizer-type HuggingFaceTokenizer --tokenizer-model {args.tokenizer}"
         print(f"{prog}: warning: --tokenizer {args.tokenizer} is deprecated; use {new}", file=sys.stderr)
-        args.tokenizer = None
-    if args.tokenizer_type is None:
-        args.tokenizer_type = "ByteTokenizer"
+        return {**changes, "tokenizer": None}
+    return {"tokenizer_type": "ByteTokenizer"} if args.tokenizer_type is None else {}
 
 
 def tokenizer_from_args(args: argparse.Namespace) -> Tokenizer:

@@ -2,7 +2,7 @@
 registry, :data:`BUILDERS` (``--epp-plan``), on the same cost model. A builder's identity is the record
 (:data:`ELASTIC`, :data:`MEGATRON`, :data:`SEQ1F1B`, ``SEQ1F1B.at(4)``), also in :class:`PlannerConfig`; strings only
 where flags, logs and the Plan JSON name it (:attr:`Builder.label`, :attr:`Builder.plan_label`; ``--epp-plan``'s name
-becomes its record in :meth:`PlannerConfig.from_args`). A builder gives a plan with its report
+becomes its record in :meth:`PlannerConfig.from_options`). A builder gives a plan with its report
 (:class:`~megatron_epp.plan.PlannedStep`):
 
 * ``elastic``: the EPP planner (:func:`~megatron_epp.planner.epp.build_plan`), which also weighs the

@@ -23,7 +23,8 @@ from megatron_epp.plan import PlannedStep, PlanInfeasible
 from megatron_epp.plan.order import format_stage_ops
 from megatron_epp.planner.builders import ELASTIC, plan_batch
 from megatron_epp.planner.compare import BASELINES, FLEXSP, run_baselines
-from megatron_epp.planner.config import DEFAULT_CLUSTER, PlannerConfig, add_planner_arguments
+from megatron_epp.base.options import add_fields_to_parser, read_fields
+from megatron_epp.planner.config import DEFAULT_CLUSTER, PlannerConfig, PlannerOptions
 from megatron_epp.planner.layout import describe_choice, search_for_world
 from megatron_epp.data.lengths import read_lengths, select_batch
 from megatron_epp.planner.data_parallel import dp_split
@@ -64,7 +65,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="tensor-parallel size per stage (default: 8 for the presets, a profile JSON's own)")
     ap.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
     ap.add_argument("--network", default="fat-tree", choices=sorted(NETWORKS))
-    add_planner_arguments(ap, {**DEFAULTS, "epp_max_slices": "the elastic planner's 1,2,3,4,6,...,32; seq1f1b 4"})
+    add_fields_to_parser(ap, PlannerOptions, defaults_shown={**DEFAULTS, "epp_max_slices": "the elastic planner's 1,2,3,4,6,...,32; seq1f1b 4"})
     ap.set_defaults(**DEFAULTS)
     ap.add_argument("--baselines", default=",".join(BASELINES), help="comma-separated; empty for none")
     ap.add_argument("--json", action="store_true", help="print one JSON object on the last line")
@@ -134,7 +135,7 @@ def check_input(args: argparse.Namespace) -> tuple[PlannerConfig, Profile, np.nd
             raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: no such directory {folder}")
     if args.epp_cluster and not args.epp_search_layout:
         raise ValueError("--epp-cluster applies only with --epp-search-layout")
-    config = PlannerConfig.from_args(args, args.max_seq_len)
+    config = PlannerConfig.from_options(read_fields(PlannerOptions, dict(vars(args))), args.max_seq_len)
     if args.epp_search_layout and config.profile not in MODEL_PRESETS:
         raise ValueError(f"--epp-search-layout needs a model preset --epp-profile ({', '.join(MODEL_PRESETS)})")
     if args.epp_search_layout and config.builder != ELASTIC:

@@ -1,12 +1,12 @@
-"""The planner's settings, one name each: :class:`PlannerConfig`, and their ``--epp-*`` options, shared
-by ``epp-plan`` and ``pretrain_gpt.py --elastic-pp``."""
+"""The planner's settings, one name each: :class:`PlannerConfig`, made from its ``--epp-*`` options
+(:class:`PlannerOptions`), shared by ``epp-plan`` and ``pretrain_gpt.py --elastic-pp``."""
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import Any
 
+from megatron_epp.base.options import option
 from megatron_epp.cost.clusters import CLUSTERS
 from megatron_epp.base.units import GIB
 from megatron_epp.planner.builders import BUILDERS, ELASTIC, Builder
@@ -53,13 +53,40 @@ class PlannerConfig:
             raise ValueError("--epp-time-limit must be positive")
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace, max_seq_len: int) -> "PlannerConfig":
-        """From the options of :func:`add_planner_arguments` (defaults filled in): the one place the budget's GB
-        become bytes, and ``--epp-plan``'s name its builder."""
-        return cls(
-            memory_budget_bytes=args.epp_memory_budget * GIB, max_seq_len=max_seq_len, profile=args.epp_profile, builder=BUILDERS[args.epp_plan],
-            recompute=args.epp_recompute, max_slices=args.epp_max_slices, time_limit=args.epp_time_limit,
-        )
+    def from_options(cls, options: "PlannerOptions", max_seq_len: int, memory_budget_bytes: float | None = None) -> "PlannerConfig":
+        """From the ``--epp-*`` options (defaults filled in); the budget ``memory_budget_bytes`` where it was not given
+        (``--epp-memory-budget`` is in GB)."""
+        budget = options.memory_budget * GIB if memory_budget_bytes is None else memory_budget_bytes
+        return cls(memory_budget_bytes=budget, max_seq_len=max_seq_len, profile=options.profile, builder=BUILDERS[options.plan],
+                   recompute=options.recompute, max_slices=options.max_slices, time_limit=options.time_limit)
+
+
+@dataclass(frozen=True)
+class PlannerOptions:
+    """The planner's ``--epp-*`` options as a command line gives them; each defaults to None (each command line fills
+    in its own defaults, shown in its help)."""
+
+    plan: str | None = option("--epp-plan", choices=list(BUILDERS),
+                              help="plan builder: elastic (EPP), megatron = packing only, seq1f1b = fixed slices")
+    memory_budget: float | None = option("--epp-memory-budget", type=float, help="GB per device for the planner")
+    profile: str | None = option(
+        "--epp-profile", help="cost-model profile: auto (on CUDA a profile measured on this GPU for this dtype, attention "
+        "kernel and layer shape: cached, shipped, or measured at start-up; on CPU as cpu) | analytic (FLOPs at an H100's peak x "
+        "MFU, for the model's shape) | cpu (the shipped CPU profile measured nearest the model) | test-model | llama-7b | "
+        "llama-13b | llama-30b, or a profile JSON path")
+    recompute: str | None = option("--epp-recompute", choices=RECOMPUTE_MODES,
+                                   help="per-(stage, chunk) recompute: adaptive = the planner's integer program, greedy = its "
+                                   "greedy heuristic, none, or full = every layer")
+    max_slices: int | None = option("--epp-max-slices", type=int, help="most slices per sequence (seq1f1b: its k)")
+    time_limit: float | None = option("--epp-time-limit", type=float,
+                                      help="wall-clock safety limit of the recompute integer program: seconds per 10,000 "
+                                      "nonzeros of the program, at least this (a deterministic node limit bounds the solve first)")
+    search_layout: bool = option("--epp-search-layout", default=False, action="store_true",
+                                 help="search the parallel layout (TP x CP x PP x DP; CP: --context-parallel-size with "
+                                 "--elastic-pp) for this world size, model and length distribution on the --epp-cluster "
+                                 "preset; print the best flags and exit")
+    cluster: str | None = option("--epp-cluster", choices=sorted(CLUSTERS),
+                                 help=f"cluster preset of --epp-search-layout (default {DEFAULT_CLUSTER})")
 
 
 @dataclass(frozen=True)
@@ -88,33 +115,3 @@ class ParallelDims:
     @property
     def world_size(self) -> int:
         return self.tp * self.cp * self.pp * self.dp
-
-
-def add_planner_arguments(group: Any, defaults: dict[str, Any]) -> None:
-    """The ``--epp-*`` planner options on ``group`` (an argparse parser or group), all defaulting to
-    None; ``defaults`` (by dest) is only shown in the help: each command line fills in its own."""
-
-    def note(dest: str) -> str:
-        return f" (default {defaults[dest]})".replace("%", "%%")
-
-    group.add_argument("--epp-plan", choices=list(BUILDERS), default=None,
-                       help="plan builder: elastic (EPP), megatron = packing only, seq1f1b = fixed slices" + note("epp_plan"))
-    group.add_argument("--epp-memory-budget", type=float, default=None, help="GB per device for the planner" + note("epp_memory_budget"))
-    group.add_argument("--epp-profile", default=None,
-                       help="cost-model profile: auto (on CUDA a profile measured on this GPU for this dtype, attention kernel and "
-                       "layer shape: cached, shipped, or measured at start-up; on CPU as cpu) | analytic (FLOPs at an H100's peak x MFU, "
-                       "for the model's shape) | cpu (the shipped CPU profile measured nearest the model) | test-model | llama-7b | "
-                       "llama-13b | llama-30b, or a profile JSON path" + note("epp_profile"))
-    group.add_argument("--epp-recompute", choices=RECOMPUTE_MODES, default=None,
-                       help="per-(stage, chunk) recompute: adaptive = the planner's integer program, greedy = its "
-                       "greedy heuristic, none, or full = every layer" + note("epp_recompute"))
-    group.add_argument("--epp-max-slices", type=int, default=None,
-                       help="most slices per sequence (seq1f1b: its k)" + note("epp_max_slices"))
-    group.add_argument("--epp-time-limit", type=float, default=None,
-                       help="wall-clock safety limit of the recompute integer program: seconds per 10,000 nonzeros of the "
-                       "program, at least this (a deterministic node limit bounds the solve first)" + note("epp_time_limit"))
-    group.add_argument("--epp-search-layout", action="store_true", default=None,
-                       help="search the parallel layout (TP x CP x PP x DP; CP: --context-parallel-size with --elastic-pp) for this world size, model and "
-                       "length distribution on the --epp-cluster preset; print the best flags and exit")
-    group.add_argument("--epp-cluster", default=None, choices=sorted(CLUSTERS),
-                       help=f"cluster preset of --epp-search-layout (default {DEFAULT_CLUSTER})")

@@ -1,4 +1,5 @@
-"""Command-line flags, with Megatron-LM's names, and their validation before any distributed work."""
+"""``pretrain_gpt.py``'s command line: the parser, generated from :class:`TrainingConfig`'s fields (Megatron-LM's flag
+names), and the validation that turns the options given into the final frozen config, before any distributed work."""
 
 from __future__ import annotations
 
@@ -6,15 +7,17 @@ import argparse
 import importlib.util
 import os
 import re
+from dataclasses import fields
 from typing import Sequence
 
 from megatron_epp.cost.clusters import get_cluster
 from megatron_epp.base.units import GIB
 from megatron_epp.data.data_path import Blend, BlendError
-from megatron_epp.data.tokenizers import TokenizerError, add_tokenizer_arguments, resolve_tokenizer_args, tokenizer_from_args
+from megatron_epp.data.tokenizers import TokenizerError, resolve_tokenizer_args, tokenizer_from_args
 from megatron_epp.executor.kernels import load_flash_kernel
-from megatron_epp.planner.config import CALIBRATE_FIRST_STEP, DEFAULT_CLUSTER, PlannerConfig, add_planner_arguments
-from megatron_epp.training.config import TrainingConfig
+from megatron_epp.base.options import Values, add_fields_to_parser, key_of
+from megatron_epp.planner.config import DEFAULT_CLUSTER, ParallelDims, PlannerConfig, PlannerOptions
+from megatron_epp.training.config import CALIBRATE_INTERVAL, PROFILE_STEPS, ROTARY_BASE, TrainingConfig
 from megatron_epp.training.extensions import probe_transformer_engine
 from megatron_epp.training.megatron_flags import add_megatron_flags
 from megatron_epp.training.memory_budget import CPU_FRACTION, CUDA_FRAGMENTATION_SHARE, CUDA_LIBRARY_MARGIN, default_memory_budget
@@ -33,321 +36,15 @@ class _Parser(argparse.ArgumentParser):
         raise ArgumentError(message)
 
 
-def _model_flags(p: argparse.ArgumentParser) -> None:
-    """The model group."""
-    g = p.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, default=4, help="transformer layers (default 4, a toy; Megatron-LM: required)")
-    g.add_argument("--hidden-size", type=int, default=64, help="hidden size (default 64, a toy; Megatron-LM: required)")
-    g.add_argument("--num-attention-heads", type=int, default=4,
-                   help="query heads (default 4, a toy; Megatron-LM: required)")
-    g.add_argument("--ffn-hidden-size", type=int, default=None,
-                   help="default: 4 x hidden size; with --swiglu 8/3 x hidden size rounded down to a multiple of 64 (Megatron-LM's)")
-    g.add_argument("--seq-length", type=int, default=128,
-                   help="tokens per sample (default 128; Megatron-LM: required); with --elastic-pp the context cap: the "
-                   "longest document trained (see --epp-truncate-documents), not a fixed sample length")
-    g.add_argument("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
-    g.add_argument("--position-embedding-type", choices=["rope", "learned_absolute"], default="rope",
-                   help="default rope (Megatron-LM: learned_absolute)")
-    g.add_argument("--use-rotary-position-embeddings", action="store_true",
-                   help="Megatron-LM's older spelling of --position-embedding-type rope")
-    g.add_argument("--no-position-embedding", action="store_false", dest="add_position_embedding",
-                   help="no learned absolute position embedding, as Megatron-LM: with rope (the default here) there is "
-                   "none anyway; with learned_absolute it is refused (position-free models are not supported, as in Megatron-LM)")
-    g.add_argument("--rotary-percent", type=float, default=1.0,
-                   help="the share of each head's channels RoPE rotates (default 1.0, as Megatron-LM)")
-    g.add_argument("--vocab-size", type=int, default=None, help="default: the tokenizer's (byte: 257)")
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
-                   help="pad the vocabulary (embedding and output layer rows) up to a multiple of this x "
-                        "--tensor-model-parallel-size, as Megatron-LM (the padded rows are never a label)")
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true",
-                   help="separate input embedding and output layer weights (default: shared, as Megatron-LM)")
-    g.add_argument("--hidden-dropout", type=float, default=0.0,
-                   help="dropout after attention and MLP (default 0.0; Megatron-LM: 0.1)")
-    g.add_argument("--attention-dropout", type=float, default=0.0,
-                   help="dropout of the attention probabilities (default 0.0; Megatron-LM: 0.1)")
-    g.add_argument("--init-method-std", type=float, default=0.02, help="weights' initial standard deviation (default 0.02)")
-    # LLaMA-style architecture (Megatron-LM's names)
-    g.add_argument("--swiglu", action="store_true", help="SwiGLU MLP (gated SiLU: fc1 is 2 x --ffn-hidden-size wide)")
-    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm",
-                   help="the layers' norm (default LayerNorm)")
-    g.add_argument("--norm-epsilon", type=float, default=1e-5, help="the norms' epsilon (default 1e-5)")
-    g.add_argument("--apply-layernorm-1p", action="store_true",
-                   help="zero-centred norm weights, as Megatron-LM: the norm multiplies by (1 + weight), the weight "
-                   "initialised to 0 (megatron-core's layernorm_zero_centered_gamma)")
-    g.add_argument("--group-query-attention", action="store_true", help="grouped-query attention (needs --num-query-groups)")
-    g.add_argument("--num-query-groups", type=int, default=None, help="K/V heads with --group-query-attention")
-    g.add_argument("--kv-channels", type=int, default=None, help="head dimension (default: --hidden-size / --num-attention-heads)")
-    g.add_argument("--disable-bias-linear", action="store_true", help="no biases in the linear layers")
-    g.add_argument("--rotary-base", type=int, default=None, help=f"RoPE's base (theta; default {ROTARY_BASE})")
-    g.add_argument("--use-rope-scaling", action="store_true",
-                   help="LLaMA 3.x RoPE scaling (Hugging Face's rope_type llama3; megatron-core's rope_scaling): low "
-                   "frequencies divided by --rope-scaling-factor, high ones kept, the band between interpolated")
-    g.add_argument("--rope-scaling-factor", type=float, default=None, help="with --use-rope-scaling (default 8.0, as Megatron-LM)")
-    g.add_argument("--rope-scaling-low-freq-factor", type=float, default=None,
-                   help="with --use-rope-scaling: llama3's low_freq_factor (default 1.0, megatron-core's fixed value)")
-    g.add_argument("--rope-scaling-high-freq-factor", type=float, default=None,
-                   help="with --use-rope-scaling: llama3's high_freq_factor (default 4.0, megatron-core's fixed value)")
-    g.add_argument("--rope-scaling-original-max-position-embeddings", type=int, default=None,
-                   help="with --use-rope-scaling: llama3's original_max_position_embeddings, the context the model was "
-                   "pretrained at (default 8192, megatron-core's fixed value)")
-    g.add_argument("--rotary-seq-len-interpolation-factor", type=float, default=None,
-                   help="linear RoPE scaling (Hugging Face's rope_type linear): positions divided by this factor (megatron-core's "
-                   "seq_len_interpolation_factor)")
-    g.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
-                   help="with --elastic-pp, ElasticAttention's kernels: auto = flash-attn where it runs, else PyTorch's "
-                   "SDPA; flash = flash-attn (an error where it cannot run); local, unfused = SDPA; fused = auto "
-                   "(Transformer Engine's cuDNN attention is not used; said at start-up). Without --elastic-pp "
-                   "megatron-core's: local = its own attention, flash/fused/unfused = Transformer Engine's (refused without "
-                   "it), auto = Transformer Engine's choice where it is used (default auto)")
-    g.add_argument("--use-flash-attn", action="store_const", const="flash", dest="attention_backend",
-                   help="Megatron-LM's older spelling of --attention-backend flash")
-    g.add_argument("--no-masked-softmax-fusion", action="store_false", dest="masked_softmax_fusion",
-                   help="without --elastic-pp, never megatron's fused masked softmax (by default it is used on CUDA where "
-                   "it imports); ElasticAttention has none")
-
-
-def _parallelism_flags(p: argparse.ArgumentParser) -> None:
-    """The parallelism group."""
-    g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="tensor-parallel ranks (default 1)")
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="pipeline stages (default 1)")
-    g.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None,
-                   help="Megatron's interleaved schedule: not supported (the elastic schedule runs one model chunk per stage)")
-    g.add_argument("--context-parallel-size", type=int, default=None,
-                   help="context-parallel ranks per pipeline stage (with --elastic-pp; default 1): Ulysses, each chunk's tokens "
-                   "split evenly over them (padded to a multiple), an all-to-all to heads / N around core attention")
-    g.add_argument("--cp-comm-type", nargs="+", default=None,
-                   help="context parallelism's communication: a2a (Ulysses, the only one implemented; also what "
-                   "--context-parallel-size alone means here); p2p, allgather, a2a+p2p are refused")
-    g.add_argument("--sequence-parallel", action="store_true",
-                   help="Megatron's sequence parallelism: activations outside attention split along the sequence over "
-                   "the tensor-parallel ranks (needs --tensor-model-parallel-size > 1; with --elastic-pp each chunk is padded to a "
-                   "multiple of it)")
-    g.add_argument("--use-distributed-optimizer", action="store_true",
-                   help="shard the optimizer states (and fp32 main params) over the data-parallel ranks (ZeRO-1)")
-    g.add_argument("--overlap-grad-reduce", action="store_true",
-                   help="reduce gradients bucket by bucket while the backward runs (DDP buckets)")
-    g.add_argument("--ddp-bucket-size", type=int, default=None,
-                   help="parameters per DDP gradient bucket with --overlap-grad-reduce "
-                   "(default: megatron-core's, max(4e7, 1e6 x data parallel))")
-
-
-def _batch_flags(p: argparse.ArgumentParser) -> None:
-    """The batch group."""
-    g = p.add_argument_group("batch")
-    g.add_argument("--micro-batch-size", type=int, default=1,
-                   help="samples per micro-batch (default 1; Megatron-LM: required); with --elastic-pp each step's "
-                   "documents are planned into chunks, which replace micro-batches: the value is not used (said at start-up)")
-    g.add_argument("--global-batch-size", type=int, default=None, help="default: micro batch x data parallel")
-
-
-def _optimisation_flags(p: argparse.ArgumentParser) -> None:
-    """The optimisation group."""
-    g = p.add_argument_group("optimisation")
-    g.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3; Megatron-LM: none)")
-    g.add_argument("--min-lr", type=float, default=0.0, help="the learning rate the decay ends at (default 0.0)")
-    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"], default="cosine",
-                   help="learning-rate decay after the warm-up, megatron-core's OptimizerParamScheduler (default cosine; "
-                   "Megatron-LM: linear); WSD: --lr until the last --lr-wsd-decay-iters/-samples of the decay, then "
-                   "--lr-wsd-decay-style down to --min-lr")
-    g.add_argument("--lr-wsd-decay-style", choices=["exponential", "linear", "cosine", "minus_sqrt"], default="exponential",
-                   help="the annealing of --lr-decay-style WSD (default exponential, as Megatron-LM)")
-    g.add_argument("--lr-wsd-decay-iters", type=int, default=None, help="--lr-decay-style WSD: iterations of annealing")
-    g.add_argument("--lr-wsd-decay-samples", type=int, default=None,
-                   help="--lr-decay-style WSD with --train-samples: samples of annealing")
-    g.add_argument("--lr-warmup-iters", type=int, default=0, help="warm-up iterations (default 0)")
-    g.add_argument("--lr-warmup-fraction", type=float, default=None,
-                   help="warm-up as a fraction of the decay (--lr-decay-iters or --lr-decay-samples), as Megatron-LM; "
-                   "instead of --lr-warmup-iters/-samples")
-    g.add_argument("--lr-warmup-init", type=float, default=0.0,
-                   help="the learning rate the warm-up (--lr-warmup-iters or --lr-warmup-samples) starts from (default 0.0)")
-    g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
-    g.add_argument("--lr-warmup-samples", type=int, default=0, help="with --train-samples: warm-up in samples")
-    g.add_argument("--lr-decay-samples", type=int, default=None, help="with --train-samples: decay in samples (default: --train-samples)")
-    g.add_argument("--decoupled-lr", type=float, default=None,
-                   help="a separate peak learning rate for the input embedding and the output layer, as Megatron-LM")
-    g.add_argument("--decoupled-min-lr", type=float, default=None, help="their --min-lr, with --decoupled-lr")
-    g.add_argument("--optimizer", choices=["adam", "sgd"], default="adam", help="megatron-core's optimizer (default adam)")
-    g.add_argument("--sgd-momentum", type=float, default=0.9, help="--optimizer sgd's momentum (default 0.9)")
-    g.add_argument("--weight-decay", type=float, default=0.01,
-                   help="weight decay of the weights (not biases and norms; default 0.01)")
-    g.add_argument("--adam-beta1", type=float, default=0.9, help="Adam's beta1 (default 0.9)")
-    g.add_argument("--adam-beta2", type=float, default=0.95, help="Adam's beta2 (default 0.95; Megatron-LM: 0.999)")
-    g.add_argument("--adam-eps", type=float, default=1e-8, help="Adam's epsilon (default 1e-8)")
-    g.add_argument("--clip-grad", type=float, default=1.0, help="gradient clipping by global norm (default 1.0; 0: off)")
-    g.add_argument("--train-iters", type=int, default=None, help="default 20 (unless --train-samples)")
-    g.add_argument("--train-samples", type=int, default=None,
-                   help="train this many samples (--elastic-pp: documents) instead of --train-iters: "
-                   "floor(N / --global-batch-size) iterations, as Megatron-LM")
-    g.add_argument("--seed", type=int, default=1234, help="random seed of initialisation, data order and dropout (default 1234)")
-    g.add_argument("--bf16", action="store_true",
-                   help="bf16 parameters and activations (megatron-core's Float16Module), fp32 main parameters in the optimizer")
-    g.add_argument("--grad-reduce-in-bf16", action="store_true",
-                   help="with --bf16, gradients accumulated and reduced in bf16 (default: in fp32)")
-    g.add_argument("--fp16", action="store_true",
-                   help="fp16 parameters and activations with loss scaling (dynamic unless --loss-scale), fp32 main "
-                   "parameters; a step whose scaled gradients overflow is skipped and the scale lowered, as Megatron-LM")
-    g.add_argument("--loss-scale", type=float, default=None, help="--fp16: a fixed loss scale (default: dynamic)")
-    g.add_argument("--initial-loss-scale", type=float, default=2.0**32, help="--fp16: the dynamic scale's start (default 2^32)")
-    g.add_argument("--min-loss-scale", type=float, default=1.0, help="--fp16: the dynamic scale's floor (default 1.0)")
-    g.add_argument("--loss-scale-window", type=float, default=1000,
-                   help="--fp16: steps without overflow before the dynamic scale doubles (default 1000)")
-    g.add_argument("--hysteresis", type=int, default=2,
-                   help="--fp16: overflowing steps tolerated before the dynamic scale halves (default 2)")
-    g.add_argument("--manual-gc", action="store_true",
-                   help="Python's garbage collector off during training, collected every --manual-gc-interval steps "
-                   "(and around evaluations), as Megatron-LM: the same collection on every rank")
-    g.add_argument("--manual-gc-interval", type=int, default=0,
-                   help="--manual-gc: collect every N iterations (default 0: only at start and around evaluations)")
-    g.add_argument("--no-manual-gc-eval", action="store_false", dest="manual_gc_eval",
-                   help="--manual-gc: no collection around evaluations")
-    g.add_argument("--empty-unused-memory-level", type=int, default=0, choices=[0, 1, 2],
-                   help="on CUDA, release the allocator's cached blocks: 1 after each forward-backward, 2 also after the "
-                   "optimizer step (default 0; no effect on CPU)")
-
-
-def _recompute_flags(p: argparse.ArgumentParser) -> None:
-    """The activation recompute group."""
-    g = p.add_argument_group("activation recompute")
-    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
-                   help="without --elastic-pp: megatron-core's activation recompute (with it, the plan decides: --epp-recompute)")
-    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None,
-                   help="--recompute-granularity full: which layers are recomputed")
-    g.add_argument("--recompute-num-layers", type=int, default=None,
-                   help="--recompute-granularity full: layers per recomputed group (default 1)")
-
-
-def _data_flags(p: argparse.ArgumentParser) -> None:
-    """The data group."""
-    g = p.add_argument_group("data")
-    g.add_argument("--mock-data", action="store_true", help="synthetic learnable sequences")
-    g.add_argument("--data-path", nargs="+", default=None, metavar="[WEIGHT] PREFIX",
-                   help="prefix of a Megatron indexed dataset (.bin/.idx), or a blend: WEIGHT PREFIX pairs (0.3 A 0.7 B)")
-    g.add_argument("--split", default="969,30,1", help="train,valid,test weights over documents (default 969,30,1)")
-    g.add_argument("--eod-mask-loss", action="store_true",
-                   help="no loss on the token after an end-of-document token, as Megatron-LM; with --elastic-pp a document "
-                   "never predicts past its end anyway")
-    add_tokenizer_arguments(g)
-
-
-def _elastic_flags(p: argparse.ArgumentParser) -> None:
-    """The elastic pipeline parallelism group."""
-    g = p.add_argument_group("elastic pipeline parallelism")
-    g.add_argument("--elastic-pp", action="store_true",
-                   help="whole documents per global batch, planned every step into batched/split/hybrid chunks")
-    add_planner_arguments(g, {**EPP_DEFAULTS, "epp_memory_budget": f"the GPU's free memory at start-up less {CUDA_LIBRARY_MARGIN / GIB:.0f} GB and {CUDA_FRAGMENTATION_SHARE:.0%} of it, or {CPU_FRACTION:.0%} of RAM / ranks on CPU"})
-    g.add_argument("--epp-profile-cache", default=None, metavar="DIR",
-                   help="where --epp-profile auto keeps the profiles it measures on a GPU, one per GPU name, dtype, "
-                   "attention kernel and layer shape (default $XDG_CACHE_HOME/megatron-epp/profiles, ~/.cache without it)")
-    g.add_argument("--epp-truncate-documents", action="store_true",
-                   help="train documents longer than --seq-length (the context cap) on their first --seq-length "
-                   "tokens; without it such a document is an error before training")
-    g.add_argument("--epp-timeline", default=None, help="directory: the planned timeline picture of every logged step")
-    g.add_argument("--epp-calibrate-interval", type=int, default=None, metavar="N",
-                   help="refit the planner's cost model to this machine (speed factor s and per-chunk stage overhead o) "
-                   f"on the measured steps: after step {CALIBRATE_FIRST_STEP} (the first step of a run or a resumed run is "
-                   f"warm-up and left out), then every N steps, on the last max(N, {CALIBRATE_FIRST_STEP - 1}) steps; and its "
-                   "activation memory factor (the largest measured / predicted activation peak, at least 1) at the same "
-                   "steps and at once after a step over --epp-memory-budget; saved "
-                   f"in checkpoints; 0: off, the profile as given (default {CALIBRATE_INTERVAL})")
-
-
-def _checkpointing_flags(p: argparse.ArgumentParser) -> None:
-    """The checkpointing group."""
-    g = p.add_argument_group("checkpointing")
-    g.add_argument("--save", default=None, help="directory to save checkpoints to (iter_XXXXXXX/, as Megatron-LM)")
-    g.add_argument("--load", default=None,
-                   help="directory to resume from: its latest checkpoint whose files match the checksums recorded at save "
-                   "(else the newest older one that does, saying so: see --no-ckpt-fallback); a directory with no "
-                   "checkpoint yet, or none at all, starts from scratch with a warning (--save X --load X), as Megatron-LM")
-    g.add_argument("--save-interval", type=int, default=None, help="save every N iterations (and at the end)")
-    # Megatron-LM's load options, and the checksum fallback (megatron-epp's own)
-    g.add_argument("--no-ckpt-fallback", dest="ckpt_fallback", action="store_false",
-                   help="a damaged latest checkpoint (a file missing, of another size or failing its checksum) is an "
-                   "error instead of falling back to the newest older checkpoint that verifies")
-    g.add_argument("--exit-on-missing-checkpoint", action="store_true",
-                   help="with --load: exit with an error if the directory holds no checkpoint, instead of starting from scratch")
-    g.add_argument("--no-load-optim", action="store_true",
-                   help="do not load the optimizer states (nor, as Megatron-LM, the LR schedule's position) from the checkpoint")
-    g.add_argument("--no-load-rng", action="store_true", help="do not load the random number generators' states from the checkpoint")
-    g.add_argument("--finetune", action="store_true",
-                   help="load the model weights only: no optimizer, LR schedule or RNG state, and start at iteration 0, "
-                   "sample 0 (as Megatron-LM)")
-    g.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
-                   help="with --use-distributed-optimizer: save its states in megatron-core's fully_reshardable format "
-                   "(gathered over the data-parallel ranks at save, in model space), which loads at any other tensor and "
-                   "pipeline size too; the default dp_reshardable format (each rank its own shard, no gather) reshards "
-                   "over the data-parallel size only (as Megatron-LM)")
-    g.add_argument("--ckpt-format", default="torch_dist",
-                   help="torch_dist only: megatron-core's distributed checkpoint, what megatron-epp writes and reads "
-                   "(Megatron-LM's default)")
-
-
-def _fault_flags(p: argparse.ArgumentParser) -> None:
-    """The preemption and faults group."""
-    g = p.add_argument_group("preemption and faults")
-    g.add_argument("--exit-signal-handler", action="store_true",
-                   help="on SIGTERM (preemption, scancel, a SLURM --signal), every rank finishes the current step, "
-                   "saves a checkpoint and exits 0 (needs --save)")
-    g.add_argument("--exit-interval", type=int, default=None, metavar="N",
-                   help="exit after an iteration divisible by N, saving when --save is given")
-    g.add_argument("--exit-duration-in-mins", type=float, default=None, metavar="M",
-                   help="exit after the step during which M minutes since start passed, saving when --save is given")
-    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0, metavar="M",
-                   help="a collective that waits longer (a dead or hung rank) fails the job (default 10)")
-    g.add_argument("--check-for-nan-in-loss-and-grad", action=argparse.BooleanOptionalAction, default=True,
-                   help="a NaN/Inf loss or gradient stops the run before the update, naming the iteration and the rank "
-                   "(default: on, as Megatron-LM; --no-check-for-nan-in-loss-and-grad turns it off)")
-
-
-def _logging_flags(p: argparse.ArgumentParser) -> None:
-    """The logging group."""
-    g = p.add_argument_group("logging")
-    g.add_argument("--log-interval", type=int, default=1, help="iterations per log line (default 1; Megatron-LM: 100)")
-    g.add_argument("--eval-interval", type=int, default=None,
-                   help="evaluate every N iterations (default: never; Megatron-LM: 1000)")
-    g.add_argument("--eval-iters", type=int, default=2,
-                   help="global batches per evaluation (default 2; Megatron-LM: 100); 0 turns evaluation off")
-    g.add_argument("--tensorboard-dir", default=None, help="TensorBoard scalars: loss, lr, grad norm, tokens/s, "
-                   "throughput, and with --elastic-pp the plan's statistics and per-stage memory")
-    g.add_argument("--log-throughput", action="store_true",
-                   help="model TFLOP/s per GPU in the log line (the tokens trained, causal attention per document)")
-    g.add_argument("--wandb-project", default=None, help="log the same scalars to this wandb project (needs wandb)")
-    g.add_argument("--wandb-exp-name", default=None, help="the wandb run's name (default: wandb's)")
-    g.add_argument("--wandb-save-dir", default=None, help="wandb's local directory (default: SAVE/wandb with --save)")
-    g.add_argument("--epp-metrics", default=None, metavar="FILE",
-                   help="append one JSON record per logged step to FILE (default: metrics.jsonl in --tensorboard-dir, "
-                        "else in --save; none without either)")
-
-
-def _profiling_flags(p: argparse.ArgumentParser) -> None:
-    """The profiling group (Megatron-LM's flags): iterations [--profile-step-start, --profile-step-end) of the
-    --profile-ranks, for nsys or torch.profiler."""
-    g = p.add_argument_group("profiling")
-    g.add_argument("--profile", action="store_true",
-                   help="profile iterations [--profile-step-start, --profile-step-end) on --profile-ranks, as Megatron-LM: "
-                   "cudaProfilerStart before the first and cudaProfilerStop after the last, NVTX ranges (emit_nvtx, "
-                   "record_shapes) in between, for `nsys profile --capture-range=cudaProfilerApi "
-                   "--capture-range-end=stop` (on CPU nothing to capture: said at start-up); with "
-                   "--use-pytorch-profiler a torch.profiler trace instead. With --elastic-pp each chunk's forward and "
-                   "backward is a named range: 'epp F p0 c3 split 4096t stage 1' (pipeline, chunk, kind, tokens, stage)")
-    g.add_argument("--profile-step-start", type=int, default=None, metavar="N",
-                   help=f"the first profiled iteration, numbered as in the log (default {PROFILE_STEPS[0]}, as Megatron-LM)")
-    g.add_argument("--profile-step-end", type=int, default=None, metavar="N",
-                   help=f"the iteration after the last profiled one (default {PROFILE_STEPS[1]}, as Megatron-LM)")
-    g.add_argument("--profile-ranks", type=int, nargs="+", default=None, metavar="RANK",
-                   help="the global ranks that profile (default 0, as Megatron-LM)")
-    g.add_argument("--use-pytorch-profiler", action="store_true",
-                   help="with --profile: torch.profiler on --profile-ranks (CPU activities, and CUDA's on a GPU; "
-                   "record_shapes, with_stack), one trace per rank written under --tensorboard-dir by "
-                   "torch.profiler.tensorboard_trace_handler (HOST_PID.TIME.pt.trace.json, named in a log line), as "
-                   "Megatron-LM; needs --tensorboard-dir")
-
-
-PROFILE_STEPS = (10, 12)  # Megatron-LM's --profile-step-start and --profile-step-end
-
+GROUPS = ("model", "parallelism", "batch", "optimisation", "activation recompute", "data", "elastic pipeline parallelism",
+          "checkpointing", "preemption and faults", "logging", "profiling")  # the help's sections, in order
+EPP_DEFAULTS = {  # pretrain_gpt.py's defaults of the planner options (epp-plan has its own)
+    "epp_plan": PlannerConfig.builder.name, "epp_max_slices": 8, "epp_profile": "auto", "epp_recompute": PlannerConfig.recompute,
+    "epp_time_limit": PlannerConfig.time_limit,
+}
 
 def build_parser() -> argparse.ArgumentParser:
+    """The parser, generated from :class:`TrainingConfig`'s fields, and the Megatron-LM flags accepted or refused."""
     p = _Parser(
         prog="pretrain_gpt.py",
         description="Train a GPT with Megatron-Core pipeline parallelism (CPU/gloo or CUDA/NCCL). Flags have "
@@ -355,92 +52,87 @@ def build_parser() -> argparse.ArgumentParser:
         "(\"Megatron-LM: ...\"); Megatron-LM flags that have no effect here, or are refused, are listed last.",
         allow_abbrev=False,
     )
-    _model_flags(p)
-    _parallelism_flags(p)
-    _batch_flags(p)
-    _optimisation_flags(p)
-    _recompute_flags(p)
-    _data_flags(p)
-    _elastic_flags(p)
-    _checkpointing_flags(p)
-    _fault_flags(p)
-    _logging_flags(p)
-    _profiling_flags(p)
+    groups = {title: p.add_argument_group(title) for title in GROUPS}
+    budget = (f"the GPU's free memory at start-up less {CUDA_LIBRARY_MARGIN / GIB:.0f} GB and {CUDA_FRAGMENTATION_SHARE:.0%} of it, "
+              f"or {CPU_FRACTION:.0%} of RAM / ranks on CPU")
+    add_fields_to_parser(p, TrainingConfig, groups, defaults_shown={**EPP_DEFAULTS, "epp_memory_budget": budget})
     add_megatron_flags(p)
     return p
 
 
-def resolve_vocab_size(args: argparse.Namespace) -> None:
+def resolve_vocab_size(args: Values) -> dict:
     """Load the ``--tokenizer-type`` tokenizer (a missing file or one that does not parse is a
-    :class:`TokenizerError`) and fill or check ``--vocab-size``."""
+    :class:`TokenizerError`): its end-of-document id, and ``--vocab-size`` filled or checked."""
     tokenizer = tokenizer_from_args(args)
-    vocab, args.eod = tokenizer.vocab_size, tokenizer.eod
+    vocab = tokenizer.vocab_size
     if args.make_vocab_size_divisible_by < 1:
         raise ArgumentError(f"--make-vocab-size-divisible-by {args.make_vocab_size_divisible_by}: must be >= 1")
     if args.vocab_size is None or args.tokenizer_type == "NullTokenizer":  # NullTokenizer: --vocab-size ids + its EOD
-        args.vocab_size = vocab
-    elif args.data_path is not None and args.vocab_size < vocab:
+        return {"eod": tokenizer.eod, "vocab_size": vocab}
+    if args.data_path is not None and args.vocab_size < vocab:
         raise ArgumentError(f"--vocab-size {args.vocab_size} is smaller than the tokenizer's {vocab} tokens")
+    return {"eod": tokenizer.eod}
 
 
 def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None) -> argparse.Namespace:
-    """Parse and validate; raise :class:`ArgumentError` (one line, exit 2) on bad input."""
-    args = build_parser().parse_args(argv)
-    validate_args(args, world_size_from_env() if world_size is None else world_size)
-    return args
-
-
 def parse_config(argv: Sequence[str] | None = None, world_size: int | None = None) -> TrainingConfig:
-    """The flags parsed, validated (:func:`parse_args`) and turned once into the typed configuration training reads."""
-    return TrainingConfig.from_args(parse_args(argv, world_size))
+    """The flags parsed into the options (:meth:`TrainingConfig.from_namespace`) and validated (:func:`validate`) into
+    the configuration training reads; :class:`ArgumentError` (one line, exit 2) on bad input."""
+    parsed = build_parser().parse_args(argv)
+    if parsed.num_workers is not None and not parsed.num_workers >= 0:  # accepted without effect, but not any value
+        raise ArgumentError(f"--num-workers {parsed.num_workers}: must be >= 0")
+    raw = TrainingConfig.from_namespace(parsed)
+    return validate(raw, world_size_from_env() if world_size is None else world_size)
 
 
-def validate_args(args: argparse.Namespace, world_size: int) -> None:
-    """Fill derived values and check the combination; no process-group work needed."""
-    validate_parallel_args(args, world_size)
-    validate_model_args(args)
-    validate_batch_args(args)
-    validate_data_args(args)
-    validate_exit_args(args)
-    validate_recompute_args(args)
-    validate_schedule_args(args)
-    validate_profile_args(args, world_size)
+def validate(cfg: TrainingConfig, world_size: int) -> TrainingConfig:
+    """The options as given turned into the final configuration: each step reads the config so far (read-only) and
+    returns the values it fills (defaults that depend on other options, derived fields), which make the next config."""
+    cfg = cfg.with_values(validate_parallel_args(cfg.values(), world_size))
+    cfg = cfg.with_values(validate_model_args(cfg.values()))
+    cfg = cfg.with_values(validate_batch_args(cfg.values()))
+    cfg = cfg.with_values(validate_tokenizer_args(cfg.values()))
+    cfg = cfg.with_values(validate_data_args(cfg.values()))
+    validate_exit_args(cfg.values())
+    cfg = cfg.with_values(validate_recompute_args(cfg.values()))
+    cfg = cfg.with_values(validate_schedule_args(cfg.values()))
+    cfg = cfg.with_values(validate_profile_args(cfg.values(), world_size))
+    args = cfg.values()
     if not 0 <= args.lr_warmup_init <= args.lr:
         raise ArgumentError(f"--lr-warmup-init {args.lr_warmup_init}: must be between 0 and --lr {args.lr}")
     if args.epp_cluster and not args.epp_search_layout:
         raise ArgumentError("--epp-cluster applies only with --epp-search-layout")
-    validate_elastic_args(args, world_size)
+    return cfg.with_values(validate_elastic_args(cfg.values(), world_size))
 
 
-def validate_parallel_args(args: argparse.Namespace, world_size: int) -> None:
-    """Sizes and ranges, Megatron-LM's flags, the parallel layout (fills ``data_parallel_size``), DDP's buckets; the
-    metrics file's default."""
+def validate_parallel_args(args: Values, world_size: int) -> dict:
+    """Sizes and ranges, Megatron-LM's flags, the parallel layout (``dims``: the data-parallel size the world leaves),
+    DDP's buckets; the metrics file's default."""
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if tp < 1 or pp < 1:
         raise ArgumentError("parallel sizes must be >= 1")
     if (args.train_iters is not None and args.train_iters < 1) or args.log_interval < 1:
         raise ArgumentError("--train-iters and --log-interval must be >= 1")
     validate_ranges(args)
-    validate_megatron_args(args)
+    changes = validate_megatron_args(args)
     if args.eval_iters == 0:  # Megatron-LM's way to turn evaluation off
-        args.eval_interval = None
+        changes["eval_interval"] = None
     for flag, value in UNSUPPORTED_PARALLELISM.items():
         if getattr(args, flag) not in (None, 1):
             raise ArgumentError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: {value}")
-    cp = validate_context_parallel_args(args)
+    changes.update(validate_context_parallel_args(args))
+    cp = changes["context_parallel_size"]
     if world_size % (tp * cp * pp):
         raise ArgumentError(f"world size {world_size} is not divisible by tp {tp} x cp {cp} x pp {pp}")
-    args.data_parallel_size = world_size // (tp * cp * pp)
-    validate_wandb_args(args)
+    changes.update(validate_wandb_args(args))
     # as Megatron-LM (which warns): at tp 1 there is nothing to split the sequence over; a start-up line says so
-    args.sequence_parallel_off_at_tp1 = bool(args.sequence_parallel and tp == 1)
-    if args.sequence_parallel_off_at_tp1:
-        args.sequence_parallel = False
-    if args.sequence_parallel and not args.elastic_pp and args.seq_length % tp:
+    off_at_tp1 = changes["sequence_parallel_off_at_tp1"] = bool(args.sequence_parallel and tp == 1)
+    sequence_parallel = changes["sequence_parallel"] = args.sequence_parallel and not off_at_tp1
+    changes["dims"] = ParallelDims(tp, pp, world_size // (tp * cp * pp), cp, sequence_parallel)
+    if sequence_parallel and not args.elastic_pp and args.seq_length % tp:
         raise ArgumentError(f"--sequence-parallel: --seq-length {args.seq_length} is not divisible by "
                             f"--tensor-model-parallel-size {tp} (each rank holds an equal share of every sample)")
     if args.ddp_bucket_size is not None and not args.overlap_grad_reduce:
@@ -449,17 +141,18 @@ def validate_parallel_args(args: argparse.Namespace, world_size: int) -> None:
     if args.ddp_bucket_size is not None and args.ddp_bucket_size < 1:
         raise ArgumentError(f"--ddp-bucket-size {args.ddp_bucket_size}: must be >= 1 parameters")
     if args.epp_metrics is None and (args.tensorboard_dir or args.save):
-        args.epp_metrics = os.path.join(args.tensorboard_dir or args.save, "metrics.jsonl")
+        changes["epp_metrics"] = os.path.join(args.tensorboard_dir or args.save, "metrics.jsonl")
+    return changes
 
 
 CP_COMM_TYPES = ("a2a",)  # implemented; Megatron-LM's others are refused in one line
 CP_COMM_REFUSED = ("p2p", "allgather", "a2a+p2p")
 
 
-def validate_context_parallel_args(args: argparse.Namespace) -> int:
-    """``--context-parallel-size`` (fills it: 1 when not given) and ``--cp-comm-type`` (fills it: ``a2a`` under
-    context parallelism, None without); returns the size."""
-    cp = args.context_parallel_size = 1 if args.context_parallel_size is None else args.context_parallel_size
+def validate_context_parallel_args(args: Values) -> dict:
+    """``--context-parallel-size`` (filled: 1 when not given) and ``--cp-comm-type`` (filled: ``a2a`` under
+    context parallelism, None without)."""
+    cp = 1 if args.context_parallel_size is None else args.context_parallel_size
     if cp < 1:
         raise ArgumentError(f"--context-parallel-size {cp}: must be >= 1")
     kinds = args.cp_comm_type or []
@@ -478,11 +171,10 @@ def validate_context_parallel_args(args: argparse.Namespace) -> int:
             raise ArgumentError(f"--context-parallel-size {cp} does not divide the {heads} attention heads per tensor-parallel "
                                 f"rank (--num-attention-heads {args.num_attention_heads} / --tensor-model-parallel-size "
                                 f"{args.tensor_model_parallel_size}): the all-to-all gives each rank heads / {cp}")
-    args.cp_comm_type = "a2a" if cp > 1 else None
-    return cp
+    return {"context_parallel_size": cp, "cp_comm_type": "a2a" if cp > 1 else None}
 
 
-def validate_model_args(args: argparse.Namespace) -> None:
+def validate_model_args(args: Values) -> dict:
     """The model's shape against the layout (fills ``ffn_hidden_size``, ``max_position_embeddings``)."""
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if args.num_layers % pp:
@@ -491,53 +183,61 @@ def validate_model_args(args: argparse.Namespace) -> None:
         raise ArgumentError("--hidden-size must be divisible by --num-attention-heads (or give --kv-channels)")
     if args.num_attention_heads % tp:
         raise ArgumentError("--num-attention-heads must be divisible by --tensor-model-parallel-size")
-    validate_architecture(args)
-    if args.ffn_hidden_size is None:  # as Megatron-LM: SwiGLU's three GEMMs at the parameters of GELU's two, in multiples of 64
-        args.ffn_hidden_size = int(4 * args.hidden_size * 2 / 3 / 64) * 64 if args.swiglu else 4 * args.hidden_size
-        if args.ffn_hidden_size < 1:
+    changes = validate_architecture(args)
+    ffn = args.ffn_hidden_size
+    if ffn is None:  # as Megatron-LM: SwiGLU's three GEMMs at the parameters of GELU's two, in multiples of 64
+        ffn = int(4 * args.hidden_size * 2 / 3 / 64) * 64 if args.swiglu else 4 * args.hidden_size
+        if ffn < 1:
             raise ArgumentError(f"--swiglu with --hidden-size {args.hidden_size}: give --ffn-hidden-size (the default rounds 8/3 x hidden down to 64s: 0)")
-    args.max_position_embeddings = args.max_position_embeddings or args.seq_length
-    if args.max_position_embeddings < args.seq_length:
+    positions = args.max_position_embeddings or args.seq_length
+    if positions < args.seq_length:
         raise ArgumentError("--max-position-embeddings is smaller than --seq-length")
+    return {**changes, "ffn_hidden_size": ffn, "max_position_embeddings": positions}
 
 
-def validate_batch_args(args: argparse.Namespace) -> None:
+def validate_batch_args(args: Values) -> dict:
     """The global batch over micro-batches and data parallelism (fills ``global_batch_size``, ``num_microbatches``)."""
     # --elastic-pp: a step's documents are planned into chunks, not micro-batches (main's start-up line says so)
-    per_step = (1 if args.elastic_pp else args.micro_batch_size) * args.data_parallel_size
-    if args.global_batch_size is None:
-        args.global_batch_size = per_step
-    if args.global_batch_size % per_step:
+    per_step = (1 if args.elastic_pp else args.micro_batch_size) * args.dims.dp
+    gbs = per_step if args.global_batch_size is None else args.global_batch_size
+    if gbs % per_step:
         raise ArgumentError(
-            f"--global-batch-size {args.global_batch_size} is not divisible by "
-            f"--micro-batch-size {args.micro_batch_size} x data parallel {args.data_parallel_size}"
+            f"--global-batch-size {gbs} is not divisible by "
+            f"--micro-batch-size {args.micro_batch_size} x data parallel {args.dims.dp}"
         )
-    args.num_microbatches = args.global_batch_size // per_step
+    return {"global_batch_size": gbs, "num_microbatches": gbs // per_step}
 
 
-def validate_data_args(args: argparse.Namespace) -> None:
+def validate_tokenizer_args(args: Values) -> dict:
+    """``--tokenizer-type`` (its default) and the deprecated ``--tokenizer``."""
+    try:
+        return resolve_tokenizer_args(args, "pretrain_gpt.py")
+    except TokenizerError as error:
+        raise ArgumentError(str(error)) from None
+
+
+def validate_data_args(args: Values) -> dict:
     """The tokenizer and vocabulary, ``--split``, and ``--mock-data`` or ``--data-path`` (fills ``data_blend``)."""
     try:
-        resolve_tokenizer_args(args, "pretrain_gpt.py")
-        resolve_vocab_size(args)
+        changes = resolve_vocab_size(args)
     except TokenizerError as error:
         raise ArgumentError(str(error)) from None
     validate_split(args)
     if args.mock_data == (args.data_path is not None):
         raise ArgumentError("give exactly one of --mock-data and --data-path")
-    args.data_blend = None
     if args.data_path is not None:
         try:
-            args.data_blend = Blend.parse(args.data_path)
+            blend = changes["data_blend"] = Blend.parse(args.data_path)
         except BlendError as error:
             raise ArgumentError(str(error)) from None
-        for prefix in args.data_blend.prefixes:
+        for prefix in blend.prefixes:
             missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
             if missing:
                 raise ArgumentError(f"--data-path {prefix}: missing {', '.join(prefix + m for m in missing)}")
+    return changes
 
 
-def validate_exit_args(args: argparse.Namespace) -> None:
+def validate_exit_args(args: Values) -> None:
     """Checkpointing and the ways a run ends early (signal, interval, duration, timeout)."""
     validate_checkpoint_args(args)
     if args.save_interval is not None and args.save is None:
@@ -551,7 +251,7 @@ def validate_exit_args(args: argparse.Namespace) -> None:
             raise ArgumentError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be > 0")
 
 
-def validate_checkpoint_args(args: argparse.Namespace) -> None:
+def validate_checkpoint_args(args: Values) -> None:
     """``--ckpt-format`` and the load options (``--load`` of a directory not yet there is a first run: main warns)."""
     if args.ckpt_format != "torch_dist":
         raise ArgumentError(f"--ckpt-format {args.ckpt_format}: megatron-epp saves and loads torch_dist only "
@@ -571,15 +271,14 @@ AT_LEAST_ONE = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_
                 "vocab_size", "micro_batch_size", "global_batch_size", "train_samples", "lr_decay_iters", "lr_decay_samples",
                 "eval_interval", "save_interval")
 AT_LEAST_ZERO = ("lr", "min_lr", "lr_warmup_iters", "lr_warmup_samples", "weight_decay", "clip_grad", "init_method_std",
-                 "eval_iters", "decoupled_lr", "decoupled_min_lr", "adam_eps", "sgd_momentum", "manual_gc_interval",
-                 "num_workers")
+                 "eval_iters", "decoupled_lr", "decoupled_min_lr", "adam_eps", "sgd_momentum", "manual_gc_interval")
 POSITIVE = ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis", "lr_wsd_decay_iters",
             "lr_wsd_decay_samples")
 PROBABILITIES = {"hidden_dropout": (0, 1, "]"), "attention_dropout": (0, 1, "]"), "adam_beta1": (0, 1, ")"),
                  "adam_beta2": (0, 1, ")"), "lr_warmup_fraction": (0, 1, ")")}
 
 
-def validate_ranges(args: argparse.Namespace) -> None:
+def validate_ranges(args: Values) -> None:
     """Each numeric flag in its range, named in the one-line error (``--num-layers 0: must be >= 1``)."""
     for flags, low in ((AT_LEAST_ONE, 1), (AT_LEAST_ZERO, 0)):
         for key in flags:
@@ -600,14 +299,11 @@ def validate_ranges(args: argparse.Namespace) -> None:
         raise ArgumentError(f"--min-lr {args.min_lr} is larger than --lr {args.lr}")
 
 
-ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")  # Megatron-LM's --attention-backend
-
-
-def validate_megatron_args(args: argparse.Namespace) -> None:
-    """The Megatron-LM flags of positions, precision, optimizer and housekeeping, as Megatron-LM checks them."""
-    if args.use_rotary_position_embeddings:  # Megatron-LM's legacy flag overrides --position-embedding-type
-        args.position_embedding_type = "rope"
-    rope = args.position_embedding_type == "rope"
+def validate_megatron_args(args: Values) -> dict:
+    """The Megatron-LM flags of positions, precision, optimizer and housekeeping, as Megatron-LM checks them; the
+    position embedding type (``--use-rotary-position-embeddings``, Megatron-LM's legacy flag, overrides it)."""
+    kind = "rope" if args.use_rotary_position_embeddings else args.position_embedding_type
+    rope = kind == "rope"
     if not args.add_position_embedding and not rope:
         raise ArgumentError("--no-position-embedding with --position-embedding-type learned_absolute: a model without "
                             "positions is not supported (as in Megatron-LM); use rope")
@@ -625,12 +321,13 @@ def validate_megatron_args(args: argparse.Namespace) -> None:
         raise ArgumentError("--decoupled-min-lr needs --decoupled-lr")
     if args.manual_gc_interval and not args.manual_gc:
         raise ArgumentError("--manual-gc-interval applies only with --manual-gc")
-    if args.overlap_param_gather and not args.use_distributed_optimizer:
+    if "--overlap-param-gather" in args.accepted_flags and not args.use_distributed_optimizer:
         raise ArgumentError("--overlap-param-gather applies only with --use-distributed-optimizer (as in Megatron-LM)")
     validate_attention_backend(args)
+    return {"position_embedding_type": kind}
 
 
-def validate_attention_backend(args: argparse.Namespace) -> None:
+def validate_attention_backend(args: Values) -> None:
     """``--attention-backend``: with ``--elastic-pp`` ElasticAttention's request (flash: flash-attn, which must load;
     local, unfused: SDPA; auto, fused: its auto, the start-up line says so); without it megatron-core's, where
     flash, fused and unfused are Transformer Engine's attention and need it."""
@@ -646,7 +343,7 @@ def validate_attention_backend(args: argparse.Namespace) -> None:
                                 "use auto or local")
 
 
-def validate_recompute_args(args: argparse.Namespace) -> None:
+def validate_recompute_args(args: Values) -> dict:
     """The ``--recompute-*`` flags as megatron-core's ``TransformerConfig`` checks them (there: after the process
     group exists); ``--recompute-num-layers`` defaults to 1 with ``--recompute-granularity full``. With
     ``--elastic-pp`` none applies: the plan decides recompute per chunk and stage (``--epp-recompute``)."""
@@ -661,47 +358,49 @@ def validate_recompute_args(args: argparse.Namespace) -> None:
     if args.recompute_num_layers is not None and args.recompute_granularity != "full":
         raise ArgumentError("--recompute-num-layers applies only with --recompute-granularity full (selective recomputes "
                             "the attention core of every layer)")
-    if args.recompute_granularity == "full":
-        per_stage = args.num_layers // args.pipeline_model_parallel_size
-        args.recompute_num_layers = 1 if args.recompute_num_layers is None else args.recompute_num_layers
-        if not 1 <= args.recompute_num_layers <= per_stage:
-            raise ArgumentError(f"--recompute-num-layers {args.recompute_num_layers}: must be between 1 and the "
-                                f"{per_stage} layers of a pipeline stage")
+    if args.recompute_granularity != "full":
+        return {}
+    per_stage = args.num_layers // args.pipeline_model_parallel_size
+    layers = 1 if args.recompute_num_layers is None else args.recompute_num_layers
+    if not 1 <= layers <= per_stage:
+        raise ArgumentError(f"--recompute-num-layers {layers}: must be between 1 and the {per_stage} layers of a pipeline stage")
+    return {"recompute_num_layers": layers}
 
 
-def validate_schedule_args(args: argparse.Namespace) -> None:
+def validate_schedule_args(args: Values) -> dict:
     """Training length and LR schedule in iterations (``--train-iters``, ``--lr-*-iters``) or, as Megatron-LM, in
     samples (``--train-samples``, ``--lr-*-samples``), never mixed; fills ``train_iters`` and the schedule in
-    samples (``lr_warmup_samples``, ``lr_decay_samples``), what the scheduler counts."""
+    samples (``lr_warmup_samples``, ``lr_decay_samples``, ``lr_wsd_decay_samples_total``), what the scheduler counts."""
     gbs = args.global_batch_size
     if args.train_samples is not None:
         if args.train_iters is not None:
             raise ArgumentError("--train-iters and --train-samples are mutually exclusive: give one")
         refuse_schedule_in_other_unit(args, "samples")
-        args.train_iters = args.train_samples // gbs
-        if args.train_iters < 1:
+        iters = args.train_samples // gbs
+        if iters < 1:
             raise ArgumentError(f"--train-samples {args.train_samples} is less than one --global-batch-size {gbs}")
-        args.lr_decay_samples = args.lr_decay_samples or args.train_samples
-        args.lr_wsd_decay_samples_total = args.lr_wsd_decay_samples
-        validate_warmup_and_wsd(args, "samples")
-        if args.lr_warmup_samples >= args.lr_decay_samples:
-            raise ArgumentError(f"--lr-warmup-samples {args.lr_warmup_samples} must be smaller than --lr-decay-samples "
-                                f"{args.lr_decay_samples} (default: --train-samples)")
-        return
+        decay = args.lr_decay_samples or args.train_samples
+        warmup = validate_warmup_and_wsd(args, "samples", args.lr_warmup_samples, decay, args.lr_wsd_decay_samples)
+        if warmup >= decay:
+            raise ArgumentError(f"--lr-warmup-samples {warmup} must be smaller than --lr-decay-samples "
+                                f"{decay} (default: --train-samples)")
+        return {"train_iters": iters, "lr_decay_samples": decay, "lr_warmup_samples": warmup,
+                "lr_wsd_decay_samples_total": args.lr_wsd_decay_samples}
     refuse_schedule_in_other_unit(args, "iters")
-    args.train_iters = args.train_iters or 20
-    args.lr_decay_iters = args.lr_decay_iters or args.train_iters
-    args.lr_warmup_samples, args.lr_decay_samples = args.lr_warmup_iters * gbs, args.lr_decay_iters * gbs
-    args.lr_wsd_decay_samples_total = args.lr_wsd_decay_iters * gbs if args.lr_wsd_decay_iters is not None else None
-    validate_warmup_and_wsd(args, "iters")
-    if args.lr_warmup_samples >= args.lr_decay_samples:
+    iters = args.train_iters or 20
+    decay_iters = args.lr_decay_iters or iters
+    wsd = args.lr_wsd_decay_iters * gbs if args.lr_wsd_decay_iters is not None else None
+    warmup = validate_warmup_and_wsd(args, "iters", args.lr_warmup_iters * gbs, decay_iters * gbs, wsd)
+    if warmup >= decay_iters * gbs:
         raise ArgumentError(
             f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than --lr-decay-iters "
-            f"{args.lr_decay_iters} (default: --train-iters)"
+            f"{decay_iters} (default: --train-iters)"
         )
+    return {"train_iters": iters, "lr_decay_iters": decay_iters, "lr_warmup_samples": warmup, "lr_decay_samples": decay_iters * gbs,
+            "lr_wsd_decay_samples_total": wsd}
 
 
-def refuse_schedule_in_other_unit(args: argparse.Namespace, unit: str) -> None:
+def refuse_schedule_in_other_unit(args: Values, unit: str) -> None:
     """The LR schedule counts ``unit`` ("samples" with ``--train-samples``, else "iters"): a warm-up, decay or WSD
     length given in the other unit is one line naming the flag to give instead."""
     other = "iters" if unit == "samples" else "samples"
@@ -717,26 +416,27 @@ def refuse_schedule_in_other_unit(args: argparse.Namespace, unit: str) -> None:
                         + (instead if flag.startswith("--lr-wsd") else f"the schedule in samples ({instead})"))
 
 
-def validate_warmup_and_wsd(args: argparse.Namespace, unit: str) -> None:
+def validate_warmup_and_wsd(args: Values, unit: str, warmup: float, decay: int, wsd: int | None) -> float:
     """``--lr-warmup-fraction`` (of the decay, instead of ``--lr-warmup-iters/-samples``) and ``--lr-decay-style WSD``'s
-    annealing length, as Megatron-LM's scheduler takes them: in samples (``lr_warmup_samples``, a float as
-    Megatron-LM's ``fraction x decay steps``; ``lr_wsd_decay_samples_total``)."""
+    annealing length ``wsd``, as Megatron-LM's scheduler takes them: in samples; returns the warm-up in samples (a
+    float as Megatron-LM's ``fraction x decay steps``)."""
     if args.lr_warmup_fraction is not None:
         if args.lr_warmup_iters or args.lr_warmup_samples:
             raise ArgumentError(f"--lr-warmup-fraction and --lr-warmup-{unit}: give one")
-        args.lr_warmup_samples = args.lr_warmup_fraction * args.lr_decay_samples
+        warmup = args.lr_warmup_fraction * decay
     wsd_flag = f"--lr-wsd-decay-{unit}"
     if args.lr_decay_style != "WSD":
-        if args.lr_wsd_decay_samples_total is not None:
+        if wsd is not None:
             raise ArgumentError(f"{wsd_flag} applies only with --lr-decay-style WSD")
-        return
-    if args.lr_wsd_decay_samples_total is None:
+        return warmup
+    if wsd is None:
         raise ArgumentError(f"--lr-decay-style WSD needs {wsd_flag} (the annealing at the end of the decay)")
-    if args.lr_wsd_decay_samples_total > args.lr_decay_samples - args.lr_warmup_samples:
+    if wsd > decay - warmup:
         raise ArgumentError(f"{wsd_flag} is longer than the decay after the warm-up (--lr-decay-{unit} less the warm-up)")
+    return warmup
 
 
-def validate_profile_args(args: argparse.Namespace, world_size: int) -> None:
+def validate_profile_args(args: Values, world_size: int) -> dict:
     """``--profile``'s flags (fills the defaults of ``--profile-step-start/-end`` and ``--profile-ranks``): the
     iterations ``[start, end)``, counted as the log counts them, hold at least one of the run's; the ranks exist;
     ``--use-pytorch-profiler`` writes under ``--tensorboard-dir``. Without ``--profile`` none of them may be given."""
@@ -745,10 +445,10 @@ def validate_profile_args(args: argparse.Namespace, world_size: int) -> None:
     if not args.profile:
         if given:
             raise ArgumentError(f"--{given[0].replace('_', '-')} needs --profile")
-        return
-    start = args.profile_step_start = PROFILE_STEPS[0] if args.profile_step_start is None else args.profile_step_start
-    end = args.profile_step_end = PROFILE_STEPS[1] if args.profile_step_end is None else args.profile_step_end
-    args.profile_ranks = (0,) if args.profile_ranks is None else tuple(args.profile_ranks)
+        return {}
+    start = PROFILE_STEPS[0] if args.profile_step_start is None else args.profile_step_start
+    end = PROFILE_STEPS[1] if args.profile_step_end is None else args.profile_step_end
+    ranks = (0,) if args.profile_ranks is None else tuple(args.profile_ranks)
     if start < 0:
         raise ArgumentError(f"--profile-step-start {start}: must be >= 0")
     if end <= start:
@@ -757,18 +457,19 @@ def validate_profile_args(args: argparse.Namespace, world_size: int) -> None:
     if end <= 1 or start > args.train_iters:
         raise ArgumentError(f"--profile-step-start {start} --profile-step-end {end}: no iteration to profile (the run "
                             f"trains iterations 1 to {args.train_iters}; the profiled ones are start to end - 1)")
-    outside = [rank for rank in args.profile_ranks if not 0 <= rank < world_size]
+    outside = [rank for rank in ranks if not 0 <= rank < world_size]
     if outside:
         raise ArgumentError(f"--profile-ranks {outside[0]}: no such rank (the ranks are 0 to {world_size - 1})")
     if args.use_pytorch_profiler and not args.tensorboard_dir:
         raise ArgumentError("--use-pytorch-profiler writes its trace under --tensorboard-dir, as Megatron-LM: give "
                             "--tensorboard-dir DIR")
+    return {"profile_step_start": start, "profile_step_end": end, "profile_ranks": ranks}
 
 
 SPLIT_WEIGHT = re.compile(r"\d+(\.\d*)?|\.\d+")  # what megatron-core's parse_and_normalize_split reads as one number
 
 
-def validate_split(args: argparse.Namespace) -> None:
+def validate_split(args: Values) -> None:
     """``--split``: 1 to 3 train,valid,test weights (missing ones 0), as megatron-core reads them; its parser would
     read ``1,-1,1`` as 1,1,1 and fail on a split without numbers only when the data is split."""
     # quotes kept by a shell array ("--split '99,1,0'", as Megatron-LM's LLaMA examples pass it) are not part of it
@@ -778,20 +479,20 @@ def validate_split(args: argparse.Namespace) -> None:
                             "by commas (or slashes), not all 0, e.g. 969,30,1")
 
 
-def validate_wandb_args(args: argparse.Namespace) -> None:
+def validate_wandb_args(args: Values) -> dict:
+    """The wandb flags (fills ``--wandb-save-dir``'s default)."""
     if args.wandb_project is None:
         given = [f for f, v in (("--wandb-exp-name", args.wandb_exp_name), ("--wandb-save-dir", args.wandb_save_dir)) if v]
         if given:
             raise ArgumentError(f"{given[0]} needs --wandb-project")
-        return
+        return {}
     if importlib.util.find_spec("wandb") is None:
         raise ArgumentError(f"--wandb-project {args.wandb_project}: wandb is not installed (pip install wandb, or drop "
                             "--wandb-project; --tensorboard-dir logs the same scalars)")
-    if args.wandb_save_dir is None and args.save:
-        args.wandb_save_dir = os.path.join(args.save, "wandb")
+    return {"wandb_save_dir": os.path.join(args.save, "wandb")} if args.wandb_save_dir is None and args.save else {}
 
 
-def validate_architecture(args: argparse.Namespace) -> None:
+def validate_architecture(args: Values) -> dict:
     """The LLaMA-style flags: grouped-query attention, head dimension, norm epsilon, rotary base."""
     heads, tp = args.num_attention_heads, args.tensor_model_parallel_size
     if args.num_query_groups is not None and not args.group_query_attention:
@@ -814,15 +515,14 @@ def validate_architecture(args: argparse.Namespace) -> None:
         raise ArgumentError("--rotary-base applies only with --position-embedding-type rope")
     if args.rotary_base is not None and args.rotary_base < 1:
         raise ArgumentError(f"--rotary-base {args.rotary_base}: must be >= 1")
-    args.rotary_base = args.rotary_base or ROTARY_BASE
-    validate_rope_scaling(args)
+    return {"rotary_base": args.rotary_base or ROTARY_BASE, **validate_rope_scaling(args)}
 
 
 ROPE_SCALING_DEFAULTS = {"rope_scaling_factor": 8.0, "rope_scaling_low_freq_factor": 1.0, "rope_scaling_high_freq_factor": 4.0,
                          "rope_scaling_original_max_position_embeddings": 8192}  # megatron-core's RotaryEmbedding
 
 
-def validate_rope_scaling(args: argparse.Namespace) -> None:
+def validate_rope_scaling(args: Values) -> dict:
     """``--use-rope-scaling`` and its parameters (filled with megatron-core's values), ``--rotary-seq-len-interpolation-factor``."""
     given = [k for k in ROPE_SCALING_DEFAULTS if getattr(args, k) is not None]
     if given and not args.use_rope_scaling:
@@ -834,28 +534,21 @@ def validate_rope_scaling(args: argparse.Namespace) -> None:
         raise ArgumentError("--use-rope-scaling and --rotary-seq-len-interpolation-factor: one RoPE scaling at a time")
     if args.rotary_seq_len_interpolation_factor is not None and not args.rotary_seq_len_interpolation_factor >= 1:
         raise ArgumentError(f"--rotary-seq-len-interpolation-factor {args.rotary_seq_len_interpolation_factor}: must be >= 1")
-    for key, default in ROPE_SCALING_DEFAULTS.items():
-        value = default if getattr(args, key) is None else getattr(args, key)
+    values = {key: default if getattr(args, key) is None else getattr(args, key) for key, default in ROPE_SCALING_DEFAULTS.items()}
+    for key, value in values.items():
         if not value > 0:
             raise ArgumentError(f"--{key.replace('_', '-')} {value}: must be > 0")
-        setattr(args, key, value)
-    if args.use_rope_scaling and not args.rope_scaling_high_freq_factor > args.rope_scaling_low_freq_factor:
-        raise ArgumentError(f"--rope-scaling-high-freq-factor {args.rope_scaling_high_freq_factor}: must be above "
-                            f"--rope-scaling-low-freq-factor {args.rope_scaling_low_freq_factor}")
+    high, low = values["rope_scaling_high_freq_factor"], values["rope_scaling_low_freq_factor"]
+    if args.use_rope_scaling and not high > low:
+        raise ArgumentError(f"--rope-scaling-high-freq-factor {high}: must be above --rope-scaling-low-freq-factor {low}")
+    return values
 
-
-ROTARY_BASE = 10000  # Megatron-LM's default RoPE base
 
 UNSUPPORTED_PARALLELISM = {
     "virtual_pipeline_model_parallel_size": "the interleaved (virtual) pipeline schedule is not supported; "
     "--elastic-pp runs its own elastic 1F1B schedule with one model chunk per stage",
 }
 
-
-EPP_DEFAULTS = {  # pretrain_gpt.py's defaults of the planner options (epp-plan has its own)
-    "epp_plan": PlannerConfig.builder.name, "epp_max_slices": 8, "epp_profile": "auto", "epp_recompute": PlannerConfig.recompute,
-    "epp_time_limit": PlannerConfig.time_limit,
-}
 
 # --epp-* options that --epp-search-layout cannot honour: why
 SEARCH_REFUSES = {
@@ -866,36 +559,39 @@ SEARCH_REFUSES = {
 }
 
 
-CALIBRATE_INTERVAL = 20  # --epp-calibrate-interval's default (the first fit: after step CALIBRATE_FIRST_STEP)
-
-
-def validate_elastic_args(args: argparse.Namespace, world_size: int) -> None:
+def validate_elastic_args(args: Values, world_size: int) -> dict:
+    """The ``--epp-*`` options: given only with ``--elastic-pp`` or ``--epp-search-layout``; the planner's settings
+    (``planner``), the driver's defaults where an option is not given, the budget in bytes (``default_budget``: how
+    it was derived when ``--epp-memory-budget`` was not given)."""
     given = [k for k in (*EPP_DEFAULTS, "epp_memory_budget", "epp_timeline", "epp_calibrate_interval", "epp_profile_cache") if getattr(args, k) is not None]
     given += ["epp_truncate_documents"] if args.epp_truncate_documents else []
-    args.epp_default_budget = None  # a given budget (or --epp-search-layout's preset) is kept as given
     if args.epp_search_layout:
         return validate_search_args(args, given)
     if not args.elastic_pp:
         if given:
             raise ArgumentError(f"--{given[0].replace('_', '-')} needs --elastic-pp")
-        return
-    for key, value in EPP_DEFAULTS.items():
-        if getattr(args, key) is None:
-            setattr(args, key, value)
-    if args.epp_memory_budget is None:
-        args.epp_default_budget = default_memory_budget(world_size)
-        args.epp_memory_budget = args.epp_default_budget.budget / GIB
-    if args.epp_calibrate_interval is None:
-        args.epp_calibrate_interval = CALIBRATE_INTERVAL
-    if args.epp_calibrate_interval < 0:
-        raise ArgumentError(f"--epp-calibrate-interval {args.epp_calibrate_interval}: must be >= 0 (0 turns calibration off)")
+        return {}
+    default_budget = default_memory_budget(world_size) if args.epp_memory_budget is None else None
+    interval = CALIBRATE_INTERVAL if args.epp_calibrate_interval is None else args.epp_calibrate_interval
+    if interval < 0:
+        raise ArgumentError(f"--epp-calibrate-interval {interval}: must be >= 0 (0 turns calibration off)")
+    planner = planner_config(args, EPP_DEFAULTS, None if default_budget is None else default_budget.budget)
+    return {"planner": planner, "default_budget": default_budget, "epp_calibrate_interval": interval}
+
+
+def planner_config(args: Values, defaults: dict, budget_bytes: float | None) -> PlannerConfig:
+    """The planner's settings: the ``--epp-*`` options given, else ``defaults`` (by dest); the budget
+    ``budget_bytes`` where ``--epp-memory-budget`` is not given."""
+    given = {f.name: getattr(args, key_of(f)) for f in fields(PlannerOptions)}
+    options = PlannerOptions(**{f.name: defaults.get(key_of(f)) if given[f.name] is None else given[f.name]
+                                for f in fields(PlannerOptions)})
     try:
-        PlannerConfig.from_args(args, args.seq_length)
+        return PlannerConfig.from_options(options, args.seq_length, budget_bytes)
     except ValueError as error:
         raise ArgumentError(str(error)) from None
 
 
-def validate_search_args(args: argparse.Namespace, given: list[str]) -> None:
+def validate_search_args(args: Values, given: list[str]) -> dict:
     """``--epp-search-layout``, with or without ``--elastic-pp``: the ``--epp-*`` planner options as given, else the
     driver's defaults; the budget ``--epp-memory-budget``, else the ``--epp-cluster`` preset's GPU memory (not this
     host's); one line for an option it cannot honour."""
@@ -904,15 +600,7 @@ def validate_search_args(args: argparse.Namespace, given: list[str]) -> None:
         raise ArgumentError(f"--{refused[0].replace('_', '-')} does not apply with --epp-search-layout ({SEARCH_REFUSES[refused[0]]})")
     if args.epp_plan not in (None, PlannerConfig.builder.name):
         raise ArgumentError(f"--epp-plan {args.epp_plan}: --epp-search-layout searches EPP's ({PlannerConfig.builder.name}) layout")
-    for key, value in EPP_DEFAULTS.items():
-        if getattr(args, key) is None and key not in SEARCH_REFUSES:
-            setattr(args, key, value)
-    args.epp_cluster = args.epp_cluster or DEFAULT_CLUSTER
-    if args.epp_memory_budget is None:
-        args.epp_memory_budget = get_cluster(args.epp_cluster).memory_gb
-    try:
-        PlannerConfig.from_args(args, args.seq_length)
-    except ValueError as error:
-        raise ArgumentError(str(error)) from None
-
-
+    cluster = args.epp_cluster or DEFAULT_CLUSTER
+    budget = get_cluster(cluster).memory_gb * GIB if args.epp_memory_budget is None else None
+    defaults = {key: value for key, value in EPP_DEFAULTS.items() if key not in SEARCH_REFUSES}
+    return {"epp_cluster": cluster, "planner": planner_config(args, defaults, budget)}

@@ -1,16 +1,14 @@
-"""The typed training configuration: ``pretrain_gpt.py``'s flags, once validated, as one frozen
-:class:`TrainingConfig` of sections (model, parallel, optim, training, data, checkpoint, logging, profile, epp).
+"""The typed training configuration: ``pretrain_gpt.py``'s flags as one frozen :class:`TrainingConfig` of sections
+(model, parallel, optim, training, data, checkpoint, logging, profile, epp).
 
-The flags keep Megatron-LM's names (``arguments.py`` parses and validates them into an
-``argparse.Namespace``); :meth:`TrainingConfig.from_args` turns that namespace into this value once, and
-the rest of training reads only the sections. A field has its flag's name (``--lr-decay-style`` is
-``optim.lr_decay_style``), less the ``epp_`` prefix in the ``epp`` section (``--epp-timeline`` is
-``epp.timeline``) and ``profile_`` in the ``profile`` section (``--profile-step-start`` is
-``profile.step_start``). The parallel sizes are one :class:`~megatron_epp.planner.config.ParallelDims`
-(``parallel.dims``) and the planner's options one :class:`~megatron_epp.planner.config.PlannerConfig`
-(``epp.planner``, the memory budget in bytes). A flag that validation folds into another (an older
-spelling, a size in iterations the schedule counts in samples) is listed in :data:`FOLDED` with where it
-went; :func:`unplaced_flags` is what a test checks: every flag lands somewhere.
+Each option is declared once, as a field: its Megatron-LM flag, default, help and argparse details are the field's
+metadata (:func:`~megatron_epp.base.options.option`), and ``arguments.py`` generates the parser from the fields. A
+field is named after its flag (``--lr-decay-style`` is ``optim.lr_decay_style``), less the ``epp_`` prefix in the
+``epp`` section (``--epp-timeline`` is ``epp.timeline``) and ``profile_`` in the ``profile`` section
+(``--profile-step-start`` is ``profile.step_start``). A field no flag sets is derived
+(:func:`~megatron_epp.base.options.derived`): validation computes it from the options, e.g. ``parallel.dims`` (one
+:class:`~megatron_epp.planner.config.ParallelDims`), ``optim.lr_warmup_samples`` from ``--lr-warmup-iters`` and
+``epp.planner`` (the planner's :class:`~megatron_epp.planner.config.PlannerConfig`, the memory budget in bytes).
 """
 
 from __future__ import annotations
@@ -18,55 +16,116 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass, field, fields
-from typing import Any, get_type_hints
+from typing import Any, ClassVar
 
+from megatron_epp.base.options import Values, alias, derived, field_paths, option, read_fields, replace_keys
 from megatron_epp.data.data_path import Blend
-from megatron_epp.planner.config import ParallelDims, PlannerConfig
+from megatron_epp.data.tokenizers import TokenizerOptions
+from megatron_epp.planner.config import CALIBRATE_FIRST_STEP, ParallelDims, PlannerConfig, PlannerOptions
 from megatron_epp.training.megatron_flags import ACCEPTED
 from megatron_epp.training.memory_budget import DefaultBudget
+
+ROTARY_BASE = 10000  # Megatron-LM's default RoPE base
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")  # Megatron-LM's --attention-backend
+PROFILE_STEPS = (10, 12)  # Megatron-LM's --profile-step-start and --profile-step-end
+CALIBRATE_INTERVAL = 20  # --epp-calibrate-interval's default (the first fit: after step CALIBRATE_FIRST_STEP)
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     """The model's shape, architecture, precision and megatron-core's own activation recompute."""
 
-    num_layers: int
-    hidden_size: int
-    num_attention_heads: int
-    ffn_hidden_size: int
-    seq_length: int
-    max_position_embeddings: int
-    vocab_size: int
-    make_vocab_size_divisible_by: int
-    position_embedding_type: str
-    add_position_embedding: bool
-    rotary_base: int
-    rotary_percent: float
-    use_rope_scaling: bool
-    rope_scaling_factor: float
-    rope_scaling_low_freq_factor: float
-    rope_scaling_high_freq_factor: float
-    rope_scaling_original_max_position_embeddings: int
-    rotary_seq_len_interpolation_factor: float | None
-    untie_embeddings_and_output_weights: bool
-    hidden_dropout: float
-    attention_dropout: float
-    init_method_std: float
-    swiglu: bool
-    normalization: str
-    norm_epsilon: float
-    apply_layernorm_1p: bool
-    group_query_attention: bool
-    num_query_groups: int | None
-    kv_channels: int | None
-    disable_bias_linear: bool
-    attention_backend: str
-    masked_softmax_fusion: bool
-    recompute_granularity: str | None
-    recompute_method: str | None
-    recompute_num_layers: int | None
-    bf16: bool
-    fp16: bool
+    GROUP: ClassVar[str] = "model"
+    num_layers: int = option("--num-layers", default=4, type=int,
+        help="transformer layers (default 4, a toy; Megatron-LM: required)")
+    hidden_size: int = option("--hidden-size", default=64, type=int,
+        help="hidden size (default 64, a toy; Megatron-LM: required)")
+    num_attention_heads: int = option("--num-attention-heads", default=4, type=int,
+        help="query heads (default 4, a toy; Megatron-LM: required)")
+    ffn_hidden_size: int = option("--ffn-hidden-size", type=int,
+        help="default: 4 x hidden size; with --swiglu 8/3 x hidden size rounded down to a multiple of 64 (Megatron-LM's)")
+    seq_length: int = option("--seq-length", default=128, type=int,
+        help="tokens per sample (default 128; Megatron-LM: required); with --elastic-pp the context cap: the "
+             "longest document trained (see --epp-truncate-documents), not a fixed sample length")
+    max_position_embeddings: int = option("--max-position-embeddings", type=int,
+        help="default: --seq-length")
+    position_embedding_type: str = option("--position-embedding-type", default="rope", choices=["rope", "learned_absolute"],
+        help="default rope (Megatron-LM: learned_absolute)")
+    use_rotary_position_embeddings: bool = option("--use-rotary-position-embeddings", default=False, action="store_true",
+        help="Megatron-LM's older spelling of --position-embedding-type rope")
+    add_position_embedding: bool = option("--no-position-embedding", default=True, action="store_false", dest="add_position_embedding",
+        help="no learned absolute position embedding, as Megatron-LM: with rope (the default here) there is "
+             "none anyway; with learned_absolute it is refused (position-free models are not supported, as in Megatron-LM)")
+    rotary_percent: float = option("--rotary-percent", default=1.0, type=float,
+        help="the share of each head's channels RoPE rotates (default 1.0, as Megatron-LM)")
+    vocab_size: int = option("--vocab-size", type=int,
+        help="default: the tokenizer's (byte: 257)")
+    make_vocab_size_divisible_by: int = option("--make-vocab-size-divisible-by", default=128, type=int,
+        help="pad the vocabulary (embedding and output layer rows) up to a multiple of this x "
+             "--tensor-model-parallel-size, as Megatron-LM (the padded rows are never a label)")
+    untie_embeddings_and_output_weights: bool = option("--untie-embeddings-and-output-weights", default=False, action="store_true",
+        help="separate input embedding and output layer weights (default: shared, as Megatron-LM)")
+    hidden_dropout: float = option("--hidden-dropout", default=0.0, type=float,
+        help="dropout after attention and MLP (default 0.0; Megatron-LM: 0.1)")
+    attention_dropout: float = option("--attention-dropout", default=0.0, type=float,
+        help="dropout of the attention probabilities (default 0.0; Megatron-LM: 0.1)")
+    init_method_std: float = option("--init-method-std", default=0.02, type=float,
+        help="weights' initial standard deviation (default 0.02)")
+    swiglu: bool = option("--swiglu", default=False, action="store_true",
+        help="SwiGLU MLP (gated SiLU: fc1 is 2 x --ffn-hidden-size wide)")
+    normalization: str = option("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"],
+        help="the layers' norm (default LayerNorm)")
+    norm_epsilon: float = option("--norm-epsilon", default=1e-5, type=float,
+        help="the norms' epsilon (default 1e-5)")
+    apply_layernorm_1p: bool = option("--apply-layernorm-1p", default=False, action="store_true",
+        help="zero-centred norm weights, as Megatron-LM: the norm multiplies by (1 + weight), the weight "
+             "initialised to 0 (megatron-core's layernorm_zero_centered_gamma)")
+    group_query_attention: bool = option("--group-query-attention", default=False, action="store_true",
+        help="grouped-query attention (needs --num-query-groups)")
+    num_query_groups: int | None = option("--num-query-groups", type=int,
+        help="K/V heads with --group-query-attention")
+    kv_channels: int | None = option("--kv-channels", type=int,
+        help="head dimension (default: --hidden-size / --num-attention-heads)")
+    disable_bias_linear: bool = option("--disable-bias-linear", default=False, action="store_true",
+        help="no biases in the linear layers")
+    rotary_base: int = option("--rotary-base", type=int,
+        help=f"RoPE's base (theta; default {ROTARY_BASE})")
+    use_rope_scaling: bool = option("--use-rope-scaling", default=False, action="store_true",
+        help="LLaMA 3.x RoPE scaling (Hugging Face's rope_type llama3; megatron-core's rope_scaling): low "
+             "frequencies divided by --rope-scaling-factor, high ones kept, the band between interpolated")
+    rope_scaling_factor: float = option("--rope-scaling-factor", type=float,
+        help="with --use-rope-scaling (default 8.0, as Megatron-LM)")
+    rope_scaling_low_freq_factor: float = option("--rope-scaling-low-freq-factor", type=float,
+        help="with --use-rope-scaling: llama3's low_freq_factor (default 1.0, megatron-core's fixed value)")
+    rope_scaling_high_freq_factor: float = option("--rope-scaling-high-freq-factor", type=float,
+        help="with --use-rope-scaling: llama3's high_freq_factor (default 4.0, megatron-core's fixed value)")
+    rope_scaling_original_max_position_embeddings: int = option("--rope-scaling-original-max-position-embeddings", type=int,
+        help="with --use-rope-scaling: llama3's original_max_position_embeddings, the context the model was "
+             "pretrained at (default 8192, megatron-core's fixed value)")
+    rotary_seq_len_interpolation_factor: float | None = option("--rotary-seq-len-interpolation-factor", type=float,
+        help="linear RoPE scaling (Hugging Face's rope_type linear): positions divided by this factor (megatron-core's "
+             "seq_len_interpolation_factor)")
+    attention_backend: str = option("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+        help="with --elastic-pp, ElasticAttention's kernels: auto = flash-attn where it runs, else PyTorch's "
+             "SDPA; flash = flash-attn (an error where it cannot run); local, unfused = SDPA; fused = auto "
+             "(Transformer Engine's cuDNN attention is not used; said at start-up). Without --elastic-pp "
+             "megatron-core's: local = its own attention, flash/fused/unfused = Transformer Engine's (refused without "
+             "it), auto = Transformer Engine's choice where it is used (default auto)",
+        aliases=(alias("--use-flash-attn", action="store_const", const="flash", help="Megatron-LM's older spelling of --attention-backend flash"),))
+    masked_softmax_fusion: bool = option("--no-masked-softmax-fusion", default=True, action="store_false", dest="masked_softmax_fusion",
+        help="without --elastic-pp, never megatron's fused masked softmax (by default it is used on CUDA where "
+             "it imports); ElasticAttention has none")
+    bf16: bool = option("--bf16", default=False, action="store_true",
+        help="bf16 parameters and activations (megatron-core's Float16Module), fp32 main parameters in the optimizer", group="optimisation")
+    fp16: bool = option("--fp16", default=False, action="store_true",
+        help="fp16 parameters and activations with loss scaling (dynamic unless --loss-scale), fp32 main "
+             "parameters; a step whose scaled gradients overflow is skipped and the scale lowered, as Megatron-LM", group="optimisation")
+    recompute_granularity: str | None = option("--recompute-granularity", choices=["full", "selective"],
+        help="without --elastic-pp: megatron-core's activation recompute (with it, the plan decides: --epp-recompute)", group="activation recompute")
+    recompute_method: str | None = option("--recompute-method", choices=["uniform", "block"],
+        help="--recompute-granularity full: which layers are recomputed", group="activation recompute")
+    recompute_num_layers: int | None = option("--recompute-num-layers", type=int,
+        help="--recompute-granularity full: layers per recomputed group (default 1)", group="activation recompute")
 
     @property
     def precision(self) -> str:
@@ -80,108 +139,220 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """The layout (``dims``: tp, pp, dp, sequence parallelism, world size) and the data-parallel machinery."""
+    """The layout (``dims``: tp, pp, dp, cp, sequence parallelism, world size; derived from the sizes given and the
+    world size) and the data-parallel machinery."""
 
-    dims: ParallelDims
-    use_distributed_optimizer: bool
-    overlap_grad_reduce: bool
-    ddp_bucket_size: int | None
-    distributed_timeout_minutes: float
-    sequence_parallel_off_at_tp1: bool  # --sequence-parallel given at tp 1: turned off, a start-up line says so
+    GROUP: ClassVar[str] = "parallelism"
+    tensor_model_parallel_size: int = option("--tensor-model-parallel-size", default=1, type=int,
+        help="tensor-parallel ranks (default 1)")
+    pipeline_model_parallel_size: int = option("--pipeline-model-parallel-size", default=1, type=int,
+        help="pipeline stages (default 1)")
+    virtual_pipeline_model_parallel_size: int | None = option("--virtual-pipeline-model-parallel-size", type=int,
+        help="Megatron's interleaved schedule: not supported (the elastic schedule runs one model chunk per stage)")
+    context_parallel_size: int | None = option("--context-parallel-size", type=int,
+        help="context-parallel ranks per pipeline stage (with --elastic-pp; default 1): Ulysses, each chunk's tokens "
+             "split evenly over them (padded to a multiple), an all-to-all to heads / N around core attention")
+    cp_comm_type: list[str] | str | None = option("--cp-comm-type", nargs="+",
+        help="context parallelism's communication: a2a (Ulysses, the only one implemented; also what "
+             "--context-parallel-size alone means here); p2p, allgather, a2a+p2p are refused")
+    sequence_parallel: bool = option("--sequence-parallel", default=False, action="store_true",
+        help="Megatron's sequence parallelism: activations outside attention split along the sequence over "
+             "the tensor-parallel ranks (needs --tensor-model-parallel-size > 1; with --elastic-pp each chunk is padded to a "
+             "multiple of it)")
+    use_distributed_optimizer: bool = option("--use-distributed-optimizer", default=False, action="store_true",
+        help="shard the optimizer states (and fp32 main params) over the data-parallel ranks (ZeRO-1)")
+    overlap_grad_reduce: bool = option("--overlap-grad-reduce", default=False, action="store_true",
+        help="reduce gradients bucket by bucket while the backward runs (DDP buckets)")
+    ddp_bucket_size: int | None = option("--ddp-bucket-size", type=int,
+        help="parameters per DDP gradient bucket with --overlap-grad-reduce "
+             "(default: megatron-core's, max(4e7, 1e6 x data parallel))")
+    distributed_timeout_minutes: float = option("--distributed-timeout-minutes", default=10.0, type=float, metavar="M",
+        help="a collective that waits longer (a dead or hung rank) fails the job (default 10)", group="preemption and faults")
+    dims: ParallelDims | None = derived()
+    sequence_parallel_off_at_tp1: bool = derived(False)  # --sequence-parallel given at tp 1: turned off, a start-up line says so
 
 
 @dataclass(frozen=True)
 class OptimConfig:
-    """The optimizer, the learning-rate schedule (in samples, as megatron-core's scheduler counts) and fp16's
-    loss scaling."""
+    """The optimizer, the learning-rate schedule (in samples, as megatron-core's scheduler counts: validation turns
+    ``--lr-*-iters`` and ``--lr-warmup-fraction`` into ``lr_warmup_samples``, ``lr_decay_samples`` and
+    ``lr_wsd_decay_samples_total``) and fp16's loss scaling."""
 
-    optimizer: str
-    lr: float
-    min_lr: float
-    lr_decay_style: str
-    lr_wsd_decay_style: str
-    lr_warmup_init: float
-    lr_warmup_samples: float
-    lr_decay_samples: int
-    lr_wsd_decay_samples_total: int | None
-    decoupled_lr: float | None
-    decoupled_min_lr: float | None
-    weight_decay: float
-    adam_beta1: float
-    adam_beta2: float
-    adam_eps: float
-    sgd_momentum: float
-    clip_grad: float
-    grad_reduce_in_bf16: bool
-    loss_scale: float | None
-    initial_loss_scale: float
-    min_loss_scale: float
-    loss_scale_window: float
-    hysteresis: int
+    GROUP: ClassVar[str] = "optimisation"
+    lr: float = option("--lr", default=1e-3, type=float,
+        help="peak learning rate (default 1e-3; Megatron-LM: none)")
+    min_lr: float = option("--min-lr", default=0.0, type=float,
+        help="the learning rate the decay ends at (default 0.0)")
+    lr_decay_style: str = option("--lr-decay-style", default="cosine", choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"],
+        help="learning-rate decay after the warm-up, megatron-core's OptimizerParamScheduler (default cosine; "
+             "Megatron-LM: linear); WSD: --lr until the last --lr-wsd-decay-iters/-samples of the decay, then "
+             "--lr-wsd-decay-style down to --min-lr")
+    lr_wsd_decay_style: str = option("--lr-wsd-decay-style", default="exponential", choices=["exponential", "linear", "cosine", "minus_sqrt"],
+        help="the annealing of --lr-decay-style WSD (default exponential, as Megatron-LM)")
+    lr_wsd_decay_iters: int | None = option("--lr-wsd-decay-iters", type=int,
+        help="--lr-decay-style WSD: iterations of annealing")
+    lr_wsd_decay_samples: int | None = option("--lr-wsd-decay-samples", type=int,
+        help="--lr-decay-style WSD with --train-samples: samples of annealing")
+    lr_warmup_iters: int = option("--lr-warmup-iters", default=0, type=int,
+        help="warm-up iterations (default 0)")
+    lr_warmup_fraction: float | None = option("--lr-warmup-fraction", type=float,
+        help="warm-up as a fraction of the decay (--lr-decay-iters or --lr-decay-samples), as Megatron-LM; "
+             "instead of --lr-warmup-iters/-samples")
+    lr_warmup_init: float = option("--lr-warmup-init", default=0.0, type=float,
+        help="the learning rate the warm-up (--lr-warmup-iters or --lr-warmup-samples) starts from (default 0.0)")
+    lr_decay_iters: int | None = option("--lr-decay-iters", type=int,
+        help="default: --train-iters")
+    lr_warmup_samples: float = option("--lr-warmup-samples", default=0, type=int,
+        help="with --train-samples: warm-up in samples")
+    lr_decay_samples: int = option("--lr-decay-samples", type=int,
+        help="with --train-samples: decay in samples (default: --train-samples)")
+    decoupled_lr: float | None = option("--decoupled-lr", type=float,
+        help="a separate peak learning rate for the input embedding and the output layer, as Megatron-LM")
+    decoupled_min_lr: float | None = option("--decoupled-min-lr", type=float,
+        help="their --min-lr, with --decoupled-lr")
+    optimizer: str = option("--optimizer", default="adam", choices=["adam", "sgd"],
+        help="megatron-core's optimizer (default adam)")
+    sgd_momentum: float = option("--sgd-momentum", default=0.9, type=float,
+        help="--optimizer sgd's momentum (default 0.9)")
+    weight_decay: float = option("--weight-decay", default=0.01, type=float,
+        help="weight decay of the weights (not biases and norms; default 0.01)")
+    adam_beta1: float = option("--adam-beta1", default=0.9, type=float,
+        help="Adam's beta1 (default 0.9)")
+    adam_beta2: float = option("--adam-beta2", default=0.95, type=float,
+        help="Adam's beta2 (default 0.95; Megatron-LM: 0.999)")
+    adam_eps: float = option("--adam-eps", default=1e-8, type=float,
+        help="Adam's epsilon (default 1e-8)")
+    clip_grad: float = option("--clip-grad", default=1.0, type=float,
+        help="gradient clipping by global norm (default 1.0; 0: off)")
+    grad_reduce_in_bf16: bool = option("--grad-reduce-in-bf16", default=False, action="store_true",
+        help="with --bf16, gradients accumulated and reduced in bf16 (default: in fp32)")
+    loss_scale: float | None = option("--loss-scale", type=float,
+        help="--fp16: a fixed loss scale (default: dynamic)")
+    initial_loss_scale: float = option("--initial-loss-scale", default=2.0**32, type=float,
+        help="--fp16: the dynamic scale's start (default 2^32)")
+    min_loss_scale: float = option("--min-loss-scale", default=1.0, type=float,
+        help="--fp16: the dynamic scale's floor (default 1.0)")
+    loss_scale_window: float = option("--loss-scale-window", default=1000, type=float,
+        help="--fp16: steps without overflow before the dynamic scale doubles (default 1000)")
+    hysteresis: int = option("--hysteresis", default=2, type=int,
+        help="--fp16: overflowing steps tolerated before the dynamic scale halves (default 2)")
+    lr_wsd_decay_samples_total: int | None = derived()
 
 
 @dataclass(frozen=True)
 class TrainingSection:
     """The run: its length, batch, seed, garbage collection, checks and exit conditions."""
 
-    train_iters: int
-    train_samples: int | None
-    micro_batch_size: int
-    global_batch_size: int
-    num_microbatches: int
-    seed: int
-    manual_gc: bool
-    manual_gc_interval: int
-    manual_gc_eval: bool
-    empty_unused_memory_level: int
-    check_for_nan_in_loss_and_grad: bool
-    exit_signal_handler: bool
-    exit_interval: int | None
-    exit_duration_in_mins: float | None
+    GROUP: ClassVar[str] = "optimisation"
+    micro_batch_size: int = option("--micro-batch-size", default=1, type=int,
+        help="samples per micro-batch (default 1; Megatron-LM: required); with --elastic-pp each step's "
+             "documents are planned into chunks, which replace micro-batches: the value is not used (said at start-up)", group="batch")
+    global_batch_size: int = option("--global-batch-size", type=int,
+        help="default: micro batch x data parallel", group="batch")
+    train_iters: int = option("--train-iters", type=int,
+        help="default 20 (unless --train-samples)")
+    train_samples: int | None = option("--train-samples", type=int,
+        help="train this many samples (--elastic-pp: documents) instead of --train-iters: "
+             "floor(N / --global-batch-size) iterations, as Megatron-LM")
+    seed: int = option("--seed", default=1234, type=int,
+        help="random seed of initialisation, data order and dropout (default 1234)")
+    manual_gc: bool = option("--manual-gc", default=False, action="store_true",
+        help="Python's garbage collector off during training, collected every --manual-gc-interval steps "
+             "(and around evaluations), as Megatron-LM: the same collection on every rank")
+    manual_gc_interval: int = option("--manual-gc-interval", default=0, type=int,
+        help="--manual-gc: collect every N iterations (default 0: only at start and around evaluations)")
+    manual_gc_eval: bool = option("--no-manual-gc-eval", default=True, action="store_false", dest="manual_gc_eval",
+        help="--manual-gc: no collection around evaluations")
+    empty_unused_memory_level: int = option("--empty-unused-memory-level", default=0, type=int, choices=[0, 1, 2],
+        help="on CUDA, release the allocator's cached blocks: 1 after each forward-backward, 2 also after the "
+             "optimizer step (default 0; no effect on CPU)")
+    exit_signal_handler: bool = option("--exit-signal-handler", default=False, action="store_true",
+        help="on SIGTERM (preemption, scancel, a SLURM --signal), every rank finishes the current step, "
+             "saves a checkpoint and exits 0 (needs --save)", group="preemption and faults")
+    exit_interval: int | None = option("--exit-interval", type=int, metavar="N",
+        help="exit after an iteration divisible by N, saving when --save is given", group="preemption and faults")
+    exit_duration_in_mins: float | None = option("--exit-duration-in-mins", type=float, metavar="M",
+        help="exit after the step during which M minutes since start passed, saving when --save is given", group="preemption and faults")
+    check_for_nan_in_loss_and_grad: bool = option("--check-for-nan-in-loss-and-grad", default=True, action=argparse.BooleanOptionalAction,
+        help="a NaN/Inf loss or gradient stops the run before the update, naming the iteration and the rank "
+             "(default: on, as Megatron-LM; --no-check-for-nan-in-loss-and-grad turns it off)", group="preemption and faults")
+    num_microbatches: int | None = derived()
 
 
 @dataclass(frozen=True)
-class DataConfig:
-    """The corpus (mock, or a blend of indexed datasets), its split and the tokenizer."""
+class DataConfig(TokenizerOptions):
+    """The corpus (mock, or a blend of indexed datasets), its split and the tokenizer (its flags: ``TokenizerOptions``)."""
 
-    mock_data: bool
-    data_path: list[str] | None
-    data_blend: Blend | None
-    split: str
-    eod_mask_loss: bool
-    eod: int  # the tokenizer's end-of-document id
-    tokenizer_type: str
-    tokenizer_model: str | None
-    vocab_file: str | None
-    merge_file: str | None
-    eod_token: str | None
+    GROUP: ClassVar[str] = "data"
+    mock_data: bool = option("--mock-data", default=False, action="store_true",
+        help="synthetic learnable sequences")
+    data_path: list[str] | None = option("--data-path", nargs="+", metavar="[WEIGHT] PREFIX",
+        help="prefix of a Megatron indexed dataset (.bin/.idx), or a blend: WEIGHT PREFIX pairs (0.3 A 0.7 B)")
+    split: str = option("--split", default="969,30,1",
+        help="train,valid,test weights over documents (default 969,30,1)")
+    eod_mask_loss: bool = option("--eod-mask-loss", default=False, action="store_true",
+        help="no loss on the token after an end-of-document token, as Megatron-LM; with --elastic-pp a document "
+             "never predicts past its end anyway")
+    data_blend: Blend | None = derived()
+    eod: int | None = derived()  # the tokenizer's end-of-document id
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    save: str | None
-    load: str | None
-    save_interval: int | None
-    ckpt_fallback: bool
-    exit_on_missing_checkpoint: bool
-    no_load_optim: bool
-    no_load_rng: bool
-    finetune: bool
-    dist_ckpt_optim_fully_reshardable: bool
-    ckpt_format: str
+    GROUP: ClassVar[str] = "checkpointing"
+    save: str | None = option("--save", 
+        help="directory to save checkpoints to (iter_XXXXXXX/, as Megatron-LM)")
+    load: str | None = option("--load", 
+        help="directory to resume from: its latest checkpoint whose files match the checksums recorded at save "
+             "(else the newest older one that does, saying so: see --no-ckpt-fallback); a directory with no "
+             "checkpoint yet, or none at all, starts from scratch with a warning (--save X --load X), as Megatron-LM")
+    save_interval: int | None = option("--save-interval", type=int,
+        help="save every N iterations (and at the end)")
+    ckpt_fallback: bool = option("--no-ckpt-fallback", default=True, dest="ckpt_fallback", action="store_false",
+        help="a damaged latest checkpoint (a file missing, of another size or failing its checksum) is an "
+             "error instead of falling back to the newest older checkpoint that verifies")
+    exit_on_missing_checkpoint: bool = option("--exit-on-missing-checkpoint", default=False, action="store_true",
+        help="with --load: exit with an error if the directory holds no checkpoint, instead of starting from scratch")
+    no_load_optim: bool = option("--no-load-optim", default=False, action="store_true",
+        help="do not load the optimizer states (nor, as Megatron-LM, the LR schedule's position) from the checkpoint")
+    no_load_rng: bool = option("--no-load-rng", default=False, action="store_true",
+        help="do not load the random number generators' states from the checkpoint")
+    finetune: bool = option("--finetune", default=False, action="store_true",
+        help="load the model weights only: no optimizer, LR schedule or RNG state, and start at iteration 0, "
+             "sample 0 (as Megatron-LM)")
+    dist_ckpt_optim_fully_reshardable: bool = option("--dist-ckpt-optim-fully-reshardable", default=False, action="store_true",
+        help="with --use-distributed-optimizer: save its states in megatron-core's fully_reshardable format "
+             "(gathered over the data-parallel ranks at save, in model space), which loads at any other tensor and "
+             "pipeline size too; the default dp_reshardable format (each rank its own shard, no gather) reshards "
+             "over the data-parallel size only (as Megatron-LM)")
+    ckpt_format: str = option("--ckpt-format", default="torch_dist",
+        help="torch_dist only: megatron-core's distributed checkpoint, what megatron-epp writes and reads "
+             "(Megatron-LM's default)")
 
 
 @dataclass(frozen=True)
 class LoggingConfig:
-    log_interval: int
-    eval_interval: int | None
-    eval_iters: int
-    tensorboard_dir: str | None
-    log_throughput: bool
-    wandb_project: str | None
-    wandb_exp_name: str | None
-    wandb_save_dir: str | None
-    epp_metrics: str | None  # --epp-metrics: the JSON-lines file (its default filled in by validation)
+    GROUP: ClassVar[str] = "logging"
+    log_interval: int = option("--log-interval", default=1, type=int,
+        help="iterations per log line (default 1; Megatron-LM: 100)")
+    eval_interval: int | None = option("--eval-interval", type=int,
+        help="evaluate every N iterations (default: never; Megatron-LM: 1000)")
+    eval_iters: int = option("--eval-iters", default=2, type=int,
+        help="global batches per evaluation (default 2; Megatron-LM: 100); 0 turns evaluation off")
+    tensorboard_dir: str | None = option("--tensorboard-dir", 
+        help="TensorBoard scalars: loss, lr, grad norm, tokens/s, "
+             "throughput, and with --elastic-pp the plan's statistics and per-stage memory")
+    log_throughput: bool = option("--log-throughput", default=False, action="store_true",
+        help="model TFLOP/s per GPU in the log line (the tokens trained, causal attention per document)")
+    wandb_project: str | None = option("--wandb-project", 
+        help="log the same scalars to this wandb project (needs wandb)")
+    wandb_exp_name: str | None = option("--wandb-exp-name", 
+        help="the wandb run's name (default: wandb's)")
+    wandb_save_dir: str | None = option("--wandb-save-dir", 
+        help="wandb's local directory (default: SAVE/wandb with --save)")
+    epp_metrics: str | None = option("--epp-metrics", metavar="FILE",
+        help="append one JSON record per logged step to FILE (default: metrics.jsonl in --tensorboard-dir, "
+             "else in --save; none without either)")
 
 
 @dataclass(frozen=True)
@@ -189,54 +360,89 @@ class ProfileConfig:
     """``--profile`` (``enabled``): the iterations ``[step_start, step_end)`` (as the log counts them) of the
     ``ranks`` that profile, under nsys or, with ``--use-pytorch-profiler``, torch.profiler."""
 
-    enabled: bool = field(metadata={"dest": "profile"})
-    step_start: int | None  # None without --profile
-    step_end: int | None
-    ranks: tuple[int, ...] | None
-    use_pytorch_profiler: bool = field(metadata={"dest": "use_pytorch_profiler"})
+    GROUP: ClassVar[str] = "profiling"
+    enabled: bool = option("--profile", default=False, action="store_true",
+        help="profile iterations [--profile-step-start, --profile-step-end) on --profile-ranks, as Megatron-LM: "
+             "cudaProfilerStart before the first and cudaProfilerStop after the last, NVTX ranges (emit_nvtx, "
+             "record_shapes) in between, for `nsys profile --capture-range=cudaProfilerApi "
+             "--capture-range-end=stop` (on CPU nothing to capture: said at start-up); with "
+             "--use-pytorch-profiler a torch.profiler trace instead. With --elastic-pp each chunk's forward and "
+             "backward is a named range: 'epp F p0 c3 split 4096t stage 1' (pipeline, chunk, kind, tokens, stage)")
+    step_start: int | None = option("--profile-step-start", type=int, metavar="N",
+        help=f"the first profiled iteration, numbered as in the log (default {PROFILE_STEPS[0]}, as Megatron-LM)")
+    step_end: int | None = option("--profile-step-end", type=int, metavar="N",
+        help=f"the iteration after the last profiled one (default {PROFILE_STEPS[1]}, as Megatron-LM)")
+    ranks: tuple[int, ...] | None = option("--profile-ranks", type=int, nargs="+", metavar="RANK",
+        help="the global ranks that profile (default 0, as Megatron-LM)")
+    use_pytorch_profiler: bool = option("--use-pytorch-profiler", default=False, action="store_true",
+        help="with --profile: torch.profiler on --profile-ranks (CPU activities, and CUDA's on a GPU; "
+             "record_shapes, with_stack), one trace per rank written under --tensorboard-dir by "
+             "torch.profiler.tensorboard_trace_handler (HOST_PID.TIME.pt.trace.json, named in a log line), as "
+             "Megatron-LM; needs --tensorboard-dir")
 
 
 @dataclass(frozen=True)
-class EPPConfig:
-    """``--elastic-pp`` (``enabled``) and the ``--epp-*`` options; ``planner``: the planner's options (with
-    ``--elastic-pp`` or ``--epp-search-layout``, else None), its budget in bytes; ``default_budget``: how the budget
-    was derived when ``--epp-memory-budget`` was not given (None where it was)."""
+class EPPConfig(PlannerOptions):
+    """``--elastic-pp`` (``enabled``) and the ``--epp-*`` options (the planner's: ``PlannerOptions``); ``planner``: the
+    planner's settings made of them (with ``--elastic-pp`` or ``--epp-search-layout``, else None), its budget in bytes;
+    ``default_budget``: how the budget was derived when ``--epp-memory-budget`` was not given (None where it was)."""
 
-    enabled: bool = field(metadata={"dest": "elastic_pp"})
-    planner: PlannerConfig | None
-    profile_cache: str | None
-    truncate_documents: bool
-    timeline: str | None
-    calibrate_interval: int | None
-    search_layout: bool
-    cluster: str | None
-    default_budget: DefaultBudget | None
+    GROUP: ClassVar[str] = "elastic pipeline parallelism"
+    enabled: bool = option("--elastic-pp", default=False, action="store_true",
+        help="whole documents per global batch, planned every step into batched/split/hybrid chunks")
+    profile_cache: str | None = option("--epp-profile-cache", metavar="DIR",
+        help="where --epp-profile auto keeps the profiles it measures on a GPU, one per GPU name, dtype, "
+             "attention kernel and layer shape (default $XDG_CACHE_HOME/megatron-epp/profiles, ~/.cache without it)")
+    truncate_documents: bool = option("--epp-truncate-documents", default=False, action="store_true",
+        help="train documents longer than --seq-length (the context cap) on their first --seq-length "
+             "tokens; without it such a document is an error before training")
+    timeline: str | None = option("--epp-timeline", 
+        help="directory: the planned timeline picture of every logged step")
+    calibrate_interval: int | None = option("--epp-calibrate-interval", type=int, metavar="N",
+        help="refit the planner's cost model to this machine (speed factor s and per-chunk stage overhead o) "
+             f"on the measured steps: after step {CALIBRATE_FIRST_STEP} (the first step of a run or a resumed run is "
+             f"warm-up and left out), then every N steps, on the last max(N, {CALIBRATE_FIRST_STEP - 1}) steps; and its "
+             "activation memory factor (the largest measured / predicted activation peak, at least 1) at the same "
+             "steps and at once after a step over --epp-memory-budget; saved "
+             f"in checkpoints; 0: off, the profile as given (default {CALIBRATE_INTERVAL})")
+    planner: PlannerConfig | None = derived()
+    default_budget: DefaultBudget | None = derived()
 
 
 @dataclass(frozen=True)
 class TrainingConfig:
-    """Everything a training run reads, made once by :meth:`from_args` after the flags are validated."""
+    """Everything a training run reads: ``TrainingConfig()`` is every option's default; :func:`from_namespace` the
+    options a command line gave; validation (``arguments.validate``) makes the final one."""
 
-    model: ModelConfig
-    parallel: ParallelConfig
-    optim: OptimConfig
-    training: TrainingSection
-    data: DataConfig
-    checkpoint: CheckpointConfig
-    logging: LoggingConfig
-    profile: ProfileConfig
-    epp: EPPConfig
-    accepted_flags: tuple[str, ...] = ()  # Megatron-LM flags given that have no effect here (the start-up line)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    training: TrainingSection = field(default_factory=TrainingSection)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    epp: EPPConfig = field(default_factory=EPPConfig)
+    accepted_flags: tuple[str, ...] = derived(())  # Megatron-LM flags given that have no effect here (the start-up line)
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "TrainingConfig":
-        """From the namespace :func:`~megatron_epp.training.arguments.parse_args` returns (validated, derived
-        values filled in)."""
-        planner = PlannerConfig.from_args(args, args.seq_length) if args.elastic_pp or args.epp_search_layout else None
-        special = {"dims": ParallelDims.from_args(args), "planner": planner, "search_layout": bool(args.epp_search_layout)}
-        sections = {name: _section(kind, args, special) for name, kind in get_type_hints(cls).items() if name != "accepted_flags"}
-        accepted = tuple(entry.flag for entry in ACCEPTED if getattr(args, entry.dest) not in (None, False))
-        return cls(**sections, accepted_flags=accepted)
+    def from_namespace(cls, args: argparse.Namespace) -> "TrainingConfig":
+        """The options as parsed (before validation): every parsed name goes into its field, or is an accepted
+        Megatron-LM flag; a name with neither (an ``add_argument`` beside the fields) is a ``TypeError``."""
+        values = dict(vars(args))
+        accepted = tuple(entry.flag for entry in ACCEPTED if values.pop(entry.dest) not in (None, False))
+        cfg = read_fields(cls, values)
+        if values:
+            raise TypeError(f"parsed options without a field: {', '.join(sorted(values))}")
+        return dataclasses.replace(cfg, accepted_flags=accepted)
+
+    def values(self) -> Values:
+        """A read-only view of every field by its flag's dest (``cfg.values().lr_warmup_iters``): what validation reads."""
+        return Values(self, PATHS)
+
+    def with_values(self, changes: dict[str, Any]) -> "TrainingConfig":
+        """A copy with fields changed by their dests (what each validation step returns)."""
+        return replace_keys(self, PATHS, changes)
 
     def replace(self, **changes: dict[str, Any]) -> "TrainingConfig":
         """A copy with some sections' fields changed: ``cfg.replace(model={"vocab_size": 64})``."""
@@ -260,42 +466,4 @@ class TrainingConfig:
         return out
 
 
-SECTION_PREFIX = {"EPPConfig": "epp_", "ProfileConfig": "profile_"}  # the flags of these sections are --epp-NAME (--profile-NAME); the field is NAME
-SECTIONS = (ModelConfig, ParallelConfig, OptimConfig, TrainingSection, DataConfig, CheckpointConfig, LoggingConfig, ProfileConfig,
-            EPPConfig)
-
-
-def _dest(section: type, f: dataclasses.Field) -> str:
-    return f.metadata.get("dest", SECTION_PREFIX.get(section.__name__, "") + f.name)
-
-
-def _section(section: type, args: argparse.Namespace, special: dict[str, Any]) -> Any:
-    return section(**{f.name: special[f.name] if f.name in special else getattr(args, _dest(section, f))
-                      for f in fields(section)})
-
-
-# Flags that validation folds into others, and where they went (so no flag is silently dropped)
-FOLDED = {
-    "tensor_model_parallel_size": "parallel.dims.tp", "pipeline_model_parallel_size": "parallel.dims.pp",
-    "data_parallel_size": "parallel.dims.dp", "sequence_parallel": "parallel.dims.sequence_parallel",
-    "virtual_pipeline_model_parallel_size": "refused unless 1", "context_parallel_size": "parallel.dims.cp",
-    "cp_comm_type": "a2a, the only one (parallel.dims.cp > 1)",
-    "use_rotary_position_embeddings": "model.position_embedding_type", "tokenizer": "data.tokenizer_type/tokenizer_model",
-    "lr_warmup_iters": "optim.lr_warmup_samples", "lr_warmup_fraction": "optim.lr_warmup_samples",
-    "lr_decay_iters": "optim.lr_decay_samples", "lr_wsd_decay_iters": "optim.lr_wsd_decay_samples_total",
-    "lr_wsd_decay_samples": "optim.lr_wsd_decay_samples_total",
-    "epp_memory_budget": "epp.planner.memory_budget_bytes", "epp_plan": "epp.planner.builder",
-    "epp_profile": "epp.planner.profile", "epp_recompute": "epp.planner.recompute",
-    "epp_max_slices": "epp.planner.max_slices", "epp_time_limit": "epp.planner.time_limit",
-}
-
-
-def placed_dests() -> set[str]:
-    """The namespace names :meth:`TrainingConfig.from_args` reads into a field."""
-    return {_dest(section, f) for section in SECTIONS for f in fields(section) if f.name not in ("dims", "planner")}  # search_layout: its dest, made a bool
-
-
-def unplaced_flags(args: argparse.Namespace) -> list[str]:
-    """The names in a parsed namespace that land nowhere in the config: a flag added without its field."""
-    accepted = {entry.dest for entry in ACCEPTED}
-    return sorted(set(vars(args)) - placed_dests() - set(FOLDED) - accepted)
+PATHS = field_paths(TrainingConfig)  # every field's dest (its flag's) and where it is: ("optim", "lr_warmup_iters")

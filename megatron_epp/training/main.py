@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
-from typing import Sequence
 
 from megatron_epp.data.tokenizers import TokenizerError
 from megatron_epp.training import checkpointing, host_allocator
-from megatron_epp.training.arguments import ArgumentError, parse_args, world_size_from_env
+from megatron_epp.training.arguments import ArgumentError, world_size_from_env
 from megatron_epp.training.corpus_check import check_corpus
 from megatron_epp.training.faults import FaultInjection, SigtermHandler, TrainingFault
 from megatron_epp.training.layout_search import driver_layout_search
@@ -75,14 +73,12 @@ def _verified_resume(cfg: TrainingConfig, resume, runtime) -> tuple[int | None, 
     return resume_at, load_notes + checkpointing.reshard_notes(cfg, resume_at), None if cfg.checkpoint.finetune else checkpointing.data_change(cfg, resume_at)
 
 
-def main(argv: Sequence[str] | TrainingConfig | argparse.Namespace | None = None) -> int:
-    """pretrain_gpt.py: ``argv`` are its flags, or already parsed: by :func:`~megatron_epp.training.arguments.parse_config`
-    (or :func:`~megatron_epp.training.arguments.parse_args`, the validated flags the config is made of)."""
+def main(cfg: TrainingConfig) -> int:
+    """pretrain_gpt.py's run of the configuration its flags make (:func:`~megatron_epp.training.arguments.parse_config`;
+    ``pretrain_gpt.run`` parses them)."""
     start_time = time.time()  # --exit-duration-in-mins counts from here
     allocator_note = configure_cuda_allocator()  # before anything touches CUDA
     try:
-        cfg = argv if isinstance(argv, TrainingConfig) else TrainingConfig.from_args(
-            argv if isinstance(argv, argparse.Namespace) else parse_args(argv))
         why = gpu_oversubscription(local_world_size(), gpu_count())
         if why:
             raise ArgumentError(why)

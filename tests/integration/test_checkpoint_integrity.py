@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 from megatron_epp.training.layer_bench import init_single_process
-from megatron_epp.training.arguments import ArgumentError, parse_args, parse_config
+from megatron_epp.training.arguments import ArgumentError, parse_config
 from megatron_epp.training.checkpointing import (
     METADATA, TRACKER, CheckpointError, check_loadable, choose_verified, skip_note,
 )
@@ -124,8 +124,8 @@ def test_load_flags_are_checked():
                            (["--no-load-optim"], "--no-load-optim needs --load"),
                            (["--finetune"], "--finetune needs --load")):
         with pytest.raises(ArgumentError, match=re.escape(message)):
-            parse_args([*FLAGS, *flags], world_size=2)
-    assert parse_args([*FLAGS, "--ckpt-format", "torch_dist"], world_size=2).ckpt_format == "torch_dist"
+            parse_config([*FLAGS, *flags], world_size=2)
+    assert parse_config([*FLAGS, "--ckpt-format", "torch_dist"], world_size=2).checkpoint.ckpt_format == "torch_dist"
 
 
 def test_the_fallback_trains_as_a_resume_from_the_previous_checkpoint(saved, tmp_path):

@@ -21,7 +21,7 @@ import torch
 
 from megatron_epp.training.layer_bench import init_single_process
 from megatron_epp.training import launch
-from megatron_epp.training.arguments import ArgumentError, parse_args, parse_config
+from megatron_epp.training.arguments import ArgumentError, parse_config
 from megatron_epp.training.checkpointing import METADATA, TRACKER, check_loadable, checkpoint_metadata, data_change, record_sha256
 from megatron_epp.training.corpus_check import check_corpus
 from megatron_epp.training.faults import ExitConditions
@@ -306,7 +306,7 @@ def test_exit_flags_are_checked():
                            (["--exit-interval", "0"], "--exit-interval 0: must be >= 1"),
                            (["--distributed-timeout-minutes", "0"], "--distributed-timeout-minutes 0.0: must be > 0")):
         with pytest.raises(ArgumentError, match=re.escape(message)):
-            parse_args([*FLAGS, *flags], world_size=2)
+            parse_config([*FLAGS, *flags], world_size=2)
 
 
 def test_exit_conditions_in_one_process():

@@ -123,7 +123,9 @@ def test_more_ranks_than_gpus_stops_before_any_work(monkeypatch, capsys):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setattr(main_module, "gpu_count", lambda: 1)
     monkeypatch.setattr(main_module, "initialize", lambda args: pytest.fail("initialize reached"))
-    assert main_module.main([*TINY]) == 2
+    from megatron_epp.training.arguments import parse_config
+
+    assert main_module.main(parse_config([*TINY], world_size=1)) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["pretrain_gpt.py: error: 2 processes on this node but 1 GPU: one process per GPU "
                    "(torchrun --nproc-per-node 1, or CUDA_VISIBLE_DEVICES)"]

@@ -15,7 +15,7 @@ from megatron.core.utils import unwrap_model
 
 from megatron_epp.executor.context import ChunkContext
 from megatron_epp.training.layer_bench import init_single_process
-from megatron_epp.training.arguments import parse_args, parse_config
+from megatron_epp.training.arguments import parse_config
 from megatron_epp.training.planning import online_planner
 from megatron_epp.planner.config import ParallelDims
 from megatron_epp.training.initialize import Runtime
@@ -61,7 +61,7 @@ def test_llama_flags_reach_the_model(elastic):
     model, config = build_model(args, runtime, context=ChunkContext() if elastic else None)
     assert (config.gated_linear_unit, config.activation_func, config.normalization, config.layernorm_epsilon) == (True, F.silu, "RMSNorm", 1e-6)
     assert (config.num_query_groups, config.kv_channels, config.add_bias_linear) == (2, 16, False)
-    assert parse_args(["--mock-data", "--hidden-size", "4096", "--num-attention-heads", "32", "--swiglu"], world_size=1).ffn_hidden_size == 10880
+    assert parse_config(["--mock-data", "--hidden-size", "4096", "--num-attention-heads", "32", "--swiglu"], world_size=1).model.ffn_hidden_size == 10880
     gpt = unwrap_model(model)
     layer = gpt.decoder.layers[0]
     norms = [m for m in gpt.modules() if isinstance(m, torch.nn.RMSNorm)]

@@ -19,7 +19,7 @@ from megatron_epp.data.documents import DocumentDataset
 from megatron_epp.data.gpt_samples import MockGPTSamples, sample_dict
 from megatron_epp.data.tokenizers import NullTokenizer, TokenizerError, build_tokenizer
 from megatron_epp.planner.epp import in_units
-from megatron_epp.training.arguments import build_parser, parse_args, parse_config
+from megatron_epp.training.arguments import build_parser, parse_config
 from megatron_epp.training.config import TrainingConfig
 from megatron_epp.training.megatron_flags import ACCEPTED, REFUSED, startup_notes
 from megatron_epp.training.metrics import read_metrics
@@ -45,8 +45,8 @@ def test_help_says_where_a_default_or_a_meaning_differs_from_megatron_lm(flag, s
     assert says in action.help
 
 
-def parsed(*flags: str, world_size: int = 1) -> argparse.Namespace:
-    return parse_args(["--mock-data", *flags], world_size=world_size)
+def parsed(*flags: str, world_size: int = 1) -> TrainingConfig:
+    return parse_config(["--mock-data", *flags], world_size=world_size)
 
 
 @pytest.mark.parametrize("flags, expected", [
@@ -73,11 +73,11 @@ def parsed(*flags: str, world_size: int = 1) -> argparse.Namespace:
     (["--optimizer", "sgd", "--sgd-momentum", "0.5"], {"optimizer": "sgd", "sgd_momentum": 0.5}),
     (["--eod-mask-loss"], {"eod_mask_loss": True}),
     (["--split", "'99,1,0'"], {"split": "'99,1,0'"}),  # as a shell array of Megatron-LM's examples passes it
-    (["--use-distributed-optimizer", "--overlap-param-gather"], {"overlap_param_gather": True}),
+    (["--use-distributed-optimizer", "--overlap-param-gather"], {"accepted_flags": ("--overlap-param-gather",)}),
 ])
 def test_megatron_flags_parse_with_their_meaning(flags, expected):
-    args = parsed(*flags)
-    assert {key: getattr(args, key) for key in expected} == expected
+    values = parsed(*flags).values()  # the config's fields by their flags' names
+    assert {key: getattr(values, key) for key in expected} == expected
 
 
 @pytest.mark.parametrize("entry", ACCEPTED, ids=lambda e: e.flag)
@@ -86,24 +86,24 @@ def test_accepted_flags_are_named_at_start_up(entry):
              "--distributed-backend": ["gloo"], "--transformer-impl": ["local"], "--dataloader-type": ["single"],
              "--rerun-mode": ["disabled"]}.get(entry.flag, [])
     extra = ["--use-distributed-optimizer"] if entry.flag == "--overlap-param-gather" else []
-    notes = startup_notes(TrainingConfig.from_args(parsed(entry.flag, *value, *extra)))
+    notes = startup_notes(parsed(entry.flag, *value, *extra))
     assert [n for n in notes if n.startswith("Megatron-LM flags accepted with no effect here") and entry.flag in n]
-    assert not [n for n in startup_notes(TrainingConfig.from_args(parsed())) if "accepted" in n]
+    assert not [n for n in startup_notes(parsed()) if "accepted" in n]
 
 
 def test_elastic_start_up_says_what_micro_batch_size_means():
-    notes = startup_notes(TrainingConfig.from_args(parsed("--elastic-pp", "--micro-batch-size", "2", "--global-batch-size", "4")))
+    notes = startup_notes(parsed("--elastic-pp", "--micro-batch-size", "2", "--global-batch-size", "4"))
     assert notes[0].startswith("batch: --elastic-pp plans each step's 4 documents (global batch) into chunks, which "
                                "replace micro-batches")
 
 
 def test_sequence_parallel_at_tp1_is_turned_off_with_a_line_as_megatron_lm():
     """Upstream's LLaMA-3 script passes --sequence-parallel at tp 1: Megatron-LM turns it off with a warning, so do we."""
-    args = parsed("--sequence-parallel")
-    assert args.sequence_parallel is False
-    assert [n for n in startup_notes(TrainingConfig.from_args(args)) if n.startswith("--sequence-parallel at --tensor-model-parallel-size 1: turned off")]
-    assert not [n for n in startup_notes(TrainingConfig.from_args(parsed())) if "--sequence-parallel" in n]
-    assert parsed("--sequence-parallel", "--tensor-model-parallel-size", "2", world_size=2).sequence_parallel
+    cfg = parsed("--sequence-parallel")
+    assert cfg.parallel.dims.sequence_parallel is False
+    assert [n for n in startup_notes(cfg) if n.startswith("--sequence-parallel at --tensor-model-parallel-size 1: turned off")]
+    assert not [n for n in startup_notes(parsed()) if "--sequence-parallel" in n]
+    assert parsed("--sequence-parallel", "--tensor-model-parallel-size", "2", world_size=2).parallel.dims.sequence_parallel
 
 
 @pytest.mark.parametrize("flag", sorted(REFUSED))
@@ -208,7 +208,7 @@ def fp16_step(*flags: str):
     from megatron_epp.training.model import build_model
 
     init_single_process()
-    args = TrainingConfig.from_args(parsed("--fp16", "--num-layers", "2", "--hidden-size", "32", "--seq-length", "16",
+    args = (parsed("--fp16", "--num-layers", "2", "--hidden-size", "32", "--seq-length", "16",
                                            "--global-batch-size", "2", *flags))
     torch.manual_seed(0)
     tensor_parallel.model_parallel_cuda_manual_seed(0)

@@ -154,17 +154,17 @@ def parse(*argv: str) -> argparse.Namespace:
 
 def test_deprecated_tokenizer_flag_maps_to_the_new_spelling(tmp_path, capsys):
     args = parse("--tokenizer", "byte")
-    resolve_tokenizer_args(args, "prog")
+    vars(args).update(resolve_tokenizer_args(args, "prog"))
     assert args.tokenizer_type == "ByteTokenizer"
     assert capsys.readouterr().err == "prog: warning: --tokenizer byte is deprecated; use --tokenizer-type ByteTokenizer\n"
     path = write_word_tokenizer(tmp_path / "tokenizer.json")
     args = parse("--tokenizer", str(path))
-    resolve_tokenizer_args(args, "prog")
+    vars(args).update(resolve_tokenizer_args(args, "prog"))
     assert (args.tokenizer_type, args.tokenizer_model) == ("HuggingFaceTokenizer", str(path))
     assert capsys.readouterr().err.strip().endswith(f"use --tokenizer-type HuggingFaceTokenizer --tokenizer-model {path}")
     assert tokenizer_from_args(args).vocab_size == 4
     args = parse()
-    resolve_tokenizer_args(args, "prog")
-    assert args.tokenizer_type == "ByteTokenizer" and capsys.readouterr().err == ""  # the default, no warning
+    assert resolve_tokenizer_args(args, "prog") == {"tokenizer_type": "ByteTokenizer"}
+    assert args.tokenizer_type is None and capsys.readouterr().err == ""  # the default, no warning
     with pytest.raises(TokenizerError, match="deprecated spelling"):
         resolve_tokenizer_args(parse("--tokenizer", "byte", "--tokenizer-type", "ByteTokenizer"), "prog")

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_epp.training.arguments import parse_args, parse_config
+from megatron_epp.training.arguments import parse_config
 from megatron_epp.training.layer_bench import init_single_process
 from megatron_epp.training.corpus_check import check_corpus
 from megatron_epp.training.faults import TrainingFault, check_finite
@@ -87,7 +87,7 @@ def test_bad_split_is_one_line(pretrain_in_process, split, message):
 
 @pytest.mark.parametrize("split", ["969,30,1", "99/1", "1", " 8, 1.5, .5"])
 def test_good_split_is_accepted(split):
-    assert parse_args(["--mock-data", "--split", split], world_size=1).split == split
+    assert parse_config(["--mock-data", "--split", split], world_size=1).data.split == split
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -110,14 +110,14 @@ def test_recompute_flags_megatron_core_would_refuse_or_ignore(pretrain_in_proces
 
 
 def test_full_recompute_defaults_to_one_layer():
-    args = parse_args(["--mock-data", "--recompute-granularity", "full", "--recompute-method", "block"], world_size=1)
-    assert args.recompute_num_layers == 1
+    cfg = parse_config(["--mock-data", "--recompute-granularity", "full", "--recompute-method", "block"], world_size=1)
+    assert cfg.model.recompute_num_layers == 1
 
 
 def test_eval_iters_0_turns_evaluation_off():
     """Megatron-LM's --eval-iters 0: no evaluation (it was a training step, then a ZeroDivisionError)."""
-    assert parse_args(["--mock-data", "--eval-interval", "1", "--eval-iters", "0"], world_size=1).eval_interval is None
-    assert parse_args(["--mock-data", "--eval-interval", "1", "--eval-iters", "1"], world_size=1).eval_interval == 1
+    assert parse_config(["--mock-data", "--eval-interval", "1", "--eval-iters", "0"], world_size=1).logging.eval_interval is None
+    assert parse_config(["--mock-data", "--eval-interval", "1", "--eval-iters", "1"], world_size=1).logging.eval_interval == 1
 
 
 @pytest.mark.parametrize("data", ["mock", "corpus"])
@@ -136,8 +136,8 @@ def test_an_empty_validation_split_is_said_once(tmp_path, data):
 
 
 def test_nan_check_is_on_by_default_with_megatron_lm_spelling_to_turn_it_off():
-    assert parse_args(["--mock-data"], world_size=1).check_for_nan_in_loss_and_grad is True
-    assert parse_args(["--mock-data", "--no-check-for-nan-in-loss-and-grad"], world_size=1).check_for_nan_in_loss_and_grad is False
+    assert parse_config(["--mock-data"], world_size=1).training.check_for_nan_in_loss_and_grad is True
+    assert parse_config(["--mock-data", "--no-check-for-nan-in-loss-and-grad"], world_size=1).training.check_for_nan_in_loss_and_grad is False
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])

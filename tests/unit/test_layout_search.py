@@ -19,9 +19,9 @@ from megatron_epp.planner import layout as layout_module
 from megatron_epp.planner.layout import COMM_OVERLAP, Layout, cluster_for_world, enumerate_layouts, search_layout
 from megatron_epp.data.lengths import select_batch
 from megatron_epp.training import layout_search
-from megatron_epp.training.arguments import EPP_DEFAULTS, parse_args, parse_config
+from megatron_epp.training.arguments import EPP_DEFAULTS, parse_config
 from megatron_epp.training.planning import elastic_documents
-from megatron_epp.training.main import main as pretrain_gpt
+from pretrain_gpt import run as pretrain_gpt
 
 SHAPE = ModelShape("toy", 4, 512, 8, 2048, 1000, dtype="bfloat16")
 TOY = Cluster("toy", A800, 80.0, 2, 2, 200.0, 6.25)  # 2 nodes x 2 GPUs
@@ -197,7 +197,7 @@ def parse_layout(shape: ModelShape, layout: Layout) -> ParallelDims:
     shape_flags = preset_flags(shape) if shape is not SHAPE else [
         "--mock-data", "--num-layers", str(SHAPE.num_layers), "--hidden-size", str(SHAPE.hidden), "--num-attention-heads",
         str(SHAPE.num_heads), "--ffn-hidden-size", str(SHAPE.ffn_hidden), "--seq-length", "32768", "--max-position-embeddings", "32768", "--bf16"]
-    return ParallelDims.from_args(parse_args([*shape_flags, *layout.flags()], world_size=world))
+    return parse_config([*shape_flags, *layout.flags()], world_size=world).parallel.dims
 
 
 SEARCHABLE = searchable_layouts()

@@ -21,7 +21,8 @@ from megatron_epp.cost.profile_lookup import load_profile
 from megatron_epp.planner.calibration import MemoryCheck, activation_bytes, fit_memory_factor
 from megatron_epp.simulator import simulate
 from megatron_epp.training import memory_budget
-from megatron_epp.training.arguments import CALIBRATE_FIRST_STEP, parse_args, parse_config
+from megatron_epp.planner.config import CALIBRATE_FIRST_STEP
+from megatron_epp.training.arguments import parse_config
 from megatron_epp.training.config import TrainingConfig
 from megatron_epp.planner.online import OnlinePlanner
 from megatron_epp.training.planning import check_memory_budget, online_planner
@@ -271,15 +272,14 @@ def test_the_default_budget_on_cuda_is_free_memory_less_the_margin_and_a_given_b
     assert default.margin == pytest.approx(3 * GIB + 0.03 * free) and default.budget == pytest.approx(free - default.margin)
     assert default.describe() == ("78.5 GB free of 79.6 GB on the GPU at start-up - 5.4 GB margin (3 GB for the CUDA libraries' "
                                   "later use + 3 % of the free memory for the allocator's fragmentation)")
-    args = parse_args(LLAMA, world_size=1)
-    assert args.epp_default_budget == default and args.epp_memory_budget == pytest.approx(default.budget / GIB)
-    cfg = TrainingConfig.from_args(args)
+    cfg = parse_config(LLAMA, world_size=1)
+    assert cfg.epp.memory_budget is None  # not given: the default, in bytes, goes straight to the planner
     assert cfg.epp.default_budget == default and cfg.epp.planner.memory_budget_bytes == default.budget  # bytes inside
     assert check_memory_budget(cfg) == (f"73.14 GB per device = {default.describe()}; model states 23.79 GB (the cost "
                                          "model's count, largest stage), 49.35 GB for activations")
-    given = parse_args([*LLAMA, "--epp-memory-budget", "35"], world_size=1)
-    assert given.epp_memory_budget == 35.0 and given.epp_default_budget is None
-    assert check_memory_budget(TrainingConfig.from_args(given)) == ("35.00 GB per device (--epp-memory-budget); model states 23.79 GB (the cost "
+    given = parse_config([*LLAMA, "--epp-memory-budget", "35"], world_size=1)
+    assert given.epp.memory_budget == 35.0 and given.epp.default_budget is None
+    assert check_memory_budget(given) == ("35.00 GB per device (--epp-memory-budget); model states 23.79 GB (the cost "
                                           "model's count, largest stage), 11.21 GB for activations")
 
 

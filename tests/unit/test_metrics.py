@@ -151,14 +151,14 @@ def test_wandb_gets_the_same_scalars(tmp_path, monkeypatch):
 def test_wandb_flags_are_checked_before_work(monkeypatch):
     import sys
 
-    from megatron_epp.training.arguments import ArgumentError, parse_args
+    from megatron_epp.training.arguments import ArgumentError, parse_config
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # as here: wandb is not installed
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None if name == "wandb" else object())
     with pytest.raises(ArgumentError, match="--wandb-project p: wandb is not installed"):
-        parse_args(["--mock-data", "--wandb-project", "p"], world_size=1)
+        parse_config(["--mock-data", "--wandb-project", "p"], world_size=1)
     with pytest.raises(ArgumentError, match="--wandb-exp-name needs --wandb-project"):
-        parse_args(["--mock-data", "--wandb-exp-name", "x"], world_size=1)
+        parse_config(["--mock-data", "--wandb-exp-name", "x"], world_size=1)
     monkeypatch.setattr("importlib.util.find_spec", lambda name: object())  # installed: accepted, dir under --save
-    args = parse_args(["--mock-data", "--wandb-project", "p", "--save", "/tmp/ck"], world_size=1)
-    assert args.wandb_save_dir == "/tmp/ck/wandb"
+    cfg = parse_config(["--mock-data", "--wandb-project", "p", "--save", "/tmp/ck"], world_size=1)
+    assert cfg.logging.wandb_save_dir == "/tmp/ck/wandb"

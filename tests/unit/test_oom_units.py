@@ -101,11 +101,13 @@ def test_cuda_allocator_gets_expandable_segments_unless_the_user_chose():
 
 
 def test_main_configures_the_allocator_before_anything_else(monkeypatch):
-    """Even a run refused at its flags has set it: main does it first, before any CUDA call could start the allocator."""
+    """Even a run refused at its first check has set it: main does it first, before any CUDA call could start the allocator."""
     from megatron_epp.training import initialize, main
+    from megatron_epp.training.arguments import parse_config
     monkeypatch.delenv(ALLOC_CONF, raising=False)
+    cfg = parse_config(["--mock-data", "--load", "/nonexistent/ck", "--exit-on-missing-checkpoint"], world_size=1)
     monkeypatch.setattr(initialize.torch.cuda, "is_available", lambda: True)
-    assert main.main(["--no-such-flag"]) == 2
+    assert main.main(cfg) == 2
     import os
     assert os.environ.get(ALLOC_CONF) == ALLOC_DEFAULT
 

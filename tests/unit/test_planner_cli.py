@@ -140,6 +140,28 @@ def test_cli_takes_the_planner_options(lengths_file, capsys):
         main([*base, "--memory-gb", "0.5"])
 
 
+def test_the_epp_options_are_declared_once_for_both_command_lines(monkeypatch):
+    """``epp-plan`` and ``pretrain_gpt.py`` generate their ``--epp-*`` planner options from the same fields
+    (``PlannerOptions``): the same flags, choices and help, each command line's own default added to the help."""
+    from megatron_epp.base.options import flags_of, walk
+    from megatron_epp.planner.config import PlannerOptions
+    from megatron_epp.training.arguments import build_parser
+
+    seen = {}
+    monkeypatch.setattr(cli.argparse.ArgumentParser, "parse_args", lambda self, argv=None: seen.setdefault("parser", self))
+    cli.parse_args([])
+    flags = {flags_of(f)[0].name for _, f, _ in walk(PlannerOptions)}
+
+    def options(parser) -> dict:
+        return {a.option_strings[0]: (a.choices, re.sub(r" \(default [^)]*\)$", "", a.help)) for a in parser._actions
+                if a.option_strings and a.option_strings[0] in flags}
+
+    assert len(options(seen["parser"])) == len(flags) and options(seen["parser"]) == options(build_parser())
+    helps = [{a.option_strings[0]: a.help for a in parser._actions if a.option_strings}["--epp-profile"]
+             for parser in (seen["parser"], build_parser())]
+    assert helps[0].endswith("JSON path (default llama-13b)") and helps[1].endswith("JSON path (default auto)")
+
+
 def test_baselines_shapes_and_infeasibility():
     cm = CostModel(load_profile("test-model"), 2)
     config = PlannerConfig(memory_budget_bytes=1.0 * GIB, max_seq_len=4096)

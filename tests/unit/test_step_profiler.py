@@ -19,7 +19,7 @@ import torch
 from megatron_epp.executor import schedule
 from megatron_epp.plan.order import stage_ops
 from megatron_epp.planner.config import ParallelDims
-from megatron_epp.training.arguments import ArgumentError, parse_args, parse_config
+from megatron_epp.training.arguments import ArgumentError, parse_config
 from megatron_epp.training.initialize import Runtime
 from megatron_epp.training.step_profiler import StepProfiler, profiler_schedule, startup_note
 from tests.unit.test_chunk_context import CHUNKS, PLAN, model, step  # noqa: F401  (the model fixture)
@@ -64,7 +64,7 @@ def test_megatron_lm_defaults_fill_in():
 ])
 def test_bad_profile_flags_are_one_line_errors(flags, message):
     with pytest.raises(ArgumentError) as error:
-        parse_args(["--mock-data", "--train-iters", "6", *flags], world_size=2)
+        parse_config(["--mock-data", "--train-iters", "6", *flags], world_size=2)
     assert message in str(error.value) and "\n" not in str(error.value)
 
 

@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_epp.training.arguments import ArgumentError, parse_args
+from megatron_epp.training.arguments import ArgumentError, parse_config
 
 BASE = ["--mock-data", "--global-batch-size", "8"]
 
 
 def test_iterations_and_schedule_from_samples():
-    args = parse_args([*BASE, "--train-samples", "36", "--lr-warmup-samples", "8", "--lr-decay-samples", "64"], world_size=1)
-    assert args.train_iters == 4  # floor(36 / 8), as Megatron-LM; the start-up line names the 4 samples left over
-    assert (args.lr_warmup_samples, args.lr_decay_samples) == (8, 64)
-    args = parse_args([*BASE, "--train-samples", "40"], world_size=1)
-    assert (args.train_iters, args.lr_warmup_samples, args.lr_decay_samples) == (5, 0, 40)  # decay over all samples
-    args = parse_args([*BASE, "--train-iters", "5", "--lr-warmup-iters", "1"], world_size=1)
-    assert (args.train_samples, args.lr_warmup_samples, args.lr_decay_samples) == (None, 8, 40)  # iterations x batch
-    assert parse_args(BASE, world_size=1).train_iters == 20  # the default without either
+    cfg = parse_config([*BASE, "--train-samples", "36", "--lr-warmup-samples", "8", "--lr-decay-samples", "64"], world_size=1)
+    assert cfg.training.train_iters == 4  # floor(36 / 8), as Megatron-LM; the start-up line names the 4 samples left over
+    assert (cfg.optim.lr_warmup_samples, cfg.optim.lr_decay_samples) == (8, 64)
+    cfg = parse_config([*BASE, "--train-samples", "40"], world_size=1)
+    assert (cfg.training.train_iters, cfg.optim.lr_warmup_samples, cfg.optim.lr_decay_samples) == (5, 0, 40)  # decay over all samples
+    cfg = parse_config([*BASE, "--train-iters", "5", "--lr-warmup-iters", "1"], world_size=1)
+    assert (cfg.training.train_samples, cfg.optim.lr_warmup_samples, cfg.optim.lr_decay_samples) == (None, 8, 40)  # iterations x batch
+    assert parse_config(BASE, world_size=1).training.train_iters == 20  # the default without either
 
 
 @pytest.mark.parametrize(
@@ -35,4 +35,4 @@ def test_iterations_and_schedule_from_samples():
 )
 def test_bad_combinations(flags, message):
     with pytest.raises(ArgumentError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        parse_args([*BASE, *flags], world_size=1)
+        parse_config([*BASE, *flags], world_size=1)

@@ -1,20 +1,24 @@
-"""The typed training configuration (``training/config.py``): every flag lands in one section field (or is
-folded by validation into one, named in ``FOLDED``), the sections carry the namespace's values, the value is
-frozen, and training reads the sections, never the argparse namespace."""
+"""The typed training configuration (``training/config.py``): each option one field (its flag in the field's metadata,
+the parser generated from the fields), validation makes a new frozen config, and training reads the sections, never
+the argparse namespace."""
 
 from __future__ import annotations
 
+import argparse
 import ast
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
 
+from megatron_epp.base.options import Values, derived, field_paths, flags_of, option, walk
 from megatron_epp.base.units import GIB
-from megatron_epp.planner.config import ParallelDims
+from megatron_epp.planner.config import ParallelDims, PlannerOptions
 from megatron_epp.training import config as config_module
-from megatron_epp.training.arguments import parse_args
-from megatron_epp.training.config import FOLDED, SECTIONS, TrainingConfig, placed_dests, unplaced_flags
+from megatron_epp.training.arguments import build_parser, parse_config, validate
+from megatron_epp.training.config import TrainingConfig
+from megatron_epp.training.megatron_flags import ACCEPTED
 
 TRAINING = Path(config_module.__file__).parent
 # where the flags are parsed, validated and turned into the config (and the accepted Megatron-LM flags declared)
@@ -22,62 +26,116 @@ FLAG_MODULES = {"arguments.py", "config.py", "megatron_flags.py"}
 # a command line of its own (python -m megatron_epp.training.hf_convert), whose namespace is not pretrain_gpt.py's: it builds
 # pretrain_gpt.py's config with parse_config
 OTHER_CLIS = {"hf_convert.py"}
-
-ARGVS = [
-    ["--mock-data"],
-    ["--mock-data", "--elastic-pp", "--pipeline-model-parallel-size", "2", "--epp-memory-budget", "3", "--epp-timeline", "t"],
-    ["--mock-data", "--epp-search-layout", "--epp-cluster", "a800-ib-node"],
-    ["--mock-data", "--train-samples", "64", "--lr-warmup-fraction", "0.1", "--lr-decay-style", "WSD", "--lr-wsd-decay-samples", "8",
-     "--global-batch-size", "4"],
-    ["--mock-data", "--tensor-model-parallel-size", "2", "--sequence-parallel", "--swiglu", "--group-query-attention",
-     "--num-query-groups", "2", "--use-distributed-optimizer", "--bf16", "--use-mcore-models", "--num-workers", "2",
-     "--save", "/tmp/ck", "--tensorboard-dir", "/tmp/tb", "--use-rotary-position-embeddings", "--manual-gc"],
-]
+# cfg.flat() and the one-line errors of varied command lines at 8c9e29a, before the options were declared once
+BEFORE = Path(__file__).parent.parent / "data" / "config_before_one_declaration.json"
 
 
-@pytest.mark.parametrize("argv", ARGVS)
-def test_every_flag_lands_in_a_section(argv):
-    args = parse_args(argv, world_size=4)
-    assert unplaced_flags(args) == []
-    cfg = TrainingConfig.from_args(args)
-    for section in dataclasses.fields(cfg):
-        value = getattr(cfg, section.name)
-        if not dataclasses.is_dataclass(value):
-            continue
-        for f in dataclasses.fields(value):
-            if f.name in ("dims", "planner", "search_layout"):
-                continue
-            assert getattr(value, f.name) == getattr(args, config_module._dest(type(value), f)), (section.name, f.name)
-    assert cfg.parallel.dims == ParallelDims(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                                             args.data_parallel_size, sequence_parallel=args.sequence_parallel)
-    assert cfg.parallel.dims.world_size == 4
+def option_dests(cls: type) -> set[str]:
+    return {flags_of(f)[0].dest for _, f, _ in walk(cls) if flags_of(f)}
 
 
-def test_a_flag_without_a_field_is_named():
-    """The planted fault: a flag added to the parser but to no section is what the test above catches."""
-    args = parse_args(["--mock-data"], world_size=1)
-    args.epp_new_knob = 3
-    assert unplaced_flags(args) == ["epp_new_knob"]
+def test_the_parser_is_generated_from_the_fields():
+    """The parser's names are exactly the fields' flags' (and the accepted Megatron-LM flags, which have no effect),
+    each with its field's default: both come from the same declaration, so neither can lack the other."""
+    parser = build_parser()
+    dests = {a.dest: a.default for a in parser._actions if a.default != argparse.SUPPRESS}  # less --help and the refused flags
+    assert set(dests) == option_dests(TrainingConfig) | {entry.dest for entry in ACCEPTED}
+    defaults = TrainingConfig()
+    for key, path in field_paths(TrainingConfig).items():
+        if key in dests:
+            value = defaults
+            for name in path:
+                value = getattr(value, name)
+            assert dests[key] == value, key
+    assert {flags_of(f)[0].dest for _, f, _ in walk(PlannerOptions)} <= set(dests)  # epp-plan's --epp-* options: the same fields
 
 
-def test_each_name_has_one_home():
-    placed = [config_module._dest(section, f) for section in SECTIONS for f in dataclasses.fields(section)
-              if f.name not in ("dims", "planner")]
-    assert len(placed) == len(set(placed)) == len(placed_dests())
-    assert not placed_dests() & set(FOLDED)
+def test_a_flag_without_a_field_is_refused():
+    """The planted fault: an ``add_argument`` beside the generated ones lands in no field, and the config refuses it."""
+    parser = build_parser()
+    parser.add_argument("--epp-new-knob", type=int, default=None)
+    with pytest.raises(TypeError, match="parsed options without a field: epp_new_knob"):
+        TrainingConfig.from_namespace(parser.parse_args(["--mock-data"]))
+    assert TrainingConfig.from_namespace(build_parser().parse_args(["--mock-data"])).data.mock_data
+
+
+def test_a_field_without_a_flag_is_refused():
+    """A field is an option or derived: a plain one (neither) cannot be placed, and two fields of one name cannot either."""
+
+    @dataclasses.dataclass(frozen=True)
+    class Planted:
+        lr: float = option("--lr", type=float, default=1.0, help="x")
+        knob: int = 3
+
+    with pytest.raises(TypeError, match="field knob has no flag and is not derived"):
+        field_paths(Planted)
+
+    @dataclasses.dataclass(frozen=True)
+    class Fine:
+        lr: float = option("--lr", type=float, default=1.0, help="x")
+        knob: int = derived(3)
+
+    @dataclasses.dataclass(frozen=True)
+    class Twice:
+        a: Fine = dataclasses.field(default_factory=Fine)
+        lr: float = derived(key="lr")
+
+    assert field_paths(Fine) == {"lr": ("lr",), "knob": ("knob",)}
+    with pytest.raises(TypeError, match=r"lr: two fields \(a.lr, lr\)"):
+        field_paths(Twice)
+
+
+def test_validation_returns_a_new_config_and_changes_no_value_in_place():
+    raw = TrainingConfig.from_namespace(build_parser().parse_args(["--mock-data", "--lr-warmup-iters", "2", "--train-iters", "5"]))
+    cfg = validate(raw, 1)
+    assert (raw.optim.lr_warmup_samples, raw.training.global_batch_size, raw.parallel.dims) == (0, None, None)  # as given
+    assert (cfg.optim.lr_warmup_samples, cfg.optim.lr_warmup_iters, cfg.training.global_batch_size) == (2, 2, 1)
+    assert cfg.parallel.dims == ParallelDims()
+    with pytest.raises(AttributeError, match="read-only"):
+        cfg.values().lr = 1.0
+    assert isinstance(cfg.values(), Values) and cfg.values().lr_warmup_iters == 2
+
+
+def cases() -> dict:
+    return json.loads(BEFORE.read_text())
+
+
+@pytest.mark.parametrize("name", sorted(cases()["good"]))
+def test_the_same_config_as_before_the_options_were_declared_once(name, tmp_path):
+    """Each command line gives the config it gave at 8c9e29a; the keys added are the options validation folded
+    before (now fields of their own: ``optim.lr_warmup_iters`` beside ``optim.lr_warmup_samples``)."""
+    for prefix in ("a", "b"):
+        (tmp_path / f"{prefix}.bin").touch()
+        (tmp_path / f"{prefix}.idx").touch()
+    case = json.loads(json.dumps(cases()["good"][name]).replace("{DATA}", str(tmp_path)))
+    flat = parse_config(case["argv"], world_size=case["world_size"]).flat()
+    assert {key: flat.get(key, "missing") for key in case["flat"]} == case["flat"]
+    folded = {"data.tokenizer", "model.use_rotary_position_embeddings", "epp.plan", "epp.memory_budget", "epp.profile",
+              "epp.recompute", "epp.max_slices", "epp.time_limit"} | {f"optim.lr_{n}" for n in (
+              "warmup_iters", "warmup_fraction", "decay_iters", "wsd_decay_iters", "wsd_decay_samples")} | {
+              f"parallel.{n}" for n in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                                        "virtual_pipeline_model_parallel_size", "cp_comm_type", "sequence_parallel")}
+    assert set(flat) - set(case["flat"]) == folded
+
+
+def test_the_same_one_line_errors_as_before(capsys):
+    for line, message in cases()["bad"].items():
+        with pytest.raises(ValueError) as error:
+            parse_config(["--mock-data", *line.split()], world_size=2)
+        assert str(error.value) + capsys.readouterr().err == message, line
 
 
 def test_the_budget_is_bytes_inside_and_the_planner_options_one_value():
-    cfg = TrainingConfig.from_args(parse_args(["--mock-data", "--elastic-pp", "--epp-memory-budget", "1.5", "--epp-max-slices", "3",
-                                               "--epp-recompute", "greedy", "--epp-calibrate-interval", "7"], world_size=1))
+    cfg = parse_config(["--mock-data", "--elastic-pp", "--epp-memory-budget", "1.5", "--epp-max-slices", "3",
+                        "--epp-recompute", "greedy", "--epp-calibrate-interval", "7"], world_size=1)
     assert cfg.epp.planner.memory_budget_bytes == 1.5 * GIB and cfg.epp.default_budget is None
     assert (cfg.epp.planner.max_slices, cfg.epp.planner.recompute, cfg.epp.calibrate_interval) == (3, "greedy", 7)
-    stock = TrainingConfig.from_args(parse_args(["--mock-data"], world_size=1))
+    stock = parse_config(["--mock-data"], world_size=1)
     assert stock.epp.planner is None and not stock.epp.enabled and stock.epp.search_layout is False
 
 
 def test_the_config_is_frozen_and_changed_by_copy():
-    cfg = TrainingConfig.from_args(parse_args(["--mock-data"], world_size=1))
+    cfg = parse_config(["--mock-data"], world_size=1)
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.model.vocab_size = 64  # type: ignore[misc]
     small = cfg.replace(model={"vocab_size": 64}, parallel={"use_distributed_optimizer": True})
@@ -86,7 +144,7 @@ def test_the_config_is_frozen_and_changed_by_copy():
 
 
 def test_accepted_megatron_flags_are_recorded_for_the_startup_line():
-    cfg = TrainingConfig.from_args(parse_args(["--mock-data", "--use-mcore-models", "--num-workers", "4"], world_size=1))
+    cfg = parse_config(["--mock-data", "--use-mcore-models", "--num-workers", "4"], world_size=1)
     assert cfg.accepted_flags == ("--use-mcore-models", "--num-workers")
     flat = cfg.flat()
     assert flat["model.hidden_size"] == 64 and flat["parallel.dims.pp"] == 1 and flat["accepted_flags"] == ["--use-mcore-models", "--num-workers"]
@@ -105,10 +163,10 @@ def namespace_reads(path: Path) -> list[str]:
 
 
 def test_training_reads_the_config_not_the_namespace():
-    """The flag modules parse and validate the namespace; ``main`` turns it into the config (and accepts a parsed
-    namespace as its argument); every other training module reads the config's sections only."""
+    """The flag modules parse the namespace into the config and validate it; every other training module reads the
+    config's sections only."""
     reads = [hit for path in sorted(TRAINING.glob("*.py")) if path.name not in FLAG_MODULES | OTHER_CLIS for hit in namespace_reads(path)]
-    assert reads and all(hit.startswith("main.py:") and hit.endswith(": argparse.Namespace") for hit in reads), reads
+    assert reads == []
 
 
 def test_the_namespace_check_sees_a_planted_read(tmp_path):
@@ -117,14 +175,14 @@ def test_the_namespace_check_sees_a_planted_read(tmp_path):
     assert namespace_reads(planted) == ["planted.py:2: args.tensor_model_parallel_size"]
 
 
-def test_main_takes_flags_a_namespace_or_a_config(tmp_path, capsys):
-    """``pretrain_gpt.py``'s main on its flags, on the validated namespace, or on the config itself (here up to a
-    check that ends the run before any process group: the same one line each way)."""
-    from megatron_epp.training.arguments import parse_config
+def test_main_takes_a_config(tmp_path, capsys):
+    """``pretrain_gpt.py``'s main runs a config (here up to a check that ends the run before any process group: one
+    line); ``pretrain_gpt.run`` parses the flags into it."""
+    import pretrain_gpt
     from megatron_epp.training.main import main
 
     missing = tmp_path / "none"
     flags = ["--mock-data", "--load", str(missing), "--exit-on-missing-checkpoint"]
-    for given in (flags, parse_args(flags, world_size=1), parse_config(flags, world_size=1)):
-        assert main(given) == 2
+    for run in (lambda: main(parse_config(flags, world_size=1)), lambda: pretrain_gpt.run(flags)):
+        assert run() == 2
         assert capsys.readouterr().err == f"pretrain_gpt.py: error: --load {missing}: no checkpoint there (--exit-on-missing-checkpoint)\n"

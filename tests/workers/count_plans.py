@@ -10,7 +10,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from megatron_epp.planner.online import OnlinePlanner  # noqa: E402
-from megatron_epp.training.main import main  # noqa: E402
+import pretrain_gpt  # noqa: E402
 
 plans = []
 real = OnlinePlanner.__call__
@@ -25,4 +25,4 @@ OnlinePlanner.__call__ = counting
 atexit.register(lambda: print(f"rank {os.environ.get('RANK')}: plans made: {len(plans)}", flush=True))
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(pretrain_gpt.run(sys.argv[1:]))

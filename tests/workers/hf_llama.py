@@ -168,7 +168,7 @@ def run_logits(argv: list[str]) -> None:
 def run_pretrain(argv: list[str]) -> None:
     from megatron_epp.training.main import main as pretrain
 
-    if pretrain(argv) != 0:
+    if pretrain(parse_config(argv)) != 0:
         raise SystemExit("pretrain_gpt.py failed")
 
 
