@@ -8,6 +8,7 @@ import os
 import re
 from typing import Sequence
 
+from megatron_epp.base.dims import ParallelDims
 from megatron_epp.cost.clusters import get_cluster
 from megatron_epp.cost.profiles import GIB
 from megatron_epp.data.data_path import Blend, BlendError
@@ -432,9 +433,10 @@ def validate_parallel_args(args: argparse.Namespace, world_size: int) -> None:
         if getattr(args, flag) not in (None, 1):
             raise ArgumentError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: {value}")
     cp = validate_context_parallel_args(args)
-    if world_size % (tp * cp * pp):
-        raise ArgumentError(f"world size {world_size} is not divisible by tp {tp} x cp {cp} x pp {pp}")
-    args.data_parallel_size = world_size // (tp * cp * pp)
+    try:
+        args.data_parallel_size = ParallelDims.for_world(world_size, tp=tp, pp=pp, cp=cp).dp
+    except ValueError as e:
+        raise ArgumentError(str(e)) from None
     validate_wandb_args(args)
     # as Megatron-LM (which warns): at tp 1 there is nothing to split the sequence over; a start-up line says so
     args.sequence_parallel_off_at_tp1 = bool(args.sequence_parallel and tp == 1)

@@ -6,7 +6,7 @@ The flags keep Megatron-LM's names (``arguments.py`` parses and validates them i
 the rest of training reads only the sections. A field has its flag's name (``--lr-decay-style`` is
 ``optim.lr_decay_style``), less the ``epp_`` prefix in the ``epp`` section (``--epp-timeline`` is
 ``epp.timeline``) and ``profile_`` in the ``profile`` section (``--profile-step-start`` is
-``profile.step_start``). The parallel sizes are one :class:`~megatron_epp.planner.config.ParallelDims`
+``profile.step_start``). The parallel sizes are one :class:`~megatron_epp.base.dims.ParallelDims`
 (``parallel.dims``) and the planner's options one :class:`~megatron_epp.planner.config.PlannerConfig`
 (``epp.planner``, the memory budget in bytes). A flag that validation folds into another (an older
 spelling, a size in iterations the schedule counts in samples) is listed in :data:`FOLDED` with where it
@@ -20,8 +20,9 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any, get_type_hints
 
+from megatron_epp.base.dims import ParallelDims
 from megatron_epp.data.data_path import Blend
-from megatron_epp.planner.config import ParallelDims, PlannerConfig
+from megatron_epp.planner.config import PlannerConfig
 from megatron_epp.training.megatron_flags import ACCEPTED
 from megatron_epp.training.memory_budget import DefaultBudget
 
@@ -233,7 +234,9 @@ class TrainingConfig:
         """From the namespace :func:`~megatron_epp.training.arguments.parse_args` returns (validated, derived
         values filled in)."""
         planner = PlannerConfig.from_args(args, args.seq_length) if args.elastic_pp or args.epp_search_layout else None
-        special = {"dims": ParallelDims.from_args(args), "planner": planner, "search_layout": bool(args.epp_search_layout)}
+        dims = ParallelDims(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.data_parallel_size,
+                            args.context_parallel_size, args.sequence_parallel)  # data_parallel_size: validation's
+        special = {"dims": dims, "planner": planner, "search_layout": bool(args.epp_search_layout)}
         sections = {name: _section(kind, args, special) for name, kind in get_type_hints(cls).items() if name != "accepted_flags"}
         accepted = tuple(entry.flag for entry in ACCEPTED if getattr(args, entry.dest) not in (None, False))
         return cls(**sections, accepted_flags=accepted)

@@ -306,6 +306,7 @@ def build_model(
         rotary_base=cfg.model.rotary_base,
         rotary_percent=cfg.model.rotary_percent,
         seq_len_interpolation_factor=cfg.model.rotary_seq_len_interpolation_factor,
+        pg_collection=runtime.pg_collection,  # the layers' groups (the attention's context-parallel all-to-all)
     )
     scale_rope(model, cfg)
     model.to(runtime.device)

@@ -14,7 +14,7 @@ from megatron_epp.training.layer_bench import init_single_process
 from megatron_epp.training.corpus_check import check_corpus
 from megatron_epp.training.faults import TrainingFault, check_finite
 from megatron_epp.training import loop
-from megatron_epp.planner.config import ParallelDims
+from megatron_epp.base.dims import ParallelDims
 from megatron_epp.training.initialize import Runtime
 from megatron_epp.training.loop import build_scheduler
 from megatron_epp.training.metrics import read_metrics

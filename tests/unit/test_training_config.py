@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from megatron_epp.cost.profiles import GIB
-from megatron_epp.planner.config import ParallelDims
+from megatron_epp.base.dims import ParallelDims
 from megatron_epp.training import config as config_module
 from megatron_epp.training.arguments import parse_args
 from megatron_epp.training.config import FOLDED, SECTIONS, TrainingConfig, placed_dests, unplaced_flags

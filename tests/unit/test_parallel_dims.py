@@ -1,0 +1,48 @@
+"""ParallelDims (megatron_epp.base.dims): the world-size check and the data-parallel size it infers."""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_epp.base.dims import ParallelDims
+
+
+@pytest.mark.parametrize("world, sizes, dp", [
+    (1, {}, 1),
+    (8, {}, 8),
+    (8, {"tp": 2}, 4),
+    (16, {"tp": 2, "cp": 2, "pp": 2}, 2),
+    (24, {"tp": 2, "pp": 3}, 4),
+    (8, {"tp": 2, "cp": 4}, 1),
+])
+def test_dp_is_inferred_from_the_world_size(world, sizes, dp):
+    for given in (None, -1):
+        dims = ParallelDims.for_world(world, dp=given, **sizes)
+        assert dims.dp == dp and dims.world_size == world
+        assert (dims.tp, dims.cp, dims.pp) == (sizes.get("tp", 1), sizes.get("cp", 1), sizes.get("pp", 1))
+    assert ParallelDims.for_world(world, dp=dp, **sizes) == ParallelDims.for_world(world, **sizes)
+
+
+@pytest.mark.parametrize("world, sizes, message", [
+    (2, {"cp": 2, "pp": 2}, "world size 2 is not divisible by tp 1 x cp 2 x pp 2"),
+    (12, {"tp": 8}, "world size 12 is not divisible by tp 8 x cp 1 x pp 1"),
+    (8, {"tp": 2, "dp": 2}, "tp 2 x cp 1 x pp 1 x dp 2 = 4 ranks, but the world size is 8"),
+    (4, {"tp": 2, "cp": 2, "dp": 2}, "tp 2 x cp 2 x pp 1 x dp 2 = 8 ranks, but the world size is 4"),
+    (4, {"tp": 0}, "parallel sizes must be >= 1"),
+    (4, {"dp": 0}, "parallel sizes must be >= 1"),
+    (0, {}, "world size 0 must be >= 1"),
+])
+def test_a_layout_that_does_not_fill_the_world_is_one_line(world, sizes, message):
+    with pytest.raises(ValueError) as error:
+        ParallelDims.for_world(world, **sizes)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_check_world_size_and_the_stage():
+    dims = ParallelDims(tp=2, pp=4, dp=3, cp=2)
+    dims.check_world_size(48)
+    with pytest.raises(ValueError, match="= 48 ranks, but the world size is 32"):
+        dims.check_world_size(32)
+    assert dims.stage_size == 4
+    with pytest.raises(ValueError, match=r"parallel sizes must be >= 1 \(tp 1, pp 0"):
+        ParallelDims(pp=0)
