@@ -46,21 +46,15 @@ class Layout:
     dims: ParallelDims
     cp_comm_type: str = CP_COMM_TYPE
 
-    @property
-    def tp(self) -> int:
-        return self.dims.tp
+    # the sizes, as the search and its report read them
+    tp = property(lambda self: self.dims.tp)
+    cp = property(lambda self: self.dims.cp)
+    pp = property(lambda self: self.dims.pp)
+    dp = property(lambda self: self.dims.dp)
 
-    @property
-    def cp(self) -> int:
-        return self.dims.cp
-
-    @property
-    def pp(self) -> int:
-        return self.dims.pp
-
-    @property
-    def dp(self) -> int:
-        return self.dims.dp
+    def __post_init__(self) -> None:
+        if self.cp_comm_type != CP_COMM_TYPE:
+            raise ValueError(f"--cp-comm-type {self.cp_comm_type}: context parallelism is Ulysses all-to-all ({CP_COMM_TYPE}) only")
 
     @property
     def size(self) -> int:

@@ -169,6 +169,9 @@ def test_flags():
     assert str(Layout(ParallelDims(tp=2, pp=1, dp=4, cp=4))) == "TP2xCP4xPP1xDP4"
     assert Layout(ParallelDims(tp=2, pp=1, dp=4, cp=4)).flags() == ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1",
                                           "--context-parallel-size", "4", "--cp-comm-type", "a2a", "--elastic-pp"]
+    assert Layout(ParallelDims(tp=2, pp=1, dp=4, cp=4)).dims.world_size == 32
+    with pytest.raises(ValueError, match=r"--cp-comm-type p2p: context parallelism is Ulysses all-to-all \(a2a\) only"):
+        Layout(ParallelDims(cp=2), cp_comm_type="p2p")
 
 
 def preset_flags(shape: ModelShape) -> list[str]:
