@@ -127,8 +127,9 @@ def set_seed(seed: int, pp_rank: int) -> None:
 
 
 # the groups of a rank's ProcessGroupCollection: the model's (tensor, context, pipeline, embeddings), the model-parallel
-# group a replica's plan is shared over, and the data-parallel ones (gradients and the loss over DP x CP)
-PROCESS_GROUPS = ("tp", "cp", "tp_cp", "pp", "mp", "embd", "pos_embd", "dp", "dp_cp")
+# group a replica's plan is shared over, the data-parallel ones (gradients and the loss over DP x CP), and the expert
+# groups megatron-core's DDP asks for (of size 1: no experts here)
+PROCESS_GROUPS = ("tp", "cp", "tp_cp", "pp", "mp", "embd", "pos_embd", "dp", "dp_cp", "ep", "expt_dp")
 
 
 def process_groups() -> ProcessGroupCollection:

@@ -323,4 +323,4 @@ def build_model(
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
         bucket_size=cfg.parallel.ddp_bucket_size,
     )
-    return DistributedDataParallel(config, ddp_config, model), config
+    return DistributedDataParallel(config, ddp_config, model, pg_collection=runtime.pg_collection), config  # DP x CP's reduction

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from megatron_epp.base.dims import ParallelDims
 
@@ -46,3 +47,28 @@ def test_check_world_size_and_the_stage():
     assert dims.stage_size == 4
     with pytest.raises(ValueError, match=r"parallel sizes must be >= 1 \(tp 1, pp 0"):
         ParallelDims(pp=0)
+
+
+def test_initialize_refuses_a_launch_of_another_world_size(monkeypatch):
+    """A configuration made for 2 ranks (pp 2) started in a world of 4: one line before any group is built."""
+    from megatron.core import parallel_state
+
+    from megatron_epp.training import initialize as init_module
+    from megatron_epp.training.arguments import parse_config
+
+    cfg = parse_config(["--mock-data", "--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2",
+                        "--seq-length", "16", "--max-position-embeddings", "16", "--pipeline-model-parallel-size", "2"],
+                       world_size=2)
+    assert cfg.parallel.dims == ParallelDims(pp=2)
+    monkeypatch.setattr(init_module, "select_device", lambda: (torch.device("cpu"), "gloo"))
+    monkeypatch.setattr(init_module.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(init_module.dist, "get_world_size", lambda group=None: 4)
+
+    def built(*args, **kwargs):
+        raise AssertionError("megatron-core's groups were built")
+
+    monkeypatch.setattr(parallel_state, "initialize_model_parallel", built)
+    with pytest.raises(RuntimeError) as error:
+        init_module.initialize(cfg)
+    assert str(error.value) == ("the launch does not fit the configuration: tp 1 x cp 1 x pp 2 x dp 1 = 2 ranks, "
+                                "but the world size is 4")

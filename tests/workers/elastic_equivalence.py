@@ -194,19 +194,16 @@ def inject(fault: str) -> Callable[[], None]:
     raise ValueError(fault)
 
 
-def inject_before_model(fault: str | None, runtime: Runtime) -> tuple[Runtime, Callable[[], None] | None]:
-    """Faults in the process groups the run takes (so set before the model is built): the runtime to run with and an
-    undo (None: no such fault). ``cp_loss_not_summed``: the data-parallel group with context parallelism is the one
-    without it, in the runtime's ProcessGroupCollection (the schedule's token count and the reported loss) and in
-    megatron-core's groups DDP reduces over, so neither the gradients nor the token count nor the loss are summed
-    over the CP ranks."""
+def inject_before_model(fault: str | None, runtime: Runtime) -> Runtime:
+    """Faults in the process groups of the runtime's ProcessGroupCollection (so set before the model is built): the
+    runtime to run with. ``cp_loss_not_summed``: the data-parallel group with context parallelism is the one without
+    it, so neither the gradients (DDP) nor the token count (the schedule's ``finalize_model_grads``) nor the reported
+    loss are summed over the CP ranks."""
     if fault != "cp_loss_not_summed":
-        return runtime, None
+        return runtime
     groups = copy.copy(runtime.pg_collection)
     groups.dp_cp = groups.dp
-    dp_group = ps.get_data_parallel_group
-    undo = _patch(ps, "get_data_parallel_group", lambda with_context_parallel=False, partial_data_parallel=False, **kwargs: dp_group(**kwargs))
-    return dataclasses.replace(runtime, pg_collection=groups), undo
+    return dataclasses.replace(runtime, pg_collection=groups)
 
 # sequence parallelism, checked in the launch of the good cases: the norms' gradients not summed over the
 # tensor-parallel ranks (their sequence_parallel tag dropped); the padding tokens counted in the loss
@@ -265,10 +262,10 @@ def run(argv: list[str]) -> None:
     runtime = initialize(args)
     elastic = ours.mode == "elastic"
     context = BROKEN_CONTEXTS.get(ours.fault, ChunkContext)() if elastic else None
-    runtime, undo_groups = inject_before_model(ours.fault, runtime)
+    runtime = inject_before_model(ours.fault, runtime)
     model, config = build_model(args, runtime, context=context)
     gpt = unwrap_model(model)  # through DDP (and Float16Module with --bf16): parameters by their own names
-    undo = inject(ours.fault) if ours.fault and ours.fault not in BROKEN_CONTEXTS and undo_groups is None else None
+    undo = inject(ours.fault) if ours.fault and ours.fault not in BROKEN_CONTEXTS and ours.fault != "cp_loss_not_summed" else None
     per_stage = args.model.num_layers // runtime.dims.pp
     set_global_weights(gpt, runtime.pp_rank, per_stage, runtime.tp_rank, args.parallel.dims.tp, args.model.swiglu)
     build_optimizer(args, model, config)
@@ -317,7 +314,7 @@ def run(argv: list[str]) -> None:
             grads = {global_name(n, runtime.pp_rank, per_stage): q.main_grad.detach().cpu().clone() for n, q in gpt.named_parameters()}
             prefix = f"{fault}_" if fault else ""
             torch.save({"loss": loss, "grads": grads, "padding": padding, **record}, f"{ours.out}/{prefix}case{case}_stage{runtime.pp_rank}.pt")
-    for undo_patch in (undo, undo_varlen, undo_groups):
+    for undo_patch in (undo, undo_varlen):
         if undo_patch is not None:
             undo_patch()
     if backend_before is None:
