@@ -29,7 +29,8 @@ import math
 from typing import Any, Callable
 
 import torch
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import tensor_parallel
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.mappings import all_to_all_hp2sp, all_to_all_sp2hp
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -68,7 +69,8 @@ class _SliceKV(torch.autograd.Function):
 class ElasticAttention(MegatronModule):
     """Drop-in for ``SelfAttentionSubmodules.core_attention``: [s, b, heads, dim] in, [s, b, h] out.
 
-    ``context`` (from the layer spec's ``params``) gives the current chunk and holds the K/V buffers.
+    ``context`` (from the layer spec's ``params``) gives the current chunk and holds the K/V buffers;
+    ``pg_collection`` (megatron-core's attention passes the model's) the context-parallel group of the all-to-all.
     """
 
     def __init__(
@@ -80,7 +82,7 @@ class ElasticAttention(MegatronModule):
         attention_dropout: float | None = None,
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
-        pg_collection: Any = None,
+        pg_collection: ProcessGroupCollection | None = None,
         *,
         context: ChunkContext,
     ) -> None:
@@ -93,8 +95,10 @@ class ElasticAttention(MegatronModule):
         # --attention-backend (config.attention_backend), else EPP_ATTENTION_BACKEND, checked here
         self.backend_request = kernels.requested_backend(config.attention_backend.name)
         kernels.check_request(self.backend_request)
-        cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
-        self.cp_group = cp_group if cp_group is not None else parallel_state.get_context_parallel_group(check_initialized=False)
+        # the layer's groups (megatron-core's attention passes its own); None, as megatron-core's attention: its defaults
+        if pg_collection is None:
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["cp"])
+        self.cp_group = pg_collection.cp  # the all-to-all's group (Ulysses)
         self.cp_size = config.context_parallel_size
         if self.cp_size > 1 and (self.cp_group is None or self.cp_group.size() != self.cp_size):
             raise ValueError(f"ElasticAttention: context_parallel_size {self.cp_size} without its context-parallel group")

@@ -34,14 +34,18 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.pipeline_parallel.schedules import backward_step, deallocate_output_tensor, forward_step
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import get_model_config, get_model_type
 
 from megatron_epp.executor.context import ChunkContext, ChunkLayout, token_multiple
 from megatron_epp.plan import Pipeline, Plan
 from megatron_epp.plan.order import Op, stage_ops
+
+
+# the groups the step reads of its ProcessGroupCollection (finalize_model_grads's among them)
+STEP_GROUPS = ("tp", "cp", "pp", "embd", "pos_embd", "dp_cp")
 
 
 @dataclass(frozen=True)
@@ -132,7 +136,7 @@ def forward_backward_elastic(
     first_val_step: bool | None = None,
     adjust_tensor_shapes_fn=None,
     p2p_communicator: P2PCommunicator | None = None,
-    pg_collection=None,
+    pg_collection: ProcessGroupCollection | None = None,
     plan: Plan,
     layouts: Sequence[Sequence[ChunkLayout]] | None = None,
 ) -> list[dict[str, torch.Tensor]]:
@@ -154,7 +158,9 @@ def forward_backward_elastic(
         raise ValueError("layouts do not match the plan's pipelines and chunks")
     if num_microbatches != chunks:
         raise ValueError(f"num_microbatches={num_microbatches} but the plan has {chunks} chunks")
-    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    if pg_collection is None:
+        pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=list(STEP_GROUPS))
+    pp_group = pg_collection.pp
     if plan.num_stages != pp_group.size():
         raise ValueError(f"plan is for {plan.num_stages} stages, the pipeline has {pp_group.size()}")
     config = get_model_config(model)
@@ -164,7 +170,8 @@ def forward_backward_elastic(
                          f"layouts with multiple={multiple} (ChunkLayout.build pads each chunk)")
     comm = p2p_communicator or P2PCommunicator(pp_group=pp_group, config=config)
     context = ChunkContext.of(model)
-    runner = _StageRunner(forward_step_func, data_iterator, model, context, config, comm, plan, forward_only, collect_non_loss_data)
+    runner = _StageRunner(forward_step_func, data_iterator, model, context, config, comm, pg_collection.cp, plan, forward_only,
+                          collect_non_loss_data)
     disable_sync, enable_sync = _grad_sync_control(config)
     disable_sync()  # the gradient reduction waits for the world's agreement that no rank ran out of memory
     try:
@@ -192,7 +199,8 @@ _NO_RANGE = contextlib.nullcontext()  # reusable: one object for every op while 
 class _StageRunner:
     """Runs one stage's op sequence for each pipeline of the plan."""
 
-    def __init__(self, forward_step_func, data_iterator, model, context: ChunkContext, config, comm: P2PCommunicator, plan: Plan, forward_only: bool, collect_non_loss_data: bool) -> None:
+    def __init__(self, forward_step_func, data_iterator, model, context: ChunkContext, config, comm: P2PCommunicator, cp_group,
+                 plan: Plan, forward_only: bool, collect_non_loss_data: bool) -> None:
         self.forward_step_func, self.data_iterator, self.model, self.context, self.config = forward_step_func, data_iterator, model, context, config
         self.comm, self.plan, self.forward_only, self.collect = comm, plan, forward_only, collect_non_loss_data
         self.stage = comm.pp_group.rank()
@@ -204,7 +212,7 @@ class _StageRunner:
         self.microbatch = 0
         self.num_chunks = sum(len(p.chunks) for p in plan.pipelines)
         self.multiple = token_multiple(config)  # sequence and context parallelism: each rank holds 1/multiple of a chunk's tokens
-        self.cp_rank, self.cp_size = parallel_state.get_context_parallel_rank(), parallel_state.get_context_parallel_world_size()
+        self.cp_rank, self.cp_size = cp_group.rank(), cp_group.size()  # this rank's block of each chunk's tokens
         self.failure: OpFailure | None = None  # set when this rank runs out of memory: the rest of the step is stand-ins
         self.saved: dict[int, tuple[Any, Any]] = {}  # the current pipeline's forwards awaiting their backward
 

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 
 from megatron_epp.base.options import option
@@ -89,29 +88,3 @@ class PlannerOptions:
                                  help=f"cluster preset of --epp-search-layout (default {DEFAULT_CLUSTER})")
 
 
-@dataclass(frozen=True)
-class ParallelDims:
-    """The parallel layout a run plans for: tensor-parallel size ``tp`` (with ``sequence_parallel``),
-    pipeline stages ``pp``, data-parallel replicas ``dp`` and context-parallel ranks ``cp`` per stage (Ulysses:
-    each chunk's tokens split over them, heads split over them inside attention)."""
-
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    cp: int = 1
-    sequence_parallel: bool = False
-
-    def __post_init__(self) -> None:
-        if min(self.tp, self.pp, self.dp, self.cp) < 1:
-            raise ValueError(f"parallel sizes must be >= 1 (tp {self.tp}, pp {self.pp}, dp {self.dp}, cp {self.cp})")
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "ParallelDims":
-        """From the validated ``--tensor-model-parallel-size``, ``--pipeline-model-parallel-size``,
-        ``--context-parallel-size``, ``--sequence-parallel`` and the data-parallel size they leave of the world."""
-        return cls(args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.data_parallel_size,
-                   getattr(args, "context_parallel_size", None) or 1, args.sequence_parallel)
-
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.cp * self.pp * self.dp

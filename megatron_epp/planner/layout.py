@@ -25,6 +25,7 @@ from typing import Sequence
 
 import numpy as np
 
+from megatron_epp.base.dims import ParallelDims
 from megatron_epp.cost.clusters import COMM_OVERLAP, Cluster, get_cluster, stage_profile
 from megatron_epp.cost.model import CostModel
 from megatron_epp.base.units import GIB
@@ -34,33 +35,42 @@ from megatron_epp.planner.builders import ELASTIC, MEGATRON, SEQ1F1B, SEQ1F1B_KS
 from megatron_epp.planner.config import PlannerConfig
 from megatron_epp.planner.data_parallel import dp_split
 
-
-
-# how pretrain_gpt.py runs context parallelism: Ulysses all-to-all, with --elastic-pp only
-CONTEXT_PARALLEL_FLAGS = ["--cp-comm-type", "a2a", "--elastic-pp"]
+# how pretrain_gpt.py runs context parallelism: Ulysses all-to-all (--cp-comm-type a2a), with --elastic-pp only
+CP_COMM_TYPE = "a2a"
 
 
 @dataclass(frozen=True)
 class Layout:
-    tp: int  # tensor-parallel size
-    cp: int  # context-parallel size (Ulysses all-to-all); a stage is tp x cp GPUs
-    pp: int
-    dp: int
+    """A candidate of the search: the parallel sizes ``dims`` and how a stage's ``tp x cp`` GPUs split a chunk's
+    attention over the context-parallel ranks (``cp_comm_type``, Megatron-LM's ``--cp-comm-type``)."""
+
+    dims: ParallelDims
+    cp_comm_type: str = CP_COMM_TYPE
+
+    # the sizes, as the search and its report read them
+    tp = property(lambda self: self.dims.tp)
+    cp = property(lambda self: self.dims.cp)
+    pp = property(lambda self: self.dims.pp)
+    dp = property(lambda self: self.dims.dp)
+
+    def __post_init__(self) -> None:
+        if self.cp_comm_type != CP_COMM_TYPE:
+            raise ValueError(f"--cp-comm-type {self.cp_comm_type}: context parallelism is Ulysses all-to-all ({CP_COMM_TYPE}) only")
 
     @property
     def size(self) -> int:
         """GPUs per stage."""
-        return self.tp * self.cp
+        return self.dims.stage_size
 
     def __str__(self) -> str:
         return f"TP{self.tp}{f'xCP{self.cp}' if self.cp > 1 else ''}xPP{self.pp}xDP{self.dp}"
 
     def flags(self) -> list[str]:
         """``pretrain_gpt.py``'s flags for this layout (data parallel = the rest of the world size); a CP layout's
-        include ``--elastic-pp`` (context parallelism runs with it only)."""
+        include ``--cp-comm-type`` and ``--elastic-pp`` (context parallelism runs with it only)."""
         out = ["--tensor-model-parallel-size", str(self.tp), "--pipeline-model-parallel-size", str(self.pp)]
         if self.cp > 1:
-            out += ["--context-parallel-size", str(self.cp), *CONTEXT_PARALLEL_FLAGS]
+            out += ["--context-parallel-size", str(self.cp), "--cp-comm-type", self.cp_comm_type, "--elastic-pp"]
         return out
 
 
@@ -113,10 +123,10 @@ def enumerate_layouts(shape: ModelShape, cluster: Cluster, context_parallel: boo
             for pp in range(1, shape.num_layers + 1):
                 if shape.num_layers % pp or cluster.world_size % (tp * cp * pp):
                     continue
-                dp = cluster.world_size // (tp * cp * pp)
-                if num_sequences is not None and dp > num_sequences:
+                dims = ParallelDims.for_world(cluster.world_size, tp=tp, pp=pp, cp=cp)
+                if num_sequences is not None and dims.dp > num_sequences:
                     continue
-                out.append(Layout(tp, cp, pp, dp))
+                out.append(Layout(dims))
     return out
 
 

@@ -4,7 +4,7 @@
 cost model of one model shape and parallel layout, and recalibrates that model on the steps the training measured
 (their times and per-stage activation peaks, as plain numbers) by :mod:`.calibration`. Built from a
 :class:`~megatron_epp.planner.config.PlannerConfig`, a :class:`~megatron_epp.cost.shape.ModelShape`, a
-:class:`~megatron_epp.planner.config.ParallelDims` and the resolved profile: the training driver turns its flags
+:class:`~megatron_epp.base.dims.ParallelDims` and the resolved profile: the training driver turns its flags
 into those once (``training.planning.online_planner``), one per run, shared by the memory budget's start-up check,
 training and validation. It plans ahead: :meth:`OnlinePlanner.plan_ahead` starts a batch's plan in the planner's
 thread and returns a :class:`PlanTicket`; :meth:`OnlinePlanner.take` gives the plan to run, planned again where the
@@ -33,7 +33,8 @@ from megatron_epp.planner.builders import plan_batch
 from megatron_epp.planner.calibration import (
     ONLINE_PRIOR_WEIGHT, MemoryCheck, StepFit, activation_bytes, fit_memory_factor, fit_step_model, repredict, with_memory_factor,
 )
-from megatron_epp.planner.config import CALIBRATE_FIRST_STEP, ParallelDims, PlannerConfig
+from megatron_epp.base.dims import ParallelDims
+from megatron_epp.planner.config import CALIBRATE_FIRST_STEP, PlannerConfig
 from megatron_epp.simulator import simulate
 from megatron_epp.simulator.timeline import draw_timeline
 

@@ -10,13 +10,14 @@ import re
 from dataclasses import fields
 from typing import Sequence
 
+from megatron_epp.base.dims import ParallelDims
 from megatron_epp.cost.clusters import get_cluster
 from megatron_epp.base.units import GIB
 from megatron_epp.data.data_path import Blend, BlendError
 from megatron_epp.data.tokenizers import TokenizerError, resolve_tokenizer_args, tokenizer_from_args
 from megatron_epp.executor.kernels import load_flash_kernel
 from megatron_epp.base.options import Values, add_fields_to_parser, key_of
-from megatron_epp.planner.config import DEFAULT_CLUSTER, ParallelDims, PlannerConfig, PlannerOptions
+from megatron_epp.planner.config import DEFAULT_CLUSTER, PlannerConfig, PlannerOptions
 from megatron_epp.training.config import CALIBRATE_INTERVAL, PROFILE_STEPS, ROTARY_BASE, TrainingConfig
 from megatron_epp.training.extensions import probe_transformer_engine
 from megatron_epp.training.megatron_flags import add_megatron_flags
@@ -125,13 +126,15 @@ def validate_parallel_args(args: Values, world_size: int) -> dict:
             raise ArgumentError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: {value}")
     changes.update(validate_context_parallel_args(args))
     cp = changes["context_parallel_size"]
-    if world_size % (tp * cp * pp):
-        raise ArgumentError(f"world size {world_size} is not divisible by tp {tp} x cp {cp} x pp {pp}")
+    try:
+        dp = ParallelDims.for_world(world_size, tp=tp, pp=pp, cp=cp).dp
+    except ValueError as e:
+        raise ArgumentError(str(e)) from None
     changes.update(validate_wandb_args(args))
     # as Megatron-LM (which warns): at tp 1 there is nothing to split the sequence over; a start-up line says so
     off_at_tp1 = changes["sequence_parallel_off_at_tp1"] = bool(args.sequence_parallel and tp == 1)
     sequence_parallel = changes["sequence_parallel"] = args.sequence_parallel and not off_at_tp1
-    changes["dims"] = ParallelDims(tp, pp, world_size // (tp * cp * pp), cp, sequence_parallel)
+    changes["dims"] = ParallelDims(tp, pp, dp, cp, sequence_parallel)
     if sequence_parallel and not args.elastic_pp and args.seq_length % tp:
         raise ArgumentError(f"--sequence-parallel: --seq-length {args.seq_length} is not divisible by "
                             f"--tensor-model-parallel-size {tp} (each rank holds an equal share of every sample)")

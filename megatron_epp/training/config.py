@@ -7,7 +7,7 @@ field is named after its flag (``--lr-decay-style`` is ``optim.lr_decay_style``)
 ``epp`` section (``--epp-timeline`` is ``epp.timeline``) and ``profile_`` in the ``profile`` section
 (``--profile-step-start`` is ``profile.step_start``). A field no flag sets is derived
 (:func:`~megatron_epp.base.options.derived`): validation computes it from the options, e.g. ``parallel.dims`` (one
-:class:`~megatron_epp.planner.config.ParallelDims`), ``optim.lr_warmup_samples`` from ``--lr-warmup-iters`` and
+:class:`~megatron_epp.base.dims.ParallelDims`), ``optim.lr_warmup_samples`` from ``--lr-warmup-iters`` and
 ``epp.planner`` (the planner's :class:`~megatron_epp.planner.config.PlannerConfig`, the memory budget in bytes).
 """
 
@@ -21,7 +21,8 @@ from typing import Any, ClassVar
 from megatron_epp.base.options import Values, alias, derived, field_paths, option, read_fields, replace_keys
 from megatron_epp.data.data_path import Blend
 from megatron_epp.data.tokenizers import TokenizerOptions
-from megatron_epp.planner.config import CALIBRATE_FIRST_STEP, ParallelDims, PlannerConfig, PlannerOptions
+from megatron_epp.base.dims import ParallelDims
+from megatron_epp.planner.config import CALIBRATE_FIRST_STEP, PlannerConfig, PlannerOptions
 from megatron_epp.training.megatron_flags import ACCEPTED
 from megatron_epp.training.memory_budget import DefaultBudget
 

@@ -14,8 +14,9 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state as ps
 from megatron.core import tensor_parallel
+from megatron.core.pipeline_parallel.utils import get_pp_last_rank
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import get_model_config
 
 from megatron_epp.executor.batches import elastic_gpt_forward_step, prepare_step
@@ -77,13 +78,15 @@ def _size(nbytes: float) -> str:
     return f"{nbytes / GIB:.2f} GB" if nbytes >= GIB else f"{nbytes / 2**20:.2f} MB"
 
 
-def _share_plan(step: PlannedStep | None, timing: tuple[float, float, float] | None) -> tuple[PlannedStep, tuple[float, float, float]]:
+def _share_plan(step: PlannedStep | None, timing: tuple[float, float, float] | None,
+                groups: ProcessGroupCollection) -> tuple[PlannedStep, tuple[float, float, float]]:
     """Give every rank of this model replica (all stages, all tensor and context-parallel ranks) the plan of its first
-    rank, with its report and memory prediction, and its ``(planning ms, of which waited ms, of which inside the last step's span)``: over the context-parallel
-    group of the model-parallel groups' first ranks (they share one), then over each model-parallel group."""
-    group = ps.get_model_parallel_group()
+    rank, with its report and memory prediction, and its ``(planning ms, of which waited ms, of which inside the last
+    step's span)``: over the context-parallel group of the model-parallel groups' first ranks (they share one), then over
+    each model-parallel group (``groups``: the rank's process groups)."""
+    group = groups.mp
     box = [(step.to_json(), timing) if step is not None else None]
-    cp_group = ps.get_context_parallel_group()
+    cp_group = groups.cp
     if cp_group.size() > 1 and group.rank() == 0:  # every rank of a context-parallel group has the same model-parallel rank
         dist.broadcast_object_list(box, src=dist.get_global_rank(cp_group, 0), group=cp_group)
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
@@ -116,7 +119,8 @@ class ElasticTrainStep:
         # the global batches this function will still be asked for (None: no end, as validation): none is drawn,
         # planned or prepared beyond them, so the last step waits for no plan and the exit for no planner thread
         self.batches_left = steps
-        self.plans_here = ps.get_model_parallel_group().rank() == 0 and runtime.cp_rank == 0  # one planner per replica
+        self.groups: ProcessGroupCollection = runtime.pg_collection
+        self.plans_here = self.groups.mp.rank() == 0 and runtime.cp_rank == 0  # one planner per replica
         self.preparer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epp-prepare")
         self.token_multiple = token_multiple(get_model_config(model))  # each chunk padded to it (sequence parallelism)
         self.pending: tuple[Any, PlanTicket | None] | None = None  # the next batch and its plan's ticket (the planning rank's)
@@ -160,7 +164,7 @@ class ElasticTrainStep:
             step, (start, end) = planned.step, planned.span
             overlap = max(0.0, min(end, self.span[1]) - max(start, self.span[0])) * 1000 if self.span else 0.0
             timing = (planned.planning_ms, (time.perf_counter() - t0) * 1000, overlap)
-        return (batch, *_share_plan(step, timing))
+        return (batch, *_share_plan(step, timing, self.groups))
 
     def _prefetch(self) -> None:
         """Share the next step's plan now (a collective of the replica) and build its inputs in the background;
@@ -233,6 +237,7 @@ class ElasticTrainStep:
                     model=[self.model],
                     num_microbatches=sum(len(p.chunks) for p in plan.pipelines),
                     forward_only=forward_only,
+                    pg_collection=self.groups,
                     plan=plan,
                     layouts=inputs.layouts,
                 )
@@ -287,7 +292,7 @@ class ElasticTrainStep:
         if first is not None:
             raise TrainingFault(f"{what}; planned again at activation memory factor {self.planner.memory_factor:.2f}, "
                                 f"the batch no longer fits: {first}")
-        return _share_plan(step, None)[0]
+        return _share_plan(step, None, self.groups)[0]
 
     def _observe(self, plan: Plan, run_ms: float, measured_bytes: list[int]) -> None:
         """Give the planner's calibration this step's measured span (the last stage's, as the log records it,
@@ -297,7 +302,7 @@ class ElasticTrainStep:
         activation memory factor changes (with calibration off, the first only)."""
         if self.cfg.epp.calibrate_interval:
             span = torch.tensor([run_ms], dtype=torch.float64, device=self.runtime.device)
-            dist.broadcast(span, src=ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+            dist.broadcast(span, src=get_pp_last_rank(self.groups.pp), group=self.groups.pp)
             run_ms = float(span.item())
         if self.plans_here:
             self.planner.observe(plan, run_ms, measured_bytes)
@@ -321,10 +326,10 @@ class ElasticTrainStep:
         every stage and context-parallel rank (``[stage][cp rank]``, gathered over the context-parallel group first)."""
         if by_cp_rank:
             mine: Any = [None] * self.runtime.dims.cp
-            dist.all_gather_object(mine, measured, group=ps.get_context_parallel_group())
+            dist.all_gather_object(mine, measured, group=self.groups.cp)
             measured = mine
         per_stage: list[Any] = [None] * self.runtime.dims.pp
-        dist.all_gather_object(per_stage, measured, group=ps.get_pipeline_model_parallel_group())
+        dist.all_gather_object(per_stage, measured, group=self.groups.pp)
         return per_stage
 
     def log(self, iteration: int) -> ElasticMetrics:

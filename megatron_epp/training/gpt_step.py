@@ -6,7 +6,6 @@ from functools import partial
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
-from megatron.core import parallel_state
 
 from megatron_epp.executor.batches import Batch, per_token_loss
 
@@ -50,12 +49,6 @@ def gpt_forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module) -> 
     batch = next(data_iterator)
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     return output, partial(per_token_loss, batch["loss_mask"])
-
-
-def loss_group() -> Any:
-    """What the last stage's per-micro-batch loss sums are summed over: the data-parallel ranks with the context-parallel
-    ones (each context-parallel rank's sums are of its own block of every chunk's tokens)."""
-    return parallel_state.get_data_parallel_group(with_context_parallel=True)
 
 
 def reduce_losses(losses: list[dict[str, torch.Tensor]], dp_group: Any) -> float | None:

@@ -26,7 +26,6 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state as ps
 from megatron.core.utils import unwrap_model
 
 from megatron_epp.training import checkpointing
@@ -126,12 +125,13 @@ def _export_config(args: argparse.Namespace):
     return config(*saved, saved[0] * saved[1]), config(tp, pp, world), spec
 
 
-def _gathered(param: torch.nn.Parameter, name: str, tp: int) -> torch.Tensor:
-    """The whole parameter, its tensor-parallel shards gathered (every rank of the group gets it)."""
+def _gathered(param: torch.nn.Parameter, name: str, tp_group: dist.ProcessGroup) -> torch.Tensor:
+    """The whole parameter, its tensor-parallel shards gathered over ``tp_group`` (every rank of the group gets it)."""
+    tp = tp_group.size()
     if tp == 1 or not getattr(param, "tensor_model_parallel", False):
         return param.detach()
     shards = [torch.empty_like(param) for _ in range(tp)]
-    dist.all_gather(shards, param.detach().contiguous(), group=ps.get_tensor_model_parallel_group())
+    dist.all_gather(shards, param.detach().contiguous(), group=tp_group)
     return gather_order(name, torch.cat(shards, dim=param.partition_dim), tp)
 
 
@@ -149,7 +149,7 @@ def export_checkpoint(args: argparse.Namespace) -> int:
     gpt = unwrap_model(model)
     tensors: dict[str, torch.Tensor] = {}
     for name, param in gpt.named_parameters():
-        full = _gathered(param, name, runtime.dims.tp)
+        full = _gathered(param, name, runtime.pg_collection.tp)
         tensors.update({k: v.float().contiguous().clone() for k, v in hf_tensors(spec, name, _layer(gpt, name), full).items()})
     pp = runtime.dims.pp
     file = f"model-{runtime.pp_rank + 1:05d}-of-{pp:05d}.safetensors"

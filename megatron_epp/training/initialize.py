@@ -14,14 +14,18 @@ import torch.distributed as dist
 import patches
 from megatron.core import tensor_parallel
 from megatron.core import parallel_state as ps
+from megatron.core.process_groups_config import ProcessGroupCollection
 
-from megatron_epp.planner.config import ParallelDims
+from megatron_epp.base.dims import ParallelDims
 from megatron_epp.training.config import TrainingConfig
 
 
 @dataclass(frozen=True)
 class Runtime:
-    """Where this rank runs and what it is in the parallel layout ``dims`` (its sizes and world size)."""
+    """Where this rank runs, what it is in the parallel layout ``dims`` (its sizes and world size) and its
+    process groups ``pg_collection`` (megatron-core's :class:`ProcessGroupCollection`, :func:`process_groups`): what
+    the schedule, the layers and the driver communicate over. None only in a runtime made by hand for one process
+    (a test building a model: megatron-core's layers then take its default groups)."""
 
     device: torch.device
     rank: int
@@ -30,6 +34,7 @@ class Runtime:
     dp_rank: int
     dims: ParallelDims
     cp_rank: int = 0  # this rank's index in its context-parallel group (its share of each chunk's tokens)
+    pg_collection: ProcessGroupCollection | None = None
 
     @property
     def world_size(self) -> int:
@@ -121,6 +126,18 @@ def set_seed(seed: int, pp_rank: int) -> None:
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
+# the groups of a rank's ProcessGroupCollection: the model's (tensor, context, pipeline, embeddings), the model-parallel
+# group a replica's plan is shared over, the data-parallel ones (gradients and the loss over DP x CP), and the expert
+# groups megatron-core's DDP asks for (of size 1: no experts here)
+PROCESS_GROUPS = ("tp", "cp", "tp_cp", "pp", "mp", "embd", "pos_embd", "dp", "dp_cp", "ep", "expt_dp")
+
+
+def process_groups() -> ProcessGroupCollection:
+    """This rank's :data:`PROCESS_GROUPS` of megatron-core's initialized model-parallel state, as megatron-core
+    collects them (``ProcessGroupCollection.use_mpu_process_groups``)."""
+    return ProcessGroupCollection.use_mpu_process_groups(required_pgs=list(PROCESS_GROUPS))
+
+
 def initialize(cfg: TrainingConfig) -> Runtime:
     """Start torch.distributed (torchrun's env, or a single process) and megatron-core's groups; a
     collective that waits longer than ``--distributed-timeout-minutes`` raises (the rank exits non-zero
@@ -135,25 +152,30 @@ def initialize(cfg: TrainingConfig) -> Runtime:
             world_size=int(os.environ.get("WORLD_SIZE", "1")),
             timeout=timedelta(minutes=cfg.parallel.distributed_timeout_minutes),
         )
+    dims = cfg.parallel.dims
+    try:
+        dims.check_world_size(dist.get_world_size())
+    except ValueError as e:
+        raise RuntimeError(f"the launch does not fit the configuration: {e}") from None
     # megatron-core's order (tp-cp-ep-dp-pp): a pipeline group holds ranks of one CP index, so stage-to-stage sends go
     # rank to rank within it; gradients are reduced (and the distributed optimizer sharded) over DP x CP
     ps.initialize_model_parallel(
-        cfg.parallel.dims.tp, cfg.parallel.dims.pp, context_parallel_size=cfg.parallel.dims.cp,
+        dims.tp, dims.pp, context_parallel_size=dims.cp,
         distributed_timeout_minutes=cfg.parallel.distributed_timeout_minutes,
     )
-    dims = cfg.parallel.dims
-    megatron_sizes = (ps.get_tensor_model_parallel_world_size(), ps.get_context_parallel_world_size(),
-                      ps.get_pipeline_model_parallel_world_size(), ps.get_data_parallel_world_size(), dist.get_world_size())
+    groups = process_groups()
+    megatron_sizes = (groups.tp.size(), groups.cp.size(), groups.pp.size(), groups.dp.size(), dist.get_world_size())
     if megatron_sizes != (dims.tp, dims.cp, dims.pp, dims.dp, dims.world_size):
         raise RuntimeError(f"megatron-core's groups (tp, cp, pp, dp, world) {megatron_sizes} are not the configuration's {dims}")
     runtime = Runtime(
         device=device,
         rank=dist.get_rank(),
-        pp_rank=ps.get_pipeline_model_parallel_rank(),
-        tp_rank=ps.get_tensor_model_parallel_rank(),
-        dp_rank=ps.get_data_parallel_rank(),
+        pp_rank=groups.pp.rank(),
+        tp_rank=groups.tp.rank(),
+        dp_rank=groups.dp.rank(),
         dims=dims,
-        cp_rank=ps.get_context_parallel_rank(),
+        cp_rank=groups.cp.rank(),
+        pg_collection=groups,
     )
     set_seed(cfg.training.seed, runtime.pp_rank)
     return runtime

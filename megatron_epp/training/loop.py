@@ -15,7 +15,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_epp.training import checkpointing
 from megatron_epp.training.faults import ExitConditions, FaultInjection, SigtermHandler, check_finite
-from megatron_epp.training.gpt_step import loss_group, reduce_losses
+from megatron_epp.training.gpt_step import reduce_losses
 from megatron_epp.training.initialize import Runtime
 from megatron_epp.training.metrics import StepMetrics, interval_average
 from megatron_epp.training.model import model_shape, params_dtype
@@ -203,7 +203,7 @@ def train(
     iteration, consumed = start
     logger = Logger(cfg, runtime)
     exits = ExitConditions(cfg.training, runtime.device, time.time() if start_time is None else start_time, sigterm)
-    dp_group = loss_group()  # DP x CP: each context-parallel rank's loss is of its own tokens
+    dp_group = runtime.pg_collection.dp_cp  # DP x CP: each context-parallel rank's loss is of its own tokens
     history: list[float] = []
     interval: list[StepMetrics] = []  # the iterations since the last log line
     shape = model_shape(cfg) if cfg.logging.log_throughput else None

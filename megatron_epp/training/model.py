@@ -306,6 +306,7 @@ def build_model(
         rotary_base=cfg.model.rotary_base,
         rotary_percent=cfg.model.rotary_percent,
         seq_len_interpolation_factor=cfg.model.rotary_seq_len_interpolation_factor,
+        pg_collection=runtime.pg_collection,  # the layers' groups (the attention's context-parallel all-to-all)
     )
     scale_rope(model, cfg)
     model.to(runtime.device)
@@ -322,4 +323,4 @@ def build_model(
         use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
         bucket_size=cfg.parallel.ddp_bucket_size,
     )
-    return DistributedDataParallel(config, ddp_config, model), config
+    return DistributedDataParallel(config, ddp_config, model, pg_collection=runtime.pg_collection), config  # DP x CP's reduction

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from tests.paths import REPO
 
-# the planning packages, and the lengths reader of data that the planner may import (lengths -> planner)
-TORCH_FREE = ("megatron_epp.plan", "megatron_epp.cost", "megatron_epp.simulator", "megatron_epp.planner", "megatron_epp.data.lengths")
+# the bottom package, the planning packages, and the lengths reader of data that the planner may import (lengths -> planner)
+TORCH_FREE = ("megatron_epp.base", "megatron_epp.plan", "megatron_epp.cost", "megatron_epp.simulator", "megatron_epp.planner", "megatron_epp.data.lengths")
 
 
 def lint(root: Path) -> subprocess.CompletedProcess:
@@ -58,6 +58,8 @@ def test_planning_packages_import_without_torch():
         ("megatron_epp/planner/online.py", "import megatron_epp.training.planning", "never import training"),
         ("megatron_epp/data/sequence_sampler.py", "import megatron_epp.planner.data_parallel", "Data never imports the planner"),
         ("megatron_epp/planner/cli.py", "import megatron_epp.data.documents", "never import torch"),  # only data's torch-free modules
+        ("megatron_epp/base/dims.py", "import torch", "The bottom package base imports no other package"),
+        ("megatron_epp/base/dims.py", "import megatron_epp.data.lengths", "The bottom package base imports no other package"),
     ],
 )
 def test_planted_violation_breaks_a_contract(tmp_path, module, line, contract):

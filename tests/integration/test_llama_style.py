@@ -17,7 +17,7 @@ from megatron_epp.executor.context import ChunkContext
 from megatron_epp.training.layer_bench import init_single_process
 from megatron_epp.training.arguments import parse_config
 from megatron_epp.training.planning import online_planner
-from megatron_epp.planner.config import ParallelDims
+from megatron_epp.base.dims import ParallelDims
 from megatron_epp.training.initialize import Runtime
 from megatron_epp.training.metrics import read_metrics
 from megatron_epp.training.model import build_model

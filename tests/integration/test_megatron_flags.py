@@ -201,7 +201,7 @@ def fp16_step(*flags: str):
 
     from megatron_epp.training.layer_bench import init_single_process
     from megatron_epp.training.gpt_step import gpt_forward_step, microbatches
-    from megatron_epp.planner.config import ParallelDims
+    from megatron_epp.base.dims import ParallelDims
     from megatron_epp.training.initialize import Runtime
     from megatron_epp.training.loop import build_optimizer
     from megatron_epp.training.step import StockTrainStep, build_samples

@@ -9,6 +9,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from megatron_epp.base.dims import ParallelDims
 from megatron_epp.cost.clusters import CLUSTERS, cp_profile, get_cluster, stage_profile, tp_profile
 from megatron_epp.cost.features import sequence_features
 from megatron_epp.cost.model import CostModel
@@ -137,7 +138,7 @@ def test_measured_memory_carried_to_cp_once():
 
 
 def test_online_planner_plans_at_cp():
-    from megatron_epp.planner.config import ParallelDims, PlannerConfig
+    from megatron_epp.planner.config import PlannerConfig
     from megatron_epp.planner.online import OnlinePlanner
     from megatron_epp.base.units import GIB
 
@@ -158,10 +159,10 @@ def test_gradient_sync_over_dp_x_cp():
     from megatron_epp.planner.layout import Layout, dp_sync_ms, layout_cost_model
 
     shape, cluster = MODEL_PRESETS["llama-7b"], get_cluster("a800-ib-node")
-    for layout, group in ((Layout(2, 2, 1, 8), 16), (Layout(2, 1, 1, 16), 16), (Layout(4, 2, 2, 2), 4), (Layout(8, 1, 1, 4), 4)):
+    for layout, group in ((Layout(ParallelDims(tp=2, pp=1, dp=8, cp=2)), 16), (Layout(ParallelDims(tp=2, pp=1, dp=16, cp=1)), 16), (Layout(ParallelDims(tp=4, pp=2, dp=2, cp=2)), 4), (Layout(ParallelDims(tp=8, pp=1, dp=4, cp=1)), 4)):
         cm = layout_cost_model(shape, cluster, layout)
         params = shape.rank_parameters(cm.layers, layout.tp).max()
         comm = sum(cluster.strided_allgather_ms(b * params, group, layout.tp * layout.pp) for b in (4.0, 2.0))
         assert dp_sync_ms(cm, cluster, layout) == pytest.approx((1 - COMM_OVERLAP) * comm), str(layout)
-    same = [dp_sync_ms(layout_cost_model(shape, cluster, x), cluster, x) for x in (Layout(2, 2, 1, 8), Layout(2, 1, 1, 16))]
+    same = [dp_sync_ms(layout_cost_model(shape, cluster, x), cluster, x) for x in (Layout(ParallelDims(tp=2, pp=1, dp=8, cp=2)), Layout(ParallelDims(tp=2, pp=1, dp=16, cp=1)))]
     assert same[0] == pytest.approx(same[1])

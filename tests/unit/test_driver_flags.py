@@ -14,8 +14,8 @@ from megatron_epp.training.layer_bench import init_single_process
 from megatron_epp.training.corpus_check import check_corpus
 from megatron_epp.training.faults import TrainingFault, check_finite
 from megatron_epp.training import loop
-from megatron_epp.planner.config import ParallelDims
-from megatron_epp.training.initialize import Runtime
+from megatron_epp.base.dims import ParallelDims
+from megatron_epp.training.initialize import Runtime, process_groups
 from megatron_epp.training.loop import build_scheduler
 from megatron_epp.training.metrics import read_metrics
 from tests.corpus import write_corpus
@@ -182,7 +182,7 @@ def test_log_line_averages_over_the_interval_as_megatron_lm_and_the_record_is_th
     optimizer = SimpleNamespace(zero_grad=lambda: None, step=lambda: (True, next(norms), None), param_groups=[{}])
     scheduler = SimpleNamespace(step=lambda increment: None, get_lr=lambda group: 1e-3)
     model = SimpleNamespace(zero_grad_buffer=lambda: None, buffers=[])
-    runtime = Runtime(torch.device("cpu"), rank=0, pp_rank=0, tp_rank=0, dp_rank=0, dims=ParallelDims())
+    runtime = Runtime(torch.device("cpu"), rank=0, pp_rank=0, tp_rank=0, dp_rank=0, dims=ParallelDims(), pg_collection=process_groups())
     capsys.readouterr()
     loop.train(args, runtime, model, optimizer, scheduler, train_step=TrainStep(), valid_step=None)
     lines = [line for line in capsys.readouterr().out.splitlines() if line.lstrip().startswith("iteration")]

@@ -118,7 +118,7 @@ def test_rope_tables_are_transformers(tmp_path, rope):
     transformers = pytest.importorskip("transformers")
     from megatron.core.utils import unwrap_model
     from megatron_epp.executor.context import ChunkContext
-    from megatron_epp.planner.config import ParallelDims
+    from megatron_epp.base.dims import ParallelDims
     from megatron_epp.training.initialize import Runtime
     from megatron_epp.training.layer_bench import init_single_process
     from megatron_epp.training.model import build_model

@@ -7,13 +7,14 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+from megatron_epp.base.dims import ParallelDims
 from megatron_epp.cost.clusters import A800, CLUSTERS, Cluster
 from megatron_epp.base.units import GIB
 from megatron_epp.cost.shape import MODEL_PRESETS, ModelShape
 from megatron_epp.plan import PlanInfeasible
 from megatron_epp.planner.cli import main as epp_plan
 from megatron_epp.planner.builders import ELASTIC, MEGATRON, SEQ1F1B, baseline_builders
-from megatron_epp.planner.config import ParallelDims, PlannerConfig
+from megatron_epp.planner.config import PlannerConfig
 from megatron_epp.planner.data_parallel import dp_split
 from megatron_epp.planner import layout as layout_module
 from megatron_epp.planner.layout import COMM_OVERLAP, Layout, cluster_for_world, enumerate_layouts, search_layout
@@ -141,7 +142,7 @@ def test_known_baseline_plans_give_the_same_epp_plans():
     them again: the same steps and choices as making them."""
     L = lengths()
     config = PlannerConfig(memory_budget_bytes=80.0 * GIB, max_seq_len=32768)
-    for layout in (Layout(1, 1, 2, 2), Layout(1, 2, 1, 2)):
+    for layout in (Layout(ParallelDims(tp=1, pp=2, dp=2, cp=1)), Layout(ParallelDims(tp=1, pp=1, dp=2, cp=2))):
         fresh = layout_module.evaluate_layout(L, SHAPE, TOY, layout, ELASTIC, config)
         cm = layout_module.layout_cost_model(SHAPE, TOY, layout)
         known = []
@@ -165,10 +166,13 @@ def test_megatron_and_seq1f1b_search_tp_layouts_only(evaluate_layout):
 
 
 def test_flags():
-    assert Layout(2, 1, 4, 1).flags() == ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4"]
-    assert str(Layout(2, 4, 1, 4)) == "TP2xCP4xPP1xDP4"
-    assert Layout(2, 4, 1, 4).flags() == ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1",
+    assert Layout(ParallelDims(tp=2, pp=4, dp=1, cp=1)).flags() == ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4"]
+    assert str(Layout(ParallelDims(tp=2, pp=1, dp=4, cp=4))) == "TP2xCP4xPP1xDP4"
+    assert Layout(ParallelDims(tp=2, pp=1, dp=4, cp=4)).flags() == ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1",
                                           "--context-parallel-size", "4", "--cp-comm-type", "a2a", "--elastic-pp"]
+    assert Layout(ParallelDims(tp=2, pp=1, dp=4, cp=4)).dims.world_size == 32
+    with pytest.raises(ValueError, match=r"--cp-comm-type p2p: context parallelism is Ulysses all-to-all \(a2a\) only"):
+        Layout(ParallelDims(cp=2), cp_comm_type="p2p")
 
 
 def preset_flags(shape: ModelShape) -> list[str]:
@@ -208,7 +212,7 @@ def test_every_tp_layout_the_search_can_return_parses():
     tp_only = [(what, shape, layout) for what, shape, layout in SEARCHABLE if layout.cp == 1]
     assert len(tp_only) > 100
     for what, shape, layout in tp_only:
-        assert parse_layout(shape, layout) == ParallelDims(layout.tp, layout.pp, layout.dp, layout.cp), (what, str(layout))
+        assert parse_layout(shape, layout) == layout.dims, (what, str(layout))
 
 
 def test_every_cp_layout_the_search_can_return_parses():
@@ -216,7 +220,7 @@ def test_every_cp_layout_the_search_can_return_parses():
     with_cp = [(what, shape, layout) for what, shape, layout in SEARCHABLE if layout.cp > 1]
     assert {layout.cp for _, _, layout in with_cp} == {2, 4, 8}
     for what, shape, layout in with_cp:
-        assert parse_layout(shape, layout) == ParallelDims(layout.tp, layout.pp, layout.dp, layout.cp), (what, str(layout))
+        assert parse_layout(shape, layout) == layout.dims, (what, str(layout))
 
 
 def test_epp_plan_and_pretrain_gpt_print_the_best_flags(tmp_path, capsys, monkeypatch):

@@ -297,7 +297,8 @@ def test_the_drivers_planner_is_the_planner_packages_built_from_the_flags_once()
     (the planner tests build it so, without training)."""
     from megatron_epp.cost.profile_lookup import load_profile
     from megatron_epp.cost.shape import ModelShape
-    from megatron_epp.planner.config import ParallelDims, PlannerConfig
+    from megatron_epp.base.dims import ParallelDims
+    from megatron_epp.planner.config import PlannerConfig
 
     args = parse_config(["--elastic-pp", "--mock-data", "--pipeline-model-parallel-size", "2", "--num-layers", "4", "--seq-length", "1024",
                          "--global-batch-size", "16", "--epp-memory-budget", "0.05", "--epp-calibrate-interval", "3"], world_size=2)

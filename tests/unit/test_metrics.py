@@ -100,7 +100,7 @@ def logger_args(tmp_path, **change):
 def runtime():
     import torch
 
-    from megatron_epp.planner.config import ParallelDims
+    from megatron_epp.base.dims import ParallelDims
     from megatron_epp.training.initialize import Runtime
 
     return Runtime(torch.device("cpu"), rank=0, pp_rank=0, tp_rank=0, dp_rank=0, dims=ParallelDims())

@@ -133,7 +133,7 @@ def test_the_timed_span_starts_after_the_trackers_synchronisation(monkeypatch):
     monkeypatch.setattr(elastic, "forward_backward_elastic", lambda **kwargs: time.sleep(0.05) or [])
     monkeypatch.setattr(elastic.ChunkContext, "of", staticmethod(lambda model: types.SimpleNamespace(fault_hook=None)))
     step = object.__new__(elastic.ElasticTrainStep)
-    step.model, step.iteration = object(), 1
+    step.model, step.iteration, step.groups = object(), 1, None
     step.runtime = types.SimpleNamespace(device=torch.device("cpu"), rank=0)
     step.faults = FaultInjection()
     inputs = types.SimpleNamespace(batches=[], layouts=[])

@@ -18,7 +18,8 @@ from megatron_epp.plan import MemoryPrediction, PlannedStep
 from megatron_epp.planner import build_plan
 from megatron_epp.planner.calibration import ONLINE_PRIOR_WEIGHT, fit_step_model, repredict, simulate_steps
 from megatron_epp.simulator import simulate
-from megatron_epp.planner.config import CALIBRATE_FIRST_STEP, ParallelDims, PlannerConfig
+from megatron_epp.base.dims import ParallelDims
+from megatron_epp.planner.config import CALIBRATE_FIRST_STEP, PlannerConfig
 from megatron_epp.planner.online import OnlinePlanner
 
 

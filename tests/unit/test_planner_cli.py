@@ -180,7 +180,7 @@ def test_baselines_shapes_and_infeasibility():
     assert plan_batch(LENGTHS, cm, k2.configure(config)).plan.pipelines == k2.plan(LENGTHS, cm, config).plan.pipelines
     via_registry = plan_batch(LENGTHS, cm, PlannerConfig(1.0 * GIB, 4096, builder=MEGATRON))
     assert via_registry.plan.builder == "megatron" and via_registry.plan.pipelines == meg.pipelines
-    # the flag's name becomes the record at the edge (PlannerConfig.from_args); inside, a name is no builder
+    # the flag's name becomes the record at the edge (PlannerConfig.from_options); inside, a name is no builder
     assert parse_config(["--elastic-pp", "--mock-data", "--epp-plan", "seq1f1b"], world_size=1).epp.planner.builder is SEQ1F1B
     with pytest.raises(ValueError, match="--epp-plan 'megatron': one of elastic, megatron, seq1f1b"):
         PlannerConfig(1.0 * GIB, 4096, builder="megatron")

@@ -82,7 +82,7 @@ def test_table_is_built_with_the_model_in_fp32():
     buffer or parameter of the model (which the cast, a checkpoint and DDP would take)."""
     from megatron.core.utils import unwrap_model
 
-    from megatron_epp.planner.config import ParallelDims
+    from megatron_epp.base.dims import ParallelDims
     from megatron_epp.training.arguments import parse_config
     from megatron_epp.training.initialize import Runtime
     from megatron_epp.training.model import build_model

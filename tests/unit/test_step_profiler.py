@@ -18,7 +18,7 @@ import torch
 
 from megatron_epp.executor import schedule
 from megatron_epp.plan.order import stage_ops
-from megatron_epp.planner.config import ParallelDims
+from megatron_epp.base.dims import ParallelDims
 from megatron_epp.training.arguments import ArgumentError, parse_config
 from megatron_epp.training.initialize import Runtime
 from megatron_epp.training.step_profiler import StepProfiler, profiler_schedule, startup_note

@@ -14,7 +14,8 @@ import pytest
 
 from megatron_epp.base.options import Values, derived, field_paths, flags_of, option, walk
 from megatron_epp.base.units import GIB
-from megatron_epp.planner.config import ParallelDims, PlannerOptions
+from megatron_epp.base.dims import ParallelDims
+from megatron_epp.planner.config import PlannerOptions
 from megatron_epp.training import config as config_module
 from megatron_epp.training.arguments import build_parser, parse_config, validate
 from megatron_epp.training.config import TrainingConfig

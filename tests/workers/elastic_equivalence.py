@@ -26,6 +26,7 @@ varlen`` the model's attention runs the real ``torch-varlen`` path (packing, ``c
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import os
 import sys
@@ -44,9 +45,8 @@ from megatron_epp.executor.batches import chunk_batches, elastic_gpt_forward_ste
 from megatron_epp.executor.context import ChunkContext, ChunkLayout, KVBuffer, padding_tokens, token_multiple
 from megatron_epp.plan import order as schedule_order
 from megatron_epp.training.arguments import parse_config
-from megatron_epp.training import gpt_step
 from megatron_epp.training.gpt_step import gpt_forward_step, reduce_losses
-from megatron_epp.training.initialize import initialize, shutdown
+from megatron_epp.training.initialize import Runtime, initialize, shutdown
 from megatron_epp.training.loop import build_optimizer
 from megatron_epp.training.model import build_model
 from megatron.core.utils import unwrap_model
@@ -194,14 +194,16 @@ def inject(fault: str) -> Callable[[], None]:
     raise ValueError(fault)
 
 
-def inject_before_model(fault: str | None) -> Callable[[], None] | None:
-    """Faults in what the model's DDP and the loss take from megatron-core's groups (so set before the model is built);
-    None for the others. ``cp_loss_not_summed``: the data-parallel group asked for with context parallelism is the one
-    without it, so neither the gradients nor the token count nor the reported loss are summed over the CP ranks."""
+def inject_before_model(fault: str | None, runtime: Runtime) -> Runtime:
+    """Faults in the process groups of the runtime's ProcessGroupCollection (so set before the model is built): the
+    runtime to run with. ``cp_loss_not_summed``: the data-parallel group with context parallelism is the one without
+    it, so neither the gradients (DDP) nor the token count (the schedule's ``finalize_model_grads``) nor the reported
+    loss are summed over the CP ranks."""
     if fault != "cp_loss_not_summed":
-        return None
-    dp_group = ps.get_data_parallel_group
-    return _patch(ps, "get_data_parallel_group", lambda with_context_parallel=False, partial_data_parallel=False, **kwargs: dp_group(**kwargs))
+        return runtime
+    groups = copy.copy(runtime.pg_collection)
+    groups.dp_cp = groups.dp
+    return dataclasses.replace(runtime, pg_collection=groups)
 
 # sequence parallelism, checked in the launch of the good cases: the norms' gradients not summed over the
 # tensor-parallel ranks (their sequence_parallel tag dropped); the padding tokens counted in the loss
@@ -221,11 +223,6 @@ def padding_in_loss(batches):
     """Every token of every chunk counted in the loss, the padding too."""
     for batch in batches:
         yield {**batch, "loss_mask": torch.ones_like(batch["loss_mask"])} if batch else batch
-
-
-def loss_group():
-    """The group the losses are summed over (the training loop's): looked up at each use, so a fault can replace it."""
-    return gpt_step.loss_group()
 
 
 def case_sequences(case: int, seed: int, vocab: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -265,10 +262,10 @@ def run(argv: list[str]) -> None:
     runtime = initialize(args)
     elastic = ours.mode == "elastic"
     context = BROKEN_CONTEXTS.get(ours.fault, ChunkContext)() if elastic else None
-    undo_groups = inject_before_model(ours.fault)
+    runtime = inject_before_model(ours.fault, runtime)
     model, config = build_model(args, runtime, context=context)
     gpt = unwrap_model(model)  # through DDP (and Float16Module with --bf16): parameters by their own names
-    undo = inject(ours.fault) if ours.fault and ours.fault not in BROKEN_CONTEXTS and undo_groups is None else None
+    undo = inject(ours.fault) if ours.fault and ours.fault not in BROKEN_CONTEXTS and ours.fault != "cp_loss_not_summed" else None
     per_stage = args.model.num_layers // runtime.dims.pp
     set_global_weights(gpt, runtime.pp_rank, per_stage, runtime.tp_rank, args.parallel.dims.tp, args.model.swiglu)
     build_optimizer(args, model, config)
@@ -292,11 +289,12 @@ def run(argv: list[str]) -> None:
             padding = sum(padding_tokens(c.num_tokens, multiple) for c in plan.chunks())
             batches = chunk_batches(plan, mine, runtime.device, multiple, runtime.cp_rank, runtime.dims.cp)
             untagged = untag_sequence_parallel_norms(gpt) if fault == "sp_norm_grads_not_reduced" else []
-            comm = RecordingCommunicator(pp_group=ps.get_pipeline_model_parallel_group(), config=get_model_config(model))
+            comm = RecordingCommunicator(pp_group=runtime.pg_collection.pp, config=get_model_config(model))
             losses = forward_backward_elastic(
                 forward_step_func=elastic_gpt_forward_step,
                 data_iterator=padding_in_loss(batches) if fault == "sp_padding_in_loss" else batches,
                 model=[model], num_microbatches=sum(len(q.chunks) for q in plan.pipelines), plan=plan, p2p_communicator=comm,
+                pg_collection=runtime.pg_collection,
             )
             record = {"plan": plan.to_json(), "transfers": comm.calls}
             for q in untagged:
@@ -311,12 +309,12 @@ def run(argv: list[str]) -> None:
                 forward_step_func=gpt_forward_step, data_iterator=batches, model=[model],
                 num_microbatches=len(sequences), seq_length=1, micro_batch_size=1,
             )
-        loss = reduce_losses(losses, loss_group())
+        loss = reduce_losses(losses, runtime.pg_collection.dp_cp)
         if runtime.dp_rank == 0 and runtime.tp_rank == 0 and runtime.cp_rank == 0:
             grads = {global_name(n, runtime.pp_rank, per_stage): q.main_grad.detach().cpu().clone() for n, q in gpt.named_parameters()}
             prefix = f"{fault}_" if fault else ""
             torch.save({"loss": loss, "grads": grads, "padding": padding, **record}, f"{ours.out}/{prefix}case{case}_stage{runtime.pp_rank}.pt")
-    for undo_patch in (undo, undo_varlen, undo_groups):
+    for undo_patch in (undo, undo_varlen):
         if undo_patch is not None:
             undo_patch()
     if backend_before is None:
