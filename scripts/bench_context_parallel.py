@@ -239,14 +239,19 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def header(args) -> str:
+    """The first line: what runs, and the machine's load."""
+    return (f"bench_context_parallel: pp 1, cp 1 (1 rank) vs cp 2 (2 ranks, a2a), {args.num_layers} layers, hidden "
+            f"{args.hidden_size}, {args.num_attention_heads} heads, cap {args.seq_length}, {args.global_batch_size} documents per "
+            f"step, {args.iters} steps per launch x {args.repeats} repeats; {os.cpu_count()} cores, "
+            f"load average {load_average():.2f} (timings need the cores otherwise idle)")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
+    t0 = time.perf_counter()
     args = parse(argv)
     today = today_accuracy(args.accuracy_log)
-    t0 = time.perf_counter()
-    print(f"bench_context_parallel: pp 1, cp 1 (1 rank) vs cp 2 (2 ranks, a2a), {args.num_layers} layers, hidden "
-          f"{args.hidden_size}, {args.num_attention_heads} heads, cap {args.seq_length}, {args.global_batch_size} documents per "
-          f"step, {args.iters} steps per launch x {args.repeats} repeats; {os.cpu_count()} cores, "
-          f"load average {load_average():.2f} (timings need the cores otherwise idle)", flush=True)
+    print(header(args), flush=True)
     argvs = {cp: run_argv(args, cp) for cp in CPS}
     planned = {cp: planned_batches(argvs[cp], args.iters, world_size=cp) for cp in CPS}
     batches = planned[1][0]
