@@ -72,14 +72,19 @@ def test_figures_verdicts_and_json_line(bench, capsys):
     pred1, pred2 = ms1, [m * 0.95 for m in ms2]
     runs = {1: [run([m * f for m in ms1], [p * f for p in pred1], [4, 8, 3, 8, 4, 4, 4, 4], 8e6) for f in (1.0, 1.1, 0.9)],
             2: [run([m * f for m in ms2], [p * f for p in pred2], [0, 2, 0, 0, 0, 0, 0, 0], 4e6) for f in (1.0, 1.1, 0.9)]}
+    for r in runs[2]:
+        for s in r:
+            s.elastic.measured_cp_activation_bytes = [[4e6, 3.9e6]]  # the larger is the rank's measured peak
     budget = 0.01
     entries = {f"cp{cp}": bench.summarize(r, budget) for cp, r in runs.items()}
     one, two = entries["cp1"], entries["cp2"]
-    assert one["recomputed_total"] == 39 and two["recomputed"] == [0, 2, 0, 0, 0, 0, 0, 0]
+    assert one["recomputed_totals"] == [39] * 3 and two["recomputed"] == [[0, 2, 0, 0, 0, 0, 0, 0]] * 3
     assert two["pred_err_median"] == pytest.approx(0.05) and two["pred_err_max"] == pytest.approx(0.05) and two["pred_err_steps"] == 9
     assert two["hindsight_max"] == pytest.approx(0.0, abs=1e-12)  # a scale error only: one factor removes it
     assert one["pred_err_median"] == pytest.approx(0.0) and one["act_worst_err"] == 0.0 and one["fits"]
     assert one["act_meas_mb"] == [pytest.approx(8e6 / 2**20)] and two["measured_ms"] == pytest.approx(200)
+    assert one["states_mb"] == [pytest.approx(1e6 / 2**20)] and one["act_meas_cp_mb"] is None
+    assert two["act_meas_cp_mb"] == [[pytest.approx(4e6 / 2**20), pytest.approx(3.9e6 / 2**20)]]
     assert two["noise"] == pytest.approx(1 / 9)  # |1.1 / 0.9 - 1|, |1 / 1.1 - 1|, |1 / 0.9 - 1|: median 1/9
     assert len(two["per_step"]) == 9 and two["per_step"][0][:2] == [0, 6] and two["plans_differ"] == 0
     assert not bench.summarize(runs[1], 1e6 / 2**30)["fits"]  # model states + peak over the budget
@@ -88,8 +93,8 @@ def test_figures_verdicts_and_json_line(bench, capsys):
     assert today["median_max"] == pytest.approx(0.0865, abs=5e-4) and today["worst_step"] == pytest.approx(0.194, abs=5e-4)
     assert bench.verdicts(entries, today) == {"less_recompute": True, "within_today": True}
     assert bench.verdicts(entries, {**today, "median_max": 0.04})["within_today"] is False
-    worse = {**entries, "cp2": {**two, "recomputed": [5, 0, 0, 0, 0, 0, 0, 0], "recomputed_total": 5}}
-    assert bench.verdicts(worse, today)["less_recompute"] is False  # more than cp 1 on a step: not less
+    worse = {**entries, "cp2": {**two, "recomputed": [*two["recomputed"][:2], [5, 0, 0, 0, 0, 0, 0, 0]]}}
+    assert bench.verdicts(worse, today)["less_recompute"] is False  # more than cp 1 on a step in one repeat: not less
     verdict = bench.report(entries, 0.66, 0.6, today, budget, {})
     out = capsys.readouterr().out
     assert verdict["within_today"] and "cp 2 recomputes less than cp 1: yes" in out and "step time measured 0.66" in out
