@@ -47,7 +47,9 @@ step summed over the chunks, per repeat), ``recomputed_totals`` (per repeat), ``
 ``hindsight_median``/``hindsight_max`` (the error left with the one factor that fits the steps best: scale or shape),
 ``per_step`` (``[repeat, iteration, predicted / measured - 1, predicted ms, measured ms]`` after step 5), ``noise``,
 ``plans_differ`` (steps whose plan is not the same in every repeat); ``cp2_over_cp1`` and ``cp2_over_cp1_predicted``
-(the runs' calibrated predictions, steps after 5); ``failed``; ``today`` (the
+(the runs' calibrated predictions, steps after 5); ``speed_factor``/``stage_overhead_ms`` per repeat (each run's last
+calibration) and ``cp2_speed_factor_over_cp1`` (1: the uncalibrated cost model scales from cp 1 to cp 2 as the machine
+does); ``failed``; ``today`` (the
 reference figures and their log); ``verdict`` (``less_recompute``, ``within_today``); ``config``.
 Duration on 2 idle cores: about 2 minutes with the defaults (6 launches of ~15 s start-up plus 10 short steps);
 ``--simulate-only``: the budget and the plans, no training (seconds).
@@ -159,6 +161,8 @@ def summarize(runs: Sequence[Sequence[StepMetrics]], budget_gb: float) -> dict:
         "predicted_ms": float(np.median([s.elastic.predicted_step_ms for r in runs for s in r if s.iteration > CALIBRATE_FIRST_STEP]
                                         or [np.nan])),
         "noise": noise_floor(step_matrix(measured, pipe_ms)),
+        # the calibration each run ended with: speed factor s (measured / profile ms) and per-chunk overhead o (profile ms)
+        "speed_factor": [r[-1].elastic.speed_factor for r in runs], "stage_overhead_ms": [r[-1].elastic.stage_overhead_ms for r in runs],
         "plans_differ": sum(len({p[i] for p in plans}) > 1 for i in range(min(map(len, plans)))),
         "repeats": len(runs),
     }
@@ -200,7 +204,7 @@ def report(entries: dict[str, dict], ratio: float | None, predicted_ratio: float
         print(f"  {'':4s} measured ms {e['measured_ms']:.0f}, predicted ms {e['predicted_ms']:.0f} | |pred/meas - 1| median "
               f"{pct(e['pred_err_median'])}, max {pct(e['pred_err_max'])} ({e['pred_err_steps']} steps; with the one factor "
               f"that fits them best in hindsight: median {pct(e['hindsight_median'])}, max {pct(e['hindsight_max'])}) | "
-              f"noise floor {noise} | "
+              f"noise floor {noise} | calibration s {'/'.join('n/a' if x is None else f'{x:.2f}' for x in e['speed_factor'])} | "
               f"steps whose plan differs between repeats: {e['plans_differ']}")
     for name, why in failed.items():
         print(f"  {name}: did not run: {why}")
@@ -308,16 +312,21 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(f"  repeat {r + 1}/{args.repeats} cp {cp}: {time.perf_counter() - t1:.1f} s, measured ms per step "
                   + " ".join(f"{s.elastic.measured_ms:.0f}" for s in steps), flush=True)
     entries = {f"cp{cp}": summarize(rs, budget) for cp, rs in runs.items() if rs and f"cp{cp}" not in failed}
-    ratio = predicted_ratio = None
+    ratio = predicted_ratio = speed = None
     if len(entries) == 2:
         ratio = paired_ratio(step_matrix([r[1:] for r in runs[2]], pipe_ms), step_matrix([r[1:] for r in runs[1]], pipe_ms))
         later = {cp: [[s for s in r if s.iteration > CALIBRATE_FIRST_STEP] for r in rs] for cp, rs in runs.items()}
         predicted_ratio = paired_ratio(*(step_matrix(later[cp], lambda s: s.elastic.predicted_step_ms) for cp in (2, 1)))
+        speed = float(np.median(entries["cp2"]["speed_factor"]) / np.median(entries["cp1"]["speed_factor"]))
     v = report(entries, ratio, predicted_ratio, today, budget, failed)
+    if speed is not None:
+        print(f"  speed factor fitted at cp 2 / at cp 1: {speed:.2f} (medians over the repeats; 1: the cost model's cp 2 time, "
+              "all-to-alls included, scales as the machine runs it, before any calibration)")
     config["elapsed_s"] = round(time.perf_counter() - t0)
     config["load_average_end"] = load_average()
     print(f"\n{config['elapsed_s']} s; load average {config['load_average_end']:.2f} at the end")
-    print(json.dumps({"budget_gb": budget, **entries, "cp2_over_cp1": ratio, "cp2_over_cp1_predicted": predicted_ratio, "failed": failed, "today": today, "verdict": v,
+    print(json.dumps({"budget_gb": budget, **entries, "cp2_over_cp1": ratio, "cp2_over_cp1_predicted": predicted_ratio,
+                      "cp2_speed_factor_over_cp1": speed, "failed": failed, "today": today, "verdict": v,
                       "config": config}))
 
 

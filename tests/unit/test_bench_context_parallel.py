@@ -87,6 +87,7 @@ def test_figures_verdicts_and_json_line(bench, capsys):
     assert two["act_meas_cp_mb"] == [[pytest.approx(4e6 / 2**20), pytest.approx(3.9e6 / 2**20)]]
     assert two["noise"] == pytest.approx(1 / 9)  # |1.1 / 0.9 - 1|, |1 / 1.1 - 1|, |1 / 0.9 - 1|: median 1/9
     assert len(two["per_step"]) == 9 and two["per_step"][0][:2] == [0, 6] and two["plans_differ"] == 0
+    assert two["speed_factor"] == [None] * 3  # the synthetic records carry no calibration
     assert not bench.summarize(runs[1], 1e6 / 2**30)["fits"]  # model states + peak over the budget
     today = bench.today_accuracy(bench.ACCURACY_LOG)
     assert today["log"] == "docs/measurements/2026-11-24-cpu/time_model_accuracy_fc6a2b3.log"
