@@ -67,7 +67,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
@@ -78,6 +78,9 @@ from bench_elastic import (EPP, fail, fmt_layers, load_average, noise_floor, pai
 from megatron_epp.planner.config import CALIBRATE_FIRST_STEP  # noqa: E402
 from time_model_accuracy import hindsight  # noqa: E402
 from megatron_epp.training.metrics import StepMetrics  # noqa: E402
+
+if TYPE_CHECKING:
+    from megatron_epp.planner.online import OnlinePlanner
 
 REPO = Path(__file__).resolve().parents[1]
 CPS = (1, 2)
@@ -110,7 +113,7 @@ def today_accuracy(path: Path) -> dict:
 
 
 # --------------------------------------------------------------------------------------------- planning
-def choose_budget(batches, builds: dict[int, object]) -> float:
+def choose_budget(batches, builds: dict[int, OnlinePlanner]) -> float:
     """The smallest grid budget at which cp 2's plans need no recompute and cp 1 can run."""
 
     def ok(b: float) -> bool:
@@ -120,7 +123,7 @@ def choose_budget(batches, builds: dict[int, object]) -> float:
     return smallest_budget(ok, "lets cp 2 plan without recompute and cp 1 run")[0]
 
 
-def plan_facts(batches, builds: dict[int, object], budget_gb: float) -> dict[int, list | None]:
+def plan_facts(batches, builds: dict[int, OnlinePlanner], budget_gb: float) -> dict[int, list | None]:
     """Each configuration's plans of ``batches`` at ``budget_gb`` (None: it cannot run there)."""
     return {cp: plan_steps(EPP, batches, b.cost_model, b.config, budget_gb) for cp, b in builds.items()}
 
@@ -304,9 +307,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                 steps = run_pretrain([*argvs[cp], "--epp-memory-budget", repr(budget)], nproc=cp)
             except RuntimeError as error:
                 failed[f"cp{cp}"] = str(error)
+                print(f"  repeat {r + 1}/{args.repeats} cp {cp}: FAILED: {error}", flush=True)
                 continue
             if [int(s.tokens) for s in steps] != expected:
                 failed[f"cp{cp}"] = f"tokens per step {[s.tokens for s in steps]} differ from the planned batches' {expected}"
+                print(f"  repeat {r + 1}/{args.repeats} cp {cp}: {failed[f'cp{cp}']}", flush=True)
                 continue
             runs[cp].append(steps)
             print(f"  repeat {r + 1}/{args.repeats} cp {cp}: {time.perf_counter() - t1:.1f} s, measured ms per step "
