@@ -282,9 +282,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"  budget {budget:.4f} GB per rank ({'given' if args.epp_memory_budget is not None else 'the smallest at which cp 2 needs no recompute and cp 1 runs'}); "
           f"planned recomputed layers per step: cp 1 {fmt_layers(rec[1])}, cp 2 {fmt_layers(rec[2])}"
           + ("" if rec[1] is None or any(rec[1]) else " -- memory does NOT bind for cp 1 here"), flush=True)
-    print("  planned predicted ms per step (profile ms, uncalibrated): " + "; ".join(
-        f"cp {cp} " + ("n/a" if p is None else " ".join(f"{q.stats.predicted_step_ms:.0f}" for q in p)) for cp, p in plans.items()),
-        flush=True)
     config = {"seq_length": args.seq_length, "global_batch_size": args.global_batch_size, "num_layers": args.num_layers,
               "hidden_size": args.hidden_size, "num_attention_heads": args.num_attention_heads, "repeats": args.repeats,
               "iters": args.iters, "seed": args.seed, "load_average_start": load_average(),
