@@ -111,6 +111,7 @@ def run_cell(data: str, lengths: np.ndarray, model: str, cap: int, cluster_name:
             "peak_gb": b.peak_memory_bytes / GIB, "recomputed_layers": b.recomputed_layers, "sync_ms": b.sync_ms,
             "bubble": max(s.bubble_ratio for s in stats), "recompute_ms": max(s.recompute_ms for s in stats),
             "why": ch.reason, "search_s": time.perf_counter() - t0,
+            "tp_best_planned_ms": min((r.step_ms for r in ch.evaluated if r.layout.cp == 1), default=None),
         }
     t0 = time.perf_counter()
     try:
@@ -129,6 +130,13 @@ def run_cell(data: str, lengths: np.ndarray, model: str, cap: int, cluster_name:
 
 def _run_job(job: tuple) -> dict:
     return run_cell(*job)
+
+
+def work(job: tuple) -> float:
+    """A cell's compute (linear layers' tokens x parameters + attention's squared lengths, per layer): the order
+    the cells start in, most first, so that with ``--jobs`` the long searches run side by side from the start."""
+    lengths, shape = job[1].astype(np.float64), MODEL_PRESETS[job[2]]
+    return shape.num_layers * shape.hidden * (12.0 * shape.hidden * lengths.sum() + (lengths ** 2).sum())
 
 
 BOUND_GAP = 1.15  # EPP further than this above its bound gets its reason in one line
@@ -264,6 +272,7 @@ def main(argv: list[str] | None = None) -> None:
 
     jobs = [(data, batch(pools[data], args.gbs, cap, args.seed), model, cap, cl, args.memory_gb, args.overlap, args.flexsp_time_limit, args.exhaustive)
             for cl, data, model, cap in grid if key(cl, data, model, cap) not in done and not args.report_only]
+    jobs.sort(key=work, reverse=True)
     with solver_output_to_stderr(), (multiprocessing.get_context("fork").Pool(args.jobs) if args.jobs > 1 else contextlib.nullcontext()) as pool:
         for cell in (pool.imap_unordered(_run_job, jobs) if args.jobs > 1 else map(_run_job, jobs)):
             cell.update(gbs=args.gbs, memory_gb=args.memory_gb, overlap=args.overlap, seed=args.seed)
