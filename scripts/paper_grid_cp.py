@@ -162,8 +162,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--limit", type=int, default=None, help="run at most this many rows (cheapest first)")
     ap.add_argument("--all-rows", action="store_true", help="after the SP rows, the rows where EPP chose a TP layout")
     ap.add_argument("--out", type=Path, default=None, help="markdown file the table is written to")
+    ap.add_argument("--rows", default=None, help="only these rows: data:model:cap:cluster, comma-separated (e.g. commoncrawl:llama-7b:131072:h100-ib-gpu)")
     args = ap.parse_args(argv)
     old = sp_rows(args.old, args.all_rows)
+    if args.rows:
+        wanted = {tuple(int(v) if k == "cap" else v for k, v in zip(KEYS, r.split(":"))) for r in args.rows.split(",")}
+        old = [c for c in old if tuple(c[k] for k in KEYS) in wanted]
+        if len(old) != len(wanted):
+            ap.error(f"--rows: {len(wanted) - len(old)} of {len(wanted)} not among {args.old}'s rows" + ("" if args.all_rows else " (SP rows only without --all-rows)"))
     done = {}
     if args.cells.exists():
         for line in args.cells.read_text().splitlines():
