@@ -17,7 +17,8 @@ cost term that makes it so. Ratios are baseline / EPP (> 1: EPP faster).
 With ``--cells FILE`` each cell is appended to FILE (one JSON line) as soon as it is done, and the cells
 already in FILE (same data, model, cap, cluster, gbs, memory, overlap and seed) are read back instead of
 run again: a long grid can be stopped and resumed, and ``--report-only`` writes the table of the cells
-done so far.
+done so far. Stopped by SIGTERM (``timeout 300 python scripts/paper_grid.py ...``), the run still writes the
+table of the cells done (the others "not run yet"). The cells start most work first (:func:`work`).
 
 The last line is one JSON object: ``{"cells": [{"data", "model", "cap", "cluster", "epp_ms",
 "flexsp", "seq1f1b", "megatron", "bound"}, ...], "headline": {...}}`` (ratios to EPP; null where a
@@ -32,10 +33,10 @@ for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ[var] = "1"
 
 import argparse  # noqa: E402
-import contextlib  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import multiprocessing  # noqa: E402
+import signal  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -113,6 +114,7 @@ def run_cell(data: str, lengths: np.ndarray, model: str, cap: int, cluster_name:
             "peak_gb": b.peak_memory_bytes / GIB, "recomputed_layers": b.recomputed_layers, "sync_ms": b.sync_ms,
             "bubble": max(s.bubble_ratio for s in stats), "recompute_ms": max(s.recompute_ms for s in stats),
             "why": ch.reason, "search_s": time.perf_counter() - t0,
+            "tp_best_planned_ms": min((r.step_ms for r in ch.evaluated if r.layout.cp == 1), default=None),
         }
     t0 = time.perf_counter()
     try:
@@ -131,6 +133,27 @@ def run_cell(data: str, lengths: np.ndarray, model: str, cap: int, cluster_name:
 
 def _run_job(job: tuple) -> dict:
     return run_cell(*job)
+
+
+class Stopped(Exception):
+    """SIGTERM (e.g. ``timeout``) while the cells run: the table of the cells done is still written."""
+
+
+def _stop(signum: int, frame: object) -> None:
+    raise Stopped(signal.Signals(signum).name)
+
+
+def _worker_signals() -> None:
+    """A worker dies at SIGTERM (the main process stops the pool) and leaves Ctrl-C to the main process."""
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def work(job: tuple) -> float:
+    """A cell's compute (linear layers' tokens x parameters + attention's squared lengths, per layer): the order
+    the cells start in, most first, so that with ``--jobs`` the long searches run side by side from the start."""
+    lengths, shape = job[1].astype(np.float64), MODEL_PRESETS[job[2]]
+    return shape.num_layers * shape.hidden * (12.0 * shape.hidden * lengths.sum() + (lengths ** 2).sum())
 
 
 BOUND_GAP = 1.15  # EPP further than this above its bound gets its reason in one line
@@ -266,15 +289,29 @@ def main(argv: list[str] | None = None) -> None:
 
     jobs = [(data, batch(pools[data], args.gbs, cap, args.seed), model, cap, cl, args.memory_gb, args.overlap, args.flexsp_time_limit, args.exhaustive)
             for cl, data, model, cap in grid if key(cl, data, model, cap) not in done and not args.report_only]
-    with solver_output_to_stderr(), (multiprocessing.get_context("fork").Pool(args.jobs) if args.jobs > 1 else contextlib.nullcontext()) as pool:
-        for cell in (pool.imap_unordered(_run_job, jobs) if args.jobs > 1 else map(_run_job, jobs)):
-            cell.update(gbs=args.gbs, memory_gb=args.memory_gb, overlap=args.overlap, seed=args.seed)
-            done[tuple(cell[k] for k in CELL_KEYS)] = cell
-            if args.cells is not None:
-                with args.cells.open("a") as f:
-                    f.write(json.dumps(cell, default=float) + "\n")
-            print(f"# {cell['data']} {cell['model']} {cell['cap'] // 1024}K {cell['cluster']}: " + ", ".join(
-                f"{n} {s['step_ms'] / 1e3:.1f} s" if s["fits"] else f"{n} -" for n, s in cell["systems"].items()), file=sys.stderr, flush=True)
+    jobs.sort(key=work, reverse=True)
+    pool = multiprocessing.get_context("fork").Pool(args.jobs, initializer=_worker_signals) if args.jobs > 1 and jobs else None
+    stopped, previous = "", signal.signal(signal.SIGTERM, _stop)  # from here a SIGTERM stops the pool, the table is written
+    try:
+        with solver_output_to_stderr():
+            for cell in (pool.imap_unordered(_run_job, jobs) if pool else map(_run_job, jobs)):
+                cell.update(gbs=args.gbs, memory_gb=args.memory_gb, overlap=args.overlap, seed=args.seed)
+                if args.cells is not None:
+                    with args.cells.open("a") as f:
+                        f.write(json.dumps(cell, default=float) + "\n")
+                done[tuple(cell[k] for k in CELL_KEYS)] = cell
+                print(f"# {cell['data']} {cell['model']} {cell['cap'] // 1024}K {cell['cluster']}: " + ", ".join(
+                    f"{n} {s['step_ms'] / 1e3:.1f} s" if s["fits"] else f"{n} -" for n, s in cell["systems"].items()), file=sys.stderr, flush=True)
+        if pool is not None:
+            pool.close()
+            pool.join()
+    except (Stopped, KeyboardInterrupt) as e:
+        stopped = f"stopped by {e or 'SIGINT'} after {time.perf_counter() - t0:.0f} s; "
+        print(f"# {stopped}the table of the cells done follows", file=sys.stderr, flush=True)
+        for worker in multiprocessing.active_children():
+            worker.kill()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     cells = [done[key(*g)] for g in grid if key(*g) in done]  # the grid's order
     rows = [ratios(c) for c in cells]
     head = headline(rows, args.clusters.split(","))
@@ -292,13 +329,15 @@ def main(argv: list[str] | None = None) -> None:
                       *([f"{missing} of the {len(grid)} cells not run yet."] if missing else []),
                       f"gbs {args.gbs}, {args.memory_gb:.0f} GB per GPU, collective overlap {args.overlap}, seed {args.seed}; "
                       + ("a report of cells run earlier (--report-only); " if args.report_only
-                         else f"this run {time.perf_counter() - t0:.0f} s wall with {args.jobs} process(es); ")
+                         else f"this run {time.perf_counter() - t0:.0f} s wall with {args.jobs} process(es); {stopped}")
                       + f"{sum(s.get('search_s', 0.0) for c in cells for s in c['systems'].values()):.0f} s of per-cell search time over the cells shown."])
     print(text)
     readme = args.readme or (None if args.quick else str(ROOT / "docs" / "measurements" / "paper-grid.md"))
     if readme:
         write_readme(Path(readme), text)
-    print(json.dumps({"cells": rows, "headline": head}, separators=(",", ":")))
+    print(json.dumps({"cells": rows, "headline": head}, separators=(",", ":")), flush=True)
+    if stopped:  # not Pool.terminate: a killed worker may hold the task queue's lock it would wait for
+        os._exit(0)
 
 
 if __name__ == "__main__":

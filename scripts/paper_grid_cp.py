@@ -20,6 +20,9 @@ layout gains over it, 0 where the search keeps TP).
     python scripts/paper_grid_cp.py --cells docs/measurements/2026-11-27-cpu-cp/sp_rows_cp.jsonl   # resumable
     python scripts/paper_grid_cp.py --cells FILE --report-only --out docs/measurements/2026-11-27-cpu-cp/sp_rows_cp.md
 
+``--cells`` may also be a ``scripts/paper_grid.py --cells`` file (the whole grid, every system): EPP's entry of each
+cell is its row (``--report-only --all-rows``: the table of every row against ``--old``).
+
 The last line is one JSON object: ``{"rows": [...], "done": n, "of": m}``.
 """
 
@@ -32,6 +35,7 @@ for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import math  # noqa: E402
 import re  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -55,6 +59,7 @@ from megatron_epp.planner.layout import search_layout  # noqa: E402
 
 OLD = ROOT / "docs" / "measurements" / "2026-11-24-cpu" / "paper_grid_cells.jsonl"
 KEYS = ("data", "model", "cap", "cluster")
+SETTINGS = ("gbs", "memory_gb", "overlap", "seed")  # a row compares with an old cell of the same (a paper_grid.py cell has them)
 
 
 def sp_rows(path: Path, all_rows: bool = False) -> list[dict]:
@@ -90,6 +95,18 @@ def run_row(cell: dict) -> dict:
             "search_s": time.perf_counter() - t0}
 
 
+def row_of_cell(cell: dict) -> dict:
+    """A row of this script from a ``scripts/paper_grid.py --cells`` line (every system; EPP's entry taken), so that a
+    whole re-run grid reports here too; a row of this script's own as it is."""
+    if "systems" not in cell:
+        return cell
+    e, out = cell["systems"]["epp"], {k: cell[k] for k in (*KEYS, *SETTINGS)}
+    if not e["fits"]:
+        return {**out, "fits": False, "reason": e["reason"], "search_s": e.get("search_s", 0.0)}
+    return {**out, **{k: e[k] for k in ("fits", "step_ms", "layout", "detail", "peak_gb", "recomputed_layers", "why", "search_s")},
+            "new_tp_best_planned_ms": e.get("tp_best_planned_ms")}
+
+
 def table(old: list[dict], new: dict[tuple, dict]) -> tuple[list[str], list[dict]]:
     lines = ["| data | model | cap | cluster | old EPP (2026-11-24) | TP ref | new EPP (runnable layouts) | SP gain over TP ref | new gain over TP ref | SP advantage kept |",
              "|---|---|---|---|---|---|---|---|---|---|"]
@@ -120,6 +137,24 @@ def table(old: list[dict], new: dict[tuple, dict]) -> tuple[list[str], list[dict
     return lines, rows
 
 
+def summary(rows: list[dict]) -> list[str]:
+    """The table in a few lines: the SP rows' gains over their TP reference (geometric means of the ratios) and the share
+    of the SP gain kept; the TP rows where the new step is above the old (old step / new step - 1 < 0)."""
+    def gmean(xs: list[float]) -> str:
+        return f"{math.exp(sum(math.log1p(x) for x in xs) / len(xs)) - 1:+.1%}" if xs else "n/a"
+
+    sp = [r for r in rows if r.get("sp_gain") is not None]
+    shares = sorted(r["kept"] for r in sp if r["kept"] is not None)
+    slower = [r for r in rows if r.get("fits", True) and r.get("sp_gain") is None and r.get("new_gain") is not None and r["new_gain"] < -1e-9]
+    return [f"SP rows with a TP reference: {len(sp)}; gain over it: SP + FSDP {gmean([r['sp_gain'] for r in sp])}, "
+            f"runnable layouts {gmean([r['new_gain'] for r in sp])} (geometric means); share kept: median "
+            + (f"{shares[len(shares) // 2]:.0%}, all of it or more in {sum(x >= 1 - 1e-9 for x in shares)}, none (share <= 0) in {sum(x <= 1e-9 for x in shares)}"
+               if shares else "n/a"),
+            f"TP rows where the new step is above the old: {len(slower)}" + "".join(
+                f"; {r['data']} {r['model'].removeprefix('llama-')} {r['cap'] // 1024}K {r['cluster']} {r['new_layout']} {r['new_gain']:+.1%}"
+                for r in slower)]
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--old", type=Path, default=OLD, help="the earlier grid's cells (JSON lines)")
@@ -128,14 +163,25 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--limit", type=int, default=None, help="run at most this many rows (cheapest first)")
     ap.add_argument("--all-rows", action="store_true", help="after the SP rows, the rows where EPP chose a TP layout")
     ap.add_argument("--out", type=Path, default=None, help="markdown file the table is written to")
+    ap.add_argument("--rows", default=None, help="only these rows: data:model:cap:cluster, comma-separated (e.g. commoncrawl:llama-7b:131072:h100-ib-gpu)")
     args = ap.parse_args(argv)
     old = sp_rows(args.old, args.all_rows)
+    if args.rows:
+        wanted = {tuple(int(v) if k == "cap" else v for k, v in zip(KEYS, r.split(":"))) for r in args.rows.split(",")}
+        old = [c for c in old if tuple(c[k] for k in KEYS) in wanted]
+        if len(old) != len(wanted):
+            ap.error(f"--rows: {len(wanted) - len(old)} of {len(wanted)} not among {args.old}'s rows" + ("" if args.all_rows else " (SP rows only without --all-rows)"))
     done = {}
     if args.cells.exists():
         for line in args.cells.read_text().splitlines():
             if line.strip():
-                r = json.loads(line)
+                r = row_of_cell(json.loads(line))
                 done[tuple(r[k] for k in KEYS)] = r
+    for c in old:
+        r = done.get(tuple(c[k] for k in KEYS), {})
+        if any(k in r and r[k] != c[k] for k in SETTINGS):
+            ap.error(f"{args.cells}: {' '.join(str(c[k]) for k in KEYS)} was run with "
+                     + ", ".join(f"{k} {r[k]}" for k in SETTINGS if k in r and r[k] != c[k]) + f", not as in {args.old}")
     todo = [c for c in old if tuple(c[k] for k in KEYS) not in done][: args.limit] if not args.report_only else []
     with solver_output_to_stderr():
         for c in todo:
@@ -147,7 +193,7 @@ def main(argv: list[str] | None = None) -> None:
                   f"{r.get('step_ms', float('nan')) / 1e3:.2f} s ({r['search_s']:.0f} s)", file=sys.stderr, flush=True)
     lines, rows = table(sorted(old, key=lambda c: (c["cluster"], c["data"], c["model"], c["cap"])), done)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    text = "\n".join(lines)
+    text = "\n".join(lines + ["", *summary(rows)])
     print(text)
     if args.out:
         args.out.write_text(text + "\n")

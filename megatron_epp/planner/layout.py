@@ -300,6 +300,29 @@ def _rank_by_proxy(cands: list[_Candidate], proxies: _Proxies, max_evaluated: in
     return keep
 
 
+def _keep_by_proxy(cands: list[_Candidate], proxies: _Proxies, max_evaluated: int, skipped: dict[str, str]) -> list[_Candidate]:
+    """The layouts the system plans: the ``max_evaluated`` best of all by proxy (:func:`_rank_by_proxy`) and, where some
+    have context parallelism, the ``max_evaluated`` best of the TP layouts alone too (what the search without CP plans).
+    The proxy is an upper bound of EPP's step, not a ranking of it: with CP layouts among the best ``max_evaluated``
+    it would leave out TP layouts on which EPP plans a faster step than on those. Kept, the search with CP layouts
+    plans a superset of what the search without them plans, so its step is never above that search's."""
+    tp_only = [c for c in cands if c.layout.cp == 1]
+    kept = _rank_by_proxy(cands, proxies, max_evaluated, skipped)
+    if len(tp_only) == len(cands):
+        return kept
+    if len(tp_only) <= max_evaluated:
+        tp_kept = tp_only
+    else:
+        tp_skipped: dict[str, str] = {}
+        tp_kept = _rank_by_proxy(tp_only, proxies, max_evaluated, tp_skipped)
+        for name, why in tp_skipped.items():
+            skipped[name] = f"{why} TP layouts"
+    names = {c.name for c in kept} | {c.name for c in tp_kept}
+    for name in names:
+        skipped.pop(name, None)
+    return [c for c in cands if c.name in names]
+
+
 def search_layout(lengths: Sequence[int], shape: ModelShape, cluster: Cluster, system: Builder, config: PlannerConfig,
                   context_parallel: bool | None = None, overlap: float = COMM_OVERLAP, exhaustive: bool = False,
                   max_evaluated: int = MAX_EVALUATED) -> LayoutChoice:
@@ -309,7 +332,9 @@ def search_layout(lengths: Sequence[int], shape: ModelShape, cluster: Cluster, s
     Unless ``exhaustive``: layouts whose lower bound is no better than the runner-up's step are not
     planned (exact), and when more than ``max_evaluated`` remain, only the ``max_evaluated`` best by a
     cheap proxy (:data:`PROXIES`: the best baseline step on the same layout) are planned by ``system``
-    (for ``megatron`` itself the proxy is the answer: exact), and every layout the proxy cannot rank
+    (for ``megatron`` itself the proxy is the answer: exact; with CP layouts among the candidates, the
+    ``max_evaluated`` best TP layouts too, so CP layouts never push out what the search without them plans:
+    :func:`_keep_by_proxy`), and every layout the proxy cannot rank
     (no proxy plan fits it: where memory binds, EPP's recompute and slicing may). The proxy ranking
     plans a layout's replicas only until its proxy step is shown to be outside the best
     ``max_evaluated`` (:func:`_rank_by_proxy`: the same layouts as planning them all)."""
@@ -327,7 +352,7 @@ def search_layout(lengths: Sequence[int], shape: ModelShape, cluster: Cluster, s
     known: dict[tuple[str, int], dict[Builder, PlannedStep | None]] = {}  # the proxy ranking's plans, by (layout, replica)
     if not exhaustive and system != MEGATRON and len(cands) > max_evaluated:
         proxies = _Proxies(L, system, config)
-        cands = _rank_by_proxy(cands, proxies, max_evaluated, skipped)
+        cands = _keep_by_proxy(cands, proxies, max_evaluated, skipped)
         known = {key: plans for key, plans in proxies.plans.items() if any(key[0] == c.name for c in cands)}
     evaluated: list[LayoutResult] = []
     for c in sorted(cands, key=lambda c: (c.bound, c.name)):

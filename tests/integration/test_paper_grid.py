@@ -12,10 +12,16 @@ ROOT = REPO
 
 
 def test_quick_grid_last_line_is_the_cells_json(tmp_path):
-    readme = tmp_path / "README.md"  # not there yet: the script writes the block into a new file
+    """And its ``--cells`` file gives the same table again (``--report-only``) and ``scripts/paper_grid_cp.py``'s rows
+    (a whole re-run grid compared row by row with an earlier one: here with itself)."""
+    readme, cells = tmp_path / "README.md", tmp_path / "cells.jsonl"  # not there yet: the script writes the block into a new file
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "paper_grid.py"), "--quick", "--readme", str(readme)],
-                         capture_output=True, text=True, env=env, check=True, timeout=600).stdout
+
+    def run(script: str, *args: str) -> str:
+        return subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args], capture_output=True, text=True, env=env,
+                              check=True, timeout=600).stdout
+
+    out = run("paper_grid.py", "--quick", "--readme", str(readme), "--cells", str(cells))
     last = json.loads(out.strip().splitlines()[-1])
     assert set(last) == {"cells", "headline"} and len(last["cells"]) == 1
     cell = last["cells"][0]
@@ -27,3 +33,9 @@ def test_quick_grid_last_line_is_the_cells_json(tmp_path):
     assert cell["seq1f1b"] >= 1 and cell["megatron"] >= 1  # EPP weighs their plans on a superset of their layouts
     text = readme.read_text()
     assert text.startswith("<!-- paper-grid:begin -->") and "| github | llama-7b | 48K | a800-ib-node |" in text
+    again = run("paper_grid.py", "--quick", "--readme", str(tmp_path / "again.md"), "--cells", str(cells), "--report-only")
+    assert again.splitlines()[:3] == out.splitlines()[:3] and json.loads(again.strip().splitlines()[-1]) == last
+    rows = run("paper_grid_cp.py", "--old", str(cells), "--cells", str(cells), "--all-rows", "--report-only")
+    report = json.loads(rows.strip().splitlines()[-1])
+    assert report["done"] == report["of"] == 1 and report["rows"][0]["new_gain"] == 0.0
+    assert report["rows"][0]["new_layout"] == json.loads(cells.read_text())["systems"]["epp"]["layout"]

@@ -102,8 +102,10 @@ def test_a_capped_search_never_loses_to_a_baseline_best_layout(evaluate_layout, 
             except PlanInfeasible:
                 pass
         proxy[str(layout)] = min(steps, default=np.inf)
-    # planned: the layout of the best baseline step, and those no baseline plan fits (the proxy cannot rank them)
-    allowed = {min(proxy, key=proxy.get)} | {name for name, step in proxy.items() if not np.isfinite(step)}
+    # planned: the layout of the best baseline step, that of the TP layouts (what the search without CP plans), and
+    # those no baseline plan fits (the proxy cannot rank them)
+    tp_proxy = {name: step for name, step in proxy.items() if "CP" not in name}
+    allowed = {min(proxy, key=proxy.get), min(tp_proxy, key=tp_proxy.get)} | {name for name, step in proxy.items() if not np.isfinite(step)}
     assert {str(r.layout) for r in epp.evaluated} <= allowed
     for baseline in (MEGATRON, SEQ1F1B):  # both plan on some layout at either budget (none may be skipped)
         other = search_layout(L, SHAPE, TOY, baseline, config, exhaustive=True)
@@ -114,7 +116,8 @@ def test_a_capped_search_never_loses_to_a_baseline_best_layout(evaluate_layout, 
 def test_lazy_proxy_ranking_keeps_the_layouts_a_full_ranking_keeps(evaluate_layout, memory_gb):
     """The proxy ranking plans a layout's replicas only until its proxy step is shown above the ``max_evaluated``-th
     best: the layouts it leaves out are exactly those a ranking on every layout's full proxy step leaves out (the best
-    ``max_evaluated`` by (proxy, bound, name) and every layout no proxy plan fits are kept)."""
+    ``max_evaluated`` by (proxy, bound, name), the best ``max_evaluated`` TP layouts and every layout no proxy plan fits
+    are kept)."""
     L = lengths()
     config = PlannerConfig(memory_budget_bytes=memory_gb * GIB, max_seq_len=32768)
     proxy, bound = {}, {}
@@ -131,10 +134,34 @@ def test_lazy_proxy_ranking_keeps_the_layouts_a_full_ranking_keeps(evaluate_layo
     assert len(bound) >= 5  # layouts to rank
     for m in (1, 2, 3):
         ranked = sorted((n for n in bound if np.isfinite(proxy[n])), key=lambda n: (proxy[n], bound[n], n))
-        left_out = set(ranked[m:])
+        left_out = set(ranked[m:]) - set([n for n in ranked if "CP" not in n][:m])
         choice = search_layout(L, SHAPE, TOY, ELASTIC, config, max_evaluated=m)
         assert {n for n, why in choice.skipped.items() if why.startswith("proxy")} == left_out, m
         assert any(" > " in choice.skipped[n] for n in left_out), m  # some shown above without their full proxy step
+
+
+def test_cp_layouts_never_push_out_what_the_search_without_them_plans(evaluate_layout, monkeypatch):
+    """The search with CP layouts plans every layout the search without them plans (the best ``max_evaluated`` TP layouts
+    by proxy; one it leaves out may only be pruned by its bound), so EPP's step with CP is never above its step without.
+    The cell: 64 CommonCrawl-like documents (``scripts/paper_grid.py``'s distribution) for LLaMA 7B on 4 x 8 H100, where
+    CP layouts have the best proxy steps: one ranking of all layouts (patched in last) leaves out TP layouts the search
+    without CP plans and plans a slower step than that search."""
+    pool = np.maximum(np.random.default_rng(0).lognormal(np.log(1000), 1.2, 200_000), 16).astype(np.int64)
+    L = np.random.default_rng(1).choice(pool, 64, replace=False)
+    shape, cluster = MODEL_PRESETS["llama-7b"], CLUSTERS["h100-ib-gpu"]
+    config = PlannerConfig(memory_budget_bytes=80.0 * GIB, max_seq_len=131072, profile="llama-7b")
+
+    def by_proxy(choice) -> set[str]:
+        return {name for name, why in choice.skipped.items() if why.startswith("proxy")}
+
+    without = search_layout(L, shape, cluster, ELASTIC, config, context_parallel=False)
+    planned = {str(r.layout) for r in without.evaluated}
+    with_cp = search_layout(L, shape, cluster, ELASTIC, config)
+    assert planned and not planned & by_proxy(with_cp)
+    assert with_cp.best.step_ms <= without.best.step_ms * (1 + 1e-9)
+    monkeypatch.setattr(layout_module, "_keep_by_proxy", layout_module._rank_by_proxy)  # one ranking of all layouts
+    shared = search_layout(L, shape, cluster, ELASTIC, config)
+    assert planned & by_proxy(shared) and shared.best.step_ms > without.best.step_ms  # here the ranking matters
 
 
 def test_known_baseline_plans_give_the_same_epp_plans():
