@@ -46,6 +46,7 @@ import argparse
 import json
 import os
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -53,10 +54,12 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
+from megatron_epp.base.options import add_field_to_parser  # noqa: E402
 from megatron_epp.cost.profile_lookup import ProfileKey, default_profile_cache  # noqa: E402
 from megatron_epp.executor import kernels  # noqa: E402
 from megatron_epp.training.layer_bench import init_single_process  # noqa: E402
 from megatron_epp.training.arguments import ArgumentError, build_parser, parse_config  # noqa: E402
+from megatron_epp.training.config import EPPConfig  # noqa: E402
 from megatron_epp.training.model import model_shape  # noqa: E402
 from megatron_epp.training.profiling import (  # noqa: E402
     ProfileFailed, ProfileGrid, device_name, measure_profile, report_errors, report_memory,
@@ -84,8 +87,7 @@ def model_flags() -> set[str]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     p.add_argument("--out", default=None, help="the profile JSON to write (default: into --epp-profile-cache, for --epp-profile auto)")
-    p.add_argument("--epp-profile-cache", default=None, metavar="DIR",
-                   help="pretrain_gpt.py's profile cache, where the profile goes without --out (default $XDG_CACHE_HOME/megatron-epp/profiles)")
+    add_field_to_parser(p, next(f for f in fields(EPPConfig) if f.name == "profile_cache"))  # pretrain_gpt.py's own option
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bf16 on cuda, fp32 on cpu")
     p.add_argument("--name", default=None, help="the profile's model name (default: gpu-h<hidden>)")

@@ -88,14 +88,21 @@ def add_fields_to_parser(parser: Any, cls: type, groups: Mapping[str, Any] | Non
     ``defaults_shown``: by dest, a command line's own default, added to the help as " (default X)"."""
     groups, shown = groups or {}, defaults_shown or {}
     for _, f, owner in walk(cls):
-        for flag in flags_of(f):
-            kwargs = dict(flag.kwargs)
-            dest = kwargs.pop("dest", None) or flags_of(f)[0].dest
-            kwargs["default"] = f.default
-            if dest in shown:
-                kwargs["help"] += f" (default {shown[dest]})".replace("%", "%%")
-            title = f.metadata.get(GROUP) or getattr(owner, "GROUP", None)
-            groups.get(title, parser).add_argument(flag.name, dest=dest, **kwargs)
+        title = f.metadata.get(GROUP) or getattr(owner, "GROUP", None)
+        add_field_to_parser(groups.get(title, parser), f, shown)
+
+
+def add_field_to_parser(parser: Any, f: dataclasses.Field, defaults_shown: Mapping[str, Any] | None = None) -> None:
+    """The argparse action(s) of one option field ``f`` on ``parser`` (a parser or group): what a script that takes
+    one of the training options adds (the same flag, help and default: ``scripts/profile_gpu.py``'s ``--epp-profile-cache``)."""
+    shown = defaults_shown or {}
+    for flag in flags_of(f):
+        kwargs = dict(flag.kwargs)
+        dest = kwargs.pop("dest", None) or flags_of(f)[0].dest
+        kwargs["default"] = f.default
+        if dest in shown:
+            kwargs["help"] += f" (default {shown[dest]})".replace("%", "%%")
+        parser.add_argument(flag.name, dest=dest, **kwargs)
 
 
 def read_fields(cls: type, values: dict[str, Any]) -> Any:
