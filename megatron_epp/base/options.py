@@ -29,12 +29,12 @@ def option(flag: str, *, default: Any = None, help: str, group: str | None = Non
            **argparse_kwargs: Any) -> Any:
     """A field set by ``flag``: its default, help and argparse keywords; ``aliases`` (:func:`alias`): other spellings
     writing the same field (Megatron-LM's older flags); ``group``: the help section when not the class's ``GROUP``."""
-    flags = (Flag(flag, tuple({"help": help, **argparse_kwargs}.items())), *aliases)
-    return field(default=default, metadata={OPTION: flags, GROUP: group})
+    return field(default=default, metadata={OPTION: (alias(flag, help=help, **argparse_kwargs), *aliases), GROUP: group})
 
 
 def alias(flag: str, *, help: str, **argparse_kwargs: Any) -> Flag:
-    """Another spelling of an option (``--use-flash-attn``: ``--attention-backend flash``), its dest the option's."""
+    """One spelling of an option: the option's own (:func:`option`) or another (``--use-flash-attn``: ``--attention-backend
+    flash``), its dest the option's."""
     return Flag(flag, tuple({"help": help, **argparse_kwargs}.items()))
 
 

@@ -125,16 +125,15 @@ def validate_parallel_args(args: Values, world_size: int) -> dict:
         if getattr(args, flag) not in (None, 1):
             raise ArgumentError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: {value}")
     changes.update(validate_context_parallel_args(args))
-    cp = changes["context_parallel_size"]
-    try:
-        dp = ParallelDims.for_world(world_size, tp=tp, pp=pp, cp=cp).dp
-    except ValueError as e:
-        raise ArgumentError(str(e)) from None
-    changes.update(validate_wandb_args(args))
     # as Megatron-LM (which warns): at tp 1 there is nothing to split the sequence over; a start-up line says so
     off_at_tp1 = changes["sequence_parallel_off_at_tp1"] = bool(args.sequence_parallel and tp == 1)
     sequence_parallel = changes["sequence_parallel"] = args.sequence_parallel and not off_at_tp1
-    changes["dims"] = ParallelDims(tp, pp, dp, cp, sequence_parallel)
+    try:  # dp: what the world leaves
+        changes["dims"] = ParallelDims.for_world(world_size, tp=tp, pp=pp, cp=changes["context_parallel_size"],
+                                                 sequence_parallel=sequence_parallel)
+    except ValueError as e:
+        raise ArgumentError(str(e)) from None
+    changes.update(validate_wandb_args(args))
     if sequence_parallel and not args.elastic_pp and args.seq_length % tp:
         raise ArgumentError(f"--sequence-parallel: --seq-length {args.seq_length} is not divisible by "
                             f"--tensor-model-parallel-size {tp} (each rank holds an equal share of every sample)")
