@@ -96,7 +96,8 @@ def run_argv(args, cp: int) -> list[str]:
             "--pipeline-model-parallel-size", "1", *context, "--num-layers", str(args.num_layers),
             "--hidden-size", str(args.hidden_size), "--num-attention-heads", str(args.num_attention_heads),
             "--seq-length", str(args.seq_length), "--global-batch-size", str(args.global_batch_size),
-            "--seed", str(args.seed), "--lr", "3e-3", "--train-iters", str(args.iters), "--log-interval", "1"]
+            "--seed", str(args.seed), "--lr", "3e-3", "--train-iters", str(args.iters), "--log-interval", "1",
+            *(["--epp-plan-between-steps"] if args.epp_plan_between_steps else [])]
 
 
 def today_accuracy(path: Path) -> dict:
@@ -238,6 +239,11 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--num-attention-heads", type=int, default=4, help="(default 4; cp 2 must divide it)")
     ap.add_argument("--seed", type=int, default=1234, help="data order and lengths (default 1234)")
     ap.add_argument("--epp-memory-budget", type=float, default=None, help="GB per rank (default: chosen by the planner)")
+    ap.add_argument("--epp-plan-between-steps", action=argparse.BooleanOptionalAction, default=True,
+                    help="both configurations plan each batch between steps (pretrain_gpt.py's flag), so that at cp 2, "
+                         "whose 2 ranks take both cores, the planner's thread does not share a core with a rank inside "
+                         "the timed steps (default); --no-epp-plan-between-steps: in the background, as training does by "
+                         "default")
     ap.add_argument("--accuracy-log", type=Path, default=ACCURACY_LOG, help="the time_model_accuracy.py log of today's accuracy")
     args = ap.parse_args(argv)
     for flag in ("repeats", "global_batch_size", "num_layers", "hidden_size", "num_attention_heads"):
@@ -258,7 +264,8 @@ def header(args) -> str:
     """The first line: what runs, and the machine's load."""
     return (f"bench_context_parallel: pp 1, cp 1 (1 rank) vs cp 2 (2 ranks, a2a), {args.num_layers} layers, hidden "
             f"{args.hidden_size}, {args.num_attention_heads} heads, cap {args.seq_length}, {args.global_batch_size} documents per "
-            f"step, {args.iters} steps per launch x {args.repeats} repeats; {os.cpu_count()} cores, "
+            f"step, {args.iters} steps per launch x {args.repeats} repeats, planning "
+            f"{'between steps' if args.epp_plan_between_steps else 'in the background'}; {os.cpu_count()} cores, "
             f"load average {load_average():.2f} (timings need the cores otherwise idle)")
 
 
@@ -284,7 +291,8 @@ def main(argv: Sequence[str] | None = None) -> None:
           + ("" if rec[1] is None or any(rec[1]) else " -- memory does NOT bind for cp 1 here"), flush=True)
     config = {"seq_length": args.seq_length, "global_batch_size": args.global_batch_size, "num_layers": args.num_layers,
               "hidden_size": args.hidden_size, "num_attention_heads": args.num_attention_heads, "repeats": args.repeats,
-              "iters": args.iters, "seed": args.seed, "load_average_start": load_average(),
+              "iters": args.iters, "seed": args.seed, "plan_between_steps": args.epp_plan_between_steps,
+              "load_average_start": load_average(),
               "planned_recomputed": {f"cp{cp}": r for cp, r in rec.items()}}
     if args.simulate_only:
         config["elapsed_s"] = round(time.perf_counter() - t0)

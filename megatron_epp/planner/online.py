@@ -62,7 +62,7 @@ class PlanTicket:
 
     lengths: list[int]
     cost_model: CostModel
-    planned: Future  # of a Planned
+    planned: Future | None  # of a Planned; None: planned by take() (plan_ahead(..., background=False))
 
 
 class OnlinePlanner:
@@ -104,13 +104,17 @@ class OnlinePlanner:
         """The plan of ``lengths`` on ``cost_model`` (default: the current one), validated, with its report."""
         return plan_batch(lengths, cost_model or self.cost_model, self.config)
 
-    def plan_ahead(self, lengths: list[int]) -> PlanTicket:
+    def plan_ahead(self, lengths: list[int], *, background: bool = True) -> PlanTicket:
         """Start planning ``lengths`` in the planner's thread, on the current cost model (the first batch this process
         plans: on the model the run planned its next step on, a resumed run's checkpoint's, as the run it resumes
-        planned it); one planner's plans are made one at a time, in order. Its plan: :meth:`take`."""
+        planned it); one planner's plans are made one at a time, in order. Its plan: :meth:`take`.
+        ``background=False`` (``--epp-plan-between-steps``): nothing runs now; :meth:`take` plans it in the caller's
+        thread, on the cost model of that moment."""
         model, factor = ((self.cost_model, self.memory_factor) if self._planned_ahead
                          else (self.next_step_model, self.next_step_memory_factor))
         self._planned_ahead = True
+        if not background:
+            return PlanTicket(lengths, model, None)
         if self._thread is None:
             self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epp-planner")
         return PlanTicket(lengths, model, self._thread.submit(self._plan, lengths, model, factor))
@@ -118,11 +122,15 @@ class OnlinePlanner:
     def take(self, ticket: PlanTicket) -> Planned:
         """The plan of a ticket (waiting for it if it is still being made), planned again here on
         :attr:`next_step_model` where the activation memory factor changed since it was planned, with its
-        predicted times on the current cost model (:meth:`repredict`). Raises what planning raised
-        (:class:`~megatron_epp.plan.PlanInfeasible`)."""
-        planned = ticket.planned.result()
-        if ticket.cost_model is not self.next_step_model:
-            planned = self._plan(ticket.lengths, self.next_step_model, self.next_step_memory_factor)
+        predicted times on the current cost model (:meth:`repredict`); a ticket not planned in the background is
+        planned now, on the current cost model (every observed step's fit in it: a resumed run, whose checkpoint
+        holds that model, plans it the same). Raises what planning raised (:class:`~megatron_epp.plan.PlanInfeasible`)."""
+        if ticket.planned is None:
+            planned = self._plan(ticket.lengths, self.cost_model, self.memory_factor)
+        else:
+            planned = ticket.planned.result()
+            if ticket.cost_model is not self.next_step_model:
+                planned = self._plan(ticket.lengths, self.next_step_model, self.next_step_memory_factor)
         return dataclasses.replace(planned, step=self.repredict(planned.step))
 
     def _plan(self, lengths: list[int], cost_model: CostModel, memory_factor: float) -> Planned:

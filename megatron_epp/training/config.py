@@ -399,6 +399,12 @@ class EPPConfig(PlannerOptions):
              "tokens; without it such a document is an error before training")
     timeline: str | None = option("--epp-timeline", 
         help="directory: the planned timeline picture of every logged step")
+    plan_between_steps: bool = option("--epp-plan-between-steps", default=False, action="store_true",
+        help="plan each global batch after the previous step's schedule, on the planning rank's own thread, instead "
+             "of in a background thread while the previous step runs: the planner then shares no core with a "
+             "training rank inside a step (for timing on hosts whose ranks take every core), and its time is exposed "
+             "(the log's 'planning ms ... exposed'); the plan is made on the cost model as calibrated up to the "
+             "previous step")
     calibrate_interval: int | None = option("--epp-calibrate-interval", type=int, metavar="N",
         help="refit the planner's cost model to this machine (speed factor s and per-chunk stage overhead o) "
              f"on the measured steps: after step {CALIBRATE_FIRST_STEP} (the first step of a run or a resumed run is "

@@ -132,10 +132,12 @@ class ElasticTrainStep:
         self.overlap_ms = 0.0  # the planner's time inside it (the planning rank's, shared with the plan)
 
     def _plan_ahead(self, batch) -> PlanTicket | None:
-        """Start planning ``batch`` in the planner's thread (the planning rank; None elsewhere and past the last batch)."""
+        """Start planning ``batch`` in the planner's thread, or with ``--epp-plan-between-steps`` when the planner takes
+        its ticket (the planning rank; None elsewhere and past the last batch)."""
         if batch is None or not self.plans_here:
             return None
-        return self.planner.plan_ahead(batch.seq_lengths[batch.positions(self.runtime.dp_rank)].tolist())
+        return self.planner.plan_ahead(batch.seq_lengths[batch.positions(self.runtime.dp_rank)].tolist(),
+                                       background=not self.cfg.epp.plan_between_steps)
 
     def _draw(self):
         """The next global batch, or None past the last one this function is asked for."""

@@ -5,6 +5,7 @@ whose steps are :class:`~megatron_epp.training.elastic.ElasticTrainStep`)."""
 
 from __future__ import annotations
 
+import os
 from typing import Any, Iterator, Protocol
 
 import numpy as np
@@ -17,7 +18,7 @@ from megatron_epp.executor.context import ChunkContext
 from megatron_epp.training.elastic import elastic_train_step
 from megatron_epp.training.faults import FaultInjection
 from megatron_epp.training.gpt_step import gpt_forward_step, microbatches
-from megatron_epp.training.initialize import Runtime
+from megatron_epp.training.initialize import Runtime, local_world_size
 from megatron_epp.training.metrics import ElasticMetrics
 from megatron_epp.training.planning import check_memory_budget, online_planner
 from megatron_epp.training.profile_resolution import Resolved, check_profile, describe, planner_profile, startup_profile
@@ -115,6 +116,21 @@ class StockSteps:
         return StockTrainStep(self.cfg, model, gpt_forward_step, batches)
 
 
+def planning_line(between_steps: bool, local_ranks: int, cores: int) -> str:
+    """The start-up line on when each batch is planned: ``between_steps`` (``--epp-plan-between-steps``), or in the
+    background while the step before it runs, said to share a core with a training rank where this host's
+    ``local_ranks`` take all its ``cores`` (its time then lengthens the planning rank's steps)."""
+    if between_steps:
+        return ("planning: each global batch between steps (--epp-plan-between-steps), by the first rank of each "
+                "model replica: its time is exposed")
+    line = ("planning: each global batch in a background thread of the first rank of each model replica, while the "
+            "step before it runs")
+    if local_ranks >= cores:
+        line += (f"; the {local_ranks} ranks on this host take all its {cores} cores, so that thread shares a core "
+                 "with a training rank (--epp-plan-between-steps keeps it out of the steps)")
+    return line
+
+
 class ElasticSteps:
     """``--elastic-pp``: made only after a profile that loads and a memory budget that can plan (both checked here,
     before any work); the profile is resolved by :meth:`start`, on every rank."""
@@ -147,7 +163,8 @@ class ElasticSteps:
 
     def startup_lines(self) -> list[str]:
         planner = describe(self.cfg, self.profile) if self.profile is not None else "not resolved yet"
-        return [f"planner: {planner}", f"memory budget: {self.budget}"]
+        return [f"planner: {planner}", f"memory budget: {self.budget}",
+                planning_line(self.cfg.epp.plan_between_steps, local_world_size(), len(os.sched_getaffinity(0)))]
 
     def build(self, runtime: Runtime, model, split: str, consumed: int, planner_state: dict[str, Any] | None = None,
               steps: int | None = None, faults: FaultInjection = FaultInjection()) -> TrainStep | None:
