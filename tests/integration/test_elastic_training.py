@@ -22,9 +22,9 @@ def run_records(tmp_path, *flags: str) -> tuple[str, list]:
 def test_elastic_trains_and_matches_megatron_packing(tmp_path):
     """The elastic builder's plans and Seq1F1B's (split and hybrid chunks: prefix K/V on every step; at this tiny
     shape and budget the elastic builder packs whole sequences, as slicing's per-chunk constants cost more than
-    it saves) train the loss curve of Megatron packing."""
+    it saves) train the loss curve of Megatron packing (planned between steps: --epp-plan-between-steps)."""
     elastic_out, elastic = run_records(tmp_path, "--epp-calibrate-interval", "10")
-    _, megatron = run_records(tmp_path, "--epp-plan", "megatron")
+    megatron_out, megatron = run_records(tmp_path, "--epp-plan", "megatron", "--epp-plan-between-steps")
     _, sliced = run_records(tmp_path, "--epp-plan", "seq1f1b", "--epp-max-slices", "4", "--epp-calibrate-interval", "0")
     assert [m.iteration for m in elastic] == list(range(1, 31)) == [m.iteration for m in megatron] == [m.iteration for m in sliced]
     for ours, split, theirs in zip(elastic, sliced, megatron):
@@ -48,6 +48,10 @@ def test_elastic_trains_and_matches_megatron_packing(tmp_path):
     for m, after in zip(elastic, elastic[1:]):
         assert 0 <= m.elastic.planning_overlap_ms <= after.elastic.planning_ms, m.iteration
     assert any(m.elastic.planning_overlap_ms > 0 for m in elastic)
+    assert "> planning: each global batch in a background thread of the first rank" in elastic_out
+    # --epp-plan-between-steps (the Megatron-packing run): no planner time inside any step, all of it exposed
+    assert all(m.elastic.planning_overlap_ms == 0 and m.elastic.planning_wait_ms >= m.elastic.planning_ms > 0 for m in megatron)
+    assert "> planning: each global batch between steps (--epp-plan-between-steps)" in megatron_out
     # the driver calibrated its cost model on the measured steps (--epp-calibrate-interval 10): after steps 5,
     # 15 and 25, each change announced by one line, the steps after it predicted on the new fit
     calibrations = [(m.elastic.speed_factor, m.elastic.stage_overhead_ms) for m in elastic]

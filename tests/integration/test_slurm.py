@@ -93,10 +93,12 @@ def test_two_nodes_pipeline_across_nodes_context_parallel_inside(cluster, tmp_pa
     """2 nodes x 2 ranks, pp 2 x cp 2 (InfiniPipe's layout: Ulysses context parallelism inside a node, the elastic
     pipeline across nodes; megatron-core's rank order puts a stage's CP group on one node). CP in effect: the layout
     line says cp=2, every step's log line has each stage's and CP rank's measured activation peak, and each of the
-    four equals the planner's prediction for a CP rank of its stage to the byte (calibration off)."""
+    four equals the planner's prediction for a CP rank of its stage to the byte (calibration off), in bf16 with
+    learned positions (the first stage's position ids, each CP rank's own) and one K/V head (replicated over CP)."""
     metrics = tmp_path / "metrics.jsonl"
     rc, log = sbatch(cluster, tmp_path / "job.out", *TINY, "--context-parallel-size", "2", "--epp-calibrate-interval", "0",
-                     "--epp-metrics", str(metrics), nodes=2, NPROC_PER_NODE="2")
+                     "--bf16", "--position-embedding-type", "learned_absolute", "--group-query-attention",
+                     "--num-query-groups", "1", "--epp-metrics", str(metrics), nodes=2, NPROC_PER_NODE="2")
     assert_trained(rc, log, 2, "tp=1 cp=2 pp=2 dp=1")
     records = read_metrics(metrics)
     assert [m.iteration for m in records] == list(range(1, ITERS + 1))

@@ -111,3 +111,20 @@ def test_bad_input_is_one_line(bench, capsys):
     with pytest.raises(SystemExit, match="not a time_model_accuracy.py log"):
         bench.today_accuracy(REPO / "README.md")
     assert np.isfinite(bench.parse([]).iters)
+
+
+def test_both_configurations_plan_between_steps_unless_told_not_to(bench, monkeypatch, tmp_path):
+    """The runs' command lines parse with pretrain_gpt.py's parser; by default both configurations plan between steps
+    (cp 2's two ranks take both cores: the planner's thread would share one inside the timed steps), with
+    ``--no-epp-plan-between-steps`` in the background as training does by default."""
+    from megatron_epp.training.replay import parsed_config
+
+    for ext in (".bin", ".idx"):  # the flags are checked, not read
+        (tmp_path / f"data{ext}").touch()
+    monkeypatch.setattr(bench, "wiki_dataset", lambda *_: str(tmp_path / "data"))
+    for argv, between in (([], True), (["--no-epp-plan-between-steps"], False)):
+        args = bench.parse(argv)
+        assert "between steps" in bench.header(args) if between else "in the background" in bench.header(args)
+        for cp in (1, 2):
+            cfg = parsed_config([*bench.run_argv(args, cp), "--epp-memory-budget", "1"], cp)
+            assert cfg.epp.plan_between_steps is between and cfg.parallel.context_parallel_size == cp

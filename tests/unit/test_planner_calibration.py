@@ -250,3 +250,32 @@ def test_a_restored_calibration_plans_and_refits_as_the_saved_run():
     # the first step of the resumed process is a warm-up, left out: the fit is on saved steps and the later ones
     assert len(fits[resumed, refit].rel_err_after) == max(interval, CALIBRATE_FIRST_STEP - 1) == len(fits[run, refit].rel_err_after)
     assert fits[resumed, refit].speed_factor == pytest.approx(fits[run, refit].speed_factor, rel=0.02)
+
+
+def test_a_ticket_planned_between_steps_is_planned_when_taken_on_the_model_of_that_moment():
+    """``--epp-plan-between-steps`` (``plan_ahead(..., background=False)``): no planner thread starts and nothing is
+    planned until :meth:`take`, which plans on the cost model as the steps observed since have calibrated it (the
+    ticket's model left behind); a background ticket made at the same moment keeps the model it was planned on."""
+    build = plan_builder(3, budget_gb=0.015)  # memory binds: chunks vary with the model
+    o = build.cost_model.profile.overhead
+    machine = build.cost_model.calibrated(1.5, StageOverhead(3 * o.fwd_ms, 3 * o.bwd_ms))
+    rng = np.random.default_rng(1)
+    batches = [np.minimum(rng.lognormal(5.5, 1.2, size=16).astype(int) + 2, 1024).tolist() for _ in range(CALIBRATE_FIRST_STEP + 8)]
+    observed, later = batches[:CALIBRATE_FIRST_STEP], batches[CALIBRATE_FIRST_STEP:]
+    for lengths in observed[:-1]:  # up to the step before the first fit
+        plan = build(lengths).plan
+        build.observe(plan, simulate(plan, machine).step_ms)
+    before = build.cost_model
+    deferred = [build.plan_ahead(lengths, background=False) for lengths in later]
+    assert all(t.planned is None for t in deferred) and build._thread is None, "planned at once, or a thread started"
+    background = [build.plan_ahead(lengths) for lengths in later]
+    last = build(observed[-1]).plan
+    assert build.observe(last, simulate(last, machine).step_ms) is not None  # the first fit: a new model
+    assert build.cost_model is not before
+    differ = 0
+    for lengths, d, b in zip(later, deferred, background, strict=True):
+        taken, kept = build.take(d), build.take(b)
+        assert taken.cost_model is build.cost_model and kept.cost_model is before
+        assert made(taken.step) == made(build(lengths, build.cost_model))
+        differ += made(taken.step)["pipelines"] != made(kept.step)["pipelines"]
+    assert differ, "the same plans on both models: the test would show nothing"

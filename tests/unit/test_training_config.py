@@ -104,7 +104,8 @@ def cases() -> dict:
 @pytest.mark.parametrize("name", sorted(cases()["good"]))
 def test_the_same_config_as_before_the_options_were_declared_once(name, tmp_path):
     """Each command line gives the config it gave at 8c9e29a; the keys added are the options validation folded
-    before (now fields of their own: ``optim.lr_warmup_iters`` beside ``optim.lr_warmup_samples``)."""
+    before (now fields of their own: ``optim.lr_warmup_iters`` beside ``optim.lr_warmup_samples``) and the options
+    added since, at their defaults."""
     for prefix in ("a", "b"):
         (tmp_path / f"{prefix}.bin").touch()
         (tmp_path / f"{prefix}.idx").touch()
@@ -116,7 +117,9 @@ def test_the_same_config_as_before_the_options_were_declared_once(name, tmp_path
               "warmup_iters", "warmup_fraction", "decay_iters", "wsd_decay_iters", "wsd_decay_samples")} | {
               f"parallel.{n}" for n in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                                         "virtual_pipeline_model_parallel_size", "cp_comm_type", "sequence_parallel")}
-    assert set(flat) - set(case["flat"]) == folded
+    added = {"epp.plan_between_steps": False}  # options added after 8c9e29a, at their defaults (no command line gives them)
+    assert set(flat) - set(case["flat"]) == folded | set(added)
+    assert {key: flat[key] for key in added} == added
 
 
 def test_the_same_one_line_errors_as_before(capsys):
