@@ -116,18 +116,24 @@ class StockSteps:
         return StockTrainStep(self.cfg, model, gpt_forward_step, batches)
 
 
-def planning_line(between_steps: bool, local_ranks: int, cores: int) -> str:
-    """The start-up line on when each batch is planned: ``between_steps`` (``--epp-plan-between-steps``), or in the
-    background while the step before it runs, said to share a core with a training rank where this host's
-    ``local_ranks`` take all its ``cores`` (its time then lengthens the planning rank's steps)."""
+def planning_line(between_steps: bool, local_ranks: int, host_cores: int, rank_cores: int) -> str:
+    """The start-up line on when each batch is planned: ``between_steps`` (``--epp-plan-between-steps``), or in a
+    background thread while the step before it runs, said to share a core with training where this rank has fewer
+    than 2 cores of its own: the ``rank_cores`` of its CPU affinity where that is less than the host's ``host_cores``
+    (bound), else the host's cores over its ``local_ranks``; the planner's time then lengthens the planning rank's
+    steps (and, through their collectives, its peers')."""
     if between_steps:
         return ("planning: each global batch between steps (--epp-plan-between-steps), by the first rank of each "
                 "model replica: its time is exposed")
     line = ("planning: each global batch in a background thread of the first rank of each model replica, while the "
             "step before it runs")
-    if local_ranks >= cores:
-        line += (f"; the {local_ranks} ranks on this host take all its {cores} cores, so that thread shares a core "
-                 "with a training rank (--epp-plan-between-steps keeps it out of the steps)")
+    bound = rank_cores < host_cores
+    own = rank_cores if bound else host_cores / local_ranks
+    if own < 2:
+        why = (f"its CPU affinity: {rank_cores} of the host's {host_cores}" if bound
+               else f"{local_ranks} ranks on the host's {host_cores}")
+        line += (f"; this rank has {own:g} core{'' if own == 1 else 's'} of its own ({why}), so that thread shares a "
+                 "core with training (--epp-plan-between-steps keeps it out of the steps)")
     return line
 
 
@@ -164,7 +170,8 @@ class ElasticSteps:
     def startup_lines(self) -> list[str]:
         planner = describe(self.cfg, self.profile) if self.profile is not None else "not resolved yet"
         return [f"planner: {planner}", f"memory budget: {self.budget}",
-                planning_line(self.cfg.epp.plan_between_steps, local_world_size(), len(os.sched_getaffinity(0)))]
+                planning_line(self.cfg.epp.plan_between_steps, local_world_size(), os.cpu_count() or 1,
+                              len(os.sched_getaffinity(0)))]
 
     def build(self, runtime: Runtime, model, split: str, consumed: int, planner_state: dict[str, Any] | None = None,
               steps: int | None = None, faults: FaultInjection = FaultInjection()) -> TrainStep | None:

@@ -76,11 +76,14 @@ def test_planning_overlaps_training_and_timelines_are_drawn(tmp_path):
     assert all((tmp_path / "timeline" / p).stat().st_size > 10_000 for p in pictures)
 
 
-def test_killed_elastic_run_resumes_with_the_uninterrupted_losses(tmp_path):
+@pytest.mark.parametrize("placement", [[], ["--epp-plan-between-steps"]], ids=["background", "between-steps"])
+def test_killed_elastic_run_resumes_with_the_uninterrupted_losses(tmp_path, placement):
     """SIGKILL every rank mid-run (after iteration 9, last checkpoint at 5, the planner's first calibration);
     --load repeats 6..8 of the killed run exactly: the same plans, predicted on the same calibration (restored
-    from the checkpoint, not refitted on the resumed run's own times), the same losses bit for bit."""
-    run = [a for a in RUN]
+    from the checkpoint, not refitted on the resumed run's own times), the same losses bit for bit. With the planner
+    in the background step 6 was planned before the fit after step 5, between steps after it: either way as the
+    resumed run plans it."""
+    run = [*RUN, *placement]
     run[run.index("--train-iters") + 1] = "12"
     killed = torchrun_killed_after("iteration        9/", 2, *run, "--save", str(tmp_path / "ckpt"), "--save-interval", "5",
                                    "--epp-metrics", str(tmp_path / "killed.jsonl"))

@@ -22,7 +22,6 @@
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 import subprocess
 import sys
@@ -34,6 +33,7 @@ from megatron_epp.cost.activation_memory import saved_tensor_memory
 from megatron_epp.cost.profile_lookup import load_profile
 from megatron_epp.training.metrics import ElasticMetrics, StepMetrics
 from tests.launch import REPO, run_env
+from tests.scripts import load_script
 
 
 def run(*argv: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -127,14 +127,6 @@ def test_gpu_check_cpu_rehearsal_runs_its_steps_end_to_end(tmp_path):
     assert "PASS" in summary[1] and "train: ok" in summary[3] and "split chunks" in summary[3]
     assert load_profile(str(out / "profile.json")).source == "measured"
     assert f"--epp-profile {out / 'profile.json'}" in (out / "train.log").read_text()  # trained on the profile just made
-
-
-def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_attention_check_runs_no_masked_sdpa_on_cuda(monkeypatch, capsys):

@@ -3,33 +3,25 @@ the figures and verdicts on synthetic step records, today's accuracy read from t
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 
 import numpy as np
 import pytest
 
 from megatron_epp.training.metrics import ElasticMetrics, StepMetrics
 from tests.paths import REPO
+from tests.scripts import script_module
 
-SCRIPTS = REPO / "scripts"
 CAP = 1024
 BATCHES = [[1024, 300, 40], [1024, 1024, 9], [700, 120, 30]]
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(SCRIPTS))  # it imports its sibling scripts, as when run
-    spec = importlib.util.spec_from_file_location("bench_context_parallel", SCRIPTS / "bench_context_parallel.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_context_parallel"] = module
-    spec.loader.exec_module(module)
-    global GRID_GB
-    from bench_elastic import GRID_GB
-    yield module
-    del sys.modules["bench_context_parallel"]
-    sys.path.remove(str(SCRIPTS))
+    with script_module("bench_context_parallel") as module:
+        global GRID_GB
+        from bench_elastic import GRID_GB
+        yield module
 
 
 @pytest.fixture(scope="module")

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import gzip
-import importlib.util
 import json
-import sys
 
 import numpy as np
 import pytest
@@ -18,19 +16,13 @@ from megatron_epp.cost.profile_lookup import load_profile
 from megatron_epp.planner.builders import ELASTIC, MEGATRON, SEQ1F1B
 from megatron_epp.planner.config import PlannerConfig
 from megatron_epp.training.metrics import ElasticMetrics, StepMetrics
-from tests.paths import REPO
-
-SCRIPT = REPO / "scripts" / "bench_elastic.py"
+from tests.scripts import script_module
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_elastic", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_elastic"] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules["bench_elastic"]
+    with script_module("bench_elastic") as module:
+        yield module
 
 
 CAP = 2048

@@ -4,28 +4,18 @@ parser, the placement the only difference), and bad input in one line."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 
 import pytest
 
 from megatron_epp.training.metrics import ElasticMetrics, StepMetrics
-from tests.paths import REPO
-
-SCRIPTS = REPO / "scripts"
+from tests.scripts import script_module
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(SCRIPTS))  # it imports its sibling scripts, as when run
-    spec = importlib.util.spec_from_file_location("bench_planning_placement", SCRIPTS / "bench_planning_placement.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_planning_placement"] = module
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules["bench_planning_placement"]
-    sys.path.remove(str(SCRIPTS))
+    with script_module("bench_planning_placement") as module:
+        yield module
 
 
 def record(iteration: int, iter_ms: float, step_ms: float, planning_ms: float, exposed_ms: float) -> StepMetrics:
