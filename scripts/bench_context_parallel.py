@@ -9,6 +9,9 @@ cp 2 is as accurate as its predictions are today.
 Both configurations run ``pretrain_gpt.py --elastic-pp`` at pp 1 under torchrun (CPU/gloo, one thread per rank):
 cp 1 on one rank, cp 2 on two ranks (a stage of two CP ranks; dp 1 in both, so each step trains the same global
 batch: same data, same seed, checked by every run's tokens per step against the batches planned in-process).
+Both plan each batch between steps (``--epp-plan-between-steps``; ``--no-epp-plan-between-steps``: in a background
+thread during the step before, training's default): cp 2's two ranks take both cores, and a planner thread inside its
+timed steps was most of its noise (2026-11-27, ``docs/measurements/2026-11-27-cpu-cp/``).
 Model: ``--num-layers`` (2), ``--hidden-size`` (64), ``--num-attention-heads`` (4), byte tokens. Data:
 ``bench_elastic.py``'s Wikipedia-length documents (random bytes, each step's lengths scaled so that its longest
 document reaches the cap ``--seq-length``): every step has a document at the cap, where memory binds.
