@@ -115,7 +115,8 @@ GOAL_NOBIND = 0.97  # EPP >= 0.97x the better baseline's speed: min(ratios) >= 0
 
 
 def fail(message: str) -> None:
-    raise SystemExit(f"bench_elastic.py: error: {message}")
+    """One line, as argparse's errors, named after the script that runs (this one or a bench importing it)."""
+    raise SystemExit(f"{Path(sys.argv[0]).name}: error: {message}")
 
 
 EPP = ELASTIC

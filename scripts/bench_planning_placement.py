@@ -6,9 +6,10 @@ The planning rank (the first of each model replica) plans the next global batch 
 host with a core per rank that thread shares a core with a training rank. This script measures what that costs, on
 the same batches, paired per step, in two configurations of 2 ranks (one thread each) on this machine:
 
-* ``main-job``: README's main job (``scripts/main_job.sh``: pp 2, 2 layers, hidden 64, the standard-library corpus,
-  8 documents per step, budget 0.03 GB);
-* ``cp2``: ``bench_context_parallel.py``'s cp 2 run (pp 1, ``--context-parallel-size 2``, 2 layers, hidden 128,
+* ``main-job``: the main job's model, data and budget (``scripts/main_job.sh``'s: pp 2, 2 layers, hidden 64, the
+  standard-library corpus at a 4096 cap, 8 documents per step, 0.03 GB; a constant learning rate, no clipping and no
+  evaluation here);
+* ``cp2``: ``bench_context_parallel.py``'s cp 2 run, its flags (pp 1, ``--context-parallel-size 2``, 2 layers, hidden 128,
   8 heads, Wikipedia lengths at a 2048 cap, 4 documents per step, ``--cp2-budget`` 0.0264 GB: the budget that
   script chose at this shape on 2026-11-27, where cp 2's plans need no recompute and the planner's search is that of
   a binding budget): every layer's all-to-alls wait for the slower rank, so a rank slowed by the planner slows both.
@@ -42,31 +43,27 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_elastic import load_average, noise_floor, paired_ratio, step_matrix, wiki_dataset  # noqa: E402
+from bench_context_parallel import run_argv as cp_run_argv  # noqa: E402
+from bench_elastic import fail, load_average, noise_floor, paired_ratio, step_matrix  # noqa: E402
 from megatron_epp.training.metrics import StepMetrics  # noqa: E402
 
 PLACEMENTS = ("background", "between")
 CONFIGS = ("main-job", "cp2")
 
 
-def fail(message: str) -> None:
-    raise SystemExit(f"bench_planning_placement.py: error: {message}")
-
-
 def config_argv(name: str, iters: int, cp2_budget: float) -> list[str]:
     """``pretrain_gpt.py`` flags of a configuration (2 ranks), planning in the background."""
-    common = ["--elastic-pp", "--tokenizer-type", "ByteTokenizer", "--num-layers", "2", "--lr", "3e-3",
-              "--train-iters", str(iters), "--log-interval", "1", "--seed", "1234"]
     if name == "main-job":
         from megatron_epp.data.stdlib_corpus import ensure_stdlib_corpus
 
-        return [*common, "--data-path", str(ensure_stdlib_corpus()), "--pipeline-model-parallel-size", "2",
+        return ["--elastic-pp", "--tokenizer-type", "ByteTokenizer", "--num-layers", "2", "--lr", "3e-3",
+                "--train-iters", str(iters), "--log-interval", "1", "--seed", "1234",
+                "--data-path", str(ensure_stdlib_corpus()), "--pipeline-model-parallel-size", "2",
                 "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "4096", "--epp-truncate-documents",
                 "--global-batch-size", "8", "--epp-memory-budget", "0.03"]
-    return [*common, "--data-path", wiki_dataset(2048, 4, iters, 1234), "--split", "1,0,0",
-            "--pipeline-model-parallel-size", "1", "--context-parallel-size", "2", "--cp-comm-type", "a2a",
-            "--hidden-size", "128", "--num-attention-heads", "8", "--seq-length", "2048", "--global-batch-size", "4",
-            "--epp-memory-budget", repr(cp2_budget)]
+    cp2 = argparse.Namespace(seq_length=2048, global_batch_size=4, iters=iters, seed=1234, num_layers=2, hidden_size=128,
+                             num_attention_heads=8, epp_plan_between_steps=False)
+    return [*cp_run_argv(cp2, 2), "--epp-memory-budget", repr(cp2_budget)]
 
 
 def placement_flags(placement: str) -> list[str]:

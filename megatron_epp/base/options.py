@@ -38,10 +38,9 @@ def alias(flag: str, *, help: str, **argparse_kwargs: Any) -> Flag:
     return Flag(flag, tuple({"help": help, **argparse_kwargs}.items()))
 
 
-def derived(default: Any = None, *, key: str | None = None) -> Any:
-    """A field no flag sets: validation fills it from the options (``key``: its name in :class:`Values`, default the
-    field's)."""
-    return field(default=default, metadata={DERIVED: key})
+def derived(default: Any = None) -> Any:
+    """A field no flag sets: validation fills it from the options (its name in :class:`Values`: the field's)."""
+    return field(default=default, metadata={DERIVED: True})
 
 
 def is_section(f: dataclasses.Field) -> bool:
@@ -53,11 +52,11 @@ def flags_of(f: dataclasses.Field) -> tuple[Flag, ...]:
 
 
 def key_of(f: dataclasses.Field) -> str:
-    """The field's name in a namespace and in :class:`Values`: its flag's dest, or a derived field's key."""
+    """The field's name in a namespace and in :class:`Values`: its flag's dest, or a derived field's name."""
     if OPTION in f.metadata:
         return f.metadata[OPTION][0].dest
     if DERIVED in f.metadata:
-        return f.metadata[DERIVED] or f.name
+        return f.name
     raise TypeError(f"field {f.name} has no flag and is not derived: declare it with option(...) or derived(...)")
 
 

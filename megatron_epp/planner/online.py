@@ -61,7 +61,7 @@ class PlanTicket:
     plan being made in the planner's thread; :meth:`OnlinePlanner.take` gives the plan to run."""
 
     lengths: list[int]
-    cost_model: CostModel
+    cost_model: CostModel | None  # None with planned: take() plans on its own model of that moment
     planned: Future | None  # of a Planned; None: planned by take() (plan_ahead(..., background=False))
 
 
@@ -110,11 +110,11 @@ class OnlinePlanner:
         planned it); one planner's plans are made one at a time, in order. Its plan: :meth:`take`.
         ``background=False`` (``--epp-plan-between-steps``): nothing runs now; :meth:`take` plans it in the caller's
         thread, on the cost model of that moment."""
+        if not background:
+            return PlanTicket(lengths, None, None)
         model, factor = ((self.cost_model, self.memory_factor) if self._planned_ahead
                          else (self.next_step_model, self.next_step_memory_factor))
         self._planned_ahead = True
-        if not background:
-            return PlanTicket(lengths, model, None)
         if self._thread is None:
             self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="epp-planner")
         return PlanTicket(lengths, model, self._thread.submit(self._plan, lengths, model, factor))

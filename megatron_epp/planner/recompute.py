@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import numpy as np
 from scipy import sparse
@@ -23,7 +23,7 @@ from megatron_epp.base.units import GIB
 from megatron_epp.simulator.memory import StageMemory
 
 Recompute = Literal["adaptive", "greedy", "none", "full"]  # --epp-recompute
-RECOMPUTE_MODES: tuple[Recompute, ...] = ("adaptive", "greedy", "none", "full")
+RECOMPUTE_MODES: tuple[Recompute, ...] = get_args(Recompute)
 
 
 NODE_LIMIT = 500  # branch-and-bound nodes per program: the deterministic work limit

@@ -36,9 +36,7 @@ class PredictedTimes:
 
     def onto(self, report: PlanReport) -> PlanReport:
         """``report`` with these times."""
-        return dataclasses.replace(report, predicted_step_ms=self.predicted_step_ms, bound_step_ms=self.bound_step_ms,
-                                   bubble_ratio=self.bubble_ratio, recompute_ms=self.recompute_ms,
-                                   speed_factor=self.speed_factor, stage_overhead_ms=self.stage_overhead_ms)
+        return dataclasses.replace(report, **dataclasses.asdict(self))
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ parser, the placement the only difference), and bad input in one line."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -51,7 +52,7 @@ def test_command_lines_differ_only_by_the_placement(bench, monkeypatch, tmp_path
     for name in ("data", "stdlib"):  # the flags are checked, not read
         for ext in (".bin", ".idx"):
             (tmp_path / f"{name}{ext}").touch()
-    monkeypatch.setattr(bench, "wiki_dataset", lambda *_: str(tmp_path / "data"))
+    monkeypatch.setattr(sys.modules["bench_context_parallel"], "wiki_dataset", lambda *_: str(tmp_path / "data"))
     monkeypatch.setattr("megatron_epp.data.stdlib_corpus.ensure_stdlib_corpus", lambda: tmp_path / "stdlib")
     for name, layout in (("main-job", (2, 1)), ("cp2", (1, 2))):
         argv = bench.config_argv(name, 12, 0.0264)

@@ -79,7 +79,7 @@ def test_a_field_without_a_flag_is_refused():
     @dataclasses.dataclass(frozen=True)
     class Twice:
         a: Fine = dataclasses.field(default_factory=Fine)
-        lr: float = derived(key="lr")
+        lr: float = derived()
 
     assert field_paths(Fine) == {"lr": ("lr",), "knob": ("knob",)}
     with pytest.raises(TypeError, match=r"lr: two fields \(a.lr, lr\)"):
