@@ -6,27 +6,8 @@
 """
 
 import sys
-import warnings
 
-# megatron-core warns at import that the optional GPU extras are absent: expected on CPU machines, and
-# they would stand before the one-line error of a bad flag.
-warnings.filterwarnings("ignore", message="(Transformer Engine and )?Apex (is|are) not installed")
-
-from megatron_epp.training.arguments import ArgumentError, parse_config  # noqa: E402
-
-
-def run(argv: list[str] | None = None) -> int:
-    """``pretrain_gpt.py FLAGS`` (``argv``, default the command line's): exit status 2 and one line for bad flags."""
-    try:
-        cfg = parse_config(sys.argv[1:] if argv is None else argv)
-    except ArgumentError as error:
-        print(error, file=sys.stderr)
-        return 2
-    # The trainer (megatron-core, the executor) is imported once the flags have parsed: a bad flag is answered
-    # without megatron-core's import, seconds per process.
-    from megatron_epp.training.main import main
-
-    return main(cfg)
+from megatron_epp.training.cli import run  # noqa: F401  (tests call pretrain_gpt.run)
 
 
 if __name__ == "__main__":

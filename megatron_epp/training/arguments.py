@@ -21,7 +21,8 @@ from megatron_epp.planner.config import DEFAULT_CLUSTER, PlannerConfig, PlannerO
 from megatron_epp.training.config import CALIBRATE_INTERVAL, PROFILE_STEPS, ROTARY_BASE, TrainingConfig
 from megatron_epp.training.extensions import probe_transformer_engine
 from megatron_epp.training.megatron_flags import add_megatron_flags
-from megatron_epp.training.memory_budget import CPU_FRACTION, CUDA_FRAGMENTATION_SHARE, CUDA_LIBRARY_MARGIN, default_memory_budget
+from megatron_epp.training import memory_budget
+from megatron_epp.training.memory_budget import CPU_FRACTION, CUDA_FRAGMENTATION_SHARE, CUDA_LIBRARY_MARGIN, MemoryReading, default_memory_budget
 import torch
 
 
@@ -79,17 +80,19 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def parse_config(argv: Sequence[str] | None = None, world_size: int | None = None) -> TrainingConfig:
+def parse_config(argv: Sequence[str] | None = None, world_size: int | None = None,
+                 memory: MemoryReading | None = None) -> TrainingConfig:
     """The flags parsed into the options (:meth:`TrainingConfig.from_namespace`) and validated (:func:`validate`) into
-    the configuration training reads; :class:`ArgumentError` (one line, exit 2) on bad input."""
+    the configuration training reads; :class:`ArgumentError` (one line, exit 2) on bad input. ``memory``: the device's
+    memory, the default budget's input (None: read now, where the default budget is needed)."""
     parsed = build_parser().parse_args(argv)
     if parsed.num_workers is not None and not parsed.num_workers >= 0:  # accepted without effect, but not any value
         raise ArgumentError(f"--num-workers {parsed.num_workers}: must be >= 0")
     raw = TrainingConfig.from_namespace(parsed)
-    return validate(raw, world_size_from_env() if world_size is None else world_size)
+    return validate(raw, world_size_from_env() if world_size is None else world_size, memory)
 
 
-def validate(cfg: TrainingConfig, world_size: int) -> TrainingConfig:
+def validate(cfg: TrainingConfig, world_size: int, memory: MemoryReading | None = None) -> TrainingConfig:
     """The options as given turned into the final configuration: each step reads the config so far (read-only) and
     returns the values it fills (defaults that depend on other options, derived fields), which make the next config."""
     cfg = cfg.with_values(validate_parallel_args(cfg.values(), world_size))
@@ -106,7 +109,7 @@ def validate(cfg: TrainingConfig, world_size: int) -> TrainingConfig:
         raise ArgumentError(f"--lr-warmup-init {args.lr_warmup_init}: must be between 0 and --lr {args.lr}")
     if args.epp_cluster and not args.epp_search_layout:
         raise ArgumentError("--epp-cluster applies only with --epp-search-layout")
-    return cfg.with_values(validate_elastic_args(cfg.values(), world_size))
+    return cfg.with_values(validate_elastic_args(cfg.values(), world_size, memory))
 
 
 def validate_parallel_args(args: Values, world_size: int) -> dict:
@@ -561,10 +564,10 @@ SEARCH_REFUSES = {
 }
 
 
-def validate_elastic_args(args: Values, world_size: int) -> dict:
+def validate_elastic_args(args: Values, world_size: int, memory: MemoryReading | None = None) -> dict:
     """The ``--epp-*`` options: given only with ``--elastic-pp`` or ``--epp-search-layout``; the planner's settings
     (``planner``), the driver's defaults where an option is not given, the budget in bytes (``default_budget``: how
-    it was derived when ``--epp-memory-budget`` was not given)."""
+    it was derived when ``--epp-memory-budget`` was not given, from ``memory``, else from the device read now)."""
     given = [k for k in (*EPP_DEFAULTS, "epp_memory_budget", "epp_timeline", "epp_calibrate_interval", "epp_profile_cache") if getattr(args, k) is not None]
     given += ["epp_truncate_documents"] if args.epp_truncate_documents else []
     if args.epp_search_layout:
@@ -573,7 +576,9 @@ def validate_elastic_args(args: Values, world_size: int) -> dict:
         if given:
             raise ArgumentError(f"--{given[0].replace('_', '-')} needs --elastic-pp")
         return {}
-    default_budget = default_memory_budget(world_size) if args.epp_memory_budget is None else None
+    default_budget = None
+    if args.epp_memory_budget is None:
+        default_budget = default_memory_budget(world_size, memory_budget.read_memory() if memory is None else memory)
     interval = CALIBRATE_INTERVAL if args.epp_calibrate_interval is None else args.epp_calibrate_interval
     if interval < 0:
         raise ArgumentError(f"--epp-calibrate-interval {interval}: must be >= 0 (0 turns calibration off)")

@@ -37,6 +37,16 @@ OOM_TRIES = 4  # plans of one batch that may run out of memory before the run st
 OOM_BUDGET_HINT = 0.8  # the --epp-memory-budget the stopping line suggests: this share of the run's
 
 
+def give_up_line(what: str, factor: float, budget_bytes: float) -> str:
+    """The reason a run stops after :data:`OOM_TRIES` plans of a batch ran out of memory: the activation memory factor
+    the planner holds now, and a budget to try (:data:`OOM_BUDGET_HINT` of the run's, rounded down to two significant
+    digits) beside the run's, each at the precision the value needs (a budget of 0.008 GB is not "0.0")."""
+    now = budget_bytes / GIB
+    digits = 1 - math.floor(math.log10(OOM_BUDGET_HINT * now))  # decimals that keep two significant digits
+    hint = math.floor(OOM_BUDGET_HINT * now * 10**digits + 1e-9) / 10**digits
+    return (f"{what}, on each of {OOM_TRIES} plans of this batch (activation memory factor now {factor:.3f}): lower the "
+            f"memory budget, e.g. --epp-memory-budget {hint:g} (now {now:.4g})")
+
 class RngStates:
     """The random number generators a step draws from (torch's CPU and CUDA generators, megatron-core's
     tensor-parallel RNG tracker), as they were when taken: a batch run again after an out-of-memory error draws
@@ -268,10 +278,11 @@ class ElasticTrainStep:
                                             for r in failed if r.dp_rank == self.runtime.dp_rank and r.peak_bytes is not None})
         what = (f"iteration {self.iteration}" if not forward_only else "an evaluation step") + ": out of memory on " + "; ".join(r.line() for r in failed)
         if attempt == OOM_TRIES:
-            budget = self.planner.config.memory_budget_bytes
-            raise TrainingFault(f"{what}, on each of {OOM_TRIES} plans of this batch (activation memory factor now "
-                                f"{self.planner.memory_factor:.2f}): lower the memory budget, e.g. --epp-memory-budget "
-                                f"{math.floor(OOM_BUDGET_HINT * budget / GIB * 10) / 10:g} (now {budget / GIB:.1f})")
+            # the factor this replica's planner holds now (the planning rank's: the others never raise theirs)
+            factors: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(factors, (self.runtime.dp_rank, self.planner.memory_factor) if self.plans_here else None)
+            factor = next(f for dp, f in filter(None, factors) if dp == self.runtime.dp_rank)
+            raise TrainingFault(give_up_line(what, factor, self.planner.config.memory_budget_bytes))
         step = self._plan_again(batch, what)
         if self.runtime.rank == 0:
             print(f" {what}: the step's memory released, nothing applied; activation memory factor {before:.3f} -> "

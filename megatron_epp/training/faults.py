@@ -11,6 +11,7 @@ import errno
 import math
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -27,7 +28,23 @@ OOM_OPS = {"F": "forward", "B": "backward", "R": "recompute", "T": "transfer"}
 
 
 class TrainingFault(RuntimeError):
-    """A condition that stops training with one line on stderr and a non-zero exit (main prints it)."""
+    """A condition that stops training with one line on stderr and a non-zero exit (:func:`report_fault`). Raised on
+    every rank alike: each decision to raise one is taken together (a collective names the cause to all)."""
+
+
+def report_fault(error: TrainingFault, is_logging_rank: bool) -> None:
+    """Every rank, on the way out of a :class:`TrainingFault`: the logging rank writes the one error line
+    (``pretrain_gpt.py: error: ...``) and no rank returns before it is written, so the line is on stderr whichever
+    rank's exit a launcher sees first (torchrun stops the other ranks at the first exit that is not 0). Where the
+    ranks can no longer meet (a rank gone), each rank that cannot writes the line itself: it is never lost."""
+    line = f"pretrain_gpt.py: error: {error}"
+    if is_logging_rank:
+        print(line, file=sys.stderr, flush=True)
+    try:
+        dist.barrier()  # after the logging rank's write and flush
+    except Exception:  # noqa: BLE001  (a peer gone: a broken connection, whatever the backend calls it)
+        if not is_logging_rank:
+            print(line, file=sys.stderr, flush=True)
 
 
 class SigtermHandler:

@@ -10,7 +10,7 @@ from megatron_epp.data.tokenizers import TokenizerError
 from megatron_epp.training import checkpointing, host_allocator
 from megatron_epp.training.arguments import ArgumentError, world_size_from_env
 from megatron_epp.training.corpus_check import check_corpus
-from megatron_epp.training.faults import FaultInjection, SigtermHandler, TrainingFault
+from megatron_epp.training.faults import FaultInjection, SigtermHandler, TrainingFault, report_fault
 from megatron_epp.training.layout_search import driver_layout_search
 from megatron_epp.training.initialize import (
     configure_cuda_allocator, gpu_count, gpu_oversubscription, initialize, local_world_size, shutdown,
@@ -140,13 +140,14 @@ def main(cfg: TrainingConfig) -> int:
             sigterm=sigterm,
             profiler=StepProfiler(cfg, runtime, start[0]),
         )
-    except TrainingFault as error:  # raised on every rank alike: one line from the logging rank
-        if runtime.is_logging_rank:
-            print(f"pretrain_gpt.py: error: {error}", file=sys.stderr, flush=True)
+    except TrainingFault as error:  # raised on every rank alike: one line from the logging rank, written before any exits
+        report_fault(error, runtime.is_logging_rank)
         return 1
     shutdown()
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # python -m megatron_epp.training.main FLAGS: pretrain_gpt.py
+    from megatron_epp.training.cli import run
+
+    sys.exit(run())

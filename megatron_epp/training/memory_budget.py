@@ -52,14 +52,36 @@ class DefaultBudget:
         return f"{100 * CPU_FRACTION:.0f} % of {self.free / GIB:.1f} GB per rank ({self.total / GIB:.1f} GB RAM / {self.total / self.free:.0f} ranks)"
 
 
-def default_memory_budget(world_size: int) -> DefaultBudget:
-    """The budget a run gets without ``--epp-memory-budget``, on this process's device (``LOCAL_RANK``)."""
+@dataclass(frozen=True)
+class MemoryReading:
+    """What this process's device has (bytes), read once at start-up: the input of the default budget. CUDA: the
+    GPU's memory and what is free of it; CPU: the host's RAM and what is available of it (the CPU budget reads only
+    the RAM). Tests fix it (``tests/conftest.py``): nothing a test expects depends on the machine it runs on."""
+
+    device: str  # "cuda" or "cpu"
+    total: float
+    free: float
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cuda", "cpu") or not 0 <= self.free <= self.total or self.total <= 0:
+            raise ValueError(f"a memory reading of {self.free:g} bytes free of {self.total:g} on {self.device!r} is not one")
+
+
+def read_memory() -> MemoryReading:
+    """This process's device (``LOCAL_RANK``'s GPU where CUDA is available, else the host), read now."""
     if torch.cuda.is_available():
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         # a rank past the GPUs is refused before any work (initialize.gpu_oversubscription): read GPU 0 meanwhile
         free, total = torch.cuda.mem_get_info(local_rank if local_rank < torch.cuda.device_count() else 0)
-        margin = CUDA_LIBRARY_MARGIN + CUDA_FRAGMENTATION_SHARE * free
-        return DefaultBudget(free - margin, "cuda", float(total), float(free), margin)
-    total = float(psutil.virtual_memory().total)
-    per_rank = total / world_size
-    return DefaultBudget(CPU_FRACTION * per_rank, "cpu", total, per_rank, (1 - CPU_FRACTION) * per_rank)
+        return MemoryReading("cuda", float(total), float(free))
+    host = psutil.virtual_memory()
+    return MemoryReading("cpu", float(host.total), float(host.available))
+
+
+def default_memory_budget(world_size: int, reading: MemoryReading) -> DefaultBudget:
+    """The budget a run gets without ``--epp-memory-budget``, on a device that reads ``reading``."""
+    if reading.device == "cuda":
+        margin = CUDA_LIBRARY_MARGIN + CUDA_FRAGMENTATION_SHARE * reading.free
+        return DefaultBudget(reading.free - margin, "cuda", reading.total, reading.free, margin)
+    per_rank = reading.total / world_size
+    return DefaultBudget(CPU_FRACTION * per_rank, "cpu", reading.total, per_rank, (1 - CPU_FRACTION) * per_rank)

@@ -347,3 +347,15 @@ def test_waiting_for_a_line_ends_at_its_deadline_when_the_job_hangs_silently():
         _read_until(proc, "iteration", 1.0)
     assert time.monotonic() - start < 20
     assert proc.wait(timeout=10) == -9  # killed by the deadline, not left running
+
+
+@pytest.mark.parametrize("launcher", ["forked", "torchrun"])
+def test_the_fault_line_is_written_before_any_rank_exits(monkeypatch, launcher):
+    """A :class:`TrainingFault` on every rank, the logging rank the slowest to reach its line by 2 s: whatever the
+    launcher, the other rank's exit 1 (which makes the launcher stop the rest) comes after the line, so it is there, once.
+    The planted fault (``report_fault`` without its barrier) loses the line in both launchers."""
+    monkeypatch.setenv("EPP_TEST_LAUNCHER", launcher)
+    proc = torchrun(2, "tests/workers/fault_line.py", env={"EPP_TEST_LOGGING_DELAY_S": "2"}, check=False, timeout=120)
+    assert proc.returncode != 0
+    assert [l for l in proc.stderr.splitlines() if l.startswith("pretrain_gpt.py: error:")] == [
+        "pretrain_gpt.py: error: a planted fault"], proc.stderr[-3000:]

@@ -20,6 +20,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from megatron_epp.planner.online import OOM_FACTOR_STEP
 from megatron_epp.training.elastic import OOM_TRIES
 from megatron_epp.training.metrics import read_metrics
 from tests.launch import torchrun
@@ -137,5 +138,11 @@ def test_gives_up_with_one_line_after_the_last_plan(tmp_path):
     assert proc.returncode != 0
     errors = [l for l in proc.stderr.splitlines() if l.startswith("pretrain_gpt.py: error:")]
     assert len(errors) == 1, proc.stderr[-3000:]
-    assert f"on each of {OOM_TRIES} plans of this batch" in errors[0] and "--epp-memory-budget 0" in errors[0], errors[0]
+    assert f"on each of {OOM_TRIES} plans of this batch" in errors[0], errors[0]
     assert proc.stdout.count("iteration 2: out of memory on stage 1") == OOM_TRIES - 1, proc.stdout[-3000:]
+    # the figures that hold: the factor the log raised it to last (1.0 -> 1.2 -> 1.44 -> 1.728 ...), the budget as given
+    raised = re.findall(r"activation memory factor [0-9.]+ -> ([0-9.]+)", proc.stdout)
+    assert len(raised) == OOM_TRIES - 1 and float(raised[-1]) > 1.0, proc.stdout[-3000:]
+    now = float(re.search(r"\(activation memory factor now ([0-9.]+)\)", errors[0]).group(1))  # raised once more by the last
+    assert now >= round(float(raised[-1]) * OOM_FACTOR_STEP, 3), errors[0]
+    assert errors[0].endswith("--epp-memory-budget 0.0064 (now 0.008)"), errors[0]

@@ -21,6 +21,7 @@ from megatron_epp.cost.profile_lookup import load_profile
 from megatron_epp.planner.calibration import MemoryCheck, activation_bytes, fit_memory_factor
 from megatron_epp.simulator import simulate
 from megatron_epp.training import memory_budget
+from megatron_epp.training.memory_budget import MemoryReading, read_memory as real_read_memory
 from megatron_epp.planner.config import CALIBRATE_FIRST_STEP
 from megatron_epp.training.arguments import parse_config
 from megatron_epp.training.config import TrainingConfig
@@ -28,6 +29,7 @@ from megatron_epp.planner.online import OnlinePlanner
 from megatron_epp.training.planning import check_memory_budget, online_planner
 from megatron_epp.data.mock_documents import lognormal_lengths
 from megatron_epp.training.replay import reconstruct_plans
+from tests import host
 from tests.paths import SHARED, TEST_DATA
 
 MIB = 2**20
@@ -262,33 +264,57 @@ def test_a_checkpoints_memory_calibration_plans_as_the_saved_run():
 
 
 # ----------------------------------------------------------------------------- the default budget
-def test_the_default_budget_on_cuda_is_free_memory_less_the_margin_and_a_given_budget_stays(monkeypatch):
+def test_the_default_budget_on_cuda_is_free_memory_less_the_margin_and_a_given_budget_stays():
     free, total = 78.5 * GIB, 79.6 * GIB
-    monkeypatch.setattr(memory_budget.torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(memory_budget.torch.cuda, "mem_get_info", lambda device: (int(free), int(total)))
-    monkeypatch.setattr(memory_budget.torch.cuda, "device_count", lambda: 1)
-    default = memory_budget.default_memory_budget(1)
+    reading = MemoryReading("cuda", total, free)
+    default = memory_budget.default_memory_budget(1, reading)
     # the margin measured on an H200 (memory_budget's doc): 3 GiB for the CUDA libraries' later use + 3 % of the free memory
     assert default.margin == pytest.approx(3 * GIB + 0.03 * free) and default.budget == pytest.approx(free - default.margin)
     assert default.describe() == ("78.5 GB free of 79.6 GB on the GPU at start-up - 5.4 GB margin (3 GB for the CUDA libraries' "
                                   "later use + 3 % of the free memory for the allocator's fragmentation)")
-    cfg = parse_config(LLAMA, world_size=1)
+    cfg = parse_config(LLAMA, world_size=1, memory=reading)
     assert cfg.epp.memory_budget is None  # not given: the default, in bytes, goes straight to the planner
     assert cfg.epp.default_budget == default and cfg.epp.planner.memory_budget_bytes == default.budget  # bytes inside
     assert check_memory_budget(cfg) == (f"73.14 GB per device = {default.describe()}; model states 23.79 GB (the cost "
                                          "model's count, largest stage), 49.35 GB for activations")
-    given = parse_config([*LLAMA, "--epp-memory-budget", "35"], world_size=1)
+    given = parse_config([*LLAMA, "--epp-memory-budget", "35"], world_size=1, memory=reading)
     assert given.epp.memory_budget == 35.0 and given.epp.default_budget is None
     assert check_memory_budget(given) == ("35.00 GB per device (--epp-memory-budget); model states 23.79 GB (the cost "
                                           "model's count, largest stage), 11.21 GB for activations")
 
 
-def test_the_default_budget_on_cpu_stays_90_percent_of_ram_per_rank(monkeypatch):
-    monkeypatch.setattr(memory_budget.torch.cuda, "is_available", lambda: False)
-    default = memory_budget.default_memory_budget(4)
-    ram = memory_budget.psutil.virtual_memory().total
-    assert default.budget == pytest.approx(0.9 * ram / 4) and default.device == "cpu"
-    assert default.describe() == f"90 % of {ram / 4 / GIB:.1f} GB per rank ({ram / GIB:.1f} GB RAM / 4 ranks)"
+def test_the_default_budget_on_cpu_stays_90_percent_of_ram_per_rank():
+    default = memory_budget.default_memory_budget(4, MemoryReading("cpu", 64 * GIB, 20 * GIB))
+    assert default.budget == pytest.approx(0.9 * 16 * GIB) and default.device == "cpu"
+    assert default.describe() == "90 % of 16.0 GB per rank (64.0 GB RAM / 4 ranks)"
+
+
+class _Host:
+    def __init__(self, total: float, available: float) -> None:
+        self.total, self.available = total, available
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_the_reading_is_the_devices_memory_and_the_only_input_of_the_default_budget(monkeypatch, cuda):
+    """:func:`read_memory` reads the GPU of ``LOCAL_RANK`` (CUDA) or the host's RAM; a config given a reading never reads
+    the machine (here a faked one that would give another budget), and one given none reads it then."""
+    monkeypatch.setattr(memory_budget, "read_memory", real_read_memory)  # the real reader (conftest fixes it for the rest)
+    monkeypatch.setattr(memory_budget.torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(memory_budget.torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(memory_budget.torch.cuda, "mem_get_info", lambda device: {1: (int(30 * GIB), int(80 * GIB))}[device])
+    monkeypatch.setattr(memory_budget.psutil, "virtual_memory", lambda: _Host(7 * GIB, 1 * GIB))
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert real_read_memory() == (MemoryReading("cuda", 80 * GIB, 30 * GIB) if cuda else MemoryReading("cpu", 7 * GIB, 1 * GIB))
+    read = parse_config(LLAMA, world_size=1)
+    assert read.epp.default_budget == memory_budget.default_memory_budget(1, real_read_memory())
+    fixed = parse_config(LLAMA, world_size=1, memory=host.MEMORY)
+    assert fixed.epp.default_budget == memory_budget.default_memory_budget(1, host.MEMORY) != read.epp.default_budget
+
+
+def test_a_reading_that_is_not_one_is_refused():
+    for device, total, free in (("tpu", GIB, GIB), ("cpu", GIB, 2 * GIB), ("cuda", 0, 0), ("cpu", GIB, -1)):
+        with pytest.raises(ValueError, match="is not one"):
+            MemoryReading(device, total, free)
 
 
 def test_the_drivers_planner_is_the_planner_packages_built_from_the_flags_once():

@@ -155,3 +155,14 @@ def test_on_cuda_each_step_starts_from_an_emptied_cache_and_measures_reserved_an
     with memory_tracker.ActivationMemoryTracker(torch.device("cuda"), context=None) as tracker:
         assert calls == ["synchronize", "empty_cache", "reset_peak_memory_stats", "memory_allocated"]
     assert (tracker.peak_bytes, tracker.peak_allocated) == (250, 200)
+
+
+def test_the_give_up_line_gives_each_figure_at_the_precision_it_needs():
+    """The line that stops a run: the factor as the log prints it, the run's budget and a lower one to try, neither
+    rounded to nothing (a planted ``:.1f`` gave "--epp-memory-budget 0 (now 0.0)" for a budget of 0.008 GB)."""
+    from megatron_epp.training.elastic import give_up_line
+
+    line = give_up_line("iteration 2: out of memory on stage 1", 1.728, 0.008 * GIB)
+    assert line.endswith("(activation memory factor now 1.728): lower the memory budget, e.g. --epp-memory-budget 0.0064 (now 0.008)")
+    assert give_up_line("x", 2.0736, 80 * GIB).endswith("factor now 2.074): lower the memory budget, e.g. --epp-memory-budget 64 (now 80)")
+    assert give_up_line("x", 1.2, 73.14 * GIB).endswith("--epp-memory-budget 58 (now 73.14)")

@@ -19,7 +19,9 @@ from megatron_epp.planner.config import PlannerOptions
 from megatron_epp.training import config as config_module
 from megatron_epp.training.arguments import build_parser, parse_config, validate
 from megatron_epp.training.config import TrainingConfig
+from megatron_epp.training import memory_budget
 from megatron_epp.training.megatron_flags import ACCEPTED
+from megatron_epp.training.memory_budget import MemoryReading, read_memory as real_read_memory
 
 TRAINING = Path(config_module.__file__).parent
 # where the flags are parsed, validated and turned into the config (and the accepted Megatron-LM flags declared)
@@ -101,25 +103,60 @@ def cases() -> dict:
     return json.loads(BEFORE.read_text())
 
 
+def fixture_reading() -> MemoryReading:
+    """The device memory the fixture's default budgets were computed from (a made-up 64 GiB host: ``tests/host.py``)."""
+    return MemoryReading(**cases()["memory_reading"])
+
+
+def config_of_case(name: str, data: Path, memory: MemoryReading | None) -> tuple[dict, dict]:
+    """Case ``name``'s expected ``flat`` and the config its command line gives now (``memory``: the reading given to
+    ``parse_config``; None: the reading the process makes)."""
+    for prefix in ("a", "b"):
+        (data / f"{prefix}.bin").touch()
+        (data / f"{prefix}.idx").touch()
+    case = json.loads(json.dumps(cases()["good"][name]).replace("{DATA}", str(data)))
+    return case["flat"], parse_config(case["argv"], world_size=case["world_size"], memory=memory).flat()
+
+
 @pytest.mark.parametrize("name", sorted(cases()["good"]))
 def test_the_same_config_as_before_the_options_were_declared_once(name, tmp_path):
     """Each command line gives the config it gave at 8c9e29a; the keys added are the options validation folded
     before (now fields of their own: ``optim.lr_warmup_iters`` beside ``optim.lr_warmup_samples``) and the options
-    added since, at their defaults."""
-    for prefix in ("a", "b"):
-        (tmp_path / f"{prefix}.bin").touch()
-        (tmp_path / f"{prefix}.idx").touch()
-    case = json.loads(json.dumps(cases()["good"][name]).replace("{DATA}", str(tmp_path)))
-    flat = parse_config(case["argv"], world_size=case["world_size"]).flat()
-    assert {key: flat.get(key, "missing") for key in case["flat"]} == case["flat"]
+    added since, at their defaults. The default budgets are those of the fixture's memory reading (given), not the
+    host's."""
+    expected, flat = config_of_case(name, tmp_path, fixture_reading())
+    assert {key: flat.get(key, "missing") for key in expected} == expected
     folded = {"data.tokenizer", "model.use_rotary_position_embeddings", "epp.plan", "epp.memory_budget", "epp.profile",
               "epp.recompute", "epp.max_slices", "epp.time_limit"} | {f"optim.lr_{n}" for n in (
               "warmup_iters", "warmup_fraction", "decay_iters", "wsd_decay_iters", "wsd_decay_samples")} | {
               f"parallel.{n}" for n in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                                         "virtual_pipeline_model_parallel_size", "cp_comm_type", "sequence_parallel")}
     added = {"epp.plan_between_steps": False}  # options added after 8c9e29a, at their defaults (no command line gives them)
-    assert set(flat) - set(case["flat"]) == folded | set(added)
+    assert set(flat) - set(expected) == folded | set(added)
     assert {key: flat[key] for key in added} == added
+
+
+class _Host:
+    def __init__(self, total: float, available: float) -> None:
+        self.total, self.available = total, available
+
+
+@pytest.mark.parametrize("ram_gib, available_gib", [(7, 1), (25276063744 / GIB, 20), (2048, 1900)])
+def test_the_fixture_holds_on_a_host_of_any_memory(monkeypatch, tmp_path, ram_gib, available_gib):
+    """On a host of another RAM size and free memory (faked where the process reads them: psutil, no GPU), the
+    fixture's expectations still hold: every case that derives a default budget takes it from the reading given; the
+    same case left to read the machine gets the faked host's budget (the fake is what the reader sees)."""
+    monkeypatch.setattr(memory_budget, "read_memory", real_read_memory)
+    monkeypatch.setattr(memory_budget.torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(memory_budget.psutil, "virtual_memory", lambda: _Host(ram_gib * GIB, available_gib * GIB))
+    budgeted = [name for name, case in cases()["good"].items() if case["flat"].get("epp.default_budget.device") == "cpu"]
+    assert len(budgeted) >= 5
+    for name in budgeted:
+        expected, flat = config_of_case(name, tmp_path, fixture_reading())
+        assert {key: flat.get(key, "missing") for key in expected} == expected, name
+        world = cases()["good"][name]["world_size"]
+        read = config_of_case(name, tmp_path, None)[1]
+        assert read["epp.default_budget.total"] == ram_gib * GIB and read["epp.planner.memory_budget_bytes"] == pytest.approx(0.9 * ram_gib * GIB / world)
 
 
 def test_the_same_one_line_errors_as_before(capsys):
