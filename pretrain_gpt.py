@@ -7,7 +7,22 @@
 
 import sys
 
-from megatron_epp.training.cli import run  # noqa: F401  (tests call pretrain_gpt.run)
+from megatron_epp.config.errors import ArgumentError
+from megatron_epp.config.parser import parse_config
+
+
+def run(argv: list[str] | None = None) -> int:
+    """``pretrain_gpt.py FLAGS`` (``argv``, default the command line's): exit status 2 and one line for bad flags."""
+    try:
+        cfg = parse_config(sys.argv[1:] if argv is None else argv)
+    except ArgumentError as error:
+        print(error, file=sys.stderr)
+        return 2
+    # The trainer (megatron-core, the executor) is imported once the flags have parsed: a bad flag is answered
+    # without megatron-core's import, seconds per process.
+    from megatron_epp.training.main import main
+
+    return main(cfg)
 
 
 if __name__ == "__main__":

@@ -37,9 +37,9 @@ print(f"a tiny random LLaMA (GQA 4:2, llama3 RoPE scaling, context 64) in {sys.a
 PY
 fi
 TORCHRUN=("$PYTHON" -m torch.distributed.run --nproc-per-node "$((TP * PP))" --master-port "${MASTER_PORT:-29511}")
-"${TORCHRUN[@]}" -m megatron_epp.training.hf_convert import --hf-dir "$HF_DIR" --save "$WORK/ckpt" \
+"${TORCHRUN[@]}" -m megatron_epp.checkpoint.hf_convert import --hf-dir "$HF_DIR" --save "$WORK/ckpt" \
   --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
-read -r -a FLAGS <<< "$("$PYTHON" -m megatron_epp.training.hf_convert flags --hf-dir "$HF_DIR" --tensor-model-parallel-size "$TP" | cut -d' ' -f2-)"
+read -r -a FLAGS <<< "$("$PYTHON" -m megatron_epp.checkpoint.hf_convert flags --hf-dir "$HF_DIR" --tensor-model-parallel-size "$TP" | cut -d' ' -f2-)"
 CONTEXT=$(printf '%s\n' "${FLAGS[@]}" | grep -A1 -x -- --seq-length | tail -n 1)
 SEQ=${SEQ:-$((4 * CONTEXT))}
 DATA=(--mock-data)
@@ -49,6 +49,6 @@ echo "> context extension: $CONTEXT -> $SEQ tokens"
   "${FLAGS[@]}" --seq-length "$SEQ" --load "$WORK/ckpt" --finetune --save "$WORK/ckpt-long" \
   --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" --elastic-pp --epp-memory-budget "$BUDGET" \
   "${DATA[@]}" --global-batch-size 8 --train-iters 10 --lr 3e-3 --log-interval 1 "$@"
-"${TORCHRUN[@]}" -m megatron_epp.training.hf_convert export --load "$WORK/ckpt-long" --hf-dir "$WORK/hf-long"
+"${TORCHRUN[@]}" -m megatron_epp.checkpoint.hf_convert export --load "$WORK/ckpt-long" --hf-dir "$WORK/hf-long"
 "$PYTHON" -c "import sys, transformers; m = transformers.LlamaForCausalLM.from_pretrained(sys.argv[1]); \
 print(f'> transformers loads {sys.argv[1]}: context {m.config.max_position_embeddings}, rope {m.config.rope_parameters}')" "$WORK/hf-long"

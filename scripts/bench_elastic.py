@@ -493,7 +493,7 @@ def planned_batches(argv: list[str], steps: int, world_size: int = 2):
     processes (data-parallel rank 0's), the run's planner config and cost model (as
     ``training.replay.reconstruct_plans`` rebuilds them)."""
     from megatron_epp.training.replay import parsed_config
-    from megatron_epp.training.arguments import ArgumentError
+    from megatron_epp.config.errors import ArgumentError
     from megatron_epp.training.planning import elastic_sampler, online_planner
 
     try:

@@ -27,7 +27,7 @@ from megatron_epp.planner import build_plan  # noqa: E402
 from megatron_epp.data.mock_documents import WIKIPEDIA_LENGTHS  # noqa: E402
 from megatron_epp.data.lengths import read_lengths  # noqa: E402
 from megatron_epp.cost.features import chunk_features  # noqa: E402
-from megatron_epp.training.layer_bench import LayerStack, init_single_process, time_fwd_bwd  # noqa: E402
+from megatron_epp.measure.layer_bench import LayerStack, init_single_process, time_fwd_bwd  # noqa: E402
 
 
 def main() -> None:

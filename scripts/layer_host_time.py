@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from megatron_epp.cost.shape import ModelShape  # noqa: E402
-from megatron_epp.training.layer_bench import LayerStack  # noqa: E402
+from megatron_epp.measure.layer_bench import LayerStack  # noqa: E402
 
 VARIANTS = ("megatron", "shared")
 

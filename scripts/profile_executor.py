@@ -39,10 +39,10 @@ from megatron_epp.executor.context import ChunkContext  # noqa: E402
 from megatron_epp.executor.schedule import forward_backward_elastic  # noqa: E402
 from megatron_epp.executor.spec import elastic_layer_spec, install_chunk_context  # noqa: E402
 from megatron_epp.plan import Chunk, Pipeline, Plan, Segment, chunk_kind  # noqa: E402
-from megatron_epp.training.arguments import parse_config  # noqa: E402
-from megatron_epp.training.initialize import initialize, shutdown  # noqa: E402
+from megatron_epp.config.parser import parse_config  # noqa: E402
+from megatron_epp.model.runtime import initialize, shutdown  # noqa: E402
 from megatron_epp.training.loop import build_optimizer  # noqa: E402
-from megatron_epp.training.model import build_model, default_layer_spec  # noqa: E402
+from megatron_epp.model.gpt import build_model, default_layer_spec  # noqa: E402
 
 
 prepare_step = getattr(_batches, "prepare_step", None)

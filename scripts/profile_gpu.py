@@ -20,7 +20,7 @@ cap the profile is keyed by). Measures, in bf16 on CUDA by default (``--dtype fp
     backward's workspace (the caching allocator; on the CPU the tensors autograd saves), fitted per token and
     printed; a grid point that runs out of memory is left out with one line.
 
-The measurement and the fits are the library's (``megatron_epp.training.profiling.measure_profile``, which
+The measurement and the fits are the library's (``megatron_epp.measure.profiling.measure_profile``, which
 ``pretrain_gpt.py --epp-profile auto`` runs at start-up on a small grid; ``megatron_epp.cost.profile_fit``).
 Prints every fit's rms error (also stored in the profile's ``fit.errors``) and writes the profile JSON to
 ``--out``, or, without it, into ``--epp-profile-cache`` under the name ``--epp-profile auto`` looks up.
@@ -57,11 +57,12 @@ import torch  # noqa: E402
 from megatron_epp.base.options import add_field_to_parser  # noqa: E402
 from megatron_epp.cost.profile_lookup import ProfileKey, default_profile_cache  # noqa: E402
 from megatron_epp.executor import kernels  # noqa: E402
-from megatron_epp.training.layer_bench import init_single_process  # noqa: E402
-from megatron_epp.training.arguments import ArgumentError, build_parser, parse_config  # noqa: E402
-from megatron_epp.training.config import EPPConfig  # noqa: E402
-from megatron_epp.training.model import model_shape  # noqa: E402
-from megatron_epp.training.profiling import (  # noqa: E402
+from megatron_epp.measure.layer_bench import init_single_process  # noqa: E402
+from megatron_epp.config.errors import ArgumentError  # noqa: E402
+from megatron_epp.config.parser import build_parser, parse_config  # noqa: E402
+from megatron_epp.config.fields import EPPConfig  # noqa: E402
+from megatron_epp.model.gpt import model_shape  # noqa: E402
+from megatron_epp.measure.profiling import (  # noqa: E402
     ProfileFailed, ProfileGrid, device_name, measure_profile, report_errors, report_memory,
 )
 

@@ -48,7 +48,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_epp.training.layer_bench import LayerStack, init_single_process, saved_bytes, time_fwd_bwd  # noqa: E402
+from megatron_epp.measure.layer_bench import LayerStack, init_single_process, saved_bytes, time_fwd_bwd  # noqa: E402
 from megatron_epp.cost.profile_fit import fit, measured_profile, recompute_fit, rel_errors  # noqa: E402
 from megatron_epp.cost.features import NUM_FEATURES, F, chunk_features  # noqa: E402
 from megatron_epp.plan import Chunk, Segment  # noqa: E402

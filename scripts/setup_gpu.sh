@@ -198,8 +198,8 @@ for s in "${STATUS[@]}"; do echo "  $s"; done
 import torch
 
 from megatron_epp.executor import kernels
-from megatron_epp.training.extensions import probe_fused_softmax, probe_transformer_engine
-from megatron_epp.training.model import layer_spec_summary
+from megatron_epp.executor.extensions import probe_fused_softmax, probe_transformer_engine
+from megatron_epp.model.gpt import layer_spec_summary
 
 device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

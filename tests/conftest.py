@@ -10,7 +10,7 @@ import pytest
 
 import pretrain_gpt
 from megatron_epp.training import main as training_main
-from megatron_epp.training import memory_budget
+from megatron_epp.config import memory_budget
 from tests import host
 
 
@@ -18,7 +18,7 @@ from tests import host
 def fixed_memory_reading(monkeypatch):
     """Every in-process test reads :data:`tests.host.MEMORY` as its device's memory, never this machine's: a default
     budget (and every figure derived from it) is the same on any host. A test of the reading itself imports the real
-    :func:`~megatron_epp.training.memory_budget.read_memory` at its module's import."""
+    :func:`~megatron_epp.config.memory_budget.read_memory` at its module's import."""
     monkeypatch.setattr(memory_budget, "read_memory", lambda: host.MEMORY)
 
 

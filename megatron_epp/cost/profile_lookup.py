@@ -24,7 +24,7 @@ PROFILE_DIR = Path(__file__).parent / "profiles"
 # the one measured nearest the model that runs (:func:`nearest_cpu_profile`)
 CPU_PROFILES = "cpu"
 # ``--epp-profile auto`` (the default): on CUDA a profile measured on this GPU for this dtype, attention kernel and
-# layer shape (the cache, a shipped one, or measured at start-up: ``megatron_epp.training.profile_resolution``); on the
+# layer shape (the cache, a shipped one, or measured at start-up: ``megatron_epp.measure.profile_resolution``); on the
 # CPU, ``cpu``. ``--epp-profile analytic``: the analytic (FLOPs / peak x MFU) profile of the model's own shape
 AUTO_PROFILE = "auto"
 ANALYTIC_PROFILE = "analytic"
@@ -168,7 +168,7 @@ def load_profile(spec: str, tp: int = 8, shape: ModelShape | None = None, device
         return analytic_profile(shape, tp)
     if spec == AUTO_PROFILE and device == "cuda":
         raise ValueError(f"--epp-profile {AUTO_PROFILE} on CUDA: the profile is measured on the GPU at start-up "
-                         "(megatron_epp.training.profiling), not loaded")
+                         "(megatron_epp.measure.profiling), not loaded")
     if spec in (CPU_PROFILES, AUTO_PROFILE):
         profile = nearest_cpu_profile(shape)
     elif spec == TEST_MODEL.name:

@@ -12,8 +12,8 @@ from megatron.core.datasets.blended_megatron_dataset_config import parse_and_nor
 
 from megatron_epp.data.documents import DocumentDataset, IndexMismatch, split_ranges
 from megatron_epp.data.length_stats import LengthStats
-from megatron_epp.training.arguments import ArgumentError
-from megatron_epp.training.config import TrainingConfig
+from megatron_epp.config.errors import ArgumentError
+from megatron_epp.config.fields import TrainingConfig
 
 MIN_DOCUMENT_TOKENS = 2  # a document of n + 1 tokens trains n next-token predictions
 

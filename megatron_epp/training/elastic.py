@@ -28,10 +28,10 @@ from megatron_epp.planner.builders import baseline_ratios
 from megatron_epp.planner.online import OnlinePlanner, PlanTicket
 from megatron_epp.base.units import GIB
 from megatron_epp.training.faults import FaultInjection, TrainingFault
-from megatron_epp.training.initialize import Runtime
+from megatron_epp.model.runtime import Runtime
 from megatron_epp.training.metrics import ElasticMetrics
 from megatron_epp.training.planning import elastic_sampler
-from megatron_epp.training.config import TrainingConfig
+from megatron_epp.config.fields import TrainingConfig
 
 OOM_TRIES = 4  # plans of one batch that may run out of memory before the run stops (the last one's error stops it)
 OOM_BUDGET_HINT = 0.8  # the --epp-memory-budget the stopping line suggests: this share of the run's

@@ -19,8 +19,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from megatron_epp.training.arguments import ArgumentError
-from megatron_epp.training.config import TrainingSection
+from megatron_epp.config.errors import ArgumentError
+from megatron_epp.config.fields import TrainingSection
 
 FAULT_ENV = "EPP_FAULT_INJECT"
 FAULT_KINDS = ("nan_loss", "nan_grad", "crash_in_save", "hang", "oom", "oom_every")

@@ -1,11 +1,11 @@
 """``pretrain_gpt.py --epp-search-layout``: the best parallel layout for this run, printed as flags.
 
-The model is the one the flags describe (:func:`~megatron_epp.training.model.model_shape`: SwiGLU, RMSNorm, GQA,
+The model is the one the flags describe (:func:`~megatron_epp.model.gpt.model_shape`: SwiGLU, RMSNorm, GQA,
 biases, the padded vocabulary, bf16 with ``--bf16``, as the driver builds it), the lengths a global batch of
 the train split's documents (``--data-path``, or the mock documents), one longer than ``--seq-length`` an error
 unless ``--epp-truncate-documents`` (as in ``--elastic-pp`` training), the cluster the ``--epp-cluster`` preset
 resized to the world size, the planner's settings the ``--epp-*`` flags given, else the driver's defaults (the
-budget: ``--epp-memory-budget``, else the preset's GPU memory; :func:`~megatron_epp.training.arguments.validate_search_args`).
+budget: ``--epp-memory-budget``, else the preset's GPU memory; :func:`~megatron_epp.config.parser.validate_search_args`).
 The layouts are TP x CP x PP x DP (context parallelism, Ulysses all-to-all, with ``--elastic-pp``), as
 ``epp-plan --epp-search-layout``'s.
 """
@@ -18,10 +18,10 @@ import numpy as np
 from megatron_epp.plan import PlanInfeasible
 from megatron_epp.planner.layout import describe_choice, search_for_world
 from megatron_epp.data.lengths import select_batch
-from megatron_epp.training.arguments import ArgumentError
+from megatron_epp.config.errors import ArgumentError
 from megatron_epp.training.planning import elastic_documents
-from megatron_epp.training.model import model_shape
-from megatron_epp.training.config import TrainingConfig
+from megatron_epp.model.gpt import model_shape
+from megatron_epp.config.fields import TrainingConfig
 
 
 def driver_layout_search(cfg: TrainingConfig, world_size: int) -> list[str]:

@@ -13,15 +13,15 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megatron_epp.training import checkpointing
+from megatron_epp.checkpoint import checkpointing
 from megatron_epp.training.faults import ExitConditions, FaultInjection, SigtermHandler, check_finite
 from megatron_epp.training.gpt_step import reduce_losses
-from megatron_epp.training.initialize import Runtime
+from megatron_epp.model.runtime import Runtime
 from megatron_epp.training.metrics import StepMetrics, interval_average
-from megatron_epp.training.model import model_shape, params_dtype
+from megatron_epp.model.gpt import model_shape, params_dtype
 from megatron_epp.training.step import TrainStep
 from megatron_epp.training.step_profiler import StepProfiler
-from megatron_epp.training.config import TrainingConfig
+from megatron_epp.config.fields import TrainingConfig
 
 
 def build_optimizer(cfg: TrainingConfig, model, config) -> tuple[Any, OptimizerParamScheduler]:

@@ -7,20 +7,22 @@ import sys
 import time
 
 from megatron_epp.data.tokenizers import TokenizerError
-from megatron_epp.training import checkpointing, host_allocator
-from megatron_epp.training.arguments import ArgumentError, world_size_from_env
+from megatron_epp.training import host_allocator
+from megatron_epp.checkpoint import checkpointing
+from megatron_epp.config.parser import parse_config, world_size_from_env
+from megatron_epp.config.errors import ArgumentError
 from megatron_epp.training.corpus_check import check_corpus
 from megatron_epp.training.faults import FaultInjection, SigtermHandler, TrainingFault, report_fault
 from megatron_epp.training.layout_search import driver_layout_search
-from megatron_epp.training.initialize import (
+from megatron_epp.model.runtime import (
     configure_cuda_allocator, gpu_count, gpu_oversubscription, initialize, local_world_size, shutdown,
 )
 from megatron_epp.training.loop import build_optimizer, train
-from megatron_epp.training.megatron_flags import startup_notes
-from megatron_epp.training.model import architecture_summary, build_model, layer_spec_summary, padded_vocab_size
+from megatron_epp.config.megatron_flags import startup_notes
+from megatron_epp.model.gpt import architecture_summary, build_model, layer_spec_summary, padded_vocab_size
 from megatron_epp.training.step import StepMode, step_mode
 from megatron_epp.training.step_profiler import StepProfiler, startup_note
-from megatron_epp.training.config import TrainingConfig
+from megatron_epp.config.fields import TrainingConfig
 
 
 def _run_summary(cfg: TrainingConfig, runtime, steps: StepMode, start: tuple[int, int],
@@ -62,7 +64,7 @@ def _print_startup(cfg: TrainingConfig, runtime, steps: StepMode, start: tuple[i
 
 def _verified_resume(cfg: TrainingConfig, resume, runtime) -> tuple[int | None, list[str], str | None]:
     """The checkpoint iteration to resume from (None: from scratch), the notes on what was loaded, and the note on a
-    change of data since it was saved; :class:`~megatron_epp.training.checkpointing.CheckpointError` where none verifies."""
+    change of data since it was saved; :class:`~megatron_epp.checkpoint.checkpointing.CheckpointError` where none verifies."""
     if resume is None:
         if not cfg.checkpoint.load:
             return None, [], None
@@ -74,7 +76,7 @@ def _verified_resume(cfg: TrainingConfig, resume, runtime) -> tuple[int | None, 
 
 
 def main(cfg: TrainingConfig) -> int:
-    """pretrain_gpt.py's run of the configuration its flags make (:func:`~megatron_epp.training.arguments.parse_config`;
+    """pretrain_gpt.py's run of the configuration its flags make (:func:`~megatron_epp.config.parser.parse_config`;
     ``pretrain_gpt.run`` parses them)."""
     start_time = time.time()  # --exit-duration-in-mins counts from here
     allocator_note = configure_cuda_allocator()  # before anything touches CUDA
@@ -147,7 +149,10 @@ def main(cfg: TrainingConfig) -> int:
     return 0
 
 
-if __name__ == "__main__":  # python -m megatron_epp.training.main FLAGS: pretrain_gpt.py
-    from megatron_epp.training.cli import run
-
-    sys.exit(run())
+if __name__ == "__main__":  # python -m megatron_epp.training.main FLAGS: pretrain_gpt.py FLAGS
+    try:
+        config = parse_config()
+    except ArgumentError as error:
+        print(error, file=sys.stderr)
+        sys.exit(2)
+    sys.exit(main(config))

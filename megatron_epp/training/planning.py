@@ -14,15 +14,15 @@ from megatron_epp.planner.data_parallel import dp_split
 from megatron_epp.planner.online import OnlinePlanner
 from megatron_epp.base.units import GIB
 from megatron_epp.cost.profile import Profile
-from megatron_epp.training.arguments import ArgumentError
-from megatron_epp.training.config import TrainingConfig
-from megatron_epp.training.model import model_shape
-from megatron_epp.training.profile_resolution import planner_profile
+from megatron_epp.config.errors import ArgumentError
+from megatron_epp.config.fields import TrainingConfig
+from megatron_epp.model.gpt import model_shape
+from megatron_epp.measure.profile_resolution import planner_profile
 
 
 def online_planner(cfg: TrainingConfig, profile: Profile | None = None) -> OnlinePlanner:
     """The run's online planner (``--epp-*``), for its model and pipeline on ``profile``, the one the run resolved at
-    start-up (:func:`~megatron_epp.training.profile_resolution.startup_profile`; before it, :func:`planner_profile`'s),
+    start-up (:func:`~megatron_epp.measure.profile_resolution.startup_profile`; before it, :func:`planner_profile`'s),
     calibrated every ``--epp-calibrate-interval`` steps."""
     return OnlinePlanner(cfg.epp.planner, model_shape(cfg), cfg.parallel.dims,
                          profile or planner_profile(cfg), distributed_optimizer=cfg.parallel.use_distributed_optimizer,
@@ -48,7 +48,7 @@ def check_memory_budget(cfg: TrainingConfig, planner: OnlinePlanner | None = Non
     model states the planner counts in it (the largest stage's) and what it leaves for activations. ``planner``:
     the run's (:func:`online_planner`), on the profile resolved at start-up (a profile measured on the GPU, whose
     memory may exceed the analytic count the check before start-up used) or, before it, on
-    :func:`~megatron_epp.training.profile_resolution.planner_profile`'s (None: one built on that)."""
+    :func:`~megatron_epp.measure.profile_resolution.planner_profile`'s (None: one built on that)."""
     docs = max(cfg.training.global_batch_size // cfg.parallel.dims.dp, 1)
     planner = planner or online_planner(cfg)
     try:

@@ -23,8 +23,8 @@ from typing import Sequence
 
 from megatron_epp.cost.model import CostModel
 from megatron_epp.plan import PlannedStep
-from megatron_epp.training.arguments import parse_config
-from megatron_epp.training.config import TrainingConfig
+from megatron_epp.config.parser import parse_config
+from megatron_epp.config.fields import TrainingConfig
 from megatron_epp.training.metrics import StepMetrics, read_metrics
 from megatron_epp.training.planning import elastic_sampler, online_planner
 

@@ -18,11 +18,11 @@ from megatron_epp.executor.context import ChunkContext
 from megatron_epp.training.elastic import elastic_train_step
 from megatron_epp.training.faults import FaultInjection
 from megatron_epp.training.gpt_step import gpt_forward_step, microbatches
-from megatron_epp.training.initialize import Runtime, local_world_size
+from megatron_epp.model.runtime import Runtime, local_world_size
 from megatron_epp.training.metrics import ElasticMetrics
 from megatron_epp.training.planning import check_memory_budget, online_planner
-from megatron_epp.training.profile_resolution import Resolved, check_profile, describe, planner_profile, startup_profile
-from megatron_epp.training.config import TrainingConfig
+from megatron_epp.measure.profile_resolution import Resolved, check_profile, describe, planner_profile, startup_profile
+from megatron_epp.config.fields import TrainingConfig
 
 
 class TrainStep(Protocol):
@@ -155,7 +155,7 @@ class ElasticSteps:
         """Every rank: the first one resolves (and on CUDA may measure) the profile, all plan on it, and the memory
         budget is checked again on it where it is not the one checked before start-up (a measured profile's memory may
         exceed the analytic count);
-        :class:`~megatron_epp.training.arguments.ArgumentError` where either cannot serve."""
+        :class:`~megatron_epp.config.parser.ArgumentError` where either cannot serve."""
         self.profile = startup_profile(self.cfg, runtime.device)
         if self.profile.profile != self.checked:  # measured on this GPU (or found in the cache): its memory counts
             self.planner = online_planner(self.cfg, self.profile.profile)
@@ -187,6 +187,6 @@ StepMode = StockSteps | ElasticSteps
 
 
 def step_mode(cfg: TrainingConfig) -> StepMode:
-    """The run's way of stepping; :class:`~megatron_epp.training.arguments.ArgumentError` (``--elastic-pp``) where its
+    """The run's way of stepping; :class:`~megatron_epp.config.parser.ArgumentError` (``--elastic-pp``) where its
     profile or memory budget cannot serve."""
     return ElasticSteps(cfg) if cfg.epp.enabled else StockSteps(cfg)

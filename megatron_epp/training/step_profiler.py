@@ -24,8 +24,8 @@ import os
 
 import torch
 
-from megatron_epp.training.config import TrainingConfig
-from megatron_epp.training.initialize import Runtime
+from megatron_epp.config.fields import TrainingConfig
+from megatron_epp.model.runtime import Runtime
 
 
 def profiler_schedule(start: int, end: int, resumed_at: int = 0) -> tuple[int, int, int] | None:

@@ -166,7 +166,7 @@ class Runs:
 
 def unlaunchable(nproc: int) -> str | None:
     """Why ``nproc`` processes cannot run here (None: they can): on CUDA, one process per GPU."""
-    from megatron_epp.training.initialize import gpu_count, gpu_oversubscription
+    from megatron_epp.model.runtime import gpu_count, gpu_oversubscription
 
     return gpu_oversubscription(nproc, gpu_count())
 

@@ -31,14 +31,14 @@ TINY = ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attent
 
 
 def elastic_args(*flags: str):
-    from megatron_epp.training.arguments import parse_config
+    from megatron_epp.config.parser import parse_config
 
     return parse_config([*TINY, "--elastic-pp", *flags], world_size=1).replace(model={"vocab_size": 257})
 
 
 def cpu_runtime():
     from megatron_epp.base.dims import ParallelDims
-    from megatron_epp.training.initialize import Runtime
+    from megatron_epp.model.runtime import Runtime
 
     return Runtime(torch.device("cpu"), rank=0, pp_rank=0, tp_rank=0, dp_rank=0, dims=ParallelDims())
 
@@ -48,8 +48,8 @@ def test_bf16_casts_every_parameter_and_the_context_is_found_through_the_wrapper
     from megatron.core.utils import unwrap_model
 
     from megatron_epp.executor.context import ChunkContext
-    from megatron_epp.training.layer_bench import init_single_process
-    from megatron_epp.training.model import build_model
+    from megatron_epp.measure.layer_bench import init_single_process
+    from megatron_epp.model.gpt import build_model
 
     init_single_process()
     context = ChunkContext()
@@ -75,13 +75,13 @@ def test_transformer_engine_is_probed_through_its_pytorch_layers(tmp_path):
     (tmp_path / "transformer_engine" / "pytorch").mkdir(parents=True)
     (tmp_path / "transformer_engine" / "__init__.py").write_text("__version__ = '2.12.0'\n")
     (tmp_path / "transformer_engine" / "pytorch" / "__init__.py").write_text("raise ImportError('transformer_engine_torch: undefined symbol')\n")
-    out = probe_in_subprocess(tmp_path, "import transformer_engine; from megatron_epp.training.extensions import probe_transformer_engine; "
+    out = probe_in_subprocess(tmp_path, "import transformer_engine; from megatron_epp.executor.extensions import probe_transformer_engine; "
                                         "print(probe_transformer_engine())")
     assert out == "transformer_engine.pytorch does not import (ImportError: transformer_engine_torch: undefined symbol)"
 
 
 def test_fused_softmax_only_where_its_kernel_imports(monkeypatch):
-    from megatron_epp.training import model as model_module
+    from megatron_epp.model import gpt as model_module
 
     assert model_module.probe_fused_softmax().startswith("scaled_masked_softmax_cuda does not import")
     cuda = dataclasses.replace(cpu_runtime(), device=torch.device("cuda"))
@@ -97,7 +97,7 @@ def test_fused_softmax_only_where_its_kernel_imports(monkeypatch):
 def test_elastic_mode_builds_on_the_local_spec_and_says_so_when_te_is_present(monkeypatch):
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from megatron_epp.training import model as model_module
+    from megatron_epp.model import gpt as model_module
 
     monkeypatch.setattr(model_module, "transformer_engine_available", lambda: True)
     assert model_module.elastic_base_layer_spec().submodules.self_attention.module is \
@@ -109,7 +109,7 @@ def test_elastic_mode_builds_on_the_local_spec_and_says_so_when_te_is_present(mo
 
 @pytest.mark.parametrize("local_world_size, gpus, ok", [(1, 1, True), (8, 8, True), (2, 1, False), (9, 8, False), (4, 0, True)])
 def test_one_process_per_gpu(local_world_size, gpus, ok):
-    from megatron_epp.training.initialize import gpu_oversubscription
+    from megatron_epp.model.runtime import gpu_oversubscription
 
     why = gpu_oversubscription(local_world_size, gpus)
     assert (why is None) == ok
@@ -123,7 +123,7 @@ def test_more_ranks_than_gpus_stops_before_any_work(monkeypatch, capsys):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setattr(main_module, "gpu_count", lambda: 1)
     monkeypatch.setattr(main_module, "initialize", lambda args: pytest.fail("initialize reached"))
-    from megatron_epp.training.arguments import parse_config
+    from megatron_epp.config.parser import parse_config
 
     assert main_module.main(parse_config([*TINY], world_size=1)) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -215,7 +215,7 @@ def test_blocked_fp32_reference_equals_the_masked_one_and_builds_no_mask_beyond_
 
 
 def test_equivalence_fixture_skips_runs_of_more_processes_than_gpus(monkeypatch, tmp_path):
-    from megatron_epp.training import initialize
+    from megatron_epp.model import runtime as initialize
     from tests.integration import test_elastic_equivalence as equivalence
 
     launched = []

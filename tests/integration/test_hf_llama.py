@@ -1,4 +1,4 @@
-"""Hugging Face LLaMA in and out (``megatron_epp.training.hf_convert``), against ``transformers`` itself.
+"""Hugging Face LLaMA in and out (``megatron_epp.checkpoint.hf_convert``), against ``transformers`` itself.
 
 A tiny random LLaMA (GQA 4:2, untied embeddings, ``rope_theta`` 500000, ``llama3`` RoPE scaling with its own
 low/high frequency factors and an original context of 16, not megatron-core's fixed 1/4/8192) is saved by
@@ -21,8 +21,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from megatron_epp.training.hf_convert import flag_line  # noqa: E402
-from megatron_epp.training.hf_llama import read_spec  # noqa: E402
+from megatron_epp.checkpoint.hf_convert import flag_line  # noqa: E402
+from megatron_epp.checkpoint.hf_llama import read_spec  # noqa: E402
 from megatron_epp.training.metrics import read_metrics  # noqa: E402
 from tests.launch import torchrun  # noqa: E402
 

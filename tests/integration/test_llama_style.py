@@ -14,13 +14,13 @@ import torch.nn.functional as F
 from megatron.core.utils import unwrap_model
 
 from megatron_epp.executor.context import ChunkContext
-from megatron_epp.training.layer_bench import init_single_process
-from megatron_epp.training.arguments import parse_config
+from megatron_epp.measure.layer_bench import init_single_process
+from megatron_epp.config.parser import parse_config
 from megatron_epp.training.planning import online_planner
 from megatron_epp.base.dims import ParallelDims
-from megatron_epp.training.initialize import Runtime
+from megatron_epp.model.runtime import Runtime
 from megatron_epp.training.metrics import read_metrics
-from megatron_epp.training.model import build_model
+from megatron_epp.model.gpt import build_model
 from tests.launch import REPO, free_port, run_env
 
 

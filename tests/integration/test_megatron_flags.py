@@ -19,9 +19,9 @@ from megatron_epp.data.documents import DocumentDataset
 from megatron_epp.data.gpt_samples import MockGPTSamples, sample_dict
 from megatron_epp.data.tokenizers import NullTokenizer, TokenizerError, build_tokenizer
 from megatron_epp.planner.epp import in_units
-from megatron_epp.training.arguments import build_parser, parse_config
-from megatron_epp.training.config import TrainingConfig
-from megatron_epp.training.megatron_flags import ACCEPTED, REFUSED, startup_notes
+from megatron_epp.config.parser import build_parser, parse_config
+from megatron_epp.config.fields import TrainingConfig
+from megatron_epp.config.megatron_flags import ACCEPTED, REFUSED, startup_notes
 from megatron_epp.training.metrics import read_metrics
 from tests.launch import REPO, free_port, run_env
 from tests.unit.test_driver_flags import lrs_after_steps
@@ -199,13 +199,13 @@ def fp16_step(*flags: str):
     gradient buffer after the backward, whether the optimizer applied the update, and the loss scale after it."""
     from megatron.core import tensor_parallel
 
-    from megatron_epp.training.layer_bench import init_single_process
+    from megatron_epp.measure.layer_bench import init_single_process
     from megatron_epp.training.gpt_step import gpt_forward_step, microbatches
     from megatron_epp.base.dims import ParallelDims
-    from megatron_epp.training.initialize import Runtime
+    from megatron_epp.model.runtime import Runtime
     from megatron_epp.training.loop import build_optimizer
     from megatron_epp.training.step import StockTrainStep, build_samples
-    from megatron_epp.training.model import build_model
+    from megatron_epp.model.gpt import build_model
 
     init_single_process()
     args = (parsed("--fp16", "--num-layers", "2", "--hidden-size", "32", "--seq-length", "16",

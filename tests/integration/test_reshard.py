@@ -16,8 +16,9 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from megatron_epp.training.arguments import ArgumentError, parse_config
-from megatron_epp.training.checkpointing import TRACKER, _hashed_by, check_loadable
+from megatron_epp.config.parser import parse_config
+from megatron_epp.config.errors import ArgumentError
+from megatron_epp.checkpoint.checkpointing import TRACKER, _hashed_by, check_loadable
 from megatron_epp.training.metrics import read_metrics
 from tests.integration.test_faults import SHORT
 from tests.launch import torchrun

@@ -10,8 +10,8 @@ import re
 
 import pytest
 
-from megatron_epp.training.arguments import parse_config
-from megatron_epp.training.model import model_shape, padded_vocab_size
+from megatron_epp.config.parser import parse_config
+from megatron_epp.model.gpt import model_shape, padded_vocab_size
 from tests.corpus import write_corpus
 
 BASE = ["--mock-data", "--num-layers", "4"]

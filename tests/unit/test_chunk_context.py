@@ -21,8 +21,8 @@ from megatron_epp.executor.context import ChunkContext
 from megatron_epp.executor.schedule import forward_backward_elastic
 from megatron_epp.executor.spec import elastic_layer_spec, install_chunk_context
 from megatron_epp.plan import Chunk, Pipeline, Plan, Segment
-from megatron_epp.training.layer_bench import init_single_process
-from megatron_epp.training.model import elastic_base_layer_spec
+from megatron_epp.measure.layer_bench import init_single_process
+from megatron_epp.model.gpt import elastic_base_layer_spec
 
 VOCAB = 32
 CHUNKS = [

@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_epp.training.arguments import parse_config
-from megatron_epp.training.layer_bench import init_single_process
+from megatron_epp.config.parser import parse_config
+from megatron_epp.measure.layer_bench import init_single_process
 from megatron_epp.training.corpus_check import check_corpus
 from megatron_epp.training.faults import TrainingFault, check_finite
 from megatron_epp.training import loop
 from megatron_epp.base.dims import ParallelDims
-from megatron_epp.training.initialize import Runtime, process_groups
+from megatron_epp.model.runtime import Runtime, process_groups
 from megatron_epp.training.loop import build_scheduler
 from megatron_epp.training.metrics import read_metrics
 from tests.corpus import write_corpus

@@ -12,10 +12,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from megatron_epp.training import checkpointing
-from megatron_epp.training.arguments import ArgumentError, parse_config
-from megatron_epp.training.hf_convert import main
-from megatron_epp.training.hf_llama import implied_flags, read_spec
+from megatron_epp.checkpoint import checkpointing
+from megatron_epp.config.parser import parse_config
+from megatron_epp.config.errors import ArgumentError
+from megatron_epp.checkpoint.hf_convert import main
+from megatron_epp.checkpoint.hf_llama import implied_flags, read_spec
 
 CONFIG = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 32, "intermediate_size": 64,
           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64, "rms_norm_eps": 1e-6,
@@ -119,9 +120,9 @@ def test_rope_tables_are_transformers(tmp_path, rope):
     from megatron.core.utils import unwrap_model
     from megatron_epp.executor.context import ChunkContext
     from megatron_epp.base.dims import ParallelDims
-    from megatron_epp.training.initialize import Runtime
-    from megatron_epp.training.layer_bench import init_single_process
-    from megatron_epp.training.model import build_model
+    from megatron_epp.model.runtime import Runtime
+    from megatron_epp.measure.layer_bench import init_single_process
+    from megatron_epp.model.gpt import build_model
 
     config = {**CONFIG, "rope_scaling": None, "rope_parameters": {**rope, "rope_theta": 500000.0}, "vocab_size": 128}
     (tmp_path / "config.json").write_text(json.dumps(config))

@@ -31,7 +31,7 @@ from megatron_epp.cost.shape import ModelShape
 from megatron_epp.executor import rotary, spec
 from megatron_epp.executor.context import ChunkContext, ChunkLayout
 from megatron_epp.plan import Chunk, Segment
-from megatron_epp.training.layer_bench import LayerStack, init_single_process
+from megatron_epp.measure.layer_bench import LayerStack, init_single_process
 
 # GPT-style, as the H100 h1024 runs (LayerNorm, GELU, biases), at hidden 32
 SHAPE = ModelShape("gpt-h32", 2, 32, 4, 64, 64, swiglu=False)

@@ -20,7 +20,7 @@ from megatron_epp.planner import layout as layout_module
 from megatron_epp.planner.layout import COMM_OVERLAP, Layout, cluster_for_world, enumerate_layouts, search_layout
 from megatron_epp.data.lengths import select_batch
 from megatron_epp.training import layout_search
-from megatron_epp.training.arguments import EPP_DEFAULTS, parse_config
+from megatron_epp.config.parser import EPP_DEFAULTS, parse_config
 from megatron_epp.training.planning import elastic_documents
 from pretrain_gpt import run as pretrain_gpt
 

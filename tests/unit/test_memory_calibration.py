@@ -20,11 +20,11 @@ from megatron_epp.cost.analytic import analytic_profile
 from megatron_epp.cost.profile_lookup import load_profile
 from megatron_epp.planner.calibration import MemoryCheck, activation_bytes, fit_memory_factor
 from megatron_epp.simulator import simulate
-from megatron_epp.training import memory_budget
-from megatron_epp.training.memory_budget import MemoryReading, read_memory as real_read_memory
+from megatron_epp.config import memory_budget
+from megatron_epp.config.memory_budget import MemoryReading, read_memory as real_read_memory
 from megatron_epp.planner.config import CALIBRATE_FIRST_STEP
-from megatron_epp.training.arguments import parse_config
-from megatron_epp.training.config import TrainingConfig
+from megatron_epp.config.parser import parse_config
+from megatron_epp.config.fields import TrainingConfig
 from megatron_epp.planner.online import OnlinePlanner
 from megatron_epp.training.planning import check_memory_budget, online_planner
 from megatron_epp.data.mock_documents import lognormal_lengths

@@ -89,7 +89,7 @@ def test_throughput_in_the_line_and_scalars():
 
 
 def logger_args(tmp_path, **change):
-    from megatron_epp.training.arguments import parse_config
+    from megatron_epp.config.parser import parse_config
 
     cfg = parse_config(["--mock-data", "--seed", "3"], world_size=1)
     logging = dict(tensorboard_dir=str(tmp_path / "tb"), wandb_project=None, wandb_exp_name=None, wandb_save_dir=None,
@@ -101,7 +101,7 @@ def runtime():
     import torch
 
     from megatron_epp.base.dims import ParallelDims
-    from megatron_epp.training.initialize import Runtime
+    from megatron_epp.model.runtime import Runtime
 
     return Runtime(torch.device("cpu"), rank=0, pp_rank=0, tp_rank=0, dp_rank=0, dims=ParallelDims())
 
@@ -151,7 +151,8 @@ def test_wandb_gets_the_same_scalars(tmp_path, monkeypatch):
 def test_wandb_flags_are_checked_before_work(monkeypatch):
     import sys
 
-    from megatron_epp.training.arguments import ArgumentError, parse_config
+    from megatron_epp.config.parser import parse_config
+    from megatron_epp.config.errors import ArgumentError
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # as here: wandb is not installed
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None if name == "wandb" else object())

@@ -19,9 +19,9 @@ from megatron_epp.executor.schedule import OpFailure, requested_bytes
 from megatron_epp.planner.calibration import activation_bytes
 from megatron_epp.planner.online import OOM_FACTOR_STEP
 from megatron_epp.training import elastic
-from megatron_epp.training.arguments import ArgumentError
+from megatron_epp.config.errors import ArgumentError
 from megatron_epp.training.faults import FAULT_ENV, FaultInjection
-from megatron_epp.training.initialize import ALLOC_CONF, ALLOC_DEFAULT, configure_cuda_allocator
+from megatron_epp.model.runtime import ALLOC_CONF, ALLOC_DEFAULT, configure_cuda_allocator
 from tests.unit.test_planner_calibration import plan_builder
 
 LENGTHS = [700, 300, 120, 90, 64, 40, 33, 17]
@@ -102,8 +102,9 @@ def test_cuda_allocator_gets_expandable_segments_unless_the_user_chose():
 
 def test_main_configures_the_allocator_before_anything_else(monkeypatch):
     """Even a run refused at its first check has set it: main does it first, before any CUDA call could start the allocator."""
-    from megatron_epp.training import initialize, main
-    from megatron_epp.training.arguments import parse_config
+    from megatron_epp.training import main
+    from megatron_epp.model import runtime as initialize
+    from megatron_epp.config.parser import parse_config
     monkeypatch.delenv(ALLOC_CONF, raising=False)
     cfg = parse_config(["--mock-data", "--load", "/nonexistent/ck", "--exit-on-missing-checkpoint"], world_size=1)
     monkeypatch.setattr(initialize.torch.cuda, "is_available", lambda: True)

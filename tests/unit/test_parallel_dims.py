@@ -53,8 +53,8 @@ def test_initialize_refuses_a_launch_of_another_world_size(monkeypatch):
     """A configuration made for 2 ranks (pp 2) started in a world of 4: one line before any group is built."""
     from megatron.core import parallel_state
 
-    from megatron_epp.training import initialize as init_module
-    from megatron_epp.training.arguments import parse_config
+    from megatron_epp.model import runtime as init_module
+    from megatron_epp.config.parser import parse_config
 
     cfg = parse_config(["--mock-data", "--num-layers", "2", "--hidden-size", "16", "--num-attention-heads", "2",
                         "--seq-length", "16", "--max-position-embeddings", "16", "--pipeline-model-parallel-size", "2"],

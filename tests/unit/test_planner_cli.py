@@ -26,9 +26,10 @@ from megatron_epp.base.units import GIB
 from megatron_epp.cost.profile_lookup import load_profile, profile_at_tp
 from megatron_epp.data.mock_documents import lengths_from_file
 from megatron_epp.simulator.step import simulate
-from megatron_epp.training.arguments import ArgumentError, parse_config
+from megatron_epp.config.parser import parse_config
+from megatron_epp.config.errors import ArgumentError
 from megatron_epp.training.planning import online_planner
-from megatron_epp.training.profile_resolution import check_profile, describe, startup_profile
+from megatron_epp.measure.profile_resolution import check_profile, describe, startup_profile
 
 LENGTHS = [3000, 1200, 800, 500, 300, 200, 150, 90, 60, 40, 20, 10] * 2
 
@@ -145,7 +146,7 @@ def test_the_epp_options_are_declared_once_for_both_command_lines(monkeypatch):
     (``PlannerOptions``): the same flags, choices and help, each command line's own default added to the help."""
     from megatron_epp.base.options import flags_of, walk
     from megatron_epp.planner.config import PlannerOptions
-    from megatron_epp.training.arguments import build_parser
+    from megatron_epp.config.parser import build_parser
 
     seen = {}
     monkeypatch.setattr(cli.argparse.ArgumentParser, "parse_args", lambda self, argv=None: seen.setdefault("parser", self))

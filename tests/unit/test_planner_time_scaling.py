@@ -144,7 +144,7 @@ def test_driver_plans_the_main_job_on_the_profile_measured_at_its_shape():
     from megatron_epp.training.planning import online_planner
     import torch
 
-    from megatron_epp.training.profile_resolution import describe, startup_profile
+    from megatron_epp.measure.profile_resolution import describe, startup_profile
     from tests.unit.test_main_job import main_job_flags
 
     args = parsed_config([*main_job_flags(), "--mock-data"])

@@ -1,4 +1,4 @@
-"""The start-up profiler's memory, pinned on CPU (``megatron_epp.training.profiling.measure_profile``).
+"""The start-up profiler's memory, pinned on CPU (``megatron_epp.measure.profiling.measure_profile``).
 
 * The CPU proof that the measurement works: the per-token bytes the profiler measures for a small LLaMA-like layer
   (GQA, SwiGLU, RMSNorm, RoPE, no biases) and a GPT-like one (LayerNorm, GELU, biases), in fp32 and bf16, equal
@@ -25,11 +25,12 @@ from megatron_epp.cost.activation_memory import MEASURED_COEFFS, gpu_activation_
 from megatron_epp.cost.analytic import analytic_profile
 from megatron_epp.cost.profile_lookup import profile_at_tp
 from megatron_epp.cost.shape import ModelShape
-from megatron_epp.training import profile_resolution, profiling
-from megatron_epp.training.layer_bench import init_single_process
-from megatron_epp.training.model import model_shape
-from megatron_epp.training.profile_resolution import Target, describe, resolve_profile
-from megatron_epp.training.profiling import ProfileFailed, ProfileGrid, head_lengths_within, measure_profile
+from megatron_epp.measure import profile_resolution
+from megatron_epp.measure import profiling
+from megatron_epp.measure.layer_bench import init_single_process
+from megatron_epp.model.gpt import model_shape
+from megatron_epp.measure.profile_resolution import Target, describe, resolve_profile
+from megatron_epp.measure.profiling import ProfileFailed, ProfileGrid, head_lengths_within, measure_profile
 from megatron_epp.training.replay import parsed_config
 
 LLAMA = ModelShape("llama-like", 1, 64, 8, 96, 128, num_kv_heads=2, kv_channels=16, normalization="RMSNorm", bias=False)
@@ -271,7 +272,7 @@ def test_the_budget_is_checked_again_on_the_profile_resolved_at_start_up(monkeyp
     """A measured profile's memory may exceed the count the check before start-up used: the elastic step mode checks
     the budget on the resolved profile too, in one line, before any step."""
     from megatron_epp.training import step
-    from megatron_epp.training.arguments import ArgumentError
+    from megatron_epp.config.errors import ArgumentError
 
     cfg = parsed_config([*TINY, "--epp-memory-budget", "0.05"], world_size=1)
     mode = step.ElasticSteps(cfg)  # the CPU profile's count fits

@@ -1,4 +1,4 @@
-"""Which cost profile a run plans on (``--epp-profile``, ``megatron_epp.training.profile_resolution``), pinned on CPU.
+"""Which cost profile a run plans on (``--epp-profile``, ``megatron_epp.measure.profile_resolution``), pinned on CPU.
 
 * ``auto`` on the CPU: the shipped CPU profile nearest the model (as ``cpu``);
 * ``auto`` on CUDA: the cached profile of this GPU, dtype, kernel, torch version, context cap and layer shape (a hit);
@@ -26,11 +26,11 @@ from megatron_epp.cost.analytic import analytic_profile
 from megatron_epp.cost.profile import Profile, TimeCoeffs
 from megatron_epp.cost.profile_lookup import PROFILE_DIR, ProfileKey, find_measured_profile, is_cpu_profile, load_profile
 from megatron_epp.training.replay import parsed_config
-from megatron_epp.training.layer_bench import init_single_process
-from megatron_epp.training.arguments import ArgumentError
-from megatron_epp.training.model import model_shape
+from megatron_epp.measure.layer_bench import init_single_process
+from megatron_epp.config.errors import ArgumentError
+from megatron_epp.model.gpt import model_shape
 from megatron_epp.training.planning import online_planner
-from megatron_epp.training.profile_resolution import Target, describe, planner_profile, resolve_profile, startup_profile
+from megatron_epp.measure.profile_resolution import Target, describe, planner_profile, resolve_profile, startup_profile
 from tests.paths import SHARED
 
 EVIDENCE = SHARED / "gpu-evidence" / "2026-11-25-h100"

@@ -20,7 +20,7 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from megatron_epp.executor import rotary
 from megatron_epp.executor.context import ChunkContext, ChunkLayout
 from megatron_epp.plan import Chunk, Segment
-from megatron_epp.training.layer_bench import init_single_process
+from megatron_epp.measure.layer_bench import init_single_process
 from tests.unit.test_layer_op_count import CountOps
 
 SEQ_LENGTH = 4096
@@ -83,9 +83,9 @@ def test_table_is_built_with_the_model_in_fp32():
     from megatron.core.utils import unwrap_model
 
     from megatron_epp.base.dims import ParallelDims
-    from megatron_epp.training.arguments import parse_config
-    from megatron_epp.training.initialize import Runtime
-    from megatron_epp.training.model import build_model
+    from megatron_epp.config.parser import parse_config
+    from megatron_epp.model.runtime import Runtime
+    from megatron_epp.model.gpt import build_model
 
     init_single_process()
     args = parse_config(["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "96",

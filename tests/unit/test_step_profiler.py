@@ -19,8 +19,9 @@ import torch
 from megatron_epp.executor import schedule
 from megatron_epp.plan.order import stage_ops
 from megatron_epp.base.dims import ParallelDims
-from megatron_epp.training.arguments import ArgumentError, parse_config
-from megatron_epp.training.initialize import Runtime
+from megatron_epp.config.parser import parse_config
+from megatron_epp.config.errors import ArgumentError
+from megatron_epp.model.runtime import Runtime
 from megatron_epp.training.step_profiler import StepProfiler, profiler_schedule, startup_note
 from tests.unit.test_chunk_context import CHUNKS, PLAN, model, step  # noqa: F401  (the model fixture)
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_epp.training.arguments import ArgumentError, parse_config
+from megatron_epp.config.parser import parse_config
+from megatron_epp.config.errors import ArgumentError
 
 BASE = ["--mock-data", "--global-batch-size", "8"]
 

@@ -1,4 +1,4 @@
-"""The typed training configuration (``training/config.py``): each option one field (its flag in the field's metadata,
+"""The typed training configuration (``config/fields.py``): each option one field (its flag in the field's metadata,
 the parser generated from the fields), validation makes a new frozen config, and training reads the sections, never
 the argparse namespace."""
 
@@ -16,17 +16,18 @@ from megatron_epp.base.options import Values, derived, field_paths, flags_of, op
 from megatron_epp.base.units import GIB
 from megatron_epp.base.dims import ParallelDims
 from megatron_epp.planner.config import PlannerOptions
-from megatron_epp.training import config as config_module
-from megatron_epp.training.arguments import build_parser, parse_config, validate
-from megatron_epp.training.config import TrainingConfig
-from megatron_epp.training import memory_budget
-from megatron_epp.training.megatron_flags import ACCEPTED
-from megatron_epp.training.memory_budget import MemoryReading, read_memory as real_read_memory
+from megatron_epp.config import fields as config_module
+from megatron_epp.config.parser import build_parser, parse_config, validate
+from megatron_epp.config.fields import TrainingConfig
+from megatron_epp.config import memory_budget
+from megatron_epp.config.megatron_flags import ACCEPTED
+from megatron_epp.config.memory_budget import MemoryReading, read_memory as real_read_memory
 
-TRAINING = Path(config_module.__file__).parent
-# where the flags are parsed, validated and turned into the config (and the accepted Megatron-LM flags declared)
-FLAG_MODULES = {"arguments.py", "config.py", "megatron_flags.py"}
-# a command line of its own (python -m megatron_epp.training.hf_convert), whose namespace is not pretrain_gpt.py's: it builds
+LIBRARY = Path(config_module.__file__).parent.parent
+# the packages that read the config: config itself parses the flags, validates them and turns them into the config
+# (and declares the accepted Megatron-LM flags)
+READERS = ("training", "model", "measure", "checkpoint")
+# a command line of its own (python -m megatron_epp.checkpoint.hf_convert), whose namespace is not pretrain_gpt.py's: it builds
 # pretrain_gpt.py's config with parse_config
 OTHER_CLIS = {"hf_convert.py"}
 # cfg.flat() and the one-line errors of varied command lines at 8c9e29a, before the options were declared once
@@ -204,9 +205,11 @@ def namespace_reads(path: Path) -> list[str]:
 
 
 def test_training_reads_the_config_not_the_namespace():
-    """The flag modules parse the namespace into the config and validate it; every other training module reads the
-    config's sections only."""
-    reads = [hit for path in sorted(TRAINING.glob("*.py")) if path.name not in FLAG_MODULES | OTHER_CLIS for hit in namespace_reads(path)]
+    """The config package parses the namespace into the config and validates it; every module of the packages above
+    it reads the config's sections only."""
+    modules = [path for package in READERS for path in sorted((LIBRARY / package).glob("*.py")) if path.name not in OTHER_CLIS]
+    assert len(modules) >= 25
+    reads = [hit for path in modules for hit in namespace_reads(path)]
     assert reads == []
 
 

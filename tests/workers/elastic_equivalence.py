@@ -44,11 +44,11 @@ from megatron_epp.executor.schedule import forward_backward_elastic
 from megatron_epp.executor.batches import chunk_batches, elastic_gpt_forward_step
 from megatron_epp.executor.context import ChunkContext, ChunkLayout, KVBuffer, padding_tokens, token_multiple
 from megatron_epp.plan import order as schedule_order
-from megatron_epp.training.arguments import parse_config
+from megatron_epp.config.parser import parse_config
 from megatron_epp.training.gpt_step import gpt_forward_step, reduce_losses
-from megatron_epp.training.initialize import Runtime, initialize, shutdown
+from megatron_epp.model.runtime import Runtime, initialize, shutdown
 from megatron_epp.training.loop import build_optimizer
-from megatron_epp.training.model import build_model
+from megatron_epp.model.gpt import build_model
 from megatron.core.utils import unwrap_model
 from tests.attention_harness import reference_torch_varlen
 from tests.workers.grad_dump import global_name, set_global_weights

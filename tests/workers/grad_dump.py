@@ -14,12 +14,12 @@ import zlib
 
 import torch
 
-from megatron_epp.training.arguments import parse_config
+from megatron_epp.config.parser import parse_config
 from megatron_epp.training.gpt_step import gpt_forward_step, microbatches, reduce_losses
-from megatron_epp.training.initialize import initialize, shutdown
+from megatron_epp.model.runtime import initialize, shutdown
 from megatron_epp.training.loop import build_optimizer
 from megatron_epp.training.step import StockTrainStep, build_samples
-from megatron_epp.training.model import build_model
+from megatron_epp.model.gpt import build_model
 from megatron.core import parallel_state as ps
 from megatron.core.utils import unwrap_model
 from tests.workers.runs import split_runs

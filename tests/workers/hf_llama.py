@@ -28,12 +28,14 @@ from megatron_epp.executor.batches import chunk_batches, per_token_loss
 from megatron_epp.executor.context import ChunkContext
 from megatron_epp.executor.schedule import forward_backward_elastic
 from megatron_epp.plan import Chunk, Pipeline, Plan, Segment, chunk_kind
-from megatron_epp.training import checkpointing, hf_convert, hf_llama
-from megatron_epp.training.arguments import parse_config
+from megatron_epp.checkpoint import checkpointing
+from megatron_epp.checkpoint import hf_convert
+from megatron_epp.checkpoint import hf_llama
+from megatron_epp.config.parser import parse_config
 from megatron_epp.training.gpt_step import reduce_losses
-from megatron_epp.training.initialize import initialize, shutdown
+from megatron_epp.model.runtime import initialize, shutdown
 from megatron_epp.training.loop import build_optimizer
-from megatron_epp.training.model import build_model
+from megatron_epp.model.gpt import build_model
 from tests.workers.runs import split_runs
 
 

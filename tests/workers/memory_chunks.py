@@ -46,10 +46,10 @@ from megatron_epp.executor.batches import chunk_batches, elastic_gpt_forward_ste
 from megatron_epp.executor.context import ChunkContext, token_multiple  # noqa: E402
 from megatron_epp.executor.memory_tracker import ActivationMemoryTracker  # noqa: E402
 from megatron_epp.plan import Chunk, Pipeline, Plan, Segment, chunk_kind  # noqa: E402
-from megatron_epp.training.arguments import parse_config  # noqa: E402
+from megatron_epp.config.parser import parse_config  # noqa: E402
 from megatron_epp.training.planning import online_planner  # noqa: E402
-from megatron_epp.training.initialize import initialize  # noqa: E402
-from megatron_epp.training.model import build_model  # noqa: E402
+from megatron_epp.model.runtime import initialize  # noqa: E402
+from megatron_epp.model.gpt import build_model  # noqa: E402
 from tests.workers.runs import split_runs  # noqa: E402
 
 S = Segment

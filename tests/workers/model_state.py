@@ -17,11 +17,11 @@ import sys
 
 import torch.distributed as dist
 
-from megatron_epp.training.arguments import parse_config
+from megatron_epp.config.parser import parse_config
 from megatron_epp.training.planning import online_planner
-from megatron_epp.training.initialize import initialize, shutdown
+from megatron_epp.model.runtime import initialize, shutdown
 from megatron_epp.training.loop import build_optimizer
-from megatron_epp.training.model import build_model
+from megatron_epp.model.gpt import build_model
 
 
 def nbytes(tensors) -> int:

@@ -17,7 +17,7 @@ from megatron.core import parallel_state as ps
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from megatron_epp.base.dims import ParallelDims
-from megatron_epp.training.config import TrainingConfig
+from megatron_epp.config.fields import TrainingConfig
 
 
 @dataclass(frozen=True)

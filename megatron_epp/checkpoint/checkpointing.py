@@ -46,10 +46,10 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 from torch.distributed.checkpoint import FileSystemReader
 
 from megatron_epp.data.blend import Blend
-from megatron_epp.training.arguments import ArgumentError
-from megatron_epp.training.initialize import Runtime, set_seed
-from megatron_epp.training.config import TrainingConfig
-from megatron_epp.training.model import pad_vocab, padded_vocab_size
+from megatron_epp.config.errors import ArgumentError
+from megatron_epp.model.runtime import Runtime, set_seed
+from megatron_epp.config.fields import TrainingConfig
+from megatron_epp.model.gpt import pad_vocab, padded_vocab_size
 
 TRACKER = "latest_checkpointed_iteration.txt"
 METADATA = "epp_metadata.json"

@@ -1,9 +1,9 @@
 """Hugging Face LLaMA checkpoints in and out of megatron-epp (what Megatron-LM's ``tools/checkpoint/convert.py`` does).
 
-    python -m megatron_epp.training.hf_convert flags --hf-dir HF [--tensor-model-parallel-size T]
-    torchrun --nproc-per-node T*P -m megatron_epp.training.hf_convert import --hf-dir HF --save DIR \\
+    python -m megatron_epp.checkpoint.hf_convert flags --hf-dir HF [--tensor-model-parallel-size T]
+    torchrun --nproc-per-node T*P -m megatron_epp.checkpoint.hf_convert import --hf-dir HF --save DIR \\
         --tensor-model-parallel-size T --pipeline-model-parallel-size P
-    torchrun --nproc-per-node T*P -m megatron_epp.training.hf_convert export --load DIR --hf-dir OUT
+    torchrun --nproc-per-node T*P -m megatron_epp.checkpoint.hf_convert export --load DIR --hf-dir OUT
 
 ``flags`` prints the ``pretrain_gpt.py`` flag line the Hugging Face model implies. ``import`` writes a megatron-epp
 checkpoint (iteration 0, model weights only) at T x P, which ``pretrain_gpt.py <those flags> --load DIR --finetune``
@@ -28,14 +28,15 @@ import torch
 import torch.distributed as dist
 from megatron.core.utils import unwrap_model
 
-from megatron_epp.training import checkpointing
-from megatron_epp.training.arguments import ArgumentError, parse_config, world_size_from_env
-from megatron_epp.training.hf_llama import (
+from megatron_epp.checkpoint import checkpointing
+from megatron_epp.config.parser import parse_config, world_size_from_env
+from megatron_epp.config.errors import ArgumentError
+from megatron_epp.checkpoint.hf_llama import (
     INDEX, HFCheckpointError, LlamaSpec, ShardReader, flags_from_record, gather_order, hf_config, hf_tensors, implied_flags,
     megatron_tensor, read_spec, spec_from_record,
 )
-from megatron_epp.training.initialize import initialize, shutdown
-from megatron_epp.training.model import build_model, padded_vocab_size
+from megatron_epp.model.runtime import initialize, shutdown
+from megatron_epp.model.gpt import build_model, padded_vocab_size
 
 PROG = "hf_convert"
 

@@ -3,7 +3,7 @@
 ``--epp-profile auto`` (the default) on CUDA plans on a profile measured on *this* GPU for this dtype, attention
 kernel, torch version, context cap and layer shape (:class:`~megatron_epp.cost.profile_lookup.ProfileKey`): the one in
 the cache (``--epp-profile-cache``), else a shipped one, else one measured at start-up by the first rank (one layer of
-the run's shape, a small grid, time-boxed to :data:`STARTUP_BUDGET_S`: :func:`~megatron_epp.training.profiling.measure_profile`),
+the run's shape, a small grid, time-boxed to :data:`STARTUP_BUDGET_S`: :func:`~megatron_epp.measure.profiling.measure_profile`),
 written to the cache atomically and sent to every rank. On the CPU ``auto`` is ``cpu`` (the shipped CPU profile nearest
 the model). A CPU-measured profile on CUDA is refused (:func:`~megatron_epp.cost.profile_lookup.check_profile_device`).
 Where no profile can be measured (a tensor-parallel run without a cached one; a grid left with too few points by
@@ -29,10 +29,10 @@ from megatron_epp.cost.profile_lookup import (
 )
 from megatron_epp.cost.shape import MODEL_PRESETS, TEST_MODEL, ModelShape
 from megatron_epp.executor import kernels
-from megatron_epp.training.arguments import ArgumentError
-from megatron_epp.training.model import model_shape, params_dtype
-from megatron_epp.training.config import TrainingConfig
-from megatron_epp.training.profiling import ProfileFailed, measure_profile, report_errors, report_memory, startup_grid
+from megatron_epp.config.errors import ArgumentError
+from megatron_epp.model.gpt import model_shape, params_dtype
+from megatron_epp.config.fields import TrainingConfig
+from megatron_epp.measure.profiling import ProfileFailed, measure_profile, report_errors, report_memory, startup_grid
 
 STARTUP_BUDGET_S = 60.0  # the start-up measurement's time box (optional grid points are dropped past it)
 

@@ -23,8 +23,8 @@ from megatron_epp.data.data_path import Blend
 from megatron_epp.data.tokenizers import TokenizerOptions
 from megatron_epp.base.dims import ParallelDims
 from megatron_epp.planner.config import CALIBRATE_FIRST_STEP, PlannerConfig, PlannerOptions
-from megatron_epp.training.megatron_flags import ACCEPTED
-from megatron_epp.training.memory_budget import DefaultBudget
+from megatron_epp.config.megatron_flags import ACCEPTED
+from megatron_epp.config.memory_budget import DefaultBudget
 
 ROTARY_BASE = 10000  # Megatron-LM's default RoPE base
 ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")  # Megatron-LM's --attention-backend

@@ -11,6 +11,7 @@ from dataclasses import fields
 from typing import Sequence
 
 from megatron_epp.base.dims import ParallelDims
+from megatron_epp.config.errors import ArgumentError
 from megatron_epp.cost.clusters import get_cluster
 from megatron_epp.base.units import GIB
 from megatron_epp.data.data_path import Blend, BlendError
@@ -18,19 +19,12 @@ from megatron_epp.data.tokenizers import TokenizerError, resolve_tokenizer_args,
 from megatron_epp.executor.kernels import load_flash_kernel
 from megatron_epp.base.options import Values, add_fields_to_parser, key_of
 from megatron_epp.planner.config import DEFAULT_CLUSTER, PlannerConfig, PlannerOptions
-from megatron_epp.training.config import CALIBRATE_INTERVAL, PROFILE_STEPS, ROTARY_BASE, TrainingConfig
-from megatron_epp.training.extensions import probe_transformer_engine
-from megatron_epp.training.megatron_flags import add_megatron_flags
-from megatron_epp.training import memory_budget
-from megatron_epp.training.memory_budget import CPU_FRACTION, CUDA_FRAGMENTATION_SHARE, CUDA_LIBRARY_MARGIN, MemoryReading, default_memory_budget
+from megatron_epp.config.fields import CALIBRATE_INTERVAL, PROFILE_STEPS, ROTARY_BASE, TrainingConfig
+from megatron_epp.executor.extensions import probe_transformer_engine
+from megatron_epp.config.megatron_flags import add_megatron_flags
+from megatron_epp.config import memory_budget
+from megatron_epp.config.memory_budget import CPU_FRACTION, CUDA_FRAGMENTATION_SHARE, CUDA_LIBRARY_MARGIN, MemoryReading, default_memory_budget
 import torch
-
-
-class ArgumentError(ValueError):
-    """A bad flag or flag combination; ``main`` prints it as one line and exits with status 2."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(f"pretrain_gpt.py: error: {message}")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -1,6 +1,6 @@
 """Measuring a cost profile on the device: one layer of the run's shape and its output head, timed and their memory
 measured over a small grid (:func:`measure_profile`), shared by the start-up profiler
-(:mod:`megatron_epp.training.profile_resolution`) and ``scripts/profile_gpu.py``: the time of each grid point and
+(:mod:`megatron_epp.measure.profile_resolution`) and ``scripts/profile_gpu.py``: the time of each grid point and
 the memory its layer and output head keep (a GPU's caching allocator; on the CPU what autograd saves); the fits are
 :mod:`megatron_epp.cost.profile_fit`'s (numpy).
 """
@@ -32,8 +32,8 @@ from megatron_epp.executor.memory_tracker import ActivationMemoryTracker
 from megatron_epp.executor.rotary import ChunkRotaryEmbedding
 from megatron_epp.executor.spec import elastic_layer_spec
 from megatron_epp.plan import Chunk, Segment
-from megatron_epp.training.arguments import ROTARY_BASE
-from megatron_epp.training.model import TorchNorm, architecture_config, elastic_base_layer_spec
+from megatron_epp.config.fields import ROTARY_BASE
+from megatron_epp.model.gpt import TorchNorm, architecture_config, elastic_base_layer_spec
 
 # the most of the device's free memory the output head's largest profile point may take (its logits and their
 # gradient, :func:`head_bytes_per_token`): a 128K vocabulary at 64K tokens would need 32 GiB of fp32 logits alone
@@ -52,7 +52,7 @@ class LayerStack(torch.nn.Module):
     column-parallel output layer and megatron-core's cross entropy, times a loss mask. RoPE's table holds ``max_positions``
     positions: a chunk past them is refused. Needs megatron-core's
     model-parallel state with one tensor-parallel rank (a training process at TP = 1, or
-    ``megatron_epp.training.layer_bench.init_single_process``).
+    ``megatron_epp.measure.layer_bench.init_single_process``).
 
     :meth:`set_segments` makes a chunk current in the stack's own context until the next call, so a
     forward and its backward (recompute included) run on that chunk.

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the config reads ACCEPTED: the type only, no import cycle
-    from megatron_epp.training.config import TrainingConfig
+    from megatron_epp.config.fields import TrainingConfig
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 Used by ``scripts/profile_layer.py`` (fits a profile) and ``scripts/cost_model_accuracy.py``
 (checks it on real chunks).
 
-The layer stack is the library's (:class:`megatron_epp.training.profiling.LayerStack`, which the GPU
+The layer stack is the library's (:class:`megatron_epp.measure.profiling.LayerStack`, which the GPU
 profilers time), here in a one-process group with one thread (:func:`init_single_process`).
 """
 
@@ -18,7 +18,7 @@ from megatron.core import parallel_state
 import patches
 from megatron_epp.executor.context import ChunkContext
 from megatron_epp.executor.memory_tracker import ActivationMemoryTracker
-from megatron_epp.training import profiling
+from megatron_epp.measure import profiling
 
 
 _initialized = False
@@ -41,7 +41,7 @@ def init_single_process() -> None:
 
 
 class LayerStack(profiling.LayerStack):
-    """:class:`megatron_epp.training.profiling.LayerStack` in this one process (:func:`init_single_process` first)."""
+    """:class:`megatron_epp.measure.profiling.LayerStack` in this one process (:func:`init_single_process` first)."""
 
     def __init__(self, *args, **kwargs) -> None:
         init_single_process()

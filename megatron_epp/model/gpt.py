@@ -20,9 +20,9 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron_epp.cost.shape import ModelShape
 from megatron_epp.executor.context import ChunkContext
 from megatron_epp.executor.spec import elastic_layer_spec, install_chunk_context
-from megatron_epp.training.extensions import probe_fused_softmax, probe_transformer_engine
-from megatron_epp.training.initialize import Runtime
-from megatron_epp.training.config import TrainingConfig
+from megatron_epp.executor.extensions import probe_fused_softmax, probe_transformer_engine
+from megatron_epp.model.runtime import Runtime
+from megatron_epp.config.fields import TrainingConfig
 
 
 def transformer_engine_unavailable() -> str | None:
