@@ -5,7 +5,7 @@ biases, the padded vocabulary, bf16 with ``--bf16``, as the driver builds it), t
 the train split's documents (``--data-path``, or the mock documents), one longer than ``--seq-length`` an error
 unless ``--epp-truncate-documents`` (as in ``--elastic-pp`` training), the cluster the ``--epp-cluster`` preset
 resized to the world size, the planner's settings the ``--epp-*`` flags given, else the driver's defaults (the
-budget: ``--epp-memory-budget``, else the preset's GPU memory; :func:`~megatron_epp.config.parser.validate_search_args`).
+budget: ``--epp-memory-budget``, else the preset's GPU memory; :func:`~megatron_epp.config.validation.validate_search_args`).
 The layouts are TP x CP x PP x DP (context parallelism, Ulysses all-to-all, with ``--elastic-pp``), as
 ``epp-plan --epp-search-layout``'s.
 """
