@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One command for a GPU machine (one GPU is enough): install what can be installed offline, then
 # check and measure the CUDA path, each step time-boxed, going on after a failed step, with a
-# summary at the end and, last, one JSON line of every figure measured (scripts/gpu_check_report.py).
+# summary at the end and, last, one JSON line of every figure measured (python -m benchmarks.gpu_check_report).
 #
 #   bash scripts/gpu_check.sh --quick [--out DIR] [--wheels DIR]    # one command of at most 8 minutes (480 s of limits)
 #   bash scripts/gpu_check.sh [--out DIR] [--wheels DIR] [--build-timeout S] [--steps LIST] [--dry-run]   # the full check
@@ -19,17 +19,17 @@
 #   facts        GPU, driver, torch, what imports
 #   install      scripts/setup_gpu.sh --find-links WHEELS (offline; optional kernels from wheels only
 #                unless --build-timeout S > 0; skipped without --wheels when megatron-core imports)
-#   attention    scripts/check_cuda_attention.py: torch's varlen_attn, sdpa-causal (and flash-attn varlen
+#   attention    python -m benchmarks.check_cuda_attention: torch's varlen_attn, sdpa-causal (and flash-attn varlen
 #                where it imports) in bf16 against an fp32 reference (query blocks: one block's scores in
 #                memory), on batched, split and hybrid chunks, timed within 45 s; the bytes torch-varlen saves
 #                per layer with GQA and whether the K/V heads were expanded (the summary shows the line)
 #   equivalence  tests/integration/test_elastic_equivalence.py, its one-process cases (-k pp1): elastic vs stock
 #                Megatron-Core in fp32 (SDPA, < 1e-5) and bf16 elastic vs fp32 (every attention backend
 #                that runs; < 16 u); runs of more processes than GPUs are skipped, with the reason
-#   profile      scripts/profile_gpu.py: the layer's cost profile on this GPU (bf16, CUDA events)
+#   profile      python -m megatron_epp.measure.profile_gpu: the layer's cost profile on this GPU (bf16, CUDA events)
 #   train        pretrain_gpt.py --elastic-pp --bf16 at pp=1 under a tight --epp-memory-budget (split
 #                and hybrid chunks, recompute), on the profile just measured (else the analytic llama-7b)
-#   bench        scripts/bench_gpu.py: Megatron packing, Seq1F1B, EPP and EPP without memory limit on a
+#   bench        python -m benchmarks.bench_gpu: Megatron packing, Seq1F1B, EPP and EPP without memory limit on a
 #                LLaMA-like 8-layer model under a binding budget (~7.5 min); its JSON line in the summary
 #
 # --out DIR           everything goes there: <step>.log, install/, profile.json, metrics.jsonl, summary.txt
@@ -84,7 +84,7 @@ TRAIN_FLAGS=(--elastic-pp --pipeline-model-parallel-size 1 --bf16 --mock-data --
 # The train check is of the executor on CUDA (split slices over prefix K/V, hybrid tails, flash-varlen):
 # Seq1F1B's fixed k = 4 slices every long document whatever the profile says, where the elastic builder
 # may rightly prefer packing (and then exercise neither).
-# The profile: the training check's shape, the default grid of scripts/profile_gpu.py.
+# The profile: the training check's shape, the default grid of megatron_epp.measure.profile_gpu.
 PROFILE_FLAGS=(--hidden-size 1024 --num-attention-heads 16 --num-layers 8 --seq-length 16384)  # the train check's cap: its key
 ATTENTION_FLAGS=()
 # the equivalence tests of one process (pp=1), the ones a single GPU runs
@@ -128,15 +128,15 @@ command_of() {
   case "$1" in
     facts) echo "nvidia-smi; $PYTHON - (versions; which optional packages import)" ;;
     install) echo "bash scripts/setup_gpu.sh --find-links ${WHEELS:-<none>} --build-timeout $BUILD_TIMEOUT${QUICK_SETUP:+ $QUICK_SETUP} --log-dir $OUT_DIR/install" ;;
-    attention) echo "$PYTHON scripts/check_cuda_attention.py ${ATTENTION_FLAGS[*]}" ;;
+    attention) echo "$PYTHON -m benchmarks.check_cuda_attention ${ATTENTION_FLAGS[*]}" ;;
     equivalence) echo "$PYTHON -m pytest -q -p no:cacheprovider -rs tests/integration/test_elastic_equivalence.py ${EQUIVALENCE_SELECTION[*]}" ;;
-    profile) echo "$PYTHON scripts/profile_gpu.py ${PROFILE_FLAGS[*]} --out $OUT_DIR/profile.json" ;;
+    profile) echo "$PYTHON -m megatron_epp.measure.profile_gpu ${PROFILE_FLAGS[*]} --out $OUT_DIR/profile.json" ;;
     train) if [ "$QUICK" = 1 ]; then
              echo "$PYTHON -m torch.distributed.run --nproc-per-node 1 pretrain_gpt.py ${TRAIN_FLAGS[*]} --epp-metrics $OUT_DIR/metrics.jsonl (no --epp-profile: the start-up profile; no --epp-memory-budget: the default budget)"
            else
              echo "$PYTHON -m torch.distributed.run --nproc-per-node 1 pretrain_gpt.py ${TRAIN_FLAGS[*]} --epp-profile <profile.json, else llama-7b> --epp-metrics $OUT_DIR/metrics.jsonl"
            fi ;;
-    bench) echo "$PYTHON scripts/bench_gpu.py ${BENCH_FLAGS[*]}" ;;
+    bench) echo "$PYTHON -m benchmarks.bench_gpu ${BENCH_FLAGS[*]}" ;;
   esac
 }
 
@@ -230,21 +230,21 @@ train() {
   rm -f "$OUT_DIR/metrics.jsonl"
   "$PYTHON" -m torch.distributed.run --nproc-per-node 1 --master-addr 127.0.0.1 --master-port 29517 pretrain_gpt.py \
     "${TRAIN_FLAGS[@]}" "${profile[@]}" --epp-metrics "$OUT_DIR/metrics.jsonl" || return $?
-  "$PYTHON" scripts/gpu_check_report.py --train "$OUT_DIR/metrics.jsonl" $([ "$QUICK" = 1 ] && echo --default-path)
+  "$PYTHON" -m benchmarks.gpu_check_report --train "$OUT_DIR/metrics.jsonl" $([ "$QUICK" = 1 ] && echo --default-path)
 }
 
 echo "gpu_check.sh: steps $STEPS; output in $OUT_DIR"
 wanted facts && run_step facts facts
 wanted install && run_step install install
-wanted attention && run_step attention "$PYTHON" scripts/check_cuda_attention.py "${ATTENTION_FLAGS[@]}"
+wanted attention && run_step attention "$PYTHON" -m benchmarks.check_cuda_attention "${ATTENTION_FLAGS[@]}"
 wanted equivalence && run_step equivalence "$PYTHON" -m pytest -q -p no:cacheprovider -rs tests/integration/test_elastic_equivalence.py "${EQUIVALENCE_SELECTION[@]}"
-wanted profile && run_step profile "$PYTHON" scripts/profile_gpu.py "${PROFILE_FLAGS[@]}" --out "$OUT_DIR/profile.json"
+wanted profile && run_step profile "$PYTHON" -m megatron_epp.measure.profile_gpu "${PROFILE_FLAGS[@]}" --out "$OUT_DIR/profile.json"
 wanted train && run_step train train
-wanted bench && run_step bench "$PYTHON" scripts/bench_gpu.py "${BENCH_FLAGS[@]}"
+wanted bench && run_step bench "$PYTHON" -m benchmarks.bench_gpu "${BENCH_FLAGS[@]}"
 
 {
   echo "gpu_check.sh summary ($(date -u +%FT%TZ)), output in $OUT_DIR"
   for line in "${RESULTS[@]}"; do echo "  $line"; done
 } | tee "$OUT_DIR/summary.txt"
-"$PYTHON" scripts/gpu_check_report.py "$OUT_DIR" | tee "$OUT_DIR/report.json" | tail -n 1
+"$PYTHON" -m benchmarks.gpu_check_report "$OUT_DIR" | tee "$OUT_DIR/report.json" | tail -n 1
 exit $FAILED

@@ -6,6 +6,7 @@ Sections nest: a field whose default is a dataclass (``field(default_factory=Sec
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any, Iterator, Mapping
@@ -93,7 +94,7 @@ def add_fields_to_parser(parser: Any, cls: type, groups: Mapping[str, Any] | Non
 
 def add_field_to_parser(parser: Any, f: dataclasses.Field, defaults_shown: Mapping[str, Any] | None = None) -> None:
     """The argparse action(s) of one option field ``f`` on ``parser`` (a parser or group): what a script that takes
-    one of the training options adds (the same flag, help and default: ``scripts/profile_gpu.py``'s ``--epp-profile-cache``)."""
+    one of the training options adds (the same flag, help and default: ``python -m megatron_epp.measure.profile_gpu``'s ``--epp-profile-cache``)."""
     shown = defaults_shown or {}
     for flag in flags_of(f):
         kwargs = dict(flag.kwargs)
@@ -149,3 +150,15 @@ def replace_keys(config: Any, paths: Mapping[str, tuple[str, ...]], changes: Map
         section = getattr(config, head)
         direct[head] = replace_keys(section, {k: tuple(k.split(".")) for k in inner}, inner)
     return dataclasses.replace(config, **direct)
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    """An argparse ``type``: comma-separated non-negative integers, each in tokens or with a ``K`` suffix (``48K``:
+    49152); a bad one is argparse's one-line error (``argument --caps: ...``), not a traceback."""
+    try:
+        values = tuple(int(v[:-1]) * 1024 if v[-1:] in "kK" else int(v) for v in (v.strip() for v in text.split(",")) if v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers (48K: 49152)") from None
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected non-negative integers")
+    return values

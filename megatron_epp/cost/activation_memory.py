@@ -202,7 +202,7 @@ NORM_SAVED = {
 
 
 _DERIVATIONS = {"saved-tensors": saved_tensor_memory, "megatron-gpu": gpu_activation_memory}
-# ``MemoryCoeffs.derive`` of a memory block the start-up profiler measured (``training.profiling.measure_profile``), and
+# ``MemoryCoeffs.derive`` of a memory block the start-up profiler measured (``measure.profiling.measure_profile``), and
 # the per-token coefficients it measures (``bwd_workspace``, a ratio, is measured on a GPU's allocator too)
 MEASURED_MEMORY = "measured"
 MEASURED_COEFFS = ("act_token", "ckpt_token", "logits_token")

@@ -100,7 +100,7 @@ def shape_time(profile: Profile) -> Profile:
 
     First-principles FLOP scaling: a device's efficiency depends on the size of the GEMMs (small
     ones run further from peak), so a shape far from ``time_model`` is better profiled afresh
-    (``scripts/profile_layer.py --hidden ...``). An analytic profile's ``a2`` is split as
+    (``python -m benchmarks.profile_layer --hidden ...``). An analytic profile's ``a2`` is split as
     :func:`analytic_profile` builds it (GEMMs, backward twice the forward, at the head's ms per FLOP;
     the rest is tensor-parallel communication, scaled with ``h``): the result equals a fresh
     analytic profile of the new shape.

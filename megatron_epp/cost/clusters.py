@@ -133,7 +133,7 @@ def get_cluster(name: str) -> Cluster:
 
 
 def measured_profile_path(shape: ModelShape, cluster: Cluster, tp: int) -> Path:
-    """Where a measured GPU profile of this shape, device and TP size would be (``scripts/profile_gpu.py --out``)."""
+    """Where a measured GPU profile of this shape, device and TP size would be (``python -m megatron_epp.measure.profile_gpu --out``)."""
     device = cluster.accelerator.name.split()[0].lower()
     return PROFILE_DIR / f"{shape.name}_{device}_tp{tp}.json"
 

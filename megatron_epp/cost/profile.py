@@ -130,7 +130,7 @@ class StageOverhead:
     ``fwd_ms`` / ``bwd_ms``: added to each chunk's forward / backward on every stage (megatron-core's
     ``forward_step`` / ``backward_step``, the chunk's layout and masks, the point-to-point calls and
     their synchronisation, the embedding on the first stage, autograd hooks). Fitted on real
-    executor steps by ``scripts/calibrate_step.py`` (0 for analytic profiles); ``fit`` holds its
+    executor steps by ``benchmarks/calibrate_step.py`` (0 for analytic profiles); ``fit`` holds its
     provenance (machine, load, runs, errors before/after). The training driver refits it on its own
     steps, with the machine's speed factor (:mod:`megatron_epp.planner.calibration`).
     """

@@ -1,5 +1,5 @@
 """Fitting a measured profile's time coefficients to timings (numpy; the timings come from
-``megatron_epp.measure.profiling`` on a GPU, or ``scripts/profile_layer.py`` on the CPU).
+``megatron_epp.measure.profiling`` on a GPU, or ``benchmarks/profile_layer.py`` on the CPU).
 
 Every fit is non-negative least squares of the *relative* error (:func:`fit`), and reports its error
 (:func:`rel_errors`: rms and max relative error over its points), which the profile stores in
@@ -104,7 +104,7 @@ def head_fit(lengths: Sequence[int], fwd_ms: Sequence[float], bwd_ms: Sequence[f
 def measured_profile(shape: ModelShape, device: str, layer: dict, head: dict, memory: MemoryCoeffs, fit_info: dict,
                      overhead: StageOverhead | None = None) -> Profile:
     """The profile from fitted ``layer``/``head`` terms (``{name: (TimeCoeffs, errors)}``), shared by the CPU
-    profiler (``scripts/profile_layer.py``) and the GPU one (:mod:`megatron_epp.measure.profiling`)."""
+    profiler (``benchmarks/profile_layer.py``) and the GPU one (:mod:`megatron_epp.measure.profiling`)."""
     return Profile(
         model=shape, device=device, source="measured", tp=1,
         fwd=layer["fwd"][0], bwd=layer["bwd"][0], recompute=layer["recompute"][0],

@@ -20,7 +20,7 @@ from megatron_epp.cost.shape import MODEL_PRESETS, TEST_MODEL, ModelShape
 PROFILE_DIR = Path(__file__).parent / "profiles"
 
 # ``--epp-profile cpu``: the shipped CPU profiles (``PROFILE_DIR/*_cpu.json``, each measured by
-# ``scripts/profile_layer.py`` and calibrated by ``scripts/calibrate_step.py`` on this project's 2-core machines),
+# ``benchmarks/profile_layer.py`` and calibrated by ``benchmarks/calibrate_step.py`` on this project's 2-core machines),
 # the one measured nearest the model that runs (:func:`nearest_cpu_profile`)
 CPU_PROFILES = "cpu"
 # ``--epp-profile auto`` (the default): on CUDA a profile measured on this GPU for this dtype, attention kernel and
@@ -35,7 +35,7 @@ DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "bfloat
 
 
 def is_cpu_profile(profile: Profile) -> bool:
-    """Measured on a CPU (``scripts/profile_layer.py``, or ``scripts/profile_gpu.py --device cpu``): its
+    """Measured on a CPU (``benchmarks/profile_layer.py``, or ``python -m megatron_epp.measure.profile_gpu --device cpu``): its
     device names the CPU. Such a profile predicts a GPU's step hundreds of times too slow."""
     return profile.source == "measured" and profile.device.startswith("CPU ")
 
@@ -69,7 +69,7 @@ class ProfileKey:
     @classmethod
     def from_profile(cls, profile: Profile) -> "ProfileKey | None":
         """The key of a measured GPU profile, read off its ``device`` (``"GPU name (dtype, kernel)"``, as
-        ``scripts/profile_gpu.py`` and the start-up profiler write it), its ``fit``'s torch version and context cap,
+        ``python -m megatron_epp.measure.profile_gpu`` and the start-up profiler write it), its ``fit``'s torch version and context cap,
         and the shape its times were measured at; None for a CPU or an analytic profile, or one of the older key
         format (:func:`is_older_key_format`)."""
         match = re.fullmatch(r"(.+) \(([^,()]+), ([^,()]+)\)", profile.device)
@@ -104,7 +104,7 @@ def default_profile_cache() -> Path:
 def find_measured_profile(key: ProfileKey, cache_dir: str | Path | None,
                           older: list[Path] | None = None) -> tuple[Path, Profile] | None:
     """The measured GPU profile of ``key``: the cache's own file for it, any other profile in the cache with
-    that key (``scripts/profile_gpu.py --out`` placed there), else a shipped one (``PROFILE_DIR``); None if none.
+    that key (``python -m megatron_epp.measure.profile_gpu --out`` placed there), else a shipped one (``PROFILE_DIR``); None if none.
     Profiles of the older key format (:func:`is_older_key_format`) are no match; their paths go to ``older``."""
     cache = Path(cache_dir) if cache_dir is not None else None
     candidates = [cache / key.file_name()] if cache is not None else []
@@ -130,7 +130,7 @@ def check_profile_device(profile: Profile, spec: str, device: str) -> None:
     if device == "cuda" and is_cpu_profile(profile):
         raise ValueError(f"--epp-profile {spec}: measured on {profile.device}, this run is on CUDA; use --epp-profile "
                          f"{AUTO_PROFILE} (a profile measured on this GPU), {ANALYTIC_PROFILE}, or a GPU profile "
-                         "(scripts/profile_gpu.py --out FILE)")
+                         "(python -m megatron_epp.measure.profile_gpu --out FILE)")
 
 
 def shape_distance(a: ModelShape, b: ModelShape) -> tuple[int, float]:

@@ -103,7 +103,7 @@ class DocumentDataset(IndexedDocuments):
         if not IndexedDataset.exists(prefix):
             raise FileNotFoundError(
                 f"indexed dataset not found: {prefix}.bin/.idx "
-                "(build it with scripts/prepare_data.py)"
+                "(build it with python -m megatron_epp.data.prepare)"
             )
         check_indexed_dataset(prefix)
         self.prefix = prefix

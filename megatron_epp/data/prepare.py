@@ -2,29 +2,48 @@
 
 One input document becomes one dataset entry (a single sequence) with the end-of-document token
 appended. Documents that are empty or whitespace-only are skipped and counted.
+
+Command line (``python -m megatron_epp.data.prepare``, or ``epp-prepare-data`` once installed)::
+
+    python -m megatron_epp.data.prepare --input corpus/ --pattern '*.md' --output-prefix data/corpus \
+        --tokenizer-type ByteTokenizer
+    python -m megatron_epp.data.prepare --input train.jsonl --json-keys text \
+        --tokenizer-type HuggingFaceTokenizer --tokenizer-model tokenizer.json --output-prefix data/train --workers 2
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import multiprocessing
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
 import numpy as np
-from megatron.core.datasets.indexed_dataset import (
-    DType,
-    IndexedDatasetBuilder,
-    get_bin_path,
-    get_idx_path,
-)
+
+with warnings.catch_warnings():  # megatron-core's import warns about optional CUDA extensions, irrelevant here
+    warnings.filterwarnings("ignore", message="(Transformer Engine and )?Apex (is|are) not installed")
+    from megatron.core.datasets.indexed_dataset import (
+        DType,
+        IndexedDatasetBuilder,
+        get_bin_path,
+        get_idx_path,
+    )
 
 from megatron_epp.data.length_stats import LengthStats
-from megatron_epp.data.tokenizers import Tokenizer
+from megatron_epp.data.tokenizers import (
+    Tokenizer,
+    TokenizerError,
+    add_tokenizer_arguments,
+    resolve_tokenizer_args,
+    tokenizer_from_args,
+)
 
+PROG = "epp-prepare-data"  # its errors' name, however it is run (as epp-plan's)
 JSONL_SUFFIXES = (".jsonl", ".json")
 
 
@@ -183,3 +202,57 @@ def prepare_dataset(
     seconds = time.perf_counter() - bar.start
     bar.update(len(lengths), total_tokens, force=True)
     return PrepareResult(prefix, np.asarray(lengths, dtype=np.int64), num_empty, seconds)
+
+
+# --------------------------------------------------------------------------------------------- command line
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument(
+        "--input",
+        nargs="+",
+        required=True,
+        help="text files, directories (recursive) or .jsonl/.json files",
+    )
+    p.add_argument("--output-prefix", required=True, help="writes PREFIX.bin and PREFIX.idx")
+    p.add_argument(
+        "--json-keys",
+        nargs="+",
+        default=["text"],
+        help="JSONL keys whose values (newline-joined) form a document",
+    )
+    p.add_argument("--pattern", default="*.txt", help="file glob for directory inputs")
+    add_tokenizer_arguments(p)
+    p.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer: ids 0..N-1, end of document N (as Megatron-LM)")
+    p.add_argument("--append-eod", action="store_true",
+                   help="accepted for Megatron-LM's preprocess_data.py: every document here ends with the "
+                   "tokenizer's end-of-document id, with or without this flag (the elastic planner trains whole documents)")
+    p.add_argument("--workers", type=int, default=1, help="tokenizer processes")
+    p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The command line (``python -m megatron_epp.data.prepare``, ``epp-prepare-data``): 0, or 1 with one line on a bad
+    input."""
+    args = parse_args(argv)
+    try:
+        vars(args).update(resolve_tokenizer_args(args, PROG))
+        tokenizer = tokenizer_from_args(args)
+        result = prepare_dataset(
+            args.input,
+            args.output_prefix,
+            tokenizer,
+            json_keys=args.json_keys,
+            pattern=args.pattern,
+            workers=args.workers,
+            progress=not args.no_progress,
+        )
+    except (DataError, TokenizerError) as exc:
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 1
+    print(result.summary())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,5 +1,5 @@
 """Tokenizers in Megatron-LM's spelling (``--tokenizer-type``), shared by ``pretrain_gpt.py`` and
-``scripts/prepare_data.py``:
+``python -m megatron_epp.data.prepare``:
 
 * ``ByteTokenizer``: UTF-8 bytes as ids 0..255 and an end-of-document id 256; needs no files.
 * ``HuggingFaceTokenizer --tokenizer-model PATH``: a Hugging Face ``tokenizer.json`` (the file, or a

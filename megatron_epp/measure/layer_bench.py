@@ -1,6 +1,6 @@
 """Timing and memory measurement of the transformer layer that trains, on this machine.
 
-Used by ``scripts/profile_layer.py`` (fits a profile) and ``scripts/cost_model_accuracy.py``
+Used by ``benchmarks/profile_layer.py`` (fits a profile) and ``benchmarks/cost_model_accuracy.py``
 (checks it on real chunks).
 
 The layer stack is the library's (:class:`megatron_epp.measure.profiling.LayerStack`, which the GPU

@@ -104,7 +104,7 @@ def _measured_on_gpu(cfg: TrainingConfig, target: Target, cache_dir: Path, log: 
     ignored = f" ({len(older)} of an older key format ignored: {', '.join(p.name for p in older)})" if older else ""
     if cfg.parallel.dims.tp != 1:
         why = (f"no measured profile of this key in {cache_dir}{ignored}, and the start-up profiler measures a whole layer on one "
-               f"GPU, not a TP {cfg.parallel.dims.tp} shard: the analytic profile of the model instead (scripts/profile_gpu.py "
+               f"GPU, not a TP {cfg.parallel.dims.tp} shard: the analytic profile of the model instead (python -m megatron_epp.measure.profile_gpu "
                f"with this model's flags and --epp-profile-cache {cache_dir} measures one ahead)")
         return Resolved(analytic_profile(shape, cfg.parallel.dims.tp), why, key.describe())
     try:

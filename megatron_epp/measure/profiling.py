@@ -1,6 +1,6 @@
 """Measuring a cost profile on the device: one layer of the run's shape and its output head, timed and their memory
 measured over a small grid (:func:`measure_profile`), shared by the start-up profiler
-(:mod:`megatron_epp.measure.profile_resolution`) and ``scripts/profile_gpu.py``: the time of each grid point and
+(:mod:`megatron_epp.measure.profile_resolution`) and ``python -m megatron_epp.measure.profile_gpu``: the time of each grid point and
 the memory its layer and output head keep (a GPU's caching allocator; on the CPU what autograd saves); the fits are
 :mod:`megatron_epp.cost.profile_fit`'s (numpy).
 """

@@ -194,7 +194,7 @@ def architecture_config(*, swiglu: bool, normalization: str, num_query_groups: i
                         bias: bool) -> dict:
     """``TransformerConfig``'s fields for a GPT- or LLaMA-style layer: SwiGLU (gated SiLU) or GELU MLP,
     LayerNorm or RMSNorm, K/V heads (None: one per query head), head dimension (None: hidden / heads),
-    biases of the linear layers. Shared by the training model and ``training.layer_bench``."""
+    biases of the linear layers. Shared by the training model and ``measure.layer_bench``."""
     return {
         "gated_linear_unit": swiglu, "activation_func": F.silu if swiglu else F.gelu, "normalization": normalization,
         "num_query_groups": num_query_groups, "kv_channels": kv_channels, "add_bias_linear": bias,

@@ -12,7 +12,7 @@ executor adds per chunk and stage its own time outside the layers (megatron-core
 (the simulator's step on the cost model with ``o`` split ``fwd_share`` / ``1 - fwd_share`` between
 each chunk's forward and backward on every stage). :func:`fit_step_model` fits both by bounded,
 robust least squares on relative residuals; the training driver refits them online from its own
-steps (``--epp-calibrate-interval``) and ``scripts/calibrate_step.py`` offline, by the same function.
+steps (``--epp-calibrate-interval``) and ``benchmarks/calibrate_step.py`` offline, by the same function.
 
 Memory: the profile's activation coefficients times one factor ``f`` (:func:`with_memory_factor`), fitted
 on the measured per-stage activation peaks (on CUDA the allocator's) as the largest measured /

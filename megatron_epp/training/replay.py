@@ -9,7 +9,7 @@ the plan summary and the *measured ms* (the run of ``forward_backward_elastic`` 
 every pipeline of the plan plus ``finalize_model_grads``; planning, the optimizer step and the loss
 broadcast are outside it, as they are outside the simulator's step), and rebuilds the very same plans
 in-process (same flags, same document stream, same uncalibrated planner: checked against the logged
-summary by the callers), for ``scripts/calibrate_step.py`` to fit ``s`` and ``o`` offline.
+summary by the callers), for ``benchmarks/calibrate_step.py`` to fit ``s`` and ``o`` offline.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import gzip
+import importlib
 import json
 import subprocess
 import sys
@@ -33,7 +34,6 @@ from megatron_epp.cost.activation_memory import saved_tensor_memory
 from megatron_epp.cost.profile_lookup import load_profile
 from megatron_epp.training.metrics import ElasticMetrics, StepMetrics
 from tests.launch import REPO, run_env
-from tests.scripts import load_script
 
 
 def run(*argv: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -41,7 +41,7 @@ def run(*argv: str, timeout: int = 300) -> subprocess.CompletedProcess:
 
 
 def test_attention_check_without_flash_runs_sdpa_and_reports_flash_skipped():
-    proc = run(sys.executable, "scripts/check_cuda_attention.py", "--cpu-dry-run", "--without-flash")
+    proc = run(sys.executable, "-m", "benchmarks.check_cuda_attention", "--cpu-dry-run", "--without-flash")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     assert out.count("flash-varlen  skipped (--without-flash)") == 3  # batched, split x4, hybrid
@@ -51,7 +51,7 @@ def test_attention_check_without_flash_runs_sdpa_and_reports_flash_skipped():
     assert "varlen_attn of torch reference (GQA: aten-flash)" in out
     saved = [line for line in out.splitlines() if line.startswith("saved bytes per layer: torch-varlen ")]
     assert len(saved) == 1 and "(K/V heads not expanded: yes) on split x4, GQA mode aten-flash" in saved[0], saved
-    refused = run(sys.executable, "scripts/check_cuda_attention.py")
+    refused = run(sys.executable, "-m", "benchmarks.check_cuda_attention")
     assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
         "check_cuda_attention: no CUDA device (use --cpu-dry-run to check the script on CPU)"]
 
@@ -60,7 +60,7 @@ def test_gpu_profiler_smoke_run_on_cpu_makes_a_profile_the_planner_reads(tmp_pat
     out = tmp_path / "profile.json"
     llama = ("--group-query-attention", "--num-query-groups", "2", "--swiglu", "--normalization", "RMSNorm",
              "--disable-bias-linear", "--kv-channels", "16", "--rotary-base", "500000")  # pretrain_gpt.py's flags
-    proc = run(sys.executable, "scripts/profile_gpu.py", "--device", "cpu", "--hidden-size", "32", "--num-attention-heads", "4",
+    proc = run(sys.executable, "-m", "megatron_epp.measure.profile_gpu", "--device", "cpu", "--hidden-size", "32", "--num-attention-heads", "4",
                "--vocab-size", "64", "--seq-lengths", "16,32,64", "--contexts", "0,32", "--layer-lengths", "16,32,64",
                "--head-lengths", "16,64", "--warmup", "1", "--repeats", "2", *llama, "--out", str(out))
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -90,13 +90,13 @@ def test_gpu_profiler_smoke_run_on_cpu_makes_a_profile_the_planner_reads(tmp_pat
     assert plan.returncode == 0, plan.stderr
     summary = json.loads(plan.stdout.strip().splitlines()[-1])
     assert summary["profile_source"] == "measured" and summary["device"] == profile.device
-    bad = run(sys.executable, "scripts/profile_gpu.py", "--out", str(tmp_path / "x.json"))  # --device cuda here
+    bad = run(sys.executable, "-m", "megatron_epp.measure.profile_gpu", "--out", str(tmp_path / "x.json"))  # --device cuda here
     assert bad.returncode == 2 and "--device cuda: torch.cuda.is_available() is False" in bad.stderr
     for flags, message in ((["--num-query-groups", "3", "--group-query-attention"], "not divisible by --num-query-groups 3"),
                            (["--elastic-pp"], "--elastic-pp: not a flag of this script nor a model flag of pretrain_gpt.py")):
-        bad = run(sys.executable, "scripts/profile_gpu.py", "--device", "cpu", *flags, "--out", str(tmp_path / "x.json"))
+        bad = run(sys.executable, "-m", "megatron_epp.measure.profile_gpu", "--device", "cpu", *flags, "--out", str(tmp_path / "x.json"))
         last = bad.stderr.strip().splitlines()[-1]  # argparse's usage, then one error line
-        assert bad.returncode == 2 and last.startswith("profile_gpu.py: error: ") and message in last and bad.stderr.count("error") == 1, bad.stderr
+        assert bad.returncode == 2 and last.startswith("epp-profile-gpu: error: ") and message in last and bad.stderr.count("error") == 1, bad.stderr
 
 
 def test_gpu_check_refuses_without_cuda_and_lists_its_steps():
@@ -110,9 +110,9 @@ def test_gpu_check_refuses_without_cuda_and_lists_its_steps():
     assert dry.stdout.splitlines()[-1] == "limits: 2070 s in all"
     assert "setup_gpu.sh --find-links" in dry.stdout and "-rs tests/integration/test_elastic_equivalence.py -k pp1" in dry.stdout
     bench = next(line for line in dry.stdout.splitlines() if line.split()[0] == "bench")
-    assert "(limit  600 s)" in bench and bench.rstrip().endswith("scripts/bench_gpu.py")  # as a user runs it: no flags
+    assert "(limit  600 s)" in bench and bench.rstrip().endswith("-m benchmarks.bench_gpu")  # as a user runs it: no flags
     rehearsal = run("bash", "scripts/gpu_check.sh", "--cpu-rehearsal", "--dry-run", "--steps", "bench")
-    assert rehearsal.stdout.splitlines()[1].rstrip().endswith("scripts/bench_gpu.py --dry-run --cells mock:16384")
+    assert rehearsal.stdout.splitlines()[1].rstrip().endswith("-m benchmarks.bench_gpu --dry-run --cells mock:16384")
     bad = run("bash", "scripts/gpu_check.sh", "--steps", "facts,warp")
     assert bad.returncode == 2 and "unknown step 'warp'" in bad.stderr
 
@@ -135,9 +135,9 @@ def test_attention_check_runs_no_masked_sdpa_on_cuda(monkeypatch, capsys):
     ``main`` as on a CUDA machine (the device said to be CUDA, each layout's work replaced by a recorder): the backends
     every layout is given."""
     from megatron_epp.executor import kernels
-    from tests.attention_harness import REFERENCE_KERNEL, reference_torch_varlen
+    from benchmarks.attention_harness import REFERENCE_KERNEL, reference_torch_varlen
 
-    check = load_script("check_cuda_attention")
+    check = importlib.import_module("benchmarks.check_cuda_attention")
     assert check.backends_for("cuda") == ("flash-varlen", "torch-varlen", "sdpa-causal")
     assert "sdpa-masked" not in check.backends_for("cuda") and check.backends_for("cpu")[-1] == "sdpa-masked"
     given = []
@@ -164,9 +164,9 @@ def test_attention_check_saved_bytes_see_expanded_kv(monkeypatch):
     heads expanded (the last resort; a reference ``varlen_attn`` that saves what torch's does) it sees them, and counts
     their bytes (4 heads, 64 + 128 + 192 + 256 rows, K and V) in place of the buffer's."""
     from megatron_epp.executor import kernels
-    from tests.attention_harness import make_attention, random_tensors, reference_torch_varlen, reference_varlen_attn_saving_as_torch
+    from benchmarks.attention_harness import make_attention, random_tensors, reference_torch_varlen, reference_varlen_attn_saving_as_torch
 
-    check = load_script("check_cuda_attention")
+    check = importlib.import_module("benchmarks.check_cuda_attention")
     monkeypatch.setattr(kernels, "select_backend", kernels.select_backend)  # the script's force() replaces it: restored after
     plan = check.layouts(64)["split x4"]
     saved = {}
@@ -184,9 +184,9 @@ def test_attention_check_saved_bytes_see_expanded_kv(monkeypatch):
 
 def test_blocked_fp32_reference_equals_the_masked_one_and_builds_no_mask_beyond_a_block(monkeypatch):
     from megatron_epp.executor import context, kernels
-    from tests.attention_harness import make_attention, random_tensors, run_plan, worst_errors
+    from benchmarks.attention_harness import make_attention, random_tensors, run_plan, worst_errors
 
-    check = load_script("check_cuda_attention")
+    check = importlib.import_module("benchmarks.check_cuda_attention")
     monkeypatch.setattr(kernels, "select_backend", kernels.select_backend)  # the script's force() replaces it: restored after
     heads, kv_heads, dim, block = 4, 2, 8, 2**11
     built, whole, real = [], [], context.bottom_right_causal_mask
@@ -243,7 +243,7 @@ def step(iteration: int, ms: float, tflops: float, activation_gb: float) -> Step
 
 
 def test_bench_gpu_json_pairs_steps_by_iteration_and_takes_medians():
-    bench = load_script("bench_gpu")
+    bench = importlib.import_module("benchmarks.bench_gpu")
     measured = {
         "megatron": [step(2, 300, 100, 10), step(3, 200, 200, 12), step(4, 900, 50, 11)],
         "seq1f1b": "pretrain_gpt.py failed (1): torch.OutOfMemoryError: CUDA out of memory",
@@ -266,8 +266,9 @@ def test_bench_gpu_json_pairs_steps_by_iteration_and_takes_medians():
     json.dumps(entry)  # one JSON line
 
 
-def test_bench_gpu_dry_run_lists_cells_budgets_and_commands(capsys):
-    bench = load_script("bench_gpu")
+def test_bench_gpu_dry_run_lists_cells_budgets_and_commands(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["benchmarks/bench_gpu.py"])  # its errors' name, as `python -m benchmarks.bench_gpu` runs it
+    bench = importlib.import_module("benchmarks.bench_gpu")
     bench.main(["--dry-run", "--cells", "mock:16384"])  # in-process: one megatron import for the whole test
     out = capsys.readouterr().out
     assert "mock@16K: 16 documents per step" in out and "budget " in out and "Megatron packing's plans need without recompute" in out
@@ -297,7 +298,7 @@ def test_gpu_check_bench_step_keeps_the_last_json_line_in_the_summary(tmp_path):
     fake = tmp_path / "python"
     fake.write_text("#!/bin/bash\n"
                     "if [ \"$1\" = -c ]; then echo ok; exit 0; fi\n"
-                    "if [ \"$1\" = scripts/bench_gpu.py ]; then echo 'bench_gpu: 3 cell(s)'; echo '{\"device\": \"G\", \"cells\": [1]}';\n"
+                    "if [ \"$2\" = benchmarks.bench_gpu ]; then echo 'bench_gpu: 3 cell(s)'; echo '{\"device\": \"G\", \"cells\": [1]}';\n"
                     "  echo '{\"device\": \"G\", \"cells\": [1, 2]}'; echo '  [stdlib@32K] megatron FAILED'; exit 3; fi\n"
                     "exit 9\n")
     fake.chmod(0o755)
@@ -347,7 +348,7 @@ def test_gpu_check_quick_rehearsal_trains_on_the_default_path_and_reports_json(t
 def test_gpu_check_report_reads_a_step_over_the_budget_and_a_recovery(tmp_path):
     """The report's figures come from the records as written: a step whose reserved peak passed the budget is listed,
     the reserved and allocated peaks are kept apart, and the recovery lines of the log are carried."""
-    report = load_script("gpu_check_report")
+    report = importlib.import_module("benchmarks.gpu_check_report")
     gib = 2**30
     elastic = ElasticMetrics("plan[epp] x", {"batched": 2, "split": 0, "hybrid": 0}, 1, 4, 1.0, 0.0, 100.0, 110.0,
                              [10 * gib], [12 * gib], measured_allocated_bytes=[11 * gib], model_state_bytes=[5 * gib],

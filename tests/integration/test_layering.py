@@ -68,10 +68,13 @@ def test_planning_packages_import_without_torch():
         ("megatron_epp/model/runtime.py", "import megatron_epp.measure.profiling", "Layers"),
         ("megatron_epp/config/fields.py", "import megatron_epp.model.gpt", "Layers"),
         ("megatron_epp/cost/model.py", "import megatron_epp.config.fields", "never import training"),
+        ("megatron_epp/planner/cli.py", "import benchmarks.common", "The library never imports the benchmarks nor the tests"),
+        ("megatron_epp/training/replay.py", "import tests.paths", "The library never imports the benchmarks nor the tests"),
+        ("benchmarks/common.py", "import tests.paths", "The benchmarks never import the tests"),
     ],
 )
 def test_planted_violation_breaks_a_contract(tmp_path, module, line, contract):
-    for name in ("megatron_epp", "patches"):
+    for name in ("megatron_epp", "patches", "benchmarks", "tests"):
         shutil.copytree(REPO / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(REPO / "pyproject.toml", tmp_path)
     target = tmp_path / module

@@ -170,7 +170,7 @@ def test_null_tokenizer_as_megatron_lm():
 def test_prepare_data_with_null_tokenizer_and_append_eod(tmp_path):
     (tmp_path / "a.txt").write_text("1 2 3")
     proc = subprocess.run(
-        ["python3", str(REPO / "scripts/prepare_data.py"), "--input", str(tmp_path / "a.txt"), "--output-prefix",
+        ["python3", "-m", "megatron_epp.data.prepare", "--input", str(tmp_path / "a.txt"), "--output-prefix",
          str(tmp_path / "out"), "--tokenizer-type", "NullTokenizer", "--vocab-size", "10", "--append-eod", "--no-progress"],
         env=run_env(), capture_output=True, text=True, timeout=120,
     )

@@ -1,4 +1,4 @@
-"""``scripts/paper_grid.py --quick``: its last line is the JSON object of the grid's cells."""
+"""``python -m benchmarks.paper_grid --quick``: its last line is the JSON object of the grid's cells."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ ROOT = REPO
 
 
 def test_quick_grid_last_line_is_the_cells_json(tmp_path):
-    """And its ``--cells`` file gives the same table again (``--report-only``) and ``scripts/paper_grid_cp.py``'s rows
+    """And its ``--cells`` file gives the same table again (``--report-only``) and ``benchmarks.paper_grid_cp``'s rows
     (a whole re-run grid compared row by row with an earlier one: here with itself)."""
     readme, cells = tmp_path / "README.md", tmp_path / "cells.jsonl"  # not there yet: the script writes the block into a new file
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
 
     def run(script: str, *args: str) -> str:
-        return subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args], capture_output=True, text=True, env=env,
+        return subprocess.run([sys.executable, "-m", f"benchmarks.{script.removesuffix('.py')}", *args], capture_output=True, text=True, env=env, cwd=ROOT,
                               check=True, timeout=600).stdout
 
     out = run("paper_grid.py", "--quick", "--readme", str(readme), "--cells", str(cells))

@@ -1,6 +1,6 @@
 """The planner at scale: 2048 heavy-tailed sequences at low memory planned within 2 GB of host memory.
 
-The planning time at 2048 sequences is measured by ``scripts/bench_planner.py`` (one core, repeats),
+The planning time at 2048 sequences is measured by ``benchmarks/bench_planner.py`` (one core, repeats),
 not here: a timed unit test would be noise on a shared machine."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 CI has no GPU, no flash-attn, and torch's ``varlen_attn`` runs on CUDA only, so both varlen paths
 (``flash-varlen``, ``torch-varlen``) are checked against reference implementations of the kernels'
-documented semantics (``tests/attention_harness.py``: plain torch, ``einsum`` + ``softmax``, not SDPA).
+documented semantics (``benchmarks/attention_harness.py``: plain torch, ``einsum`` + ``softmax``, not SDPA).
 Forcing ``EPP_ATTENTION_BACKEND=flash`` (``varlen``) on CPU float32 with a reference as the kernel, through
 the real path's index building (``cu_seqlens``, max lengths, the slice's prefix rows packed before its
 own), outputs and gradients (q, k, v, and the prefix-K/V path through the sequences' K/V buffers) must
@@ -14,7 +14,7 @@ of ``cu_seqlens_k`` or moving a ``cu_seq_k`` boundary by one must break the matc
 (:func:`kernels.decide`) is pinned for every combination of its inputs (the GQA mode in its reason), the aten
 ops' schema check refuses other schemas, and the SDPA paths are shown to exclude cuDNN attention. What this does
 not check: the real CUDA kernels, and the aten flash ops' signatures on torch 2.11
-(``scripts/check_cuda_attention.py``).
+(``benchmarks/check_cuda_attention.py``).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from megatron_epp.executor.kernels import AttentionBackendError, FlashKernel, To
 from megatron_epp.executor import context as context_module
 from megatron_epp.executor.context import ChunkContext, ChunkLayout, VarlenSeqlens, varlen_seqlens
 from megatron_epp.plan import Chunk, Segment
-from tests.attention_harness import (
+from benchmarks.attention_harness import (
     REFERENCE_FLASH_OPS, REFERENCE_KERNEL, VARLEN_GQA_MODES, SavedTensors, make_attention, random_tensors,
     reference_flash_attention_backward, reference_flash_attention_forward, reference_flash_attn_varlen_func, reference_torch_varlen,
     reference_varlen_attn, run_plan, worst_errors,

@@ -1,4 +1,4 @@
-"""scripts/bench_context_parallel.py's own logic, without torchrun: the budget choice on the cp 1 and cp 2 planners,
+"""benchmarks/bench_context_parallel.py's own logic, without torchrun: the budget choice on the cp 1 and cp 2 planners,
 the figures and verdicts on synthetic step records, today's accuracy read from the committed log, the JSON line."""
 
 from __future__ import annotations
@@ -10,7 +10,9 @@ import pytest
 
 from megatron_epp.training.metrics import ElasticMetrics, StepMetrics
 from tests.paths import REPO
-from tests.scripts import script_module
+from benchmarks import bench_context_parallel
+from benchmarks.common import GRID_GB
+from tests.unit.test_benchmark_cli import one_line_error
 
 CAP = 1024
 BATCHES = [[1024, 300, 40], [1024, 1024, 9], [700, 120, 30]]
@@ -18,10 +20,7 @@ BATCHES = [[1024, 300, 40], [1024, 1024, 9], [700, 120, 30]]
 
 @pytest.fixture(scope="module")
 def bench():
-    with script_module("bench_context_parallel") as module:
-        global GRID_GB
-        from bench_elastic import GRID_GB
-        yield module
+    return bench_context_parallel
 
 
 @pytest.fixture(scope="module")
@@ -98,10 +97,8 @@ def test_bad_input_is_one_line(bench, capsys):
     for argv, said in ((["--iters", "5"], "--iters 5: needs steps after the first calibration"),
                        (["--num-attention-heads", "3"], "cp 2 must divide it"),
                        (["--epp-memory-budget", "0"], "--epp-memory-budget must be positive")):
-        with pytest.raises(SystemExit, match=said):
-            bench.parse(argv)
-    with pytest.raises(SystemExit, match="not a time_model_accuracy.py log"):
-        bench.today_accuracy(REPO / "README.md")
+        assert said in one_line_error(capsys, lambda: bench.parse(argv))
+    assert "not a time_model_accuracy.py log" in one_line_error(capsys, lambda: bench.today_accuracy(REPO / "README.md"))
     assert np.isfinite(bench.parse([]).iters)
 
 
@@ -113,10 +110,10 @@ def test_both_configurations_plan_between_steps_unless_told_not_to(bench, monkey
 
     for ext in (".bin", ".idx"):  # the flags are checked, not read
         (tmp_path / f"data{ext}").touch()
-    monkeypatch.setattr(bench, "wiki_dataset", lambda *_: str(tmp_path / "data"))
+    monkeypatch.setattr("benchmarks.common.wiki_dataset", lambda *_: str(tmp_path / "data"))
     for argv, between in (([], True), (["--no-epp-plan-between-steps"], False)):
         args = bench.parse(argv)
         assert "between steps" in bench.header(args) if between else "in the background" in bench.header(args)
         for cp in (1, 2):
-            cfg = parsed_config([*bench.run_argv(args, cp), "--epp-memory-budget", "1"], cp)
+            cfg = parsed_config([*bench.cp_run_argv(args, cp), "--epp-memory-budget", "1"], cp)
             assert cfg.epp.plan_between_steps is between and cfg.parallel.context_parallel_size == cp

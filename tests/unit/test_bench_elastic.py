@@ -1,4 +1,4 @@
-"""scripts/bench_elastic.py's own logic, without torchrun: the budget choice on the planner, the wiki
+"""benchmarks/bench_elastic.py's (and what it shares in benchmarks/common.py) own logic, without torchrun: the budget choice on the planner, the wiki
 batches, the ratios and noise floor on synthetic step records, and the report's last line."""
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from megatron_epp.cost.profile_lookup import load_profile
 from megatron_epp.planner.builders import ELASTIC, MEGATRON, SEQ1F1B
 from megatron_epp.planner.config import PlannerConfig
 from megatron_epp.training.metrics import ElasticMetrics, StepMetrics
-from tests.scripts import script_module
+from benchmarks import bench_elastic, common
+from tests.unit.test_benchmark_cli import one_line_error
 
 
 @pytest.fixture(scope="module")
 def bench():
-    with script_module("bench_elastic") as module:
-        yield module
+    return bench_elastic
 
 
 CAP = 2048
@@ -46,8 +46,8 @@ def bind(bench, planner):
 
 def test_bind_budget_is_the_smallest_at_which_epp_needs_no_recompute_and_megatron_does(bench, bind):
     choice = bind
-    assert choice.budget_gb == pytest.approx(round(choice.budget_gb / bench.GRID_GB) * bench.GRID_GB)
-    assert choice.below_gb == pytest.approx(choice.budget_gb - bench.GRID_GB)
+    assert choice.budget_gb == pytest.approx(round(choice.budget_gb / common.GRID_GB) * common.GRID_GB)
+    assert choice.below_gb == pytest.approx(choice.budget_gb - common.GRID_GB)
     assert choice.recompute["elastic"] == [0, 0, 0]
     below = choice.recompute_below["elastic"]
     assert below is None or sum(below) > 0  # minimal: one grid step less and EPP recomputes (or cannot plan)
@@ -63,7 +63,7 @@ def test_nobind_budget_recomputes_nothing_and_fixes_epps_plans(bench, planner, b
     assert choice.budget_gb > bind.budget_gb
     assert all(r == [0, 0, 0] for r in choice.recompute.values())
     doubled = bench.plan_steps(bench.EPP, BATCHES, cost_model, base, 2 * choice.budget_gb)
-    assert [bench.plan_shape(p.plan) for p in doubled] == [bench.plan_shape(p.plan) for p in choice.plans[bench.EPP]]
+    assert [common.plan_shape(p.plan) for p in doubled] == [common.plan_shape(p.plan) for p in choice.plans[bench.EPP]]
 
 
 def test_wiki_batches_each_reach_the_cap_in_the_samplers_order(bench, tmp_path, monkeypatch):
@@ -158,7 +158,7 @@ def test_ceiling_is_epp_without_a_memory_limit(bench, planner, bind, measured, c
     free_gb, free = bench.unbound_epp_plans(BATCHES, cost_model, base, bind.budget_gb)
     assert free_gb > bind.budget_gb
     again = bench.plan_steps(bench.EPP, BATCHES, cost_model, base, free_gb * 2)
-    assert [bench.plan_shape(p.plan) for p in again] == [bench.plan_shape(p.plan) for p in free]
+    assert [common.plan_shape(p.plan) for p in again] == [common.plan_shape(p.plan) for p in free]
     at_budget = [p.report.predicted_step_ms for p in bind.plans[bench.EPP]]
     assert all(f.report.predicted_step_ms <= b * (1 + 1e-9) for f, b in zip(free, at_budget))
     bind.unbound = (free_gb, free)
@@ -193,14 +193,11 @@ def test_ceiling_is_epp_without_a_memory_limit(bench, planner, bind, measured, c
 
 
 @pytest.mark.parametrize("argv, says", [
-    (["--datasets", "stdlib,c4"], "--datasets: unknown c4"),
-    (["--seq1f1b-k", "2,x"], "--seq1f1b-k '2,x'"),
+    (["--datasets", "stdlib,c4"], "argument --datasets: 'stdlib,c4': unknown c4"),
+    (["--seq1f1b-k", "2,x"], "argument --seq1f1b-k: '2,x'"),
     (["--seq1f1b-k", "1,4"], "every k must be >= 2"),
     (["--repeats", "0"], "--repeats must be >= 1"),
     (["--epp-memory-budget", "-1"], "--epp-memory-budget must be positive"),
 ])
-def test_bad_input_is_one_line(bench, argv, says):
-    with pytest.raises(SystemExit) as error:
-        bench.parse(argv)
-    message = str(error.value)
-    assert says in message and "\n" not in message
+def test_bad_input_is_one_line(bench, argv, says, capsys):
+    assert says in one_line_error(capsys, lambda: bench.parse(argv))

@@ -1,22 +1,21 @@
-"""scripts/bench_planning_placement.py's own logic, without torchrun: the figures on synthetic step records (the ratio's
+"""benchmarks/bench_planning_placement.py's own logic, without torchrun: the figures on synthetic step records (the ratio's
 direction, noise floors, planning times), the report line, the runs' command lines (parsed by pretrain_gpt.py's
 parser, the placement the only difference), and bad input in one line."""
 
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 
 from megatron_epp.training.metrics import ElasticMetrics, StepMetrics
-from tests.scripts import script_module
+from benchmarks import bench_planning_placement
+from tests.unit.test_benchmark_cli import one_line_error
 
 
 @pytest.fixture(scope="module")
 def bench():
-    with script_module("bench_planning_placement") as module:
-        yield module
+    return bench_planning_placement
 
 
 def record(iteration: int, iter_ms: float, step_ms: float, planning_ms: float, exposed_ms: float) -> StepMetrics:
@@ -52,7 +51,7 @@ def test_command_lines_differ_only_by_the_placement(bench, monkeypatch, tmp_path
     for name in ("data", "stdlib"):  # the flags are checked, not read
         for ext in (".bin", ".idx"):
             (tmp_path / f"{name}{ext}").touch()
-    monkeypatch.setattr(sys.modules["bench_context_parallel"], "wiki_dataset", lambda *_: str(tmp_path / "data"))
+    monkeypatch.setattr("benchmarks.common.wiki_dataset", lambda *_: str(tmp_path / "data"))
     monkeypatch.setattr("megatron_epp.data.stdlib_corpus.ensure_stdlib_corpus", lambda: tmp_path / "stdlib")
     for name, layout in (("main-job", (2, 1)), ("cp2", (1, 2))):
         argv = bench.config_argv(name, 12, 0.0264)
@@ -64,10 +63,9 @@ def test_command_lines_differ_only_by_the_placement(bench, monkeypatch, tmp_path
     assert "0.0264" in bench.config_argv("cp2", 12, 0.0264)
 
 
-def test_bad_input_is_one_line(bench):
+def test_bad_input_is_one_line(bench, capsys):
     for argv, said in ((["--configs", "main-job,nope"], "--configs: unknown nope"),
                        (["--iters", "2"], "--iters 2: needs at least 3"),
                        (["--repeats", "0"], "--repeats must be >= 1"),
                        (["--cp2-budget", "0"], "--cp2-budget must be positive")):
-        with pytest.raises(SystemExit, match=said):
-            bench.parse(argv)
+        assert said in one_line_error(capsys, lambda: bench.parse(argv))

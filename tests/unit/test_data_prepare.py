@@ -1,19 +1,16 @@
-"""prepare_dataset and scripts/prepare_data.py: inputs -> indexed dataset -> documents."""
+"""prepare_dataset and its command line (python -m megatron_epp.data.prepare, epp-prepare-data): inputs -> indexed dataset -> documents."""
 
 import json
-import sys
 
 import numpy as np
 import pytest
 
 from megatron_epp.data.documents import DocumentDataset
+from megatron_epp.data import prepare as prepare_data
 from megatron_epp.data.prepare import DataError, prepare_dataset
 from megatron_epp.data.tokenizers import ByteTokenizer, build_tokenizer
 from tests.unit.test_data_tokenizers import write_word_tokenizer
-from tests.paths import REPO
 
-sys.path.insert(0, str(REPO / "scripts"))
-import prepare_data  # noqa: E402
 
 BYTE = ByteTokenizer()
 
@@ -122,4 +119,4 @@ def test_script_cli(tmp_path, capsys):
         == 1
     )
     err = capsys.readouterr().err.strip()
-    assert err.startswith("prepare_data.py: error: cannot parse tokenizer file") and "\n" not in err
+    assert err.startswith("epp-prepare-data: error: cannot parse tokenizer file") and "\n" not in err

@@ -1,6 +1,6 @@
 """The host work of one elastic layer per chunk: the aten ops it dispatches, pinned per op name.
 
-A stack of one and of two layers of the training spec (``training.layer_bench.LayerStack``: ``elastic_layer_spec``
+A stack of one and of two layers of the training spec (``measure.layer_bench.LayerStack``: ``elastic_layer_spec``
 on the local spec, :class:`ChunkRopeSelfAttention`, :class:`ElasticAttention`, the chunk rotary embedding) runs
 one packed chunk of two documents forward and backward, each pass inside its own ``ChunkContext.running`` as
 the schedule runs it; a ``TorchDispatchMode`` counts every aten op (views included: each costs a dispatch on

@@ -143,7 +143,7 @@ def test_lazy_proxy_ranking_keeps_the_layouts_a_full_ranking_keeps(evaluate_layo
 def test_cp_layouts_never_push_out_what_the_search_without_them_plans(evaluate_layout, monkeypatch):
     """The search with CP layouts plans every layout the search without them plans (the best ``max_evaluated`` TP layouts
     by proxy; one it leaves out may only be pruned by its bound), so EPP's step with CP is never above its step without.
-    The cell: 64 CommonCrawl-like documents (``scripts/paper_grid.py``'s distribution) for LLaMA 7B on 4 x 8 H100, where
+    The cell: 64 CommonCrawl-like documents (``benchmarks/paper_grid.py``'s distribution) for LLaMA 7B on 4 x 8 H100, where
     CP layouts have the best proxy steps: one ranking of all layouts (patched in last) leaves out TP layouts the search
     without CP plans and plans a slower step than that search."""
     pool = np.maximum(np.random.default_rng(0).lognormal(np.log(1000), 1.2, 200_000), 16).astype(np.int64)

@@ -202,7 +202,7 @@ def made(step) -> dict:
 
 
 def test_a_restored_calibration_plans_and_refits_as_the_saved_run():
-    """Resume (training.checkpointing saves ``state_dict`` on every rank): the restored planner holds the saved
+    """Resume (checkpoint.checkpointing saves ``state_dict`` on every rank): the restored planner holds the saved
     calibration, plans its first two steps as the run did (the first on the model of the fit before the
     checkpoint's: plans are made one step ahead), and its next fit is on the saved spans, at the run's step."""
     interval = 3

@@ -90,7 +90,7 @@ def test_auto_on_cuda_takes_the_cached_profile_of_its_key(tmp_path):
     # the start-up line prints the key it was looked up by
     assert describe(args, resolved).endswith(f"; key Test GPU, float32, sdpa-merged, torch {torch.__version__}, cap 128, hidden 32, "
                                              "4 heads (2 K/V) x 8, ffn 64 SwiGLU, RMSNorm, no biases)")
-    # a profile placed in the cache under another name (scripts/profile_gpu.py --out) is found by its key too
+    # a profile placed in the cache under another name (python -m megatron_epp.measure.profile_gpu --out) is found by its key too
     (tmp_path / key.file_name()).rename(tmp_path / "by-hand.json")
     assert find_measured_profile(key, tmp_path)[0] == tmp_path / "by-hand.json"
 

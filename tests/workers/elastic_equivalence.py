@@ -18,7 +18,7 @@ schedule made (``transfers``: :class:`RecordingCommunicator`'s calls).
 Several runs separated by ``::`` share the launch (one process start; the same world size): each builds its own
 model-parallel groups, model and optimizer, and tears the groups down for the next; a fault patched into a module
 (``inject``) is undone after its run. ``--attention-backend`` sets ``EPP_ATTENTION_BACKEND`` for one run's model.
-``--varlen-reference`` puts the tests' reference ``varlen_attn`` (``tests/attention_harness.py``: CPU fp32, torch
+``--varlen-reference`` puts the tests' reference ``varlen_attn`` (``benchmarks/attention_harness.py``: CPU fp32, torch
 2.13's signature or 2.11's without ``enable_gqa``) in place of torch's for one run: with ``--attention-backend
 varlen`` the model's attention runs the real ``torch-varlen`` path (packing, ``cu_seqlens``, GQA) on CPU.
 """
@@ -50,7 +50,7 @@ from megatron_epp.model.runtime import Runtime, initialize, shutdown
 from megatron_epp.training.loop import build_optimizer
 from megatron_epp.model.gpt import build_model
 from megatron.core.utils import unwrap_model
-from tests.attention_harness import reference_torch_varlen
+from benchmarks.attention_harness import reference_torch_varlen
 from tests.workers.grad_dump import global_name, set_global_weights
 from tests.workers.runs import split_runs
 from tests.workers.random_plans import random_lengths, random_plan

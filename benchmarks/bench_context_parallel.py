@@ -57,7 +57,7 @@ reference figures and their log); ``verdict`` (``less_recompute``, ``within_toda
 Duration on 2 idle cores: about 2 minutes with the defaults (6 launches of ~15 s start-up plus 10 short steps);
 ``--simulate-only``: the budget and the plans, no training (seconds).
 
-    OMP_NUM_THREADS=1 python scripts/bench_context_parallel.py [--repeats 3] [--iters 10] [--seq-length 2048]
+    OMP_NUM_THREADS=1 python -m benchmarks.bench_context_parallel [--repeats 3] [--iters 10] [--seq-length 2048]
         [--global-batch-size 4] [--num-layers 2] [--hidden-size 64] [--num-attention-heads 4] [--epp-memory-budget GB]
         [--simulate-only]
 """
@@ -67,40 +67,25 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_elastic import (EPP, fail, fmt_layers, load_average, noise_floor, paired_ratio,  # noqa: E402
-                           pipe_ms, plan_steps, planned_batches, recomputed, smallest_budget, step_matrix, wiki_dataset)
-from megatron_epp.planner.config import CALIBRATE_FIRST_STEP  # noqa: E402
-from time_model_accuracy import hindsight  # noqa: E402
-from megatron_epp.training.metrics import StepMetrics  # noqa: E402
+from megatron_epp.planner.builders import ELASTIC
+from megatron_epp.planner.config import CALIBRATE_FIRST_STEP
+from megatron_epp.training.metrics import StepMetrics
+from benchmarks.common import (Parser, REPO, fail, plan_steps, recomputed, smallest_budget, planned_batches, fmt_layers, step_matrix, pipe_ms,
+                              paired_ratio, noise_floor, hindsight, load_average, cp_run_argv)
 
 if TYPE_CHECKING:
     from megatron_epp.planner.online import OnlinePlanner
 
-REPO = Path(__file__).resolve().parents[1]
 CPS = (1, 2)
 ACCURACY_LOG = REPO / "docs" / "measurements" / "2026-11-24-cpu" / "time_model_accuracy_fc6a2b3.log"
 MB = 2**20
-
-
-def run_argv(args, cp: int) -> list[str]:
-    """``pretrain_gpt.py`` flags of the cp ``cp`` run, without the budget."""
-    data = wiki_dataset(args.seq_length, args.global_batch_size, args.iters, args.seed)
-    context = ["--context-parallel-size", str(cp), "--cp-comm-type", "a2a"] if cp > 1 else []
-    return ["--elastic-pp", "--data-path", data, "--tokenizer-type", "ByteTokenizer", "--split", "1,0,0",
-            "--pipeline-model-parallel-size", "1", *context, "--num-layers", str(args.num_layers),
-            "--hidden-size", str(args.hidden_size), "--num-attention-heads", str(args.num_attention_heads),
-            "--seq-length", str(args.seq_length), "--global-batch-size", str(args.global_batch_size),
-            "--seed", str(args.seed), "--lr", "3e-3", "--train-iters", str(args.iters), "--log-interval", "1",
-            *(["--epp-plan-between-steps"] if args.epp_plan_between_steps else [])]
 
 
 def today_accuracy(path: Path) -> dict:
@@ -121,15 +106,15 @@ def choose_budget(batches, builds: dict[int, OnlinePlanner]) -> float:
     """The smallest grid budget at which cp 2's plans need no recompute and cp 1 can run."""
 
     def ok(b: float) -> bool:
-        cp2 = recomputed(plan_steps(EPP, batches, builds[2].cost_model, builds[2].config, b))
-        return cp2 is not None and not any(cp2) and plan_steps(EPP, batches, builds[1].cost_model, builds[1].config, b) is not None
+        cp2 = recomputed(plan_steps(ELASTIC, batches, builds[2].cost_model, builds[2].config, b))
+        return cp2 is not None and not any(cp2) and plan_steps(ELASTIC, batches, builds[1].cost_model, builds[1].config, b) is not None
 
     return smallest_budget(ok, "lets cp 2 plan without recompute and cp 1 run")[0]
 
 
 def plan_facts(batches, builds: dict[int, OnlinePlanner], budget_gb: float) -> dict[int, list | None]:
     """Each configuration's plans of ``batches`` at ``budget_gb`` (None: it cannot run there)."""
-    return {cp: plan_steps(EPP, batches, b.cost_model, b.config, budget_gb) for cp, b in builds.items()}
+    return {cp: plan_steps(ELASTIC, batches, b.cost_model, b.config, budget_gb) for cp, b in builds.items()}
 
 
 # --------------------------------------------------------------------------------------------- statistics
@@ -231,7 +216,7 @@ def report(entries: dict[str, dict], ratio: float | None, predicted_ratio: float
 
 # --------------------------------------------------------------------------------------------- main
 def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--simulate-only", action="store_true", help="the budget and the plans only, no training")
     ap.add_argument("--repeats", type=int, default=3, help="launches per configuration (default 3)")
     ap.add_argument("--iters", type=int, default=10, help=f"steps per launch, the first a warm-up (default 10; > {CALIBRATE_FIRST_STEP})")
@@ -277,7 +262,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse(argv)
     today = today_accuracy(args.accuracy_log)
     print(header(args), flush=True)
-    argvs = {cp: run_argv(args, cp) for cp in CPS}
+    argvs = {cp: cp_run_argv(args, cp) for cp in CPS}
     planned = {cp: planned_batches(argvs[cp], args.iters, world_size=cp) for cp in CPS}
     batches = planned[1][0]
     if planned[2][0] != batches:

@@ -26,17 +26,17 @@ Prints every fit's rms error (also stored in the profile's ``fit.errors``) and w
 ``--out``, or, without it, into ``--epp-profile-cache`` under the name ``--epp-profile auto`` looks up.
 ``"device"`` is the GPU's name, dtype and kernel, ``"source"`` is ``measured``. Timing: CUDA events on a
 GPU, the process's CPU time on the CPU (``--device cpu``: for checking the script, its numbers are not a
-CPU profile, ``scripts/profile_layer.py`` makes those).
+CPU profile, ``python -m benchmarks.profile_layer`` makes those).
 
 The profile's memory block is measured (``derive = "measured"``): the planner uses it as measured at the
 profiled shape and carries it to another shape or TP by the ratio of its basis count (``megatron-gpu`` in bf16/fp16,
 ``saved-tensors`` in fp32 or on the CPU).
 
-    python scripts/profile_gpu.py --out runs/h100_h1024.json --hidden-size 1024 --num-attention-heads 16
-    python scripts/profile_gpu.py --hidden-size 4096 --num-attention-heads 32 --group-query-attention --num-query-groups 8 \\
+    python -m megatron_epp.measure.profile_gpu --out runs/h100_h1024.json --hidden-size 1024 --num-attention-heads 16
+    python -m megatron_epp.measure.profile_gpu --hidden-size 4096 --num-attention-heads 32 --group-query-attention --num-query-groups 8 \\
         --swiglu --ffn-hidden-size 11008 --normalization RMSNorm --disable-bias-linear --seq-length 16384   # into the cache,
         # for runs of this layer at --seq-length 16384 (the cap is in the key, as are the GPU, dtype, kernel and torch)
-    python scripts/profile_gpu.py --device cpu --hidden-size 32 --num-attention-heads 4 --vocab-size 64 \\
+    python -m megatron_epp.measure.profile_gpu --device cpu --hidden-size 32 --num-attention-heads 4 --vocab-size 64 \\
         --seq-lengths 16,32,64 --contexts 0,32 --layer-lengths 16,32,64 --head-lengths 16,64 --repeats 2 --out /tmp/p.json
 """
 
@@ -49,34 +49,21 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import torch
 
-import torch  # noqa: E402
-
-from megatron_epp.base.options import add_field_to_parser  # noqa: E402
-from megatron_epp.cost.profile_lookup import ProfileKey, default_profile_cache  # noqa: E402
-from megatron_epp.executor import kernels  # noqa: E402
-from megatron_epp.measure.layer_bench import init_single_process  # noqa: E402
-from megatron_epp.config.errors import ArgumentError  # noqa: E402
-from megatron_epp.config.parser import build_parser, parse_config  # noqa: E402
-from megatron_epp.config.fields import EPPConfig  # noqa: E402
-from megatron_epp.model.gpt import model_shape  # noqa: E402
-from megatron_epp.measure.profiling import (  # noqa: E402
+from megatron_epp.base.options import add_field_to_parser, int_list
+from megatron_epp.cost.profile_lookup import ProfileKey, default_profile_cache
+from megatron_epp.executor import kernels
+from megatron_epp.measure.layer_bench import init_single_process
+from megatron_epp.config.parser import ArgumentError, build_parser, parse_config
+from megatron_epp.config.fields import EPPConfig
+from megatron_epp.model.gpt import model_shape
+from megatron_epp.measure.profiling import (
     ProfileFailed, ProfileGrid, device_name, measure_profile, report_errors, report_memory,
 )
 
+PROG = "epp-profile-gpu"  # its errors' name, however it is run (as epp-plan's)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def ints(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers") from None
-    if not values or min(values) < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected non-negative integers")
-    return values
 
 
 def model_flags() -> set[str]:
@@ -86,16 +73,16 @@ def model_flags() -> set[str]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     p.add_argument("--out", default=None, help="the profile JSON to write (default: into --epp-profile-cache, for --epp-profile auto)")
     add_field_to_parser(p, next(f for f in fields(EPPConfig) if f.name == "profile_cache"))  # pretrain_gpt.py's own option
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bf16 on cuda, fp32 on cpu")
     p.add_argument("--name", default=None, help="the profile's model name (default: gpu-h<hidden>)")
-    p.add_argument("--seq-lengths", type=ints, default=(512, 1024, 2048, 4096, 8192, 16384), help="attention grid: s")
-    p.add_argument("--contexts", type=ints, default=(0, 4096, 16384, 49152), help="attention grid: C")
-    p.add_argument("--layer-lengths", type=ints, default=(1024, 2048, 4096, 8192, 16384, 32768))
-    p.add_argument("--head-lengths", type=ints, default=(1024, 4096, 8192, 16384))
+    p.add_argument("--seq-lengths", type=int_list, default=(512, 1024, 2048, 4096, 8192, 16384), help="attention grid: s")
+    p.add_argument("--contexts", type=int_list, default=(0, 4096, 16384, 49152), help="attention grid: C")
+    p.add_argument("--layer-lengths", type=int_list, default=(1024, 2048, 4096, 8192, 16384, 32768))
+    p.add_argument("--head-lengths", type=int_list, default=(1024, 4096, 8192, 16384))
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
     args, rest = p.parse_known_args(argv)
@@ -122,6 +109,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line (``python -m megatron_epp.measure.profile_gpu``, ``epp-profile-gpu``)."""
     args = parse_args(argv)
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     if device.type == "cuda":  # as training sets up a GPU rank (the first contact's layer grid ran this way)
@@ -145,17 +133,17 @@ def main(argv: list[str] | None = None) -> int:
           f"{' SwiGLU' if shape.swiglu else ''}, {shape.normalization}{'' if shape.bias else ', no biases'}, vocab {shape.vocab}) on {name}", flush=True)
     try:
         profile = measure_profile(shape, device, dtype, kernel, args.grid, name=name, rotary_base=args.rotary_base,
-                                  log=lambda line: print(line, flush=True), note="measured by scripts/profile_gpu.py",
+                                  log=lambda line: print(line, flush=True), note="measured by megatron_epp.measure.profile_gpu",
                                   seq_length=args.seq_length)
     except ProfileFailed as error:
-        print(f"profile_gpu.py: error: {error} (a smaller grid: --layer-lengths, --head-lengths, --seq-lengths)", file=sys.stderr)
+        print(f"{PROG}: error: {error} (a smaller grid: --layer-lengths, --head-lengths, --seq-lengths)", file=sys.stderr)
         return 1
     if args.out:
         out = Path(args.out)
     else:
         key = ProfileKey.from_profile(profile)
         if key is None:
-            print("profile_gpu.py: error: a CPU run has no cache key (--out FILE)", file=sys.stderr)
+            print(f"{PROG}: error: a CPU run has no cache key (--out FILE)", file=sys.stderr)
             return 2
         out = Path(args.epp_profile_cache or default_profile_cache()).expanduser() / key.file_name()
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Per-chunk-and-stage executor overhead: the elastic schedule against the same layers run bare.
 
-    torchrun --nproc-per-node 2 scripts/profile_executor.py [--chunks 48 --tokens 64 --steps 8] [--cprofile FILE]
+    torchrun --nproc-per-node 2 -m benchmarks.profile_executor [--chunks 48 --tokens 64 --steps 8] [--cprofile FILE]
 
 Builds this repository's elastic GPT stage (pp = the number of ranks, test-model shape by default:
 4 layers, hidden 64, 4 heads) and runs a plan of ``--chunks`` equal chunks of ``--tokens`` tokens
@@ -23,26 +23,24 @@ import cProfile
 import inspect
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_epp.executor import batches as _batches  # noqa: E402
-from megatron_epp.executor.batches import chunk_batches, elastic_gpt_forward_step  # noqa: E402
-from megatron_epp.executor.context import ChunkContext  # noqa: E402
-from megatron_epp.executor.schedule import forward_backward_elastic  # noqa: E402
-from megatron_epp.executor.spec import elastic_layer_spec, install_chunk_context  # noqa: E402
-from megatron_epp.plan import Chunk, Pipeline, Plan, Segment, chunk_kind  # noqa: E402
-from megatron_epp.config.parser import parse_config  # noqa: E402
-from megatron_epp.model.runtime import initialize, shutdown  # noqa: E402
-from megatron_epp.training.loop import build_optimizer  # noqa: E402
-from megatron_epp.model.gpt import build_model, default_layer_spec  # noqa: E402
+from megatron_epp.executor import batches as _batches
+from megatron_epp.executor.batches import chunk_batches, elastic_gpt_forward_step
+from megatron_epp.executor.context import ChunkContext
+from megatron_epp.executor.schedule import forward_backward_elastic
+from megatron_epp.executor.spec import elastic_layer_spec, install_chunk_context
+from megatron_epp.plan import Chunk, Pipeline, Plan, Segment, chunk_kind
+from megatron_epp.config.parser import parse_config
+from megatron_epp.model.runtime import initialize, shutdown
+from megatron_epp.training.loop import build_optimizer
+from megatron_epp.model.gpt import build_model, default_layer_spec
+from benchmarks.common import Parser
 
 
 prepare_step = getattr(_batches, "prepare_step", None)
@@ -61,15 +59,15 @@ def equal_plan(kind: str, chunks: int, tokens: int, stages: int, layers: int) ->
     return Plan(lengths, stages, [layers // stages] * stages, [pipe], builder=f"equal-{kind}").validate()
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--chunks", type=int, default=48)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--kind", choices=["batched", "split"], default="batched")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--cprofile", default=None, help="write the cProfile stats of the elastic steps on --cprofile-rank here")
     p.add_argument("--cprofile-rank", type=int, default=0)
-    ours, flags = p.parse_known_args()
+    ours, flags = p.parse_known_args(argv)
     world = int(__import__("os").environ.get("WORLD_SIZE", "1"))
     defaults = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length",
                 str(ours.tokens * ours.chunks), "--max-position-embeddings", str(ours.tokens * ours.chunks),
@@ -118,7 +116,7 @@ def main() -> None:
         profiler.dump_stats(ours.cprofile)
 
     # The same chunks through this stage's layers only: no schedule, no p2p, no forward_step.
-    from megatron_epp.executor.context import ChunkLayout  # noqa: E402
+    from megatron_epp.executor.context import ChunkLayout
 
     module = model.module
     pipe = plan.pipelines[0]

@@ -16,7 +16,7 @@ Model: ``--num-layers 8 --hidden-size 4096 --num-attention-heads 32 --group-quer
 
 * ``mock``: ``--mock-data`` (pretrain_gpt's skewed mock documents);
 * ``wiki``: random-byte documents with lengths drawn from ``wikipedia_lengths.txt.gz``, each step's scaled
-  so that its longest reaches the cap (``scripts/bench_elastic.py``'s ``wiki_dataset``);
+  so that its longest reaches the cap (``benchmarks/bench_elastic.py``'s ``wiki_dataset``);
 * ``stdlib``: the Python standard library's sources in byte tokens, truncated at the cap.
 
 Budget (``--epp-memory-budget``, GB per GPU as the planner counts it: model states + activations), derived
@@ -52,7 +52,7 @@ budgets, the commands and the estimate, with no GPU.
 model (pretrain_gpt.py's model flags, ``--seq-length`` among them fixing the cells' cap): ``gpu_check.sh --quick``
 benches its training run's model and cap, whose start-up profile that run left in the cache.
 
-    python scripts/bench_gpu.py [--cells mock:32768,wiki:16384,stdlib:32768 | --all] [--iters 3] [--runs LIST]
+    python -m benchmarks.bench_gpu [--cells mock:32768,wiki:16384,stdlib:32768 | --all] [--iters 3] [--runs LIST]
                                 [--model-flags "..."] [--dry-run]
 """
 
@@ -72,16 +72,13 @@ from typing import Sequence
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "scripts"))
 
-import bench_elastic as bench  # noqa: E402  (its builders, budget search and wiki data)
 
-from megatron_epp.base.units import GIB  # noqa: E402
-from megatron_epp.plan import PlannedStep  # noqa: E402
-from megatron_epp.planner.builders import ELASTIC, MEGATRON, SEQ1F1B  # noqa: E402
-from megatron_epp.training.metrics import StepMetrics  # noqa: E402
+from megatron_epp.base.units import GIB
+from megatron_epp.plan import PlannedStep
+from megatron_epp.planner.builders import ELASTIC, MEGATRON, SEQ1F1B
+from megatron_epp.training.metrics import StepMetrics
+from benchmarks.common import Parser, BudgetChoice, GRID_GB, MAX_BUDGET_GB, all_plans, fmt_layers, plan_steps, planned_batches, recomputed, show, smallest_budget, unbound_epp_plans, fail, wiki_dataset
 
 LLAMA = ["--num-layers", "8", "--hidden-size", "4096", "--num-attention-heads", "32", "--group-query-attention",
          "--num-query-groups", "8", "--swiglu", "--ffn-hidden-size", "11008", "--normalization", "RMSNorm", "--disable-bias-linear"]
@@ -100,10 +97,6 @@ TOKENS_PER_S = {"megatron": 30000.0, "seq1f1b": 15000.0, "elastic": 30000.0}
 WARMUP_SLOWDOWN = 2.0
 BIND_FRACTION = 0.5  # the binding budget: model states + this share of Megatron packing's activation need
 
-
-def fail(message: str, code: int = 2) -> None:
-    print(f"bench_gpu.py: error: {message}", file=sys.stderr)
-    raise SystemExit(code)
 
 
 @dataclass(frozen=True)
@@ -139,7 +132,7 @@ def cell_argv(cell: Cell, iters: int, seed: int, model: Sequence[str] = LLAMA) -
     if cell.data == "mock":
         data = ["--mock-data"]
     elif cell.data == "wiki":
-        data = ["--data-path", bench.wiki_dataset(cell.cap, cell.global_batch_size, steps, seed), "--tokenizer-type", "ByteTokenizer",
+        data = ["--data-path", wiki_dataset(cell.cap, cell.global_batch_size, steps, seed), "--tokenizer-type", "ByteTokenizer",
                 "--split", "1,0,0"]
     else:
         from megatron_epp.data.stdlib_corpus import ensure_stdlib_corpus
@@ -158,7 +151,7 @@ class Prepared:
     cell: Cell
     argv: list[str]
     batches: list[list[int]]
-    choice: "bench.BudgetChoice"
+    choice: "BudgetChoice"
     unlimited_gb: float
     unlimited_plans: list[PlannedStep]
     model_state_bytes: float
@@ -182,37 +175,37 @@ class Prepared:
 def prepare(cell: Cell, args) -> Prepared:
     t0 = time.perf_counter()
     argv = cell_argv(cell, args.iters, args.seed, args.model_flags)
-    batches, build = bench.planned_batches(argv, args.iters + 1, world_size=1)
+    batches, build = planned_batches(argv, args.iters + 1, world_size=1)
     if cell.data == "wiki" and any(max(b) != cell.cap for b in batches):
         fail(f"{cell.name}: the wiki batches are not the ones written (each step's longest should be the cap)")
     specs = [RUNS["megatron"], RUNS["seq1f1b"], RUNS["epp"]]
     cm, base = build.cost_model, build.config
     if args.epp_memory_budget is not None:
-        choice = bench.BudgetChoice(args.epp_memory_budget, "given", bench.all_plans(specs, batches, cm, base, args.epp_memory_budget))
+        choice = BudgetChoice(args.epp_memory_budget, "given", all_plans(specs, batches, cm, base, args.epp_memory_budget))
     else:
         choice = binding_budget(specs, batches, cm, base)
-    unlimited_gb, unlimited_plans = bench.unbound_epp_plans(batches, cm, base, choice.budget_gb)
+    unlimited_gb, unlimited_plans = unbound_epp_plans(batches, cm, base, choice.budget_gb)
     return Prepared(cell, argv, batches, choice, unlimited_gb, unlimited_plans, float(cm.model_state_bytes()[0]), time.perf_counter() - t0)
 
 
-def binding_budget(specs, batches, cost_model, base, fraction: float = BIND_FRACTION) -> "bench.BudgetChoice":
+def binding_budget(specs, batches, cost_model, base, fraction: float = BIND_FRACTION) -> "BudgetChoice":
     """Model states + ``fraction`` of the activation memory Megatron packing's plans need without recompute (their
     largest predicted peak over the steps), rounded up to the grid; raised to the smallest grid budget where every
     builder can run if it is below that."""
-    free = bench.plan_steps(RUNS["megatron"], batches, cost_model, base, bench.MAX_BUDGET_GB)
+    free = plan_steps(RUNS["megatron"], batches, cost_model, base, MAX_BUDGET_GB)
     if free is None:
         fail("Megatron packing cannot plan these batches at any budget")
     states = float(cost_model.model_state_bytes()[0]) / GIB
     need = max(max(p.report.peak_memory_bytes) for p in free) / GIB
-    target = math.ceil((states + fraction * (need - states)) / bench.GRID_GB) * bench.GRID_GB
+    target = math.ceil((states + fraction * (need - states)) / GRID_GB) * GRID_GB
     how = f"model states {states:.2f} GB + {fraction:g} x the {need - states:.2f} GB of activations Megatron packing's plans need without recompute"
-    plans = bench.all_plans(specs, batches, cost_model, base, target)
+    plans = all_plans(specs, batches, cost_model, base, target)
     if all(p is not None for p in plans.values()):
-        return bench.BudgetChoice(target, how, plans)
-    budget, _ = bench.smallest_budget(
-        lambda b: b >= target and all(bench.plan_steps(s, batches, cost_model, base, b) is not None for s in specs),
+        return BudgetChoice(target, how, plans)
+    budget, _ = smallest_budget(
+        lambda b: b >= target and all(plan_steps(s, batches, cost_model, base, b) is not None for s in specs),
         "lets every builder plan these batches")
-    return bench.BudgetChoice(budget, f"{how}, raised to where every builder can run", bench.all_plans(specs, batches, cost_model, base, budget))
+    return BudgetChoice(budget, f"{how}, raised to where every builder can run", all_plans(specs, batches, cost_model, base, budget))
 
 
 def describe(p: Prepared) -> list[str]:
@@ -222,7 +215,7 @@ def describe(p: Prepared) -> list[str]:
            f"model states {p.model_state_bytes / GIB:.2f} GB (planner)"]
     out += ["  " + line for line in p.choice.lines(True)]
     out.append(f"  ceiling (epp_unlimited): {p.unlimited_gb:.4f} GB, EPP's plans recompute "
-               f"{bench.fmt_layers(bench.recomputed(p.unlimited_plans))} layers per step (memory shapes none of them)")
+               f"{fmt_layers(recomputed(p.unlimited_plans))} layers per step (memory shapes none of them)")
     return out
 
 
@@ -276,8 +269,8 @@ def report_lines(p: Prepared, measured: dict[str, Sequence[StepMetrics] | str], 
         tflops = "n/a" if e["tflops"] is None else f"{e['tflops']:.0f}"
         over = " (over the budget)" if e["peak_gb"] > p.budget(run) else ""
         out.append(f"  {run:14s} step ms {e['step_ms']:.0f}, TFLOP/s {tflops}, peak {e['peak_gb']:.1f} GB{over} | {plans}")
-    out.append("  EPP vs Megatron " + bench.show(entry["epp_vs_megatron"]) + ", vs Seq1F1B " + bench.show(entry["epp_vs_seq1f1b"])
-               + " (baseline step ms / EPP's, > 1: EPP faster); EPP reaches " + bench.show(entry["epp_vs_ceiling"])
+    out.append("  EPP vs Megatron " + show(entry["epp_vs_megatron"]) + ", vs Seq1F1B " + show(entry["epp_vs_seq1f1b"])
+               + " (baseline step ms / EPP's, > 1: EPP faster); EPP reaches " + show(entry["epp_vs_ceiling"])
                + " of its ceiling's speed")
     return out
 
@@ -327,7 +320,7 @@ def model_flags(text: str | None) -> tuple[list[str], int | None]:
 
 
 def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cells", default=DEFAULT_CELLS, help=f"DATA:CAP,... with DATA in {', '.join(DATA)} (default {DEFAULT_CELLS})")
     ap.add_argument("--all", action="store_true", help="every data set at caps 16K and 32K (6 cells, about twice the default's time)")
     ap.add_argument("--iters", type=int, default=3, help="measured steps per run after one warm-up step (default 3)")

@@ -3,7 +3,7 @@
 
 Runs ``pretrain_gpt.py --elastic-pp`` under torchrun (pp=2, CPU/gloo, one thread per rank) on
 held-out configurations: model shapes, context caps, corpora and plan builders other than those the
-shipped profiles' overheads were fitted on (``scripts/calibrate_step.py``: hidden 64 and hidden 128,
+shipped profiles' overheads were fitted on (``benchmarks/calibrate_step.py``: hidden 64 and hidden 128,
 4 heads, 4 layers, cap 1024, 16 documents of the stdlib corpus or mock data; the runs plan on the
 profile measured nearest their shape, ``--epp-profile cpu``). Each configuration runs twice:
 
@@ -27,10 +27,10 @@ median and max errors (calibrated and static), the fitted ``s`` and ``o``, the h
 noise floor, and every calibrated step as ``[iteration, predicted/measured - 1, chunks, planning
 overlap ms, measured ms]``.
 
-    python scripts/time_model_accuracy.py            # 6 configurations x 30 steps, twice
-    python scripts/time_model_accuracy.py --iters 20 # 6 x 20 steps, twice: ~5 min on a quiet machine
-    python scripts/time_model_accuracy.py --quick    # 3 configurations x 10 steps, twice (a smoke run: ~3 min)
-    python scripts/time_model_accuracy.py --runs-json runs.json   # keep the records; report on them again later
+    python -m benchmarks.time_model_accuracy            # 6 configurations x 30 steps, twice
+    python -m benchmarks.time_model_accuracy --iters 20 # 6 x 20 steps, twice: ~5 min on a quiet machine
+    python -m benchmarks.time_model_accuracy --quick    # 3 configurations x 10 steps, twice (a smoke run: ~3 min)
+    python -m benchmarks.time_model_accuracy --runs-json runs.json   # keep the records; report on them again later
 
 Timings depend on the machine being quiet (other jobs on the cores move a step by 2x): the load
 average is printed before and after.
@@ -40,18 +40,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_elastic import wiki_dataset  # noqa: E402  (scripts/ is this script's directory)
-from megatron_epp.training.replay import run_pretrain  # noqa: E402
-from megatron_epp.planner.config import CALIBRATE_FIRST_STEP  # noqa: E402
-from megatron_epp.training.metrics import StepMetrics  # noqa: E402
+from megatron_epp.training.replay import run_pretrain
+from megatron_epp.planner.config import CALIBRATE_FIRST_STEP
+from megatron_epp.training.metrics import StepMetrics
+from benchmarks.common import Parser, subset_of, hindsight, load_average, wiki_dataset
 
 GOAL = 0.10
 COMMON = ["--elastic-pp", "--pipeline-model-parallel-size", "2", "--lr", "3e-3", "--log-interval", "1"]
@@ -102,12 +99,6 @@ def step_rows(steps: list) -> list[list[float]]:
              s.elastic.planning_overlap_ms, s.elastic.measured_ms] for s in steps if s.iteration > CALIBRATE_FIRST_STEP]
 
 
-def hindsight(rows: list[list[float]]) -> np.ndarray:
-    """The errors left with the one factor on the predictions that fits these steps best (median ratio)."""
-    ratio = np.array([1 + r[1] for r in rows])
-    return ratio / np.median(ratio) - 1
-
-
 def noise_floor(calibrated: list, static: list) -> np.ndarray:
     """|ratio / median ratio - 1| of the measured ms of the steps (after the first) both runs ran with plans of
     the same summary: the same step measured twice."""
@@ -116,28 +107,21 @@ def noise_floor(calibrated: list, static: list) -> np.ndarray:
     return np.abs(ratio / np.median(ratio) - 1) if len(ratio) else np.zeros(0)
 
 
-def loadavg() -> float:
-    return os.getloadavg()[0]
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help=f"{len(QUICK)} configurations, 10 steps each")
     ap.add_argument("--iters", type=int, default=None, help="steps per run (default 30, quick 10)")
-    ap.add_argument("--configs", default=None, help=f"comma-separated subset of {','.join(CONFIGS)}")
+    ap.add_argument("--configs", type=subset_of(CONFIGS), default=None, help=f"comma-separated subset of {','.join(CONFIGS)}")
     ap.add_argument("--epp-profile", default="cpu", help="cost-model profile of every run (default cpu: the shipped one nearest each run's shape)")
     ap.add_argument("--runs-json", default=None,
                     help="save the runs' metrics records here; if the file exists, report on it instead of running again")
-    args = ap.parse_args()
-    names = args.configs.split(",") if args.configs else list(QUICK if args.quick else CONFIGS)
-    unknown = [n for n in names if n not in CONFIGS]
-    if unknown:
-        ap.error(f"unknown configuration {unknown[0]!r} (known: {', '.join(CONFIGS)})")
+    args = ap.parse_args(argv)
+    names = args.configs or list(QUICK if args.quick else CONFIGS)
     iters = args.iters or (10 if args.quick else 30)
     if iters <= CALIBRATE_FIRST_STEP:
         ap.error(f"--iters {iters}: needs steps after the first calibration (step {CALIBRATE_FIRST_STEP})")
     print(f"{len(names)} configurations x {iters} steps, calibrated and static; errors of steps {CALIBRATE_FIRST_STEP + 1}.."
-          f"{iters}; load average {loadavg():.2f}", flush=True)
+          f"{iters}; load average {load_average():.2f}", flush=True)
     print(f"{'configuration':32s} {'chunks':>6s} {'meas ms':>8s} {'s':>6s} {'o ms':>6s} {'calibrated med/max':>19s} "
           f"{'static med/max':>15s}", flush=True)
     saved = json.loads(Path(args.runs_json).read_text()) if args.runs_json and Path(args.runs_json).exists() else None
@@ -185,7 +169,7 @@ def main() -> None:
     noisy = sum(r["noise"]["over_goal"] for r in result.values())
     print(f"noise floor: {pairs} steps measured twice with plans of the same summary, {noisy} of them apart by more than "
           f"{GOAL:.0%} (" + ", ".join(f"{n} max {r['noise']['max']:.1%}" for n, r in result.items() if r["noise"]["pairs"]) + ")")
-    print(f"load average {loadavg():.2f}; worst calibrated step {worst:.1%} (goal <= {GOAL:.0%}): "
+    print(f"load average {load_average():.2f}; worst calibrated step {worst:.1%} (goal <= {GOAL:.0%}): "
           f"{'met' if worst <= GOAL else 'NOT met'}")
     print(json.dumps({"goal": GOAL, "after_step": CALIBRATE_FIRST_STEP, "iters": iters, "within_goal": worst <= GOAL,
                       "configs": result}, separators=(",", ":")))

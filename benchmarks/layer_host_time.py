@@ -2,7 +2,7 @@
 """Host time per layer and chunk of the elastic layer, megatron-core's per-layer RoPE against the chunk's shared
 RoPE tables (``executor.rotary``), paired.
 
-A stack of ``--layers`` layers of the training spec (``training.layer_bench.LayerStack``) at a tiny hidden size,
+A stack of ``--layers`` layers of the training spec (``measure.layer_bench.LayerStack``) at a tiny hidden size,
 where Python and op dispatch dominate (on a GPU they are the per-chunk constant the cost profile fits), runs one
 packed chunk forward and backward, each pass inside ``ChunkContext.running`` as the schedule runs it. Variant
 ``megatron``: the layers get the chunk's raw frequencies (``rotary_pos_emb``), megatron-core's
@@ -12,7 +12,7 @@ layer of forward and of backward, and of the paired differences the median and t
 noise). Times are this process's CPU time (one thread: the wall time on an idle core, not inflated by
 other processes on the machine). The last line is JSON.
 
-    python3 scripts/layer_host_time.py --layers 8 --hidden 32 --tokens 64 --repeats 30
+    python3 -m benchmarks.layer_host_time --layers 8 --hidden 32 --tokens 64 --repeats 30
 """
 
 from __future__ import annotations
@@ -20,16 +20,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from megatron_epp.cost.shape import ModelShape  # noqa: E402
-from megatron_epp.measure.layer_bench import LayerStack  # noqa: E402
+from megatron_epp.cost.shape import ModelShape
+from megatron_epp.measure.layer_bench import LayerStack
+from benchmarks.common import Parser
 
 VARIANTS = ("megatron", "shared")
 
@@ -56,15 +54,15 @@ def quartiles(values: list[float]) -> tuple[float, float, float]:
     return q[0], statistics.median(values), q[2]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=32)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=64, help="tokens of the chunk (two packed documents)")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     for name in ("layers", "hidden", "heads", "repeats"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1")

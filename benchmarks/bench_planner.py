@@ -14,7 +14,7 @@
 2. Comparison: for Wikipedia and a heavier-tailed code-like mix, at 32K/64K/128K caps, the
    predicted step time of EPP and of each baseline, as ratios to EPP and to the compute bound.
 
-    python scripts/bench_planner.py [--network fat-tree] [--seeds 3] [--cpu 0]
+    python -m benchmarks.bench_planner [--network fat-tree] [--seeds 3] [--cpu 0]
 
 The last line is one JSON object: ``{"planning": {"<GB>": {"cpu_ms": {...}, "wall_ms": {...}}},
 "comparison": [{"data", "cap", "epp_ms", "bound_ms", "<system>": step / EPP step}, ...]}``.
@@ -27,30 +27,28 @@ import os
 for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ[var] = "1"
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import json
+import statistics
+import time
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_epp.cost.model import CostModel  # noqa: E402
-from megatron_epp.cost.network import get_network  # noqa: E402
-from megatron_epp.cost.clusters import get_cluster  # noqa: E402
-from megatron_epp.base.units import GIB  # noqa: E402
-from megatron_epp.cost.profile_lookup import load_profile  # noqa: E402
-from megatron_epp.cost.shape import MODEL_PRESETS  # noqa: E402
-from megatron_epp.planner.layout import search_layout  # noqa: E402
-from megatron_epp.planner import build_plan  # noqa: E402
-from megatron_epp.planner.builders import ELASTIC, plan_batch  # noqa: E402
-from megatron_epp.planner.compare import BASELINES, run_baselines  # noqa: E402
-from megatron_epp.planner.config import PlannerConfig  # noqa: E402
-from megatron_epp.data.mock_documents import WIKIPEDIA_LENGTHS  # noqa: E402
-from megatron_epp.data.lengths import read_lengths  # noqa: E402
+from megatron_epp.cost.model import CostModel
+from megatron_epp.cost.network import get_network
+from megatron_epp.cost.clusters import get_cluster
+from megatron_epp.base.units import GIB
+from megatron_epp.cost.profile_lookup import load_profile
+from megatron_epp.cost.shape import MODEL_PRESETS
+from megatron_epp.planner.layout import search_layout
+from megatron_epp.planner import build_plan
+from megatron_epp.planner.builders import ELASTIC, plan_batch
+from megatron_epp.planner.compare import BASELINES, run_baselines
+from megatron_epp.planner.config import PlannerConfig
+from megatron_epp.data.mock_documents import WIKIPEDIA_LENGTHS
+from megatron_epp.data.lengths import read_lengths
+from benchmarks.common import Parser
 
 
 
@@ -83,8 +81,8 @@ def spread(ms: list[float]) -> dict:
             "max": round(max(ms), 1), "max_over_min": round(max(ms) / min(ms), 2)}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--network", default="fat-tree")
     ap.add_argument("--epp-profile", default="llama-13b", help="cost-model profile (as epp-plan's)")
     ap.add_argument("--epp-memory-budget", type=float, default=80.0, help="GB per GPU (as epp-plan's)")
@@ -96,7 +94,7 @@ def main() -> None:
     ap.add_argument("--scale-test", action="store_true", help="also time the heavy-tailed batch of tests/integration/test_planner_scale.py")
     ap.add_argument("--layout-search", action="store_true", help="also time the layout search (EPP, 32 A800 GPUs)")
     ap.add_argument("--layout-seeds", type=int, default=3)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.cpu is not None:
         os.sched_setaffinity(0, {args.cpu})
     cm = CostModel(load_profile(args.epp_profile, 8), 4, network=get_network(args.network))

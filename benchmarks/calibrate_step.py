@@ -14,8 +14,8 @@ without its pull toward the profile's ``o``) on ``measured ms`` of the log (``fo
 on the last stage, the same span the simulator predicts). Prints predicted vs measured before (the
 profile as given) and after, per configuration and per data set, with leave-one-configuration-out errors.
 
-    python scripts/calibrate_step.py [--quick] [--write]   # --write stores o in the profile JSON
-    python scripts/calibrate_step.py --check               # predicted (logged) vs measured with the profile as is
+    python -m benchmarks.calibrate_step [--quick] [--write]   # --write stores o in the profile JSON
+    python -m benchmarks.calibrate_step --check               # predicted (logged) vs measured with the profile as is
 
 The first step of every run (warm-up) is dropped. Timings depend on the machine being quiet: the
 profile records the load average seen during the runs.
@@ -29,19 +29,18 @@ import json
 import os
 import platform
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_epp.planner.calibration import fit_step_model, simulate_steps  # noqa: E402
-from megatron_epp.training.replay import reconstruct_plans, run_pretrain  # noqa: E402
-from megatron_epp.cost.profile import Profile  # noqa: E402
-from megatron_epp.cost.profile_lookup import TEST_MODEL_PROFILE  # noqa: E402
-from megatron_epp.training.metrics import StepMetrics  # noqa: E402
+from megatron_epp.planner.calibration import fit_step_model, simulate_steps
+from megatron_epp.training.replay import reconstruct_plans, run_pretrain
+from megatron_epp.cost.profile import Profile
+from megatron_epp.cost.profile_lookup import TEST_MODEL_PROFILE
+from megatron_epp.training.metrics import StepMetrics
+from benchmarks.common import Parser, subset_of, load_average
 
 def model_flags(profile: Path, seq_length: int) -> list[str]:
     """The runs' model: 4 layers (2 per stage) of the shape the profile's times were measured at."""
@@ -73,18 +72,11 @@ def data_flags(kind: str) -> list[str]:
             "--epp-truncate-documents"]
 
 
-def loadavg() -> float:
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return float("nan")
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help=f"{len(QUICK)} configurations, 3 steps each")
     ap.add_argument("--iters", type=int, default=None, help="steps per run (default 6, quick 3); the first is dropped")
-    ap.add_argument("--configs", default=None, help=f"comma-separated subset of {','.join(CONFIGS)}")
+    ap.add_argument("--configs", type=subset_of(CONFIGS), default=None, help=f"comma-separated subset of {','.join(CONFIGS)}")
     ap.add_argument("--epp-profile", default=str(TEST_MODEL_PROFILE))
     ap.add_argument("--seq-length", type=int, default=1024, help="the runs' context cap (default 1024)")
     ap.add_argument("--write", action="store_true", help="store the fitted overhead in --epp-profile")
@@ -94,16 +86,16 @@ def main() -> None:
                     help="fit o alone (default: also a speed factor s, measured = s x simulated, for another or a busy machine)")
     ap.add_argument("--runs-json", default=None,
                     help="save the parsed runs here; if the file exists, fit on it instead of running again")
-    args = ap.parse_args()
-    names = args.configs.split(",") if args.configs else list(QUICK if args.quick else CONFIGS)
+    args = ap.parse_args(argv)
+    names = args.configs or list(QUICK if args.quick else CONFIGS)
     iters = args.iters or (3 if args.quick else 6)
     tmp = Path(tempfile.mkdtemp(prefix="epp-calib-"))
     snapshot = tmp / "profile.json"  # every run and every rebuilt plan sees the same profile
     shutil.copy(args.epp_profile, snapshot)
     print(f"profile {args.epp_profile} (overhead {json.loads(snapshot.read_text()).get('overhead', {}).get('fwd_ms', 0):.3g}"
           f"+{json.loads(snapshot.read_text()).get('overhead', {}).get('bwd_ms', 0):.3g} ms/chunk/stage); "
-          f"{iters} steps per run, first dropped; load average {loadavg():.2f}", flush=True)
-    loads = [loadavg()]
+          f"{iters} steps per run, first dropped; load average {load_average():.2f}", flush=True)
+    loads = [load_average()]
     rows = []  # (config, data, plan, measured, logged predicted)
     saved = json.loads(Path(args.runs_json).read_text()) if args.runs_json and Path(args.runs_json).exists() else None
     if saved:
@@ -119,7 +111,7 @@ def main() -> None:
             steps = [StepMetrics.from_dict(d) for d in saved["runs"][name]]
         else:
             steps = run_pretrain(argv)
-            loads.append(loadavg())
+            loads.append(load_average())
             record["runs"][name] = [json.loads(st.to_json()) for st in steps]
         plans, cost_model = (None, None) if args.check else reconstruct_plans(argv, iters)
         mismatched = 0
@@ -164,7 +156,7 @@ def main() -> None:
             "fwd_ms": fit.fwd_ms,
             "bwd_ms": fit.bwd_ms,
             "fit": {
-                "note": "per-chunk stage overhead of the elastic executor, fitted on real pretrain_gpt.py --elastic-pp steps by scripts/calibrate_step.py",
+                "note": "per-chunk stage overhead of the elastic executor, fitted on real pretrain_gpt.py --elastic-pp steps by benchmarks/calibrate_step.py",
                 "date": datetime.date.today().isoformat(),
                 "machine": f"{platform.machine()} {os.cpu_count()} cores, pp=2, 1 thread per rank, gloo",
                 "load_average": [round(x, 2) for x in loads],

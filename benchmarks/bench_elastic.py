@@ -75,7 +75,7 @@ minutes with the defaults (33 runs of ~14 s start-up plus their steps); ``--quic
 cap 2048, k = 4 only; 9 runs): about 3 minutes. ``--simulate-only``: budgets and simulated ratios, no
 training (under a minute).
 
-    python scripts/bench_elastic.py [--quick] [--simulate-only] [--datasets stdlib,wiki,wiki-nobind]
+    python -m benchmarks.bench_elastic [--quick] [--simulate-only] [--datasets stdlib,wiki,wiki-nobind]
         [--repeats 3] [--iters 5] [--seq-length 8192] [--seq1f1b-k 2,4,8] [--epp-memory-budget GB]
         [--nobind-memory-budget GB]
 """
@@ -83,41 +83,26 @@ training (under a minute).
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import itertools
 import json
 import os
-import sys
 import time
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Sequence
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.common import (BudgetChoice, Parser, all_plans, fail, fmt_layers, load_average, subset_of, noise_floor, paired_ratio, positive_ints,
+                               pipe_ms, plan_steps, planned_batches, recomputed, show, smallest_budget, step_matrix,
+                               step_ratios, unbound_epp_plans, wiki_dataset, wiki_lengths)
+from megatron_epp.cost.model import CostModel
+from megatron_epp.planner.builders import ELASTIC, MEGATRON, SEQ1F1B, Builder
+from megatron_epp.planner.config import PlannerConfig
+from megatron_epp.training.metrics import StepMetrics
 
-from megatron_epp.cost.model import CostModel  # noqa: E402
-from megatron_epp.base.units import GIB  # noqa: E402
-from megatron_epp.plan import Plan, PlannedStep, PlanInfeasible  # noqa: E402
-from megatron_epp.planner.builders import ELASTIC, MEGATRON, SEQ1F1B, Builder, plan_batch  # noqa: E402
-from megatron_epp.planner.config import PlannerConfig  # noqa: E402
-from megatron_epp.training.metrics import StepMetrics  # noqa: E402
-
-REPO = Path(__file__).resolve().parents[1]
 DATASETS = ("stdlib", "wiki", "wiki-nobind")
 BINDS = {"stdlib": True, "wiki": True, "wiki-nobind": False}
-GRID_GB = 1 / 1024  # budget resolution: exact in binary, so the printed value is the one planned
-MAX_BUDGET_GB = 4096.0
 # goals, as ratios baseline / EPP: EPP <= 0.60x Megatron and <= 0.85x Seq1F1B where memory binds
 GOAL_BIND = {"megatron": 1 / 0.60, "seq1f1b": 1 / 0.85}
 GOAL_NOBIND = 0.97  # EPP >= 0.97x the better baseline's speed: min(ratios) >= 0.97
-
-
-def fail(message: str) -> None:
-    """One line, as argparse's errors, named after the script that runs (this one or a bench importing it)."""
-    raise SystemExit(f"{Path(sys.argv[0]).name}: error: {message}")
-
 
 EPP = ELASTIC
 
@@ -127,81 +112,6 @@ def builders(ks: Sequence[int]) -> list[Builder]:
 
 
 # --------------------------------------------------------------------------------------------- planning
-def plan_steps(builder: Builder, batches: Sequence[Sequence[int]], cost_model: CostModel, base: PlannerConfig,
-               budget_gb: float) -> list[PlannedStep] | None:
-    """The plans ``builder``'s run makes for ``batches`` at ``budget_gb``, or None if it cannot run there:
-    its start-up check fails (``training.planning.check_memory_budget``: a full batch of ``--seq-length``
-    documents must be plannable) or a step cannot be planned."""
-    config = builder.configure(dataclasses.replace(base, memory_budget_bytes=budget_gb * GIB))
-    try:
-        plan_batch([config.max_seq_len] * len(batches[0]), cost_model, config)
-        return [plan_batch(list(b), cost_model, config) for b in batches]
-    except PlanInfeasible:
-        return None
-
-
-def recomputed(plans: Sequence[PlannedStep] | None) -> list[int] | None:
-    return None if plans is None else [p.plan.recomputed_layers() for p in plans]
-
-
-def plan_shape(plan: Plan) -> tuple:
-    """What a plan runs (chunks, pipelines, recompute), without its statistics."""
-    return tuple((tuple((c.kind, tuple((s.seq, s.start, s.length) for s in c.segments)) for c in p.chunks),
-                  tuple(map(tuple, p.recompute))) for p in plan.pipelines)
-
-
-def smallest_budget(ok: Callable[[float], bool], what: str) -> tuple[float, float]:
-    """The smallest budget on the :data:`GRID_GB` grid at which ``ok`` holds (bisection: ``ok`` is
-    monotone in the budget for these conditions in practice; the result is checked by the caller),
-    and the grid point below it."""
-    hi = 64
-    while not ok(hi * GRID_GB):
-        hi *= 2
-        if hi * GRID_GB > MAX_BUDGET_GB:
-            fail(f"no budget up to {MAX_BUDGET_GB:.0f} GB per stage {what}")
-    lo = 0  # a budget of 0 never holds anything
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if ok(mid * GRID_GB) else (mid, hi)
-    return hi * GRID_GB, lo * GRID_GB
-
-
-@dataclass
-class BudgetChoice:
-    """The budget of a data set and the facts that justify it (recomputed layers per step, None: cannot run)."""
-
-    budget_gb: float
-    chosen: str  # how it was chosen
-    plans: dict[Builder, list[PlannedStep] | None]  # every builder's plans at budget_gb, per step (None: cannot run)
-    below_gb: float | None = None  # the grid point below the chosen budget (searched budgets only)
-    recompute_below: dict[str, list[int] | None] | None = None
-    # where memory binds: EPP's plans at a budget where memory shapes none of them, and that budget (the ceiling)
-    unbound: tuple[float, list[PlannedStep]] | None = None
-
-    @property
-    def recompute(self) -> dict[str, list[int] | None]:
-        return {b.label: recomputed(p) for b, p in self.plans.items()}
-
-    def lines(self, binds: bool) -> list[str]:
-        out = [f"budget {self.budget_gb:.4f} GB per stage ({self.chosen})"]
-        if self.below_gb is not None:
-            below = ", ".join(f"{b} {fmt_layers(r)}" for b, r in self.recompute_below.items())
-            out.append(f"  at {self.below_gb:.4f} GB (one grid step below) recomputed layers per step: {below}")
-        out.append("  at the budget, recomputed layers per step: "
-                   + ", ".join(f"{b} {fmt_layers(r)}" for b, r in self.recompute.items()))
-        epp, meg = self.recompute.get(EPP.label), self.recompute.get(MEGATRON.label)
-        if binds:
-            out.append(f"  EPP needs no recompute: {'yes' if epp is not None and not any(epp) else 'NO'}; Megatron packing "
-                       f"recomputes on {sum(1 for r in meg or [] if r)} of {len(meg or [])} steps (warm-up included)"
-                       + ("" if meg and any(meg) else " -- memory does NOT bind for Megatron here"))
-        else:
-            anything = [b for b, r in self.recompute.items() if r is None or any(r)]
-            out.append("  nothing recomputes for any builder: " + ("yes" if not anything else f"NO ({', '.join(anything)})"))
-        return out
-
-
-def fmt_layers(r: list[int] | None) -> str:
-    return "cannot run" if r is None else "[" + ",".join(map(str, r)) + "]"
 
 
 def choose_bind_budget(specs: Sequence[Builder], batches, cost_model: CostModel, base: PlannerConfig) -> BudgetChoice:
@@ -230,53 +140,7 @@ def choose_nobind_budget(specs: Sequence[Builder], batches, cost_model: CostMode
                         all_plans(specs, batches, cost_model, base, budget))
 
 
-def unbound_epp_plans(batches, cost_model: CostModel, base: PlannerConfig, from_gb: float) -> tuple[float, list[PlannedStep]]:
-    """EPP's plans at a budget where memory shapes none of them (``from_gb`` doubled until doubling it again
-    changes no plan), and that budget: what EPP would plan with no memory limit at all."""
-    budget = from_gb
-    plans = plan_steps(EPP, batches, cost_model, base, budget)
-    while True:
-        more = plan_steps(EPP, batches, cost_model, base, budget * 2)
-        if plans is not None and more is not None and [plan_shape(p.plan) for p in plans] == [plan_shape(p.plan) for p in more]:
-            return budget, plans
-        budget, plans = budget * 2, more
-        if budget > MAX_BUDGET_GB:
-            fail(f"EPP's plans still change with the budget at {MAX_BUDGET_GB:.0f} GB per stage")
-
-
-def all_plans(specs: Sequence[Builder], batches, cost_model: CostModel, base: PlannerConfig, budget_gb: float) -> dict[Builder, list[PlannedStep] | None]:
-    return {s: plan_steps(s, batches, cost_model, base, budget_gb) for s in specs}
-
-
 # --------------------------------------------------------------------------------------------- statistics
-def step_matrix(runs: Sequence[Sequence[StepMetrics]], value: Callable[[StepMetrics], float]) -> np.ndarray:
-    """``(repeat, step)`` values of the measured steps of every repeat (cut to the shortest run)."""
-    n = min(len(r) for r in runs)
-    return np.array([[value(s) for s in r[:n]] for r in runs], dtype=float)
-
-
-def pipe_ms(s: StepMetrics) -> float:
-    return s.elastic.measured_ms
-
-
-def step_ratios(base: np.ndarray, epp: np.ndarray) -> np.ndarray:
-    """Per step, baseline step time / EPP step time, a step's time being its median over repeats
-    (both ``(repeat, step)``, cut to the common steps)."""
-    n = min(base.shape[1], epp.shape[1])
-    return np.median(base[:, :n], 0) / np.median(epp[:, :n], 0)
-
-
-def paired_ratio(base: np.ndarray, epp: np.ndarray) -> float:
-    """The reported ratio: the median over steps of :func:`step_ratios`."""
-    return float(np.median(step_ratios(base, epp)))
-
-
-def noise_floor(epp: np.ndarray) -> float | None:
-    """Median over steps and pairs of repeats of ``|t_r / t_r' - 1|`` (EPP against itself); None with one repeat."""
-    pairs = list(itertools.combinations(range(epp.shape[0]), 2))
-    if not pairs:
-        return None
-    return float(np.median([abs(epp[r, i] / epp[q, i] - 1) for r, q in pairs for i in range(epp.shape[1])]))
 
 
 def first_repeat_best(measured: dict[Builder, list[list[StepMetrics]]]) -> Builder | None:
@@ -339,10 +203,6 @@ def measured_ceilings(entries: dict, results: dict) -> None:
     seq = next((runs for b, runs in bind[2].items() if b.family == SEQ1F1B and b.k == entry["seq1f1b_k"] and runs), None)  # its best k
     entry["ceiling_measured"] = {"from": "wiki-nobind", "megatron": None if meg is None else paired_ratio(step_matrix(meg, pipe_ms), epp_free),
                                  "seq1f1b": None if seq is None else paired_ratio(step_matrix(seq, pipe_ms), epp_free)}
-
-
-def show(r: float | None) -> str:
-    return "n/a" if r is None else f"{r:.2f}"
 
 
 def goal_lines(entry: dict, binds: bool) -> list[str]:
@@ -434,41 +294,6 @@ def report_all(results: dict[str, tuple[BudgetChoice, dict, dict, dict]], config
 
 
 # --------------------------------------------------------------------------------------------- data
-def wiki_lengths(cap: int, gbs: int, steps: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Training lengths, by document index, of ``steps`` global batches of ``gbs`` documents drawn from
-    the Wikipedia sample, each batch scaled by cap / (its longest drawn length); and those scales.
-    Document ``i`` is placed where ``pretrain_gpt.py``'s sampler (seed ``seed``) takes it for its batch."""
-    from megatron_epp.data.mock_documents import WIKIPEDIA_LENGTHS, MockDocuments, lengths_from_file
-    from megatron_epp.data.sequence_sampler import SequenceSampler
-
-    if not Path(WIKIPEDIA_LENGTHS).is_file():
-        fail(f"{WIKIPEDIA_LENGTHS} not found (set EPP_SHARED_DIR to the directory holding datasets/)")
-    n = gbs * steps
-    raw = lengths_from_file(WIKIPEDIA_LENGTHS, n, seed).reshape(steps, gbs)
-    scales = cap / raw.max(axis=1)
-    scaled = np.clip(np.rint(raw * scales[:, None]), 1, cap).astype(np.int64)
-    # the run's sampler takes its batches in a seeded order: it gives the same order for any n trainable documents
-    order = SequenceSampler(MockDocuments(np.full(n, 2), 257), gbs, cap, seed=seed).stream(0, n)
-    lengths = np.empty(n, dtype=np.int64)
-    lengths[order] = scaled.ravel()
-    return lengths, scales
-
-
-def wiki_dataset(cap: int, gbs: int, steps: int, seed: int) -> str:
-    """An indexed dataset of random-byte documents with :func:`wiki_lengths` (cached under ``data_cache/bench``)."""
-    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, get_idx_path
-
-    prefix = REPO / "data_cache" / "bench" / f"wiki_per_step_{cap}_{gbs}x{steps}_{seed}"
-    if not Path(get_idx_path(str(prefix))).exists():
-        lengths, _ = wiki_lengths(cap, gbs, steps, seed)
-        prefix.parent.mkdir(parents=True, exist_ok=True)
-        rng = np.random.default_rng(seed)
-        builder = IndexedDatasetBuilder(get_bin_path(str(prefix)), dtype=DType.optimal_dtype(257))
-        for n in lengths:
-            ids = rng.integers(0, 256, size=int(n) + 1, dtype=np.int64)  # n + 1 tokens train as n (labels shifted)
-            builder.add_document(ids, [ids.size])
-        builder.finalize(get_idx_path(str(prefix)))
-    return str(prefix)
 
 
 def run_argv(args, name: str) -> list[str]:
@@ -488,39 +313,18 @@ def run_argv(args, name: str) -> list[str]:
             "--train-iters", str(args.iters + 1), "--log-interval", "1"]
 
 
-def planned_batches(argv: list[str], steps: int, world_size: int = 2):
-    """The lengths of the run's first ``steps`` global batches (its own sampler) on ``world_size``
-    processes (data-parallel rank 0's), the run's planner config and cost model (as
-    ``training.replay.reconstruct_plans`` rebuilds them)."""
-    from megatron_epp.training.replay import parsed_config
-    from megatron_epp.config.errors import ArgumentError
-    from megatron_epp.training.planning import elastic_sampler, online_planner
-
-    try:
-        cfg = parsed_config([*argv, "--epp-memory-budget", "1"], world_size)  # the budget is the builders' to vary
-    except ArgumentError as error:
-        fail(f"the runs' flags would be refused: {str(error).removeprefix('pretrain_gpt.py: error: ')}")
-    build = online_planner(cfg)
-    stream = elastic_sampler(cfg, "train", cfg.parallel.dims.dp, build).iterate(0)
-    batches = []
-    for _ in range(steps):
-        batch = next(stream)
-        batches.append(batch.seq_lengths[batch.positions(0)].tolist())
-    return batches, build
-
-
 # --------------------------------------------------------------------------------------------- main
 def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smoke run: 1 repeat, 2 steps, cap 2048, k=4 (~3 min)")
     ap.add_argument("--simulate-only", action="store_true", help="budgets and the simulated comparison only, no training")
-    ap.add_argument("--datasets", default=",".join(DATASETS), help=f"comma-separated subset of {','.join(DATASETS)}")
+    ap.add_argument("--datasets", type=subset_of(DATASETS), default=list(DATASETS), help=f"comma-separated subset of {','.join(DATASETS)}")
     ap.add_argument("--repeats", type=int, default=None, help="runs per builder and data set (default 3; quick 1)")
     ap.add_argument("--iters", type=int, default=None, help="measured steps per run after one warm-up step (default 5; quick 2)")
     ap.add_argument("--seq-length", type=int, default=None, help="context cap (default 8192; quick 2048)")
     ap.add_argument("--stdlib-global-batch-size", type=int, default=2, help="stdlib documents per step (default 2)")
     ap.add_argument("--wiki-global-batch-size", type=int, default=8, help="wiki documents per step (default 8)")
-    ap.add_argument("--seq1f1b-k", default=None, help="Seq1F1B's slice counts k, comma-separated (default 2,4,8; quick 4)")
+    ap.add_argument("--seq1f1b-k", type=positive_ints, default=None, help="Seq1F1B's slice counts k, comma-separated (default 2,4,8; quick 4)")
     ap.add_argument("--epp-memory-budget", type=float, default=None, help="GB per stage for stdlib and wiki (default: chosen by the planner)")
     ap.add_argument("--nobind-memory-budget", type=float, default=None, help="GB per stage for wiki-nobind (default: chosen by the planner)")
     ap.add_argument("--num-layers", type=int, default=4, help="(default 4: 2 per stage)")
@@ -529,18 +333,10 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=1234, help="data order and wiki lengths (default 1234)")
     args = ap.parse_args(argv)
     quick = args.quick
-    defaults = {"repeats": (1, 3), "iters": (2, 5), "seq_length": (2048, 8192), "seq1f1b_k": ("4", "2,4,8")}
+    defaults = {"repeats": (1, 3), "iters": (2, 5), "seq_length": (2048, 8192), "seq1f1b_k": ([4], [2, 4, 8])}
     for key, (q, full) in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, q if quick else full)
-    args.datasets = args.datasets.split(",")
-    unknown = [d for d in args.datasets if d not in DATASETS]
-    if unknown:
-        fail(f"--datasets: unknown {', '.join(unknown)} (known: {', '.join(DATASETS)})")
-    try:
-        args.seq1f1b_k = [int(k) for k in args.seq1f1b_k.split(",")]
-    except ValueError:
-        fail(f"--seq1f1b-k {args.seq1f1b_k!r}: comma-separated integers")
     for flag in ("repeats", "iters", "seq_length", "stdlib_global_batch_size", "wiki_global_batch_size"):
         if getattr(args, flag) < 1:
             fail(f"--{flag.replace('_', '-')} must be >= 1")
@@ -550,13 +346,6 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if getattr(args, flag) is not None and getattr(args, flag) <= 0:
             fail(f"--{flag.replace('_', '-')} must be positive")
     return args
-
-
-def load_average() -> float:
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return float("nan")
 
 
 class Progress:

@@ -14,7 +14,7 @@ Checks, each printed ``ok`` or ``FAIL``:
   * ``full`` measures the least activation memory of the modes at ``--epp-memory-budget``; its time is shown
     beside the others' (on CPU per-chunk overhead can make it no slower: reported, not checked).
 
-    python scripts/bench_recompute.py [--hidden-size 64] [--epp-memory-budget 0.02] [--none-epp-memory-budget 0.05]
+    python -m benchmarks.bench_recompute [--hidden-size 64] [--epp-memory-budget 0.02] [--none-epp-memory-budget 0.05]
         [--iters 8] [extra pretrain_gpt flags]
 """
 
@@ -23,12 +23,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
-from megatron_epp.training.replay import parsed_config, run_pretrain  # noqa: E402
+from megatron_epp.training.replay import parsed_config, run_pretrain
+from benchmarks.common import Parser
 MB = 2**20
 ROUNDING = 0.005  # MB: the log prints activation MB with two decimals
 
@@ -73,14 +71,14 @@ def verdict(ok: bool) -> str:
     return "ok" if ok else "FAIL"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden-size", type=int, default=64)
     ap.add_argument("--epp-memory-budget", type=float, default=0.02)
     ap.add_argument("--none-epp-memory-budget", type=float, default=0.05, help="a budget where --epp-recompute none fits")
     ap.add_argument("--tolerance", type=float, default=0.0, help="relative error allowed per step and stage (default 0: exact)")
     ap.add_argument("--iters", type=int, default=8)
-    args, extra = ap.parse_known_args()
+    args, extra = ap.parse_known_args(argv)
     tol = args.tolerance
     print(f"hidden {args.hidden_size}, pp=2, 4 layers, seq 1024, 16 documents; medians over steps 2..{args.iters}; "
           f"checks on every step: |pred/meas - 1| <= {tol:g}, states + measured <= budget")

@@ -17,10 +17,10 @@ all-to-all, model states as megatron-core holds them) and reports, row by row:
 With ``--all-rows`` the rows where EPP chose a TP layout follow (``TP ref``: that step; ``kept by new``: what a CP
 layout gains over it, 0 where the search keeps TP).
 
-    python scripts/paper_grid_cp.py --cells docs/measurements/2026-11-27-cpu-cp/sp_rows_cp.jsonl   # resumable
-    python scripts/paper_grid_cp.py --cells FILE --report-only --out docs/measurements/2026-11-27-cpu-cp/sp_rows_cp.md
+    python -m benchmarks.paper_grid_cp --cells docs/measurements/2026-11-27-cpu-cp/sp_rows_cp.jsonl   # resumable
+    python -m benchmarks.paper_grid_cp --cells FILE --report-only --out docs/measurements/2026-11-27-cpu-cp/sp_rows_cp.md
 
-``--cells`` may also be a ``scripts/paper_grid.py --cells`` file (the whole grid, every system): EPP's entry of each
+``--cells`` may also be a ``python -m benchmarks.paper_grid --cells`` file (the whole grid, every system): EPP's entry of each
 cell is its row (``--report-only --all-rows``: the table of every row against ``--old``).
 
 The last line is one JSON object: ``{"rows": [...], "done": n, "of": m}``.
@@ -33,31 +33,28 @@ import os
 for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ[var] = "1"
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import re  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import json
+import math
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "scripts"))
 
-from paper_grid import batch, length_pool  # noqa: E402
 
-from megatron_epp.cost.clusters import get_cluster  # noqa: E402
-from megatron_epp.base.units import GIB  # noqa: E402
-from megatron_epp.cost.shape import MODEL_PRESETS  # noqa: E402
-from megatron_epp.plan import PlanInfeasible  # noqa: E402
-from megatron_epp.planner.builders import ELASTIC  # noqa: E402
-from megatron_epp.planner.cli import solver_output_to_stderr  # noqa: E402
-from megatron_epp.planner.config import PlannerConfig  # noqa: E402
-from megatron_epp.planner.layout import search_layout  # noqa: E402
+from megatron_epp.cost.clusters import get_cluster
+from megatron_epp.base.units import GIB
+from megatron_epp.cost.shape import MODEL_PRESETS
+from megatron_epp.plan import PlanInfeasible
+from megatron_epp.planner.builders import ELASTIC
+from megatron_epp.planner.cli import solver_output_to_stderr
+from megatron_epp.planner.config import PlannerConfig
+from megatron_epp.planner.layout import search_layout
+from benchmarks.common import REPO, Parser, batch, length_pool, positive_ints
 
-OLD = ROOT / "docs" / "measurements" / "2026-11-24-cpu" / "paper_grid_cells.jsonl"
+OLD = REPO / "docs" / "measurements" / "2026-11-24-cpu" / "paper_grid_cells.jsonl"
 KEYS = ("data", "model", "cap", "cluster")
 SETTINGS = ("gbs", "memory_gb", "overlap", "seed")  # a row compares with an old cell of the same (a paper_grid.py cell has them)
 
@@ -96,7 +93,7 @@ def run_row(cell: dict) -> dict:
 
 
 def row_of_cell(cell: dict) -> dict:
-    """A row of this script from a ``scripts/paper_grid.py --cells`` line (every system; EPP's entry taken), so that a
+    """A row of this script from a ``python -m benchmarks.paper_grid --cells`` line (every system; EPP's entry taken), so that a
     whole re-run grid reports here too; a row of this script's own as it is."""
     if "systems" not in cell:
         return cell
@@ -155,19 +152,33 @@ def summary(rows: list[dict]) -> list[str]:
                 for r in slower)]
 
 
+def row_keys(text: str) -> list[tuple]:
+    """``--rows``' argparse ``type``: ``data:model:cap:cluster`` keys, comma-separated (cap in tokens or ``128K``)."""
+    rows = []
+    for item in filter(None, text.split(",")):
+        parts = item.split(":")
+        if len(parts) != len(KEYS):
+            raise argparse.ArgumentTypeError(f"{item!r}: expected {':'.join(KEYS)}")
+        caps = positive_ints(parts[2])
+        rows.append((parts[0], parts[1], caps[0], parts[3]))
+    if not rows:
+        raise argparse.ArgumentTypeError("no row given")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = Parser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--old", type=Path, default=OLD, help="the earlier grid's cells (JSON lines)")
     ap.add_argument("--cells", type=Path, required=True, help="JSON lines: rows done appended; those there not re-run")
     ap.add_argument("--report-only", action="store_true")
     ap.add_argument("--limit", type=int, default=None, help="run at most this many rows (cheapest first)")
     ap.add_argument("--all-rows", action="store_true", help="after the SP rows, the rows where EPP chose a TP layout")
     ap.add_argument("--out", type=Path, default=None, help="markdown file the table is written to")
-    ap.add_argument("--rows", default=None, help="only these rows: data:model:cap:cluster, comma-separated (e.g. commoncrawl:llama-7b:131072:h100-ib-gpu)")
+    ap.add_argument("--rows", type=row_keys, default=None, help="only these rows: data:model:cap:cluster, comma-separated (e.g. commoncrawl:llama-7b:131072:h100-ib-gpu)")
     args = ap.parse_args(argv)
     old = sp_rows(args.old, args.all_rows)
     if args.rows:
-        wanted = {tuple(int(v) if k == "cap" else v for k, v in zip(KEYS, r.split(":"))) for r in args.rows.split(",")}
+        wanted = set(args.rows)
         old = [c for c in old if tuple(c[k] for k in KEYS) in wanted]
         if len(old) != len(wanted):
             ap.error(f"--rows: {len(wanted) - len(old)} of {len(wanted)} not among {args.old}'s rows" + ("" if args.all_rows else " (SP rows only without --all-rows)"))
@@ -192,7 +203,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"# {r['data']} {r['model']} {r['cap'] // 1024}K {r['cluster']}: {r.get('layout', '-')} "
                   f"{r.get('step_ms', float('nan')) / 1e3:.2f} s ({r['search_s']:.0f} s)", file=sys.stderr, flush=True)
     lines, rows = table(sorted(old, key=lambda c: (c["cluster"], c["data"], c["model"], c["cap"])), done)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
     text = "\n".join(lines + ["", *summary(rows)])
     print(text)
     if args.out:

@@ -26,7 +26,7 @@ Last line: one JSON object: per configuration ``iter_ratio`` and ``step_ratio`` 
 (per placement, of ``iter_ms``), ``iter_ms`` and ``step_ms`` (medians per placement), ``planning_ms`` (median per
 placement), ``exposed_ms`` (median per placement); ``config``. About 3 minutes on 2 idle cores.
 
-    OMP_NUM_THREADS=1 python scripts/bench_planning_placement.py [--repeats 3] [--iters 12] [--configs main-job,cp2]
+    OMP_NUM_THREADS=1 python -m benchmarks.bench_planning_placement [--repeats 3] [--iters 12] [--configs main-job,cp2]
 """
 
 from __future__ import annotations
@@ -34,18 +34,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
-from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_context_parallel import run_argv as cp_run_argv  # noqa: E402
-from bench_elastic import fail, load_average, noise_floor, paired_ratio, step_matrix  # noqa: E402
-from megatron_epp.training.metrics import StepMetrics  # noqa: E402
+from megatron_epp.training.metrics import StepMetrics
+from benchmarks.common import Parser, fail, step_matrix, paired_ratio, noise_floor, load_average, cp_run_argv
 
 PLACEMENTS = ("background", "between")
 CONFIGS = ("main-job", "cp2")
@@ -97,7 +93,7 @@ def report(name: str, f: dict) -> str:
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=3, help="launches per configuration and placement (default 3)")
     ap.add_argument("--iters", type=int, default=12, help="steps per launch, the first a warm-up (default 12)")
     ap.add_argument("--cp2-budget", type=float, default=0.0264, help="--epp-memory-budget of the cp2 runs (default 0.0264)")

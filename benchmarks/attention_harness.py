@@ -4,7 +4,7 @@ Each chunk gets random leaf ``q``/``k``/``v`` (``[N, 1, heads, d]``) and a rando
 chunks run forward in plan order and backward in the schedule's backward order (a split sequence's
 slices last-to-first), so the prefix K/V and their gradients (the sequences' K/V buffers, ``_SliceKV``)
 flow exactly as in training. Each chunk is current in the attention's own context while it runs.
-Used by the CPU contract test and by ``scripts/check_cuda_attention.py``.
+Used by the CPU contract test and by ``benchmarks/check_cuda_attention.py``.
 
 Also reference implementations of the two varlen kernels' documented semantics in plain torch (``einsum``
 + ``softmax``, not SDPA), which stand in for them on CPU: flash-attn's ``flash_attn_varlen_func`` (2.1+

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """What ``scripts/gpu_check.sh`` measured, as one JSON line (its last line), from the files it wrote in its output folder.
 
-    python scripts/gpu_check_report.py OUT_DIR                            # the whole report (JSON, last line)
-    python scripts/gpu_check_report.py --train METRICS [--default-path]   # the train step's verdict (one line, exit 1: FAIL)
+    python -m benchmarks.gpu_check_report OUT_DIR                            # the whole report (JSON, last line)
+    python -m benchmarks.gpu_check_report --train METRICS [--default-path]   # the train step's verdict (one line, exit 1: FAIL)
 
 The report holds, per step, its status, seconds and limit (``steps.tsv``), and what the README's GPU claims rest on:
 
@@ -30,11 +30,10 @@ import statistics
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
-from megatron_epp.base.units import GIB  # noqa: E402
-from megatron_epp.training.metrics import StepMetrics, read_metrics  # noqa: E402
+from megatron_epp.base.units import GIB
+from megatron_epp.training.metrics import StepMetrics, read_metrics
+from benchmarks.common import Parser
 
 
 def _text(path: Path) -> str | None:
@@ -209,7 +208,7 @@ def report(out: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", nargs="?", help="gpu_check.sh's output folder")
     ap.add_argument("--train", metavar="METRICS", help="print the train step's verdict line for this --epp-metrics file")
     ap.add_argument("--default-path", action="store_true", help="with --train: the --quick run (no profile or budget given)")

@@ -23,11 +23,11 @@ Measures, with one thread (process CPU time, fastest of ``--repeats``):
     the error of the count against these measurements is reported.
 
 Writes the profile JSON (keeping the ``overhead`` block of the file it replaces, or of the shipped
-profile, fitted on real steps by ``scripts/calibrate_step.py``) and prints every fit's error.
+profile, fitted on real steps by ``benchmarks/calibrate_step.py``) and prints every fit's error.
 
-    python scripts/profile_layer.py --out megatron_epp/cost/profiles/test-model_cpu.json
-    python scripts/profile_layer.py --hidden-size 128 --out /tmp/h128.json        # another shape
-    python scripts/profile_layer.py --hidden-size 128 --compare test-model         # check time scaling
+    python -m benchmarks.profile_layer --out megatron_epp/cost/profiles/test-model_cpu.json
+    python -m benchmarks.profile_layer --hidden-size 128 --out /tmp/h128.json        # another shape
+    python -m benchmarks.profile_layer --hidden-size 128 --compare test-model         # check time scaling
 
 ``--compare PROFILE`` profiles nothing: it times real chunks (batched, split with context, hybrid)
 through one layer, and the output head, at the given shape and compares them with PROFILE's
@@ -40,23 +40,22 @@ import argparse
 import dataclasses
 import json
 import platform
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_epp.measure.layer_bench import LayerStack, init_single_process, saved_bytes, time_fwd_bwd  # noqa: E402
-from megatron_epp.cost.profile_fit import fit, measured_profile, recompute_fit, rel_errors  # noqa: E402
-from megatron_epp.cost.features import NUM_FEATURES, F, chunk_features  # noqa: E402
-from megatron_epp.plan import Chunk, Segment  # noqa: E402
-from megatron_epp.cost.activation_memory import saved_tensor_memory  # noqa: E402
-from megatron_epp.cost.analytic import shape_time  # noqa: E402
-from megatron_epp.cost.profile import MemoryCoeffs, StageOverhead, TimeCoeffs  # noqa: E402
-from megatron_epp.cost.profile_lookup import TEST_MODEL_PROFILE, load_profile  # noqa: E402
-from megatron_epp.cost.shape import TEST_MODEL, ModelShape  # noqa: E402
+from megatron_epp.measure.layer_bench import LayerStack, init_single_process, saved_bytes, time_fwd_bwd
+from megatron_epp.cost.profile_fit import fit, measured_profile, recompute_fit, rel_errors
+from megatron_epp.cost.features import NUM_FEATURES, F, chunk_features
+from megatron_epp.plan import Chunk, Segment
+from megatron_epp.cost.activation_memory import saved_tensor_memory
+from megatron_epp.cost.analytic import shape_time
+from megatron_epp.cost.profile import MemoryCoeffs, StageOverhead, TimeCoeffs
+from megatron_epp.cost.profile_lookup import TEST_MODEL_PROFILE, load_profile
+from megatron_epp.cost.shape import TEST_MODEL, ModelShape
+from benchmarks.common import Parser
 
 
 TERMS = [c.name for c in F]  # the feature columns: SQ SC S C SEGMENTS CHUNKS
@@ -232,8 +231,8 @@ def report_fit(name: str, err: dict) -> None:
         print(f"  WARNING: {name}: {term} fitted to 0 (non-negative least squares clipped it: the chunks give it no time)")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=str(TEST_MODEL_PROFILE))
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--hidden-size", type=int, default=TEST_MODEL.hidden)
@@ -244,7 +243,7 @@ def main() -> None:
                     help="profile JSON whose 'overhead' block is kept (default: --out if it exists, else the shipped profile)")
     ap.add_argument("--compare", metavar="PROFILE", default=None,
                     help="profile nothing: compare PROFILE, scaled to this shape, with measured chunks")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     shape = dataclasses.replace(TEST_MODEL, hidden=args.hidden_size, num_heads=args.num_attention_heads, ffn_hidden=args.ffn_hidden_size or 4 * args.hidden_size, vocab=args.vocab_size)
     if shape != TEST_MODEL:
         shape = dataclasses.replace(shape, name=f"{TEST_MODEL.name}-h{shape.hidden}")
@@ -263,7 +262,7 @@ def main() -> None:
     errors["per_slice_term"] = layer["per_slice_term"]
     errors.update(check_memory(shape, stack, memory))
     profile = measured_profile(shape, f"CPU {platform.processor() or platform.machine()} (1 thread, fp32, {kernel})", layer, head, memory,
-                               {"errors": errors, "torch": torch.__version__, "note": "measured by scripts/profile_layer.py"},
+                               {"errors": errors, "torch": torch.__version__, "note": "measured by benchmarks/profile_layer.py"},
                                StageOverhead(**overhead) if overhead else StageOverhead())
     profile.save(args.out)
     print(f"wrote {args.out}\nlayer and head, fitted jointly on the chunk features (non-negative least squares, relative error):")

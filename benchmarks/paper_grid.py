@@ -10,14 +10,14 @@ longer than the context is truncated to it. Per cell: each system's predicted st
 peak memory per GPU and recompute; EPP over its compute-only bound; where a baseline is faster, the
 cost term that makes it so. Ratios are baseline / EPP (> 1: EPP faster).
 
-    python scripts/paper_grid.py             # the whole grid; writes the table into docs/measurements/paper-grid.md
-    python scripts/paper_grid.py --quick     # one small cell, for the tests (no file written)
-    python scripts/paper_grid.py --cells grid.jsonl   # each finished cell appended there; a re-run resumes
+    python -m benchmarks.paper_grid             # the whole grid; writes the table into docs/measurements/paper-grid.md
+    python -m benchmarks.paper_grid --quick     # one small cell, for the tests (no file written)
+    python -m benchmarks.paper_grid --cells grid.jsonl   # each finished cell appended there; a re-run resumes
 
 With ``--cells FILE`` each cell is appended to FILE (one JSON line) as soon as it is done, and the cells
 already in FILE (same data, model, cap, cluster, gbs, memory, overlap and seed) are read back instead of
 run again: a long grid can be stopped and resumed, and ``--report-only`` writes the table of the cells
-done so far. Stopped by SIGTERM (``timeout 300 python scripts/paper_grid.py ...``), the run still writes the
+done so far. Stopped by SIGTERM (``timeout 300 python -m benchmarks.paper_grid ...``), the run still writes the
 table of the cells done (the others "not run yet"). The cells start most work first (:func:`work`).
 
 The last line is one JSON object: ``{"cells": [{"data", "model", "cap", "cluster", "epp_ms",
@@ -32,66 +32,33 @@ import os
 for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ[var] = "1"
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import math  # noqa: E402
-import multiprocessing  # noqa: E402
-import signal  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import json
+import math
+import multiprocessing
+import signal
+import sys
+import time
+from pathlib import Path
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from megatron_epp.cost.clusters import COMM_OVERLAP, get_cluster  # noqa: E402
-from megatron_epp.base.units import GIB  # noqa: E402
-from megatron_epp.cost.analytic import analytic_profile  # noqa: E402
-from megatron_epp.cost.shape import MODEL_PRESETS  # noqa: E402
-from megatron_epp.plan import PlanInfeasible  # noqa: E402
-from megatron_epp.planner.builders import ELASTIC, MEGATRON, SEQ1F1B  # noqa: E402
-from megatron_epp.planner.cli import solver_output_to_stderr  # noqa: E402
-from megatron_epp.data.lengths import read_lengths  # noqa: E402
-from megatron_epp.planner.config import PlannerConfig  # noqa: E402
-from megatron_epp.planner.layout import search_layout  # noqa: E402
-from megatron_epp.simulator.flexsp import simulate_flexsp  # noqa: E402
+from megatron_epp.cost.clusters import CLUSTERS, COMM_OVERLAP, get_cluster
+from megatron_epp.base.units import GIB
+from megatron_epp.cost.analytic import analytic_profile
+from megatron_epp.cost.shape import MODEL_PRESETS
+from megatron_epp.plan import PlanInfeasible
+from megatron_epp.planner.builders import ELASTIC, MEGATRON, SEQ1F1B
+from megatron_epp.planner.cli import solver_output_to_stderr
+from megatron_epp.planner.config import PlannerConfig
+from megatron_epp.planner.layout import search_layout
+from megatron_epp.simulator.flexsp import simulate_flexsp
+from benchmarks.common import LENGTH_POOLS, REPO, Parser, batch, length_pool, subset_of, positive_ints
 
 PAPER_RATIOS = {"flexsp": 1.69, "seq1f1b": 1.40, "megatron": 2.60}  # InfiniPipe's reported speedups of EPP
 PAPER_DATA = ("commoncrawl", "github")
 PAPER_CAPS = (49152, 98304)
-WIKIPEDIA = Path("/work/shared/datasets/wikipedia_lengths.txt.gz")
 README_BEGIN, README_END = "<!-- paper-grid:begin -->", "<!-- paper-grid:end -->"
-
-
-def length_pool(name: str, seed: int = 0, n: int = 200_000) -> np.ndarray:
-    """The length distributions (seeded; ``n`` documents to sample batches from):
-
-    * ``commoncrawl``: log-normal, median 1,000 tokens, sigma 1.2 (mean ~2.1K, p99 ~16K): web text,
-      mostly short, a light tail;
-    * ``github``: log-normal, median 2,000, sigma 1.6 (mean ~7K, p99 ~83K): 16 % of the tokens in
-      documents over 128K, ByteScale's figure for GitHub;
-    * ``code-heavy`` (held out: not one the paper shows): log-normal, median 6,000, sigma 1.63, so
-      that p99 ~264K, cut at 772K (the longest document of the held-out set);
-    * ``wikipedia``: the shared sample of 1M real Wikipedia lengths (FlexSP's), if present.
-    """
-    rng = np.random.default_rng(seed)
-    if name == "commoncrawl":
-        x = rng.lognormal(np.log(1000), 1.2, n)
-    elif name == "github":
-        x = rng.lognormal(np.log(2000), 1.6, n)
-    elif name == "code-heavy":
-        x = np.minimum(rng.lognormal(np.log(6000), 1.63, n), 772_000)
-    elif name == "wikipedia":
-        return read_lengths(WIKIPEDIA)
-    else:
-        raise SystemExit(f"error: unknown data {name!r}")
-    return np.maximum(x, 16).astype(np.int64)
-
-
-def batch(pool: np.ndarray, gbs: int, cap: int, seed: int) -> np.ndarray:
-    return np.minimum(np.random.default_rng(seed).choice(pool, gbs, replace=False), cap)
 
 
 def run_cell(data: str, lengths: np.ndarray, model: str, cap: int, cluster_name: str, memory_gb: float, overlap: float,
@@ -257,12 +224,12 @@ def load_cells(path: Path | None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = Parser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="one small cell (7B, 48K, 64 GitHub-like documents, IB per node)")
-    ap.add_argument("--models", default="llama-7b,llama-13b,llama-30b")
-    ap.add_argument("--caps", default="49152,98304,131072")
-    ap.add_argument("--data", default="commoncrawl,github,code-heavy")
-    ap.add_argument("--clusters", default="a800-ib-node,a800-ib-gpu")
+    ap.add_argument("--models", type=subset_of(MODEL_PRESETS), default=["llama-7b", "llama-13b", "llama-30b"], help="comma-separated presets")
+    ap.add_argument("--caps", type=positive_ints, default=[49152, 98304, 131072], help="comma-separated context caps in tokens (48K: 49152)")
+    ap.add_argument("--data", type=subset_of(LENGTH_POOLS), default=["commoncrawl", "github", "code-heavy"], help="comma-separated length distributions")
+    ap.add_argument("--clusters", type=subset_of(CLUSTERS), default=["a800-ib-node", "a800-ib-gpu"], help="comma-separated cluster presets")
     ap.add_argument("--gbs", type=int, default=512)
     ap.add_argument("--memory-gb", type=float, default=80.0)
     ap.add_argument("--overlap", type=float, default=COMM_OVERLAP, help="share of ZeRO-3/FSDP/DP-sync collectives hidden behind compute")
@@ -277,11 +244,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.report_only and args.cells is None:
         ap.error("--report-only needs --cells")
     if args.quick:
-        args.models, args.caps, args.data, args.clusters, args.gbs = "llama-7b", "49152", "github", "a800-ib-node", 64
+        args.models, args.caps, args.data, args.clusters, args.gbs = ["llama-7b"], [49152], ["github"], ["a800-ib-node"], 64
     t0 = time.perf_counter()
-    pools = {d: length_pool(d, args.seed) for d in args.data.split(",")}
-    grid = [(cl, data, model, cap) for cl in args.clusters.split(",") for data in pools for model in args.models.split(",")
-            for cap in map(int, args.caps.split(","))]
+    pools = {d: length_pool(d, args.seed) for d in args.data}
+    grid = [(cl, data, model, cap) for cl in args.clusters for data in pools for model in args.models
+            for cap in args.caps]
     done = load_cells(args.cells)
 
     def key(cl: str, data: str, model: str, cap: int) -> tuple:
@@ -314,7 +281,7 @@ def main(argv: list[str] | None = None) -> None:
         signal.signal(signal.SIGTERM, previous)
     cells = [done[key(*g)] for g in grid if key(*g) in done]  # the grid's order
     rows = [ratios(c) for c in cells]
-    head = headline(rows, args.clusters.split(","))
+    head = headline(rows, args.clusters)
     wins = [f"- {c['data']} {c['model']} {c['cap'] // 1024}K {c['cluster']}: {why_baseline_wins(c, n)}"
             for c, r in zip(cells, rows) for n in ("flexsp", "seq1f1b", "megatron") if r[n] is not None and r[n] < 1]
     summary = [f"Headline (paper's cells: {'/'.join(PAPER_DATA)}, 48K/96K, 7B/13B/30B), baseline / EPP, geometric mean (max) vs the paper:"]
@@ -332,7 +299,7 @@ def main(argv: list[str] | None = None) -> None:
                          else f"this run {time.perf_counter() - t0:.0f} s wall with {args.jobs} process(es); {stopped}")
                       + f"{sum(s.get('search_s', 0.0) for c in cells for s in c['systems'].values()):.0f} s of per-cell search time over the cells shown."])
     print(text)
-    readme = args.readme or (None if args.quick else str(ROOT / "docs" / "measurements" / "paper-grid.md"))
+    readme = args.readme or (None if args.quick else str(REPO / "docs" / "measurements" / "paper-grid.md"))
     if readme:
         write_readme(Path(readme), text)
     print(json.dumps({"cells": rows, "headline": head}, separators=(",", ":")), flush=True)

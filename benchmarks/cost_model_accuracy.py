@@ -6,37 +6,35 @@ layers (8 layers with prefix-K/V attention, plus the output head and loss), one 
 process CPU time (min of repeats). Compares with the cost model's prediction of the same chunk on a
 single stage holding all layers.
 
-    python scripts/cost_model_accuracy.py [--per-kind 6] [--epp-profile PATH]
+    python -m benchmarks.cost_model_accuracy [--per-kind 6] [--epp-profile PATH]
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_epp.cost.model import CostModel  # noqa: E402
-from megatron_epp.base.units import GIB  # noqa: E402
-from megatron_epp.cost.profile_lookup import load_profile  # noqa: E402
-from megatron_epp.planner import build_plan  # noqa: E402
-from megatron_epp.data.mock_documents import WIKIPEDIA_LENGTHS  # noqa: E402
-from megatron_epp.data.lengths import read_lengths  # noqa: E402
-from megatron_epp.cost.features import chunk_features  # noqa: E402
-from megatron_epp.measure.layer_bench import LayerStack, init_single_process, time_fwd_bwd  # noqa: E402
+from megatron_epp.cost.model import CostModel
+from megatron_epp.base.units import GIB
+from megatron_epp.cost.profile_lookup import load_profile
+from megatron_epp.planner import build_plan
+from megatron_epp.data.mock_documents import WIKIPEDIA_LENGTHS
+from megatron_epp.data.lengths import read_lengths
+from megatron_epp.cost.features import chunk_features
+from megatron_epp.measure.layer_bench import LayerStack, init_single_process, time_fwd_bwd
+from benchmarks.common import Parser
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> None:
+    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--epp-profile", default="test-model")
     ap.add_argument("--per-kind", type=int, default=6)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     init_single_process()
     profile = load_profile(args.epp_profile)
     lengths = np.minimum(np.random.default_rng(args.seed).choice(read_lengths(WIKIPEDIA_LENGTHS), 96), 8192)

@@ -1,7 +1,7 @@
 """On a CUDA machine: ElasticAttention's varlen paths (flash-attn's, torch's) against its SDPA path, bf16, real layouts.
 
 For each layout every chunk runs forward in plan order and backward in the elastic schedule's order through one
-``ElasticAttention`` (``tests/attention_harness.py``), with each backend forced in turn, forward and backward of the
+``ElasticAttention`` (``benchmarks/attention_harness.py``), with each backend forced in turn, forward and backward of the
 whole layout before the next backend (only the errors and timings are kept), and each layout's tensors released
 (``torch.cuda.empty_cache()``) before the next:
 
@@ -43,7 +43,7 @@ Without flash-attn (it does not import, or ``--without-flash``), or without torc
 kernel is reported as skipped, with the reason, and the others are checked and timed.
 
     bash scripts/setup_gpu.sh                # flash-attn on the CUDA torch, when it builds
-    python scripts/check_cuda_attention.py [--num-attention-heads 32 --num-query-groups 8 --kv-channels 128 --repeats 10 --budget-s 45]
+    python -m benchmarks.check_cuda_attention [--num-attention-heads 32 --num-query-groups 8 --kv-channels 128 --repeats 10 --budget-s 45]
 
 ``--cpu-dry-run`` runs the same code on CPU float32 at toy sizes with the tests' reference kernels in place of
 flash-attn and of torch's varlen_attn (torch 2.11's, GQA through the reference aten flash ops), and sdpa-masked too
@@ -57,18 +57,16 @@ import functools
 import statistics
 import sys
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
-import torch  # noqa: E402
-from torch.utils.checkpoint import checkpoint  # noqa: E402
+import torch
+from torch.utils.checkpoint import checkpoint
 
-from megatron_epp.executor import kernels as attention_kernels  # noqa: E402
-from megatron_epp.executor.context import bottom_right_causal_mask  # noqa: E402
-from megatron_epp.plan import Chunk, Pipeline, Plan, Segment, chunk_kind  # noqa: E402
-from tests.attention_harness import SavedTensors, make_attention, random_tensors, run_plan, worst_errors  # noqa: E402
+from megatron_epp.executor import kernels as attention_kernels
+from megatron_epp.executor.context import bottom_right_causal_mask
+from megatron_epp.plan import Chunk, Pipeline, Plan, Segment, chunk_kind
+from benchmarks.attention_harness import SavedTensors, make_attention, random_tensors, run_plan, worst_errors
+from benchmarks.common import Parser
 
 CUDA_BACKENDS = ("flash-varlen", "torch-varlen", "sdpa-causal")  # never sdpa-masked on CUDA (see above)
 VARLEN = ("flash-varlen", "torch-varlen")
@@ -267,7 +265,7 @@ def saved_line(attention, plan: Plan, low, args, device: str, varlen_kernel) -> 
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = Parser(description=__doc__.split("\n")[0])
     p.add_argument("--num-attention-heads", type=int, default=32)
     p.add_argument("--num-query-groups", type=int, default=8)
     p.add_argument("--kv-channels", type=int, default=128)
@@ -285,7 +283,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def setup(args: argparse.Namespace) -> tuple[str, torch.dtype] | None:
     """The device and the low precision (None: no CUDA outside the dry run); the dry run's reference kernels and sizes."""
     if args.cpu_dry_run:
-        from tests.attention_harness import REFERENCE_KERNEL, reference_torch_varlen
+        from benchmarks.attention_harness import REFERENCE_KERNEL, reference_torch_varlen
 
         attention_kernels.load_flash_kernel = lambda: (REFERENCE_KERNEL, "")
         attention_kernels.load_torch_varlen = lambda: (reference_torch_varlen("aten-flash"), "")  # torch 2.11's, as on the GPUs
