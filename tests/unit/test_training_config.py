@@ -27,9 +27,9 @@ LIBRARY = Path(config_module.__file__).parent.parent
 # the packages that read the config: config itself parses the flags, validates them and turns them into the config
 # (and declares the accepted Megatron-LM flags)
 READERS = ("training", "model", "measure", "checkpoint")
-# a command line of its own (python -m megatron_epp.checkpoint.hf_convert), whose namespace is not pretrain_gpt.py's: it builds
+# command lines of their own (epp-hf-convert, epp-profile-gpu), whose namespaces are not pretrain_gpt.py's: they build
 # pretrain_gpt.py's config with parse_config
-OTHER_CLIS = {"hf_convert.py"}
+OTHER_CLIS = {"hf_convert.py", "profile_gpu.py"}
 # cfg.flat() and the one-line errors of varied command lines at 8c9e29a, before the options were declared once
 BEFORE = Path(__file__).parent.parent / "data" / "config_before_one_declaration.json"
 
