@@ -28,15 +28,25 @@ import torch
 import torch.distributed as dist
 from megatron.core.utils import unwrap_model
 
-from megatron_epp.checkpoint import checkpointing
-from megatron_epp.config.parser import parse_config, world_size_from_env
-from megatron_epp.config.errors import ArgumentError
+from megatron_epp.checkpoint import integrity, records, store
 from megatron_epp.checkpoint.hf_llama import (
-    INDEX, HFCheckpointError, LlamaSpec, ShardReader, flags_from_record, gather_order, hf_config, hf_tensors, implied_flags,
-    megatron_tensor, read_spec, spec_from_record,
+    INDEX,
+    HFCheckpointError,
+    LlamaSpec,
+    ShardReader,
+    flags_from_record,
+    gather_order,
+    hf_config,
+    hf_tensors,
+    implied_flags,
+    megatron_tensor,
+    read_spec,
+    spec_from_record,
 )
-from megatron_epp.model.runtime import initialize, shutdown
+from megatron_epp.config.errors import ArgumentError
+from megatron_epp.config.parser import parse_config, world_size_from_env
 from megatron_epp.model.gpt import build_model, padded_vocab_size
+from megatron_epp.model.runtime import initialize, shutdown
 
 PROG = "hf_convert"
 
@@ -91,7 +101,7 @@ def import_checkpoint(args: argparse.Namespace) -> int:
     with torch.no_grad():
         for name, param in gpt.named_parameters():
             param.copy_(megatron_tensor(reader, spec, name, _layer(gpt, name), tp, runtime.tp_rank, padded))
-    path = checkpointing.save_checkpoint(cfg, model, None, None, runtime, 0, 0)
+    path = store.save_checkpoint(cfg, model, None, None, runtime, 0, 0)
     if runtime.rank == 0:
         print(f"> imported {args.hf_dir} into {path} (tp {tp}, pp {pp}): load it with --load {args.save} --finetune", flush=True)
     return 0
@@ -100,11 +110,11 @@ def import_checkpoint(args: argparse.Namespace) -> int:
 def _export_config(args: argparse.Namespace):
     """The checkpoint's model as ``pretrain_gpt.py``'s config at its own layout and at the export's, and its LLaMA spec
     (one line if it is none)."""
-    iteration_file = os.path.join(args.load, checkpointing.TRACKER)
+    iteration_file = os.path.join(args.load, records.TRACKER)
     if not os.path.isfile(iteration_file):
-        raise ArgumentError(f"--load {args.load}: no megatron-epp checkpoint ({checkpointing.TRACKER} missing)")
+        raise ArgumentError(f"--load {args.load}: no megatron-epp checkpoint ({records.TRACKER} missing)")
     with open(iteration_file) as f:
-        meta_path = os.path.join(checkpointing.iteration_dir(args.load, int(f.read().strip())), checkpointing.METADATA)
+        meta_path = os.path.join(records.iteration_dir(args.load, int(f.read().strip())), records.METADATA)
     try:
         with open(meta_path) as f:
             meta = json.load(f)
@@ -140,13 +150,13 @@ def export_checkpoint(args: argparse.Namespace) -> int:
     from safetensors.torch import save_file
 
     saved_cfg, cfg, spec = _export_config(args)
-    resume = checkpointing.check_loadable(saved_cfg)
+    resume = integrity.check_loadable(saved_cfg)
     if resume is None:
         raise ArgumentError(f"--load {args.load}: no checkpoint there")
     runtime = initialize(cfg)
-    iteration, _ = checkpointing.choose_verified(cfg, resume, runtime)
+    iteration, _ = integrity.choose_verified(cfg, resume, runtime)
     model, _ = build_model(cfg, runtime)
-    checkpointing.load_model_weights(cfg, iteration, model, runtime)
+    store.load_model_weights(cfg, iteration, model, runtime)
     gpt = unwrap_model(model)
     tensors: dict[str, torch.Tensor] = {}
     for name, param in gpt.named_parameters():

@@ -168,7 +168,9 @@ class ShardReader:
     from the headers alone."""
 
     def __init__(self, hf_dir: str) -> None:
-        from safetensors import safe_open  # the import's and export's one dependency beyond torch
+        from safetensors import (
+            safe_open,  # the import's and export's one dependency beyond torch
+        )
 
         self._open = safe_open
         self.dir = hf_dir

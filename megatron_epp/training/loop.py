@@ -13,7 +13,7 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from megatron_epp.checkpoint import checkpointing
+from megatron_epp.checkpoint import store
 from megatron_epp.training.faults import ExitConditions, FaultInjection, SigtermHandler, check_finite
 from megatron_epp.training.gpt_step import reduce_losses
 from megatron_epp.model.runtime import Runtime
@@ -214,7 +214,7 @@ def train(
 
     def save() -> None:
         nonlocal saved_at
-        path = checkpointing.save_checkpoint(
+        path = store.save_checkpoint(
             cfg, model, optimizer, scheduler, runtime, iteration, consumed,
             before_commit=lambda: faults.crash_in_save(iteration, runtime.rank),
             planner_state=train_step.state_dict(),

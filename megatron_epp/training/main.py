@@ -8,7 +8,7 @@ import time
 
 from megatron_epp.data.tokenizers import TokenizerError
 from megatron_epp.training import host_allocator
-from megatron_epp.checkpoint import checkpointing
+from megatron_epp.checkpoint import integrity, records, reshard, store
 from megatron_epp.config.parser import parse_config, world_size_from_env
 from megatron_epp.config.errors import ArgumentError
 from megatron_epp.training.corpus_check import check_corpus
@@ -64,15 +64,15 @@ def _print_startup(cfg: TrainingConfig, runtime, steps: StepMode, start: tuple[i
 
 def _verified_resume(cfg: TrainingConfig, resume, runtime) -> tuple[int | None, list[str], str | None]:
     """The checkpoint iteration to resume from (None: from scratch), the notes on what was loaded, and the note on a
-    change of data since it was saved; :class:`~megatron_epp.checkpoint.checkpointing.CheckpointError` where none verifies."""
+    change of data since it was saved; :class:`~megatron_epp.checkpoint.records.CheckpointError` where none verifies."""
     if resume is None:
         if not cfg.checkpoint.load:
             return None, [], None
         return None, [f"warning: --load {cfg.checkpoint.load}: no checkpoint there yet "
-                      f"({'no ' + checkpointing.TRACKER if os.path.isdir(cfg.checkpoint.load) else 'no such directory'}); "
+                      f"({'no ' + records.TRACKER if os.path.isdir(cfg.checkpoint.load) else 'no such directory'}); "
                       "starting from scratch at iteration 0"], None
-    resume_at, load_notes = checkpointing.choose_verified(cfg, resume, runtime)
-    return resume_at, load_notes + checkpointing.reshard_notes(cfg, resume_at), None if cfg.checkpoint.finetune else checkpointing.data_change(cfg, resume_at)
+    resume_at, load_notes = integrity.choose_verified(cfg, resume, runtime)
+    return resume_at, load_notes + reshard.reshard_notes(cfg, resume_at), None if cfg.checkpoint.finetune else records.data_change(cfg, resume_at)
 
 
 def main(cfg: TrainingConfig) -> int:
@@ -89,7 +89,7 @@ def main(cfg: TrainingConfig) -> int:
             print("\n".join(driver_layout_search(cfg, world_size_from_env())), flush=True)
             return 0
         steps = step_mode(cfg)
-        resume = checkpointing.check_loadable(cfg) if cfg.checkpoint.load else None
+        resume = integrity.check_loadable(cfg) if cfg.checkpoint.load else None
         if cfg.checkpoint.load and resume is None and cfg.checkpoint.exit_on_missing_checkpoint:
             raise ArgumentError(f"--load {cfg.checkpoint.load}: no checkpoint there (--exit-on-missing-checkpoint)")
         faults = FaultInjection.from_env()
@@ -102,7 +102,7 @@ def main(cfg: TrainingConfig) -> int:
     sigterm = SigtermHandler() if cfg.training.exit_signal_handler else None  # from here on a SIGTERM is acted on after the first step
     try:  # collective: every rank hashes its share of the files before megatron-core reads any
         resume_at, load_notes, data_note = _verified_resume(cfg, resume, runtime)
-    except checkpointing.CheckpointError as error:  # the same on every rank: one line from the logging rank
+    except records.CheckpointError as error:  # the same on every rank: one line from the logging rank
         if runtime.is_logging_rank:
             print(error, file=sys.stderr, flush=True)
         shutdown()
@@ -119,8 +119,8 @@ def main(cfg: TrainingConfig) -> int:
     start, planner_state = (0, 0), None
     if resume is not None:
         try:
-            iteration, consumed, planner_state = checkpointing.load_checkpoint(cfg, resume_at, model, optimizer, scheduler, runtime)
-        except checkpointing.CheckpointError as error:  # on the ranks that read the damaged file: the job ends
+            iteration, consumed, planner_state = store.load_checkpoint(cfg, resume_at, model, optimizer, scheduler, runtime)
+        except records.CheckpointError as error:  # on the ranks that read the damaged file: the job ends
             print(error, file=sys.stderr, flush=True)
             return 2
         start = (iteration, consumed)

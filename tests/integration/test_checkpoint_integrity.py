@@ -19,13 +19,12 @@ import pytest
 from megatron_epp.measure.layer_bench import init_single_process
 from megatron_epp.config.parser import parse_config
 from megatron_epp.config.errors import ArgumentError
-from megatron_epp.checkpoint.checkpointing import (
-    METADATA, TRACKER, CheckpointError, check_loadable, choose_verified, skip_note,
-)
+from megatron_epp.checkpoint.integrity import check_loadable, choose_verified, skip_note
+from megatron_epp.checkpoint.records import METADATA, TRACKER, CheckpointError
 from tests.launch import logged_losses, torchrun
 from tests.integration.test_faults import FLAGS, SHORT
 
-# one rank hashing every file: what the ranks of a job share out (megatron_epp.checkpoint.checkpointing._hashed_by)
+# one rank hashing every file: what the ranks of a job share out (megatron_epp.checkpoint.checkpointing.hashed_by)
 ONE_RANK = SimpleNamespace(rank=0, world_size=1)
 KINDS = ["__1_0.distcp", ".metadata", "metadata.json", "common.pt", METADATA]
 

@@ -23,7 +23,8 @@ from megatron_epp.measure.layer_bench import init_single_process
 from megatron_epp.training import launch
 from megatron_epp.config.parser import parse_config
 from megatron_epp.config.errors import ArgumentError
-from megatron_epp.checkpoint.checkpointing import METADATA, TRACKER, check_loadable, checkpoint_metadata, data_change, record_sha256
+from megatron_epp.checkpoint.integrity import check_loadable, record_sha256
+from megatron_epp.checkpoint.records import METADATA, TRACKER, checkpoint_metadata, data_change
 from megatron_epp.training.corpus_check import check_corpus
 from megatron_epp.training.faults import ExitConditions
 from megatron_epp.training.metrics import read_metrics

@@ -18,7 +18,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from megatron_epp.config.parser import parse_config
 from megatron_epp.config.errors import ArgumentError
-from megatron_epp.checkpoint.checkpointing import TRACKER, _hashed_by, check_loadable
+from megatron_epp.checkpoint.integrity import hashed_by, check_loadable
+from megatron_epp.checkpoint.records import TRACKER
 from megatron_epp.training.metrics import read_metrics
 from tests.integration.test_faults import SHORT
 from tests.launch import torchrun
@@ -128,6 +129,6 @@ def test_every_checkpoint_file_is_hashed_by_exactly_one_rank_at_any_world_size()
     rank the loading world lacks too), the writer's own where it exists."""
     files = [f"__{r}_{k}.distcp" for r in range(4) for k in range(2)] + [".metadata", "common.pt", "metadata.json"]
     for world_size in range(1, 7):
-        owners = {name: [rank for rank in range(world_size) if _hashed_by(name, rank, world_size)] for name in files}
+        owners = {name: [rank for rank in range(world_size) if hashed_by(name, rank, world_size)] for name in files}
         assert all(len(ranks) == 1 for ranks in owners.values()), (world_size, owners)
         assert all(owners[f"__{r}_0.distcp"] == [r] for r in range(min(4, world_size)))

@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from megatron_epp.checkpoint import checkpointing
+from megatron_epp.checkpoint import integrity, records
 from megatron_epp.config.parser import parse_config
 from megatron_epp.config.errors import ArgumentError
 from megatron_epp.checkpoint.hf_convert import main
@@ -93,21 +93,21 @@ def test_flag_line_and_disagreeing_launch(tmp_path, capsys):
     # a checkpoint's record as the import writes it (files: none, so only the record is compared)
     path = tmp_path / "ckpt" / "iter_0000000"
     os.makedirs(path)
-    meta = {**checkpointing.checkpoint_metadata(saved, 0, 0), "files": {}}
-    meta["sha256"] = checkpointing.record_sha256(meta)
-    (path / checkpointing.METADATA).write_text(json.dumps(meta))
-    (tmp_path / "ckpt" / checkpointing.TRACKER).write_text("0")
+    meta = {**records.checkpoint_metadata(saved, 0, 0), "files": {}}
+    meta["sha256"] = integrity.record_sha256(meta)
+    (path / records.METADATA).write_text(json.dumps(meta))
+    (tmp_path / "ckpt" / records.TRACKER).write_text("0")
     load = ["--load", str(tmp_path / "ckpt"), "--finetune"]
-    assert checkpointing.check_loadable(parse_config(flags + load, world_size=1)).candidates == [0]
+    assert integrity.check_loadable(parse_config(flags + load, world_size=1)).candidates == [0]
     extended = flags + load + ["--seq-length", "512", "--rotary-base", "1000000", "--rope-scaling-factor", "16"]  # context extension
-    assert checkpointing.check_loadable(parse_config(extended, world_size=1)).candidates == [0]
+    assert integrity.check_loadable(parse_config(extended, world_size=1)).candidates == [0]
     for change, first in ((["--num-query-groups", "4"], "--num-query-groups 2, this run has 4"),
                           (["--norm-epsilon", "1e-5"], "--norm-epsilon 1e-06, this run has 1e-05"),
                           (["--untie-embeddings-and-output-weights"], "--untie-embeddings-and-output-weights False, this run has True")):
         with pytest.raises(ArgumentError, match=f"iteration 0 was saved with {first}"):
-            checkpointing.check_loadable(parse_config(flags + load + change, world_size=1))
+            integrity.check_loadable(parse_config(flags + load + change, world_size=1))
     with pytest.raises(ArgumentError, match="was saved with --rope-scaling-factor 8.0, this run has 16.0"):  # a resume compares RoPE too
-        checkpointing.check_loadable(parse_config(flags + ["--load", str(tmp_path / "ckpt"), "--rope-scaling-factor", "16"], world_size=1))
+        integrity.check_loadable(parse_config(flags + ["--load", str(tmp_path / "ckpt"), "--rope-scaling-factor", "16"], world_size=1))
 
 
 @pytest.mark.parametrize("rope", [

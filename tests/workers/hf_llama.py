@@ -28,7 +28,7 @@ from megatron_epp.executor.batches import chunk_batches, per_token_loss
 from megatron_epp.executor.context import ChunkContext
 from megatron_epp.executor.schedule import forward_backward_elastic
 from megatron_epp.plan import Chunk, Pipeline, Plan, Segment, chunk_kind
-from megatron_epp.checkpoint import checkpointing
+from megatron_epp.checkpoint import records, store
 from megatron_epp.checkpoint import hf_convert
 from megatron_epp.checkpoint import hf_llama
 from megatron_epp.config.parser import parse_config
@@ -121,7 +121,7 @@ def run_logits(argv: list[str]) -> None:
     p.add_argument("--train-steps", type=int, default=0)
     p.add_argument("--save-trained", default=None)
     a = p.parse_args(argv)
-    with open(os.path.join(checkpointing.iteration_dir(a.save, 0), checkpointing.METADATA)) as f:
+    with open(os.path.join(records.iteration_dir(a.save, 0), records.METADATA)) as f:
         record = json.load(f)["model"]
     flags = hf_llama.flags_from_record(record) + ["--mock-data", "--load", a.save, "--finetune", "--tensor-model-parallel-size", a.tp,
                                                   "--pipeline-model-parallel-size", a.pp, "--lr", "0.05", "--optimizer", "sgd"]
@@ -132,7 +132,7 @@ def run_logits(argv: list[str]) -> None:
         cfg = cfg.replace(model={"rope_scaling_factor": cfg.model.rope_scaling_factor / 2})
     runtime = initialize(cfg)
     model, config = build_model(cfg, runtime, context=ChunkContext() if a.elastic else None)
-    checkpointing.load_model_weights(cfg, 0, model, runtime)
+    store.load_model_weights(cfg, 0, model, runtime)
     optimizer, _ = build_optimizer(cfg, model, config)
     optimizer.reload_model_params()
     docs = torch.load(a.docs)
@@ -146,7 +146,7 @@ def run_logits(argv: list[str]) -> None:
         if a.train_steps:
             optimizer.step()
     if a.save_trained:
-        checkpointing.save_checkpoint(cfg, model, None, None, runtime, a.train_steps, 0)
+        store.save_checkpoint(cfg, model, None, None, runtime, a.train_steps, 0)
     capture: list = []
     with torch.no_grad():
         _step(model, docs, plan, a.elastic, True, capture, runtime, config)
