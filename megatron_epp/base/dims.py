@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# How a stage's context-parallel ranks split a chunk's attention: Ulysses all-to-all, Megatron-LM's ``--cp-comm-type
+# a2a`` (its others are not implemented here); the one spelling of it for the arguments, the model and the planner
+CP_COMM_TYPE = "a2a"
+
 
 @dataclass(frozen=True)
 class ParallelDims:

@@ -9,7 +9,7 @@ import os
 import re
 from dataclasses import fields
 
-from megatron_epp.base.dims import ParallelDims
+from megatron_epp.base.dims import CP_COMM_TYPE, ParallelDims
 from megatron_epp.config.errors import ArgumentError
 from megatron_epp.cost.clusters import get_cluster
 from megatron_epp.base.units import GIB
@@ -103,7 +103,7 @@ def validate_parallel_args(args: Values, world_size: int) -> dict:
     return changes
 
 
-CP_COMM_TYPES = ("a2a",)  # implemented; Megatron-LM's others are refused in one line
+CP_COMM_TYPES = (CP_COMM_TYPE,)  # implemented; Megatron-LM's others are refused in one line
 CP_COMM_REFUSED = ("p2p", "allgather", "a2a+p2p")
 
 
@@ -129,7 +129,7 @@ def validate_context_parallel_args(args: Values) -> dict:
             raise ArgumentError(f"--context-parallel-size {cp} does not divide the {heads} attention heads per tensor-parallel "
                                 f"rank (--num-attention-heads {args.num_attention_heads} / --tensor-model-parallel-size "
                                 f"{args.tensor_model_parallel_size}): the all-to-all gives each rank heads / {cp}")
-    return {"context_parallel_size": cp, "cp_comm_type": "a2a" if cp > 1 else None}
+    return {"context_parallel_size": cp, "cp_comm_type": CP_COMM_TYPE if cp > 1 else None}
 
 
 def validate_model_args(args: Values) -> dict:

@@ -1,5 +1,5 @@
-"""Cluster presets named after real machines, their collectives, and the per-stage profile of a
-parallel layout (tensor parallelism x context parallelism, Ulysses all-to-all, inside a node).
+"""Cluster presets named after real machines, their collectives, and the profile a stage of ``tp`` GPUs starts from
+(:func:`tp_profile`; placed on a layout by :func:`~megatron_epp.cost.placement.place_profile`).
 
 A :class:`Cluster` is ``num_nodes`` nodes of ``gpus_per_node`` GPUs: an :class:`Accelerator` (peak
 bf16 dense TFLOP/s), its memory, NVLink inside a node and InfiniBand between nodes. Bandwidths are
@@ -18,7 +18,8 @@ Collectives (one model for every system, stated in docs/baselines.md):
 * overlap: a collective that can run behind compute (ZeRO-3/FSDP gathers, gradient reduce-scatter,
   the data-parallel gradient sync) hides at most ``overlap`` of its time and at most the compute it
   runs behind: ``exposed = max((1 - overlap) * comm, comm - compute)`` (:func:`exposed_ms`); context
-  parallelism's all-to-alls hide nothing (core attention waits for them: :func:`cp_profile`).
+  parallelism's all-to-alls hide nothing (core attention waits for them:
+  :func:`~megatron_epp.cost.placement.place_profile`).
 """
 
 from __future__ import annotations
@@ -27,11 +28,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from megatron_epp.cost.network import Network
-from megatron_epp.cost.activation_memory import MEASURED_MEMORY, carry_measured_memory, derived_memory
 from megatron_epp.cost.analytic import Accelerator, analytic_profile
-from megatron_epp.cost.profile import Profile, TimeCoeffs
+from megatron_epp.cost.profile import Profile
 from megatron_epp.cost.profile_lookup import PROFILE_DIR
-from megatron_epp.cost.shape import DTYPE_BYTES, ModelShape, check_context_parallel, kv_heads_split
+from megatron_epp.cost.shape import ModelShape
 
 # Fraction of a collective's time hidden behind compute where it can overlap (ZeRO-3 / FSDP parameter
 # gathers and gradient reduce-scatters, the data-parallel gradient sync). The same 0.5 as the analytic
@@ -139,71 +139,9 @@ def measured_profile_path(shape: ModelShape, cluster: Cluster, tp: int) -> Path:
 
 
 def tp_profile(shape: ModelShape, cluster: Cluster, tp: int) -> Profile:
-    """A stage of ``tp`` tensor-parallel GPUs: the measured profile where one exists, else analytic."""
+    """The profile a stage of ``tp`` tensor-parallel GPUs starts from (at ``cp`` 1): the measured profile where one
+    exists, else analytic at ``tp``."""
     path = measured_profile_path(shape, cluster, tp)
     if path.exists():
         return replace(Profile.load(path), model=shape)
     return analytic_profile(shape, tp, cluster.accelerator)
-
-
-def cp_profile(profile: Profile, cp: int, network: Network) -> Profile:
-    """``profile`` (one GPU of a stage at its ``tp``) placed at context-parallel size ``cp`` (Ulysses all-to-all,
-    ``--context-parallel-size cp --cp-comm-type a2a``; ``cp`` must divide the heads of a TP rank): the profile itself
-    at ``cp`` = 1.
-
-    Time: each GPU runs its ``1 / cp`` of a chunk's tokens through the linear layers (and their tensor-parallel
-    collectives) and every token for ``heads / cp`` of the heads in core attention, so the per-token, per-pair and
-    per-prefix-token coefficients (layers and output head) are divided by ``cp``; the per-segment and per-chunk
-    launches are not. Per layer and chunk the forward pays 4 all-to-alls over the ``cp`` GPUs (q, k, v in, the
-    output back), the backward the same 4 (their gradients), a recompute the forward's again: per token of the chunk
-    a GPU holds ``b (2 q + 2 h_kv) / tp / cp`` bytes of them (``b``: the shape's activation bytes), of which
-    :meth:`Network.alltoall_ms` sends ``(cp-1)/cp``; K and V replicated (``cp`` not dividing the K/V heads of a TP
-    rank, :func:`~megatron_epp.cost.shape.kv_heads_split`) are gathered whole, ``b 2 h_kv / tp`` per token. Not
-    overlapped (core attention waits for them): their bytes go on the per-token term, their latencies on the
-    per-chunk constant. Stage-to-stage sends carry ``1 / cp`` of the tokens per GPU (rank to rank, the same CP index).
-
-    Memory: the activation coefficients of the profile's ``derive`` count at ``cp`` (a CP rank's share:
-    :func:`~megatron_epp.cost.activation_memory.saved_tensor_memory`, :func:`~megatron_epp.cost.activation_memory.gpu_activation_memory`;
-    a measured block carried there by its basis count); model states as megatron-core holds them: weights and
-    gradients replicated over CP, the distributed optimizer sharded over DP x CP (:meth:`CostModel.model_state_bytes`
-    reads ``profile.cp``). A profile without a ``derive`` cannot be re-derived: a ``ValueError``."""
-    shape, tp = profile.model, profile.tp
-    check_context_parallel(shape, tp, cp)
-    if cp == 1:
-        return profile
-    if profile.cp != 1:
-        raise ValueError(f"the profile {profile.device!r} is already at context-parallel size {profile.cp}")
-    if not profile.memory.derive:
-        raise ValueError(f"the profile {profile.device!r}: its activation memory cannot be re-derived for context "
-                         "parallelism (no memory 'derive')")
-    b = DTYPE_BYTES[shape.dtype]
-    kv = shape.kv_hidden / tp / (cp if kv_heads_split(shape, tp, cp) else 1)
-    per_token = b * (2 * shape.q_hidden / tp / cp + 2 * kv)  # q, output; k, v: bytes per token of the chunk, per GPU
-    latency = network.alltoall_ms(0.0, cp)
-    a2a_token = network.alltoall_ms(per_token * 1e6, cp) / 1e6 - latency / 1e6  # ms per token (linear in the bytes)
-    a2a_chunk = 4 * latency  # ms per layer and chunk
-
-    def layer(t: TimeCoeffs) -> TimeCoeffs:
-        return TimeCoeffs(t.a1 / cp, t.a1c / cp, t.a2 / cp + a2a_token, t.ac / cp, t.bs, t.b1 + a2a_chunk)
-
-    def head(t: TimeCoeffs) -> TimeCoeffs:
-        return TimeCoeffs(t.a1 / cp, t.a1c / cp, t.a2 / cp, t.ac / cp, t.bs, t.b1)
-
-    if profile.memory.derive == MEASURED_MEMORY:
-        memory = carry_measured_memory(profile.memory, profile.time_model, tp, profile.time_model, tp, profile.sequence_parallel,
-                                       cp=cp, ref_cp=1)
-    else:
-        memory = replace(profile.memory, **derived_memory(profile.memory.derive, shape, tp, profile.sequence_parallel, cp))
-    return replace(
-        profile, cp=cp, fwd=layer(profile.fwd), bwd=layer(profile.bwd),
-        recompute=layer(profile.recompute), head_fwd=head(profile.head_fwd), head_bwd=head(profile.head_bwd),
-        memory=replace(memory, p2p_token=profile.memory.p2p_token / cp),
-    )
-
-
-def stage_profile(shape: ModelShape, cluster: Cluster, tp: int, cp: int, pipeline_span: int) -> Profile:
-    """The per-GPU profile of one pipeline stage of ``tp x cp`` GPUs (inside a node): :func:`tp_profile` placed at
-    ``cp`` (:func:`cp_profile`) on the cluster's links (the CP group inside the node: NVLink)."""
-    if tp * cp > cluster.gpus_per_node:
-        raise ValueError(f"a stage of TP={tp} x CP={cp} GPUs: more than the node's {cluster.gpus_per_node}")
-    return cp_profile(tp_profile(shape, cluster, tp), cp, cluster.network(pipeline_span))

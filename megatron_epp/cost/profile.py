@@ -165,7 +165,7 @@ class Profile:
     # (``CostModel.costs``); counted by the ``saved-tensors`` derivation
     sequence_parallel: bool = False
     # context parallelism (Ulysses all-to-all, ``--context-parallel-size``) inside the stage: a GPU holds ``1 / cp`` of
-    # a chunk's tokens outside core attention and ``heads / cp`` inside it (``cost.clusters.cp_profile`` places a
+    # a chunk's tokens outside core attention and ``heads / cp`` inside it (``cost.placement.place_profile`` places a
     # profile at ``cp``: times, all-to-alls; the memory derivations count a CP rank's share)
     cp: int = 1
 

@@ -1,18 +1,17 @@
 """Which profile ``--epp-profile`` names: the presets, the shipped profiles (:data:`PROFILE_DIR`), the cache of
-GPU profiles measured per :class:`ProfileKey`, the shipped CPU profile nearest a shape; and a profile used at
-another tensor-parallel size (:func:`profile_at_tp`)."""
+GPU profiles measured per :class:`ProfileKey`, the shipped CPU profile nearest a shape (a profile is placed on a
+layout by :func:`~megatron_epp.cost.placement.place_profile`)."""
 
 from __future__ import annotations
 
 import hashlib
 import os
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from megatron_epp.cost.activation_memory import MEASURED_MEMORY, carry_measured_memory
 from megatron_epp.cost.analytic import analytic_profile
 from megatron_epp.cost.profile import Profile
 from megatron_epp.cost.shape import MODEL_PRESETS, TEST_MODEL, ModelShape
@@ -47,7 +46,8 @@ class ProfileKey:
     profiler's grid is drawn from it) and the layer's shape as far as its time and memory depend on it (widths,
     heads, K/V heads, head dimension, MLP, norm, biases, positions). Layers, vocabulary and dropout are not in it:
     the profile is per layer, and the output head is carried to another vocabulary (its time by FLOPs,
-    :func:`shape_time`; its measured bytes by the basis count, :func:`carry_measured_memory`).
+    :func:`shape_time`; its measured bytes by the basis count,
+    :func:`~megatron_epp.cost.activation_memory.carry_measured_memory`).
 
     A profile records its key's torch version and context cap in ``fit["torch"]`` and ``fit["seq_length"]``;
     one written before 2026-11-27 has no cap (an older key format): it is no key's profile, and
@@ -180,24 +180,3 @@ def load_profile(spec: str, tp: int = 8, shape: ModelShape | None = None, device
         profile = Profile.load(path)
     check_profile_device(profile, spec, device)
     return profile
-
-
-def profile_at_tp(profile: Profile, tp: int) -> tuple[Profile, str | None]:
-    """``profile`` used at tensor-parallel size ``tp`` (``epp-plan --tp``, ``pretrain_gpt.py``'s
-    ``--tensor-model-parallel-size``), and a one-line note when that is not the size it was measured at: the
-    activation memory is then re-derived for ``tp`` (:func:`shape_memory`, by the memory ``derive``; a measured one
-    carried by its basis count's ratio, :func:`carry_measured_memory`), the times
-    are kept as measured, neither split over the ``tp`` ranks nor charged their collectives (off by a speed
-    factor, which the driver's online calibration fits). A profile whose memory coefficients cannot be
-    re-derived (no ``derive``) is only usable at its own size: a ``ValueError``."""
-    if tp == profile.tp:
-        return profile, None
-    if not profile.memory.derive:
-        raise ValueError(f"the profile {profile.device!r} was measured at TP={profile.tp} and its activation memory "
-                         f"cannot be re-derived for TP={tp} (no memory 'derive')")
-    if profile.memory.derive == MEASURED_MEMORY:  # carried to tp now: a measured block holds at the profile's own tp
-        profile = replace(profile, memory=carry_measured_memory(profile.memory, profile.time_model, profile.tp,
-                                                                profile.time_model, tp))
-    return replace(profile, tp=tp), (f"the profile {profile.device!r} was measured at TP={profile.tp}; at TP={tp} its "
-                                     "activation memory is re-derived, its times are as measured (not split over the "
-                                     "tensor-parallel ranks: off by a speed factor)")

@@ -25,8 +25,10 @@ from megatron.core import tensor_parallel
 from megatron_epp.cost.analytic import analytic_profile
 from megatron_epp.cost.profile import Profile
 from megatron_epp.cost.profile_lookup import (
-    AUTO_PROFILE, CPU_PROFILES, ProfileKey, default_profile_cache, find_measured_profile, load_profile, profile_at_tp,
+    AUTO_PROFILE, CPU_PROFILES, ProfileKey, default_profile_cache, find_measured_profile, load_profile,
 )
+from megatron_epp.cost.placement import place_profile, placement_note
+from megatron_epp.base.dims import ParallelDims
 from megatron_epp.cost.shape import MODEL_PRESETS, TEST_MODEL, ModelShape
 from megatron_epp.executor import kernels
 from megatron_epp.config.errors import ArgumentError
@@ -158,7 +160,8 @@ def resolve_profile(cfg: TrainingConfig, target: Target, log: Callable[[str], No
             resolved = _measured_on_gpu(cfg, target, cache_dir, log)
         else:
             resolved = _load(cfg, target.device_type)
-        profile, note = profile_at_tp(resolved.profile, cfg.parallel.dims.tp)
+        at_tp = ParallelDims(tp=cfg.parallel.dims.tp)  # the run's TP; the online planner places it at the run's CP
+        profile, note = place_profile(resolved.profile, at_tp), placement_note(resolved.profile, at_tp)
     except (ValueError, OSError, KeyError, TypeError) as error:
         raise ArgumentError(str(error) if str(error).startswith("--epp-profile") else f"--epp-profile: {error}") from None
     return Resolved(profile, resolved.origin + (f"; {note}" if note else ""), resolved.key)

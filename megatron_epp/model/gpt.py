@@ -17,6 +17,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
+from megatron_epp.base.dims import CP_COMM_TYPE
 from megatron_epp.cost.shape import ModelShape
 from megatron_epp.executor.context import ChunkContext
 from megatron_epp.executor.spec import elastic_layer_spec, install_chunk_context
@@ -253,7 +254,7 @@ def transformer_config(cfg: TrainingConfig, runtime: Runtime) -> TransformerConf
         tensor_model_parallel_size=cfg.parallel.dims.tp,
         sequence_parallel=cfg.parallel.dims.sequence_parallel,
         context_parallel_size=cfg.parallel.dims.cp,
-        cp_comm_type="a2a" if cfg.parallel.dims.cp > 1 else None,
+        cp_comm_type=CP_COMM_TYPE if cfg.parallel.dims.cp > 1 else None,
         pipeline_model_parallel_size=cfg.parallel.dims.pp,
         pipeline_dtype=dtype,
         params_dtype=dtype,

@@ -15,9 +15,11 @@ import numpy as np
 
 from megatron_epp.cost.model import CostModel
 from megatron_epp.cost.network import NETWORKS, get_network
+from megatron_epp.base.dims import ParallelDims
 from megatron_epp.base.units import GIB
 from megatron_epp.cost.profile import Profile
-from megatron_epp.cost.profile_lookup import load_profile, profile_at_tp
+from megatron_epp.cost.placement import place_profile, placement_note
+from megatron_epp.cost.profile_lookup import load_profile
 from megatron_epp.cost.shape import MODEL_PRESETS
 from megatron_epp.plan import PlannedStep, PlanInfeasible
 from megatron_epp.plan.order import format_stage_ops
@@ -141,8 +143,9 @@ def check_input(args: argparse.Namespace) -> tuple[PlannerConfig, Profile, np.nd
     if args.epp_search_layout and config.builder != ELASTIC:
         raise ValueError(f"--epp-plan {config.builder.name}: --epp-search-layout searches EPP's (elastic) layout")
     profile = load_profile(config.profile, PRESET_TP if args.tp is None else args.tp)
+    dims = ParallelDims(tp=profile.tp if args.tp is None else args.tp, pp=args.stages, dp=args.dp)
     try:
-        profile, note = profile_at_tp(profile, profile.tp if args.tp is None else args.tp)
+        profile, note = place_profile(profile, dims), placement_note(profile, dims)
     except ValueError as e:
         raise ValueError(f"--tp {args.tp}: {e}") from None
     check_layout(profile, args.stages)

@@ -25,18 +25,16 @@ from typing import Sequence
 
 import numpy as np
 
-from megatron_epp.base.dims import ParallelDims
-from megatron_epp.cost.clusters import COMM_OVERLAP, Cluster, get_cluster, stage_profile
+from megatron_epp.base.dims import CP_COMM_TYPE, ParallelDims
+from megatron_epp.cost.clusters import COMM_OVERLAP, Cluster, get_cluster, tp_profile
 from megatron_epp.cost.model import CostModel
+from megatron_epp.cost.placement import place_profile
 from megatron_epp.base.units import GIB
 from megatron_epp.cost.shape import ModelShape
 from megatron_epp.plan import PlannedStep, PlanInfeasible
 from megatron_epp.planner.builders import ELASTIC, MEGATRON, SEQ1F1B, SEQ1F1B_KS, BaselinePlans, Builder
 from megatron_epp.planner.config import PlannerConfig
 from megatron_epp.planner.data_parallel import dp_split
-
-# how pretrain_gpt.py runs context parallelism: Ulysses all-to-all (--cp-comm-type a2a), with --elastic-pp only
-CP_COMM_TYPE = "a2a"
 
 
 @dataclass(frozen=True)
@@ -131,8 +129,12 @@ def enumerate_layouts(shape: ModelShape, cluster: Cluster, context_parallel: boo
 
 
 def layout_cost_model(shape: ModelShape, cluster: Cluster, layout: Layout) -> CostModel:
+    """The cost model of ``layout`` on ``cluster``: the profile of a stage's ``tp`` GPUs (:func:`tp_profile`) placed on
+    the layout (a stage's ``tp x cp`` GPUs inside a node: the CP group on NVLink) over the pipeline's network."""
+    if layout.size > cluster.gpus_per_node:
+        raise ValueError(f"a stage of TP={layout.tp} x CP={layout.cp} GPUs: more than the node's {cluster.gpus_per_node}")
     network = cluster.network(layout.size * layout.pp)
-    return CostModel(stage_profile(shape, cluster, layout.tp, layout.cp, layout.size * layout.pp), layout.pp, dp=layout.dp,
+    return CostModel(place_profile(tp_profile(shape, cluster, layout.tp), layout.dims, network), layout.pp, dp=layout.dp,
                      network=network)
 
 

@@ -22,10 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from megatron_epp.cost.clusters import cp_profile
-from megatron_epp.cost.model import CostModel, default_network
-from megatron_epp.cost.activation_memory import shape_memory
-from megatron_epp.cost.analytic import shape_time
+from megatron_epp.cost.model import CostModel
+from megatron_epp.cost.placement import place_profile
 from megatron_epp.cost.profile import Profile, StageOverhead, megatron_model_state
 from megatron_epp.cost.shape import ModelShape
 from megatron_epp.plan import MemoryPrediction, Plan, PlannedStep
@@ -79,9 +77,7 @@ class OnlinePlanner:
         shape = dataclasses.replace(shape, name=profile.model.name)
         memory = dataclasses.replace(profile.memory, **megatron_model_state(shape.dtype, distributed_optimizer))
         profile = dataclasses.replace(profile, model=shape, memory=memory, sequence_parallel=dims.sequence_parallel)
-        if dims.cp > 1:  # placed at CP once shaped (its all-to-all time is not carried by FLOPs)
-            profile = cp_profile(shape_time(shape_memory(profile)), dims.cp, default_network(profile))
-        self.cost_model = CostModel(profile, dims.pp, dp=dims.dp)
+        self.cost_model = CostModel(place_profile(profile, dims), dims.pp, dp=dims.dp)
         self.raw_model = self.cost_model  # the profile's memory coefficients (memory factor 1), for the raw prediction
         self.calibrate_interval = calibrate_interval
         self.measured: deque[tuple[Plan, float]] = deque(maxlen=max(self.calibrate_interval, CALIBRATE_FIRST_STEP - 1))

@@ -10,22 +10,29 @@ import numpy as np
 import pytest
 
 from megatron_epp.base.dims import ParallelDims
-from megatron_epp.cost.clusters import CLUSTERS, cp_profile, get_cluster, stage_profile, tp_profile
+from megatron_epp.cost.clusters import CLUSTERS, Cluster, get_cluster, tp_profile
 from megatron_epp.cost.features import sequence_features
 from megatron_epp.cost.model import CostModel
 from megatron_epp.cost.network import Network
 from megatron_epp.cost.activation_memory import MEASURED_MEMORY, gpu_activation_memory, saved_tensor_memory, shape_memory
 from megatron_epp.cost.analytic import analytic_profile
+from megatron_epp.cost.placement import place_profile
+from megatron_epp.cost.profile import Profile
 from megatron_epp.cost.profile_lookup import load_profile
 from megatron_epp.cost.shape import MODEL_PRESETS, TEST_MODEL, ModelShape
 
 LLAMA_GQA = ModelShape("gqa", 4, 4096, 32, 14336, 32000, num_kv_heads=8, dtype="bfloat16", normalization="RMSNorm", bias=False)
 
 
+def stage(shape: ModelShape, cluster: Cluster, tp: int, cp: int, span: int) -> Profile:
+    """A stage of ``tp x cp`` GPUs of ``cluster`` in a pipeline of ``span`` GPUs, as the layout search places it."""
+    return place_profile(tp_profile(shape, cluster, tp), ParallelDims(tp=tp, cp=cp), cluster.network(span))
+
+
 def test_cp_1_is_the_profile_itself():
     net = get_cluster("a800-ib-node").network(8)
     for profile in (analytic_profile(MODEL_PRESETS["llama-7b"], 4), load_profile("test-model")):
-        assert cp_profile(profile, 1, net) is profile
+        assert place_profile(profile, ParallelDims(tp=profile.tp), net) is profile
         assert profile.cp == 1
 
 
@@ -72,7 +79,7 @@ def test_cp_must_divide_the_heads_of_a_tp_rank():
     with pytest.raises(ValueError, match=r"^--context-parallel-size 4: must divide the 13 attention heads per tensor-parallel rank"):
         saved_tensor_memory(MODEL_PRESETS["llama-30b"], 4, cp=4)
     with pytest.raises(ValueError, match=r"^--context-parallel-size 3: must divide the 8 attention heads"):
-        cp_profile(analytic_profile(MODEL_PRESETS["llama-7b"], 4), 3, get_cluster("h100-ib-gpu").network(8))
+        place_profile(analytic_profile(MODEL_PRESETS["llama-7b"], 4), ParallelDims(tp=4, cp=3), get_cluster("h100-ib-gpu").network(8))
 
 
 def test_all_to_all_time_on_the_presets_links():
@@ -81,7 +88,7 @@ def test_all_to_all_time_on_the_presets_links():
     shape = MODEL_PRESETS["llama-7b"]
     for name, cluster in CLUSTERS.items():
         base = tp_profile(shape, cluster, 2)
-        got = stage_profile(shape, cluster, 2, 4, 8)
+        got = stage(shape, cluster, 2, 4, 8)
         bytes_token = 2 * (2 * 4096 / 2 / 4 + 2 * 4096 / 2 / 4)
         a2a = bytes_token * 3 / 4 / (cluster.nvlink_gbps * 1e9) * 1e3  # ms per token
         for t, b in ((got.fwd, base.fwd), (got.bwd, base.bwd), (got.recompute, base.recompute)):
@@ -95,7 +102,7 @@ def test_all_to_all_time_on_the_presets_links():
 def test_replicated_kv_are_gathered_whole():
     net = Network("n16", 50.0, 3.0, 50.0, 8.0, nvlink_gbps=100.0, nvlink_latency_us=0.0, gpus_per_node=16)
     base = analytic_profile(LLAMA_GQA, 1)
-    split, replicated = cp_profile(base, 8, net), cp_profile(base, 16, net)
+    split, replicated = place_profile(base, ParallelDims(cp=8), net), place_profile(base, ParallelDims(cp=16), net)
     kv = LLAMA_GQA.kv_hidden  # 1024
     assert split.fwd.a2 - base.fwd.a2 / 8 == pytest.approx(2 * (2 * 4096 / 8 + 2 * kv / 8) * 7 / 8 / 100e9 * 1e3)
     assert replicated.fwd.a2 - base.fwd.a2 / 16 == pytest.approx(2 * (2 * 4096 / 16 + 2 * kv) * 15 / 16 / 100e9 * 1e3)
@@ -103,9 +110,9 @@ def test_replicated_kv_are_gathered_whole():
 
 def test_model_states_replicated_over_cp_optimizer_sharded_over_dp_x_cp():
     shape, cluster = MODEL_PRESETS["llama-13b"], get_cluster("a800-ib-gpu")
-    cp1 = CostModel(stage_profile(shape, cluster, 2, 1, 4), 2, dp=4)
-    cp2 = CostModel(stage_profile(shape, cluster, 2, 2, 4), 2, dp=4)
-    dp8 = CostModel(stage_profile(shape, cluster, 2, 1, 4), 2, dp=8)
+    cp1 = CostModel(stage(shape, cluster, 2, 1, 4), 2, dp=4)
+    cp2 = CostModel(stage(shape, cluster, 2, 2, 4), 2, dp=4)
+    dp8 = CostModel(stage(shape, cluster, 2, 1, 4), 2, dp=8)
     m = cp1.profile.memory
     params = shape.rank_parameters(cp1.layers, 2)
     assert cp1.model_state_bytes() == pytest.approx(params * (m.weight + m.grad + m.optim / 4))
@@ -115,8 +122,8 @@ def test_model_states_replicated_over_cp_optimizer_sharded_over_dp_x_cp():
 
 def test_chunks_padded_to_a_multiple_of_cp_and_the_activations_of_a_rank():
     shape, cluster = MODEL_PRESETS["llama-7b"], get_cluster("h100-ib-node")
-    one = CostModel(stage_profile(shape, cluster, 1, 1, 4), 2)
-    four = CostModel(stage_profile(shape, cluster, 1, 4, 4), 2)
+    one = CostModel(stage(shape, cluster, 1, 1, 4), 2)
+    four = CostModel(stage(shape, cluster, 1, 4, 4), 2)
     feats = sequence_features([7, 4096])
     c1, c4 = one.costs(feats), four.costs(feats)
     assert c1.tokens.tolist() == [7, 4096] and c4.tokens.tolist() == [8, 4096]
@@ -131,7 +138,7 @@ def test_measured_memory_carried_to_cp_once():
     profile = load_profile("test-model")
     measured = replace(profile, memory=replace(profile.memory, derive=MEASURED_MEMORY, basis="saved-tensors",
                                                act_token=1.1 * profile.memory.act_token))
-    placed = cp_profile(measured, 2, Network("x", 1.0, 1.0, 1.0, 1.0))
+    placed = place_profile(measured, ParallelDims(cp=2), Network("x", 1.0, 1.0, 1.0, 1.0))
     assert placed.memory.act_token == pytest.approx(1.1 * saved_tensor_memory(TEST_MODEL, profile.tp, cp=2)["act_token"])
     assert shape_memory(placed).memory == placed.memory
     assert CostModel(placed, 2).profile.memory == placed.memory

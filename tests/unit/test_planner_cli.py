@@ -22,8 +22,10 @@ from megatron_epp.planner.data_parallel import TOKENS, dp_split
 from megatron_epp.cost.features import F
 from megatron_epp.cost.model import CostModel
 from megatron_epp.cost.network import get_network
+from megatron_epp.base.dims import ParallelDims
 from megatron_epp.base.units import GIB
-from megatron_epp.cost.profile_lookup import load_profile, profile_at_tp
+from megatron_epp.cost.placement import place_profile, placement_note
+from megatron_epp.cost.profile_lookup import load_profile
 from megatron_epp.data.mock_documents import lengths_from_file
 from megatron_epp.simulator.step import simulate
 from megatron_epp.config.parser import parse_config
@@ -283,8 +285,9 @@ def test_a_profile_used_at_another_tp_is_noted_the_same_way_by_both_clis(lengths
     """A profile measured at TP=1 used at TP=2: memory re-derived, times as measured, one note (epp-plan: stderr;
     pretrain_gpt.py: its start-up line); one that cannot re-derive its memory is refused, by the one check."""
     measured = load_profile("test-model")
-    at2, note = profile_at_tp(measured, 2)
-    assert measured.tp == 1 and at2.tp == 2 and at2.fwd == measured.fwd and profile_at_tp(measured, 1) == (measured, None)
+    at2, note = place_profile(measured, ParallelDims(tp=2)), placement_note(measured, ParallelDims(tp=2))
+    assert measured.tp == 1 and at2.tp == 2 and at2.fwd == measured.fwd
+    assert place_profile(measured, ParallelDims()) is measured and placement_note(measured, ParallelDims()) is None
     assert note.startswith("the profile 'CPU x86_64 (1 thread, fp32, sdpa-merged)' was measured at TP=1; at TP=2 its activation memory is re-derived")
     assert CostModel(at2, 2).profile.memory.act_token < CostModel(measured, 2).profile.memory.act_token
     base = [str(lengths_file), "--epp-profile", "test-model", "--stages", "2", "--max-seq-len", "4096", "--baselines", "", "--epp-plan", "megatron"]

@@ -19,11 +19,12 @@ import numpy as np
 import pytest
 import torch
 
+from megatron_epp.base.dims import ParallelDims
 from megatron_epp.cost.model import CostModel
 from megatron_epp.cost.profile_fit import measured_memory, per_token_fit
 from megatron_epp.cost.activation_memory import MEASURED_COEFFS, gpu_activation_memory, saved_tensor_memory, shape_memory
 from megatron_epp.cost.analytic import analytic_profile
-from megatron_epp.cost.profile_lookup import profile_at_tp
+from megatron_epp.cost.placement import place_profile, placement_note
 from megatron_epp.cost.shape import ModelShape
 from megatron_epp.measure import profile_resolution
 from megatron_epp.measure import profiling
@@ -146,7 +147,7 @@ def test_a_measured_block_is_kept_at_its_shape_and_carried_elsewhere_by_its_basi
             assert getattr(carried, key) == pytest.approx(1.3 * counted[key], rel=1e-6), (other, key)
         assert (carried.kv_token, carried.lone_slice_token, carried.bwd_workspace, carried.kv_grad) == (
             counted["kv_token"], counted["lone_slice_token"], 0.25, 1.0)
-    at_tp2, note = profile_at_tp(profile, 2)
+    at_tp2, note = place_profile(profile, ParallelDims(tp=2)), placement_note(profile, ParallelDims(tp=2))
     assert note is not None and at_tp2.tp == 2
     counted = gpu_activation_memory(shape, 2)
     for key in MEASURED_COEFFS:
