@@ -112,3 +112,14 @@ def test_no_session_talk():
                             cwd=ROOT, capture_output=True, text=True)
     assert result.returncode in (0, 1), result.stderr
     assert result.stdout == "", "text that speaks of sessions (say the date and the commit):\n" + result.stdout
+
+
+README_MAX_LINES = 400  # a user's guide first; the architecture's and the reference's detail live in docs/
+
+
+def test_the_readme_stays_a_guide():
+    """README.md is at most :data:`README_MAX_LINES` lines and sends the reader to docs/ for the detail (a README
+    that grows past it moves a section to docs/, as the architecture's moved to docs/architecture.md)."""
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) <= README_MAX_LINES, len(readme.splitlines())
+    assert "(docs/architecture.md)" in readme and (REPO / "docs" / "architecture.md").is_file()
