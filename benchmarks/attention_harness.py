@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_epp.executor.context import ChunkContext, ChunkLayout, VarlenSeqlens
+from megatron_epp.executor.context import ChunkContext, ChunkView, VarlenSeqlens
 from megatron_epp.executor.attention import ElasticAttention
 from megatron_epp.executor.kernels import AtenFlashVarlen, FlashKernel, FlashOps, TorchVarlenKernel, torch_varlen_kernel
 from megatron_epp.plan import Plan
@@ -78,7 +78,7 @@ def run_plan(attention: ElasticAttention, plan: Plan, tensors: list[list[ChunkTe
     context = attention.context
     with context.step():
         for pipe, row in zip(plan.pipelines, tensors):
-            layouts = [ChunkLayout.build(c, plan.seq_lengths, torch.device(device)) for c in pipe.chunks]
+            layouts = [ChunkView.build(c, plan.seq_lengths, torch.device(device)) for c in pipe.chunks]
             leaves, outs = [], []
             for layout, t in zip(layouts, row):
                 q, k, v = (x.detach().clone().requires_grad_() for x in (t.q, t.k, t.v))

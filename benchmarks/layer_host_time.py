@@ -34,16 +34,16 @@ VARIANTS = ("megatron", "shared")
 
 def one_pass(stack: LayerStack, x: torch.Tensor, grad: torch.Tensor, variant: str) -> tuple[float, float]:
     """Forward and backward seconds of the stack over its current chunk."""
-    layout = stack.context.layout()
+    view = stack.context.view()
     t0 = time.process_time()
-    with stack.context.running(layout):
+    with stack.context.running(view):
         rope = stack.rotary(x.shape[0])
         rotary_pos_emb = rope.freqs() if variant == "megatron" else rope
         h = x
         for layer in stack.layers:
             h = layer(h, attention_mask=None, rotary_pos_emb=rotary_pos_emb)[0]
     t1 = time.process_time()
-    with stack.context.running(layout):
+    with stack.context.running(view):
         h.backward(grad)
     t2 = time.process_time()
     return t1 - t0, t2 - t1

@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
         t0 = time.perf_counter()
         if inputs is not None:
             forward_backward_elastic(forward_step_func=elastic_gpt_forward_step, data_iterator=iter(inputs.batches),
-                                     model=[model], num_microbatches=ours.chunks, plan=plan, layouts=inputs.layouts)
+                                     model=[model], num_microbatches=ours.chunks, plan=plan, views=inputs.views)
         else:  # a tree without prepare_step (the "before" of docs/measurements/2026-11-23-cpu/HISTORY.md)
             forward_backward_elastic(forward_step_func=elastic_gpt_forward_step, data_iterator=chunk_batches(plan, sequences, runtime.device),
                                      model=[model], num_microbatches=ours.chunks, plan=plan)
@@ -116,11 +116,11 @@ def main(argv: list[str] | None = None) -> None:
         profiler.dump_stats(ours.cprofile)
 
     # The same chunks through this stage's layers only: no schedule, no p2p, no forward_step.
-    from megatron_epp.executor.context import ChunkLayout
+    from megatron_epp.executor.context import ChunkView
 
     module = model.module
     pipe = plan.pipelines[0]
-    layouts = [ChunkLayout.build(c, plan.seq_lengths, runtime.device) for c in pipe.chunks]
+    layouts = [ChunkView.build(c, plan.seq_lengths, runtime.device) for c in pipe.chunks]
     batches = list(chunk_batches(plan, sequences, runtime.device))
 
     def bare_step() -> float:

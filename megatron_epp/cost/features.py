@@ -58,7 +58,7 @@ def chunk_features(chunks: Sequence[Chunk]) -> np.ndarray:
 
 def padded_features(feats: np.ndarray, multiple: int) -> np.ndarray:
     """``feats`` of chunks each padded at its end to a multiple of ``multiple`` tokens, the padding a segment of
-    its own without prefix (what the executor runs under sequence parallelism: ``ChunkLayout.build``)."""
+    its own without prefix (what the executor runs under sequence parallelism: ``ChunkView.build``)."""
     pad = -feats[:, F.S] % multiple
     out = feats.copy()
     out[:, F.SQ] += pad * pad

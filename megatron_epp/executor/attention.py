@@ -13,7 +13,7 @@ installed, else torch's own ``varlen_attn``: fp16/bf16, no attention dropout), e
 (``is_causal``, torch's lower-right causal bias for the slice) with cuDNN attention excluded.
 
 Context parallelism (Ulysses, ``--context-parallel-size N``): each of a stage's N context-parallel ranks holds an
-equal block of the chunk's tokens (``ChunkLayout.local_range``) for all its heads; megatron-core's all-to-all over the
+equal block of the chunk's tokens (``ChunkView.local_range``) for all its heads; megatron-core's all-to-all over the
 context-parallel group (``all_to_all_sp2hp``) gives each rank every token of the chunk for ``heads / N`` heads, the
 chunk's attention above runs on them unchanged (segments, the slice's prefix, the kernel), and the inverse all-to-all
 (``all_to_all_hp2sp``) gives each rank its own tokens back with all heads. K/V heads are split the same way where N
@@ -36,7 +36,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_epp.executor import kernels
-from megatron_epp.executor.context import ChunkContext, ChunkLayout, KVBuffer
+from megatron_epp.executor.context import ChunkContext, ChunkView, KVBuffer
 
 
 class _SliceKV(torch.autograd.Function):
@@ -115,24 +115,24 @@ class ElasticAttention(MegatronModule):
 
     def _attend(self, query, key, value):
         """The chunk's attention on every token of it: [s, b, heads, d] in, [s, b, heads * d] out."""
-        layout = self.context.layout()
-        slice_kv = self._slice_kv(layout, key, value) if layout.split_index is not None else None
+        view = self.context.view()
+        slice_kv = self._slice_kv(view, key, value) if view.split_index is not None else None
         dropout = self.dropout_p if self.training else 0.0
         gqa = key.shape[2] != query.shape[2]
         backend = kernels.select_backend(self.backend_request, query.device, query.dtype, self.context.attention_backends, dropout, gqa=gqa)
         kwargs = {"deterministic": self.deterministic} if backend == "flash-varlen" else {}
         with tensor_parallel.get_cuda_rng_tracker().fork() if dropout else contextlib.nullcontext():
-            out = kernels.BACKENDS[backend](query, key, value, layout, slice_kv, dropout, self.softmax_scale, **kwargs)
+            out = kernels.BACKENDS[backend](query, key, value, view, slice_kv, dropout, self.softmax_scale, **kwargs)
         return out.reshape(out.shape[0], out.shape[1], -1)
 
-    def _slice_kv(self, layout: ChunkLayout, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _slice_kv(self, view: ChunkView, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The slice's keys and values from its sequence's K/V buffer on this layer (allocated by the
         sequence's first slice, released by its backward), its own K/V written there first."""
-        start, end = layout.bounds[layout.split_index]
-        seq, layer = layout.split_seq, self.layer_number
-        buffer = self.context.kv_buffer(seq, layer, layout.seq_length, key)
-        release = (lambda: self.context.release(seq, layer)) if layout.context == 0 else None
-        return _SliceKV.apply(key[start:end], value[start:end], buffer, layout.context, release)
+        start, end = view.bounds[view.split_index]
+        seq, layer = view.split_seq, self.layer_number
+        buffer = self.context.kv_buffer(seq, layer, view.seq_length, key)
+        release = (lambda: self.context.release(seq, layer)) if view.context == 0 else None
+        return _SliceKV.apply(key[start:end], value[start:end], buffer, view.context, release)
 
 
 def replicate_kv_heads(kv: torch.Tensor, cp_size: int) -> torch.Tensor:

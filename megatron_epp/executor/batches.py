@@ -1,4 +1,4 @@
-"""A stage's inputs for a Plan built ahead (per-chunk layouts and batches), the GPT forward step
+"""A stage's inputs for a Plan built ahead (per-chunk views and batches), the GPT forward step
 for elastic chunks, and the per-token loss."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from megatron_epp.executor.context import ChunkContext, ChunkLayout, padding_tokens, to_device
+from megatron_epp.executor.context import ChunkContext, ChunkView, padding_tokens, to_device
 from megatron_epp.plan import Plan
 
 Batch = dict[str, torch.Tensor]
@@ -28,8 +28,8 @@ def chunk_batches(plan: Plan, sequences: Sequence[TokensAndLabels] | None, devic
                   cp_rank: int = 0, cp_size: int = 1) -> Iterator[Batch]:
     """One batch ``[1, tokens]`` per chunk in forward order; empty dicts where the stage has no data.
     ``sequences``: CPU tensors (on CUDA the batches go from pinned memory without blocking). ``multiple``: as
-    ``ChunkLayout.build``'s; the padding tokens are token 0 with label 0 and loss mask 0. Under context parallelism
-    only context-parallel rank ``cp_rank``'s block of each padded chunk (``ChunkLayout.local_range``)."""
+    ``ChunkView.build``'s; the padding tokens are token 0 with label 0 and loss mask 0. Under context parallelism
+    only context-parallel rank ``cp_rank``'s block of each padded chunk (``ChunkView.local_range``)."""
     for chunk in plan.chunks():
         if sequences is None:
             yield {}
@@ -55,13 +55,13 @@ def chunk_batches(plan: Plan, sequences: Sequence[TokensAndLabels] | None, devic
 @dataclass
 class StepInputs:
     """Everything one stage needs per chunk of a plan that does not depend on activations: the
-    chunks' layouts (positions, packing, prefix, recompute count) and batches, built from the plan
+    chunks' views (positions, packing, prefix, recompute count) and batches, built from the plan
     on the host ahead of the schedule (the training driver builds the next step's while this one
     trains), so the schedule's per-chunk work is the kernels and the transfers."""
 
     plan: Plan
     stage: int
-    layouts: list[list[ChunkLayout]]  # [pipeline][chunk], what forward_backward_elastic takes as layouts=
+    views: list[list[ChunkView]]  # [pipeline][chunk], what forward_backward_elastic takes as views=
     batches: list[Batch]  # one per chunk in forward order (the data iterator's items)
 
 
@@ -70,18 +70,18 @@ def prepare_step(plan: Plan, stage: int, sequences: Sequence[TokensAndLabels] | 
     """``stage``'s :class:`StepInputs` for ``plan`` on ``device``, every chunk padded to a multiple of
     ``multiple`` tokens (``token_multiple(config)``: sequence and context parallelism); context-parallel rank
     ``cp_rank`` of ``cp_size`` gets its block of each chunk."""
-    layouts = [
-        [ChunkLayout.build(c, plan.seq_lengths, device, recompute=count, multiple=multiple, cp_rank=cp_rank, cp_size=cp_size)
+    views = [
+        [ChunkView.build(c, plan.seq_lengths, device, recompute=count, multiple=multiple, cp_rank=cp_rank, cp_size=cp_size)
          for c, count in zip(pipe.chunks, pipe.recompute[stage])]
         for pipe in plan.pipelines
     ]
-    return StepInputs(plan, stage, layouts, list(chunk_batches(plan, sequences, device, multiple, cp_rank, cp_size)))
+    return StepInputs(plan, stage, views, list(chunk_batches(plan, sequences, device, multiple, cp_rank, cp_size)))
 
 
 def elastic_gpt_forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module):
     """``forward_step_func`` for elastic chunks: positions come from the plan (the model's current
     chunk: this context-parallel rank's tokens'), tokens from the batch."""
     batch = next(data_iterator)
-    positions = ChunkContext.of(model).layout().local_position_ids[None]
+    positions = ChunkContext.of(model).view().local_position_ids[None]
     output = model(batch.get("tokens"), positions, None, labels=batch.get("labels"))
     return output, partial(per_token_loss, batch.get("loss_mask"))

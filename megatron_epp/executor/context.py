@@ -1,4 +1,4 @@
-"""What the stage is running now: the current chunk's layout, and the K/V buffers of split sequences.
+"""What the stage is running now: the current chunk's view, and the K/V buffers of split sequences.
 
 One :class:`ChunkContext` per model, created by whoever builds the model: ``elastic_layer_spec(base,
 context)`` hands it to the attention and the recompute layer (``ModuleSpec.params``),
@@ -13,7 +13,7 @@ earlier slices' K/V, which each slice adds to its own in its backward (see ``ela
 
 What the attention kernels need from a chunk (explicit masks, the varlen kernels' ``cu_seqlens``) is built
 once per chunk, on first use, and shared by all the stage's layers; RoPE's cos/sin tables once per forward
-and once per backward of a chunk (``ChunkLayout.per_pass``), dropped when the pass ends.
+and once per backward of a chunk (``ChunkView.per_pass``), dropped when the pass ends.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def varlen_seqlens(bounds: list[tuple[int, int]], split_index: int | None, conte
 
 
 @dataclass
-class ChunkLayout:
+class ChunkView:
     """What every layer of the stage needs to know about the current chunk (built once per chunk).
 
     The kernels' inputs (``masks``, ``varlen``) are built on first use, once per
@@ -142,8 +142,8 @@ class ChunkLayout:
 
     @classmethod
     def build(cls, chunk: Chunk, seq_lengths: list[int], device: torch.device, recompute: int = 0, multiple: int = 1,
-              cp_rank: int = 0, cp_size: int = 1) -> "ChunkLayout":
-        """The layout of ``chunk`` from the plan alone (host work: no device sync; on CUDA the
+              cp_rank: int = 0, cp_size: int = 1) -> "ChunkView":
+        """The view of ``chunk`` from the plan alone (host work: no device sync; on CUDA the
         positions go from pinned memory without blocking).
 
         ``multiple``: the token count the layers see must be a multiple of it (the tensor-parallel size under
@@ -152,7 +152,7 @@ class ChunkLayout:
         from 0): they attend only to each other and come after every real token, so no real token attends to them;
         their loss mask is 0 (``chunk_batches``), so they change neither the loss nor any gradient. Under context
         parallelism (``cp_size`` ranks, ``multiple`` a multiple of it: :func:`token_multiple`) rank ``cp_rank`` holds
-        the ``cp_rank``-th of ``cp_size`` equal blocks of the padded chunk (``local_range``); the layout's segments,
+        the ``cp_rank``-th of ``cp_size`` equal blocks of the padded chunk (``local_range``); the view's segments,
         positions and prefix stay the whole chunk's, which its attention sees after the all-to-all."""
         if multiple % cp_size or not 0 <= cp_rank < cp_size:
             raise ValueError(f"context parallelism: rank {cp_rank} of {cp_size} with chunks padded to a multiple of {multiple}")
@@ -278,7 +278,7 @@ class ChunkContext:
     ATTRIBUTE = "elastic_context"  # where install_chunk_context puts it on the model
 
     def __init__(self) -> None:
-        self.current: ChunkLayout | None = None
+        self.current: ChunkView | None = None
         self.kv: dict[tuple[int, int], KVBuffer] = {}  # (sequence, layer number) -> its K/V buffer
         self.kv_version = 0  # changes whenever a K/V buffer or its accumulators are allocated, or released (memory tracking caches on it)
         self.attention_backends: dict = {}  # the attention kernel decided per (request, device type, dtype, dropout or not, GQA or not): once per model
@@ -286,12 +286,12 @@ class ChunkContext:
         # test-only: called with "F" / "B" before each forward / backward of a chunk, "R" before each recomputing
         # layer's forward and "T" before each send/receive (the training driver's EPP_FAULT_INJECT plants an
         # out-of-memory error with it)
-        self.fault_hook: Callable[[str, ChunkLayout], None] | None = None
+        self.fault_hook: Callable[[str, ChunkView], None] | None = None
 
-    def before_op(self, kind: str, layout: ChunkLayout) -> None:
-        """``kind`` ("F", "B", "R": a layer's recompute, "T": a transfer) of the chunk of ``layout`` is about to run."""
+    def before_op(self, kind: str, view: ChunkView) -> None:
+        """``kind`` ("F", "B", "R": a layer's recompute, "T": a transfer) of the chunk of ``view`` is about to run."""
         if self.fault_hook is not None:
-            self.fault_hook(kind, layout)
+            self.fault_hook(kind, view)
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> "ChunkContext":
@@ -304,20 +304,20 @@ class ChunkContext:
                 "install_chunk_context(model, context)"
             ) from None
 
-    def layout(self) -> ChunkLayout:
+    def view(self) -> ChunkView:
         if self.current is None:
             raise RuntimeError("no chunk is set: elastic layers run only inside forward_backward_elastic")
         return self.current
 
     @contextlib.contextmanager
-    def running(self, layout: ChunkLayout) -> Iterator[ChunkLayout]:
-        """Make ``layout`` the current chunk for one forward or backward; the previous one after."""
-        previous, self.current = self.current, layout
+    def running(self, view: ChunkView) -> Iterator[ChunkView]:
+        """Make ``view`` the current chunk for one forward or backward; the previous one after."""
+        previous, self.current = self.current, view
         try:
-            yield layout
+            yield view
         finally:
             self.current = previous
-            layout.transient.clear()
+            view.transient.clear()
 
     @contextlib.contextmanager
     def step(self) -> Iterator["ChunkContext"]:

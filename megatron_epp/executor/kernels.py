@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
-from megatron_epp.executor.context import ChunkLayout, bottom_right_causal_mask
+from megatron_epp.executor.context import ChunkView, bottom_right_causal_mask
 
 ENV = "EPP_ATTENTION_BACKEND"
 REQUESTS = ("auto", "sdpa", "flash", "varlen")
@@ -328,25 +328,25 @@ def segment_attention(q, k, v, mask: torch.Tensor | None, dropout: float = 0.0, 
     return out.permute(2, 0, 1, 3)
 
 
-def _segments(query, key, value, layout: ChunkLayout, slice_kv):
+def _segments(query, key, value, view: ChunkView, slice_kv):
     """Each segment's ``(index, q, k, v)``; the slice's K/V are ``slice_kv`` (its buffer's rows, in place)."""
-    for index, (start, end) in enumerate(layout.bounds):
-        k, v = slice_kv if index == layout.split_index else (key[start:end], value[start:end])
+    for index, (start, end) in enumerate(view.bounds):
+        k, v = slice_kv if index == view.split_index else (key[start:end], value[start:end])
         yield index, query[start:end], k, v
 
 
-def sdpa_masked(query, key, value, layout: ChunkLayout, slice_kv, dropout: float, scale: float) -> torch.Tensor:
+def sdpa_masked(query, key, value, view: ChunkView, slice_kv, dropout: float, scale: float) -> torch.Tensor:
     """Every segment one SDPA under its explicit bottom-right causal mask (CPU with dropout; other devices), never on cuDNN."""
     with sdpa_kernel(list(SDPA_BACKENDS)):
-        outputs = [segment_attention(q, k, v, layout.masks[i], dropout, scale) for i, q, k, v in _segments(query, key, value, layout, slice_kv)]
+        outputs = [segment_attention(q, k, v, view.masks[i], dropout, scale) for i, q, k, v in _segments(query, key, value, view, slice_kv)]
     return torch.cat(outputs)
 
 
-def _causal_segments(query, key, value, layout: ChunkLayout, slice_kv, dropout: float, scale: float,
+def _causal_segments(query, key, value, view: ChunkView, slice_kv, dropout: float, scale: float,
                      with_prefix: Callable[..., torch.Tensor]) -> torch.Tensor:
     """SDPA's ``is_causal`` for every segment without context; ``with_prefix(q, k, v)`` for the slice with it."""
     outputs = []
-    for _, q, k, v in _segments(query, key, value, layout, slice_kv):
+    for _, q, k, v in _segments(query, key, value, view, slice_kv):
         causal = k.shape[0] == q.shape[0]
         outputs.append(segment_attention(q, k, v, None, dropout, scale, causal=True) if causal else with_prefix(q, k, v))
     return torch.cat(outputs)
@@ -367,11 +367,11 @@ def lower_right_attention(q, k, v, dropout: float, scale: float) -> torch.Tensor
     return segment_attention(q, k, v, causal_lower_right(s, keys), dropout, scale)
 
 
-def sdpa_causal(query, key, value, layout: ChunkLayout, slice_kv, dropout: float, scale: float) -> torch.Tensor:
+def sdpa_causal(query, key, value, view: ChunkView, slice_kv, dropout: float, scale: float) -> torch.Tensor:
     """SDPA's ``is_causal`` for segments without context, ``causal_lower_right`` for the slice with prefix;
     on SDPA's flash, memory-efficient or math kernel, never cuDNN attention (``SDPA_BACKENDS``)."""
     with sdpa_kernel(list(SDPA_BACKENDS)):
-        return _causal_segments(query, key, value, layout, slice_kv, dropout, scale,
+        return _causal_segments(query, key, value, view, slice_kv, dropout, scale,
                                 lambda q, k, v: lower_right_attention(q, k, v, dropout, scale))
 
 
@@ -424,42 +424,42 @@ def prefix_merged_attention(q, k, v, scale: float) -> torch.Tensor:
     return PrefixMergedAttention.apply(q, k, v, context, scale).permute(2, 0, 1, 3)
 
 
-def sdpa_merged(query, key, value, layout: ChunkLayout, slice_kv, dropout: float, scale: float) -> torch.Tensor:
+def sdpa_merged(query, key, value, view: ChunkView, slice_kv, dropout: float, scale: float) -> torch.Tensor:
     """CPU: ``is_causal`` SDPA for segments without context, :func:`prefix_merged_attention` for the slice
     with prefix; no mask anywhere. No attention dropout (:func:`select_backend` takes ``sdpa-masked`` for it)."""
     if dropout > 0:
         raise ValueError("sdpa-merged has no attention dropout (the CPU flash kernel has none): select_backend takes sdpa-masked")
-    return _causal_segments(query, key, value, layout, slice_kv, 0.0, scale,
+    return _causal_segments(query, key, value, view, slice_kv, 0.0, scale,
                             lambda q, k, v: prefix_merged_attention(q, k, v, scale))
 
 
-def pack_kv(own: torch.Tensor, slice_rows: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
+def pack_kv(own: torch.Tensor, slice_rows: torch.Tensor, view: ChunkView) -> torch.Tensor:
     """The chunk's keys (or values) ``[N + C, heads, d]``: ``slice_rows`` (the slice's prefix and own
     rows, from its buffer) in place of the slice's own tokens; a chunk that is only the slice has
     exactly those rows, uncopied."""
-    if len(layout.bounds) == 1:
+    if len(view.bounds) == 1:
         return slice_rows
-    start, end = layout.bounds[layout.split_index]
+    start, end = view.bounds[view.split_index]
     return torch.cat([own[:start], slice_rows, own[end:]])
 
 
-def _packed_chunk(query, key, value, layout: ChunkLayout, slice_kv, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _packed_chunk(query, key, value, view: ChunkView, slice_kv, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A varlen kernel's ``q`` ``[N, heads, d]`` and ``k``/``v`` ``[N + C, kv_heads, d]`` (:func:`pack_kv`)."""
     if query.shape[1] != 1:
         raise ValueError(f"{backend} packs one sequence row per chunk; got micro-batch {query.shape[1]}")
     q, k, v = query[:, 0], key[:, 0], value[:, 0]
     if slice_kv is not None:
-        k, v = pack_kv(k, slice_kv[0][:, 0], layout), pack_kv(v, slice_kv[1][:, 0], layout)
+        k, v = pack_kv(k, slice_kv[0][:, 0], view), pack_kv(v, slice_kv[1][:, 0], view)
     return q, k, v
 
 
-def flash_varlen(query, key, value, layout: ChunkLayout, slice_kv, dropout: float, scale: float, deterministic: bool = False) -> torch.Tensor:
+def flash_varlen(query, key, value, view: ChunkView, slice_kv, dropout: float, scale: float, deterministic: bool = False) -> torch.Tensor:
     """The whole chunk in one ``flash_attn_varlen_func`` call; [N, 1, heads, d] in and out."""
     kernel, why_not = load_flash_kernel()
     if kernel is None:
         raise AttentionBackendError(why_not)
-    q, k, v = _packed_chunk(query, key, value, layout, slice_kv, "flash-varlen")
-    meta = layout.varlen
+    q, k, v = _packed_chunk(query, key, value, view, slice_kv, "flash-varlen")
+    meta = view.varlen
     out = kernel.varlen_func(
         q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
         dropout_p=dropout, softmax_scale=scale, causal=True, deterministic=deterministic,
@@ -505,7 +505,7 @@ class AtenFlashVarlen(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
-def torch_varlen(query, key, value, layout: ChunkLayout, slice_kv, dropout: float, scale: float) -> torch.Tensor:
+def torch_varlen(query, key, value, view: ChunkView, slice_kv, dropout: float, scale: float) -> torch.Tensor:
     """The whole chunk in one call of torch's ``varlen_attn`` (bottom-right causal: ``window_size=(-1, 0)``);
     [N, 1, heads, d] in and out. GQA as :attr:`TorchVarlenKernel.gqa_mode` says: ``enable_gqa``, else
     :class:`AtenFlashVarlen` (K/V heads not expanded either), else expanded K/V heads."""
@@ -514,9 +514,9 @@ def torch_varlen(query, key, value, layout: ChunkLayout, slice_kv, dropout: floa
     kernel, why_not = load_torch_varlen()
     if kernel is None:
         raise AttentionBackendError(why_not)
-    q, k, v = _packed_chunk(query, key, value, layout, slice_kv, "torch-varlen")
+    q, k, v = _packed_chunk(query, key, value, view, slice_kv, "torch-varlen")
     heads, gqa = q.shape[1], {}
-    meta = layout.varlen
+    meta = view.varlen
     if k.shape[1] != heads:
         if kernel.gqa_mode == "aten-flash":
             return AtenFlashVarlen.apply(q, k, v, meta, scale, kernel.flash_ops).unsqueeze(1)

@@ -31,8 +31,8 @@ class ChunkRecomputeLayer(TransformerLayer):
         return (self.layer_number - 1) % per_stage
 
     def forward(self, *args, **kwargs):
-        layout = self.context.current
-        if layout is None or not self.training or self.local_index >= layout.recompute:
+        view = self.context.current
+        if view is None or not self.training or self.local_index >= view.recompute:
             return super().forward(*args, **kwargs)
         hidden_states = kwargs.pop("hidden_states") if "hidden_states" in kwargs else args[0]
         rest = args[1:] if "hidden_states" not in kwargs and args else args
@@ -41,7 +41,7 @@ class ChunkRecomputeLayer(TransformerLayer):
             if not torch.is_grad_enabled():  # the checkpoint's first forward runs without autograd
                 return super(ChunkRecomputeLayer, self).forward(h, *rest, **kwargs)[0]
             self.context.recomputing = True  # the recompute, inside the chunk's backward
-            self.context.before_op("R", self.context.layout())
+            self.context.before_op("R", self.context.view())
             output = super(ChunkRecomputeLayer, self).forward(h, *rest, **kwargs)[0]
             self.context.recomputing = False
             return output

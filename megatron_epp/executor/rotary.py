@@ -18,7 +18,7 @@ with its (empty) unrotated rest, for the query and again for the key of every la
 ``rotary_pos_cos``/``rotary_pos_sin`` arguments are for inference only. Here the layers'
 :class:`ChunkRopeSelfAttention` rotates query and key right after megatron-core's own QKV projection
 (and QK norms, if any) with the chunk's tables, built once per forward and once per backward of the
-chunk (``ChunkLayout.per_pass``) and shared by all the stage's layers: ``t cos + roll(t, d/2) sin'``
+chunk (``ChunkView.per_pass``) and shared by all the stage's layers: ``t cos + roll(t, d/2) sin'``
 with ``sin'`` the sine with its first half negated, four kernels per tensor, no concatenation. Each
 product and sum is the one megatron-core computes (``(-x) s = x (-s)`` exactly), so the result and
 its gradients are bit-identical in every dtype (``tests/unit/test_layer_op_count.py``). The rotation saves
@@ -34,7 +34,7 @@ import torch
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.transformer.attention import SelfAttention
 
-from megatron_epp.executor.context import ChunkContext, ChunkLayout
+from megatron_epp.executor.context import ChunkContext, ChunkView
 
 
 class RopeTable:
@@ -55,30 +55,30 @@ class RopeTable:
     def positions(self) -> int:
         return self.freqs.shape[0]
 
-    def at(self, layout: ChunkLayout) -> torch.Tensor:
-        """``[n, 1, 1, d]`` fp32: the angles at the positions of ``layout``'s tokens on this rank (all ``N`` of the chunk
+    def at(self, view: ChunkView) -> torch.Tensor:
+        """``[n, 1, 1, d]`` fp32: the angles at the positions of ``view``'s tokens on this rank (all ``N`` of the chunk
         without context parallelism; its largest known on the host: no device sync)."""
-        if layout.max_position >= self.positions:
-            raise ValueError(f"elastic RoPE: chunk {layout.chunk.id} reaches position {layout.max_position}, past the run's table of "
+        if view.max_position >= self.positions:
+            raise ValueError(f"elastic RoPE: chunk {view.chunk.id} reaches position {view.max_position}, past the run's table of "
                              f"--seq-length {self.positions} positions (documents are at most --seq-length tokens)")
-        return self.freqs[layout.local_position_ids]
+        return self.freqs[view.local_position_ids]
 
 
 class ChunkRope:
     """RoPE of one chunk, what :class:`ChunkRotaryEmbedding` gives ``GPTModel`` for its layers' ``rotary_pos_emb``."""
 
-    __slots__ = ("table", "layout")
+    __slots__ = ("table", "view")
 
-    def __init__(self, table: RopeTable, layout: ChunkLayout) -> None:
-        self.table, self.layout = table, layout
+    def __init__(self, table: RopeTable, view: ChunkView) -> None:
+        self.table, self.view = table, view
 
     def freqs(self) -> torch.Tensor:
         """``[N, 1, 1, d]`` fp32: the angles at the chunk's positions (megatron-core's ``rotary_pos_emb``)."""
-        return self.table.at(self.layout)
+        return self.table.at(self.view)
 
     def tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos`` and ``sin'`` (first half negated), ``[N, 1, 1, d]`` in ``dtype``, once per pass of the chunk."""
-        return self.layout.per_pass((ChunkRope, self.table, dtype), lambda: self._build(dtype))
+        return self.view.per_pass((ChunkRope, self.table, dtype), lambda: self._build(dtype))
 
     def _build(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = self.freqs()
@@ -161,7 +161,7 @@ class ChunkRotaryEmbedding(torch.nn.Module):
     def forward(self, max_seq_len: int, offset: int = 0, packed_seq: bool = False, cp_group: Any = None) -> ChunkRope:
         if self.table is None:
             raise RuntimeError("elastic RoPE: no table; build_table() (install_chunk_context) once the model is on its device")
-        return ChunkRope(self.table, self.context.layout())
+        return ChunkRope(self.table, self.context.view())
 
 
 class ChunkRopeSelfAttention(SelfAttention):

@@ -5,7 +5,7 @@ The op list per stage comes from :mod:`megatron_epp.plan.order` (warm-up
 included (the lists the simulator walks); the stage runner only executes it. Compute and
 communication reuse megatron-core's ``forward_step`` / ``backward_step`` and ``P2PCommunicator``;
 each transfer carries the chunk's own shape ``[tokens, 1, hidden]`` (under sequence parallelism
-``[tokens / tp, 1, hidden]``, the chunk padded to a multiple of tp: ``ChunkLayout.build``), known to
+``[tokens / tp, 1, hidden]``, the chunk padded to a multiple of tp: ``ChunkView.build``), known to
 both sides from the plan, so no shape handshake is needed. Pipelines (sequence groups) run one after another with
 gradient accumulation; gradients are reduced once per step (``finalize_model_grads``) and divided by
 the global batch's token count, so the loss and gradients equal non-pipelined training.
@@ -39,7 +39,7 @@ from megatron.core.pipeline_parallel.schedules import backward_step, deallocate_
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import get_model_config, get_model_type
 
-from megatron_epp.executor.context import ChunkContext, ChunkLayout, token_multiple
+from megatron_epp.executor.context import ChunkContext, ChunkView, token_multiple
 from megatron_epp.plan import Pipeline, Plan
 from megatron_epp.plan.order import Op, stage_ops
 
@@ -138,24 +138,24 @@ def forward_backward_elastic(
     p2p_communicator: P2PCommunicator | None = None,
     pg_collection: ProcessGroupCollection | None = None,
     plan: Plan,
-    layouts: Sequence[Sequence[ChunkLayout]] | None = None,
+    views: Sequence[Sequence[ChunkView]] | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """Megatron-Core's schedule signature plus ``plan``; ``num_microbatches`` must be its chunk count.
 
     ``data_iterator`` yields one item per chunk in forward order (pipeline by pipeline); the current
-    chunk's layout (positions, packing, prefix) is set on every stage around each of its forwards and
-    backwards, in the model's chunk context (``ChunkContext.of(model)``). ``layouts``
-    (``[pipeline][chunk]``, this stage's, e.g. ``prepare_step(...).layouts`` built ahead) or, if None,
-    built here from the plan; under sequence parallelism every layout's token count must be a multiple of the
-    tensor-parallel size (``ChunkLayout.build(..., multiple=token_multiple(config))`` pads it). If the step
+    chunk's view (positions, packing, prefix) is set on every stage around each of its forwards and
+    backwards, in the model's chunk context (``ChunkContext.of(model)``). ``views``
+    (``[pipeline][chunk]``, this stage's, e.g. ``prepare_step(...).views`` built ahead) or, if None,
+    built here from the plan; under sequence parallelism every view's token count must be a multiple of the
+    tensor-parallel size (``ChunkView.build(..., multiple=token_multiple(config))`` pads it). If the step
     raises, the context is left with no current chunk and no kept K/V.
     Returns the last stage's per-chunk loss dicts.
     """
     model = model[0] if isinstance(model, list) else model
     data_iterator = data_iterator[0] if isinstance(data_iterator, list) else data_iterator
     chunks = sum(len(p.chunks) for p in plan.pipelines)
-    if layouts is not None and [len(p) for p in layouts] != [len(p.chunks) for p in plan.pipelines]:
-        raise ValueError("layouts do not match the plan's pipelines and chunks")
+    if views is not None and [len(p) for p in views] != [len(p.chunks) for p in plan.pipelines]:
+        raise ValueError("views do not match the plan's pipelines and chunks")
     if num_microbatches != chunks:
         raise ValueError(f"num_microbatches={num_microbatches} but the plan has {chunks} chunks")
     if pg_collection is None:
@@ -165,9 +165,9 @@ def forward_backward_elastic(
         raise ValueError(f"plan is for {plan.num_stages} stages, the pipeline has {pp_group.size()}")
     config = get_model_config(model)
     multiple = token_multiple(config)
-    if layouts is not None and any(layout.num_tokens % multiple for pipe in layouts for layout in pipe):
+    if views is not None and any(view.num_tokens % multiple for pipe in views for view in pipe):
         raise ValueError(f"sequence/context parallelism splits every chunk over {multiple} ranks: build the "
-                         f"layouts with multiple={multiple} (ChunkLayout.build pads each chunk)")
+                         f"views with multiple={multiple} (ChunkView.build pads each chunk)")
     comm = p2p_communicator or P2PCommunicator(pp_group=pp_group, config=config)
     context = ChunkContext.of(model)
     runner = _StageRunner(forward_step_func, data_iterator, model, context, config, comm, pg_collection.cp, plan, forward_only,
@@ -177,8 +177,8 @@ def forward_backward_elastic(
     try:
         with context.step():
             for index, pipe in enumerate(plan.pipelines):
-                pipe_layouts = layouts[index] if layouts is not None else runner.build_layouts(pipe)
-                runner.run(index, pipe, pipe_layouts)
+                pipe_views = views[index] if views is not None else runner.build_views(pipe)
+                runner.run(index, pipe, pipe_views)
             if _any_rank(runner.failure is not None, runner.device):
                 context.clear()
                 raise StepOutOfMemory(runner.failure)
@@ -216,15 +216,15 @@ class _StageRunner:
         self.failure: OpFailure | None = None  # set when this rank runs out of memory: the rest of the step is stand-ins
         self.saved: dict[int, tuple[Any, Any]] = {}  # the current pipeline's forwards awaiting their backward
 
-    def shape(self, layouts: Sequence[ChunkLayout], pos: int) -> list[tuple[int, int, int]]:
-        return [(layouts[pos].num_tokens // self.multiple, 1, self.config.hidden_size)]
+    def shape(self, views: Sequence[ChunkView], pos: int) -> list[tuple[int, int, int]]:
+        return [(views[pos].num_tokens // self.multiple, 1, self.config.hidden_size)]
 
-    def build_layouts(self, pipe: Pipeline) -> list[ChunkLayout]:
-        return [ChunkLayout.build(c, self.plan.seq_lengths, self.device, recompute=count, multiple=self.multiple,
+    def build_views(self, pipe: Pipeline) -> list[ChunkView]:
+        return [ChunkView.build(c, self.plan.seq_lengths, self.device, recompute=count, multiple=self.multiple,
                                   cp_rank=self.cp_rank, cp_size=self.cp_size)
                 for c, count in zip(pipe.chunks, pipe.recompute[self.stage])]
 
-    def run(self, index: int, pipe: Pipeline, layouts: Sequence[ChunkLayout]) -> None:
+    def run(self, index: int, pipe: Pipeline, views: Sequence[ChunkView]) -> None:
         """Pipeline ``index``'s op list on this stage, sends and receives included (:func:`stage_ops` with
         ``comms``); after an out-of-memory error (:meth:`_fail`), stand-ins."""
         ops = stage_ops(pipe, self.stage, self.plan.num_stages, comms=True, forward_only=self.forward_only)
@@ -237,85 +237,85 @@ class _StageRunner:
             op = ops[i]
             if op.kind == "F":
                 input_tensor = received.pop(("F", op.pos), [None])  # [None]: nothing received, as at a pipeline end
-                output = self._guarded(index, op, layouts[op.pos], lambda: self._forward(input_tensor, op.pos))
+                output = self._guarded(index, op, views[op.pos], lambda: self._forward(input_tensor, op.pos))
                 if output is not None and not self.forward_only and self.failure is None:
                     self.saved[op.pos] = (input_tensor, output)
                 if ("F", op.pos) in sent:
-                    results["F", op.pos] = output if output is not None else self._stand_in(layouts, op)
+                    results["F", op.pos] = output if output is not None else self._stand_in(views, op)
                 else:  # the last stage: Megatron's 1F1B frees the output's data here as after a send
                     self._release(output)
             elif op.kind == "B":
                 input_tensor, output = self.saved.pop(op.pos, (None, None))
                 grad_output = received.pop(("B", op.pos), [None])
-                grad = self._guarded(index, op, layouts[op.pos],
+                grad = self._guarded(index, op, views[op.pos],
                                      lambda: backward_step(input_tensor, output, grad_output, self.model_type, self.config))
                 del input_tensor, output, grad_output
                 if ("B", op.pos) in sent:
-                    results["B", op.pos] = grad if self.failure is None else self._stand_in(layouts, op)
+                    results["B", op.pos] = grad if self.failure is None else self._stand_in(views, op)
             else:
                 recv = ops[i + 1] if i + 1 < len(ops) and ops[i + 1].batched else None
-                self._communicate(index, layouts, op, recv, results, received)
+                self._communicate(index, views, op, recv, results, received)
                 i += 2 if recv is not None else 1
                 continue
             i += 1
 
-    def _communicate(self, index: int, layouts: Sequence[ChunkLayout], op: Op, recv: Op | None,
+    def _communicate(self, index: int, views: Sequence[ChunkView], op: Op, recv: Op | None,
                      results: dict[tuple[str, int], Any], received: dict[tuple[str, int], Any]) -> None:
         """A send (with ``recv``, the receive batched with it: one exchange) or a receive of the op list."""
         direction = op.kind[-1]
         if op.kind.startswith("RECV"):
             receive = self.comm.recv_forward if direction == "F" else self.comm.recv_backward
             edge = self.first if direction == "F" else self.last
-            received[direction, op.pos] = self._transfer(index, layouts[op.pos], lambda: receive(self.shape(layouts, op.pos), edge))
+            received[direction, op.pos] = self._transfer(index, views[op.pos], lambda: receive(self.shape(views, op.pos), edge))
             return
         tensor = results.pop((direction, op.pos))
         if direction == "F":
             if recv is None:
-                self._transfer(index, layouts[op.pos], lambda: self.comm.send_forward(tensor, self.last))
+                self._transfer(index, views[op.pos], lambda: self.comm.send_forward(tensor, self.last))
             else:
-                received["B", recv.pos] = self._transfer(index, layouts[op.pos], lambda: self.comm.send_forward_recv_backward(
-                    tensor, self.shape(layouts, recv.pos), self.last))
+                received["B", recv.pos] = self._transfer(index, views[op.pos], lambda: self.comm.send_forward_recv_backward(
+                    tensor, self.shape(views, recv.pos), self.last))
             self._release(tensor)
         elif recv is None:
-            self._transfer(index, layouts[op.pos], lambda: self.comm.send_backward(tensor, self.first))
+            self._transfer(index, views[op.pos], lambda: self.comm.send_backward(tensor, self.first))
         else:
-            received["F", recv.pos] = self._transfer(index, layouts[op.pos], lambda: self.comm.send_backward_recv_forward(
-                tensor, self.shape(layouts, recv.pos), self.first))
+            received["F", recv.pos] = self._transfer(index, views[op.pos], lambda: self.comm.send_backward_recv_forward(
+                tensor, self.shape(views, recv.pos), self.first))
 
     def _release(self, output) -> None:
         """Free a sent forward output's data (its graph stays for the backward), as Megatron's schedules do."""
         if output is not None and self.failure is None and not self.forward_only:
             deallocate_output_tensor(output[0], self.config.deallocate_pipeline_outputs)
 
-    def _guarded(self, index: int, op: Op, layout: ChunkLayout, compute: Callable[[], Any]) -> Any:
-        """``compute()`` with ``layout`` current; None once this rank has run out of memory (then or before)."""
+    def _guarded(self, index: int, op: Op, view: ChunkView, compute: Callable[[], Any]) -> Any:
+        """``compute()`` with ``view`` current; None once this rank has run out of memory (then or before)."""
         if self.failure is not None:
             return None
         try:
-            with self._op_range(index, op, layout), self.context.running(layout):
-                self.context.before_op(op.kind, layout)
+            with self._op_range(index, op, view), self.context.running(view):
+                self.context.before_op(op.kind, view)
                 return compute()
         except torch.OutOfMemoryError as error:
             what = {"F": "forward", "B": "recompute" if self.context.recomputing else "backward"}[op.kind]
             self.context.recomputing = False
-            self._fail(index, layout, what, error)
+            self._fail(index, view, what, error)
             return None
 
-    def _transfer(self, index: int, layout: ChunkLayout, communicate: Callable[[], Any]) -> Any:
+    def _transfer(self, index: int, view: ChunkView, communicate: Callable[[], Any]) -> Any:
         """A send/receive; out of memory for its receive buffer, the step fails here and the transfer is made again
         once this rank's step memory is released (the buffers are allocated before anything is posted)."""
         try:
-            self.context.before_op("T", layout)
+            self.context.before_op("T", view)
             return communicate()
         except torch.OutOfMemoryError as error:
             if self.failure is None:
-                self._fail(index, layout, "transfer", error)
+                self._fail(index, view, "transfer", error)
             return communicate()
 
-    def _fail(self, index: int, layout: ChunkLayout, op: str, error: BaseException) -> None:
+    def _fail(self, index: int, view: ChunkView, op: str, error: BaseException) -> None:
         """Record the failure and release what this rank holds for the step."""
         message = " ".join(str(error).split())[:600] or type(error).__name__
-        chunk = layout.chunk
+        chunk = view.chunk
         self.failure = OpFailure(self.stage, index, chunk.id, chunk.kind, chunk.num_tokens, op, message, requested_bytes(str(error)))
         self.saved.clear()
         self.context.clear()
@@ -323,20 +323,20 @@ class _StageRunner:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def _stand_in(self, layouts: Sequence[ChunkLayout], op: Op) -> torch.Tensor:
+    def _stand_in(self, views: Sequence[ChunkView], op: Op) -> torch.Tensor:
         """What a failed rank sends in place of an op's result: zeros of the planned transfer's shape."""
-        return torch.zeros(self.shape(layouts, op.pos)[0], dtype=self.config.pipeline_dtype, device=self.device)
+        return torch.zeros(self.shape(views, op.pos)[0], dtype=self.config.pipeline_dtype, device=self.device)
 
-    def _op_range(self, pipeline: int, op: Op, layout: ChunkLayout) -> contextlib.AbstractContextManager:
+    def _op_range(self, pipeline: int, op: Op, view: ChunkView) -> contextlib.AbstractContextManager:
         """The op as a named range while a profiler records (torch.profiler's trace; an NVTX range under
         ``emit_nvtx``): ``epp F p0 c3 split 4096t stage 1`` (forward or backward, pipeline, chunk position, kind, the
         chunk's tokens, stage; a backward that recomputes layers adds ``recompute N``). Otherwise no range and no
         name: one check of the profiler's state, no host-device sync."""
         if not torch.autograd._profiler_enabled():
             return _NO_RANGE
-        recompute = f" recompute {layout.recompute}" if op.kind == "B" and layout.recompute else ""
-        return torch.profiler.record_function(f"epp {op.kind} p{pipeline} c{op.pos} {layout.chunk.kind} "
-                                              f"{layout.chunk.num_tokens}t stage {self.stage}{recompute}")
+        recompute = f" recompute {view.recompute}" if op.kind == "B" and view.recompute else ""
+        return torch.profiler.record_function(f"epp {op.kind} p{pipeline} c{op.pos} {view.chunk.kind} "
+                                              f"{view.chunk.num_tokens}t stage {self.stage}{recompute}")
 
     def _forward(self, input_tensor, pos: int):
         output, num_tokens = forward_step(

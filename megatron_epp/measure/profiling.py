@@ -27,7 +27,7 @@ from megatron_epp.cost.profile_fit import attention_fit, head_fit, layer_fit, me
 from megatron_epp.cost.profile import Profile
 from megatron_epp.cost.shape import DTYPE_BYTES, ModelShape
 from megatron_epp.executor import kernels
-from megatron_epp.executor.context import ChunkContext, ChunkLayout, KVBuffer
+from megatron_epp.executor.context import ChunkContext, ChunkView, KVBuffer
 from megatron_epp.executor.memory_tracker import ActivationMemoryTracker
 from megatron_epp.executor.rotary import ChunkRotaryEmbedding
 from megatron_epp.executor.spec import elastic_layer_spec
@@ -47,7 +47,7 @@ class LayerStack(torch.nn.Module):
     The layers are built through the training spec (``elastic_base_layer_spec()`` passed through
     ``elastic_layer_spec``): ``ChunkRecomputeLayer`` with ``ElasticAttention`` as core attention, RoPE (when the
     shape has it) through the chunk rotary embedding, all reading the stack's own :class:`ChunkContext`. A
-    checkpointed forward recomputes as training does (the layout's recompute count, megatron-core's
+    checkpointed forward recomputes as training does (the chunk view's recompute count, megatron-core's
     ``tensor_parallel.checkpoint``). The head is the last stage's as training builds it: the final norm, the
     column-parallel output layer and megatron-core's cross entropy, times a loss mask. RoPE's table holds ``max_positions``
     positions: a chunk past them is refused. Needs megatron-core's
@@ -90,7 +90,7 @@ class LayerStack(torch.nn.Module):
         self.head = tensor_parallel.ColumnParallelLinear(shape.hidden, shape.vocab, config=config, init_method=config.init_method,
                                                          bias=False, gather_output=False)
         self.shape = shape
-        self._recompute_layout: ChunkLayout | None = None
+        self._recompute_view: ChunkView | None = None
         self._prefixes: list[tuple[KVBuffer, int]] = []  # each slice's buffers and their prefix rows
         self.to(self.device, dtype)  # every parameter, LayerNorms included, as Float16Module does in training
         if self.rotary is not None:
@@ -104,8 +104,8 @@ class LayerStack(torch.nn.Module):
         heads, d = self.shape.num_kv_heads or self.shape.num_heads, self.shape.head_dim
         chunk = Chunk(0, "batched", [Segment(i, c, c + s) for i, (s, c) in enumerate(zip(lengths, contexts))])
         self.context.clear()
-        self.context.current = ChunkLayout.build(chunk, [c + s for s, c in zip(lengths, contexts)], self.device)
-        self._recompute_layout = dataclasses.replace(self.context.current, recompute=len(self.layers))
+        self.context.current = ChunkView.build(chunk, [c + s for s, c in zip(lengths, contexts)], self.device)
+        self._recompute_view = dataclasses.replace(self.context.current, recompute=len(self.layers))
         self._prefixes = []
         for i, (s, c) in enumerate(zip(lengths, contexts)):
             for layer in self.layers if c else ():
@@ -117,7 +117,7 @@ class LayerStack(torch.nn.Module):
         """Hidden states ``[s, 1, h]`` through every layer (each recomputing in backward if asked)."""
         for buffer, c in self._prefixes:
             buffer.written = c  # so that every timed forward writes its slice's K/V, as a first forward does
-        with self.context.running(self._recompute_layout if checkpoint else self.context.layout()):
+        with self.context.running(self._recompute_view if checkpoint else self.context.view()):
             rotary = self.rotary(x.shape[0]) if self.rotary is not None else None
             for layer in self.layers:
                 x = layer(x, attention_mask=None, rotary_pos_emb=rotary)[0]
@@ -339,7 +339,7 @@ def _measure_attention(m: Measurement, shape: ModelShape, device: torch.device, 
     run_kernel, scale = kernels.BACKENDS[kernel], 1.0 / d**0.5
 
     def timed(s: int, c: int) -> tuple[float, float]:
-        layout = ChunkLayout.build(Chunk(0, "split" if c else "batched", [Segment(0, c, c + s)]), [c + s], device)
+        view = ChunkView.build(Chunk(0, "split" if c else "batched", [Segment(0, c, c + s)]), [c + s], device)
 
         def make() -> tuple[torch.Tensor, ...]:
             # the queries; a slice's K/V rows as its buffer holds them: the prefix's c rows, then its own s
@@ -347,7 +347,7 @@ def _measure_attention(m: Measurement, shape: ModelShape, device: torch.device, 
                          for n, h in ((s, heads), (c + s, kv_heads), (c + s, kv_heads)))
 
         def run(q, k_rows, v_rows) -> torch.Tensor:
-            return run_kernel(q, k_rows[c:], v_rows[c:], layout, (k_rows, v_rows) if c else None, 0.0, scale)
+            return run_kernel(q, k_rows[c:], v_rows[c:], view, (k_rows, v_rows) if c else None, 0.0, scale)
 
         return m.timer.fwd_bwd(run, make)
 

@@ -110,7 +110,7 @@ class ElasticTrainStep:
 
     The first rank of each model replica plans, in a background thread, one global batch ahead. As
     soon as a step's schedule is done, the next step's plan is shared with every rank of the replica
-    and each rank builds its inputs for it (:func:`prepare_step`: chunk layouts and batches) in a
+    and each rank builds its inputs for it (:func:`prepare_step`: chunk views and batches) in a
     second background thread, while the optimizer steps: the schedule then finds them ready (the
     summary says whether planning was hidden).
 
@@ -222,7 +222,7 @@ class ElasticTrainStep:
             report.predicted_step_ms, run_ms,
             None if memory is None else step.memory.activation_bytes, measured,
             planning_overlap_ms=self.overlap_ms,
-            padding_tokens=sum(layout.padding for pipe in inputs.layouts for layout in pipe),
+            padding_tokens=sum(view.padding for pipe in inputs.views for view in pipe),
             memory_factor=None if memory is None else step.memory.memory_factor,
             measured_allocated_bytes=allocated if allocated != measured else None,
             model_state_bytes=None if memory is None else self.planner.raw_model.model_state_bytes().tolist(),
@@ -251,7 +251,7 @@ class ElasticTrainStep:
                     forward_only=forward_only,
                     pg_collection=self.groups,
                     plan=plan,
-                    layouts=inputs.layouts,
+                    views=inputs.views,
                 )
         finally:
             context.fault_hook = None

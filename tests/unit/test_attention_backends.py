@@ -33,7 +33,7 @@ import torch
 from megatron_epp.executor import attention as elastic_attention, kernels as attention_kernels
 from megatron_epp.executor.kernels import AttentionBackendError, FlashKernel, TorchVarlenKernel
 from megatron_epp.executor import context as context_module
-from megatron_epp.executor.context import ChunkContext, ChunkLayout, VarlenSeqlens, varlen_seqlens
+from megatron_epp.executor.context import ChunkContext, ChunkView, VarlenSeqlens, varlen_seqlens
 from megatron_epp.plan import Chunk, Segment
 from benchmarks.attention_harness import (
     REFERENCE_FLASH_OPS, REFERENCE_KERNEL, VARLEN_GQA_MODES, SavedTensors, make_attention, random_tensors,
@@ -92,7 +92,7 @@ def test_random_plans_cover_every_chunk_kind_with_context():
     kinds, contexts = set(), 0
     for _, plan in plans(8):
         kinds |= {k for k, n in plan.chunk_counts().items() if n}
-        contexts += sum(ChunkLayout.build(c, plan.seq_lengths, torch.device("cpu")).context > 0 for p in plan.pipelines for c in p.chunks)
+        contexts += sum(ChunkView.build(c, plan.seq_lengths, torch.device("cpu")).context > 0 for p in plan.pipelines for c in p.chunks)
     assert kinds == {"batched", "split", "hybrid"} and contexts >= 8
 
 
@@ -207,10 +207,10 @@ def test_aten_flash_saves_kv_at_kv_heads_width(monkeypatch, heads, kv_heads, pla
                             lambda q, k, v, *rest: real_apply(q, expand(k, q.shape[1]), expand(v, q.shape[1]), *rest))
     real_kernel, calls = attention_kernels.torch_varlen, []
 
-    def recorded(query, key, value, layout, slice_kv, *args):
+    def recorded(query, key, value, view, slice_kv, *args):
         with SavedTensors() as saved:
-            out = real_kernel(query, key, value, layout, slice_kv, *args)
-        calls.append((saved, {query.untyped_storage().data_ptr(), out.untyped_storage().data_ptr()}, layout.context))
+            out = real_kernel(query, key, value, view, slice_kv, *args)
+        calls.append((saved, {query.untyped_storage().data_ptr(), out.untyped_storage().data_ptr()}, view.context))
         return out
 
     monkeypatch.setitem(attention_kernels.BACKENDS, "torch-varlen", recorded)
@@ -230,9 +230,9 @@ def test_aten_flash_saves_kv_at_kv_heads_width(monkeypatch, heads, kv_heads, pla
 
 def test_torch_varlen_refuses_attention_dropout():
     q = torch.randn(4, 1, 2, 8)
-    layout = ChunkLayout.build(Chunk(0, "batched", [Segment(0, 0, 4)]), [4], torch.device("cpu"))
+    view = ChunkView.build(Chunk(0, "batched", [Segment(0, 0, 4)]), [4], torch.device("cpu"))
     with pytest.raises(ValueError, match="torch-varlen has no attention dropout"):
-        attention_kernels.torch_varlen(q, q, q, layout, None, 0.1, 1.0)
+        attention_kernels.torch_varlen(q, q, q, view, None, 0.1, 1.0)
 
 
 @pytest.mark.parametrize("path", ["sdpa-causal", "sdpa-masked", "unwrapped"])
@@ -295,7 +295,7 @@ def test_sdpa_causal_builds_no_mask(monkeypatch):
     reference = {kv: [run_backend(monkeypatch, "auto", plan, 4, kv, seed=case) for case, plan in plans(3)] for kv in (4, 2)}
     built = []
     real_mask = attention_kernels.bottom_right_causal_mask
-    for module in (attention_kernels, context_module):  # the kernels' own, and the layout's (ChunkLayout.masks)
+    for module in (attention_kernels, context_module):  # the kernels' own, and the view's (ChunkView.masks)
         monkeypatch.setattr(module, "bottom_right_causal_mask", lambda *a, **k: built.append(a) or real_mask(*a, **k))
     force_backend(monkeypatch, "sdpa-causal")
     assert attention_kernels._causal_bias_takes_gqa()  # this torch's
@@ -373,24 +373,24 @@ VARLEN_PATHS = {"flash": "flash", "varlen": "varlen", "varlen-aten-flash": "varl
 class SeqlensWithoutPrefix(ChunkContext):
     """Gives the kernels ``cu_seqlens_k`` that leave the slice's prefix keys out."""
 
-    def running(self, layout: ChunkLayout):
-        layout = dataclasses.replace(layout)
-        layout.varlen = varlen_seqlens(layout.bounds, layout.split_index, 0, layout.device)
-        return super().running(layout)
+    def running(self, view: ChunkView):
+        view = dataclasses.replace(view)
+        view.varlen = varlen_seqlens(view.bounds, view.split_index, 0, view.device)
+        return super().running(view)
 
 
 class SliceKeysEndOneEarly(ChunkContext):
     """Gives the kernels the real path's ``cu_seqlens_k`` with one boundary off by one: the slice's keys end a
     row early (the next segment's start there; a slice that is last leaves the last key out)."""
 
-    def running(self, layout: ChunkLayout):
-        if layout.split_index is not None:
-            real = layout.varlen
+    def running(self, view: ChunkView):
+        if view.split_index is not None:
+            real = view.varlen
             cu_k = real.cu_seqlens_k.clone()
-            cu_k[layout.split_index + 1] -= 1
-            layout = dataclasses.replace(layout)
-            layout.varlen = VarlenSeqlens(real.cu_seqlens_q, cu_k, real.max_seqlen_q, int((cu_k[1:] - cu_k[:-1]).max()))
-        return super().running(layout)
+            cu_k[view.split_index + 1] -= 1
+            view = dataclasses.replace(view)
+            view.varlen = VarlenSeqlens(real.cu_seqlens_q, cu_k, real.max_seqlen_q, int((cu_k[1:] - cu_k[:-1]).max()))
+        return super().running(view)
 
 
 def use_backend_kernel(monkeypatch, request: str, kernel) -> None:
@@ -403,20 +403,20 @@ def broken(monkeypatch, fault: str, request: str) -> tuple[FlashKernel | TorchVa
     kernel = REFERENCE_KERNEL if request == "flash" else reference_torch_varlen("aten-flash" if request == "varlen-aten-flash" else "enable_gqa")
     original_pack = attention_kernels.pack_kv
 
-    def prefix_rows(rows, layout):
-        start, end = layout.bounds[layout.split_index]
+    def prefix_rows(rows, view):
+        start, end = view.bounds[view.split_index]
         return rows.shape[0] - (end - start)
 
     if fault == "prefix_after_slice_tokens":
-        def pack_kv(own, rows, layout):
-            c = prefix_rows(rows, layout)
-            return original_pack(own, torch.cat([rows[c:], rows[:c]]), layout)
+        def pack_kv(own, rows, view):
+            c = prefix_rows(rows, view)
+            return original_pack(own, torch.cat([rows[c:], rows[:c]]), view)
         monkeypatch.setattr(attention_kernels, "pack_kv", pack_kv)
         return kernel, None
     if fault == "prefix_detached":  # the later slices' gradients never reach the earlier slices' K/V
-        def pack_kv(own, rows, layout):
-            c = prefix_rows(rows, layout)
-            return original_pack(own, torch.cat([rows[:c].detach(), rows[c:]]), layout)
+        def pack_kv(own, rows, view):
+            c = prefix_rows(rows, view)
+            return original_pack(own, torch.cat([rows[:c].detach(), rows[c:]]), view)
         monkeypatch.setattr(attention_kernels, "pack_kv", pack_kv)
         return kernel, None
     if fault == "cu_seqlens_k_without_prefix":  # caught by the reference's argument contract
@@ -441,7 +441,7 @@ def test_contract_test_catches_prefix_faults(monkeypatch, fault, request_):
     kernel, context = broken(monkeypatch, fault, request_)
     caught = checked = 0
     for case, plan in plans(4):
-        if not any(ChunkLayout.build(c, plan.seq_lengths, torch.device("cpu")).context for p in plan.pipelines for c in p.chunks):
+        if not any(ChunkView.build(c, plan.seq_lengths, torch.device("cpu")).context for p in plan.pipelines for c in p.chunks):
             continue
         checked += 1
         sdpa = run_backend(monkeypatch, "sdpa", plan, 4, 2, seed=case)
@@ -459,12 +459,12 @@ def test_contract_test_catches_prefix_faults(monkeypatch, fault, request_):
 def test_off_by_one_plant_changes_only_the_slice_boundary(monkeypatch):
     """The planted ``cu_seq_k`` is the real one with the slice's end moved by one row, nothing else (so what the
     fault test catches is that boundary): checked on a hybrid chunk."""
-    layout = ChunkLayout.build(Chunk(1, "hybrid", [Segment(1, 0, 5), Segment(0, 12, 20), Segment(2, 0, 7)]), [20, 5, 7], torch.device("cpu"))
+    view = ChunkView.build(Chunk(1, "hybrid", [Segment(1, 0, 5), Segment(0, 12, 20), Segment(2, 0, 7)]), [20, 5, 7], torch.device("cpu"))
     seen = []
-    with SliceKeysEndOneEarly().running(layout) as planted:
+    with SliceKeysEndOneEarly().running(view) as planted:
         seen.append(planted.varlen)
-    assert layout.varlen.cu_seqlens_k.tolist() == [0, 5, 25, 32] and seen[0].cu_seqlens_k.tolist() == [0, 5, 24, 32]
-    assert seen[0].cu_seqlens_q is layout.varlen.cu_seqlens_q and (seen[0].max_seqlen_q, seen[0].max_seqlen_k) == (8, 19)
+    assert view.varlen.cu_seqlens_k.tolist() == [0, 5, 25, 32] and seen[0].cu_seqlens_k.tolist() == [0, 5, 24, 32]
+    assert seen[0].cu_seqlens_q is view.varlen.cu_seqlens_q and (seen[0].max_seqlen_q, seen[0].max_seqlen_k) == (8, 19)
 
 
 def test_kernel_decided_once_per_model_on_its_context(monkeypatch, capsys):
@@ -474,7 +474,7 @@ def test_kernel_decided_once_per_model_on_its_context(monkeypatch, capsys):
     chunk = Chunk(0, "batched", [Segment(0, 0, 4)])
     for context in (ChunkContext(), ChunkContext()):
         layers = [make_attention(4, 4, 8, layer_number=i, context=context) for i in (1, 2, 3)]
-        with context.running(ChunkLayout.build(chunk, [4], torch.device("cpu"))):
+        with context.running(ChunkView.build(chunk, [4], torch.device("cpu"))):
             for _ in range(2):
                 for layer in layers:
                     layer(*(torch.randn(4, 1, 4, 8) for _ in range(3)))
@@ -499,7 +499,7 @@ def test_flash_call_arguments_and_seqlens_built_once_per_chunk(monkeypatch):
     first = Chunk(0, "split", [Segment(0, 0, 12)])
     hybrid = Chunk(1, "hybrid", [Segment(1, 0, 5), Segment(0, 12, 20), Segment(2, 0, 7)])
     for chunk in (first, hybrid):
-        with context.running(ChunkLayout.build(chunk, lengths, torch.device("cpu"))):
+        with context.running(ChunkView.build(chunk, lengths, torch.device("cpu"))):
             for layer in layers:
                 n = chunk.num_tokens
                 layer.train()
@@ -556,18 +556,18 @@ def test_sdpa_reads_the_slices_kv_in_place(monkeypatch):
     gen = torch.Generator().manual_seed(0)
     runs = []
     for chunk in chunks:
-        layout = ChunkLayout.build(chunk, lengths, torch.device("cpu"))
+        view = ChunkView.build(chunk, lengths, torch.device("cpu"))
         qkv = [torch.randn(chunk.num_tokens, 1, heads, d, generator=gen, requires_grad=True) for _ in range(3)]
-        with context.running(layout):
-            runs.append((layout, [layer(*qkv) for layer in layers]))
+        with context.running(view):
+            runs.append((view, [layer(*qkv) for layer in layers]))
     monkeypatch.undo()
     # per chunk and layer: the first slice (one causal call), the second (prefix and own rows: two calls),
     # then the hybrid's whole sequence (its own K/V) and its tail (two calls)
     assert kv_reads == [True, True] + [True] * 4 + [False, True, True] * 2
     assert cat_inputs and set(cat_inputs) <= outputs
     assert sorted(context.kv) == [(0, 1), (0, 2)] and sum(context.kv_storages().values()) == 2 * 30 * 2 * heads * d * 4
-    for layout, outs in reversed(runs):
-        with context.running(layout):
+    for view, outs in reversed(runs):
+        with context.running(view):
             torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
     assert context.kv == {}
 
@@ -603,7 +603,7 @@ def test_flash_requested_on_cpu_float32_fails_at_first_forward(monkeypatch):
     use_kernel(monkeypatch, real_like)
     monkeypatch.setenv(attention_kernels.ENV, "flash")
     attention = make_attention(4, 4, 8)
-    with attention.context.running(ChunkLayout.build(Chunk(0, "batched", [Segment(0, 0, 4)]), [4], torch.device("cpu"))):
+    with attention.context.running(ChunkView.build(Chunk(0, "batched", [Segment(0, 0, 4)]), [4], torch.device("cpu"))):
         with pytest.raises(AttentionBackendError, match="flash-attn cannot run: tensors on cpu, flash-attn runs on cuda"):
             attention(*(torch.randn(4, 1, 4, 8) for _ in range(3)))
     with pytest.raises(AttentionBackendError, match="dtype float32, flash-attn takes float16/bfloat16"):
@@ -651,16 +651,16 @@ def test_attention_dropout_decides_the_cpu_kernel(monkeypatch, capsys):
                         "masked: attention dropout, which the CPU flash kernel has not)")
     assert lines[1].startswith("> elastic attention: sdpa-merged (EPP_ATTENTION_BACKEND=auto, cpu float32; ") and len(lines) == 3
     q = torch.randn(4, 1, 2, 8)
-    layout = ChunkLayout.build(Chunk(0, "batched", [Segment(0, 0, 4)]), [4], cpu)
+    view = ChunkView.build(Chunk(0, "batched", [Segment(0, 0, 4)]), [4], cpu)
     with pytest.raises(ValueError, match="sdpa-merged has no attention dropout"):
-        attention_kernels.sdpa_merged(q, q, q, layout, None, 0.1, 1.0)
+        attention_kernels.sdpa_merged(q, q, q, view, None, 0.1, 1.0)
     # the layer decides with the dropout it runs: its own in training, none in evaluation
     attention = make_attention(2, 2, 8)
     attention.dropout_p = 0.1
     asked = []
     monkeypatch.setattr(elastic_attention.tensor_parallel, "get_cuda_rng_tracker", lambda: types.SimpleNamespace(fork=contextlib.nullcontext))
     monkeypatch.setattr(attention_kernels, "select_backend", lambda *a, dropout=None, **k: asked.append(a[4] if len(a) > 4 else dropout) or "sdpa-merged")
-    with attention.context.running(layout):
+    with attention.context.running(view):
         with pytest.raises(ValueError, match="no attention dropout"):
             attention(q, q, q)
         attention.eval()
@@ -843,7 +843,7 @@ def test_varlen_request_errors(monkeypatch):
         make_attention(4, 4, 8)
     use_varlen(monkeypatch, attention_kernels.torch_varlen_kernel(varlen_attn_2_13, "2.13.0")[0])  # CUDA only, as the real one
     attention = make_attention(4, 4, 8)
-    with attention.context.running(ChunkLayout.build(Chunk(0, "batched", [Segment(0, 0, 4)]), [4], torch.device("cpu"))):
+    with attention.context.running(ChunkView.build(Chunk(0, "batched", [Segment(0, 0, 4)]), [4], torch.device("cpu"))):
         with pytest.raises(AttentionBackendError, match="varlen_attn cannot run: tensors on cpu, varlen_attn runs on cuda"):
             attention(*(torch.randn(4, 1, 4, 8) for _ in range(3)))
 
@@ -854,6 +854,6 @@ def test_layer_decides_with_its_gqa(monkeypatch):
     monkeypatch.setenv(attention_kernels.ENV, "varlen")
     for kv_heads in (4, 2):
         attention = make_attention(4, kv_heads, 8)
-        with attention.context.running(ChunkLayout.build(Chunk(0, "batched", [Segment(0, 0, 4)]), [4], torch.device("cpu"))):
+        with attention.context.running(ChunkView.build(Chunk(0, "batched", [Segment(0, 0, 4)]), [4], torch.device("cpu"))):
             attention(torch.randn(4, 1, 4, 8), torch.randn(4, 1, kv_heads, 8), torch.randn(4, 1, kv_heads, 8))
         assert attention.context.attention_backends == {("varlen", "cpu", torch.float32, False, kv_heads != 4): "torch-varlen"}

@@ -9,7 +9,7 @@ import torch
 
 from megatron_epp.executor.attention import replicate_kv_heads
 from megatron_epp.executor.batches import chunk_batches
-from megatron_epp.executor.context import ChunkLayout
+from megatron_epp.executor.context import ChunkView
 from megatron_epp.plan import Chunk, Pipeline, Plan, Segment
 
 LENGTHS = [7, 12]
@@ -26,10 +26,10 @@ def test_ranks_blocks_make_the_padded_chunk(cp, tp):
     whole = list(chunk_batches(plan, sequences, torch.device("cpu"), cp * tp))
     ranks = [list(chunk_batches(plan, sequences, torch.device("cpu"), cp * tp, r, cp)) for r in range(cp)]
     for c, chunk in enumerate(CHUNKS):
-        layouts = [ChunkLayout.build(chunk, LENGTHS, torch.device("cpu"), multiple=cp * tp, cp_rank=r, cp_size=cp) for r in range(cp)]
-        assert layouts[0].num_tokens % (cp * tp) == 0 and layouts[0].num_tokens - chunk.num_tokens < cp * tp
-        assert torch.equal(torch.cat([lay.local_position_ids for lay in layouts]), layouts[0].position_ids)
-        assert [lay.local_range for lay in layouts] == [(r * lay.local_tokens, (r + 1) * lay.local_tokens) for r, lay in enumerate(layouts)]
+        views = [ChunkView.build(chunk, LENGTHS, torch.device("cpu"), multiple=cp * tp, cp_rank=r, cp_size=cp) for r in range(cp)]
+        assert views[0].num_tokens % (cp * tp) == 0 and views[0].num_tokens - chunk.num_tokens < cp * tp
+        assert torch.equal(torch.cat([lay.local_position_ids for lay in views]), views[0].position_ids)
+        assert [lay.local_range for lay in views] == [(r * lay.local_tokens, (r + 1) * lay.local_tokens) for r, lay in enumerate(views)]
         for key in ("tokens", "labels", "loss_mask"):
             assert torch.equal(torch.cat([ranks[r][c][key] for r in range(cp)], dim=1), whole[c][key]), key
         assert whole[c]["loss_mask"].sum() == chunk.num_tokens
@@ -37,7 +37,7 @@ def test_ranks_blocks_make_the_padded_chunk(cp, tp):
 
 def test_layout_refuses_a_padding_that_does_not_split_over_the_ranks():
     with pytest.raises(ValueError, match="context parallelism: rank 0 of 2 with chunks padded to a multiple of 1"):
-        ChunkLayout.build(CHUNKS[0], LENGTHS, torch.device("cpu"), cp_rank=0, cp_size=2)
+        ChunkView.build(CHUNKS[0], LENGTHS, torch.device("cpu"), cp_rank=0, cp_size=2)
 
 
 @pytest.mark.parametrize("heads, kv_heads, cp", [(4, 4, 2), (4, 2, 2), (4, 1, 2), (4, 1, 4), (32, 8, 16), (12, 4, 6), (8, 2, 8)])

@@ -2,7 +2,7 @@
 
 In process (world size 1, gloo, pp = 1, the model of ``test_chunk_context``): a step over
 :func:`prepare_step`'s inputs (a split sequence in three slices with prefix K/V, a packed chunk,
-one chunk recomputed) must (1) not build a layout (``ChunkLayout.build`` raises inside the schedule)
+one chunk recomputed) must (1) not build a view (``ChunkView.build`` raises inside the schedule)
 and (2) run no ``aten._local_scalar_dense`` (what ``.item()``, ``int(tensor)``, ``bool(tensor)``
 dispatch to: a host-device sync on CUDA), counted by a ``TorchDispatchMode`` on CPU, but the one of the
 step's end: the world's agreement that no rank ran out of memory, read before any gradient is reduced. A rotary
@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_epp.executor import rotary
 from megatron_epp.executor.batches import elastic_gpt_forward_step, prepare_step
-from megatron_epp.executor.context import ChunkLayout
+from megatron_epp.executor.context import ChunkView
 from megatron_epp.executor.schedule import forward_backward_elastic
 from tests.unit.test_chunk_context import CHUNKS, PLAN, VOCAB, model  # noqa: F401  (the model fixture)
 
@@ -42,13 +42,13 @@ def prepared_step(model, monkeypatch):
     inputs = prepare_step(PLAN, 0, [(d[:-1], d[1:]) for d in docs], torch.device("cpu"))
 
     def no_build(*args, **kwargs):
-        raise AssertionError("a chunk layout was built inside the schedule")
+        raise AssertionError("a chunk view was built inside the schedule")
 
-    monkeypatch.setattr(ChunkLayout, "build", classmethod(no_build))
+    monkeypatch.setattr(ChunkView, "build", classmethod(no_build))
     with CountHostReads() as mode:
         losses = forward_backward_elastic(
             forward_step_func=elastic_gpt_forward_step, data_iterator=iter(inputs.batches), model=[model],
-            num_microbatches=len(CHUNKS), plan=PLAN, layouts=inputs.layouts,
+            num_microbatches=len(CHUNKS), plan=PLAN, views=inputs.views,
         )
     return losses, mode.reads
 
@@ -63,7 +63,7 @@ def test_a_host_read_is_counted(model, monkeypatch):  # noqa: F811
     """The counter sees a planted sync: RoPE reading its table length from the positions tensor."""
 
     def forward(self, max_seq_len, offset=0, packed_seq=False, cp_group=None):
-        positions = self.context.layout().position_ids
+        positions = self.context.view().position_ids
         return self.inner(int(positions.max()) + 1)[positions]
 
     monkeypatch.setattr(rotary.ChunkRotaryEmbedding, "forward", forward)
@@ -73,6 +73,6 @@ def test_a_host_read_is_counted(model, monkeypatch):  # noqa: F811
 
 def test_layouts_must_match_the_plan(model):  # noqa: F811
     inputs = prepare_step(PLAN, 0, None, torch.device("cpu"))
-    with pytest.raises(ValueError, match="layouts do not match"):
+    with pytest.raises(ValueError, match="views do not match"):
         forward_backward_elastic(forward_step_func=elastic_gpt_forward_step, data_iterator=iter(inputs.batches), model=[model],
-                                 num_microbatches=len(CHUNKS), plan=PLAN, layouts=[inputs.layouts[0][:-1]])
+                                 num_microbatches=len(CHUNKS), plan=PLAN, views=[inputs.views[0][:-1]])

@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_epp.cost.shape import ModelShape
 from megatron_epp.executor import rotary, spec
-from megatron_epp.executor.context import ChunkContext, ChunkLayout
+from megatron_epp.executor.context import ChunkContext, ChunkView
 from megatron_epp.plan import Chunk, Segment
 from megatron_epp.measure.layer_bench import LayerStack, init_single_process
 
@@ -72,15 +72,15 @@ def chunk_stack(num_layers: int, dtype: torch.dtype):
     (each in its own ``running`` pass), counted: ``(forward ops, backward ops)``."""
     stack = LayerStack(SHAPE, num_layers, dtype=dtype)
     stack.set_segments(SEGMENTS, [0] * len(SEGMENTS))
-    layout = stack.context.layout()
+    view = stack.context.view()
     x = torch.randn(sum(SEGMENTS), 1, SHAPE.hidden, dtype=dtype, requires_grad=True)
     grad = torch.randn(sum(SEGMENTS), 1, SHAPE.hidden, dtype=dtype)
 
     def run() -> tuple[collections.Counter, collections.Counter]:
-        layout.transient.clear()
+        view.transient.clear()
         with CountOps() as forward:
             y = stack(x)
-        with stack.context.running(layout), CountOps() as backward:
+        with stack.context.running(view), CountOps() as backward:
             y.backward(grad)
         return forward.ops, backward.ops
 
@@ -118,7 +118,7 @@ def test_layer_ops_per_chunk_are_pinned(dtype):
 def test_per_layer_rope_is_counted(monkeypatch):
     """The counter sees the old path planted back: raw frequencies to every layer, megatron-core's RoPE per layer."""
     monkeypatch.setattr(rotary.ChunkRotaryEmbedding, "forward",
-                        lambda self, *args, **kwargs: rotary.ChunkRope(self.table, self.context.layout()).freqs())
+                        lambda self, *args, **kwargs: rotary.ChunkRope(self.table, self.context.view()).freqs())
     for dtype, counts in OLD_LAYER.items():
         layer_f, layer_b, chunk_f, _ = per_layer_and_chunk(dtype)
         assert (sum(layer_f.values()), sum(layer_b.values())) == counts, (dtype, layer_f, layer_b)
@@ -155,11 +155,11 @@ def test_rotation_is_megatrons_bit_for_bit(dtype, percent):
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
     chunk = Chunk(0, "hybrid", [Segment(0, 0, 6), Segment(1, 4, 9)])
-    layout = ChunkLayout.build(chunk, [6, 20], torch.device("cpu"))
+    view = ChunkView.build(chunk, [6, 20], torch.device("cpu"))
     inner = RotaryEmbedding(16, percent, rotary_base=500000, use_cpu_initialization=True)
-    rope = rotary.ChunkRope(rotary.RopeTable(inner, 64), layout)
+    rope = rotary.ChunkRope(rotary.RopeTable(inner, 64), view)
     gen = torch.Generator().manual_seed(0)
-    q, k = (torch.randn(layout.num_tokens, 2, heads, 16, generator=gen).to(dtype) for heads in (8, 2))
+    q, k = (torch.randn(view.num_tokens, 2, heads, 16, generator=gen).to(dtype) for heads in (8, 2))
     gq, gk = torch.randn_like(q, dtype=torch.float32).to(dtype), torch.randn_like(k, dtype=torch.float32).to(dtype)
     config = TransformerConfig(num_layers=1, hidden_size=128, num_attention_heads=8, use_cpu_initialization=True)
 
@@ -169,12 +169,12 @@ def test_rotation_is_megatrons_bit_for_bit(dtype, percent):
         torch.autograd.backward([out_q, out_k], [gq, gk])
         return out_q, out_k, qq.grad, kk.grad
 
-    freqs = inner(layout.max_position + 1)[layout.position_ids]  # megatron-core's table of the chunk's length
+    freqs = inner(view.max_position + 1)[view.position_ids]  # megatron-core's table of the chunk's length
     assert freqs.dtype == torch.float32 and torch.equal(rope.freqs(), freqs)
     theirs = grads(lambda a, b: (apply_rotary_pos_emb(a, freqs, config), apply_rotary_pos_emb(b, freqs, config)))
-    with ChunkContext().running(layout):  # the tables of one pass, dropped after it
+    with ChunkContext().running(view):  # the tables of one pass, dropped after it
         ours = grads(rope.rotate)
-    assert layout.transient == {}
+    assert view.transient == {}
     for name, a, b in zip(("q", "k", "grad q", "grad k"), ours, theirs):
         assert a.dtype == b.dtype == dtype and torch.equal(a, b), name
 
@@ -185,10 +185,10 @@ def test_partial_rotary_passes_the_rest_unrotated():
     init_single_process()
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
-    layout = ChunkLayout.build(Chunk(0, "batched", [Segment(0, 0, 4)]), [4], torch.device("cpu"))
-    rope = rotary.ChunkRope(rotary.RopeTable(RotaryEmbedding(16, 0.5, use_cpu_initialization=True), 4), layout)
+    view = ChunkView.build(Chunk(0, "batched", [Segment(0, 0, 4)]), [4], torch.device("cpu"))
+    rope = rotary.ChunkRope(rotary.RopeTable(RotaryEmbedding(16, 0.5, use_cpu_initialization=True), 4), view)
     q, k = torch.randn(4, 1, 2, 16, requires_grad=True), torch.randn(4, 1, 2, 16, requires_grad=True)
-    with ChunkContext().running(layout):
+    with ChunkContext().running(view):
         out_q, out_k = rope.rotate(q, k)
         (out_q.sum() + out_k.sum()).backward()
     assert rope.rotary_dim == 8 and out_q.shape == q.shape

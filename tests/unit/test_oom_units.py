@@ -137,7 +137,7 @@ def test_the_timed_span_starts_after_the_trackers_synchronisation(monkeypatch):
     step.model, step.iteration, step.groups = object(), 1, None
     step.runtime = types.SimpleNamespace(device=torch.device("cpu"), rank=0)
     step.faults = FaultInjection()
-    inputs = types.SimpleNamespace(batches=[], layouts=[])
+    inputs = types.SimpleNamespace(batches=[], views=[])
     plan = types.SimpleNamespace(pipelines=[])
     _, ms = step._run(plan, inputs, forward_only=False, attempt=1)
     assert 40 <= ms < 250, ms

@@ -18,7 +18,7 @@ import torch
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
 from megatron_epp.executor import rotary
-from megatron_epp.executor.context import ChunkContext, ChunkLayout
+from megatron_epp.executor.context import ChunkContext, ChunkView
 from megatron_epp.plan import Chunk, Segment
 from megatron_epp.measure.layer_bench import init_single_process
 from tests.unit.test_layer_op_count import CountOps
@@ -26,9 +26,9 @@ from tests.unit.test_layer_op_count import CountOps
 SEQ_LENGTH = 4096
 
 
-def chunk_layouts(count: int) -> list[ChunkLayout]:
+def chunk_views(count: int) -> list[ChunkView]:
     """``count`` chunks of as many different lengths: whole documents, slices at a context, packed pairs."""
-    layouts = []
+    views = []
     for i in range(count):
         n = 7 + 37 * i  # up to 3670 tokens
         if i % 3 == 0:
@@ -38,8 +38,8 @@ def chunk_layouts(count: int) -> list[ChunkLayout]:
             chunk, lengths = Chunk(i, "split", [Segment(0, end - n, end)]), [end]
         else:
             chunk, lengths = Chunk(i, "batched", [Segment(0, 0, n // 2), Segment(1, 0, n - n // 2)]), [n // 2, n - n // 2]
-        layouts.append(ChunkLayout.build(chunk, lengths, torch.device("cpu")))
-    return layouts
+        views.append(ChunkView.build(chunk, lengths, torch.device("cpu")))
+    return views
 
 
 @pytest.mark.parametrize("planted", [False, True], ids=["one-table", "per-length-planted"])
@@ -54,17 +54,17 @@ def test_one_table_for_every_chunk_length(monkeypatch, planted):
     table = embedding.build_table()
     assert table.freqs.shape == (SEQ_LENGTH, 1, 1, 16) and table.freqs.dtype == torch.float32
     if planted:
-        monkeypatch.setattr(rotary.RopeTable, "at", lambda self, layout: self.inner(layout.max_position + 1)[layout.position_ids])
-    layouts = chunk_layouts(100)
-    assert len({layout.max_position for layout in layouts}) == 100 and max(layout.max_position for layout in layouts) == SEQ_LENGTH - 1
+        monkeypatch.setattr(rotary.RopeTable, "at", lambda self, view: self.inner(view.max_position + 1)[view.position_ids])
+    views = chunk_views(100)
+    assert len({view.max_position for view in views}) == 100 and max(view.max_position for view in views) == SEQ_LENGTH - 1
     before = RotaryEmbedding.forward.cache_info()  # one cache for every RotaryEmbedding of the process
     with CountOps() as counted:
-        for layout in layouts:
-            with context.running(layout):
-                rope = embedding(layout.num_tokens)
+        for view in views:
+            with context.running(view):
+                rope = embedding(view.num_tokens)
                 freqs = rope.freqs()
                 rope.tables(torch.bfloat16)
-                assert torch.equal(freqs, table.freqs[layout.position_ids])
+                assert torch.equal(freqs, table.freqs[view.position_ids])
     after = RotaryEmbedding.forward.cache_info()
     added, grown = after.misses - before.misses, after.currsize - before.currsize  # tables megatron-core built and kept
     built = {op: n for op, n in counted.ops.items() if op in ("arange", "outer", "cat")}
@@ -100,10 +100,10 @@ def test_table_is_built_with_the_model_in_fp32():
     assert dict(gpt.rotary_pos_emb.named_buffers()) == {} and dict(gpt.rotary_pos_emb.named_parameters()) == {}
     tensors = [*gpt.buffers(), *gpt.parameters(), *(t for t in gpt.state_dict().values() if isinstance(t, torch.Tensor))]
     assert table.freqs.untyped_storage().data_ptr() not in {t.untyped_storage().data_ptr() for t in tensors}
-    layout = ChunkLayout.build(Chunk(0, "split", [Segment(0, 40, 96)]), [96], torch.device("cpu"))
-    with gpt.rotary_pos_emb.context.running(layout):  # what a chunk gets: megatron-core's fp32 angles
-        freqs = gpt.rotary_pos_emb(layout.num_tokens).freqs()
-    assert freqs.dtype == torch.float32 and torch.equal(freqs, gpt.rotary_pos_emb.inner(96)[layout.position_ids])
+    view = ChunkView.build(Chunk(0, "split", [Segment(0, 40, 96)]), [96], torch.device("cpu"))
+    with gpt.rotary_pos_emb.context.running(view):  # what a chunk gets: megatron-core's fp32 angles
+        freqs = gpt.rotary_pos_emb(view.num_tokens).freqs()
+    assert freqs.dtype == torch.float32 and torch.equal(freqs, gpt.rotary_pos_emb.inner(96)[view.position_ids])
 
 
 def test_position_past_the_table_is_refused():
@@ -112,8 +112,8 @@ def test_position_past_the_table_is_refused():
     context = ChunkContext()
     embedding = rotary.ChunkRotaryEmbedding(RotaryEmbedding(16, 1.0, use_cpu_initialization=True), context, 64)
     embedding.build_table()
-    inside = ChunkLayout.build(Chunk(3, "split", [Segment(0, 60, 64)]), [64], torch.device("cpu"))
-    past = ChunkLayout.build(Chunk(4, "split", [Segment(0, 60, 65)]), [65], torch.device("cpu"))
+    inside = ChunkView.build(Chunk(3, "split", [Segment(0, 60, 64)]), [64], torch.device("cpu"))
+    past = ChunkView.build(Chunk(4, "split", [Segment(0, 60, 65)]), [65], torch.device("cpu"))
     with context.running(inside):
         assert embedding(4).freqs().shape == (4, 1, 1, 16)
     with context.running(past), pytest.raises(ValueError) as refused:

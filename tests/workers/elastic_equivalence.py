@@ -42,7 +42,7 @@ from megatron.core.utils import get_model_config
 from megatron_epp.executor import attention, kernels, recompute_layer
 from megatron_epp.executor.schedule import forward_backward_elastic
 from megatron_epp.executor.batches import chunk_batches, elastic_gpt_forward_step
-from megatron_epp.executor.context import ChunkContext, ChunkLayout, KVBuffer, padding_tokens, token_multiple
+from megatron_epp.executor.context import ChunkContext, ChunkView, KVBuffer, padding_tokens, token_multiple
 from megatron_epp.plan import order as schedule_order
 from megatron_epp.config.parser import parse_config
 from megatron_epp.training.gpt_step import gpt_forward_step, reduce_losses
@@ -59,7 +59,7 @@ from tests.workers.random_plans import random_lengths, random_plan
 class DropPrefix(ChunkContext):
     """Slices attend without the K/V of their sequence's earlier slices (each as a whole sequence)."""
 
-    def running(self, layout: ChunkLayout):
+    def running(self, layout: ChunkView):
         return super().running(layout if layout.split_index is None else dataclasses.replace(layout, split_index=None, context=0))
 
 
@@ -99,14 +99,14 @@ class MisplacedKV(BrokenBuffers):
 class LeakPacking(ChunkContext):
     """Whole sequences packed in one chunk attend across each other (one causal block)."""
 
-    def running(self, layout: ChunkLayout):
+    def running(self, layout: ChunkView):
         return super().running(layout if layout.split_index is not None else dataclasses.replace(layout, bounds=[(0, layout.num_tokens)]))
 
 
 class RopeOfAnotherRank(ChunkContext):
     """Context parallelism: RoPE rotates each rank's tokens by the positions of the next rank's block."""
 
-    def running(self, layout: ChunkLayout):
+    def running(self, layout: ChunkView):
         start, end = layout.local_range
         shift = (end - start) % layout.num_tokens if layout.cp_size > 1 else 0
         layout.__dict__["local_position_ids"] = layout.position_ids.roll(-shift)[start:end]  # the cached property's slot

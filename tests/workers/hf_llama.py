@@ -81,7 +81,7 @@ def _step(model, docs, plan, elastic, forward_only, capture, runtime, config):
     """One forward (and backward) over the documents; ``capture``: the last stage's logits per (doc, position range)."""
     def forward(data_iterator, model_):
         batch = next(data_iterator)
-        positions = ChunkContext.of(model_).layout().position_ids[None] if elastic else batch["position_ids"]
+        positions = ChunkContext.of(model_).view().position_ids[None] if elastic else batch["position_ids"]
         output = model_(batch.get("tokens"), positions, None, labels=None if forward_only else batch.get("labels"))
         segments = batch.get("segments")
 
