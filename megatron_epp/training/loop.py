@@ -20,7 +20,7 @@ from megatron_epp.model.runtime import Runtime
 from megatron_epp.training.metrics import StepMetrics, interval_average
 from megatron_epp.model.gpt import model_shape, params_dtype
 from megatron_epp.training.step import TrainStep
-from megatron_epp.training.step_profiler import StepProfiler
+from megatron_epp.training.torch_trace import TorchTrace
 from megatron_epp.config.fields import TrainingConfig
 
 
@@ -193,13 +193,13 @@ def train(
     start_time: float | None = None,
     faults: FaultInjection = FaultInjection(),
     sigterm: SigtermHandler | None = None,
-    profiler: StepProfiler = StepProfiler(),
+    trace: TorchTrace = TorchTrace(),
 ) -> list[float]:
     """Run iterations ``start[0]+1 .. --train-iters``, or until an exit condition (``--exit-*``) holds
     after one, saving then; return the losses seen by every rank. A NaN/Inf under
     ``--check-for-nan-in-loss-and-grad`` raises :class:`TrainingFault` on every rank. ``train_step``'s state (the
     planner's calibration under ``--elastic-pp``) is saved in every checkpoint; ``sigterm``: the
-    ``--exit-signal-handler`` handler if already installed; ``profiler``: ``--profile``'s, stepped before each iteration."""
+    ``--exit-signal-handler`` handler if already installed; ``trace``: ``--profile``'s, stepped before each iteration."""
     iteration, consumed = start
     logger = Logger(cfg, runtime)
     exits = ExitConditions(cfg.training, runtime.device, time.time() if start_time is None else start_time, sigterm)
@@ -225,7 +225,7 @@ def train(
     try:
         while iteration < cfg.training.train_iters:
             faults.hang(iteration + 1, runtime.rank)
-            profiler.step(iteration + 1)
+            trace.step(iteration + 1)
             t0 = time.perf_counter()
             losses, seq_lengths, grad_norm = _train_iteration(cfg, runtime, model, optimizer, scheduler, train_step, faults,
                                                               logger, iteration + 1)
@@ -254,7 +254,7 @@ def train(
         if cfg.checkpoint.save and saved_at != iteration:
             save()
     finally:
-        profiler.close()
+        trace.close()
         if cfg.training.manual_gc:
             gc.enable()
         exits.close()

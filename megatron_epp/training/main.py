@@ -21,7 +21,7 @@ from megatron_epp.training.loop import build_optimizer, train
 from megatron_epp.config.megatron_flags import startup_notes
 from megatron_epp.model.gpt import architecture_summary, build_model, layer_spec_summary, padded_vocab_size
 from megatron_epp.training.step import StepMode, step_mode
-from megatron_epp.training.step_profiler import StepProfiler, startup_note
+from megatron_epp.training.torch_trace import TorchTrace, startup_note
 from megatron_epp.config.fields import TrainingConfig
 
 
@@ -140,7 +140,7 @@ def main(cfg: TrainingConfig) -> int:
             start_time=start_time,
             faults=faults,
             sigterm=sigterm,
-            profiler=StepProfiler(cfg, runtime, start[0]),
+            trace=TorchTrace(cfg, runtime, start[0]),
         )
     except TrainingFault as error:  # raised on every rank alike: one line from the logging rank, written before any exits
         report_fault(error, runtime.is_logging_rank)

@@ -1,6 +1,6 @@
-"""``--profile`` (``training/step_profiler.py``) and the schedule's named ranges (``executor/schedule.py``).
+"""``--profile`` (``training/torch_trace.py``) and the schedule's named ranges (``executor/schedule.py``).
 
-The flags are validated before any work, with Megatron-LM's defaults filled in. ``profiler_schedule``'s
+The flags are validated before any work, with Megatron-LM's defaults filled in. ``trace_schedule``'s
 ``(wait, warmup, active)``, fed to torch's own ``torch.profiler.schedule`` and stepped once before each iteration,
 records exactly the iterations ``[start, end)`` (fresh and resumed runs). In process: torch.profiler records the
 window's iterations and nothing else and names its trace file; the nsys path calls ``cudaProfilerStart`` before
@@ -22,7 +22,7 @@ from megatron_epp.base.dims import ParallelDims
 from megatron_epp.config.parser import parse_config
 from megatron_epp.config.errors import ArgumentError
 from megatron_epp.model.runtime import Runtime
-from megatron_epp.training.step_profiler import StepProfiler, profiler_schedule, startup_note
+from megatron_epp.training.torch_trace import TorchTrace, trace_schedule, startup_note
 from tests.unit.test_chunk_context import CHUNKS, PLAN, model, step  # noqa: F401  (the model fixture)
 
 CPU = torch.device("cpu")
@@ -70,13 +70,13 @@ def test_bad_profile_flags_are_one_line_errors(flags, message):
 
 
 def test_megatron_lm_schedule_arithmetic():
-    assert profiler_schedule(4, 6) == (3, 1, 2)  # upstream LLaMA-3's --profile-step-start 4 --profile-step-end 6
-    assert profiler_schedule(10, 12) == (9, 1, 2)
-    assert profiler_schedule(1, 3) == (0, 1, 2)
-    assert profiler_schedule(0, 2) == (0, 0, 2)
-    assert profiler_schedule(4, 6, resumed_at=2) == (1, 1, 2)
-    assert profiler_schedule(4, 6, resumed_at=4) == (0, 0, 2)  # iteration 5 left
-    assert profiler_schedule(4, 6, resumed_at=5) is None and profiler_schedule(0, 1) is None
+    assert trace_schedule(4, 6) == (3, 1, 2)  # upstream LLaMA-3's --profile-step-start 4 --profile-step-end 6
+    assert trace_schedule(10, 12) == (9, 1, 2)
+    assert trace_schedule(1, 3) == (0, 1, 2)
+    assert trace_schedule(0, 2) == (0, 0, 2)
+    assert trace_schedule(4, 6, resumed_at=2) == (1, 1, 2)
+    assert trace_schedule(4, 6, resumed_at=4) == (0, 0, 2)  # iteration 5 left
+    assert trace_schedule(4, 6, resumed_at=5) is None and trace_schedule(0, 1) is None
 
 
 @pytest.mark.parametrize("start, end, resumed_at", [(s, e, r) for s in range(0, 5) for e in range(s + 1, 8) for r in range(0, 7)])
@@ -84,7 +84,7 @@ def test_torch_schedule_records_exactly_the_window(start, end, resumed_at):
     """Step k of the profiler runs iteration resumed_at + k (k = 0: started, before the first iteration)."""
     record = {torch.profiler.ProfilerAction.RECORD, torch.profiler.ProfilerAction.RECORD_AND_SAVE}
     expected = [i for i in range(max(start, resumed_at + 1), end)]
-    arithmetic = profiler_schedule(start, end, resumed_at)
+    arithmetic = trace_schedule(start, end, resumed_at)
     if arithmetic is None:
         assert expected == []
         return
@@ -95,12 +95,12 @@ def test_torch_schedule_records_exactly_the_window(start, end, resumed_at):
     assert saved == [end - 1]  # the trace is written when the next step begins
 
 
-def run_iterations(profiler: StepProfiler, iterations) -> None:
+def run_iterations(trace: TorchTrace, iterations) -> None:
     for iteration in iterations:
-        profiler.step(iteration)
+        trace.step(iteration)
         with torch.profiler.record_function(f"iteration {iteration}"):
             torch.ones(2).sum()
-    profiler.close()
+    trace.close()
 
 
 def trace_names(path) -> set[str]:
@@ -111,7 +111,7 @@ def trace_names(path) -> set[str]:
 def test_torch_profiler_traces_the_window_and_names_its_file(tmp_path, capsys, resumed_at, expected):
     cfg = config("--profile", "--use-pytorch-profiler", "--tensorboard-dir", str(tmp_path), "--profile-step-start", "2",
                  "--profile-step-end", "4", "--profile-ranks", "0", "1")
-    run_iterations(StepProfiler(cfg, runtime(1), resumed_at), range(resumed_at + 1, 7))
+    run_iterations(TorchTrace(cfg, runtime(1), resumed_at), range(resumed_at + 1, 7))
     traces = list(tmp_path.glob("*.pt.trace.json"))
     assert len(traces) == 1
     assert sorted(n for n in trace_names(traces[0]) if n.startswith("iteration ")) == [f"iteration {i}" for i in expected]
@@ -122,7 +122,7 @@ def test_torch_profiler_traces_the_window_and_names_its_file(tmp_path, capsys, r
 def test_a_run_that_ends_inside_the_window_writes_its_trace(tmp_path, capsys):
     cfg = config("--profile", "--use-pytorch-profiler", "--tensorboard-dir", str(tmp_path), "--profile-step-start", "2",
                  "--profile-step-end", "6")
-    run_iterations(StepProfiler(cfg, runtime(0)), range(1, 4))  # --exit-interval 3, say
+    run_iterations(TorchTrace(cfg, runtime(0)), range(1, 4))  # --exit-interval 3, say
     (trace,) = tmp_path.glob("*.pt.trace.json")
     assert sorted(n for n in trace_names(trace) if n.startswith("iteration ")) == ["iteration 2", "iteration 3"]
     assert "trace of iterations 2 to 3 to" in capsys.readouterr().out
@@ -130,7 +130,7 @@ def test_a_run_that_ends_inside_the_window_writes_its_trace(tmp_path, capsys):
 
 def test_ranks_outside_profile_ranks_do_nothing(tmp_path):
     cfg = config("--profile", "--use-pytorch-profiler", "--tensorboard-dir", str(tmp_path), "--profile-step-start", "2")
-    profiler = StepProfiler(cfg, runtime(1))
+    profiler = TorchTrace(cfg, runtime(1))
     run_iterations(profiler, range(1, 7))
     assert profiler.prof is None and list(tmp_path.iterdir()) == []
 
@@ -166,11 +166,11 @@ def cuda_calls(monkeypatch) -> list:
 
 
 def nsys_calls(calls: list, cfg, rt: Runtime, iterations, resumed_at: int = 0) -> list:
-    profiler = StepProfiler(cfg, rt, resumed_at)
+    trace = TorchTrace(cfg, rt, resumed_at)
     for iteration in iterations:
-        profiler.step(iteration)
+        trace.step(iteration)
         calls.append(iteration)
-    profiler.close()
+    trace.close()
     return calls
 
 

@@ -28,7 +28,7 @@ from megatron_epp.config.fields import TrainingConfig
 from megatron_epp.model.runtime import Runtime
 
 
-def profiler_schedule(start: int, end: int, resumed_at: int = 0) -> tuple[int, int, int] | None:
+def trace_schedule(start: int, end: int, resumed_at: int = 0) -> tuple[int, int, int] | None:
     """``torch.profiler.schedule``'s ``(wait, warmup, active)`` that record iterations ``[start, end)`` of a run
     whose first iteration is ``resumed_at + 1``, the profiler started before it and stepped once before each
     iteration (step k runs iteration ``resumed_at + k``): Megatron-LM's ``wait = max(start - 1, 0)``, ``warmup = 1
@@ -47,7 +47,7 @@ def startup_note(cfg: TrainingConfig, device: torch.device, resumed_at: int = 0)
         return None
     ranks = ", ".join(map(str, p.ranks))
     which = f"iterations {max(p.step_start, 1)} to {p.step_end - 1} on rank{'s' if len(p.ranks) > 1 else ''} {ranks}"
-    if profiler_schedule(p.step_start, p.step_end, resumed_at) is None:
+    if trace_schedule(p.step_start, p.step_end, resumed_at) is None:
         return f"profile: {which}: all before this run's first iteration {resumed_at + 1} (resumed): nothing is profiled"
     if p.use_pytorch_profiler:
         return (f"profile: torch.profiler records {which} (record_shapes, with_stack); each rank writes its trace to "
@@ -59,7 +59,7 @@ def startup_note(cfg: TrainingConfig, device: torch.device, resumed_at: int = 0)
             "(emit_nvtx) in between; capture them with nsys profile --capture-range=cudaProfilerApi --capture-range-end=stop")
 
 
-class StepProfiler:
+class TorchTrace:
     """This rank's ``--profile``: :meth:`step` before each training iteration, :meth:`close` after the last (or an
     error). Off without a config, without ``--profile``, on a rank not in ``--profile-ranks``, where the resumed run
     starts after the profiled iterations, and (nsys, which needs CUDA) on a CPU."""
@@ -73,7 +73,7 @@ class StepProfiler:
             return
         self.rank, self.start, self.end = runtime.rank, cfg.profile.step_start, cfg.profile.step_end
         self.first = max(self.start, resumed_at + 1)  # the first profiled iteration this run trains
-        schedule = profiler_schedule(self.start, self.end, resumed_at)
+        schedule = trace_schedule(self.start, self.end, resumed_at)
         if schedule is None:
             return
         if cfg.profile.use_pytorch_profiler:
