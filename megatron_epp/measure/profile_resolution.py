@@ -174,10 +174,13 @@ def describe(cfg: TrainingConfig, resolved: Resolved) -> str:
     return f"--epp-profile {cfg.epp.planner.profile}: {p.source} on {p.device} (model {p.model.name}; {resolved.origin}{key})"
 
 
-def check_profile(cfg: TrainingConfig) -> None:
-    """Before any work: a profile that is loaded (not measured on this GPU) loads and suits this device and TP."""
-    if not (cfg.epp.planner.profile == AUTO_PROFILE and run_device_type() == "cuda"):
-        resolve_profile(cfg, Target(run_device_type(), params_dtype(cfg)))
+def loaded_profile(cfg: TrainingConfig) -> Resolved | None:
+    """The run's profile where no measurement on this device is needed (a preset, a JSON file, ``auto`` on the CPU):
+    resolved here, once, before any work (the same file on every rank), a bad one an :class:`ArgumentError`; None where
+    ``auto`` on CUDA measures the profile (or finds it in the cache) after start-up (:func:`startup_profile`)."""
+    if cfg.epp.planner.profile == AUTO_PROFILE and run_device_type() == "cuda":
+        return None
+    return resolve_profile(cfg, Target(run_device_type(), params_dtype(cfg)))
 
 
 def startup_profile(cfg: TrainingConfig, device: torch.device, target: Target | None = None) -> Resolved:
@@ -200,11 +203,14 @@ def startup_profile(cfg: TrainingConfig, device: torch.device, target: Target | 
     return Resolved(Profile.from_dict(payload), origin, key)
 
 
+def profile_before_startup(cfg: TrainingConfig, loaded: Resolved | None) -> Profile:
+    """The profile the planner plans on before start-up (the memory-budget check), at the run's TP size: the one
+    :func:`loaded_profile` loaded, or where ``auto`` on CUDA measures after start-up (``loaded`` None) the analytic
+    profile of the model (its memory Megatron's count; the measured profile has the allocator's, and the budget is
+    checked again on it)."""
+    return loaded.profile if loaded is not None else analytic_profile(model_shape(cfg), cfg.parallel.dims.tp)
+
+
 def planner_profile(cfg: TrainingConfig) -> Profile:
-    """The profile the planner plans on before :func:`startup_profile` resolved the run's (the memory-budget check
-    before start-up), at the run's TP size: ``auto`` on CUDA takes the analytic profile of the model (its memory
-    Megatron's count; the profile measured at start-up has the allocator's, and the budget is checked again on it),
-    and any other ``--epp-profile`` loads as it will."""
-    if cfg.epp.planner.profile == AUTO_PROFILE and run_device_type() == "cuda":
-        return analytic_profile(model_shape(cfg), cfg.parallel.dims.tp)
-    return resolve_profile(cfg, Target(run_device_type(), params_dtype(cfg))).profile
+    """:func:`profile_before_startup` of the run's profile: for what plans outside a run (replays, tests)."""
+    return profile_before_startup(cfg, loaded_profile(cfg))

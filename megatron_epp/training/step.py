@@ -21,7 +21,7 @@ from megatron_epp.training.gpt_step import gpt_forward_step, microbatches
 from megatron_epp.model.runtime import Runtime, local_world_size
 from megatron_epp.training.metrics import ElasticMetrics
 from megatron_epp.training.planning import check_memory_budget, online_planner
-from megatron_epp.measure.profile_resolution import Resolved, check_profile, describe, planner_profile, startup_profile
+from megatron_epp.measure.profile_resolution import Resolved, describe, loaded_profile, profile_before_startup, startup_profile
 from megatron_epp.config.fields import TrainingConfig
 
 
@@ -143,8 +143,9 @@ class ElasticSteps:
 
     def __init__(self, cfg: TrainingConfig) -> None:
         self.cfg = cfg
-        check_profile(cfg)  # a profile that loads (auto on CUDA is measured or found after start-up)
-        self.checked = planner_profile(cfg)  # what the budget is checked on before start-up
+        # the run's one resolution of its profile where nothing is measured (None: auto on CUDA, after start-up)
+        self.loaded = loaded_profile(cfg)
+        self.checked = profile_before_startup(cfg, self.loaded)  # what the budget is checked on before start-up
         # the run's one planner: the budget check's, training's and validation's (built again at start-up on a
         # profile other than the one checked here)
         self.planner = online_planner(cfg, self.checked)
@@ -152,11 +153,11 @@ class ElasticSteps:
         self.profile: Resolved | None = None
 
     def start(self, runtime: Runtime) -> None:
-        """Every rank: the first one resolves (and on CUDA may measure) the profile, all plan on it, and the memory
-        budget is checked again on it where it is not the one checked before start-up (a measured profile's memory may
-        exceed the analytic count);
-        :class:`~megatron_epp.config.parser.ArgumentError` where either cannot serve."""
-        self.profile = startup_profile(self.cfg, runtime.device)
+        """Every rank: the profile loaded before start-up, or (``auto`` on CUDA) the one the first rank measures or
+        finds in the cache now and sends to all; the memory budget is checked again on it where it is not the one
+        checked before start-up (a measured profile's memory may exceed the analytic count);
+        :class:`~megatron_epp.config.errors.ArgumentError` where either cannot serve."""
+        self.profile = self.loaded or startup_profile(self.cfg, runtime.device)
         if self.profile.profile != self.checked:  # measured on this GPU (or found in the cache): its memory counts
             self.planner = online_planner(self.cfg, self.profile.profile)
             self.budget = check_memory_budget(self.cfg, self.planner)

@@ -10,6 +10,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import torch
+import types
 
 from megatron_epp.plan import Plan, PlanInfeasible
 from megatron_epp.plan.order import format_stage_ops
@@ -31,7 +32,7 @@ from megatron_epp.simulator.step import simulate
 from megatron_epp.config.parser import parse_config
 from megatron_epp.config.errors import ArgumentError
 from megatron_epp.training.planning import online_planner
-from megatron_epp.measure.profile_resolution import check_profile, describe, startup_profile
+from megatron_epp.measure.profile_resolution import describe, loaded_profile, startup_profile
 
 LENGTHS = [3000, 1200, 800, 500, 300, 200, 150, 90, 60, 40, 20, 10] * 2
 
@@ -305,4 +306,21 @@ def test_a_profile_used_at_another_tp_is_noted_the_same_way_by_both_clis(lengths
     message = "the profile 'CPU x86_64 (1 thread, fp32, sdpa-merged)' was measured at TP=1 and its activation memory cannot be re-derived for TP=2"
     assert cli_error(capsys, monkeypatch, *base, "--epp-profile", str(fixed), "--tp", "2") == f"--tp 2: {message} (no memory 'derive')"
     with pytest.raises(ArgumentError, match=re.escape(f"--epp-profile: {message}")):
-        check_profile(cfg.replace(epp={"planner": replace(cfg.epp.planner, profile=str(fixed))}))
+        loaded_profile(cfg.replace(epp={"planner": replace(cfg.epp.planner, profile=str(fixed))}))
+
+
+def test_a_run_resolves_its_profile_once(monkeypatch):
+    """``--elastic-pp`` on the CPU: the profile is resolved once per run, before any work (the budget check, the
+    start-up and the planner all read that one); the planted fault (a second check before start-up, or start-up
+    resolving again) counts 2."""
+    from megatron_epp.measure import profile_resolution
+    from megatron_epp.training import step as step_module
+
+    calls = []
+    real = profile_resolution.resolve_profile
+    monkeypatch.setattr(profile_resolution, "resolve_profile", lambda *a, **k: calls.append(1) or real(*a, **k))
+    cfg = parse_config(["--mock-data", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "256",
+                        "--global-batch-size", "2", "--elastic-pp", "--pipeline-model-parallel-size", "2"], world_size=2)
+    steps = step_module.ElasticSteps(cfg)
+    steps.start(types.SimpleNamespace(device=torch.device("cpu")))
+    assert len(calls) == 1 and steps.profile is steps.loaded and steps.checked is steps.loaded.profile

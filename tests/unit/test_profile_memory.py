@@ -277,6 +277,7 @@ def test_the_budget_is_checked_again_on_the_profile_resolved_at_start_up(monkeyp
 
     cfg = parsed_config([*TINY, "--epp-memory-budget", "0.05"], world_size=1)
     mode = step.ElasticSteps(cfg)  # the CPU profile's count fits
+    mode.loaded = None  # as where auto on CUDA measures the profile after start-up
     before = mode.budget
     fitted = profile_resolution.resolve_profile(cfg, Target("cpu", torch.float32))
     heavy = dataclasses.replace(fitted.profile, memory=dataclasses.replace(fitted.profile.memory, derive="",
