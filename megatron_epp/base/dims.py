@@ -58,3 +58,17 @@ class ParallelDims:
     def stage_size(self) -> int:
         """Ranks per pipeline stage of a replica: ``tp x cp``."""
         return self.tp * self.cp
+
+    def __str__(self) -> str:
+        """The layout as the layout search names it: ``TP8xCP2xPP1xDP4`` (``CP`` only above 1)."""
+        return f"TP{self.tp}{f'xCP{self.cp}' if self.cp > 1 else ''}xPP{self.pp}xDP{self.dp}"
+
+    def flags(self) -> list[str]:
+        """``pretrain_gpt.py``'s flags for this layout (data parallel: the rest of the world size); a CP layout's
+        include ``--cp-comm-type`` and ``--elastic-pp`` (context parallelism runs with it only)."""
+        out = ["--tensor-model-parallel-size", str(self.tp), "--pipeline-model-parallel-size", str(self.pp)]
+        if self.cp > 1:
+            out += ["--context-parallel-size", str(self.cp), "--cp-comm-type", CP_COMM_TYPE, "--elastic-pp"]
+        if self.sequence_parallel:
+            out.append("--sequence-parallel")
+        return out

@@ -2,16 +2,18 @@
 argparse's details) in its metadata; the parser is generated from the fields (:func:`add_fields_to_parser`) and a
 parsed namespace read back into them (:func:`read_fields`), so a flag without its field, or a field without its
 flag, cannot be written. A field that no flag sets is :func:`derived`: validation computes it from the options.
-Sections nest: a field whose default is a dataclass (``field(default_factory=Section)``) holds that section's options."""
+Sections nest: a field whose default is a dataclass (``field(default_factory=Section)``) holds that section's options.
+A field also carries what else reads it: its ``tags`` (:func:`fields_tagged`, :func:`tag_values`) and a numeric
+option's range (:class:`Range`, checked by :func:`range_problem`)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 from dataclasses import dataclass, field, fields
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping
 
-OPTION, DERIVED, GROUP = "option", "derived", "group"
+OPTION, DERIVED, GROUP, TAGS, RANGE = "option", "derived", "group", "tags", "range"
 
 
 @dataclass(frozen=True)
@@ -26,11 +28,53 @@ class Flag:
         return dict(self.kwargs).get("dest") or self.name.removeprefix("--").replace("-", "_")
 
 
+@dataclass(frozen=True)
+class Range:
+    """A numeric option's range: at least ``low`` (above it where ``low_open``), and at most ``high`` (below it where
+    ``high_open``) when there is one."""
+
+    low: float
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    @classmethod
+    def of(cls, at_least: float | None, above: float | None, at_most: float | None, below: float | None) -> "Range | None":
+        """:func:`option`'s bounds as a range (None without one); one lower bound, at most one upper bound."""
+        if at_least is None and above is None:
+            if at_most is not None or below is not None:
+                raise TypeError("an upper bound needs a lower bound (at_least or above)")
+            return None
+        if (at_least is not None and above is not None) or (at_most is not None and below is not None):
+            raise TypeError("one lower bound (at_least or above) and at most one upper bound (at_most or below)")
+        return cls(above if at_least is None else at_least, below if at_most is None else at_most,
+                   low_open=at_least is None, high_open=at_most is None and below is not None)
+
+    def problem(self, value: float) -> str | None:
+        """Why ``value`` is outside the range (``must be >= 1``), None inside it (a NaN is outside)."""
+        low_ok = value > self.low if self.low_open else value >= self.low
+        if self.high is None:
+            return None if low_ok else f"must be {'>' if self.low_open else '>='} {self.low}"
+        high_ok = value < self.high if self.high_open else value <= self.high
+        if low_ok and high_ok:
+            return None
+        return f"must be in {'(' if self.low_open else '['}{self.low}, {self.high}{')' if self.high_open else ']'}"
+
+
 def option(flag: str, *, default: Any = None, help: str, group: str | None = None, aliases: tuple[Flag, ...] = (),
-           **argparse_kwargs: Any) -> Any:
+           tags: Iterable[str] | Mapping[str, Any] = (), at_least: float | None = None, above: float | None = None,
+           at_most: float | None = None, below: float | None = None, **argparse_kwargs: Any) -> Any:
     """A field set by ``flag``: its default, help and argparse keywords; ``aliases`` (:func:`alias`): other spellings
-    writing the same field (Megatron-LM's older flags); ``group``: the help section when not the class's ``GROUP``."""
-    return field(default=default, metadata={OPTION: (alias(flag, help=help, **argparse_kwargs), *aliases), GROUP: group})
+    writing the same field (Megatron-LM's older flags); ``group``: the help section when not the class's ``GROUP``;
+    ``tags``: what else reads the field (:func:`fields_tagged`), each tag with a value for its readers (a mapping:
+    a reason, a place in a record) or none (an iterable of tags: True); ``at_least``/``above`` and
+    ``at_most``/``below``: a numeric option's range (:class:`Range`; a value outside is an error naming the flag)."""
+    metadata = {OPTION: (alias(flag, help=help, **argparse_kwargs), *aliases), GROUP: group,
+                TAGS: dict(tags) if isinstance(tags, Mapping) else dict.fromkeys(tags, True)}
+    bounds = Range.of(at_least, above, at_most, below)
+    if bounds is not None:
+        metadata[RANGE] = bounds
+    return field(default=default, metadata=metadata)
 
 
 def alias(flag: str, *, help: str, **argparse_kwargs: Any) -> Flag:
@@ -103,6 +147,28 @@ def add_field_to_parser(parser: Any, f: dataclasses.Field, defaults_shown: Mappi
         if dest in shown:
             kwargs["help"] += f" (default {shown[dest]})".replace("%", "%%")
         parser.add_argument(flag.name, dest=dest, **kwargs)
+
+
+def tag_values(cls: type, tag: str) -> dict[str, Any]:
+    """The fields of ``cls`` (nested sections included) tagged ``tag`` (:func:`option`'s ``tags``): their keys
+    (:func:`key_of`), in declaration order, each with its value of the tag."""
+    return {key_of(f): f.metadata[TAGS][tag] for _, f, _ in walk(cls) if tag in f.metadata.get(TAGS, {})}
+
+
+def fields_tagged(cls: type, tag: str) -> tuple[str, ...]:
+    """The keys (:func:`key_of`) of the fields of ``cls`` (nested sections included) tagged ``tag``, in declaration order."""
+    return tuple(tag_values(cls, tag))
+
+
+def range_problem(cls: type, values: Any) -> str | None:
+    """The first option of ``cls`` (in declaration order) whose value in ``values`` (by key; None: not given) is
+    outside its :class:`Range`, as one line (``--num-layers 0: must be >= 1``); None when all are inside."""
+    for _, f, _ in walk(cls):
+        bounds = f.metadata.get(RANGE)
+        value = None if bounds is None else getattr(values, key_of(f))
+        if value is not None and (why := bounds.problem(value)):
+            return f"{flags_of(f)[0].name} {value}: {why}"
+    return None
 
 
 def read_fields(cls: type, values: dict[str, Any]) -> Any:

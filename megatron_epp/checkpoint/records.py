@@ -10,7 +10,9 @@ import json
 import os
 from typing import Any
 
-from megatron_epp.config.fields import TrainingConfig
+from megatron_epp.base.option_tags import FINETUNE_FREE as FINETUNE_FREE_TAG, MODEL_SHAPE, ROPE_SCALING, SAMPLER, VOCAB_PADDING
+from megatron_epp.base.options import fields_tagged, tag_values
+from megatron_epp.config.fields import ModelConfig, TrainingConfig
 from megatron_epp.data.blend import Blend
 from megatron_epp.model.gpt import padded_vocab_size
 
@@ -23,27 +25,31 @@ METADATA = "epp_metadata.json"
 FORMAT = "megatron-epp checkpoint 2"  # epp_metadata.json records every file's size and SHA-256
 
 
+def in_record_order(cls: type, tag: str) -> tuple[str, ...]:
+    """The keys of ``cls``'s fields tagged ``tag`` in the order a record writes them: by each one's place (the tag's value)."""
+    places = tag_values(cls, tag)
+    return tuple(sorted(places, key=places.__getitem__))
+
+
+# The record's keys come from the fields' tags (base.option_tags); tests/unit/test_checkpoint_records.py pins them as
+# they were before, in order: epp_metadata.json is written as it was, and older checkpoints compare as they did.
+
 # RoPE's scaling: compared on a resume; with --finetune (context extension) the run may change them and RoPE's base
-ROPE_ARGS = ("use_rope_scaling", "rope_scaling_factor", "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
-             "rope_scaling_original_max_position_embeddings", "rotary_seq_len_interpolation_factor")
+ROPE_ARGS = fields_tagged(ModelConfig, ROPE_SCALING)
 
 
 # What --finetune (the model's weights only) may change besides the layout (any layout loads: Reshard): the context (with RoPE),
 # RoPE's base and scaling (a context extension)
-FINETUNE_FREE = ("max_position_embeddings", "rotary_base", *ROPE_ARGS)
+FINETUNE_FREE = fields_tagged(ModelConfig, FINETUNE_FREE_TAG)
 
 
-# What a checkpoint must agree on with the run that loads it (a flag this version lacks reads as None on both sides)
-MODEL_SHAPE_ARGS = (
-    "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "max_position_embeddings",
-    "position_embedding_type", "vocab_size", "untie_embeddings_and_output_weights", "swiglu", "normalization",
-    "group_query_attention", "num_query_groups", "kv_channels", "disable_bias_linear", "rotary_base", "make_vocab_size_divisible_by",
-    "norm_epsilon", "apply_layernorm_1p", "rotary_percent", *ROPE_ARGS,
-)
+# What a checkpoint must agree on with the run that loads it (a flag this version lacks reads as None on both sides), in
+# the record's order
+MODEL_SHAPE_ARGS = in_record_order(ModelConfig, MODEL_SHAPE)
 
 
-# What the sample stream is a function of, besides the blend and its position (the consumed samples)
-SAMPLER_ARGS = ("split", "seed", "seq_length", "global_batch_size")
+# What the sample stream is a function of, besides the blend and its position (the consumed samples), in the record's order
+SAMPLER_ARGS = in_record_order(TrainingConfig, SAMPLER)
 
 
 # --use-distributed-optimizer: megatron-core's dp_reshardable format (each rank's flat shard as it is: no gather at save,
@@ -82,7 +88,7 @@ OPTIMIZER_REPLICA_SIZES = ("data_parallel_size", "context_parallel_size")
 
 
 # model-shape flags compared through the padded vocabulary size they give at each layout's tensor-parallel size
-PADDING_ARGS = ("make_vocab_size_divisible_by", "padded_vocab_size")
+PADDING_ARGS = (*fields_tagged(ModelConfig, VOCAB_PADDING), "padded_vocab_size")
 
 
 def iteration_dir(root: str, iteration: int) -> str:
@@ -92,11 +98,10 @@ def iteration_dir(root: str, iteration: int) -> str:
 def data_record(cfg: TrainingConfig) -> dict[str, Any]:
     """The data stream a run trains on: the ``--data-path`` blend (prefixes, normalised weights; None for
     ``--mock-data``) and the sampler's settings (its position is the checkpoint's consumed samples)."""
-    blend = cfg.data.data_blend
+    blend, values = cfg.data.data_blend, cfg.values()
     return {
         "blend": None if blend is None else {"prefixes": list(blend.prefixes), "weights": blend.weights and list(blend.weights)},
-        "split": cfg.data.split, "seed": cfg.training.seed, "seq_length": cfg.model.seq_length,
-        "global_batch_size": cfg.training.global_batch_size,
+        **{key: getattr(values, key) for key in SAMPLER_ARGS},
     }
 
 

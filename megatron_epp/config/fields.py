@@ -9,6 +9,10 @@ field is named after its flag (``--lr-decay-style`` is ``optim.lr_decay_style``)
 (:func:`~megatron_epp.base.options.derived`): validation computes it from the options, e.g. ``parallel.dims`` (one
 :class:`~megatron_epp.base.dims.ParallelDims`), ``optim.lr_warmup_samples`` from ``--lr-warmup-iters`` and
 ``epp.planner`` (the planner's :class:`~megatron_epp.planner.config.PlannerConfig`, the memory budget in bytes).
+
+What else reads a field is its metadata too: a numeric option's range (``option(..., at_least=1)``, checked by
+validation) and its tags (:mod:`~megatron_epp.base.option_tags`: the checkpoint's model shape and sampler record, what
+``--finetune`` may change, which ``--epp-*`` options need ``--elastic-pp`` and which the layout search refuses).
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
+from megatron_epp.base.option_tags import (ELASTIC_ONLY, FINETUNE_FREE, MODEL_SHAPE, REFUSED_BY_SEARCH, ROPE_SCALING, SAMPLER,
+                                           SEARCH_DOES_NOT_TRAIN, SEARCH_MODELS_THE_PRESET, VOCAB_PADDING)
 from megatron_epp.base.options import Values, alias, derived, field_paths, option, read_fields, replace_keys
 from megatron_epp.data.data_path import Blend
 from megatron_epp.data.tokenizers import TokenizerOptions
@@ -37,73 +43,73 @@ class ModelConfig:
     """The model's shape, architecture, precision and megatron-core's own activation recompute."""
 
     GROUP: ClassVar[str] = "model"
-    num_layers: int = option("--num-layers", default=4, type=int,
+    num_layers: int = option("--num-layers", at_least=1, tags={MODEL_SHAPE: 0}, default=4, type=int,
         help="transformer layers (default 4, a toy; Megatron-LM: required)")
-    hidden_size: int = option("--hidden-size", default=64, type=int,
+    hidden_size: int = option("--hidden-size", at_least=1, tags={MODEL_SHAPE: 1}, default=64, type=int,
         help="hidden size (default 64, a toy; Megatron-LM: required)")
-    num_attention_heads: int = option("--num-attention-heads", default=4, type=int,
+    num_attention_heads: int = option("--num-attention-heads", at_least=1, tags={MODEL_SHAPE: 2}, default=4, type=int,
         help="query heads (default 4, a toy; Megatron-LM: required)")
-    ffn_hidden_size: int = option("--ffn-hidden-size", type=int,
+    ffn_hidden_size: int = option("--ffn-hidden-size", at_least=1, tags={MODEL_SHAPE: 3}, type=int,
         help="default: 4 x hidden size; with --swiglu 8/3 x hidden size rounded down to a multiple of 64 (Megatron-LM's)")
-    seq_length: int = option("--seq-length", default=128, type=int,
+    seq_length: int = option("--seq-length", at_least=1, tags={SAMPLER: 2}, default=128, type=int,
         help="tokens per sample (default 128; Megatron-LM: required); with --elastic-pp the context cap: the "
              "longest document trained (see --epp-truncate-documents), not a fixed sample length")
-    max_position_embeddings: int = option("--max-position-embeddings", type=int,
+    max_position_embeddings: int = option("--max-position-embeddings", at_least=1, tags={MODEL_SHAPE: 4, FINETUNE_FREE: True}, type=int,
         help="default: --seq-length")
-    position_embedding_type: str = option("--position-embedding-type", default="rope", choices=["rope", "learned_absolute"],
+    position_embedding_type: str = option("--position-embedding-type", tags={MODEL_SHAPE: 5}, default="rope", choices=["rope", "learned_absolute"],
         help="default rope (Megatron-LM: learned_absolute)")
     use_rotary_position_embeddings: bool = option("--use-rotary-position-embeddings", default=False, action="store_true",
         help="Megatron-LM's older spelling of --position-embedding-type rope")
     add_position_embedding: bool = option("--no-position-embedding", default=True, action="store_false", dest="add_position_embedding",
         help="no learned absolute position embedding, as Megatron-LM: with rope (the default here) there is "
              "none anyway; with learned_absolute it is refused (position-free models are not supported, as in Megatron-LM)")
-    rotary_percent: float = option("--rotary-percent", default=1.0, type=float,
+    rotary_percent: float = option("--rotary-percent", tags={MODEL_SHAPE: 18}, default=1.0, type=float,
         help="the share of each head's channels RoPE rotates (default 1.0, as Megatron-LM)")
-    vocab_size: int = option("--vocab-size", type=int,
+    vocab_size: int = option("--vocab-size", at_least=1, tags={MODEL_SHAPE: 6}, type=int,
         help="default: the tokenizer's (byte: 257)")
-    make_vocab_size_divisible_by: int = option("--make-vocab-size-divisible-by", default=128, type=int,
+    make_vocab_size_divisible_by: int = option("--make-vocab-size-divisible-by", tags={MODEL_SHAPE: 15, VOCAB_PADDING: True}, default=128, type=int,
         help="pad the vocabulary (embedding and output layer rows) up to a multiple of this x "
              "--tensor-model-parallel-size, as Megatron-LM (the padded rows are never a label)")
-    untie_embeddings_and_output_weights: bool = option("--untie-embeddings-and-output-weights", default=False, action="store_true",
+    untie_embeddings_and_output_weights: bool = option("--untie-embeddings-and-output-weights", tags={MODEL_SHAPE: 7}, default=False, action="store_true",
         help="separate input embedding and output layer weights (default: shared, as Megatron-LM)")
-    hidden_dropout: float = option("--hidden-dropout", default=0.0, type=float,
+    hidden_dropout: float = option("--hidden-dropout", at_least=0, at_most=1, default=0.0, type=float,
         help="dropout after attention and MLP (default 0.0; Megatron-LM: 0.1)")
-    attention_dropout: float = option("--attention-dropout", default=0.0, type=float,
+    attention_dropout: float = option("--attention-dropout", at_least=0, at_most=1, default=0.0, type=float,
         help="dropout of the attention probabilities (default 0.0; Megatron-LM: 0.1)")
-    init_method_std: float = option("--init-method-std", default=0.02, type=float,
+    init_method_std: float = option("--init-method-std", at_least=0, default=0.02, type=float,
         help="weights' initial standard deviation (default 0.02)")
-    swiglu: bool = option("--swiglu", default=False, action="store_true",
+    swiglu: bool = option("--swiglu", tags={MODEL_SHAPE: 8}, default=False, action="store_true",
         help="SwiGLU MLP (gated SiLU: fc1 is 2 x --ffn-hidden-size wide)")
-    normalization: str = option("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"],
+    normalization: str = option("--normalization", tags={MODEL_SHAPE: 9}, default="LayerNorm", choices=["LayerNorm", "RMSNorm"],
         help="the layers' norm (default LayerNorm)")
-    norm_epsilon: float = option("--norm-epsilon", default=1e-5, type=float,
+    norm_epsilon: float = option("--norm-epsilon", tags={MODEL_SHAPE: 16}, default=1e-5, type=float,
         help="the norms' epsilon (default 1e-5)")
-    apply_layernorm_1p: bool = option("--apply-layernorm-1p", default=False, action="store_true",
+    apply_layernorm_1p: bool = option("--apply-layernorm-1p", tags={MODEL_SHAPE: 17}, default=False, action="store_true",
         help="zero-centred norm weights, as Megatron-LM: the norm multiplies by (1 + weight), the weight "
              "initialised to 0 (megatron-core's layernorm_zero_centered_gamma)")
-    group_query_attention: bool = option("--group-query-attention", default=False, action="store_true",
+    group_query_attention: bool = option("--group-query-attention", tags={MODEL_SHAPE: 10}, default=False, action="store_true",
         help="grouped-query attention (needs --num-query-groups)")
-    num_query_groups: int | None = option("--num-query-groups", type=int,
+    num_query_groups: int | None = option("--num-query-groups", tags={MODEL_SHAPE: 11}, type=int,
         help="K/V heads with --group-query-attention")
-    kv_channels: int | None = option("--kv-channels", type=int,
+    kv_channels: int | None = option("--kv-channels", tags={MODEL_SHAPE: 12}, type=int,
         help="head dimension (default: --hidden-size / --num-attention-heads)")
-    disable_bias_linear: bool = option("--disable-bias-linear", default=False, action="store_true",
+    disable_bias_linear: bool = option("--disable-bias-linear", tags={MODEL_SHAPE: 13}, default=False, action="store_true",
         help="no biases in the linear layers")
-    rotary_base: int = option("--rotary-base", type=int,
+    rotary_base: int = option("--rotary-base", tags={MODEL_SHAPE: 14, FINETUNE_FREE: True}, type=int,
         help=f"RoPE's base (theta; default {ROTARY_BASE})")
-    use_rope_scaling: bool = option("--use-rope-scaling", default=False, action="store_true",
+    use_rope_scaling: bool = option("--use-rope-scaling", tags={MODEL_SHAPE: 19, FINETUNE_FREE: True, ROPE_SCALING: True}, default=False, action="store_true",
         help="LLaMA 3.x RoPE scaling (Hugging Face's rope_type llama3; megatron-core's rope_scaling): low "
              "frequencies divided by --rope-scaling-factor, high ones kept, the band between interpolated")
-    rope_scaling_factor: float = option("--rope-scaling-factor", type=float,
+    rope_scaling_factor: float = option("--rope-scaling-factor", tags={MODEL_SHAPE: 20, FINETUNE_FREE: True, ROPE_SCALING: True}, type=float,
         help="with --use-rope-scaling (default 8.0, as Megatron-LM)")
-    rope_scaling_low_freq_factor: float = option("--rope-scaling-low-freq-factor", type=float,
+    rope_scaling_low_freq_factor: float = option("--rope-scaling-low-freq-factor", tags={MODEL_SHAPE: 21, FINETUNE_FREE: True, ROPE_SCALING: True}, type=float,
         help="with --use-rope-scaling: llama3's low_freq_factor (default 1.0, megatron-core's fixed value)")
-    rope_scaling_high_freq_factor: float = option("--rope-scaling-high-freq-factor", type=float,
+    rope_scaling_high_freq_factor: float = option("--rope-scaling-high-freq-factor", tags={MODEL_SHAPE: 22, FINETUNE_FREE: True, ROPE_SCALING: True}, type=float,
         help="with --use-rope-scaling: llama3's high_freq_factor (default 4.0, megatron-core's fixed value)")
-    rope_scaling_original_max_position_embeddings: int = option("--rope-scaling-original-max-position-embeddings", type=int,
+    rope_scaling_original_max_position_embeddings: int = option("--rope-scaling-original-max-position-embeddings", tags={MODEL_SHAPE: 23, FINETUNE_FREE: True, ROPE_SCALING: True}, type=int,
         help="with --use-rope-scaling: llama3's original_max_position_embeddings, the context the model was "
              "pretrained at (default 8192, megatron-core's fixed value)")
-    rotary_seq_len_interpolation_factor: float | None = option("--rotary-seq-len-interpolation-factor", type=float,
+    rotary_seq_len_interpolation_factor: float | None = option("--rotary-seq-len-interpolation-factor", tags={MODEL_SHAPE: 24, FINETUNE_FREE: True, ROPE_SCALING: True}, type=float,
         help="linear RoPE scaling (Hugging Face's rope_type linear): positions divided by this factor (megatron-core's "
              "seq_len_interpolation_factor)")
     attention_backend: str = option("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
@@ -180,9 +186,9 @@ class OptimConfig:
     ``lr_wsd_decay_samples_total``) and fp16's loss scaling."""
 
     GROUP: ClassVar[str] = "optimisation"
-    lr: float = option("--lr", default=1e-3, type=float,
+    lr: float = option("--lr", at_least=0, default=1e-3, type=float,
         help="peak learning rate (default 1e-3; Megatron-LM: none)")
-    min_lr: float = option("--min-lr", default=0.0, type=float,
+    min_lr: float = option("--min-lr", at_least=0, default=0.0, type=float,
         help="the learning rate the decay ends at (default 0.0)")
     lr_decay_style: str = option("--lr-decay-style", default="cosine", choices=["constant", "linear", "cosine", "inverse-square-root", "WSD"],
         help="learning-rate decay after the warm-up, megatron-core's OptimizerParamScheduler (default cosine; "
@@ -190,52 +196,52 @@ class OptimConfig:
              "--lr-wsd-decay-style down to --min-lr")
     lr_wsd_decay_style: str = option("--lr-wsd-decay-style", default="exponential", choices=["exponential", "linear", "cosine", "minus_sqrt"],
         help="the annealing of --lr-decay-style WSD (default exponential, as Megatron-LM)")
-    lr_wsd_decay_iters: int | None = option("--lr-wsd-decay-iters", type=int,
+    lr_wsd_decay_iters: int | None = option("--lr-wsd-decay-iters", above=0, type=int,
         help="--lr-decay-style WSD: iterations of annealing")
-    lr_wsd_decay_samples: int | None = option("--lr-wsd-decay-samples", type=int,
+    lr_wsd_decay_samples: int | None = option("--lr-wsd-decay-samples", above=0, type=int,
         help="--lr-decay-style WSD with --train-samples: samples of annealing")
-    lr_warmup_iters: int = option("--lr-warmup-iters", default=0, type=int,
+    lr_warmup_iters: int = option("--lr-warmup-iters", at_least=0, default=0, type=int,
         help="warm-up iterations (default 0)")
-    lr_warmup_fraction: float | None = option("--lr-warmup-fraction", type=float,
+    lr_warmup_fraction: float | None = option("--lr-warmup-fraction", at_least=0, below=1, type=float,
         help="warm-up as a fraction of the decay (--lr-decay-iters or --lr-decay-samples), as Megatron-LM; "
              "instead of --lr-warmup-iters/-samples")
     lr_warmup_init: float = option("--lr-warmup-init", default=0.0, type=float,
         help="the learning rate the warm-up (--lr-warmup-iters or --lr-warmup-samples) starts from (default 0.0)")
-    lr_decay_iters: int | None = option("--lr-decay-iters", type=int,
+    lr_decay_iters: int | None = option("--lr-decay-iters", at_least=1, type=int,
         help="default: --train-iters")
-    lr_warmup_samples: float = option("--lr-warmup-samples", default=0, type=int,
+    lr_warmup_samples: float = option("--lr-warmup-samples", at_least=0, default=0, type=int,
         help="with --train-samples: warm-up in samples")
-    lr_decay_samples: int = option("--lr-decay-samples", type=int,
+    lr_decay_samples: int = option("--lr-decay-samples", at_least=1, type=int,
         help="with --train-samples: decay in samples (default: --train-samples)")
-    decoupled_lr: float | None = option("--decoupled-lr", type=float,
+    decoupled_lr: float | None = option("--decoupled-lr", at_least=0, type=float,
         help="a separate peak learning rate for the input embedding and the output layer, as Megatron-LM")
-    decoupled_min_lr: float | None = option("--decoupled-min-lr", type=float,
+    decoupled_min_lr: float | None = option("--decoupled-min-lr", at_least=0, type=float,
         help="their --min-lr, with --decoupled-lr")
     optimizer: str = option("--optimizer", default="adam", choices=["adam", "sgd"],
         help="megatron-core's optimizer (default adam)")
-    sgd_momentum: float = option("--sgd-momentum", default=0.9, type=float,
+    sgd_momentum: float = option("--sgd-momentum", at_least=0, default=0.9, type=float,
         help="--optimizer sgd's momentum (default 0.9)")
-    weight_decay: float = option("--weight-decay", default=0.01, type=float,
+    weight_decay: float = option("--weight-decay", at_least=0, default=0.01, type=float,
         help="weight decay of the weights (not biases and norms; default 0.01)")
-    adam_beta1: float = option("--adam-beta1", default=0.9, type=float,
+    adam_beta1: float = option("--adam-beta1", at_least=0, below=1, default=0.9, type=float,
         help="Adam's beta1 (default 0.9)")
-    adam_beta2: float = option("--adam-beta2", default=0.95, type=float,
+    adam_beta2: float = option("--adam-beta2", at_least=0, below=1, default=0.95, type=float,
         help="Adam's beta2 (default 0.95; Megatron-LM: 0.999)")
-    adam_eps: float = option("--adam-eps", default=1e-8, type=float,
+    adam_eps: float = option("--adam-eps", at_least=0, default=1e-8, type=float,
         help="Adam's epsilon (default 1e-8)")
-    clip_grad: float = option("--clip-grad", default=1.0, type=float,
+    clip_grad: float = option("--clip-grad", at_least=0, default=1.0, type=float,
         help="gradient clipping by global norm (default 1.0; 0: off)")
     grad_reduce_in_bf16: bool = option("--grad-reduce-in-bf16", default=False, action="store_true",
         help="with --bf16, gradients accumulated and reduced in bf16 (default: in fp32)")
-    loss_scale: float | None = option("--loss-scale", type=float,
+    loss_scale: float | None = option("--loss-scale", above=0, type=float,
         help="--fp16: a fixed loss scale (default: dynamic)")
-    initial_loss_scale: float = option("--initial-loss-scale", default=2.0**32, type=float,
+    initial_loss_scale: float = option("--initial-loss-scale", above=0, default=2.0**32, type=float,
         help="--fp16: the dynamic scale's start (default 2^32)")
-    min_loss_scale: float = option("--min-loss-scale", default=1.0, type=float,
+    min_loss_scale: float = option("--min-loss-scale", above=0, default=1.0, type=float,
         help="--fp16: the dynamic scale's floor (default 1.0)")
-    loss_scale_window: float = option("--loss-scale-window", default=1000, type=float,
+    loss_scale_window: float = option("--loss-scale-window", above=0, default=1000, type=float,
         help="--fp16: steps without overflow before the dynamic scale doubles (default 1000)")
-    hysteresis: int = option("--hysteresis", default=2, type=int,
+    hysteresis: int = option("--hysteresis", above=0, default=2, type=int,
         help="--fp16: overflowing steps tolerated before the dynamic scale halves (default 2)")
     lr_wsd_decay_samples_total: int | None = derived()
 
@@ -245,22 +251,22 @@ class TrainingSection:
     """The run: its length, batch, seed, garbage collection, checks and exit conditions."""
 
     GROUP: ClassVar[str] = "optimisation"
-    micro_batch_size: int = option("--micro-batch-size", default=1, type=int,
+    micro_batch_size: int = option("--micro-batch-size", at_least=1, default=1, type=int,
         help="samples per micro-batch (default 1; Megatron-LM: required); with --elastic-pp each step's "
              "documents are planned into chunks, which replace micro-batches: the value is not used (said at start-up)", group="batch")
-    global_batch_size: int = option("--global-batch-size", type=int,
+    global_batch_size: int = option("--global-batch-size", at_least=1, tags={SAMPLER: 3}, type=int,
         help="default: micro batch x data parallel", group="batch")
     train_iters: int = option("--train-iters", type=int,
         help="default 20 (unless --train-samples)")
-    train_samples: int | None = option("--train-samples", type=int,
+    train_samples: int | None = option("--train-samples", at_least=1, type=int,
         help="train this many samples (--elastic-pp: documents) instead of --train-iters: "
              "floor(N / --global-batch-size) iterations, as Megatron-LM")
-    seed: int = option("--seed", default=1234, type=int,
+    seed: int = option("--seed", tags={SAMPLER: 1}, default=1234, type=int,
         help="random seed of initialisation, data order and dropout (default 1234)")
     manual_gc: bool = option("--manual-gc", default=False, action="store_true",
         help="Python's garbage collector off during training, collected every --manual-gc-interval steps "
              "(and around evaluations), as Megatron-LM: the same collection on every rank")
-    manual_gc_interval: int = option("--manual-gc-interval", default=0, type=int,
+    manual_gc_interval: int = option("--manual-gc-interval", at_least=0, default=0, type=int,
         help="--manual-gc: collect every N iterations (default 0: only at start and around evaluations)")
     manual_gc_eval: bool = option("--no-manual-gc-eval", default=True, action="store_false", dest="manual_gc_eval",
         help="--manual-gc: no collection around evaluations")
@@ -289,7 +295,7 @@ class DataConfig(TokenizerOptions):
         help="synthetic learnable sequences")
     data_path: list[str] | None = option("--data-path", nargs="+", metavar="[WEIGHT] PREFIX",
         help="prefix of a Megatron indexed dataset (.bin/.idx), or a blend: WEIGHT PREFIX pairs (0.3 A 0.7 B)")
-    split: str = option("--split", default="969,30,1",
+    split: str = option("--split", tags={SAMPLER: 0}, default="969,30,1",
         help="train,valid,test weights over documents (default 969,30,1)")
     eod_mask_loss: bool = option("--eod-mask-loss", default=False, action="store_true",
         help="no loss on the token after an end-of-document token, as Megatron-LM; with --elastic-pp a document "
@@ -307,7 +313,7 @@ class CheckpointConfig:
         help="directory to resume from: its latest checkpoint whose files match the checksums recorded at save "
              "(else the newest older one that does, saying so: see --no-ckpt-fallback); a directory with no "
              "checkpoint yet, or none at all, starts from scratch with a warning (--save X --load X), as Megatron-LM")
-    save_interval: int | None = option("--save-interval", type=int,
+    save_interval: int | None = option("--save-interval", at_least=1, type=int,
         help="save every N iterations (and at the end)")
     ckpt_fallback: bool = option("--no-ckpt-fallback", default=True, dest="ckpt_fallback", action="store_false",
         help="a damaged latest checkpoint (a file missing, of another size or failing its checksum) is an "
@@ -336,9 +342,9 @@ class LoggingConfig:
     GROUP: ClassVar[str] = "logging"
     log_interval: int = option("--log-interval", default=1, type=int,
         help="iterations per log line (default 1; Megatron-LM: 100)")
-    eval_interval: int | None = option("--eval-interval", type=int,
+    eval_interval: int | None = option("--eval-interval", at_least=1, type=int,
         help="evaluate every N iterations (default: never; Megatron-LM: 1000)")
-    eval_iters: int = option("--eval-iters", default=2, type=int,
+    eval_iters: int = option("--eval-iters", at_least=0, default=2, type=int,
         help="global batches per evaluation (default 2; Megatron-LM: 100); 0 turns evaluation off")
     tensorboard_dir: str | None = option("--tensorboard-dir", 
         help="TensorBoard scalars: loss, lr, grad norm, tokens/s, "
@@ -391,13 +397,13 @@ class EPPConfig(PlannerOptions):
     GROUP: ClassVar[str] = "elastic pipeline parallelism"
     enabled: bool = option("--elastic-pp", default=False, action="store_true",
         help="whole documents per global batch, planned every step into batched/split/hybrid chunks")
-    profile_cache: str | None = option("--epp-profile-cache", metavar="DIR",
+    profile_cache: str | None = option("--epp-profile-cache", tags={ELASTIC_ONLY: True, REFUSED_BY_SEARCH: SEARCH_MODELS_THE_PRESET}, metavar="DIR",
         help="where --epp-profile auto keeps the profiles it measures on a GPU, one per GPU name, dtype, "
              "attention kernel and layer shape (default $XDG_CACHE_HOME/megatron-epp/profiles, ~/.cache without it)")
-    truncate_documents: bool = option("--epp-truncate-documents", default=False, action="store_true",
+    truncate_documents: bool = option("--epp-truncate-documents", tags=(ELASTIC_ONLY,), default=False, action="store_true",
         help="train documents longer than --seq-length (the context cap) on their first --seq-length "
              "tokens; without it such a document is an error before training")
-    timeline: str | None = option("--epp-timeline", 
+    timeline: str | None = option("--epp-timeline", tags={ELASTIC_ONLY: True, REFUSED_BY_SEARCH: SEARCH_DOES_NOT_TRAIN}, 
         help="directory: the planned timeline picture of every logged step")
     plan_between_steps: bool = option("--epp-plan-between-steps", default=False, action="store_true",
         help="plan each global batch after the previous step's schedule, on the planning rank's own thread, instead "
@@ -405,7 +411,7 @@ class EPPConfig(PlannerOptions):
              "training rank inside a step (for timing on hosts whose ranks take every core), and its time is exposed "
              "(the log's 'planning ms ... exposed'); the plan is made on the cost model as calibrated up to the "
              "previous step")
-    calibrate_interval: int | None = option("--epp-calibrate-interval", type=int, metavar="N",
+    calibrate_interval: int | None = option("--epp-calibrate-interval", tags={ELASTIC_ONLY: True, REFUSED_BY_SEARCH: SEARCH_DOES_NOT_TRAIN}, type=int, metavar="N",
         help="refit the planner's cost model to this machine (speed factor s and per-chunk stage overhead o) "
              f"on the measured steps: after step {CALIBRATE_FIRST_STEP} (the first step of a run or a resumed run is "
              f"warm-up and left out), then every N steps, on the last max(N, {CALIBRATE_FIRST_STEP - 1}) steps; and its "

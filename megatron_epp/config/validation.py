@@ -16,7 +16,8 @@ from megatron_epp.base.units import GIB
 from megatron_epp.data.data_path import Blend, BlendError
 from megatron_epp.data.tokenizers import TokenizerError, resolve_tokenizer_args, tokenizer_from_args
 from megatron_epp.executor.kernels import load_flash_kernel
-from megatron_epp.base.options import Values, key_of
+from megatron_epp.base.option_tags import ELASTIC_ONLY, REFUSED_BY_SEARCH
+from megatron_epp.base.options import Values, fields_tagged, key_of, range_problem, tag_values
 from megatron_epp.planner.config import DEFAULT_CLUSTER, PlannerConfig, PlannerOptions
 from megatron_epp.config.fields import CALIBRATE_INTERVAL, PROFILE_STEPS, ROTARY_BASE, TrainingConfig
 from megatron_epp.executor.extensions import probe_transformer_engine
@@ -224,35 +225,12 @@ def validate_checkpoint_args(args: Values) -> None:
                             "(the plain optimizer's checkpoint reshards to any layout as it is)")
 
 
-# the numeric flags' ranges, checked before anything divides by them (a None is a flag left to its default)
-AT_LEAST_ONE = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "seq_length", "max_position_embeddings",
-                "vocab_size", "micro_batch_size", "global_batch_size", "train_samples", "lr_decay_iters", "lr_decay_samples",
-                "eval_interval", "save_interval")
-AT_LEAST_ZERO = ("lr", "min_lr", "lr_warmup_iters", "lr_warmup_samples", "weight_decay", "clip_grad", "init_method_std",
-                 "eval_iters", "decoupled_lr", "decoupled_min_lr", "adam_eps", "sgd_momentum", "manual_gc_interval")
-POSITIVE = ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis", "lr_wsd_decay_iters",
-            "lr_wsd_decay_samples")
-PROBABILITIES = {"hidden_dropout": (0, 1, "]"), "attention_dropout": (0, 1, "]"), "adam_beta1": (0, 1, ")"),
-                 "adam_beta2": (0, 1, ")"), "lr_warmup_fraction": (0, 1, ")")}
-
-
 def validate_ranges(args: Values) -> None:
-    """Each numeric flag in its range, named in the one-line error (``--num-layers 0: must be >= 1``)."""
-    for flags, low in ((AT_LEAST_ONE, 1), (AT_LEAST_ZERO, 0)):
-        for key in flags:
-            value = getattr(args, key)
-            if value is not None and not value >= low:  # `not >=`: a NaN fails too
-                raise ArgumentError(f"--{key.replace('_', '-')} {value}: must be >= {low}")
-    for key in POSITIVE:
-        value = getattr(args, key)
-        if value is not None and not value > 0:
-            raise ArgumentError(f"--{key.replace('_', '-')} {value}: must be > 0")
-    for key, (low, high, bracket) in PROBABILITIES.items():
-        value = getattr(args, key)
-        if value is None:
-            continue
-        if not (low <= value <= high if bracket == "]" else low <= value < high):
-            raise ArgumentError(f"--{key.replace('_', '-')} {value}: must be in [{low}, {high}{bracket}")
+    """Each numeric flag in its range (its field's: ``option(..., at_least=1)``), checked before anything divides by
+    them (a None is a flag left to its default), named in the one-line error (``--num-layers 0: must be >= 1``)."""
+    problem = range_problem(TrainingConfig, args)
+    if problem:
+        raise ArgumentError(problem)
     if args.min_lr > args.lr:
         raise ArgumentError(f"--min-lr {args.min_lr} is larger than --lr {args.lr}")
 
@@ -508,21 +486,17 @@ UNSUPPORTED_PARALLELISM = {
 }
 
 
-# --epp-* options that --epp-search-layout cannot honour: why
-SEARCH_REFUSES = {
-    "epp_profile": "it models the --epp-cluster preset's GPUs for the model the flags describe",
-    "epp_timeline": "it prints a layout and exits without training",
-    "epp_calibrate_interval": "it prints a layout and exits without training",
-    "epp_profile_cache": "it models the --epp-cluster preset's GPUs for the model the flags describe",
-}
+# the --epp-* options that apply only with --elastic-pp or --epp-search-layout, and those --epp-search-layout cannot
+# honour (with why): their fields' tags
+ELASTIC_OPTIONS = fields_tagged(TrainingConfig, ELASTIC_ONLY)
+SEARCH_REFUSES = tag_values(TrainingConfig, REFUSED_BY_SEARCH)
 
 
 def validate_elastic_args(args: Values, world_size: int, memory: MemoryReading | None = None) -> dict:
     """The ``--epp-*`` options: given only with ``--elastic-pp`` or ``--epp-search-layout``; the planner's settings
     (``planner``), the driver's defaults where an option is not given, the budget in bytes (``default_budget``: how
     it was derived when ``--epp-memory-budget`` was not given, from ``memory``, else from the device read now)."""
-    given = [k for k in (*EPP_DEFAULTS, "epp_memory_budget", "epp_timeline", "epp_calibrate_interval", "epp_profile_cache") if getattr(args, k) is not None]
-    given += ["epp_truncate_documents"] if args.epp_truncate_documents else []
+    given = [k for k in ELASTIC_OPTIONS if getattr(args, k) is not None and getattr(args, k) is not False]
     if args.epp_search_layout:
         return validate_search_args(args, given)
     if not args.elastic_pp:

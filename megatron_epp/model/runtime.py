@@ -166,7 +166,7 @@ def initialize(cfg: TrainingConfig) -> Runtime:
     groups = process_groups()
     megatron_sizes = (groups.tp.size(), groups.cp.size(), groups.pp.size(), groups.dp.size(), dist.get_world_size())
     if megatron_sizes != (dims.tp, dims.cp, dims.pp, dims.dp, dims.world_size):
-        raise RuntimeError(f"megatron-core's groups (tp, cp, pp, dp, world) {megatron_sizes} are not the configuration's {dims}")
+        raise RuntimeError(f"megatron-core's groups (tp, cp, pp, dp, world) {megatron_sizes} are not the configuration's {dims!r}")
     runtime = Runtime(
         device=device,
         rank=dist.get_rank(),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_epp.base.option_tags import ELASTIC_ONLY, REFUSED_BY_SEARCH, SEARCH_MODELS_THE_PRESET
 from megatron_epp.base.options import option
 from megatron_epp.cost.clusters import CLUSTERS
 from megatron_epp.base.units import GIB
@@ -63,21 +64,23 @@ class PlannerConfig:
 @dataclass(frozen=True)
 class PlannerOptions:
     """The planner's ``--epp-*`` options as a command line gives them; each defaults to None (each command line fills
-    in its own defaults, shown in its help)."""
+    in its own defaults, shown in its help). Their tags (:mod:`~megatron_epp.base.option_tags`) are what
+    ``pretrain_gpt.py`` reads of them: which apply only with ``--elastic-pp``, which its layout search refuses."""
 
-    plan: str | None = option("--epp-plan", choices=list(BUILDERS),
+    plan: str | None = option("--epp-plan", tags=(ELASTIC_ONLY,), choices=list(BUILDERS),
                               help="plan builder: elastic (EPP), megatron = packing only, seq1f1b = fixed slices")
-    memory_budget: float | None = option("--epp-memory-budget", type=float, help="GB per device for the planner")
+    memory_budget: float | None = option("--epp-memory-budget", tags=(ELASTIC_ONLY,), type=float, help="GB per device for the planner")
     profile: str | None = option(
-        "--epp-profile", help="cost-model profile: auto (on CUDA a profile measured on this GPU for this dtype, attention "
-        "kernel and layer shape: cached, shipped, or measured at start-up; on CPU as cpu) | analytic (FLOPs at an H100's peak x "
+        "--epp-profile", tags={ELASTIC_ONLY: True, REFUSED_BY_SEARCH: SEARCH_MODELS_THE_PRESET},
+        help="cost-model profile: auto (on CUDA a profile measured on this GPU for this dtype, attention kernel and layer "
+        "shape: cached, shipped, or measured at start-up; on CPU as cpu) | analytic (FLOPs at an H100's peak x "
         "MFU, for the model's shape) | cpu (the shipped CPU profile measured nearest the model) | test-model | llama-7b | "
         "llama-13b | llama-30b, or a profile JSON path")
-    recompute: str | None = option("--epp-recompute", choices=RECOMPUTE_MODES,
+    recompute: str | None = option("--epp-recompute", tags=(ELASTIC_ONLY,), choices=RECOMPUTE_MODES,
                                    help="per-(stage, chunk) recompute: adaptive = the planner's integer program, greedy = its "
                                    "greedy heuristic, none, or full = every layer")
-    max_slices: int | None = option("--epp-max-slices", type=int, help="most slices per sequence (seq1f1b: its k)")
-    time_limit: float | None = option("--epp-time-limit", type=float,
+    max_slices: int | None = option("--epp-max-slices", tags=(ELASTIC_ONLY,), type=int, help="most slices per sequence (seq1f1b: its k)")
+    time_limit: float | None = option("--epp-time-limit", tags=(ELASTIC_ONLY,), type=float,
                                       help="wall-clock safety limit of the recompute integer program: seconds per 10,000 "
                                       "nonzeros of the program, at least this (a deterministic node limit bounds the solve first)")
     search_layout: bool = option("--epp-search-layout", default=False, action="store_true",

@@ -5,7 +5,8 @@ For a model, a cluster (:mod:`megatron_epp.cost.clusters`) and a batch of length
 context parallelism, Ulysses all-to-all, of 1, 2, 4, 8, 16 dividing the heads of a TP rank; ``cp`` > 1 for
 EPP only, :data:`SYSTEM_CP`) ``x pp`` (dividing the layers) ``x dp`` (the rest of the world size; several
 pipelines in parallel, the batch split over them as training splits it) is a candidate, and every one runs:
-:meth:`Layout.flags` are ``pretrain_gpt.py --elastic-pp``'s. A layout's step is the
+a layout is a :class:`~megatron_epp.base.dims.ParallelDims`, whose
+:meth:`~megatron_epp.base.dims.ParallelDims.flags` are ``pretrain_gpt.py --elastic-pp``'s. A layout's step is the
 slowest replica's simulated step (each replica planned by the system's builder on that layout's
 cost model) plus the exposed data-parallel gradient sync: a reduce-scatter of fp32 gradients and an
 all-gather of bf16 weights of the GPU's shard over the ``dp x cp`` ranks (megatron-core reduces gradients
@@ -25,7 +26,7 @@ from typing import Sequence
 
 import numpy as np
 
-from megatron_epp.base.dims import CP_COMM_TYPE, ParallelDims
+from megatron_epp.base.dims import ParallelDims
 from megatron_epp.cost.clusters import COMM_OVERLAP, Cluster, get_cluster, tp_profile
 from megatron_epp.cost.model import CostModel
 from megatron_epp.cost.placement import place_profile
@@ -37,44 +38,9 @@ from megatron_epp.planner.config import PlannerConfig
 from megatron_epp.planner.data_parallel import dp_split
 
 
-@dataclass(frozen=True)
-class Layout:
-    """A candidate of the search: the parallel sizes ``dims`` and how a stage's ``tp x cp`` GPUs split a chunk's
-    attention over the context-parallel ranks (``cp_comm_type``, Megatron-LM's ``--cp-comm-type``)."""
-
-    dims: ParallelDims
-    cp_comm_type: str = CP_COMM_TYPE
-
-    # the sizes, as the search and its report read them
-    tp = property(lambda self: self.dims.tp)
-    cp = property(lambda self: self.dims.cp)
-    pp = property(lambda self: self.dims.pp)
-    dp = property(lambda self: self.dims.dp)
-
-    def __post_init__(self) -> None:
-        if self.cp_comm_type != CP_COMM_TYPE:
-            raise ValueError(f"--cp-comm-type {self.cp_comm_type}: context parallelism is Ulysses all-to-all ({CP_COMM_TYPE}) only")
-
-    @property
-    def size(self) -> int:
-        """GPUs per stage."""
-        return self.dims.stage_size
-
-    def __str__(self) -> str:
-        return f"TP{self.tp}{f'xCP{self.cp}' if self.cp > 1 else ''}xPP{self.pp}xDP{self.dp}"
-
-    def flags(self) -> list[str]:
-        """``pretrain_gpt.py``'s flags for this layout (data parallel = the rest of the world size); a CP layout's
-        include ``--cp-comm-type`` and ``--elastic-pp`` (context parallelism runs with it only)."""
-        out = ["--tensor-model-parallel-size", str(self.tp), "--pipeline-model-parallel-size", str(self.pp)]
-        if self.cp > 1:
-            out += ["--context-parallel-size", str(self.cp), "--cp-comm-type", self.cp_comm_type, "--elastic-pp"]
-        return out
-
-
 @dataclass
 class LayoutResult:
-    layout: Layout
+    layout: ParallelDims
     step_ms: float
     bound_ms: float  # compute-only lower bound of this layout (slowest replica) + the exposed sync
     sync_ms: float
@@ -110,7 +76,7 @@ SIZES = (1, 2, 4, 8, 16)  # tensor- and context-parallel sizes the search tries
 
 
 def enumerate_layouts(shape: ModelShape, cluster: Cluster, context_parallel: bool = True,
-                      num_sequences: int | None = None) -> list[Layout]:
+                      num_sequences: int | None = None) -> list[ParallelDims]:
     """Every layout of the cluster's world size for this model (see the module docstring); ``context_parallel``:
     with CP sizes above 1."""
     out = []
@@ -122,23 +88,22 @@ def enumerate_layouts(shape: ModelShape, cluster: Cluster, context_parallel: boo
                 if shape.num_layers % pp or cluster.world_size % (tp * cp * pp):
                     continue
                 dims = ParallelDims.for_world(cluster.world_size, tp=tp, pp=pp, cp=cp)
-                if num_sequences is not None and dims.dp > num_sequences:
-                    continue
-                out.append(Layout(dims))
+                if num_sequences is None or dims.dp <= num_sequences:
+                    out.append(dims)
     return out
 
 
-def layout_cost_model(shape: ModelShape, cluster: Cluster, layout: Layout) -> CostModel:
+def layout_cost_model(shape: ModelShape, cluster: Cluster, layout: ParallelDims) -> CostModel:
     """The cost model of ``layout`` on ``cluster``: the profile of a stage's ``tp`` GPUs (:func:`tp_profile`) placed on
     the layout (a stage's ``tp x cp`` GPUs inside a node: the CP group on NVLink) over the pipeline's network."""
-    if layout.size > cluster.gpus_per_node:
+    if layout.stage_size > cluster.gpus_per_node:
         raise ValueError(f"a stage of TP={layout.tp} x CP={layout.cp} GPUs: more than the node's {cluster.gpus_per_node}")
-    network = cluster.network(layout.size * layout.pp)
-    return CostModel(place_profile(tp_profile(shape, cluster, layout.tp), layout.dims, network), layout.pp, dp=layout.dp,
+    network = cluster.network(layout.stage_size * layout.pp)
+    return CostModel(place_profile(tp_profile(shape, cluster, layout.tp), layout, network), layout.pp, dp=layout.dp,
                      network=network)
 
 
-def dp_sync_ms(cost_model: CostModel, cluster: Cluster, layout: Layout, overlap: float = COMM_OVERLAP) -> float:
+def dp_sync_ms(cost_model: CostModel, cluster: Cluster, layout: ParallelDims, overlap: float = COMM_OVERLAP) -> float:
     """The exposed gradient sync of the slowest stage's GPU over its ``dp x cp`` ranks (fp32 reduce-scatter + bf16
     all-gather; the CP ranks hold the same weights)."""
     group = layout.dp * layout.cp
@@ -177,7 +142,7 @@ def system_plan(system: Builder, L: np.ndarray, cm: CostModel, cfg: PlannerConfi
     raise ValueError(f"unknown system {system.label!r}: elastic, megatron or seq1f1b")
 
 
-def evaluate_layout(lengths: np.ndarray, shape: ModelShape, cluster: Cluster, layout: Layout, system: Builder,
+def evaluate_layout(lengths: np.ndarray, shape: ModelShape, cluster: Cluster, layout: ParallelDims, system: Builder,
                     config: PlannerConfig, overlap: float = COMM_OVERLAP,
                     known: Sequence[BaselinePlans] | None = None) -> LayoutResult:
     """Plan every replica of ``layout`` with ``system``; raises :class:`PlanInfeasible` if one does not fit.
@@ -208,7 +173,7 @@ MAX_EVALUATED = 4  # layouts planned by an expensive system after the proxy rank
 @dataclass
 class _Candidate:
     """A layout that fits, with what the search needs of it: its cost model, replicas, sync and bound."""
-    layout: Layout
+    layout: ParallelDims
     cost_model: CostModel
     parts: list[np.ndarray]  # each replica's sequences
     sync: float

@@ -13,7 +13,7 @@ from megatron_epp.cost.shape import ModelShape
 from megatron_epp.plan import PlanInfeasible
 from megatron_epp.planner.builders import MEGATRON, SEQ1F1B
 from megatron_epp.planner.config import PlannerConfig
-from megatron_epp.planner.layout import Layout, evaluate_layout, layout_cost_model, system_plan
+from megatron_epp.planner.layout import evaluate_layout, layout_cost_model, system_plan
 from megatron_epp.simulator.flexsp import A2A_PER_LAYER, assign_microbatch, group_time, model_state_bytes, sequence_costs, simulate_flexsp
 
 SHAPE = ModelShape("toy", 2, 256, 4, 1024, 1000, dtype="bfloat16")
@@ -87,7 +87,7 @@ def test_flexsp_memory_per_micro_batch_within_budget():
 
 def test_megatron_layout_step_equals_hand_computation():
     config = PlannerConfig(memory_budget_bytes=80.0 * GIB, max_seq_len=2048)
-    res = evaluate_layout(np.array([1000, 600, 300]), SHAPE, NODE2, Layout(ParallelDims(tp=1, pp=1, dp=2, cp=1)), MEGATRON, config)
+    res = evaluate_layout(np.array([1000, 600, 300]), SHAPE, NODE2, ParallelDims(tp=1, pp=1, dp=2, cp=1), MEGATRON, config)
     # replicas by work: [1000] and [600, 300] packed into one 2048-token micro-batch; no recompute needed
     per_replica = [chunk_ms([(1000, 0)]), chunk_ms([(600, 0), (300, 0)])]
     sync = 0.5 * (nvlink_gather_ms(4.0 * (params() + SHAPE.norm_params)) + nvlink_gather_ms(2.0 * (params() + SHAPE.norm_params)))
@@ -97,7 +97,7 @@ def test_megatron_layout_step_equals_hand_computation():
 
 
 def test_seq1f1b_step_equals_hand_computation_and_best_k_is_reported():
-    cm = layout_cost_model(SHAPE, NODE2, Layout(ParallelDims(tp=1, pp=1, dp=2, cp=1)))
+    cm = layout_cost_model(SHAPE, NODE2, ParallelDims(tp=1, pp=1, dp=2, cp=1))
     config = PlannerConfig(memory_budget_bytes=80.0 * GIB, max_seq_len=1024, max_slices=2)
     step = SEQ1F1B.plan([1000, 300], cm, config)
     plan = step.plan

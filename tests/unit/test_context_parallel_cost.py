@@ -163,13 +163,13 @@ def test_gradient_sync_over_dp_x_cp():
     """The CP ranks hold the same weights: the gradient reduce-scatter and the weights' all-gather run over DP x CP,
     of the GPU's whole TP shard; at cp 1 over DP as before."""
     from megatron_epp.cost.clusters import COMM_OVERLAP
-    from megatron_epp.planner.layout import Layout, dp_sync_ms, layout_cost_model
+    from megatron_epp.planner.layout import dp_sync_ms, layout_cost_model
 
     shape, cluster = MODEL_PRESETS["llama-7b"], get_cluster("a800-ib-node")
-    for layout, group in ((Layout(ParallelDims(tp=2, pp=1, dp=8, cp=2)), 16), (Layout(ParallelDims(tp=2, pp=1, dp=16, cp=1)), 16), (Layout(ParallelDims(tp=4, pp=2, dp=2, cp=2)), 4), (Layout(ParallelDims(tp=8, pp=1, dp=4, cp=1)), 4)):
+    for layout, group in ((ParallelDims(tp=2, pp=1, dp=8, cp=2), 16), (ParallelDims(tp=2, pp=1, dp=16, cp=1), 16), (ParallelDims(tp=4, pp=2, dp=2, cp=2), 4), (ParallelDims(tp=8, pp=1, dp=4, cp=1), 4)):
         cm = layout_cost_model(shape, cluster, layout)
         params = shape.rank_parameters(cm.layers, layout.tp).max()
         comm = sum(cluster.strided_allgather_ms(b * params, group, layout.tp * layout.pp) for b in (4.0, 2.0))
         assert dp_sync_ms(cm, cluster, layout) == pytest.approx((1 - COMM_OVERLAP) * comm), str(layout)
-    same = [dp_sync_ms(layout_cost_model(shape, cluster, x), cluster, x) for x in (Layout(ParallelDims(tp=2, pp=1, dp=8, cp=2)), Layout(ParallelDims(tp=2, pp=1, dp=16, cp=1)))]
+    same = [dp_sync_ms(layout_cost_model(shape, cluster, x), cluster, x) for x in (ParallelDims(tp=2, pp=1, dp=8, cp=2), ParallelDims(tp=2, pp=1, dp=16, cp=1))]
     assert same[0] == pytest.approx(same[1])

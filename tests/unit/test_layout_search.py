@@ -17,7 +17,7 @@ from megatron_epp.planner.builders import ELASTIC, MEGATRON, SEQ1F1B, baseline_b
 from megatron_epp.planner.config import PlannerConfig
 from megatron_epp.planner.data_parallel import dp_split
 from megatron_epp.planner import layout as layout_module
-from megatron_epp.planner.layout import COMM_OVERLAP, Layout, cluster_for_world, enumerate_layouts, search_layout
+from megatron_epp.planner.layout import COMM_OVERLAP, cluster_for_world, enumerate_layouts, search_layout
 from megatron_epp.data.lengths import select_batch
 from megatron_epp.training import layout_search
 from megatron_epp.config.parser import EPP_DEFAULTS, parse_config
@@ -169,7 +169,7 @@ def test_known_baseline_plans_give_the_same_epp_plans():
     them again: the same steps and choices as making them."""
     L = lengths()
     config = PlannerConfig(memory_budget_bytes=80.0 * GIB, max_seq_len=32768)
-    for layout in (Layout(ParallelDims(tp=1, pp=2, dp=2, cp=1)), Layout(ParallelDims(tp=1, pp=1, dp=2, cp=2))):
+    for layout in (ParallelDims(tp=1, pp=2, dp=2, cp=1), ParallelDims(tp=1, pp=1, dp=2, cp=2)):
         fresh = layout_module.evaluate_layout(L, SHAPE, TOY, layout, ELASTIC, config)
         cm = layout_module.layout_cost_model(SHAPE, TOY, layout)
         known = []
@@ -193,13 +193,15 @@ def test_megatron_and_seq1f1b_search_tp_layouts_only(evaluate_layout):
 
 
 def test_flags():
-    assert Layout(ParallelDims(tp=2, pp=4, dp=1, cp=1)).flags() == ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4"]
-    assert str(Layout(ParallelDims(tp=2, pp=1, dp=4, cp=4))) == "TP2xCP4xPP1xDP4"
-    assert Layout(ParallelDims(tp=2, pp=1, dp=4, cp=4)).flags() == ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1",
+    """A layout of the search is a ParallelDims: its name and pretrain_gpt.py's flags (a CP layout's with the one
+    --cp-comm-type, a2a, and --elastic-pp; --sequence-parallel where it is on)."""
+    assert ParallelDims(tp=2, pp=4, dp=1, cp=1).flags() == ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4"]
+    assert str(ParallelDims(tp=2, pp=1, dp=4, cp=4)) == "TP2xCP4xPP1xDP4"
+    assert str(ParallelDims(tp=8, pp=1, dp=4, cp=1)) == "TP8xPP1xDP4"
+    assert ParallelDims(tp=2, pp=1, dp=4, cp=4).flags() == ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "1",
                                           "--context-parallel-size", "4", "--cp-comm-type", "a2a", "--elastic-pp"]
-    assert Layout(ParallelDims(tp=2, pp=1, dp=4, cp=4)).dims.world_size == 32
-    with pytest.raises(ValueError, match=r"--cp-comm-type p2p: context parallelism is Ulysses all-to-all \(a2a\) only"):
-        Layout(ParallelDims(cp=2), cp_comm_type="p2p")
+    assert ParallelDims(tp=2, pp=1, dp=4, cp=4).world_size == 32
+    assert ParallelDims(tp=2, sequence_parallel=True).flags()[-1] == "--sequence-parallel"
 
 
 def preset_flags(shape: ModelShape) -> list[str]:
@@ -210,7 +212,7 @@ def preset_flags(shape: ModelShape) -> list[str]:
             "--max-position-embeddings", "131072", "--bf16"]
 
 
-def searchable_layouts() -> list[tuple[str, ModelShape, Layout]]:
+def searchable_layouts() -> list[tuple[str, ModelShape, ParallelDims]]:
     """Every layout the search can return (it returns one of :func:`enumerate_layouts`'): each LLaMA preset on each
     cluster preset, whole (32 GPUs) and resized to one node and to 2, 4 GPUs; the toy model on the toy cluster."""
     out = [("toy", SHAPE, layout) for layout in enumerate_layouts(SHAPE, TOY)]
@@ -221,10 +223,10 @@ def searchable_layouts() -> list[tuple[str, ModelShape, Layout]]:
     return out
 
 
-def parse_layout(shape: ModelShape, layout: Layout) -> ParallelDims:
+def parse_layout(shape: ModelShape, layout: ParallelDims) -> ParallelDims:
     """pretrain_gpt.py's argument parser on the model's flags and ``layout.flags()`` at the layout's world size: the
     parallel sizes it runs (a refused flag raises)."""
-    world = layout.tp * layout.cp * layout.pp * layout.dp
+    world = layout.world_size
     shape_flags = preset_flags(shape) if shape is not SHAPE else [
         "--mock-data", "--num-layers", str(SHAPE.num_layers), "--hidden-size", str(SHAPE.hidden), "--num-attention-heads",
         str(SHAPE.num_heads), "--ffn-hidden-size", str(SHAPE.ffn_hidden), "--seq-length", "32768", "--max-position-embeddings", "32768", "--bf16"]
@@ -239,7 +241,7 @@ def test_every_tp_layout_the_search_can_return_parses():
     tp_only = [(what, shape, layout) for what, shape, layout in SEARCHABLE if layout.cp == 1]
     assert len(tp_only) > 100
     for what, shape, layout in tp_only:
-        assert parse_layout(shape, layout) == layout.dims, (what, str(layout))
+        assert parse_layout(shape, layout) == layout, (what, str(layout))
 
 
 def test_every_cp_layout_the_search_can_return_parses():
@@ -247,7 +249,7 @@ def test_every_cp_layout_the_search_can_return_parses():
     with_cp = [(what, shape, layout) for what, shape, layout in SEARCHABLE if layout.cp > 1]
     assert {layout.cp for _, _, layout in with_cp} == {2, 4, 8}
     for what, shape, layout in with_cp:
-        assert parse_layout(shape, layout) == layout.dims, (what, str(layout))
+        assert parse_layout(shape, layout) == layout, (what, str(layout))
 
 
 def test_epp_plan_and_pretrain_gpt_print_the_best_flags(tmp_path, capsys, monkeypatch):

@@ -18,7 +18,7 @@ from megatron_epp.cost.profile import Profile
 from megatron_epp.cost.profile_lookup import PROFILE_DIR, load_profile
 from megatron_epp.cost.shape import MODEL_PRESETS, TEST_MODEL
 from megatron_epp.planner.config import PlannerConfig
-from megatron_epp.planner.layout import Layout, layout_cost_model
+from megatron_epp.planner.layout import layout_cost_model
 from megatron_epp.planner.online import OnlinePlanner
 from tests.paths import REPO
 
@@ -61,7 +61,7 @@ def test_a_layout_search_stage_as_before(tp, cp):
     dims = ParallelDims.for_world(cluster.world_size, tp=tp, pp=4, cp=cp)
     placed = place_profile(tp_profile(shape, cluster, tp), dims, cluster.network(tp * cp * 4))
     assert numbers(placed) == pytest.approx(STAGE[tp, cp], rel=1e-12)
-    assert numbers(layout_cost_model(shape, cluster, Layout(dims)).profile) == pytest.approx(STAGE[tp, cp], rel=1e-12)
+    assert numbers(layout_cost_model(shape, cluster, dims).profile) == pytest.approx(STAGE[tp, cp], rel=1e-12)
 
 
 @pytest.mark.parametrize("tp", sorted(AT_TP))
