@@ -124,7 +124,7 @@ def choose_bind_budget(specs: Sequence[Builder], batches, cost_model: CostModel,
     budget, below = smallest_budget(ok, "lets EPP plan these batches without recompute")
     return BudgetChoice(budget, "smallest at which EPP's plans need no recompute and every builder can run",
                         all_plans(specs, batches, cost_model, base, budget), below,
-                        {b.label: recomputed(p) for b, p in all_plans(specs, batches, cost_model, base, below).items()})
+                        {b.name: recomputed(p) for b, p in all_plans(specs, batches, cost_model, base, below).items()})
 
 
 def choose_nobind_budget(specs: Sequence[Builder], batches, cost_model: CostModel, base: PlannerConfig) -> BudgetChoice:
@@ -251,7 +251,7 @@ def builder_lines(b: Builder, runs: list[list[StepMetrics]], predicted: list[flo
     mem = ", ".join(f"{m:.1f}/{p:.1f}" for m, p in zip(meas_mb, pred_mb))
     ratios = "" if epp is None or b == EPP else " | per step vs EPP " + " ".join(f"{r:.2f}" for r in step_ratios(pipe, epp))
     in_process = "" if not predicted else f" (plans rebuilt in-process: {np.median(predicted):.0f})"
-    return [f"  {b.label:12s} {len(runs)} repeat(s); plan: {sum(kinds.values()):.0f} chunks (batched {kinds['batched']:.0f}, "
+    return [f"  {b.name:12s} {len(runs)} repeat(s); plan: {sum(kinds.values()):.0f} chunks (batched {kinds['batched']:.0f}, "
             f"split {kinds['split']:.0f}, hybrid {kinds['hybrid']:.0f}), {np.median([s.elastic.num_pipelines for s in first]):.0f} "
             f"pipeline(s), recomputed layers per step {fmt_layers([s.elastic.recomputed_layers for s in first])}",
             f"  {'':12s} predicted ms {logged:.0f}{in_process} | measured (pipeline) ms {np.median(np.median(pipe, 0)):.0f} | "
@@ -274,7 +274,7 @@ def report(name: str, measured: dict[Builder, list[list[StepMetrics]]], predicte
             out(f"  {'':12s} {differ} of {len(runs[0])} logged plans differ from the in-process ones (the simulated ratios "
                 "are about the in-process plans)")
     for b, why in failed.items():
-        out(f"  {b.label:12s} did not run: {why}")
+        out(f"  {b.name:12s} did not run: {why}")
     out(f"  ratios baseline / EPP (pipeline ms; median over steps of the per-step ratio; > 1: EPP faster); Megatron's plan "
         f"recomputes on {entry['megatron_recompute_steps']} of the measured steps; simulated: the planner's predicted ms of the same plans")
     for line in goal_lines(entry, BINDS[name]):
@@ -358,7 +358,7 @@ class Progress:
         self.done += 1
         elapsed = time.perf_counter() - self.t0
         left = elapsed / self.done * (self.total - self.done)
-        print(f"  [{name}] repeat {repeat + 1}/{repeats} {builder.label:12s} {seconds:5.1f} s{note} | run {self.done}/{self.total}, "
+        print(f"  [{name}] repeat {repeat + 1}/{repeats} {builder.name:12s} {seconds:5.1f} s{note} | run {self.done}/{self.total}, "
               f"{elapsed:.0f} s elapsed, ~{left:.0f} s left", flush=True)
 
 
@@ -423,7 +423,7 @@ def prepare(name: str, args, specs: list[Builder]) -> tuple[list[str], list[list
     sim = summarize({}, predicted, choice)["simulated"]
     ceiling = sim.get("ceiling")
     print(f"  simulated ({time.perf_counter() - t0:.0f} s of planning in-process), predicted ms median per step: "
-          + ", ".join(f"{b.label} {np.median(p):.0f}" for b, p in predicted.items())
+          + ", ".join(f"{b.name} {np.median(p):.0f}" for b, p in predicted.items())
           + f" | ratios megatron {show(sim['megatron'])}, seq1f1b {show(sim['seq1f1b'])} (k={sim['seq1f1b_k']})"
           + f" | EPP / its compute bound {show(sim['epp_over_bound'])}"
           + ("" if ceiling is None else f" | ceiling (EPP with no memory limit, {ceiling['budget_gb']:.4f} GB): megatron "
@@ -437,7 +437,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     t0 = time.perf_counter()
     print(f"bench_elastic: pp=2 (torchrun, 1 thread per rank), {args.num_layers} layers, hidden {args.hidden_size}, "
           f"{args.num_attention_heads} heads, cap {args.seq_length}, {args.iters} measured steps after 1 warm-up x {args.repeats} "
-          f"repeats, builders {', '.join(b.label for b in specs)}; {os.cpu_count()} cores, load average {load_average():.2f} "
+          f"repeats, builders {', '.join(b.name for b in specs)}; {os.cpu_count()} cores, load average {load_average():.2f} "
           "(timings need the cores otherwise idle)", flush=True)
     config = {"seq_length": args.seq_length, "num_layers": args.num_layers, "hidden_size": args.hidden_size,
               "num_attention_heads": args.num_attention_heads, "pp": 2, "repeats": args.repeats, "iters": args.iters,

@@ -171,7 +171,7 @@ class BudgetChoice:
 
     @property
     def recompute(self) -> dict[str, list[int] | None]:
-        return {b.label: recomputed(p) for b, p in self.plans.items()}
+        return {b.name: recomputed(p) for b, p in self.plans.items()}
 
     def lines(self, binds: bool) -> list[str]:
         out = [f"budget {self.budget_gb:.4f} GB per stage ({self.chosen})"]
@@ -180,7 +180,7 @@ class BudgetChoice:
             out.append(f"  at {self.below_gb:.4f} GB (one grid step below) recomputed layers per step: {below}")
         out.append("  at the budget, recomputed layers per step: "
                    + ", ".join(f"{b} {fmt_layers(r)}" for b, r in self.recompute.items()))
-        epp, meg = self.recompute.get(ELASTIC.label), self.recompute.get(MEGATRON.label)
+        epp, meg = self.recompute.get(ELASTIC.name), self.recompute.get(MEGATRON.name)
         if binds:
             out.append(f"  EPP needs no recompute: {'yes' if epp is not None and not any(epp) else 'NO'}; Megatron packing "
                        f"recomputes on {sum(1 for r in meg or [] if r)} of {len(meg or [])} steps (warm-up included)"

@@ -67,7 +67,7 @@ def run_cell(data: str, lengths: np.ndarray, model: str, cap: int, cluster_name:
     config = PlannerConfig(memory_budget_bytes=memory_gb * GIB, max_seq_len=cap, profile=model)
     cell: dict = {"data": data, "model": model, "cap": cap, "cluster": cluster_name, "systems": {}}
     for builder in (ELASTIC, MEGATRON, SEQ1F1B):
-        system = builder.plan_label  # the JSON's key: epp, megatron, seq1f1b
+        system = builder.plan_name  # the JSON's key: epp, megatron, seq1f1b
         t0 = time.perf_counter()
         try:
             ch = search_layout(lengths, shape, cluster, builder, config, overlap=overlap, exhaustive=exhaustive)

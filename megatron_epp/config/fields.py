@@ -406,6 +406,7 @@ class EPPConfig(PlannerOptions):
     timeline: str | None = option("--epp-timeline", tags={ELASTIC_ONLY: True, REFUSED_BY_SEARCH: SEARCH_DOES_NOT_TRAIN}, 
         help="directory: the planned timeline picture of every logged step")
     plan_between_steps: bool = option("--epp-plan-between-steps", default=False, action="store_true",
+        tags={ELASTIC_ONLY: True, REFUSED_BY_SEARCH: SEARCH_DOES_NOT_TRAIN},
         help="plan each global batch after the previous step's schedule, on the planning rank's own thread, instead "
              "of in a background thread while the previous step runs: the planner then shares no core with a "
              "training rank inside a step (for timing on hosts whose ranks take every core), and its time is exposed "

@@ -27,7 +27,7 @@ import torch
 
 
 EPP_DEFAULTS = {  # pretrain_gpt.py's defaults of the planner options (epp-plan has its own)
-    "epp_plan": PlannerConfig.builder.name, "epp_max_slices": 8, "epp_profile": "auto", "epp_recompute": PlannerConfig.recompute,
+    "epp_plan": PlannerConfig.builder.flag, "epp_max_slices": 8, "epp_profile": "auto", "epp_recompute": PlannerConfig.recompute,
     "epp_time_limit": PlannerConfig.time_limit,
 }
 
@@ -532,8 +532,8 @@ def validate_search_args(args: Values, given: list[str]) -> dict:
     refused = [key for key in given if key in SEARCH_REFUSES]
     if refused:
         raise ArgumentError(f"--{refused[0].replace('_', '-')} does not apply with --epp-search-layout ({SEARCH_REFUSES[refused[0]]})")
-    if args.epp_plan not in (None, PlannerConfig.builder.name):
-        raise ArgumentError(f"--epp-plan {args.epp_plan}: --epp-search-layout searches EPP's ({PlannerConfig.builder.name}) layout")
+    if args.epp_plan not in (None, PlannerConfig.builder.flag):
+        raise ArgumentError(f"--epp-plan {args.epp_plan}: --epp-search-layout searches EPP's ({PlannerConfig.builder.flag}) layout")
     cluster = args.epp_cluster or DEFAULT_CLUSTER
     budget = get_cluster(cluster).memory_gb * GIB if args.epp_memory_budget is None else None
     defaults = {key: value for key, value in EPP_DEFAULTS.items() if key not in SEARCH_REFUSES}

@@ -1,7 +1,7 @@
 """The plan builders, one typed record each (:class:`Builder`: its name, Seq1F1B's ``k``, its function), in one
 registry, :data:`BUILDERS` (``--epp-plan``), on the same cost model. A builder's identity is the record
 (:data:`ELASTIC`, :data:`MEGATRON`, :data:`SEQ1F1B`, ``SEQ1F1B.at(4)``), also in :class:`PlannerConfig`; strings only
-where flags, logs and the Plan JSON name it (:attr:`Builder.label`, :attr:`Builder.plan_label`; ``--epp-plan``'s name
+where flags, logs and the Plan JSON name it (:attr:`Builder.name`, :attr:`Builder.plan_name`; ``--epp-plan``'s name
 becomes its record in :meth:`PlannerConfig.from_options`). A builder gives a plan with its report
 (:class:`~megatron_epp.plan.PlannedStep`):
 
@@ -72,29 +72,34 @@ Build = Callable[[Sequence[int], CostModel, "PlannerConfig", "BaselinePlans | No
 
 @dataclass(frozen=True)
 class Builder:
-    """One plan builder: ``name`` (its ``--epp-plan`` value, or an ablation's name in the comparison), Seq1F1B's fixed
-    slice count ``k`` (None: the config's ``max_slices``, else :data:`SEQ1F1B_K`; in the layout search and as the
-    elastic builder's candidates, each of :data:`SEQ1F1B_KS`), ``build`` (lengths, cost model, config and the baseline
-    plans made before, :data:`BaselinePlans`, or None: a plan with its report, not validated) and ``plan_name``, what its plans are
-    called where that differs from ``name`` (the elastic builder's: ``epp``). Compared and hashed by name and k."""
+    """One plan builder, named two ways: :attr:`name`, as flags, logs and the benchmarks name it (``elastic``,
+    ``megatron``, ``seq1f1b-k4``), and :attr:`plan_name`, as its plans are named (``Plan.builder``,
+    ``PlanReport.chosen``: ``epp``, ``megatron``, ``seq1f1b-k4``). Its fields: ``flag``, its ``--epp-plan`` value;
+    ``build`` (lengths, cost model, config and the baseline plans made before, :data:`BaselinePlans`, or None: a plan
+    with its report, not validated); Seq1F1B's fixed slice count ``k`` (None: the config's ``max_slices``, else
+    :data:`SEQ1F1B_K`; in the layout search and as the elastic builder's candidates, each of :data:`SEQ1F1B_KS`);
+    ``plans_called``: its plans' name where it is not ``flag`` (the elastic builder's: ``epp``). Compared and hashed by
+    flag and k."""
 
-    name: str
+    flag: str
     build: Build = field(compare=False, repr=False)
     k: int | None = None
-    plan_name: str | None = field(default=None, compare=False)
+    plans_called: str | None = field(default=None, compare=False)
 
     def __str__(self) -> str:
-        return self.label
+        return self.name
 
     @property
-    def label(self) -> str:
+    def name(self) -> str:
         """The builder as flags, logs and the benchmark's JSON name it: ``elastic``, ``megatron``, ``seq1f1b-k4``."""
-        return self.name if self.k is None else f"{self.name}-k{self.k}"
+        return self._with_k(self.flag)
 
     @property
-    def plan_label(self) -> str:
+    def plan_name(self) -> str:
         """What its plans are called (``Plan.builder``, ``PlanReport.chosen``): ``epp``, ``megatron``, ``seq1f1b-k4``."""
-        name = self.plan_name or self.name
+        return self._with_k(self.plans_called or self.flag)
+
+    def _with_k(self, name: str) -> str:
         return name if self.k is None else f"{name}-k{self.k}"
 
     def at(self, k: int) -> "Builder":
@@ -112,7 +117,7 @@ class Builder:
 
     def flags(self) -> list[str]:
         """The ``--epp-*`` flags that run this builder."""
-        return ["--epp-plan", self.name] + ([] if self.k is None else ["--epp-max-slices", str(self.k)])
+        return ["--epp-plan", self.flag] + ([] if self.k is None else ["--epp-max-slices", str(self.k)])
 
     def configure(self, config: PlannerConfig) -> PlannerConfig:
         """``config`` set to this builder (``builder``: its :attr:`family`, and ``max_slices`` = ``k`` where it has one):
@@ -127,7 +132,7 @@ class Builder:
         if known is not None and self in known:
             step = known[self]
             if step is None:
-                raise PlanInfeasible(f"{self.plan_label} does not fit")
+                raise PlanInfeasible(f"{self.plan_name} does not fit")
         else:
             step = self.build(lengths, cost_model, config if self.k is None else replace(config, max_slices=self.k), known)
         if validate:
@@ -170,7 +175,7 @@ def _elastic_plan(lengths: Sequence[int], cost_model: CostModel, config: Planner
     try:
         candidates.append(build_plan(lengths, cost_model, config.memory_budget_bytes, recompute=config.recompute,
                                      slice_counts=slice_counts(config), time_limit=config.time_limit,
-                                     builder=ELASTIC.plan_label))
+                                     builder=ELASTIC.plan_name))
     except PlanInfeasible as infeasible:
         error = infeasible
     candidates += baseline_candidates(lengths, cost_model, config, known)
@@ -180,7 +185,7 @@ def _elastic_plan(lengths: Sequence[int], cost_model: CostModel, config: Planner
     report = replace(best.report, chosen=best.plan.builder,
                      candidates_ms={c.plan.builder: round(c.report.predicted_step_ms, 3) for c in candidates},
                      solve_ms=(time.perf_counter() - t0) * 1e3)
-    return PlannedStep(replace(best.plan, builder=ELASTIC.plan_label), report)
+    return PlannedStep(replace(best.plan, builder=ELASTIC.plan_name), report)
 
 
 def baseline_ratios(report: PlanReport) -> dict[str, float] | None:
@@ -192,14 +197,14 @@ def baseline_ratios(report: PlanReport) -> dict[str, float] | None:
     if not candidates or report.chosen not in candidates:
         return None
     own = candidates[report.chosen]
-    seq1f1b = [b.plan_label for b in SEQ1F1B.variants() if b.plan_label in candidates]
-    labels = ([MEGATRON.plan_label] if MEGATRON.plan_label in candidates else []) + (
+    seq1f1b = [b.plan_name for b in SEQ1F1B.variants() if b.plan_name in candidates]
+    labels = ([MEGATRON.plan_name] if MEGATRON.plan_name in candidates else []) + (
         [min(seq1f1b, key=candidates.__getitem__)] if seq1f1b else [])
     return {label: candidates[label] / own for label in labels}
 
 
 def _megatron_plan(lengths: Sequence[int], cost_model: CostModel, config: PlannerConfig, known: BaselinePlans | None) -> PlannedStep:
-    return _uniform_plan(lengths, cost_model, config.memory_budget_bytes, config.max_seq_len, None, MEGATRON.plan_label)
+    return _uniform_plan(lengths, cost_model, config.memory_budget_bytes, config.max_seq_len, None, MEGATRON.plan_name)
 
 
 def _seq1f1b_plan(lengths: Sequence[int], cost_model: CostModel, config: PlannerConfig, known: BaselinePlans | None) -> PlannedStep:
@@ -211,13 +216,13 @@ def _seq1f1b_plan(lengths: Sequence[int], cost_model: CostModel, config: Planner
     cuts = [np.array([0, n]) for n in L]
     for i, c in zip(np.flatnonzero(long), equal_count_cuts(L[long], k, cost_model.work_vector(), max_seq_len)):
         cuts[i] = c
-    return _uniform_plan(L, cost_model, config.memory_budget_bytes, slice_tokens, cuts, SEQ1F1B.at(k).plan_label)
+    return _uniform_plan(L, cost_model, config.memory_budget_bytes, slice_tokens, cuts, SEQ1F1B.at(k).plan_name)
 
 
-ELASTIC = Builder("elastic", _elastic_plan, plan_name="epp")
+ELASTIC = Builder("elastic", _elastic_plan, plans_called="epp")
 MEGATRON = Builder("megatron", _megatron_plan)
 SEQ1F1B = Builder("seq1f1b", _seq1f1b_plan)
-BUILDERS: dict[str, Builder] = {b.name: b for b in (ELASTIC, MEGATRON, SEQ1F1B)}  # by --epp-plan's name: the flag's choices
+BUILDERS: dict[str, Builder] = {b.flag: b for b in (ELASTIC, MEGATRON, SEQ1F1B)}  # by --epp-plan's name: the flag's choices
 
 
 def plan_batch(lengths: Sequence[int], cost_model: CostModel, config: PlannerConfig) -> PlannedStep:

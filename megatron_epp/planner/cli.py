@@ -36,7 +36,7 @@ from megatron_epp.simulator.timeline import draw_timeline
 
 PRESET_TP = 8  # the presets' tensor-parallel size unless --tp says otherwise
 DEFAULTS = {  # epp-plan's defaults of the planner options (pretrain_gpt.py has its own)
-    "epp_plan": PlannerConfig.builder.name, "epp_memory_budget": 80.0, "epp_profile": "llama-13b", "epp_recompute": PlannerConfig.recompute,
+    "epp_plan": PlannerConfig.builder.flag, "epp_memory_budget": 80.0, "epp_profile": "llama-13b", "epp_recompute": PlannerConfig.recompute,
     "epp_max_slices": None, "epp_time_limit": PlannerConfig.time_limit,
 }
 
@@ -141,7 +141,7 @@ def check_input(args: argparse.Namespace) -> tuple[PlannerConfig, Profile, np.nd
     if args.epp_search_layout and config.profile not in MODEL_PRESETS:
         raise ValueError(f"--epp-search-layout needs a model preset --epp-profile ({', '.join(MODEL_PRESETS)})")
     if args.epp_search_layout and config.builder != ELASTIC:
-        raise ValueError(f"--epp-plan {config.builder.name}: --epp-search-layout searches EPP's (elastic) layout")
+        raise ValueError(f"--epp-plan {config.builder.flag}: --epp-search-layout searches EPP's (elastic) layout")
     profile = load_profile(config.profile, PRESET_TP if args.tp is None else args.tp)
     dims = ParallelDims(tp=profile.tp if args.tp is None else args.tp, pp=args.stages, dp=args.dp)
     try:

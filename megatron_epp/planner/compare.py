@@ -32,7 +32,7 @@ def _ablation(name: str, **options: Any) -> Builder:
     return Builder(name, build)
 
 
-COMPARED: dict[str, Builder] = {b.label: b for b in (
+COMPARED: dict[str, Builder] = {b.name: b for b in (
     MEGATRON, SEQ1F1B, _ablation("epp-no-ckpt", recompute="none"), _ablation("epp-full-ckpt", recompute="full"),
     _ablation("epp-no-balance", balance=False))}
 FLEXSP = "flexsp"

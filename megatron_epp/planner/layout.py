@@ -139,7 +139,7 @@ def system_plan(system: Builder, L: np.ndarray, cm: CostModel, cfg: PlannerConfi
         best, variant = min(made, key=lambda m: m[0].report.predicted_step_ms)
         best.plan.validate()
         return best, f"k{variant.k}"  # the chosen k's plan only: the others are scores
-    raise ValueError(f"unknown system {system.label!r}: elastic, megatron or seq1f1b")
+    raise ValueError(f"unknown system {system.name!r}: elastic, megatron or seq1f1b")
 
 
 def evaluate_layout(lengths: np.ndarray, shape: ModelShape, cluster: Cluster, layout: ParallelDims, system: Builder,
@@ -258,7 +258,7 @@ def _rank_by_proxy(cands: list[_Candidate], proxies: _Proxies, max_evaluated: in
     ranked = sorted((c for c in cands if np.isfinite(known.get(c.name, np.inf))), key=lambda c: (known[c.name], c.bound, c.name))
     keep = ranked[:max_evaluated] + [c for c in cands if c.name in known and not np.isfinite(known[c.name])]
     kept = {c.name for c in keep}
-    what = "/".join(b.label for b in proxies.baselines)
+    what = "/".join(b.name for b in proxies.baselines)
     for c in cands:
         if c.name in above:
             skipped[c.name] = f"proxy ({what}) > {above[c.name]:.0f} ms, outside the best {max_evaluated}"
@@ -333,7 +333,7 @@ def search_layout(lengths: Sequence[int], shape: ModelShape, cluster: Cluster, s
         except PlanInfeasible as e:
             skipped[c.name] = str(e)
     if not evaluated:
-        raise PlanInfeasible(f"{system.plan_label}: no layout of {cluster.world_size} GPUs fits {config.memory_budget_bytes / GIB} GB per GPU")
+        raise PlanInfeasible(f"{system.plan_name}: no layout of {cluster.world_size} GPUs fits {config.memory_budget_bytes / GIB} GB per GPU")
     ranked = sorted(evaluated, key=lambda r: (r.step_ms, str(r.layout)))
     return LayoutChoice(ranked[0], ranked[1] if len(ranked) > 1 else None, ranked, skipped)
 

@@ -51,6 +51,7 @@ BASE = ["--mock-data", "--num-layers", "4"]
         (["--elastic-pp", "--epp-calibrate-interval", "-1"], 1, "--epp-calibrate-interval -1: must be >= 0 (0 turns calibration off)"),
         (["--elastic-pp", "--epp-calibrate-interval", "often"], 1, "argument --epp-calibrate-interval: invalid int value: 'often'"),
         (["--epp-calibrate-interval", "5"], 1, "--epp-calibrate-interval needs --elastic-pp"),
+        (["--epp-plan-between-steps"], 1, "--epp-plan-between-steps needs --elastic-pp"),
         (["--make-vocab-size-divisible-by", "0"], 1, "--make-vocab-size-divisible-by 0: must be >= 1"),
     ],
 )

@@ -109,7 +109,7 @@ def test_a_capped_search_never_loses_to_a_baseline_best_layout(evaluate_layout, 
     assert {str(r.layout) for r in epp.evaluated} <= allowed
     for baseline in (MEGATRON, SEQ1F1B):  # both plan on some layout at either budget (none may be skipped)
         other = search_layout(L, SHAPE, TOY, baseline, config, exhaustive=True)
-        assert epp.best.step_ms <= other.best.step_ms * (1 + 1e-9), baseline.label
+        assert epp.best.step_ms <= other.best.step_ms * (1 + 1e-9), baseline.name
 
 
 @pytest.mark.parametrize("memory_gb", [80.0, 0.6])  # 0.6 GB: 2 of the 7 layouts plan nothing, 5 are ranked

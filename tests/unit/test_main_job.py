@@ -38,9 +38,9 @@ def test_the_main_job_plans_show_epp():
     for _ in range(8):
         step = planner(rng.choice(lengths, batch, replace=False).tolist())
         plan, ratios = step.plan, baseline_ratios(step.report)
-        assert plan.builder == ELASTIC.plan_label and len(ratios) == 2 and MEGATRON.plan_label in ratios, ratios
+        assert plan.builder == ELASTIC.plan_name and len(ratios) == 2 and MEGATRON.plan_name in ratios, ratios
         assert min(ratios.values()) >= 1.0, ratios  # never slower than a baseline it weighed
-        own += step.report.chosen == ELASTIC.plan_label and min(ratios.values()) > 1.02
+        own += step.report.chosen == ELASTIC.plan_name and min(ratios.values()) > 1.02
         kinds.update(plan.chunk_counts())
     assert own >= 6, own  # EPP's own plan, faster than both baselines, on most batches
     assert min(kinds[k] for k in ("batched", "split", "hybrid")) > 0, kinds

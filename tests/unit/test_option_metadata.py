@@ -74,11 +74,14 @@ POSITIVE = ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_wi
             "lr_wsd_decay_samples")
 PROBABILITIES = {"hidden_dropout": (0, 1, "]"), "attention_dropout": (0, 1, "]"), "adam_beta1": (0, 1, ")"),
                  "adam_beta2": (0, 1, ")"), "lr_warmup_fraction": (0, 1, ")")}
+# as the lists were at e8fc223, and --epp-plan-between-steps, which was accepted without --elastic-pp and then had no effect
 ELASTIC_ONLY_OPTIONS = ("epp_plan", "epp_max_slices", "epp_profile", "epp_recompute", "epp_time_limit", "epp_memory_budget",
-                        "epp_timeline", "epp_calibrate_interval", "epp_profile_cache", "epp_truncate_documents")
+                        "epp_timeline", "epp_plan_between_steps", "epp_calibrate_interval", "epp_profile_cache",
+                        "epp_truncate_documents")
 SEARCH_REFUSES = {
     "epp_profile": "it models the --epp-cluster preset's GPUs for the model the flags describe",
     "epp_timeline": "it prints a layout and exits without training",
+    "epp_plan_between_steps": "it prints a layout and exits without training",
     "epp_calibrate_interval": "it prints a layout and exits without training",
     "epp_profile_cache": "it models the --epp-cluster preset's GPUs for the model the flags describe",
 }

@@ -174,11 +174,11 @@ def test_baselines_shapes_and_infeasibility():
     assert len({r for p in meg.pipelines for row in p.recompute for r in row}) == 1  # uniform recompute
     s1 = SEQ1F1B.plan(LENGTHS, cm, config).plan  # k = 4 by default
     assert [sum(1 for c in s1.chunks() if any(s.seq == 0 for s in c.segments))] == [4]  # 3000 > 4096/4: 4 slices
-    assert s1.builder == SEQ1F1B.at(4).plan_label == "seq1f1b-k4"
+    assert s1.builder == SEQ1F1B.at(4).plan_name == "seq1f1b-k4"
     k2 = SEQ1F1B.at(2)
-    assert k2.plan(LENGTHS, cm, config).plan.builder == "seq1f1b-k2" == k2.label  # the record's k, not the config's
+    assert k2.plan(LENGTHS, cm, config).plan.builder == "seq1f1b-k2" == k2.name  # the record's k, not the config's
     assert k2.plan(LENGTHS, cm, config).plan.pipelines == SEQ1F1B.plan(LENGTHS, cm, PlannerConfig(1.0 * GIB, 4096, max_slices=2)).plan.pipelines
-    assert set(BUILDERS) == {"elastic", "megatron", "seq1f1b"} and all(BUILDERS[b.name] is b for b in (ELASTIC, MEGATRON, SEQ1F1B))
+    assert set(BUILDERS) == {"elastic", "megatron", "seq1f1b"} and all(BUILDERS[b.flag] is b for b in (ELASTIC, MEGATRON, SEQ1F1B))
     assert k2.flags() == ["--epp-plan", "seq1f1b", "--epp-max-slices", "2"]
     assert (k2.configure(config).builder, k2.configure(config).max_slices) == (SEQ1F1B, 2)  # the record, not its name
     assert plan_batch(LENGTHS, cm, k2.configure(config)).plan.pipelines == k2.plan(LENGTHS, cm, config).plan.pipelines

@@ -104,8 +104,8 @@ def test_elastic_never_predicted_slower_than_a_baseline_it_could_make(lengths, s
             other = builder.plan(lengths, cm, config)
         except PlanInfeasible:
             continue
-        assert step.report.predicted_step_ms <= other.report.predicted_step_ms * (1 + 1e-9), (builder.label, step.report.candidates_ms)
-        assert builder.plan_label in step.report.candidates_ms
+        assert step.report.predicted_step_ms <= other.report.predicted_step_ms * (1 + 1e-9), (builder.name, step.report.candidates_ms)
+        assert builder.plan_name in step.report.candidates_ms
         compared += 1
     assume(compared)  # no baseline fits: nothing compared; baselines that never plan: Unsatisfiable
 
