@@ -48,11 +48,11 @@ from megatron_epp.config.parser import parse_config, world_size_from_env
 from megatron_epp.model.gpt import build_model, padded_vocab_size
 from megatron_epp.model.runtime import initialize, shutdown
 
-PROG = "hf_convert"
+PROG = "epp-hf-convert"  # its errors' name, however it is run (python -m megatron_epp.checkpoint.hf_convert)
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=f"python -m megatron_epp.training.{PROG}")
+    p = argparse.ArgumentParser(prog=PROG)
     sub = p.add_subparsers(dest="command", required=True)
     flags = sub.add_parser("flags", help="print the pretrain_gpt.py flags a Hugging Face LLaMA implies")
     imp = sub.add_parser("import", help="a Hugging Face LLaMA to a megatron-epp checkpoint (under torchrun, T x P ranks)")
