@@ -17,11 +17,7 @@ from megatron_epp.data.blend import Blend
 from megatron_epp.model.gpt import padded_vocab_size
 
 TRACKER = "latest_checkpointed_iteration.txt"
-
-
 METADATA = "epp_metadata.json"
-
-
 FORMAT = "megatron-epp checkpoint 2"  # epp_metadata.json records every file's size and SHA-256
 
 
@@ -37,30 +33,23 @@ def in_record_order(cls: type, tag: str) -> tuple[str, ...]:
 # RoPE's scaling: compared on a resume; with --finetune (context extension) the run may change them and RoPE's base
 ROPE_ARGS = fields_tagged(ModelConfig, ROPE_SCALING)
 
-
 # What --finetune (the model's weights only) may change besides the layout (any layout loads: Reshard): the context (with RoPE),
 # RoPE's base and scaling (a context extension)
 FINETUNE_FREE = fields_tagged(ModelConfig, FINETUNE_FREE_TAG)
-
 
 # What a checkpoint must agree on with the run that loads it (a flag this version lacks reads as None on both sides), in
 # the record's order
 MODEL_SHAPE_ARGS = in_record_order(ModelConfig, MODEL_SHAPE)
 
-
 # What the sample stream is a function of, besides the blend and its position (the consumed samples), in the record's order
 SAMPLER_ARGS = in_record_order(TrainingConfig, SAMPLER)
-
 
 # --use-distributed-optimizer: megatron-core's dp_reshardable format (each rank's flat shard as it is: no gather at save,
 # reshards over the data- and context-parallel sizes only, DP x CP being the group it shards over) or, --dist-ckpt-optim-fully-reshardable, its fully_reshardable one (gathered
 # over the data-parallel ranks into model space at save: loads at any layout); not its default flat-range format, which
 # dist_checkpointing 0.16.1 no longer accepts ("ShardedTensor.flattened_range is not supported")
 DP_RESHARDABLE, FULLY_RESHARDABLE = "dp_reshardable", "fully_reshardable"
-
-
 PLANNER_KEY = "epp_planner_state"
-
 
 # The parallel sizes of the layout record: (its key, the ParallelDims field, the Runtime's rank of this rank in it), in the
 # order of the per-rank objects' grid (RNG states, planner calibration). A checkpoint loads at any other sizes: megatron-core's
@@ -72,20 +61,16 @@ LAYOUT_SIZES = (
     ("context_parallel_size", "cp", "cp_rank"),
 )
 
-
 # sizes recorded (and in the grid) only where they are not 1: a checkpoint without context parallelism is as before it existed
 OPTIONAL_SIZES = ("context_parallel_size",)
-
 
 # the sizes whose change leaves every pipeline stage as saved: the dp_reshardable optimizer format and the planner's
 # calibration (fitted to the stages' times and memory) carry over a change of these alone
 REPLICA_SIZES = ("data_parallel_size",)
 
-
 # the sizes the distributed optimizer shards its states over (megatron-core: the data-parallel group with context
 # parallelism, DP x CP): its dp_reshardable format carries over a change of these alone
 OPTIMIZER_REPLICA_SIZES = ("data_parallel_size", "context_parallel_size")
-
 
 # model-shape flags compared through the padded vocabulary size they give at each layout's tensor-parallel size
 PADDING_ARGS = (*fields_tagged(ModelConfig, VOCAB_PADDING), "padded_vocab_size")

@@ -346,7 +346,7 @@ class LoggingConfig:
         help="evaluate every N iterations (default: never; Megatron-LM: 1000)")
     eval_iters: int = option("--eval-iters", at_least=0, default=2, type=int,
         help="global batches per evaluation (default 2; Megatron-LM: 100); 0 turns evaluation off")
-    tensorboard_dir: str | None = option("--tensorboard-dir", 
+    tensorboard_dir: str | None = option("--tensorboard-dir",
         help="TensorBoard scalars: loss, lr, grad norm, tokens/s, "
              "throughput, and with --elastic-pp the plan's statistics and per-stage memory")
     log_throughput: bool = option("--log-throughput", default=False, action="store_true",
@@ -403,7 +403,7 @@ class EPPConfig(PlannerOptions):
     truncate_documents: bool = option("--epp-truncate-documents", tags=(ELASTIC_ONLY,), default=False, action="store_true",
         help="train documents longer than --seq-length (the context cap) on their first --seq-length "
              "tokens; without it such a document is an error before training")
-    timeline: str | None = option("--epp-timeline", tags={ELASTIC_ONLY: True, REFUSED_BY_SEARCH: SEARCH_DOES_NOT_TRAIN}, 
+    timeline: str | None = option("--epp-timeline", tags={ELASTIC_ONLY: True, REFUSED_BY_SEARCH: SEARCH_DOES_NOT_TRAIN},
         help="directory: the planned timeline picture of every logged step")
     plan_between_steps: bool = option("--epp-plan-between-steps", default=False, action="store_true",
         tags={ELASTIC_ONLY: True, REFUSED_BY_SEARCH: SEARCH_DOES_NOT_TRAIN},

@@ -118,9 +118,9 @@ def validate_context_parallel_args(args: Values) -> dict:
     refused = [kind for kind in kinds if kind not in CP_COMM_TYPES]
     if refused:
         known = "not implemented" if refused[0] in CP_COMM_REFUSED else "unknown"
-        raise ArgumentError(f"--cp-comm-type {refused[0]}: {known} here; context parallelism is Ulysses all-to-all (a2a) only")
+        raise ArgumentError(f"--cp-comm-type {refused[0]}: {known} here; context parallelism is Ulysses all-to-all ({CP_COMM_TYPE}) only")
     if len(kinds) > 1:
-        raise ArgumentError(f"--cp-comm-type {' '.join(kinds)}: one type for every layer (a2a)")
+        raise ArgumentError(f"--cp-comm-type {' '.join(kinds)}: one type for every layer ({CP_COMM_TYPE})")
     if cp > 1 and not args.elastic_pp:
         raise ArgumentError(f"--context-parallel-size {cp} needs --elastic-pp (megatron-core's own context parallelism "
                             "needs Transformer Engine's attention, which the stock path here does not build)")
@@ -484,7 +484,6 @@ UNSUPPORTED_PARALLELISM = {
     "virtual_pipeline_model_parallel_size": "the interleaved (virtual) pipeline schedule is not supported; "
     "--elastic-pp runs its own elastic 1F1B schedule with one model chunk per stage",
 }
-
 
 # the --epp-* options that apply only with --elastic-pp or --epp-search-layout, and those --epp-search-layout cannot
 # honour (with why): their fields' tags
