@@ -3,7 +3,7 @@ tensor- and context-parallel sizes. Every user of a profile on a layout goes thr
 layout search (each candidate ``tp x cp``), the online planner (the run's ``cp``) and the training driver's profile
 resolution (the run's ``tp``); :func:`placement_note` is the one-line note of a profile used at another TP size.
 
-A profile comes from its source at some ``tp`` and at ``cp`` 1: measured (``scripts/profile_gpu.py``, the start-up
+A profile comes from its source at some ``tp`` and at ``cp`` 1: measured (``epp-profile-gpu``, the start-up
 profiler, the shipped CPU profiles) or analytic (:func:`~megatron_epp.cost.analytic.analytic_profile`, built at the
 ``tp`` asked for). Placing it:
 

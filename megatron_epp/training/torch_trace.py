@@ -21,6 +21,7 @@ resumed run profiles what is left of them.
 from __future__ import annotations
 
 import os
+import socket
 
 import torch
 
@@ -122,10 +123,18 @@ class TorchTrace:
 
     def _trace_ready(self, prof: torch.profiler.profile) -> None:
         """torch.profiler's ``on_trace_ready``: Megatron-LM's ``tensorboard_trace_handler`` writes the trace, then one
-        line names its file."""
+        line names its file: this process's (the handler's worker name, torch's own ``HOST_PID``), never another rank's
+        file written into the same directory at the same time (its ``.tmp`` before the rename, seen under load)."""
+        worker = f"{socket.gethostname()}_{os.getpid()}"
         before = set(os.listdir(self.trace_dir)) if os.path.isdir(self.trace_dir) else set()
-        torch.profiler.tensorboard_trace_handler(self.trace_dir)(prof)
-        written = sorted(set(os.listdir(self.trace_dir)) - before)
+        torch.profiler.tensorboard_trace_handler(self.trace_dir, worker_name=worker)(prof)
+        written = sorted(f for f in set(os.listdir(self.trace_dir)) - before if trace_of(worker, f))
         path = os.path.join(self.trace_dir, written[-1]) if written else self.trace_dir
         print(f" profile: rank {self.rank} wrote the torch.profiler trace of iterations {self.first} to "
               f"{min(self.end - 1, self.iteration)} to {path}", flush=True)
+
+
+def trace_of(worker: str, name: str) -> bool:
+    """Whether ``name`` is a finished trace of ``worker`` (``tensorboard_trace_handler``'s ``WORKER.TIME.pt.trace.json``,
+    optionally gzipped; not another worker's, nor a file still being written)."""
+    return name.startswith(worker + ".") and name.endswith((".pt.trace.json", ".pt.trace.json.gz"))

@@ -22,7 +22,7 @@ from megatron_epp.base.dims import ParallelDims
 from megatron_epp.config.parser import parse_config
 from megatron_epp.config.errors import ArgumentError
 from megatron_epp.model.runtime import Runtime
-from megatron_epp.training.torch_trace import TorchTrace, trace_schedule, startup_note
+from megatron_epp.training.torch_trace import TorchTrace, startup_note, trace_of, trace_schedule
 from tests.unit.test_chunk_context import CHUNKS, PLAN, model, step  # noqa: F401  (the model fixture)
 
 CPU = torch.device("cpu")
@@ -117,6 +117,29 @@ def test_torch_profiler_traces_the_window_and_names_its_file(tmp_path, capsys, r
     assert sorted(n for n in trace_names(traces[0]) if n.startswith("iteration ")) == [f"iteration {i}" for i in expected]
     assert capsys.readouterr().out == (f" profile: rank 1 wrote the torch.profiler trace of iterations {expected[0]} to 3 "
                                        f"to {traces[0]}\n")
+
+
+def test_the_line_names_this_ranks_trace_while_another_rank_writes_beside_it(tmp_path, capsys, monkeypatch):
+    """Two ranks write their traces into one --tensorboard-dir at the same time: the other rank's file still being
+    written (``.tmp``, before its rename; seen on a loaded machine on 2026-11-29) or already finished is never the one
+    this rank's line names (the planted fault, the newest new file of the directory, names the other's)."""
+    real = torch.profiler.tensorboard_trace_handler
+
+    def beside_another_rank(dir_name, worker_name=None, **kwargs):
+        def handler(prof):
+            real(dir_name, worker_name=worker_name, **kwargs)(prof)
+            (tmp_path / "zz_other_rank.1.pt.trace.json.tmp").write_text("{}")  # sorts after this rank's file
+            (tmp_path / "zz_other_rank.2.pt.trace.json").write_text("{}")
+        return handler
+
+    monkeypatch.setattr(torch.profiler, "tensorboard_trace_handler", beside_another_rank)
+    cfg = config("--profile", "--use-pytorch-profiler", "--tensorboard-dir", str(tmp_path), "--profile-step-start", "2",
+                 "--profile-step-end", "4")
+    run_iterations(TorchTrace(cfg, runtime(0)), range(1, 5))
+    (mine,) = [t for t in tmp_path.glob("*.pt.trace.json") if not t.name.startswith("zz_")]
+    assert capsys.readouterr().out.endswith(f"to {mine}\n")
+    assert not trace_of("host_1", "host_1.5.pt.trace.json.tmp") and not trace_of("host_1", "host_12.5.pt.trace.json")
+    assert trace_of("host_1", "host_1.5.pt.trace.json") and trace_of("host_1", "host_1.5.pt.trace.json.gz")
 
 
 def test_a_run_that_ends_inside_the_window_writes_its_trace(tmp_path, capsys):
