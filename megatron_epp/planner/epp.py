@@ -18,7 +18,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import numpy as np
@@ -338,12 +338,15 @@ def _simulate_finalists(search: _Search, finalists: list[tuple[bool, list[Candid
     seen, plans, reasons = set(), [], []
     for rc, family in finalists:
         kept = 0
+        # a family without recompute is planned without it (regrouped until it fits), as the no-recompute ablation's:
+        # the same chunking may be faster in more 1F1B pipelines without recompute than in fewer with it
+        mode = how if rc else replace(how, modes=["none"])
         for cand in family[:FINALIST_TRIES]:  # the best by the estimate that the exact walk fits
-            if cand.identity in seen:
+            if (cand.identity, rc) in seen:
                 continue
-            seen.add(cand.identity)
+            seen.add((cand.identity, rc))
             try:
-                plans += _evaluate(search, cand, rc, how, builder)
+                plans += _evaluate(search, cand, rc, mode, builder)
             except MemoryInfeasible as e:
                 reasons.append(str(e))
                 continue

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 import numpy as np
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from megatron_epp.planner.builders import MEGATRON, SEQ1F1B, plan_batch
@@ -115,6 +115,9 @@ ABLATIONS_AND_PACKING = ("epp-no-ckpt", "epp-full-ckpt", "epp-no-balance", "mega
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(lengths=batches, stages=st.sampled_from([1, 2, 4]), memory_mb=st.integers(40, 400), max_slices=st.sampled_from([None, 4]))
+# found 2026-11-29: the no-recompute family's chunking was planned with recompute in one pipeline (1215 ms), where the
+# no-recompute ablation regrouped it into two pipelines without any (1206 ms)
+@example(lengths=[170, 2831, 2831], stages=1, memory_mb=136, max_slices=None)
 def test_epp_never_predicted_slower_than_its_ablations_or_packing_and_never_below_the_bound(lengths, stages, memory_mb, max_slices):
     """On the same cost model and budget, EPP's plan is predicted no slower than each of its ablations
     (without checkpointing, with full checkpointing, without workload balance) and than Megatron
