@@ -1,9 +1,11 @@
-"""Hugging Face LLaMA checkpoints in and out of megatron-epp (what Megatron-LM's ``tools/checkpoint/convert.py`` does).
+"""Hugging Face LLaMA, Mistral, Qwen2 and Qwen3 checkpoints in and out of megatron-epp (what Megatron-LM's
+``tools/checkpoint/convert.py`` does).
 
     python -m megatron_epp.checkpoint.hf_convert flags --hf-dir HF [--tensor-model-parallel-size T]
     torchrun --nproc-per-node T*P -m megatron_epp.checkpoint.hf_convert import --hf-dir HF --save DIR \\
         --tensor-model-parallel-size T --pipeline-model-parallel-size P
-    torchrun --nproc-per-node T*P -m megatron_epp.checkpoint.hf_convert export --load DIR --hf-dir OUT
+    torchrun --nproc-per-node T*P -m megatron_epp.checkpoint.hf_convert export --load DIR --hf-dir OUT \
+        [--model-type llama|mistral|qwen2|qwen3] [--bf16 | --fp16 | --fp32] [--tokenizer-model DIR]
 
 ``flags`` prints the ``pretrain_gpt.py`` flag line the Hugging Face model implies. ``import`` writes a megatron-epp
 checkpoint (iteration 0, model weights only) at T x P, which ``pretrain_gpt.py <those flags> --load DIR --finetune``
@@ -11,8 +13,11 @@ loads: every rank builds its stage's part of megatron-core's GPTModel, reads its
 tensors one by one, and the repository's checkpoint writer saves them (dist_checkpointing, checksummed). ``export``
 loads a checkpoint's model weights (verified against its checksums) at T x P (launched with as many ranks; by
 default the layout it was saved at, any data-parallel size) and writes one ``*.safetensors`` file per pipeline
-stage, the index and a ``config.json`` (the run's context length, RoPE base and scaling) that ``transformers`` loads.
-Bad input is one line, before any rank starts work.
+stage, the index and a ``config.json`` (the family, the run's context length, RoPE base and scaling) that
+``transformers`` loads, in the precision the run trained in (``--bf16`` writes bf16 tensors, as a bf16 model was
+imported); the tokenizer's files (``tokenizer.json``, ``tokenizer_config.json`` with its chat template, ...) are
+copied beside them from the run's ``--tokenizer-model`` (the import's directory, which the import's flag line names):
+the directory is what a user uploads. Bad input is one line, before any rank starts work.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import sys
 from typing import Sequence
 
@@ -30,7 +36,10 @@ from megatron.core.utils import unwrap_model
 
 from megatron_epp.checkpoint import integrity, records, store
 from megatron_epp.checkpoint.hf_llama import (
+    DTYPES,
+    FAMILIES,
     INDEX,
+    PRECISION_FLAGS,
     HFCheckpointError,
     LlamaSpec,
     ShardReader,
@@ -41,6 +50,7 @@ from megatron_epp.checkpoint.hf_llama import (
     implied_flags,
     megatron_tensor,
     read_spec,
+    record_family,
     spec_from_record,
 )
 from megatron_epp.config.errors import ArgumentError
@@ -66,7 +76,22 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--hf-dir", required=True, help="the Hugging Face directory to write")
     exp.add_argument("--tensor-model-parallel-size", type=int, default=None, help="default: the checkpoint's")
     exp.add_argument("--pipeline-model-parallel-size", type=int, default=None, help="default: the checkpoint's")
+    exp.add_argument("--model-type", choices=tuple(FAMILIES), default=None,
+                     help="the family config.json names (default: the family the checkpoint's weights were imported from, "
+                          "else qwen3 with --qk-layernorm, qwen2 with --add-qkv-bias, else llama)")
+    precision = exp.add_mutually_exclusive_group()
+    for flag, dtype in (("--bf16", "bfloat16"), ("--fp16", "float16"), ("--fp32", "float32")):
+        precision.add_argument(flag, dest="dtype", action="store_const", const=dtype,
+                               help=f"write {dtype} tensors (default: the precision the checkpoint's run trained in)")
+    exp.add_argument("--tokenizer-model", default=None, metavar="DIR",
+                     help="the Hugging Face tokenizer whose files are copied beside the model (default: the checkpoint's "
+                          "run's --tokenizer-model, where its --tokenizer-type is HuggingFaceTokenizer)")
     return p
+
+
+# A Hugging Face tokenizer's files (and the generation defaults a model directory carries): what export copies
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja",
+                   "chat_template.json", "tokenizer.model", "vocab.json", "merges.txt", "generation_config.json")
 
 
 def tokenizer_flags(hf_dir: str) -> list[str]:
@@ -90,8 +115,10 @@ def import_checkpoint(args: argparse.Namespace) -> int:
     reader = ShardReader(args.hf_dir)
     reader.check(spec)
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
-    cfg = parse_config(implied_flags(spec, tp) + ["--mock-data", "--save", args.save, "--tensor-model-parallel-size", str(tp),
-                                                   "--pipeline-model-parallel-size", str(pp)])
+    # the tokenizer too: the checkpoint records it, and an export copies its files beside the model
+    cfg = parse_config(implied_flags(spec, tp) + tokenizer_flags(args.hf_dir) + ["--mock-data", "--save", args.save,
+                                                                                 "--tensor-model-parallel-size", str(tp),
+                                                                                 "--pipeline-model-parallel-size", str(pp)])
     runtime = initialize(cfg)
     if runtime.rank == 0:
         print(f"> {flag_line(spec, args.hf_dir, tp)}", flush=True)
@@ -101,7 +128,7 @@ def import_checkpoint(args: argparse.Namespace) -> int:
     with torch.no_grad():
         for name, param in gpt.named_parameters():
             param.copy_(megatron_tensor(reader, spec, name, _layer(gpt, name), tp, runtime.tp_rank, padded))
-    path = store.save_checkpoint(cfg, model, None, None, runtime, 0, 0)
+    path = store.save_checkpoint(cfg, model, None, None, runtime, 0, 0, origin={"model_type": spec.model_type})
     if runtime.rank == 0:
         print(f"> imported {args.hf_dir} into {path} (tp {tp}, pp {pp}): load it with --load {args.save} --finetune", flush=True)
     return 0
@@ -120,20 +147,60 @@ def _export_config(args: argparse.Namespace):
             meta = json.load(f)
     except (OSError, ValueError):
         raise ArgumentError(f"--load {args.load}: {meta_path} missing or damaged") from None
-    spec = spec_from_record(meta["model"])
+    saved_dtype = meta.get("params_dtype", "float32")  # a checkpoint from before the record: fp32
+    tokenizer = export_tokenizer(args, meta)
+    spec = spec_from_record(meta["model"], args.model_type or origin_family(meta), args.dtype or saved_dtype)
     layout = meta["layout"]
     tp = args.tensor_model_parallel_size or layout["tensor_model_parallel_size"]
     pp = args.pipeline_model_parallel_size or layout["pipeline_model_parallel_size"]
     world = world_size_from_env()
     if world % (tp * pp):
         raise ArgumentError(f"export at tp {tp} x pp {pp}: launched with {world} ranks (a multiple of {tp * pp} needed)")
+    precision = [PRECISION_FLAGS[saved_dtype]] if saved_dtype in PRECISION_FLAGS else []  # the model as it was trained
+
     def config(tp: int, pp: int, world: int):
-        return parse_config(flags_from_record(meta["model"]) + ["--mock-data", "--load", args.load, "--finetune", "--tensor-model-parallel-size",
-                                                               str(tp), "--pipeline-model-parallel-size", str(pp)], world_size=world)
+        return parse_config(flags_from_record(meta["model"]) + precision + ["--mock-data", "--load", args.load, "--finetune",
+                                                                            "--tensor-model-parallel-size", str(tp),
+                                                                            "--pipeline-model-parallel-size", str(pp)], world_size=world)
 
     # checked at the layout it was saved at; loaded at the export's (megatron-core's sharded model state reshards)
     saved = (layout["tensor_model_parallel_size"], layout["pipeline_model_parallel_size"])
-    return config(*saved, saved[0] * saved[1]), config(tp, pp, world), spec
+    return config(*saved, saved[0] * saved[1]), config(tp, pp, world), spec, tokenizer
+
+
+def export_tokenizer(args: argparse.Namespace, meta: dict) -> str | None:
+    """The directory whose tokenizer files export copies: ``--tokenizer-model``, else the checkpoint's run's Hugging Face
+    tokenizer (its directory, or the directory of its ``tokenizer.json``); None where the run had none. One line for a
+    ``--tokenizer-model`` that holds no tokenizer; a warning where the recorded one is gone (the model is still exported)."""
+    if args.tokenizer_model is not None:
+        if not os.path.isfile(os.path.join(args.tokenizer_model, "tokenizer.json")):
+            raise ArgumentError(f"--tokenizer-model {args.tokenizer_model}: no tokenizer.json there")
+        return args.tokenizer_model
+    recorded = meta.get("tokenizer") or {}
+    path = recorded.get("model") if recorded.get("type") == "HuggingFaceTokenizer" else None
+    if path is None:
+        return None
+    directory = path if os.path.isdir(path) else os.path.dirname(path)
+    if not os.path.isfile(os.path.join(directory, "tokenizer.json")):
+        print(f"{PROG}: warning: the checkpoint's tokenizer {path} is gone: no tokenizer files are written (give --tokenizer-model DIR)",
+              file=sys.stderr, flush=True)
+        return None
+    return directory
+
+
+def origin_family(meta: dict) -> str | None:
+    """The family the checkpoint's weights were imported from (its ``hf_origin`` record) where its model still is one
+    (a LLaMA layer named Mistral); else None: :func:`record_family` tells from the model record."""
+    model_type, found = (meta.get("hf_origin") or {}).get("model_type"), record_family(meta["model"])
+    return model_type if model_type == found or (model_type, found) == ("mistral", "llama") else None
+
+
+def copy_tokenizer(source: str, hf_dir: str) -> list[str]:
+    """Copy ``source``'s tokenizer files (:data:`TOKENIZER_FILES`) into ``hf_dir``; the names copied."""
+    copied = [name for name in TOKENIZER_FILES if os.path.isfile(os.path.join(source, name))]
+    for name in copied:
+        shutil.copyfile(os.path.join(source, name), os.path.join(hf_dir, name))
+    return copied
 
 
 def _gathered(param: torch.nn.Parameter, name: str, tp_group: dist.ProcessGroup) -> torch.Tensor:
@@ -149,7 +216,7 @@ def _gathered(param: torch.nn.Parameter, name: str, tp_group: dist.ProcessGroup)
 def export_checkpoint(args: argparse.Namespace) -> int:
     from safetensors.torch import save_file
 
-    saved_cfg, cfg, spec = _export_config(args)
+    saved_cfg, cfg, spec, tokenizer = _export_config(args)
     resume = integrity.check_loadable(saved_cfg)
     if resume is None:
         raise ArgumentError(f"--load {args.load}: no checkpoint there")
@@ -161,7 +228,7 @@ def export_checkpoint(args: argparse.Namespace) -> int:
     tensors: dict[str, torch.Tensor] = {}
     for name, param in gpt.named_parameters():
         full = _gathered(param, name, runtime.pg_collection.tp)
-        tensors.update({k: v.float().contiguous().clone() for k, v in hf_tensors(spec, name, _layer(gpt, name), full).items()})
+        tensors.update({k: v.to(DTYPES[spec.dtype]).contiguous().clone() for k, v in hf_tensors(spec, name, _layer(gpt, name), full).items()})
     pp = runtime.dims.pp
     file = f"model-{runtime.pp_rank + 1:05d}-of-{pp:05d}.safetensors"
     writer = runtime.tp_rank == 0 and runtime.dp_rank == 0
@@ -178,7 +245,10 @@ def export_checkpoint(args: argparse.Namespace) -> int:
             json.dump({"metadata": {"total_size": size}, "weight_map": weight_map}, f, indent=1)
         with open(os.path.join(args.hf_dir, "config.json"), "w") as f:
             json.dump(hf_config(spec), f, indent=1)
-        print(f"> exported iteration {iteration} of {args.load} to {args.hf_dir} ({len(weight_map)} tensors in {pp} files)", flush=True)
+        copied = copy_tokenizer(tokenizer, args.hf_dir) if tokenizer else []
+        print(f"> exported iteration {iteration} of {args.load} to {args.hf_dir}: {spec.family.architecture}, {len(weight_map)} "
+              f"{spec.dtype} tensors in {pp} files" + (f", the tokenizer's {', '.join(copied)} from {tokenizer}" if copied else
+                                                         ", no tokenizer (the run had no Hugging Face tokenizer)"), flush=True)
     dist.barrier()
     return 0
 

@@ -14,7 +14,7 @@ from megatron_epp.base.option_tags import FINETUNE_FREE as FINETUNE_FREE_TAG, MO
 from megatron_epp.base.options import fields_tagged, tag_values
 from megatron_epp.config.fields import ModelConfig, TrainingConfig
 from megatron_epp.data.blend import Blend
-from megatron_epp.model.gpt import padded_vocab_size
+from megatron_epp.model.gpt import padded_vocab_size, params_dtype
 
 TRACKER = "latest_checkpointed_iteration.txt"
 METADATA = "epp_metadata.json"
@@ -90,9 +90,10 @@ def data_record(cfg: TrainingConfig) -> dict[str, Any]:
     }
 
 
-def checkpoint_metadata(cfg: TrainingConfig, iteration: int, consumed_samples: int | None = None) -> dict[str, Any]:
+def checkpoint_metadata(cfg: TrainingConfig, iteration: int, consumed_samples: int | None = None,
+                        origin: dict[str, Any] | None = None) -> dict[str, Any]:
     """The record saved beside the shards and compared on ``--load`` (:func:`save_checkpoint` adds the files'
-    sizes and checksums, and the record's own)."""
+    sizes and checksums, and the record's own); ``origin``: as :func:`inherited_origin` where None."""
     return {
         "format": FORMAT,
         "iteration": iteration,
@@ -100,7 +101,31 @@ def checkpoint_metadata(cfg: TrainingConfig, iteration: int, consumed_samples: i
         "layout": layout_record(cfg),
         "data": data_record(cfg),
         "consumed_samples": consumed_samples,
+        "params_dtype": str(params_dtype(cfg)).removeprefix("torch."),  # the precision trained in: what an export writes
+        "tokenizer": tokenizer_record(cfg),
+        "hf_origin": origin if origin is not None else inherited_origin(cfg),
     }
+
+
+def inherited_origin(cfg: TrainingConfig) -> dict[str, Any] | None:
+    """The Hugging Face model a run's weights came from (``{"model_type": ...}``, written by ``hf_convert import``),
+    as the ``--load`` checkpoint records it: carried from save to save, so an export names the family imported (a
+    Mistral stays a Mistral though its layer is LLaMA's). None for a run that loads nothing or a model trained here."""
+    if not cfg.checkpoint.load:
+        return None
+    try:
+        with open(os.path.join(cfg.checkpoint.load, TRACKER)) as f:
+            meta = read_metadata(iteration_dir(cfg.checkpoint.load, int(f.read().strip())))
+    except (OSError, ValueError):
+        return None
+    return meta.get("hf_origin") if isinstance(meta, dict) else None
+
+
+def tokenizer_record(cfg: TrainingConfig) -> dict[str, Any]:
+    """The run's tokenizer: ``--tokenizer-type``, and ``--tokenizer-model`` as an absolute path (the files an export to
+    Hugging Face copies beside the model; None where the type reads no such file)."""
+    model = cfg.data.tokenizer_model
+    return {"type": cfg.data.tokenizer_type, "model": model and os.path.abspath(model)}
 
 
 def layout_record(cfg: TrainingConfig) -> dict[str, Any]:

@@ -150,11 +150,13 @@ def _load_optimizer(optimizer, state: dict[str, Any]) -> None:
 def save_checkpoint(
     cfg: TrainingConfig, model, optimizer, scheduler, runtime: Runtime, iteration: int, consumed: int,
     before_commit: Callable[[], None] | None = None, planner_state: dict[str, Any] | None = None,
+    origin: dict[str, Any] | None = None,
 ) -> str:
     """Write ``--save``'s ``iter_XXXXXXX.tmp``, hash its files (each rank those it wrote), write
     ``epp_metadata.json`` last with their sizes and checksums, then (every rank done) rename it and update
     the tracker. ``before_commit`` runs on every rank after it has written its part (the test-only crash hook);
-    ``planner_state``: this rank's planner calibration (``--elastic-pp``)."""
+    ``planner_state``: this rank's planner calibration (``--elastic-pp``); ``origin``: the Hugging Face model it was
+    imported from (default: the ``--load`` checkpoint's, :func:`~.records.inherited_origin`)."""
     path = iteration_dir(cfg.checkpoint.save, iteration)
     tmp = path + ".tmp"
     if runtime.rank == 0:
@@ -172,7 +174,7 @@ def save_checkpoint(
     hashed: list[dict[str, Any]] | None = [{} for _ in range(runtime.world_size)] if runtime.rank == 0 else None
     dist.gather_object(mine, hashed, dst=0)
     if runtime.rank == 0:
-        meta = checkpoint_metadata(cfg, iteration, consumed)
+        meta = checkpoint_metadata(cfg, iteration, consumed, origin)
         meta["files"] = dict(sorted((name, record) for part in hashed for name, record in part.items()))
         meta["sha256"] = record_sha256(meta)
         _write_durably(os.path.join(tmp, METADATA + ".tmp"), json.dumps(meta, indent=1))

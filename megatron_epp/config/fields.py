@@ -95,6 +95,11 @@ class ModelConfig:
         help="head dimension (default: --hidden-size / --num-attention-heads)")
     disable_bias_linear: bool = option("--disable-bias-linear", tags={MODEL_SHAPE: 13}, default=False, action="store_true",
         help="no biases in the linear layers")
+    add_qkv_bias: bool = option("--add-qkv-bias", tags={MODEL_SHAPE: 25}, default=False, action="store_true",
+        help="biases in the QKV linear layer only, with --disable-bias-linear (Qwen2's attention; megatron-core's add_qkv_bias)")
+    qk_layernorm: bool = option("--qk-layernorm", tags={MODEL_SHAPE: 26}, default=False, action="store_true",
+        help="a norm (--normalization) over each head's query and key before RoPE, one weight of the head dimension "
+             "shared by the heads (Qwen3's q_norm and k_norm; megatron-core's qk_layernorm)")
     rotary_base: int = option("--rotary-base", tags={MODEL_SHAPE: 14, FINETUNE_FREE: True}, type=int,
         help=f"RoPE's base (theta; default {ROTARY_BASE})")
     use_rope_scaling: bool = option("--use-rope-scaling", tags={MODEL_SHAPE: 19, FINETUNE_FREE: True, ROPE_SCALING: True}, default=False, action="store_true",

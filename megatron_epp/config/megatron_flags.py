@@ -87,6 +87,8 @@ REFUSED = {
                        "at load with --no-load-optim",
     "--no-save-rng": "every checkpoint holds the random generators' states (so that a resume is bit-identical); leave "
                      "them out at load with --no-load-rng",
+    "--window-size": "sliding-window attention is not supported: attention is causal over the whole document (a "
+                     "split document's slices attend to all earlier slices), and the planner's cost model counts it so",
     "--use-checkpoint-args": "the model flags come from the command line; a checkpoint of another model shape or "
                              "parallel layout is refused in one line at --load",
 }

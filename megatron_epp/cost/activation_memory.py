@@ -17,7 +17,8 @@ def gpu_activation_memory(shape: ModelShape, tp: int, cp: int = 1) -> dict[str, 
     QKV input ``2 h``, Q ``2 q``, K and V ``2 * 2 h_kv``, the output projection's input ``2 q`` and a
     dropout mask ``h``; the MLP's fc1 input ``2 h``, activation input ``2 f`` (SwiGLU: fc1's whole
     output, ``4 f``), fc2 input ``2 f`` and a dropout mask ``h``; the two norms' inputs ``4 h``
-    (``q = heads x head_dim``, ``h_kv`` the K/V heads' width: GQA saves smaller K and V). K and V are
+    (``q = heads x head_dim``, ``h_kv`` the K/V heads' width: GQA saves smaller K and V); query and key norms
+    (``--qk-layernorm``) their inputs ``2 q + 2 h_kv``, counted as the two norms are. K and V are
     what a lone slice reads from its K/V buffer instead; a checkpointed layer keeps its bf16 input.
 
     Dropout on CUDA (modelled, not measured): the two hidden-dropout masks above are one byte per element
@@ -35,7 +36,7 @@ def gpu_activation_memory(shape: ModelShape, tp: int, cp: int = 1) -> dict[str, 
     check_context_parallel(shape, tp, cp)
     h, q, f = shape.hidden, shape.q_hidden, shape.ffn_hidden
     kv = 2 * 2.0 * shape.kv_hidden / tp / (cp if kv_heads_split(shape, tp, cp) else 1)
-    attention = 2 * h + 2 * q + 2 * q + h + (2 * q if cp > 1 else 0)
+    attention = 2 * h + 2 * q + 2 * q + h + (2 * q if cp > 1 else 0) + (2 * (q + shape.kv_hidden) if shape.qk_norm else 0)
     mlp = 2 * h + (4 if shape.swiglu else 2) * f + 2 * f + h
     share = tp * cp  # the GPUs a chunk's tokens (outside core attention) or its heads (inside) are divided over
     return {
@@ -120,14 +121,14 @@ def saved_tensor_memory(shape: ModelShape, tp: int = 1, sequence_parallel: bool 
     * each of the two norms: LayerNorm its input ``b h`` and its mean and rstd (``2 b``: the input's
       dtype on CPU); RMSNorm (PyTorch's composite ``torch.nn.RMSNorm``, computed in fp32) the fp32
       input, its rstd and the fp32 normalised input before the weight: ``8 h + 4`` in any dtype;
-    * the QKV linear: its input ``b h``;
+    * the QKV linear: its input ``b h``; query and key norms (``--qk-layernorm``): :func:`_saved_qk_norms`;
     * attention (RoPE and SDPA): :func:`_saved_attention`;
     * the output projection's input ``b q``; fc1's input ``b h``; the MLP's activation: GELU its
       input ``b f`` and fc2's input ``b f``; SwiGLU (megatron-core's unfused ``glu``) fc1's whole
       output ``2 b f`` (SiLU's input is a view of it), SiLU's output, the linear half plus its offset
       (a new tensor) and fc2's input, ``b f`` each: ``5 b f``.
 
-    Biases save nothing (``--disable-bias-linear`` changes no activation). A split sequence's K/V
+    Biases save nothing (``--disable-bias-linear``, ``--add-qkv-bias`` change no activation). A split sequence's K/V
     buffer holds ``2 b h_kv`` per token of the whole sequence and layer (``kv_token``: its K and V rows);
     each slice writes its K/V there and SDPA reads (and saves) the slice's rows ``[0, C + s)`` in place,
     so no copy of the prefix is saved (``act_context`` = ``act_slice`` = 0). In a chunk that is only a
@@ -136,9 +137,7 @@ def saved_tensor_memory(shape: ModelShape, tp: int = 1, sequence_parallel: bool 
     (``b h``). The last stage keeps the final norm (as above), the output layer's input (``b h``), the
     fp32 softmax of the logits (``4 V``), the loss's target mask and indices (1 + 8) and the loss mask
     (4); the first stage the token ids (8; and position ids, 8, with learned positions; at tp > 1 the ids
-    shifted to the rank's vocabulary share and the boolean mask of the ids outside it, 8 + 1). Measured by
-    ``tests/integration/test_planner_memory.py`` against the tracker on real chunks, fp32 and bf16, GPT- and
-    LLaMA-style, and at tp 2 with sequence parallelism.
+    shifted to the rank's vocabulary share and the boolean mask of the ids outside it, 8 + 1).
 
     With ``sequence_parallel`` each tensor-parallel rank holds ``1 / tp`` of a chunk's tokens outside attention:
     the norms' saved tensors, the QKV and fc1 inputs (megatron-core's sequence-parallel linear saves its input
@@ -169,10 +168,12 @@ def saved_tensor_memory(shape: ModelShape, tp: int = 1, sequence_parallel: bool 
     kv_rank = kv / cp if kv_heads_split(shape, tp, cp) else kv  # inside core attention
     norm = NORM_SAVED[shape.normalization](b, H) / sp
     attention, area, prefix, lone = _saved_attention(shape, b, q / cp, kv_rank, heads / cp, all_to_all=cp > 1)
+    qk_norms, lone = _saved_qk_norms(shape, b, q, kv, heads, cp, lone)
     mask = b * H / sp if shape.hidden_dropout > 0 else 0.0  # a hidden dropout's mask (CPU: the scaled keep mask in b)
     per_token = (
         2 * norm  # the two norms
         + 2 * b * H / sp  # QKV linear and fc1 inputs
+        + qk_norms
         + attention
         + b * q / cp  # output projection input
         + (5 if shape.swiglu else 2) * b * f / cp  # the MLP's activation and fc2 inputs
@@ -188,6 +189,41 @@ def saved_tensor_memory(shape: ModelShape, tp: int = 1, sequence_parallel: bool 
         # the recomputed layer's first norm saves its input itself, except RMSNorm's fp32 copy of a bf16 input
         "recompute_input_token": b * H / sp if shape.normalization == "RMSNorm" and b != 4 else 0.0,
     }
+
+
+def _saved_qk_norms(shape: ModelShape, b: float, q: float, kv: float, heads: float, cp: int, lone: float) -> tuple[float, float]:
+    """What the query and key norms (``--qk-layernorm``, one norm over each head's ``head_dim`` channels, before RoPE,
+    on the rank's own tokens) save per token of a chunk on one tensor-parallel rank (``q``, ``kv``, ``heads``: its
+    share), and ``lone`` (:func:`_saved_attention`'s) corrected; (0, ``lone``) without them.
+
+    Each norm saves as the layers' norms do (:data:`NORM_SAVED`), its statistics per head. RMSNorm: the fp32 input,
+    the fp32 rstd and the fp32 normalised input; LayerNorm: the input, mean and rstd. A norm's input is a view of the
+    QKV output for the keys in fp32, and for the queries in fp32 with one query head per K/V group or one K/V group on
+    the rank (megatron-core's reshape of several groups' several query heads copies them); then the norm keeps the whole QKV output saved in every
+    chunk: counted here where attention does not save it (context parallelism's all-to-alls, the math path's copied
+    V), and no longer subtracted for a lone slice where it does. Without RoPE the flash kernel saves the norms'
+    outputs as its q and k (new storages where they were views of the QKV output), a lone slice its q alone.
+    Measured byte-exact by ``tests/integration/test_planner_memory.py`` (RMSNorm in fp32 and bf16, with one and
+    several query heads per group, with both dropouts, at cp 2 and at tp 2 with sequence parallelism; LayerNorm with
+    RoPE and with learned positions)."""
+    if not shape.qk_norm:
+        return 0.0, lone
+    kv_heads = heads * kv / q
+    saved = 0.0
+    for width, count, view in ((q, heads, b == 4 and (heads == kv_heads or kv_heads == 1)), (kv, kv_heads, b == 4)):
+        if shape.normalization == "RMSNorm":
+            saved += (0.0 if view else 4 * width) + 4 * count + 4 * width
+        else:
+            saved += (0.0 if view else b * width) + 2 * b * count
+    if not shape.rope and shape.attention_dropout == 0 and cp == 1:  # SDPA's q and k: the norms' outputs, not QKV views
+        saved, lone = saved + b * (q + kv), lone + b * kv
+    qkv = b * (q + 2 * kv)
+    if b == 4:  # the keys' norm keeps the QKV output
+        if cp > 1 or (shape.attention_dropout > 0 and kv != q):
+            saved += qkv
+        elif shape.rope or shape.attention_dropout > 0:
+            lone -= qkv
+    return saved / cp, lone
 
 
 # fp32 tensors per head and query-key pair SDPA's CPU math path saves with dropout (saved_tensor_memory): the

@@ -33,6 +33,10 @@ class ModelShape:
     kv_channels: int | None = None
     normalization: str = "LayerNorm"
     bias: bool = True
+    # biases on the QKV linear layer alone (``--add-qkv-bias`` with ``--disable-bias-linear``: Qwen2), and a norm
+    # over each head's query and key (``--qk-layernorm``: Qwen3), one weight of ``head_dim`` shared by the heads
+    qkv_bias: bool = False
+    qk_norm: bool = False
     # parameters beyond the layers' weights, counted by ``rank_parameters`` (model states): one embedding table
     # shared with the output layer, and the rows of a learned position table (0: none, RoPE)
     tied_embeddings: bool = False
@@ -66,12 +70,19 @@ class ModelShape:
         """One norm's parameters: a weight, and a bias for LayerNorm."""
         return (2 if self.normalization == "LayerNorm" else 1) * self.hidden
 
+    @property
+    def qk_norm_params(self) -> int:
+        """The query and key norms' parameters of a layer (``qk_norm``): a weight (and a bias for LayerNorm) of
+        ``head_dim`` each, whole on every tensor-parallel rank."""
+        return 2 * (2 if self.normalization == "LayerNorm" else 1) * self.head_dim if self.qk_norm else 0
+
     def params_per_layer(self) -> int:
         """Every parameter of a layer: GEMM weights, two norms, biases."""
         h, f = self.hidden, self.ffn_hidden
         norms = 2 * self.norm_params
         biases = (self.q_hidden + 2 * self.kv_hidden + h + (2 if self.swiglu else 1) * f + h) if self.bias else 0
-        return self.gemm_params_per_layer() + norms + biases
+        qkv_biases = self.q_hidden + 2 * self.kv_hidden if self.qkv_bias and not self.bias else 0
+        return self.gemm_params_per_layer() + norms + biases + qkv_biases + self.qk_norm_params
 
     def rank_parameters(self, layers_per_stage: Sequence[int], tp: int) -> np.ndarray:
         """Parameters one tensor-parallel rank of each pipeline stage holds, exactly as Megatron-Core's GPTModel
@@ -81,8 +92,9 @@ class ModelShape:
         on one stage; a copy of it on the last stage when tied across stages)."""
         h, q, kv, f, b = self.hidden, self.q_hidden, self.kv_hidden, self.ffn_hidden, int(self.bias)
         fc1 = (2 if self.swiglu else 1) * f
-        split = h * (q + 2 * kv) + q * h + h * fc1 + f * h + b * (q + 2 * kv + fc1)  # QKV, proj, fc1, fc2 (+ biases)
-        whole = 2 * self.norm_params + b * 2 * h  # two norms, proj and fc2 biases
+        qkv_b = int(self.bias or self.qkv_bias)
+        split = h * (q + 2 * kv) + q * h + h * fc1 + f * h + qkv_b * (q + 2 * kv) + b * fc1  # QKV, proj, fc1, fc2 (+ biases)
+        whole = 2 * self.norm_params + b * 2 * h + self.qk_norm_params  # two norms, proj and fc2 biases, query and key norms
         params = np.asarray(layers_per_stage, dtype=float) * (split / tp + whole)
         params[0] += self.vocab * h / tp + self.learned_positions * h
         params[-1] += self.norm_params + (0 if self.tied_embeddings and len(params) == 1 else self.vocab * h / tp)

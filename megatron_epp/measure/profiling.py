@@ -72,7 +72,7 @@ class LayerStack(torch.nn.Module):
             num_attention_heads=shape.num_heads,
             ffn_hidden_size=shape.ffn_hidden,
             **architecture_config(swiglu=shape.swiglu, normalization=shape.normalization, num_query_groups=shape.num_kv_heads,
-                                  kv_channels=shape.kv_channels, bias=shape.bias),
+                                  kv_channels=shape.kv_channels, bias=shape.bias, qkv_bias=shape.qkv_bias, qk_layernorm=shape.qk_norm),
             use_cpu_initialization=on_cpu,  # else RoPE's frequencies are made on the current GPU
             params_dtype=dtype,
             bf16=dtype == torch.bfloat16,
@@ -82,7 +82,7 @@ class LayerStack(torch.nn.Module):
             gradient_accumulation_fusion=False,
         )
         self.context = ChunkContext()
-        spec = elastic_layer_spec(elastic_base_layer_spec(shape.normalization), self.context)
+        spec = elastic_layer_spec(elastic_base_layer_spec(shape.normalization, shape.qk_norm), self.context)
         self.layers = torch.nn.ModuleList(build_module(spec, config=config, layer_number=i + 1) for i in range(num_layers))
         self.rotary = ChunkRotaryEmbedding(RotaryEmbedding(config.kv_channels, rotary_percent=1.0, rotary_base=rotary_base,
                                                            use_cpu_initialization=on_cpu), self.context, max_positions) if shape.rope else None

@@ -85,13 +85,17 @@ class TorchNorm:
         return norm
 
 
-def local_layer_spec(normalization: str = "LayerNorm") -> ModuleSpec:
+def local_layer_spec(normalization: str = "LayerNorm", qk_layernorm: bool = False) -> ModuleSpec:
     """Megatron-Core's local layer spec with :class:`TorchNorm` where it has ``WrappedTorchNorm`` (always with
-    RMSNorm; with LayerNorm where apex's fused norm does not import): the local spec under ``--sequence-parallel``."""
-    spec = get_gpt_layer_local_spec(normalization=normalization)
-    for name in ("input_layernorm", "pre_mlp_layernorm"):
-        if getattr(spec.submodules, name) is WrappedTorchNorm:
-            setattr(spec.submodules, name, TorchNorm)
+    RMSNorm; with LayerNorm where apex's fused norm does not import): the local spec under ``--sequence-parallel``.
+    ``qk_layernorm`` (``--qk-layernorm``): with the attention's query and key norms, :class:`TorchNorm` as well
+    (megatron-core's ``finalize_model_grads`` sums their gradients over the tensor-parallel ranks by name)."""
+    spec = get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm)
+    attention = spec.submodules.self_attention.submodules
+    for owner, name in ((spec.submodules, "input_layernorm"), (spec.submodules, "pre_mlp_layernorm"),
+                        (attention, "q_layernorm"), (attention, "k_layernorm")):
+        if getattr(owner, name) is WrappedTorchNorm:
+            setattr(owner, name, TorchNorm)
     return spec
 
 
@@ -103,16 +107,16 @@ def decoder_spec(layer: ModuleSpec, config: TransformerConfig) -> ModuleSpec | T
     return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=TorchNorm)
 
 
-def default_layer_spec(normalization: str = "LayerNorm", local: bool = False) -> ModuleSpec:
+def default_layer_spec(normalization: str = "LayerNorm", local: bool = False, qk_layernorm: bool = False) -> ModuleSpec:
     """The stock path's layers: Transformer Engine's spec when TE's PyTorch layers import on a GPU and ``local`` is
     not asked for (``--attention-backend local``), else the local one (``normalization``: ``LayerNorm`` or
     ``RMSNorm``; TE's layers read it from the ``TransformerConfig``)."""
     if transformer_engine_available() and not local:
-        return get_gpt_layer_with_transformer_engine_spec()
-    return local_layer_spec(normalization)
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+    return local_layer_spec(normalization, qk_layernorm)
 
 
-def elastic_base_layer_spec(normalization: str = "LayerNorm") -> ModuleSpec:
+def elastic_base_layer_spec(normalization: str = "LayerNorm", qk_layernorm: bool = False) -> ModuleSpec:
     """The spec ``elastic_layer_spec`` builds elastic layers on: always Megatron-Core's local one.
 
     Not TE's even where TE imports: ``ElasticAttention`` inside TE's fused layers (TE LayerNormLinear,
@@ -120,7 +124,7 @@ def elastic_base_layer_spec(normalization: str = "LayerNorm") -> ModuleSpec:
     local layers save. ``RMSNorm`` is PyTorch's ``torch.nn.RMSNorm`` (:class:`TorchNorm`: megatron-core's
     ``WrappedTorchNorm``, sequence-parallel aware).
     """
-    return local_layer_spec(normalization)
+    return local_layer_spec(normalization, qk_layernorm)
 
 
 def layer_spec_summary(elastic: bool, sequence_parallel: int = 0) -> str:
@@ -168,6 +172,7 @@ def model_shape(cfg: TrainingConfig, name: str = "pretrain_gpt") -> ModelShape:
         name, cfg.model.num_layers, cfg.model.hidden_size, cfg.model.num_attention_heads, cfg.model.ffn_hidden_size, padded_vocab_size(cfg),
         num_kv_heads=cfg.model.kv_heads, kv_channels=cfg.model.kv_channels,
         swiglu=cfg.model.swiglu, normalization=cfg.model.normalization, bias=not cfg.model.disable_bias_linear,
+        qkv_bias=cfg.model.add_qkv_bias, qk_norm=cfg.model.qk_layernorm,
         rope=cfg.model.position_embedding_type == "rope",
         dtype=str(params_dtype(cfg)).removeprefix("torch."),  # what the activations and the K/V buffers are stored in
         tied_embeddings=not cfg.model.untie_embeddings_and_output_weights,
@@ -185,20 +190,23 @@ def architecture_summary(cfg: TrainingConfig) -> str:
         "SwiGLU MLP" if cfg.model.swiglu else "GELU MLP",
         f"{cfg.model.normalization} (eps {cfg.model.norm_epsilon:g}{', zero-centred weight: 1p' if cfg.model.apply_layernorm_1p else ''})",
         attention + f", head dim {cfg.model.kv_channels or cfg.model.hidden_size // heads}",
-        "no biases" if cfg.model.disable_bias_linear else "biases",
+        ("QKV biases only" if cfg.model.add_qkv_bias else "no biases") if cfg.model.disable_bias_linear else "biases",
+        *(["query and key norms"] if cfg.model.qk_layernorm else []),
         rope_summary(cfg) if cfg.model.position_embedding_type == "rope" else "learned positions",
     ]
     return ", ".join(parts)
 
 
 def architecture_config(*, swiglu: bool, normalization: str, num_query_groups: int | None, kv_channels: int | None,
-                        bias: bool) -> dict:
-    """``TransformerConfig``'s fields for a GPT- or LLaMA-style layer: SwiGLU (gated SiLU) or GELU MLP,
+                        bias: bool, qkv_bias: bool = False, qk_layernorm: bool = False) -> dict:
+    """``TransformerConfig``'s fields for a GPT-, LLaMA- or Qwen-style layer: SwiGLU (gated SiLU) or GELU MLP,
     LayerNorm or RMSNorm, K/V heads (None: one per query head), head dimension (None: hidden / heads),
-    biases of the linear layers. Shared by the training model and ``measure.layer_bench``."""
+    biases of the linear layers (or of the QKV layer only: ``qkv_bias``), query and key norms. Shared by the
+    training model and ``measure.layer_bench``."""
     return {
         "gated_linear_unit": swiglu, "activation_func": F.silu if swiglu else F.gelu, "normalization": normalization,
         "num_query_groups": num_query_groups, "kv_channels": kv_channels, "add_bias_linear": bias,
+        "add_qkv_bias": qkv_bias, "qk_layernorm": qk_layernorm,
     }
 
 
@@ -246,7 +254,8 @@ def transformer_config(cfg: TrainingConfig, runtime: Runtime) -> TransformerConf
         init_method_std=cfg.model.init_method_std,
         **architecture_config(
             swiglu=cfg.model.swiglu, normalization=cfg.model.normalization, kv_channels=cfg.model.kv_channels,
-            num_query_groups=cfg.model.kv_heads, bias=not cfg.model.disable_bias_linear,
+            num_query_groups=cfg.model.kv_heads, bias=not cfg.model.disable_bias_linear, qkv_bias=cfg.model.add_qkv_bias,
+            qk_layernorm=cfg.model.qk_layernorm,
         ),
         layernorm_epsilon=cfg.model.norm_epsilon,
         layernorm_zero_centered_gamma=cfg.model.apply_layernorm_1p,
@@ -293,8 +302,9 @@ def build_model(
     positions is built then, on the device, in fp32 (``executor.rotary.RopeTable``).
     """
     config = transformer_config(cfg, runtime)
-    spec = (default_layer_spec(cfg.model.normalization, local=cfg.model.attention_backend == "local") if context is None
-            else elastic_layer_spec(elastic_base_layer_spec(cfg.model.normalization), context))
+    m = cfg.model
+    spec = (default_layer_spec(m.normalization, local=m.attention_backend == "local", qk_layernorm=m.qk_layernorm) if context is None
+            else elastic_layer_spec(elastic_base_layer_spec(m.normalization, m.qk_layernorm), context))
     model = GPTModel(
         config,
         decoder_spec(spec, config),

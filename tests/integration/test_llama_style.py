@@ -89,6 +89,27 @@ def test_gpt_style_parameter_count():
     assert shape.params_per_layer() == sum(p.numel() for p in unwrap_model(model).decoder.layers[0].parameters())
 
 
+@pytest.mark.parametrize("extra", [["--add-qkv-bias"], ["--qk-layernorm", "--kv-channels", "32"]], ids=["qwen2", "qwen3"])
+def test_qwen_style_layers_and_parameter_count(extra):
+    """--add-qkv-bias (Qwen2): biases on linear_qkv alone; --qk-layernorm (Qwen3): RMSNorms of the head dimension on
+    the query and key; the planner's shape counts the layer's parameters exactly, and a stage's (rank_parameters)."""
+    init_single_process()
+    args = parse_config(LLAMA + extra + ["--elastic-pp"], world_size=1).replace(model={"vocab_size": 64})
+    runtime = Runtime(torch.device("cpu"), rank=0, pp_rank=0, tp_rank=0, dp_rank=0, dims=ParallelDims())
+    model, config = build_model(args, runtime, context=ChunkContext())
+    gpt = unwrap_model(model)
+    attention = gpt.decoder.layers[0].self_attention
+    assert [n for n, _ in gpt.named_parameters() if n.endswith("bias")] == \
+        ([f"decoder.layers.{i}.self_attention.linear_qkv.bias" for i in range(2)] if "--add-qkv-bias" in extra else [])
+    if "--qk-layernorm" in extra:
+        assert config.qk_layernorm and all(isinstance(n, torch.nn.RMSNorm) and n.weight.shape == (32,) and n.eps == 1e-6
+                                           for n in (attention.q_layernorm, attention.k_layernorm))
+    shape = online_planner(args).cost_model.profile.model
+    assert (shape.qkv_bias, shape.qk_norm) == ("--add-qkv-bias" in extra, "--qk-layernorm" in extra)
+    assert shape.params_per_layer() == sum(p.numel() for p in gpt.decoder.layers[0].parameters())
+    assert shape.rank_parameters([2], 1)[0] == sum(p.numel() for p in gpt.parameters())
+
+
 @pytest.mark.parametrize(
     "flags, world_size, message",
     [

@@ -8,7 +8,7 @@ bf16; a GPT and a LLaMA-style shape at tp 2 with ``--sequence-parallel``, two pr
 padded; dropout: attention dropout on the fp32 GPT shape, both dropouts on the bf16 GPT and the fp32 LLaMA-style
 shapes, hidden dropout on the GPT shape under sequence parallelism; three at ``--context-parallel-size 2``, two
 processes, every CP rank's peak: a GPT and the bf16 LLaMA-style shape with K/V heads split, a GPT shape with its
-one K/V head replicated, learned positions and both dropouts), and the planner
+one K/V head replicated, learned positions and both dropouts; five Qwen-style ones with query and key norms, or QKV biases), and the planner
 predicts the same plans from the shipped profile with only the shape (and dtype) swapped (as
 ``OnlinePlanner`` does): a wrong checkpointed-layer term, an unscaled hidden size, a miscounted
 attention term or a K/V buffer counted at the wrong moment shows up as a mismatch.
@@ -30,6 +30,8 @@ from megatron_epp.cost.shape import MODEL_PRESETS
 from tests.launch import REPO, free_port, run_env, torchrun_command
 from tests.workers.runs import RUN_SEPARATOR
 
+QWEN = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--kv-channels", "32", "--group-query-attention",
+        "--num-query-groups", "2", "--swiglu", "--ffn-hidden-size", "96", "--normalization", "RMSNorm", "--disable-bias-linear"]
 SHAPES = {
     "h32": ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2"],
     # attention dropout: SDPA's CPU math path (fp32, one K/V head per query head: v a view of the QKV output)
@@ -69,6 +71,17 @@ SHAPES = {
                                               "--group-query-attention", "--num-query-groups", "1",
                                               "--position-embedding-type", "learned_absolute", "--hidden-dropout", "0.1",
                                               "--attention-dropout", "0.1", "--context-parallel-size", "2"],
+    # Qwen-style (--qk-layernorm: Qwen3's query and key norms; --add-qkv-bias: Qwen2's biases, which save nothing): the
+    # norms' inputs views of the QKV output or copies (fp32 queries of several groups' several heads are copied), the
+    # QKV output then kept in every chunk (lone slices too), under SDPA's math path, at cp 2, at tp 2 with sequence
+    # parallelism (one K/V group a rank: the queries a view), and LayerNorm ones without RoPE (SDPA saves their outputs)
+    "qwen3-dropout": [*QWEN, "--qk-layernorm", "--hidden-dropout", "0.1", "--attention-dropout", "0.1"],
+    "qwen3-mha-bf16": ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--swiglu", "--normalization", "RMSNorm",
+                       "--disable-bias-linear", "--qk-layernorm", "--model-dtype", "bfloat16"],
+    "qk-layernorm-learned": ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--qk-layernorm",
+                             "--position-embedding-type", "learned_absolute"],
+    "qwen3-cp2": [*QWEN, "--qk-layernorm", "--context-parallel-size", "2"],
+    "qwen-tp2-sp": [*QWEN, "--qk-layernorm", "--add-qkv-bias", "--vocab-size", "256", "--tensor-model-parallel-size", "2", "--sequence-parallel"],
 }
 # a context-parallel shape -> the cp 1 shape it repeats
 CP_OF = {"h32-cp2": "h32", "llama-bf16-cp2": "llama-bf16"}

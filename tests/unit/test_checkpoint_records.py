@@ -21,6 +21,7 @@ MODEL_SHAPE_ARGS = (
     "position_embedding_type", "vocab_size", "untie_embeddings_and_output_weights", "swiglu", "normalization",
     "group_query_attention", "num_query_groups", "kv_channels", "disable_bias_linear", "rotary_base", "make_vocab_size_divisible_by",
     "norm_epsilon", "apply_layernorm_1p", "rotary_percent", *ROPE_ARGS,
+    "add_qkv_bias", "qk_layernorm",  # appended on 2026-11-29 (Qwen2, Qwen3): a record without them is not compared on them
 )
 SAMPLER_ARGS = ("split", "seed", "seq_length", "global_batch_size")
 PADDING_ARGS = ("make_vocab_size_divisible_by", "padded_vocab_size")

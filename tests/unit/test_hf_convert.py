@@ -1,5 +1,5 @@
 """``hf_convert``'s bad input, one line each before any work (from config.json and the safetensors headers alone), the
-flag line a Hugging Face LLaMA implies, and a launch whose flags disagree with an imported checkpoint refused in one
+flag line a Hugging Face LLaMA, Mistral, Qwen2 or Qwen3 implies, the family an export names, and a launch whose flags disagree with an imported checkpoint refused in one
 line naming the first difference (``--finetune`` may change the context and RoPE, not the model's shape)."""
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ def test_bad_input_one_line_each(tmp_path, capsys):
     gpt2 = tmp_path / "gpt2"
     os.makedirs(gpt2)
     (gpt2 / "config.json").write_text(json.dumps({**CONFIG, "model_type": "gpt2"}))
-    assert "not a LLaMA checkpoint (model_type 'gpt2'" in error(capsys, "--hf-dir", str(gpt2))
+    assert "model_type 'gpt2' (architectures ['LlamaForCausalLM']) is not supported: megatron-epp imports llama, mistral, qwen2, qwen3" \
+        in error(capsys, "--hf-dir", str(gpt2))
     yarn = tmp_path / "yarn"
     os.makedirs(yarn)
     (yarn / "config.json").write_text(json.dumps({**CONFIG, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}))
@@ -65,7 +66,7 @@ def test_bad_input_one_line_each(tmp_path, capsys):
     assert error(capsys, "--hf-dir", str(wrong)).endswith(
         "tensor model.layers.1.self_attn.k_proj.weight has shape [32, 32], config.json implies [16, 32]")
     extra = write(tmp_path / "extra", change={"lm_head.weight": (64, 32)})  # tied, yet an output layer
-    assert "tensor lm_head.weight is not part of a LLaMA model of this config.json" in error(capsys, "--hf-dir", str(extra))
+    assert "tensor lm_head.weight is not part of a llama model of this config.json" in error(capsys, "--hf-dir", str(extra))
     odd = tmp_path / "odd"
     write(odd, {**CONFIG, "vocab_size": 63})
     assert "vocab_size 63 is not divisible by --tensor-model-parallel-size 2" in error(capsys, "--hf-dir", str(odd), "--tensor-model-parallel-size", "2")
@@ -143,3 +144,49 @@ def test_rope_tables_are_transformers(tmp_path, rope):
         off = cfg.replace(model={key: rope["factor"] * 1.25})
         angles = unwrap_model(build_model(off, runtime, context=ChunkContext())[0]).rotary_pos_emb.table.freqs[:, 0, 0]
         assert not torch.allclose(torch.sin(angles), sin[0], rtol=1e-5, atol=1e-5)
+
+
+def _config_of(directory, config) -> str:
+    os.makedirs(directory, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    return str(directory)
+
+
+def test_families_flags_and_refusals(tmp_path, capsys):
+    """Each family's flags (megatron-core's own options), its tensors, and what is refused in one line: a sliding window
+    that is set, biases on the output projection, a dtype this cannot train."""
+    base = {k: v for k, v in CONFIG.items() if k not in ("rope_scaling", "architectures")}
+    qwen2 = write(tmp_path / "qwen2", {**base, "model_type": "qwen2", "use_sliding_window": False, "sliding_window": 4096,
+                                       "dtype": "bfloat16"})
+    assert main(["flags", "--hf-dir", str(qwen2)]) == 0
+    line = capsys.readouterr().out
+    assert "--add-qkv-bias" in line and "--qk-layernorm" not in line and "--bf16" in line
+    assert {"model.layers.1.self_attn.q_proj.bias": (32,), "model.layers.1.self_attn.k_proj.bias": (16,)}.items() \
+        <= read_spec(str(qwen2)).expected_tensors().items()
+    qwen3 = write(tmp_path / "qwen3", {**base, "model_type": "qwen3", "head_dim": 16, "sliding_window": None})  # head_dim apart
+    assert main(["flags", "--hf-dir", str(qwen3)]) == 0
+    line = capsys.readouterr().out
+    assert "--qk-layernorm" in line and "--kv-channels 16" in line and "--add-qkv-bias" not in line and "--bf16" not in line
+    assert read_spec(str(qwen3)).expected_tensors()["model.layers.0.self_attn.q_norm.weight"] == (16,)
+    mistral = write(tmp_path / "mistral", {**base, "model_type": "mistral", "sliding_window": None})
+    assert main(["flags", "--hf-dir", str(mistral)]) == 0 and "--add-qkv-bias" not in capsys.readouterr().out
+    for config, message in (
+            ({"model_type": "mistral", "sliding_window": 4096}, "sliding_window 4096 is set: megatron-epp's attention is causal"),
+            ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 64}, "use_sliding_window is true (sliding_window 64)"),
+            ({"model_type": "qwen3", "layer_types": ["full_attention", "sliding_attention"]}, "layer_types has 'sliding_attention' layers"),
+            ({"model_type": "qwen3", "attention_bias": True}, "attention_bias True is not supported (a qwen3 model"),
+            ({"model_type": "llama", "hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+            ({"model_type": "qwen2", "dtype": "float8_e4m3fn"}, "dtype 'float8_e4m3fn' is not supported")):
+        assert message in error(capsys, "--hf-dir", _config_of(tmp_path / "bad", {**base, **config})), config
+
+
+def test_export_family_of_a_record():
+    """The family an export writes: from the model record, or ``--model-type`` where it fits; one line where not."""
+    from megatron_epp.checkpoint.hf_llama import HFCheckpointError, record_family
+
+    assert record_family({}) == "llama" and record_family({"add_qkv_bias": True}) == "qwen2"
+    assert record_family({"qk_layernorm": True}) == "qwen3" and record_family({}, "mistral") == "mistral"
+    with pytest.raises(HFCheckpointError, match="--model-type qwen2: a qwen2 model has --add-qkv-bias, the checkpoint's model has neither"):
+        record_family({}, "qwen2")
+    with pytest.raises(HFCheckpointError, match="--model-type llama: a llama model has neither .*, the checkpoint's model has --qk-layernorm"):
+        record_family({"qk_layernorm": True}, "llama")

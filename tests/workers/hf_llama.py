@@ -1,13 +1,15 @@
-"""Hugging Face LLaMA import/export runs in one launch (``::`` between runs, as tests/workers/elastic_equivalence.py).
+"""Hugging Face LLaMA-family import/export runs in one launch (``::`` between runs, as tests/workers/elastic_equivalence.py).
 
-    import HF_DIR SAVE TP PP [--fault qkv_swapped]     hf_convert import at TP x PP (a fault: K and V swapped in linear_qkv)
-    export SAVE HF_OUT [TP PP]                         hf_convert export at the checkpoint's layout (or TP x PP)
+    import HF_DIR SAVE TP PP [--fault F]               hf_convert import at TP x PP; a fault (IMPORT_FAULTS) in linear_qkv:
+                                                       K and V swapped, each group's query heads transposed, the QKV bias dropped
+    export SAVE HF_OUT [TP PP] [FLAGS]                 hf_convert export at the checkpoint's layout (or TP x PP), export's flags
     logits SAVE DOCS OUT TP PP [--elastic] [--fault rope_factor] [--train-steps N --save-trained DIR]
         the checkpoint's logits on the documents of DOCS (a list of token tensors; each predicts its own next tokens)
         and the loss of a training step on them (forward and backward): the stock path, each document a micro-batch,
         or --elastic through a plan of split, hybrid and batched chunks (pp stages); saved by the last stage as OUT.
         --train-steps: that many SGD steps first (the step's loss is the first's), then saved as DIR (model only)
-        and the logits are the trained model's. --fault rope_factor: --rope-scaling-factor halved.
+        and the logits are the trained model's. --fault rope_factor: --rope-scaling-factor halved; --fault qk_norm_skipped:
+        the query and key norms not applied.
     pretrain FLAGS...                                  pretrain_gpt.py's main with these flags (the launch's last run)
 """
 
@@ -48,33 +50,59 @@ def elastic_plan(lengths: list[int], stages: int, layers: int) -> Plan:
     return Plan(lengths, stages, [layers // stages] * stages, [pipe], builder="test").validate()
 
 
-def swap_kv(original):
-    def swapped(reader, spec, name, layer, tp, tp_rank, padded):
+def _per_group(spec, t: torch.Tensor):
+    """``linear_qkv``'s weight or bias as [groups, (per + 2) * d, ...] and the group's query heads' width."""
+    d, per = spec.head_dim, spec.num_heads // spec.num_kv_heads
+    return t.reshape(-1, (per + 2) * d, *t.shape[1:]), per * d
+
+
+def swap_kv(spec, t):  # per group [q; k; v] -> [q; v; k]
+    g, q = _per_group(spec, t)
+    d = spec.head_dim
+    return torch.cat([g[:, :q], g[:, q + d :], g[:, q : q + d]], 1).reshape(t.shape)
+
+
+def transpose_heads(spec, t):  # each group's query heads in reverse order
+    g, q = _per_group(spec, t)
+    d = spec.head_dim
+    heads = g[:, :q].reshape(g.shape[0], q // d, d, *g.shape[2:]).flip(1).reshape(g.shape[0], q, *g.shape[2:])
+    return torch.cat([heads, g[:, q:]], 1).reshape(t.shape)
+
+
+# import faults: what each does to megatron-core's linear_qkv weight or bias as it is read
+IMPORT_FAULTS = {
+    "qkv_swapped": ("linear_qkv.weight", swap_kv),
+    "heads_transposed": ("linear_qkv.weight", transpose_heads),
+    "qkv_bias_dropped": ("linear_qkv.bias", lambda spec, t: torch.zeros_like(t)),
+}
+
+
+def faulty(original, fault):
+    suffix, change = IMPORT_FAULTS[fault]
+
+    def read(reader, spec, name, layer, tp, tp_rank, padded):
         t = original(reader, spec, name, layer, tp, tp_rank, padded)
-        if name.endswith("linear_qkv.weight"):  # per group [q; k; v] -> [q; v; k]
-            d, per = spec.head_dim, spec.num_heads // spec.num_kv_heads
-            g = t.reshape(-1, (per + 2) * d, t.shape[-1])
-            t = torch.cat([g[:, : per * d], g[:, (per + 1) * d :], g[:, per * d : (per + 1) * d]], 1).reshape(t.shape)
-        return t
-    return swapped
+        return change(spec, t) if name.endswith(suffix) else t
+    return read
 
 
 def run_import(argv: list[str]) -> None:
     hf_dir, save, tp, pp, *rest = argv
     original = hf_convert.megatron_tensor
-    if rest == ["--fault", "qkv_swapped"]:
-        hf_convert.megatron_tensor = swap_kv(original)
+    if rest[:1] == ["--fault"]:
+        hf_convert.megatron_tensor = faulty(original, rest[1])
     try:
-        hf_convert.import_checkpoint(argparse.Namespace(hf_dir=hf_dir, save=save, tensor_model_parallel_size=int(tp),
-                                                        pipeline_model_parallel_size=int(pp)))
+        hf_convert.import_checkpoint(hf_convert._parser().parse_args(
+            ["import", "--hf-dir", hf_dir, "--save", save, "--tensor-model-parallel-size", tp, "--pipeline-model-parallel-size", pp]))
     finally:
         hf_convert.megatron_tensor = original
 
 
 def run_export(argv: list[str]) -> None:
-    save, out, *layout = argv  # [TP PP]: another layout than the checkpoint's
-    tp, pp = (int(x) for x in layout) if layout else (None, None)
-    hf_convert.export_checkpoint(argparse.Namespace(load=save, hf_dir=out, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp))
+    save, out, *rest = argv  # [TP PP]: another layout than the checkpoint's; then export's own flags (--bf16, --model-type ...)
+    layout = rest[:2] if rest[:1] and not rest[0].startswith("--") else []
+    flags = ["--tensor-model-parallel-size", layout[0], "--pipeline-model-parallel-size", layout[1]] if layout else []
+    hf_convert.export_checkpoint(hf_convert._parser().parse_args(["export", "--load", save, "--hf-dir", out, *flags, *rest[len(layout):]]))
 
 
 def _step(model, docs, plan, elastic, forward_only, capture, runtime, config):
@@ -133,6 +161,9 @@ def run_logits(argv: list[str]) -> None:
     runtime = initialize(cfg)
     model, config = build_model(cfg, runtime, context=ChunkContext() if a.elastic else None)
     store.load_model_weights(cfg, 0, model, runtime)
+    if a.fault == "qk_norm_skipped":  # the query and key norms loaded, then not applied
+        for layer in unwrap_model(model).decoder.layers:
+            layer.self_attention.q_layernorm = layer.self_attention.k_layernorm = torch.nn.Identity()
     optimizer, _ = build_optimizer(cfg, model, config)
     optimizer.reload_model_params()
     docs = torch.load(a.docs)
