@@ -14,7 +14,9 @@ VOCAB_SIZE = 384
 # ChatML (Qwen's form): the assistant's turn after its header, <|im_end|> and the newline after it, marked
 CHATML = (
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}"
-    "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] + '<|im_end|>\\n' }}{% endgeneration %}"
+    "{% if m['role'] == 'assistant' %}{% generation %}"
+    "{% if m['reasoning_content'] is defined %}{{ '<think>' + m['reasoning_content'] + '</think>' }}{% endif %}"
+    "{{ m['content'] + '<|im_end|>\\n' }}{% endgeneration %}"
     "{% elif m['role'] == 'tool' %}{{ m | tojson }}{{ '<|im_end|>\\n' }}"
     "{% else %}{{ m['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
@@ -38,8 +40,11 @@ CONVERSATIONS = [
     [{"role": "user", "content": "the quick brown fox"}, {"role": "assistant", "content": "jumps over the lazy dog"},
      {"role": "user", "content": "and then?"}, {"role": "assistant", "content": "It sleeps."}],
 ]
-TOOL_CONVERSATION = [{"role": "user", "content": "weather?"}, {"role": "tool", "content": "sunny, 21 C"},
+TOOL_CONVERSATION = [{"role": "user", "content": "weather?"}, {"role": "tool", "content": "sunny, 21 C", "name": None},
                      {"role": "assistant", "content": "Sunny and 21 degrees."}]
+# reasoning under one of transformers' names (the template reads reasoning_content)
+REASONING_CONVERSATION = [{"role": "user", "content": "two and two?"},
+                          {"role": "assistant", "content": "Four.", "thinking": "two plus two"}]
 
 
 def without_generation(template: str) -> str:

@@ -269,6 +269,7 @@ class ConversationEncoder:
     def encode(self, messages: Sequence[dict]) -> EncodedConversation:
         """``messages`` (checked by :func:`check_messages`) as ids and loss mask; a :class:`ConversationError` if the
         template fails on them or renders no text."""
+        messages = [_as_transformers_passes(m) for m in messages]
         text, spans = self.template.render(messages, track=self.template.marks_generation)
         if not self.template.marks_generation:
             spans = self.assistant_spans(messages, text)
@@ -276,6 +277,17 @@ class ConversationEncoder:
         if not ids:
             raise ConversationError("the chat template renders it as no tokens")
         return EncodedConversation(np.asarray(ids, dtype=np.int64), overlap_mask(offsets, spans))
+
+
+REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")  # transformers' names of a message's reasoning
+
+
+def _as_transformers_passes(message: dict) -> dict:
+    """A message as ``apply_chat_template`` hands it to the template: keys whose value is None dropped, and its reasoning
+    (the first of :data:`REASONING_KEYS` given) also under ``thinking`` and ``reasoning_content``."""
+    message = {key: value for key, value in message.items() if value is not None}
+    reasoning = next((message[key] for key in REASONING_KEYS if key in message), None)
+    return message if reasoning is None else {"thinking": reasoning, **message, "reasoning_content": reasoning}
 
 
 def overlap_mask(offsets: Sequence[tuple[int, int]], spans: Sequence[tuple[int, int]]) -> np.ndarray:

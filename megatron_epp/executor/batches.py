@@ -39,9 +39,13 @@ def chunk_batches(plan: Plan, sequences: Sequence[TokensAndLabels] | None, devic
         pad = torch.zeros(padding_tokens(chunk.num_tokens, multiple), dtype=sequences[0][0].dtype)
         tokens = torch.cat([sequences[s.seq][0][s.start : s.end] for s in chunk.segments] + [pad])
         labels = torch.cat([sequences[s.seq][1][s.start : s.end] for s in chunk.segments] + [pad])
-        masks = [sequences[s.seq][2][s.start : s.end].float() if len(sequences[s.seq]) > 2 else torch.ones(s.end - s.start)
-                 for s in chunk.segments]
-        loss_mask = torch.cat(masks + [torch.zeros(pad.numel())])[None]
+        if any(len(sequences[s.seq]) > 2 for s in chunk.segments):
+            masks = [sequences[s.seq][2][s.start : s.end].float() if len(sequences[s.seq]) > 2 else torch.ones(s.end - s.start)
+                     for s in chunk.segments]
+            loss_mask = torch.cat(masks + [torch.zeros(pad.numel())])[None]
+        else:  # every token trains
+            loss_mask = torch.ones(1, tokens.numel())
+            loss_mask[:, chunk.num_tokens :] = 0
         if cp_size > 1:
             # this rank's block in storages of its own: a view would keep the whole chunk's, and autograd saves them
             # (the embedding its ids, the loss its mask: 12 B a local token the memory model does not count)

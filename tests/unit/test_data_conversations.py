@@ -21,7 +21,7 @@ from megatron_epp.executor.batches import chunk_batches
 from megatron_epp.plan import Chunk, Pipeline, Plan, Segment
 from megatron_epp.training.corpus_check import check_corpus
 from tests.corpus import write_corpus
-from tests.chat import CHATML, CONVERSATIONS, INST, TOOL_CONVERSATION, without_generation, write_chat_tokenizer, write_jsonl
+from tests.chat import CHATML, CONVERSATIONS, INST, REASONING_CONVERSATION, TOOL_CONVERSATION, without_generation, write_chat_tokenizer, write_jsonl
 
 
 def encoder(directory: Path, template: str | None = None) -> ConversationEncoder:
@@ -35,13 +35,14 @@ def encoder(directory: Path, template: str | None = None) -> ConversationEncoder
 def test_ids_and_mask_equal_transformers(tmp_path, template, eos, in_config):
     """transformers' ids and assistant mask of the {% generation %}-marked template, from the directory as transformers
     reads it (chat_template.jinja, or tokenizer_config.json's chat_template); the same template without the marks
-    (assistant turns found by rendering prefixes) gives the same mask."""
+    (assistant turns found by rendering prefixes) gives the same mask. A None value is dropped and reasoning is passed
+    under transformers' names, as apply_chat_template passes them."""
     transformers = pytest.importorskip("transformers")
     directory = write_chat_tokenizer(tmp_path / "tok", template, in_config=in_config, eos=eos)
     reference = transformers.AutoTokenizer.from_pretrained(str(directory))
     marked, by_prefix = encoder(directory), encoder(directory, without_generation(template))
     assert marked.template.marks_generation and not by_prefix.template.marks_generation
-    for conversation in CONVERSATIONS + ([TOOL_CONVERSATION] if template == CHATML else []):
+    for conversation in CONVERSATIONS + ([TOOL_CONVERSATION, REASONING_CONVERSATION] if template == CHATML else []):
         want = reference.apply_chat_template(conversation, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
         assert 0 < sum(want["assistant_masks"]) < len(want["input_ids"])
         for enc in (marked, by_prefix):
