@@ -143,6 +143,10 @@ def test_masks_are_checked_on_load(tmp_path):
         Path(loss_mask_prefix(str(tmp_path / "b")) + ext).unlink()
     with pytest.raises(LossMaskMismatch, match="b_loss_mask.bin/.idx not found: --sft trains on the loss masks"):
         DocumentDataset(str(tmp_path / "b"), loss_masks=True)
+    for ext in (".bin", ".idx"):  # b's tokens as its masks: the same lengths, not uint8
+        Path(loss_mask_prefix(str(tmp_path / "b")) + ext).write_bytes((tmp_path / f"b{ext}").read_bytes())
+    with pytest.raises(LossMaskMismatch, match="b_loss_mask.idx: tokens of uint16, not the uint8 of loss masks"):
+        DocumentDataset(str(tmp_path / "b"), loss_masks=True)
 
 
 BAD_LINES = [
