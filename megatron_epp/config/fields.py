@@ -305,6 +305,10 @@ class DataConfig(TokenizerOptions):
     eod_mask_loss: bool = option("--eod-mask-loss", default=False, action="store_true",
         help="no loss on the token after an end-of-document token, as Megatron-LM; with --elastic-pp a document "
              "never predicts past its end anyway")
+    sft: bool = option("--sft", default=False, action="store_true",
+        help="supervised fine-tuning on conversations, as Megatron-LM's: the --data-path datasets are conversations "
+             "prepared with epp-prepare-data --sft and the loss is on the assistant's tokens only (their loss masks, "
+             "PREFIX_loss_mask.bin/.idx), per token over the global batch; needs --elastic-pp")
     data_blend: Blend | None = derived()
     eod: int | None = derived()  # the tokenizer's end-of-document id
 

@@ -193,7 +193,21 @@ def validate_data_args(args: Values) -> dict:
             missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
             if missing:
                 raise ArgumentError(f"--data-path {prefix}: missing {', '.join(prefix + m for m in missing)}")
+    validate_sft_args(args)
     return changes
+
+
+def validate_sft_args(args: Values) -> None:
+    """``--sft``: with ``--elastic-pp`` (the stock path's fixed-length samples carry no loss masks) on ``--data-path``
+    datasets of conversations (their masks are checked with the corpus, :mod:`~megatron_epp.training.corpus_check`)."""
+    if not args.sft:
+        return
+    if not args.elastic_pp:
+        raise ArgumentError("--sft needs --elastic-pp: conversations train as whole documents with their loss masks, which "
+                            "the stock path's fixed-length samples do not carry")
+    if args.mock_data:
+        raise ArgumentError("--sft trains on conversations: give --data-path of datasets prepared with epp-prepare-data "
+                            "--sft, not --mock-data")
 
 
 def validate_exit_args(args: Values) -> None:

@@ -1,4 +1,5 @@
-"""Data layer: tokenizers (:mod:`.tokenizers`), indexed-dataset preparation (:mod:`.prepare`), documents
+"""Data layer: tokenizers (:mod:`.tokenizers`), indexed-dataset preparation (:mod:`.prepare`), conversations rendered
+with a chat template and the loss masks of the assistant's tokens (:mod:`.conversations`), documents
 (:mod:`.documents`), fixed-length GPT samples (:mod:`.gpt_samples`), ``--data-path`` blends (:mod:`.data_path`,
 :mod:`.blend`), the elastic whole-document sampler (:mod:`.sequence_sampler`) and lengths files (:mod:`.lengths`, numpy
 only: the planner reads them). Data imports no other package of the library: the sampler is given the planner's

@@ -53,10 +53,11 @@ class BlendIndex:
         return full * self.per_block + np.bincount(self.dataset_index[:rest], minlength=len(self.per_block))
 
 
-def split_documents(prefix: str, split: str, name: str) -> DocumentDataset:
-    """The ``name`` ('train', 'valid', 'test') documents of the dataset at ``prefix`` under ``--split``."""
+def split_documents(prefix: str, split: str, name: str, loss_masks: bool = False) -> DocumentDataset:
+    """The ``name`` ('train', 'valid', 'test') documents of the dataset at ``prefix`` under ``--split`` (with their loss
+    masks: ``--sft``)."""
     whole = DocumentDataset(prefix)
-    return DocumentDataset(prefix, split_ranges(len(whole), split)[name])
+    return DocumentDataset(prefix, split_ranges(len(whole), split)[name], loss_masks)
 
 
 class BlendedDocuments(IndexedDocuments):
@@ -72,16 +73,25 @@ class BlendedDocuments(IndexedDocuments):
         self.offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         self.parts = [range(int(a), int(b)) for a, b in zip(self.offsets[:-1], self.offsets[1:])]
         self._lengths = np.concatenate([np.asarray(s.lengths, dtype=np.int64) for s in self.sources])
+        self.has_loss_masks = all(getattr(s, "has_loss_masks", False) for s in self.sources)
+
+    def _locate(self, index: int) -> tuple[DocumentSource, int]:
+        source = int(np.searchsorted(self.offsets, index, side="right")) - 1
+        return self.sources[source], index - int(self.offsets[source])
 
     def _document(self, index: int) -> np.ndarray:
-        source = int(np.searchsorted(self.offsets, index, side="right")) - 1
-        return self.sources[source][index - int(self.offsets[source])]
+        source, at = self._locate(index)
+        return source[at]
+
+    def loss_mask(self, index: int) -> np.ndarray:
+        source, at = self._locate(index)
+        return source.loss_mask(at)
 
 
-def blended_documents(blend: Blend, split: str, name: str) -> DocumentSource | None:
-    """Split ``name``'s documents of ``blend``: a :class:`DocumentDataset`, a :class:`BlendedDocuments`, or None
-    when the split holds no document (of any dataset)."""
-    sources = [split_documents(p, split, name) for p in blend.prefixes]
+def blended_documents(blend: Blend, split: str, name: str, loss_masks: bool = False) -> DocumentSource | None:
+    """Split ``name``'s documents of ``blend`` (with their loss masks: ``--sft``): a :class:`DocumentDataset`, a
+    :class:`BlendedDocuments`, or None when the split holds no document (of any dataset)."""
+    sources = [split_documents(p, split, name, loss_masks) for p in blend.prefixes]
     if not sum(len(s) for s in sources):
         return None
     return sources[0] if blend.weights is None else BlendedDocuments(sources, blend.weights)

@@ -1,4 +1,9 @@
-"""Whole-document access to a Megatron indexed dataset, and train/valid/test document splits."""
+"""Whole-document access to a Megatron indexed dataset, and train/valid/test document splits.
+
+A dataset of conversations (``epp-prepare-data --sft``) has its per-token loss masks beside it, a second indexed
+dataset at :func:`loss_mask_prefix` (uint8, one entry per document of the same length); ``DocumentDataset(prefix,
+loss_masks=True)`` reads them along and refuses, in one line, masks that are missing or do not align with the tokens.
+"""
 
 from __future__ import annotations
 
@@ -37,8 +42,20 @@ def split_ranges(num_docs: int, split: str) -> dict[str, range]:
     }
 
 
+LOSS_MASK_SUFFIX = "_loss_mask"
+
+
+def loss_mask_prefix(prefix: str) -> str:
+    """Where the loss masks of the dataset at ``prefix`` are (``PREFIX_loss_mask.bin/.idx``)."""
+    return f"{prefix}{LOSS_MASK_SUFFIX}"
+
+
 class IndexMismatch(ValueError):
     """A ``.bin``/``.idx`` pair that cannot be read together (one line: what does not match)."""
+
+
+class LossMaskMismatch(IndexMismatch):
+    """Loss masks that are missing or do not align with their dataset's tokens (one line)."""
 
 
 def check_indexed_dataset(prefix: str) -> None:
@@ -74,10 +91,15 @@ class IndexedDocuments:
     ``[i]`` that subclasses fill in through ``_document``."""
 
     _lengths: np.ndarray
+    has_loss_masks = False  # whether :meth:`loss_mask` gives each document's per-token loss mask
 
     @property
     def lengths(self) -> np.ndarray:
         return self._lengths
+
+    def loss_mask(self, index: int) -> np.ndarray:
+        """Document ``index``'s per-token loss mask (uint8, its length; 1: trained), where :attr:`has_loss_masks`."""
+        raise TypeError(f"{type(self).__name__} has no loss masks")
 
     def __len__(self) -> int:
         return len(self._lengths)
@@ -99,7 +121,7 @@ class DocumentDataset(IndexedDocuments):
     end-of-document id.
     """
 
-    def __init__(self, prefix: str, doc_range: range | None = None) -> None:
+    def __init__(self, prefix: str, doc_range: range | None = None, loss_masks: bool = False) -> None:
         if not IndexedDataset.exists(prefix):
             raise FileNotFoundError(
                 f"indexed dataset not found: {prefix}.bin/.idx "
@@ -119,16 +141,41 @@ class DocumentDataset(IndexedDocuments):
         selected = slice(self.doc_range.start, self.doc_range.stop)
         self._first_sequence = doc_bounds[:-1][selected]
         self._lengths = all_lengths[selected]
+        self.has_loss_masks = loss_masks
+        self._masks = _aligned_masks(prefix, self._dataset, all_lengths, self.doc_range) if loss_masks else None
 
     def _document(self, index: int) -> np.ndarray:
         tokens = self._dataset.get(int(self._first_sequence[index]), 0, int(self._lengths[index]))
         return tokens.astype(np.int64)
 
+    def loss_mask(self, index: int) -> np.ndarray:
+        if self._masks is None:
+            return super().loss_mask(index)
+        return self._masks[index]
+
     def split(self, split: str) -> dict[str, DocumentDataset]:
         """This dataset's documents divided by a Megatron split string, e.g. ``"969,30,1"``."""
         return {
             name: DocumentDataset(
-                self.prefix, range(self.doc_range.start + r.start, self.doc_range.start + r.stop)
+                self.prefix, range(self.doc_range.start + r.start, self.doc_range.start + r.stop), self.has_loss_masks
             )
             for name, r in split_ranges(len(self), split).items()
         }
+
+
+def _aligned_masks(prefix: str, tokens: IndexedDataset, lengths: np.ndarray, doc_range: range) -> "DocumentDataset":
+    """The loss masks of the dataset at ``prefix`` (its ``tokens`` with document ``lengths``), documents ``doc_range``;
+    :class:`LossMaskMismatch` when they are missing or are not one uint8 entry per document of the same length."""
+    masks = loss_mask_prefix(prefix)
+    if not IndexedDataset.exists(masks):
+        raise LossMaskMismatch(f"{masks}.bin/.idx not found: --sft trains on the loss masks of conversations; prepare "
+                               f"the data with epp-prepare-data --sft")
+    check_indexed_dataset(masks)
+    mask_data = DocumentDataset(masks)
+    if mask_data._dataset.index.dtype != np.uint8:
+        raise LossMaskMismatch(f"{masks}.idx: tokens of {mask_data._dataset.index.dtype.__name__}, not the uint8 of loss masks")
+    if len(mask_data) != len(lengths) or not np.array_equal(mask_data.lengths, lengths):
+        first = next((i for i, (a, b) in enumerate(zip(mask_data.lengths, lengths)) if a != b), min(len(mask_data), len(lengths)))
+        raise LossMaskMismatch(f"{masks}: {len(mask_data)} documents, {prefix}: {len(lengths)}; they differ from document "
+                               f"{first} on: not the loss masks of these tokens")
+    return DocumentDataset(masks, doc_range)

@@ -6,7 +6,9 @@ counted). Global batch ``j`` after resuming at ``consumed_samples = k`` holds st
 ``[k + j * B, k + (j + 1) * B)``, so a resumed iterator continues exactly where an uninterrupted one
 was. A document longer than ``seq_length + 1`` tokens (the context cap) is an error unless
 ``truncate`` is set, which trains its first ``seq_length + 1`` tokens; a document of ``n + 1``
-tokens trains as ``tokens = d[:-1]``, ``labels = d[1:]`` of length ``n``.
+tokens trains as ``tokens = d[:-1]``, ``labels = d[1:]`` of length ``n``. A document source with loss masks (``--sft``:
+conversations, :meth:`~megatron_epp.data.documents.IndexedDocuments.loss_mask`) gives each sequence the masks of its
+labels, ``m[1:]`` (label ``j`` is token ``j + 1``), truncated with it; without them every label trains.
 
 Over :class:`~megatron_epp.data.blend.BlendedDocuments` (``--data-path 0.3 A 0.7 B``) the stream position
 first picks a dataset by megatron-core's blending indices (:class:`~megatron_epp.data.blend.BlendIndex`) and
@@ -31,11 +33,13 @@ DpSplit = Callable[[np.ndarray, int], list[np.ndarray]]
 
 @dataclass(frozen=True)
 class TrainingSequence:
-    """One document as a training sequence: ``labels`` are ``tokens`` shifted by one."""
+    """One document as a training sequence: ``labels`` are ``tokens`` shifted by one; ``loss_mask``: which labels train
+    (None: all)."""
 
     doc_index: int
     tokens: np.ndarray  # int64 (n,)
     labels: np.ndarray  # int64 (n,)
+    loss_mask: np.ndarray | None = None  # (n,) 1: label j trains (the document's mask of token j + 1)
 
 
 @dataclass(frozen=True)
@@ -55,10 +59,13 @@ class GlobalBatch:
     def sequences(self, dp_rank: int | None = None) -> list[TrainingSequence]:
         """Load the token arrays of ``dp_rank``'s sequences (all sequences for None)."""
         out = []
+        masked = getattr(self.documents, "has_loss_masks", False)
         for pos in self.positions(dp_rank):
             doc_index = int(self.doc_indices[pos])
-            doc = self.documents[doc_index][: self.seq_lengths[pos] + 1]
-            out.append(TrainingSequence(doc_index, doc[:-1], doc[1:]))
+            end = self.seq_lengths[pos] + 1
+            doc = self.documents[doc_index][:end]
+            mask = self.documents.loss_mask(doc_index)[1:end] if masked else None
+            out.append(TrainingSequence(doc_index, doc[:-1], doc[1:], mask))
         return out
 
 

@@ -13,7 +13,8 @@ from megatron_epp.executor.context import ChunkContext, ChunkView, padding_token
 from megatron_epp.plan import Plan
 
 Batch = dict[str, torch.Tensor]
-TokensAndLabels = tuple[torch.Tensor, torch.Tensor]
+# a sequence's tokens and labels, and optionally its labels' loss mask (--sft: 1 where the label trains; without it, all)
+TokensAndLabels = tuple[torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def per_token_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -27,9 +28,10 @@ def per_token_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor) -> tupl
 def chunk_batches(plan: Plan, sequences: Sequence[TokensAndLabels] | None, device: torch.device, multiple: int = 1,
                   cp_rank: int = 0, cp_size: int = 1) -> Iterator[Batch]:
     """One batch ``[1, tokens]`` per chunk in forward order; empty dicts where the stage has no data.
-    ``sequences``: CPU tensors (on CUDA the batches go from pinned memory without blocking). ``multiple``: as
-    ``ChunkView.build``'s; the padding tokens are token 0 with label 0 and loss mask 0. Under context parallelism
-    only context-parallel rank ``cp_rank``'s block of each padded chunk (``ChunkView.local_range``)."""
+    ``sequences``: CPU tensors (on CUDA the batches go from pinned memory without blocking); a sequence's third tensor,
+    where given, is its labels' loss mask, and each segment (a split slice, a hybrid chunk's part) keeps its tokens'.
+    ``multiple``: as ``ChunkView.build``'s; the padding tokens are token 0 with label 0 and loss mask 0. Under context
+    parallelism only context-parallel rank ``cp_rank``'s block of each padded chunk (``ChunkView.local_range``)."""
     for chunk in plan.chunks():
         if sequences is None:
             yield {}
@@ -37,8 +39,13 @@ def chunk_batches(plan: Plan, sequences: Sequence[TokensAndLabels] | None, devic
         pad = torch.zeros(padding_tokens(chunk.num_tokens, multiple), dtype=sequences[0][0].dtype)
         tokens = torch.cat([sequences[s.seq][0][s.start : s.end] for s in chunk.segments] + [pad])
         labels = torch.cat([sequences[s.seq][1][s.start : s.end] for s in chunk.segments] + [pad])
-        loss_mask = torch.ones(1, tokens.numel())
-        loss_mask[:, chunk.num_tokens :] = 0
+        if any(len(sequences[s.seq]) > 2 for s in chunk.segments):
+            masks = [sequences[s.seq][2][s.start : s.end].float() if len(sequences[s.seq]) > 2 else torch.ones(s.end - s.start)
+                     for s in chunk.segments]
+            loss_mask = torch.cat(masks + [torch.zeros(pad.numel())])[None]
+        else:  # every token trains
+            loss_mask = torch.ones(1, tokens.numel())
+            loss_mask[:, chunk.num_tokens :] = 0
         if cp_size > 1:
             # this rank's block in storages of its own: a view would keep the whole chunk's, and autograd saves them
             # (the embedding its ids, the loss its mask: 12 B a local token the memory model does not count)

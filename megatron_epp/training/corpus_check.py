@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 from megatron.core.datasets.blended_megatron_dataset_config import parse_and_normalize_split
+from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-from megatron_epp.data.documents import DocumentDataset, IndexMismatch, split_ranges
+from megatron_epp.data.documents import DocumentDataset, IndexMismatch, loss_mask_prefix, split_ranges
 from megatron_epp.data.length_stats import LengthStats
 from megatron_epp.config.errors import ArgumentError
 from megatron_epp.config.fields import TrainingConfig
@@ -27,7 +28,8 @@ def check_corpus(cfg: TrainingConfig) -> tuple[str, str | None]:
     share); without ``--elastic-pp``, a split in use (train; valid with ``--eval-interval`` when some dataset has
     valid documents) with fewer tokens than one ``--seq-length`` sample; with it, a train (or, with
     ``--eval-interval``, valid) document longer than the context cap ``--seq-length`` unless
-    ``--epp-truncate-documents`` allows it; a blended dataset with no valid document while another has some.
+    ``--epp-truncate-documents`` allows it; a blended dataset with no valid document while another has some; with
+    ``--sft``, a dataset without its loss masks or with masks that do not align with its documents.
     """
     if cfg.data.mock_data:  # endless mock streams: --split says which of them exist, as megatron-core's mock datasets
         shares = parse_and_normalize_split(cfg.data.split)
@@ -39,7 +41,7 @@ def check_corpus(cfg: TrainingConfig) -> tuple[str, str | None]:
     per_prefix = {}
     for prefix in blend.prefixes:
         try:
-            docs = DocumentDataset(prefix)
+            docs = DocumentDataset(prefix, loss_masks=cfg.data.sft)
         except IndexMismatch as error:
             raise ArgumentError(f"--data-path {prefix}: {error}") from None
         splits = {name: docs.lengths[r.start:r.stop] for name, r in split_ranges(len(docs), cfg.data.split).items()}
@@ -81,7 +83,11 @@ def check_corpus(cfg: TrainingConfig) -> tuple[str, str | None]:
         summary += f"; {len(lengths) - len(sequences)} empty documents skipped"
     too_long = int(np.count_nonzero(sequences > cfg.model.seq_length))
     if cfg.epp.enabled and too_long:
-        summary += f"; {too_long} truncated to --seq-length {cfg.model.seq_length}"
+        summary += f"; {too_long} truncated to --seq-length {cfg.model.seq_length}" + (" (and their loss masks)" if cfg.data.sft else "")
+    if cfg.data.sft:
+        summary += "; --sft: the loss on the assistant's tokens (the loss masks)"
+    elif any(IndexedDataset.exists(loss_mask_prefix(p)) for p in blend.prefixes):
+        summary += "; loss masks beside the data (conversations) not used: every token trains (--sft: the assistant's only)"
     return summary, no_validation_note(cfg) if cfg.logging.eval_interval and not valid else None
 
 

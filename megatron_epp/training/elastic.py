@@ -190,7 +190,8 @@ class ElasticTrainStep:
         self.ready = self.preparer.submit(self._prepare, batch, step, timing)
 
     def _prepare(self, batch, step: PlannedStep, timing):
-        tensors = [(torch.from_numpy(s.tokens), torch.from_numpy(s.labels)) for s in batch.sequences(self.runtime.dp_rank)]
+        tensors = [(torch.from_numpy(s.tokens), torch.from_numpy(s.labels))
+                   + (() if s.loss_mask is None else (torch.from_numpy(s.loss_mask),)) for s in batch.sequences(self.runtime.dp_rank)]
         return batch, step, timing, prepare_step(step.plan, self.runtime.pp_rank, tensors, self.runtime.device, self.token_multiple,
                                                  self.runtime.cp_rank, self.runtime.dims.cp)
 

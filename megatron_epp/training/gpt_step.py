@@ -53,9 +53,10 @@ def gpt_forward_step(data_iterator: Iterator[Batch], model: torch.nn.Module) -> 
 
 def reduce_losses(losses: list[dict[str, torch.Tensor]], dp_group: Any) -> float | None:
     """Global-batch mean token loss from the last stage's per-micro-batch ``[sum, count]``; None elsewhere. ``dp_group``:
-    the data-parallel group with context parallelism (each context-parallel rank's sums are of its own tokens)."""
+    the data-parallel group with context parallelism (each context-parallel rank's sums are of its own tokens). A global
+    batch without a trained token (``--sft``: conversations cut before any assistant token) has loss 0, as its gradient."""
     if not losses:
         return None
     total = torch.stack([d["lm loss"] for d in losses]).sum(0).double()
     torch.distributed.all_reduce(total, group=dp_group)
-    return float(total[0] / total[1])
+    return float(total[0] / total[1]) if total[1] > 0 else 0.0

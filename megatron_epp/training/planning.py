@@ -68,9 +68,9 @@ def check_memory_budget(cfg: TrainingConfig, planner: OnlinePlanner | None = Non
 
 def elastic_documents(cfg: TrainingConfig, split: str):
     """Whole documents: skewed mock lengths (capped at the context length) or the split of the indexed
-    dataset(s) of ``--data-path`` (blended by weight)."""
+    dataset(s) of ``--data-path`` (blended by weight; with ``--sft``, with their loss masks)."""
     if cfg.data.mock_data:
         seed = cfg.training.seed + (split == "valid")
         lengths = lognormal_lengths(4096, median=max(cfg.model.seq_length // 8, 2), sigma=1.2, max_length=cfg.model.seq_length + 1, seed=seed)
         return MockDocuments(lengths, cfg.model.vocab_size, seed=seed)
-    return blended_documents(cfg.data.data_blend, cfg.data.split, split)
+    return blended_documents(cfg.data.data_blend, cfg.data.split, split, loss_masks=cfg.data.sft)

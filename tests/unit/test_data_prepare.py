@@ -116,7 +116,7 @@ def test_script_cli(tmp_path, capsys):
                 str(bad),
             ]
         )
-        == 1
+        == 2  # bad input: one line, exit 2 (as argparse and epp-plan)
     )
     err = capsys.readouterr().err.strip()
     assert err.startswith("epp-prepare-data: error: cannot parse tokenizer file") and "\n" not in err
