@@ -8,15 +8,9 @@
 #
 # Extra flags go to pretrain_gpt.py (the last one given wins); without --data-path it trains on --mock-data.
 # WORK (default: a new temporary directory) receives ckpt/ (the import), ckpt-long/ (the run) and hf-long/ (the export).
-set -euo pipefail
-REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cd "$REPO"
-export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
-PYTHON=${PYTHON:-python3}
-WORK=${WORK:-$(mktemp -d)}
-NPROC=${NPROC:-2}
-TP=${TP:-1}
-PP=${PP:-2}
+EXAMPLE_PORT=29511
+# shellcheck source=examples/hf_import.sh
+source "$(dirname "${BASH_SOURCE[0]}")/hf_import.sh"
 BUDGET=${BUDGET:-0.002}  # GB per device for activations and model states: tiny on a CPU, so that long documents split
 if [[ -z "${HF_DIR:-}" ]]; then
   HF_DIR=$WORK/tiny-llama
@@ -36,16 +30,12 @@ transformers.LlamaForCausalLM(config).save_pretrained(sys.argv[1])
 print(f"a tiny random LLaMA (GQA 4:2, llama3 RoPE scaling, context 64) in {sys.argv[1]}")
 PY
 fi
-TORCHRUN=("$PYTHON" -m torch.distributed.run --nproc-per-node "$((TP * PP))" --master-port "${MASTER_PORT:-29511}")
-"${TORCHRUN[@]}" -m megatron_epp.checkpoint.hf_convert import --hf-dir "$HF_DIR" --save "$WORK/ckpt" \
-  --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
-read -r -a FLAGS <<< "$("$PYTHON" -m megatron_epp.checkpoint.hf_convert flags --hf-dir "$HF_DIR" --tensor-model-parallel-size "$TP" | cut -d' ' -f2-)"
-CONTEXT=$(printf '%s\n' "${FLAGS[@]}" | grep -A1 -x -- --seq-length | tail -n 1)
+hf_import
 SEQ=${SEQ:-$((4 * CONTEXT))}
 DATA=(--mock-data)
 [[ " $* " == *" --data-path "* ]] && DATA=()
 echo "> context extension: $CONTEXT -> $SEQ tokens"
-"$PYTHON" -m megatron_epp.training.launch --nproc-per-node "$NPROC" --master-port "${MASTER_PORT:-29511}" pretrain_gpt.py \
+"$PYTHON" -m megatron_epp.training.launch --nproc-per-node "$NPROC" --master-port "$MASTER_PORT" pretrain_gpt.py \
   "${FLAGS[@]}" --seq-length "$SEQ" --load "$WORK/ckpt" --finetune --save "$WORK/ckpt-long" \
   --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" --elastic-pp --epp-memory-budget "$BUDGET" \
   "${DATA[@]}" --global-batch-size 8 --train-iters 10 --lr 3e-3 --log-interval 1 "$@"

@@ -19,15 +19,9 @@
 # Extra flags go to pretrain_gpt.py (the last one given wins). WORK (default: a new temporary directory) receives
 # tiny-qwen/ (the made-up model), chats.jsonl and chats_text_document* (the prepared data), ckpt/ (the import),
 # ckpt-long/ (the run) and hf-long/ (the export).
-set -euo pipefail
-REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-cd "$REPO"
-export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
-PYTHON=${PYTHON:-python3}
-WORK=${WORK:-$(mktemp -d)}
-NPROC=${NPROC:-2}
-TP=${TP:-1}
-PP=${PP:-2}
+EXAMPLE_PORT=29512
+# shellcheck source=examples/hf_import.sh
+source "$(dirname "${BASH_SOURCE[0]}")/hf_import.sh"
 BUDGET=${BUDGET:-0.0055}  # GB per device for activations and model states: tiny on a CPU, so that long conversations split
 if [[ -z "${HF_DIR:-}" ]]; then
   HF_DIR=$WORK/tiny-qwen
@@ -82,16 +76,12 @@ print(f"> a tiny random Qwen2 (GQA 4:2, QKV biases, tied, context 256) and its t
 PY
 fi
 : "${CHATS:?CHATS: the conversations (JSONL) to fine-tune on, with HF_DIR}"
-TORCHRUN=("$PYTHON" -m torch.distributed.run --nproc-per-node "$((TP * PP))" --master-port "${MASTER_PORT:-29512}")
-"${TORCHRUN[@]}" -m megatron_epp.checkpoint.hf_convert import --hf-dir "$HF_DIR" --save "$WORK/ckpt" \
-  --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
-read -r -a FLAGS <<< "$("$PYTHON" -m megatron_epp.checkpoint.hf_convert flags --hf-dir "$HF_DIR" --tensor-model-parallel-size "$TP" | cut -d' ' -f2-)"
-CONTEXT=$(printf '%s\n' "${FLAGS[@]}" | grep -A1 -x -- --seq-length | tail -n 1)
+hf_import
 SEQ=${SEQ:-$((4 * CONTEXT))}
 "$PYTHON" -m megatron_epp.data.prepare --sft --input "$CHATS" --output-prefix "$WORK/chats_text_document" --no-progress \
   --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$HF_DIR"
 echo "> long-context fine-tuning: context $CONTEXT -> $SEQ tokens (RoPE positions interpolated x$((SEQ / CONTEXT))), loss on the assistant's tokens"
-"$PYTHON" -m megatron_epp.training.launch --nproc-per-node "$NPROC" --master-port "${MASTER_PORT:-29512}" pretrain_gpt.py \
+"$PYTHON" -m megatron_epp.training.launch --nproc-per-node "$NPROC" --master-port "$MASTER_PORT" pretrain_gpt.py \
   "${FLAGS[@]}" --seq-length "$SEQ" --rotary-seq-len-interpolation-factor "$((SEQ / CONTEXT))" \
   --load "$WORK/ckpt" --finetune --save "$WORK/ckpt-long" --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" \
   --sft --data-path "$WORK/chats_text_document" --split 100,0,0 --elastic-pp --epp-memory-budget "$BUDGET" \
