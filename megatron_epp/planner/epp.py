@@ -336,17 +336,23 @@ def _simulate_finalists(search: _Search, finalists: list[tuple[bool, list[Candid
     """Of each family (recompute allowed or not, its candidates best first), the best that the exact memory walk
     fits, each planned and simulated; and why those that did not fit failed."""
     seen, plans, reasons = set(), [], []
+    without = replace(how, modes=["none"])
     for rc, family in finalists:
         kept = 0
-        # a family without recompute is planned without it (regrouped until it fits), as the no-recompute ablation's:
-        # the same chunking may be faster in more 1F1B pipelines without recompute than in fewer with it
-        mode = how if rc else replace(how, modes=["none"])
         for cand in family[:FINALIST_TRIES]:  # the best by the estimate that the exact walk fits
-            if (cand.identity, rc) in seen:
+            if not rc and how.modes != without.modes and (cand.identity, "none") not in seen:
+                # also planned as the no-recompute ablation plans it (regrouped until it fits without any): the same
+                # chunking may be faster in more 1F1B pipelines without recompute than in fewer with it
+                seen.add((cand.identity, "none"))
+                try:
+                    plans += _evaluate(search, cand, rc, without, builder)
+                except MemoryInfeasible:
+                    pass  # it needs recompute: planned with it below (or in the recompute family)
+            if cand.identity in seen:
                 continue
-            seen.add((cand.identity, rc))
+            seen.add(cand.identity)
             try:
-                plans += _evaluate(search, cand, rc, mode, builder)
+                plans += _evaluate(search, cand, rc, how, builder)
             except MemoryInfeasible as e:
                 reasons.append(str(e))
                 continue
