@@ -10,6 +10,7 @@ analytic H100 profile and the preset's host link, whose bandwidth (25 GB/s per G
 (2 TB per node; the budget 75 % of it over 8 GPUs, 192 GB per GPU) are assumptions stated in ``cost/clusters.py``.
 
     python -m benchmarks.longest_document [--nodes 1,4] [--layouts TP8xPP1,...] [--budget-gb 80]
+    python -m benchmarks.longest_document --table LOG   # the markdown table of a run's last (JSON) line
 
 The last line is one JSON object: ``{"rows": [...]}``.
 """
@@ -36,6 +37,18 @@ MODES = ("none", "checkpoints", "auto")
 DEFAULT_LAYOUTS = {1: ("TP8xPP1xDP1", "TP2xCP4xPP1xDP1", "TP4xPP2xDP1"), 4: ("TP8xPP4xDP1", "TP2xCP4xPP4xDP1", "TP4xPP8xDP1")}
 
 
+def table(rows: list[dict]) -> str:
+    """The markdown table of a run's rows (what docs/measurements shows)."""
+    out = ["| GPUs | layout | offload | longest document (tokens) | predicted step (s) | peak device GB/GPU | host GB/GPU | "
+           "exposed copy (s, summed over stages) | next length fails because |", "|" + " --- |" * 9]
+    for r in rows:
+        step = "-" if r["step_ms"] is None else f"{r['step_ms'] / 1e3:.0f}"
+        copy = "-" if r["copy_ms"] is None else f"{r['copy_ms'] / 1e3:.0f}"
+        out.append(f"| {r['gpus']} | {r['layout']} | {r['offload']} | {r['tokens']:,} | {step} | {r['peak_gb']} | {r['host_gb']} | "
+                   f"{copy} | {r['why_not_longer']} |")
+    return "\n".join(out)
+
+
 def main() -> None:
     ap = Parser(prog="longest_document", description=__doc__)
     ap.add_argument("--nodes", default="1,4", help="comma-separated node counts (8 GPUs each)")
@@ -43,7 +56,11 @@ def main() -> None:
     ap.add_argument("--budget-gb", type=float, default=80.0, help="device memory budget per GPU, GB")
     ap.add_argument("--model", default="llama-7b", choices=sorted(MODEL_PRESETS))
     ap.add_argument("--cluster", default="h100-ib-gpu")
+    ap.add_argument("--table", metavar="LOG", help="print the markdown table of LOG's last line (a run's JSON) and exit")
     args = ap.parse_args()
+    if args.table:
+        print(table(json.loads(open(args.table).read().strip().splitlines()[-1])["rows"]))
+        return
     shape, rows = MODEL_PRESETS[args.model], []
     for nodes in (int(x) for x in args.nodes.split(",")):
         cluster = get_cluster(args.cluster).with_nodes(nodes)
