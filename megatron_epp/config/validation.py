@@ -510,6 +510,9 @@ def validate_elastic_args(args: Values, world_size: int, memory: MemoryReading |
     (``planner``), the driver's defaults where an option is not given, the budget in bytes (``default_budget``: how
     it was derived when ``--epp-memory-budget`` was not given, from ``memory``, else from the device read now)."""
     given = [k for k in ELASTIC_OPTIONS if getattr(args, k) is not None and getattr(args, k) is not False]
+    for key in ("epp_offload", "epp_host_memory_budget"):  # planned (epp-plan), not run: never ignored in silence
+        if getattr(args, key) not in (None, "none"):
+            raise ArgumentError(f"--{key.replace('_', '-')} needs the executor's offload, not built yet (epp-plan plans it)")
     if args.epp_search_layout:
         return validate_search_args(args, given)
     if not args.elastic_pp:

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from megatron_epp.cost.host import HostLink
 from megatron_epp.cost.network import Network
 from megatron_epp.cost.analytic import Accelerator, analytic_profile
 from megatron_epp.cost.profile import Profile
@@ -52,6 +53,18 @@ IB_400G_GBPS = 50.0
 NVLINK_LATENCY_US = 3.0  # order of NCCL's intra-node latency (a constant per collective; not a datasheet figure)
 IB_LATENCY_US = 8.0  # order of NCCL's inter-node latency (idem)
 
+# Host memory and device <-> host copies (activation offload): ASSUMPTIONS, chosen, not measured; the executor's
+# start-up measurement replaces them when it exists. Per GPU and direction, all 8 GPUs of the node copying at once.
+# H100 SXM5 (DGX H100 class): PCIe Gen5 x16 per GPU, 64 GB/s per direction on paper; pinned copies with every GPU
+# copying reach well below it (two GPUs share a PCIe switch's uplink to a CPU socket): 25 GB/s chosen, the low end of
+# the 25-50 GB/s reported for such nodes. Host memory: 2 TB (the DGX H100's 2 TB of DDR5).
+H100_HOST = HostLink(d2h_gbps=25.0, h2d_gbps=25.0, host_memory_gb=2048.0, gpus_per_node=8,
+                     description="assumed: PCIe Gen5 x16, 25 GB/s per GPU and direction with 8 copying; 2 TB host memory")
+# A800 SXM4 (HGX A800 class): PCIe Gen4 x16 per GPU, 32 GB/s per direction on paper: 20 GB/s chosen; host memory:
+# 1 TB chosen (such nodes ship with 1-2 TB: the smaller).
+A800_HOST = HostLink(d2h_gbps=20.0, h2d_gbps=20.0, host_memory_gb=1024.0, gpus_per_node=8,
+                     description="assumed: PCIe Gen4 x16, 20 GB/s per GPU and direction with 8 copying; 1 TB host memory")
+
 
 @dataclass(frozen=True)
 class Cluster:
@@ -65,13 +78,16 @@ class Cluster:
     nvlink_gbps: float
     ib_gbps: float  # InfiniBand share of one GPU
     description: str = ""
+    host: HostLink | None = None  # host memory and copy bandwidth (activation offload); None: not modelled
 
     @property
     def world_size(self) -> int:
         return self.gpus_per_node * self.num_nodes
 
     def with_nodes(self, num_nodes: int, gpus_per_node: int | None = None) -> "Cluster":
-        return replace(self, num_nodes=num_nodes, gpus_per_node=gpus_per_node or self.gpus_per_node)
+        per_node = gpus_per_node or self.gpus_per_node
+        host = None if self.host is None else replace(self.host, gpus_per_node=per_node)
+        return replace(self, num_nodes=num_nodes, gpus_per_node=per_node, host=host)
 
     def network(self, span: int) -> Network:
         """The stage-to-stage network of a pipeline whose stages, ``span`` GPUs in all, sit one after
@@ -112,7 +128,7 @@ def exposed_ms(comm_ms: float, compute_ms: float, overlap: float = COMM_OVERLAP)
 
 
 def _preset(name: str, acc: Accelerator, nvlink: float, ib: float, what: str) -> Cluster:
-    return Cluster(name, acc, 80.0, 8, 4, nvlink, ib, what)
+    return Cluster(name, acc, 80.0, 8, 4, nvlink, ib, what, H100_HOST if acc is H100_SXM else A800_HOST)
 
 
 CLUSTERS: dict[str, Cluster] = {

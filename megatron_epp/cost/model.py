@@ -13,6 +13,7 @@ import numpy as np
 
 from megatron_epp.plan import split_layers
 from megatron_epp.cost.features import F, padded_features
+from megatron_epp.cost.host import HostLink
 from megatron_epp.cost.network import NETWORKS, Network
 from megatron_epp.cost.activation_memory import shape_memory
 from megatron_epp.cost.analytic import shape_time
@@ -52,6 +53,8 @@ class CostModel:
     ``speed_factor`` ``s``: this machine's time over the profile's (measured = ``s`` x modelled), applied
     to every time (layers, the profile's per-chunk overhead, transfers); 1 is the machine the profile
     was taken on. Fitted on measured steps with the overhead (:mod:`megatron_epp.planner.calibration`).
+    ``host``: the node's host memory and copy bandwidth (:class:`~megatron_epp.cost.host.HostLink`), which activation
+    offload plans on; None: offload cannot be planned.
     """
 
     def __init__(
@@ -62,6 +65,7 @@ class CostModel:
         dp: int = 1,
         network: Network | None = None,
         speed_factor: float = 1.0,
+        host: HostLink | None = None,
     ) -> None:
         self.profile = shape_time(shape_memory(profile))  # activation memory and time for this model shape
         self.num_stages = num_stages
@@ -71,11 +75,12 @@ class CostModel:
         self.dp = dp
         self.network = network or default_network(profile)
         self.speed_factor = float(speed_factor)
+        self.host = host
 
     def calibrated(self, speed_factor: float, overhead: StageOverhead) -> "CostModel":
         """This model with another speed factor and per-chunk stage overhead (profile ms)."""
         return CostModel(replace(self.profile, overhead=overhead), self.num_stages, self.layers, self.dp, self.network,
-                         speed_factor)
+                         speed_factor, self.host)
 
     # ----------------------------------------------------------------------------- time
     def layer_time(self, feats: np.ndarray, coeffs: TimeCoeffs) -> np.ndarray:

@@ -18,7 +18,7 @@ its report, beside it (:mod:`.report`).
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from numbers import Integral
 from typing import Any, Iterable, Literal
 
@@ -85,10 +85,22 @@ class Chunk:
 
 @dataclass
 class Pipeline:
-    """One 1F1B pipeline: chunks in forward order and ``recompute[stage][i]`` layers to recompute."""
+    """One 1F1B pipeline: chunks in forward order and ``recompute[stage][i]`` layers to recompute.
+
+    Activation offload (empty: none, and the plan's JSON has neither key): ``offload[stage][i]`` of chunk ``i``'s
+    ``recompute[stage][i]`` checkpointed layers keep their checkpoint (the layer's input) in pinned host memory from
+    the chunk's forward until before that layer's backward: the stage's *first* ones (the last to be needed in
+    backward); ``kv_host``: the split sequences (ids) whose K/V buffer (and its gradient accumulators) lives in host
+    memory, fetched a slice's block at a time ahead of use."""
 
     chunks: list[Chunk]
     recompute: list[list[int]]
+    offload: list[list[int]] = field(default_factory=list)
+    kv_host: list[int] = field(default_factory=list)
+
+    def offloaded(self, stage: int) -> list[int]:
+        """Offloaded checkpoints per chunk on ``stage`` (zeros without offload)."""
+        return list(self.offload[stage]) if self.offload else [0] * len(self.chunks)
 
     def sequences(self) -> set[int]:
         return {s.seq for c in self.chunks for s in c.segments}
@@ -134,7 +146,18 @@ class Plan:
 
     # ----------------------------------------------------------------------------- JSON
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The plan as plain data; a pipeline without offload has no ``offload`` / ``kv_host`` keys (the JSON of a
+        plan without offload is as before offload existed)."""
+        d = asdict(self)
+        for pipe in d["pipelines"]:
+            for key in ("offload", "kv_host"):
+                if not pipe[key]:
+                    del pipe[key]
+        return d
+
+    def offloads(self) -> bool:
+        """Whether any checkpoint or K/V buffer of the plan is offloaded to host memory."""
+        return any(p.kv_host or any(map(any, p.offload)) for p in self.pipelines)
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), separators=(",", ":"))
@@ -150,6 +173,8 @@ class Plan:
                     for c in p["chunks"]
                 ],
                 recompute=[list(r) for r in p["recompute"]],
+                offload=[list(r) for r in p.get("offload", [])],
+                kv_host=list(p.get("kv_host", [])),
             )
             for p in d["pipelines"]
         ]
@@ -256,6 +281,20 @@ class Plan:
                         f"chunk {pipe.chunks[pos].id}: recompute {n} layers on stage {stage} "
                         f"(it has {self.layers_per_stage[stage]})"
                     )
+        self._validate_offload(pi, pipe)
+
+    def _validate_offload(self, pi: int, pipe: Pipeline) -> None:
+        if pipe.offload and (len(pipe.offload) != self.num_stages or any(len(r) != len(pipe.chunks) for r in pipe.offload)):
+            raise PlanError(f"pipeline {pi}: offload must be [{self.num_stages} stages][{len(pipe.chunks)} chunks] or empty")
+        for stage, row in enumerate(pipe.offload):
+            for pos, n in enumerate(row):
+                if not _is_int(n) or not 0 <= n <= pipe.recompute[stage][pos]:
+                    raise PlanError(f"chunk {pipe.chunks[pos].id}: offload {n!r} checkpoints on stage {stage} (an integer "
+                                    f"from 0 to its {pipe.recompute[stage][pos]} checkpointed layers)")
+        split = {s.seq for c in pipe.chunks for s in c.segments if s.length != self.seq_lengths[s.seq]}
+        for seq in pipe.kv_host:
+            if seq not in split:
+                raise PlanError(f"pipeline {pi}: kv_host {seq!r}: not a sequence split in this pipeline")
 
 
 def _is_int(x: object) -> bool:

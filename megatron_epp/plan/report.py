@@ -43,6 +43,10 @@ class PlanReport:
     # the elastic builder's choice among its own plan and the baselines' (planner.builders.ELASTIC)
     chosen: str | None = None  # the builder whose plan won: "epp", "megatron", "seq1f1b-k4", ...
     candidates_ms: dict[str, float] | None = None  # predicted step ms of every candidate that fits
+    # activation offload (None: the plan offloads nothing): per stage a GPU's peak host bytes, the copy time no
+    # compute hides (summed over stages, in the predicted step)
+    host_memory_bytes: list[float] | None = None
+    copy_ms: float | None = None
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 import numpy as np
 
 from megatron_epp.plan import Plan, PlannedStep, PlanReport
-from megatron_epp.planner.epp import SLICE_COUNTS, PlanInfeasible, build_plan, finish, make_plan, order_units
+from megatron_epp.planner.epp import NO_OFFLOAD, SLICE_COUNTS, OffloadChoice, PlanInfeasible, build_plan, finish, make_plan, order_units
 from megatron_epp.planner.chunking import build_units, equal_count_cuts
 from megatron_epp.cost.features import chunk_features
 from megatron_epp.cost.model import CostModel
@@ -168,6 +168,21 @@ def baseline_candidates(lengths: Sequence[int], cost_model: CostModel, config: P
     return steps
 
 
+def offload_choice(config: PlannerConfig, cost_model: CostModel) -> OffloadChoice:
+    """The planner's offload: ``config.offload`` with its host budget per GPU (``--epp-host-memory-budget``, else the
+    cost model's host link's default); a one-line ``ValueError`` where the cost model has no host link or the budget
+    is more than the node holds."""
+    if config.offload == "none":
+        return NO_OFFLOAD
+    host = cost_model.host
+    if host is None:
+        raise ValueError(f"--epp-offload {config.offload}: the cost model has no host memory and copy bandwidth "
+                         "(a cluster preset's: --epp-cluster)")
+    budget = host.default_budget_bytes() if config.host_memory_budget_bytes is None else config.host_memory_budget_bytes
+    host.check_budget(budget)
+    return OffloadChoice(config.offload, budget)
+
+
 def _elastic_plan(lengths: Sequence[int], cost_model: CostModel, config: PlannerConfig, known: BaselinePlans | None) -> PlannedStep:
     """EPP's own plan, or a baseline plan where that is predicted faster (the report's ``chosen``: which), named ``epp``."""
     t0 = time.perf_counter()
@@ -175,7 +190,7 @@ def _elastic_plan(lengths: Sequence[int], cost_model: CostModel, config: Planner
     try:
         candidates.append(build_plan(lengths, cost_model, config.memory_budget_bytes, recompute=config.recompute,
                                      slice_counts=slice_counts(config), time_limit=config.time_limit,
-                                     builder=ELASTIC.plan_name))
+                                     builder=ELASTIC.plan_name, offload=offload_choice(config, cost_model)))
     except PlanInfeasible as infeasible:
         error = infeasible
     candidates += baseline_candidates(lengths, cost_model, config, known)

@@ -170,7 +170,7 @@ def with_memory_factor(cost_model: CostModel, raw: MemoryCoeffs, factor: float) 
     :meth:`CostModel.calibrated` calls keep them."""
     memory = dataclasses.replace(raw, derive="", **{k: getattr(raw, k) * factor for k in ACTIVATION_COEFFS})
     return CostModel(dataclasses.replace(cost_model.profile, memory=memory), cost_model.num_stages, cost_model.layers,
-                     cost_model.dp, cost_model.network, cost_model.speed_factor)
+                     cost_model.dp, cost_model.network, cost_model.speed_factor, cost_model.host)
 
 
 def activation_bytes(plan: Plan, cost_model: CostModel) -> np.ndarray:

@@ -23,7 +23,8 @@ from megatron_epp.cost.profile_lookup import load_profile
 from megatron_epp.cost.shape import MODEL_PRESETS
 from megatron_epp.plan import PlannedStep, PlanInfeasible
 from megatron_epp.plan.order import format_stage_ops
-from megatron_epp.planner.builders import ELASTIC, plan_batch
+from megatron_epp.cost.clusters import get_cluster
+from megatron_epp.planner.builders import ELASTIC, offload_choice, plan_batch
 from megatron_epp.planner.compare import BASELINES, FLEXSP, run_baselines
 from megatron_epp.base.options import add_fields_to_parser, read_fields
 from megatron_epp.planner.config import DEFAULT_CLUSTER, PlannerConfig, PlannerOptions
@@ -37,7 +38,7 @@ from megatron_epp.simulator.timeline import draw_timeline
 PRESET_TP = 8  # the presets' tensor-parallel size unless --tp says otherwise
 DEFAULTS = {  # epp-plan's defaults of the planner options (pretrain_gpt.py has its own)
     "epp_plan": PlannerConfig.builder.flag, "epp_memory_budget": 80.0, "epp_profile": "llama-13b", "epp_recompute": PlannerConfig.recompute,
-    "epp_max_slices": None, "epp_time_limit": PlannerConfig.time_limit,
+    "epp_max_slices": None, "epp_time_limit": PlannerConfig.time_limit, "epp_offload": PlannerConfig.offload,
 }
 
 
@@ -135,9 +136,13 @@ def check_input(args: argparse.Namespace) -> tuple[PlannerConfig, Profile, np.nd
         folder = Path(getattr(args, flag) or ".").resolve().parent
         if not folder.is_dir():
             raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: no such directory {folder}")
-    if args.epp_cluster and not args.epp_search_layout:
-        raise ValueError("--epp-cluster applies only with --epp-search-layout")
+    if args.epp_cluster and not args.epp_search_layout and args.epp_offload == "none":
+        raise ValueError("--epp-cluster applies only with --epp-search-layout or --epp-offload")
     config = PlannerConfig.from_options(read_fields(PlannerOptions, dict(vars(args))), args.max_seq_len)
+    if config.offload != "none":  # the host budget against the preset node's host memory, before any planning
+        host = get_cluster(args.epp_cluster or DEFAULT_CLUSTER).host
+        if config.host_memory_budget_bytes is not None:
+            host.check_budget(config.host_memory_budget_bytes)
     if args.epp_search_layout and config.profile not in MODEL_PRESETS:
         raise ValueError(f"--epp-search-layout needs a model preset --epp-profile ({', '.join(MODEL_PRESETS)})")
     if args.epp_search_layout and config.builder != ELASTIC:
@@ -172,7 +177,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         fail(e)
     if args.epp_search_layout:
         return print_layout_search(args, config, profile.tp, lengths)
-    cost_model = CostModel(profile, args.stages, dp=args.dp, network=get_network(args.network))
+    host = get_cluster(args.epp_cluster or DEFAULT_CLUSTER).host if config.offload != "none" else None
+    cost_model = CostModel(profile, args.stages, dp=args.dp, network=get_network(args.network), host=host)
     parts = dp_split(lengths, args.dp, cost_model.work_vector())
     names = [n for n in args.baselines.split(",") if n]
     with solver_output_to_stderr():
@@ -208,6 +214,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         "memory_budget_gb": config.memory_budget_bytes / GIB,
         "baselines": baselines,
     }
+    if config.offload != "none":  # the host memory a GPU needs (per stage, the worst replica) and its budget
+        hosts = [i.host_memory_bytes or [0.0] * args.stages for i in info]
+        summary["offload"] = config.offload
+        summary["host_memory_gb"] = _gb(np.max(hosts, axis=0))
+        summary["host_memory_budget_gb"] = offload_choice(config, cost_model).host_budget / GIB
+        summary["copy_ms"] = max(i.copy_ms or 0.0 for i in info)
     print_table(summary)
     if args.print_schedule:
         print(format_stage_ops(plans[0].plan))
@@ -243,6 +255,10 @@ def print_table(s: dict) -> None:
         f"recomputed layers {s['recomputed_layers']} (MIP gap {s['mip_gap']:.2%})\n")
     out(f"  predicted step {s['predicted_step_ms']:.1f} ms, bound {s['bound_step_ms']:.1f} ms, bubble {s['bubble_ratio']:.1%}, recompute {s['recompute_ms']:.1f} ms\n")
     out("  peak memory GB per stage: " + " ".join(f"{g:.1f}" for g in s["peak_memory_gb"]) + f" (budget {s['memory_budget_gb']:.0f})\n")
+    if "offload" in s:
+        out(f"  offload {s['offload']}: host memory GB per GPU per stage: " + " ".join(f"{g:.1f}" for g in s["host_memory_gb"])
+            + f" (budget {s['host_memory_budget_gb']:.0f}); exposed copy {s['copy_ms']:.1f} ms over the stages, in the "
+            f"predicted step {s['predicted_step_ms']:.1f} ms\n")
     if s["baselines"]:
         out(f"  {'system':16s} {'step ms':>10s} {'vs EPP':>8s} {'vs bound':>9s}  peak GB\n")
         out(f"  {'epp':16s} {s['predicted_step_ms']:10.1f} {1:8.2f} {s['predicted_step_ms'] / s['bound_step_ms']:9.2f}  {max(s['peak_memory_gb']):.1f}\n")

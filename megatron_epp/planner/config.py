@@ -10,7 +10,7 @@ from megatron_epp.base.options import option
 from megatron_epp.cost.clusters import CLUSTERS
 from megatron_epp.base.units import GIB
 from megatron_epp.planner.builders import BUILDERS, ELASTIC, Builder
-from megatron_epp.planner.recompute import RECOMPUTE_MODES, Recompute
+from megatron_epp.planner.recompute import OFFLOAD_MODES, RECOMPUTE_MODES, Offload, Recompute
 
 DEFAULT_CLUSTER = "h100-ib-gpu"  # --epp-search-layout's cluster preset
 # --epp-calibrate-interval: the first fit after this step (the first step is warm-up: lazy initialisation,
@@ -29,7 +29,10 @@ class PlannerConfig:
     heuristic), ``none`` or ``full``; ``max_slices``: most slices per sequence (seq1f1b: its ``k``),
     None for the planner's defaults; ``time_limit``: the recompute program's wall-clock safety limit,
     seconds per 10,000 nonzeros (at least this; a deterministic node limit bounds the solve first);
-    ``max_seq_len``: the context length (megatron's micro-batch tokens).
+    ``max_seq_len``: the context length (megatron's micro-batch tokens); ``offload``: ``none`` (default), ``checkpoints``
+    or ``auto`` (checkpoints, and split sequences' K/V buffers where the device cannot hold them) go to host memory
+    (docs/planner.md, "Activation offload"); ``host_memory_budget_bytes``: per GPU (``--epp-host-memory-budget``, in
+    GB; None: :data:`~megatron_epp.cost.host.HOST_MEMORY_SHARE` of the node's host memory over its GPUs).
     """
 
     memory_budget_bytes: float
@@ -39,6 +42,8 @@ class PlannerConfig:
     recompute: Recompute = "adaptive"
     max_slices: int | None = None
     time_limit: float = 1.0
+    offload: Offload = "none"
+    host_memory_budget_bytes: float | None = None
 
     def __post_init__(self) -> None:
         if self.builder not in BUILDERS.values():
@@ -51,14 +56,22 @@ class PlannerConfig:
             raise ValueError("--epp-max-slices must be >= 1")
         if self.time_limit <= 0:
             raise ValueError("--epp-time-limit must be positive")
+        if self.offload not in OFFLOAD_MODES:
+            raise ValueError(f"--epp-offload {self.offload!r}: one of {', '.join(OFFLOAD_MODES)}")
+        if self.host_memory_budget_bytes is not None and self.host_memory_budget_bytes < 0:
+            raise ValueError("--epp-host-memory-budget must be >= 0")
+        if self.host_memory_budget_bytes is not None and self.offload == "none":
+            raise ValueError("--epp-host-memory-budget applies only with --epp-offload checkpoints or auto")
 
     @classmethod
     def from_options(cls, options: "PlannerOptions", max_seq_len: int, memory_budget_bytes: float | None = None) -> "PlannerConfig":
         """From the ``--epp-*`` options (defaults filled in); the budget ``memory_budget_bytes`` where it was not given
         (``--epp-memory-budget`` is in GB)."""
         budget = options.memory_budget * GIB if memory_budget_bytes is None else memory_budget_bytes
+        host = None if options.host_memory_budget is None else options.host_memory_budget * GIB
         return cls(memory_budget_bytes=budget, max_seq_len=max_seq_len, profile=options.profile, builder=BUILDERS[options.plan],
-                   recompute=options.recompute, max_slices=options.max_slices, time_limit=options.time_limit)
+                   recompute=options.recompute, max_slices=options.max_slices, time_limit=options.time_limit,
+                   offload=options.offload or "none", host_memory_budget_bytes=host)
 
 
 @dataclass(frozen=True)
@@ -88,6 +101,14 @@ class PlannerOptions:
                                  "--elastic-pp) for this world size, model and length distribution on the --epp-cluster "
                                  "preset; print the best flags and exit")
     cluster: str | None = option("--epp-cluster", choices=sorted(CLUSTERS),
-                                 help=f"cluster preset of --epp-search-layout (default {DEFAULT_CLUSTER})")
+                                 help=f"cluster preset of --epp-search-layout (default {DEFAULT_CLUSTER}); with --epp-offload "
+                                 "also its host memory and copy bandwidth")
+    offload: str | None = option("--epp-offload", tags=(ELASTIC_ONLY,), choices=OFFLOAD_MODES,
+                                 help="activation offload to pinned host memory, chosen with recompute by the planner's integer "
+                                 "program per (stage, chunk): none (default), checkpoints (recompute checkpoints), auto "
+                                 "(checkpoints, and split sequences' K/V buffers where the device cannot hold them)")
+    host_memory_budget: float | None = option("--epp-host-memory-budget", tags=(ELASTIC_ONLY,), type=float,
+                                              help="GB of host memory per GPU for --epp-offload (default: 75%% of the node's "
+                                              "host memory, of the --epp-cluster preset, divided among its GPUs)")
 
 

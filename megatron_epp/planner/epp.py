@@ -24,8 +24,9 @@ from typing import Sequence
 import numpy as np
 
 from megatron_epp.plan import Pipeline, Plan, PlanInfeasible, PlannedStep
-from megatron_epp.planner.recompute import Recompute
+from megatron_epp.planner.recompute import Offload, OffloadSetting, Recompute
 from megatron_epp.planner.recompute import MemoryInfeasible, solve_recompute
+from megatron_epp.simulator.offload import kv_copy_bytes
 from megatron_epp.planner.chunking import PACK_RELAX, Chunking, build_units
 from megatron_epp.cost.features import F, chunk_features, sequence_features
 from megatron_epp.cost.model import ChunkCosts, CostModel
@@ -76,18 +77,57 @@ def make_plan(lengths: Sequence[int], cost_model: CostModel, chunking: Chunking,
     return Plan(list(map(int, lengths)), cost_model.num_stages, cost_model.layers.tolist(), pipes, builder)
 
 
-def apply_recompute(plan: Plan, cost_model: CostModel, budget: float, mode: Recompute, time_limit: float, mip_rel_gap: float) -> ProgramSummary:
-    """Decide every pipeline's recompute in place; returns the solver's summary."""
+@dataclass(frozen=True)
+class OffloadChoice:
+    """Activation offload for the planner: ``mode`` (``--epp-offload``) and the host budget per GPU in bytes."""
+
+    mode: Offload = "none"
+    host_budget: float = 0.0
+
+
+NO_OFFLOAD = OffloadChoice()
+
+
+def apply_recompute(plan: Plan, cost_model: CostModel, budget: float, mode: Recompute, time_limit: float, mip_rel_gap: float,
+                    offload: OffloadChoice = NO_OFFLOAD) -> ProgramSummary:
+    """Decide every pipeline's recompute (and offload) in place; returns the solver's summary."""
     states = cost_model.model_state_bytes()
     gaps, methods, rc = [], set(), 0.0
     for pipe in plan.pipelines:
         costs = cost_model.costs(chunk_features(pipe.chunks))
-        res = solve_recompute(pipeline_memory(pipe, costs, cost_model.layers, states), costs.rc_layer, cost_model.layers, budget, mode, time_limit, mip_rel_gap)
+        if offload.mode == "none":
+            res = solve_recompute(pipeline_memory(pipe, costs, cost_model.layers, states), costs.rc_layer, cost_model.layers, budget, mode, time_limit, mip_rel_gap)
+        else:
+            res = _solve_with_offload(pipe, costs, cost_model, budget, mode, time_limit, mip_rel_gap, offload)
         pipe.recompute = res.recompute
         gaps.append(res.gap)
         methods.add(res.method)
         rc += res.recompute_ms
     return ProgramSummary(mip_gap=float(max(gaps)), recompute_method="+".join(sorted(methods)), program_recompute_ms=rc)
+
+
+def _solve_with_offload(pipe: Pipeline, costs: ChunkCosts, cost_model: CostModel, budget: float, mode: Recompute,
+                        time_limit: float, mip_rel_gap: float, offload: OffloadChoice):
+    """The pipeline's recompute and checkpoint offload (set in place: ``offload``, empty where nothing is offloaded);
+    under ``auto``, where the device cannot fit the pipeline with its K/V buffers, again with every split sequence's
+    buffer on the host (``kv_host``)."""
+    states, layers = cost_model.model_state_bytes(), cost_model.layers
+    split = sorted({c.segments[-1].seq for c in pipe.chunks if c.kind == "split"})
+
+    def solve():
+        setting = OffloadSetting(cost_model.host, offload.host_budget, costs.fwd, costs.bwd, kv_copy_bytes(pipe, costs, layers))
+        return solve_recompute(pipeline_memory(pipe, costs, layers, states), costs.rc_layer, layers, budget, mode, time_limit,
+                               mip_rel_gap, setting)
+
+    try:
+        res = solve()
+    except MemoryInfeasible as e:
+        if offload.mode != "auto" or not split or type(e) is not MemoryInfeasible:
+            raise
+        pipe.kv_host = split
+        res = solve()
+    pipe.offload = res.offload if any(map(any, res.offload)) else []
+    return res
 
 
 def finish(plan: Plan, cost_model: CostModel, budget: float, t0: float) -> PlannedStep:
@@ -105,14 +145,23 @@ def least_sequence_bytes(cost_model: CostModel, n: int) -> np.ndarray:
     return cost_model.layers * min(m.kv_token, m.ckpt_token) * float(n)
 
 
-def check_fits(lengths: np.ndarray, cost_model: CostModel, budget: float) -> None:
+def check_fits(lengths: np.ndarray, cost_model: CostModel, budget: float, offload: OffloadChoice = NO_OFFLOAD) -> None:
     """Raise :class:`PlanInfeasible` with the reason in one line when the batch cannot fit whatever
-    the plan: the model states alone, or with the least the longest sequence needs."""
+    the plan: the model states alone, or with the least the longest sequence needs (with offload: on the device and
+    the host budget together)."""
     states, n = cost_model.model_state_bytes(), int(lengths.max())
     need = states + least_sequence_bytes(cost_model, n)
     p = int(np.argmax(need - budget))
     if states[p] >= budget:
         raise PlanInfeasible(f"model states take {in_units(states[p], budget)} per GPU on stage {p}: nothing fits")
+    if offload.mode != "none":
+        p = int(np.argmax(need - budget - offload.host_budget))
+        if need[p] > budget + offload.host_budget:
+            raise PlanInfeasible(
+                f"the longest sequence ({n} tokens) needs at least {in_units(need[p] - budget)} of host memory per GPU on "
+                f"stage {p} (its K/V buffer if split, its checkpointed layer inputs if whole, beyond the device's "
+                f"{in_units(budget - states[p])} free): more than --epp-host-memory-budget {offload.host_budget / GIB:g} GB")
+        return
     if need[p] > budget:
         raise PlanInfeasible(
             f"model states take {in_units(states[p], budget)} per GPU on stage {p}; the longest sequence "
@@ -164,6 +213,7 @@ class _Search:
     lengths: np.ndarray
     cost_model: CostModel
     free: float  # stage 0's budget minus its model states
+    offload: Offload = "none"  # what the grouping estimate may count off the device (group_units_both)
     cache: dict = field(default_factory=dict)  # chunkings by (slice budget, cap, balance)
     groupings: dict = field(default_factory=dict)  # their groupings with and without recompute
 
@@ -184,7 +234,8 @@ class _Search:
         chunking, costs = self.units(budget_t, cap, balance)
         key = (id(chunking), margin)  # one grouping per distinct chunking (equivalent caps share one)
         if key not in self.groupings:
-            self.groupings[key] = group_units_both(chunking.unit_sizes.tolist(), costs, self.cost_model.layers, self.free - margin)
+            self.groupings[key] = group_units_both(chunking.unit_sizes.tolist(), costs, self.cost_model.layers, self.free - margin,
+                                                   offload=self.offload)
         groups, overhead = self.groupings[key][recompute]
         if not np.isfinite(overhead):
             return None
@@ -257,6 +308,7 @@ def build_plan(
     time_limit: float = 1.0,
     mip_rel_gap: float = 0.01,
     builder: str = "epp",
+    offload: OffloadChoice = NO_OFFLOAD,
 ) -> PlannedStep:
     """Elastic pipeline plan of one global batch (one data-parallel replica), with its report.
 
@@ -271,16 +323,18 @@ def build_plan(
     the full-recompute variant of those that need some) and is simulated; the fastest wins. The
     finalists of the ablations ``recompute="none"``, ``"full"`` and ``balance=False`` are among
     those of the default, so it is never predicted slower than they are.
+    ``offload``: checkpoints (and, ``auto``, split sequences' K/V buffers) may go to host memory (docs/planner.md,
+    "Activation offload"; the cost model's ``host`` link); the default plans as before offload existed.
     Raises :class:`PlanInfeasible` (the reason in one line) if nothing fits.
     """
     t0 = time.perf_counter()
     L = np.asarray(lengths, dtype=np.int64)
     if len(L) == 0 or (L < 1).any():
         raise PlanInfeasible("the batch must hold sequences of at least one token")
-    check_fits(L, cost_model, budget_bytes)
+    check_fits(L, cost_model, budget_bytes, offload)
     memory_cap = token_cap(cost_model, budget_bytes)
     caps = token_caps(int(L.max()), memory_cap)
-    search = _Search(L, cost_model, budget_bytes - cost_model.model_state_bytes()[0])
+    search = _Search(L, cost_model, budget_bytes - cost_model.model_state_bytes()[0], offload.mode)
     flags = [f for f, allowed in ((True, recompute != "none"), (False, recompute != "full")) if allowed]
     start_cap = min(memory_cap, caps[0])
     finalists = [(rc, _family(search, b, rc, caps if rc else ([c for c in caps if c <= start_cap] or [start_cap]), start_cap, slice_counts))
@@ -288,7 +342,7 @@ def build_plan(
     if balance and recompute != "full":  # packing only: one slice budget, the longest sequence's work
         finalists.append((False, _family(search, True, False, [start_cap], start_cap, [1])))
     modes = [recompute] + (["full"] if recompute in ("adaptive", "greedy") else [])
-    plans, reasons = _simulate_finalists(search, finalists, _Recompute(modes, budget_bytes, time_limit, mip_rel_gap), builder)
+    plans, reasons = _simulate_finalists(search, finalists, _Recompute(modes, budget_bytes, time_limit, mip_rel_gap, offload), builder)
     if not plans:
         why = reasons[0] if reasons else f"no grouping fits even with chunks of {caps[-1]} tokens"
         raise PlanInfeasible(f"no {recompute!r} plan fits {budget_bytes / GIB} GB per GPU: {why}")
@@ -306,6 +360,7 @@ class _Recompute:
     budget: float
     time_limit: float
     mip_rel_gap: float
+    offload: OffloadChoice = NO_OFFLOAD
 
 
 def _evaluate(search: _Search, cand: Candidate, rc: bool, how: _Recompute, builder: str) -> list[_Finalist]:
@@ -319,7 +374,7 @@ def _evaluate(search: _Search, cand: Candidate, rc: bool, how: _Recompute, build
                 if out and out[-1].plan.recomputed_layers() == 0:
                     break  # needs no recompute: the full variant is only slower
                 plan = make_plan(search.lengths, cm, cand.chunking, cand.groups, builder)
-                program = apply_recompute(plan, cm, how.budget, mode, how.time_limit, how.mip_rel_gap)
+                program = apply_recompute(plan, cm, how.budget, mode, how.time_limit, how.mip_rel_gap, how.offload)
                 out.append(_Finalist(plan, simulate(plan, cm), program, ChunkingChoice(cand.slice_budget, cand.cap)))
             return out
         except MemoryInfeasible as e:

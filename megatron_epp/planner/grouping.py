@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from megatron_epp.cost.model import ChunkCosts
+from megatron_epp.simulator.memory import KV_WINDOW
 
 
 def _running_window_max(S: np.ndarray, extra: np.ndarray, start: int, window: int, ends: np.ndarray) -> np.ndarray:
@@ -37,11 +38,14 @@ def group_units(
 
 
 def group_units_both(
-    unit_sizes: list[int], costs: ChunkCosts, layers: np.ndarray, free_bytes: float, prune: bool = True
+    unit_sizes: list[int], costs: ChunkCosts, layers: np.ndarray, free_bytes: float, prune: bool = True,
+    offload: str = "none",
 ) -> dict[bool, tuple[list[tuple[int, int]], float]]:
     """:func:`group_units` with recompute allowed (``True``) and without (``False``) in one pass:
     ``([], inf)`` where no grouping fits. ``prune``: skip the units reached dearer than the best whole answer so
-    far (exact while no group costs less than nothing; False: every unit starts groups, the same answer slower)."""
+    far (exact while no group costs less than nothing; False: every unit starts groups, the same answer slower).
+    ``offload`` (``--epp-offload``): what the floor of a group fully checkpointed may leave to the host: with
+    ``checkpoints`` its checkpoints, with ``auto`` also its split sequences' K/V buffers (for their device window)."""
     P, U = len(layers), len(unit_sizes)
     bounds = np.concatenate([[0], np.cumsum(unit_sizes)]).astype(int)
     step = (costs.fwd + costs.bwd).mean(axis=0)
@@ -58,6 +62,9 @@ def group_units_both(
     inside = np.append(np.where(bounds[unit_of] < np.arange(len(act)), unit_buffer[unit_of], 0.0), 0.0)
     full = layers[0] * act + buffer
     least = layers[0] * costs.ckpt_layer + buffer
+    inside_least = inside
+    if offload != "none":  # the checkpoints on the host (and the K/V buffers, but for their window)
+        least, inside_least = _offloaded_floor(costs, unit_sizes, bounds, split, buffer, inside, offload == "auto")
     rc_per_byte = costs.rc_layer / np.maximum(act - costs.ckpt_layer, 1e-9)
     R = np.concatenate([[0.0], np.cumsum(rc_per_byte)])
     S_full, S_least = (np.concatenate([[0.0], np.cumsum(x)]) for x in (full, least))
@@ -74,7 +81,7 @@ def group_units_both(
         ends = bounds[i + 1 :]  # chunk end of groups [i, j) for j = i+1 .. U
         workspace = np.maximum.accumulate(costs.act_layer[s:])[ends - s - 1]
         # the floor grows with the group: from the first group that cannot fit on, none can
-        fits = np.searchsorted(_running_window_max(S_least, inside, s, window, ends) + workspace > free_bytes, True)
+        fits = np.searchsorted(_running_window_max(S_least, inside_least, s, window, ends) + workspace > free_bytes, True)
         if not fits:
             continue
         ends, workspace = ends[:fits], workspace[:fits]
@@ -97,3 +104,19 @@ def group_units_both(
             j = back[flag][j]
         out[flag] = (groups[::-1], float(best[flag][U]))
     return out
+
+
+def _offloaded_floor(costs: ChunkCosts, unit_sizes: list[int], bounds: np.ndarray, split: np.ndarray, buffer: np.ndarray,
+                     inside: np.ndarray, kv_on_host: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The floor of :func:`group_units_both` under offload: per chunk its K/V buffer, or with ``kv_on_host`` its
+    device window (:data:`~megatron_epp.simulator.memory.KV_WINDOW` blocks of the unit's largest slice and its
+    accumulators); and the window's share of a unit begun before the group (``inside``'s)."""
+    if not kv_on_host:
+        return buffer.copy(), inside
+    U = len(unit_sizes)
+    unit_window = KV_WINDOW * (1.0 + costs.kv_grad) * np.maximum.reduceat(costs.kv_layer * split, bounds[:-1])
+    least = np.zeros(len(buffer))
+    least[bounds[:-1]] = unit_window
+    unit_of = np.repeat(np.arange(U), unit_sizes)
+    inside_least = np.append(np.where(bounds[unit_of] < np.arange(len(buffer)), unit_window[unit_of], 0.0), 0.0)
+    return least, inside_least

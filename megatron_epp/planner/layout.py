@@ -21,6 +21,7 @@ the best layout and the runner-up with its time (why the best won: :attr:`Layout
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -100,7 +101,7 @@ def layout_cost_model(shape: ModelShape, cluster: Cluster, layout: ParallelDims)
         raise ValueError(f"a stage of TP={layout.tp} x CP={layout.cp} GPUs: more than the node's {cluster.gpus_per_node}")
     network = cluster.network(layout.stage_size * layout.pp)
     return CostModel(place_profile(tp_profile(shape, cluster, layout.tp), layout, network), layout.pp, dp=layout.dp,
-                     network=network)
+                     network=network, host=cluster.host)
 
 
 def dp_sync_ms(cost_model: CostModel, cluster: Cluster, layout: ParallelDims, overlap: float = COMM_OVERLAP) -> float:
@@ -364,3 +365,56 @@ def search_for_world(lengths: Sequence[int], shape: ModelShape, cluster_name: st
     """EPP's best layout (TP x CP x PP x DP) for ``world_size`` GPUs of the preset ``cluster_name``."""
     cluster = cluster_for_world(get_cluster(cluster_name), world_size)
     return search_layout(lengths, shape, cluster, ELASTIC, config), cluster
+
+
+LONGEST_STEP = 65536  # the longest-document search's resolution, tokens
+LONGEST_MAX = 1 << 25  # and its ceiling (32M tokens)
+
+
+@dataclass
+class LongestDocument:
+    """The longest single document the elastic planner fits on a layout (a multiple of :data:`LONGEST_STEP`; 0: not
+    even one step), with its plan's predicted step, peak device and host memory per GPU, and why the next length fails."""
+
+    tokens: int
+    step: PlannedStep | None
+    why_not_longer: str
+
+    def row(self) -> dict:
+        r = None if self.step is None else self.step.report
+        return {"tokens": self.tokens, "step_ms": None if r is None else round(r.predicted_step_ms, 1),
+                "peak_gb": None if r is None else round(max(r.peak_memory_bytes) / GIB, 1),
+                "host_gb": None if r is None else round(max(r.host_memory_bytes or [0.0]) / GIB, 1),
+                "copy_ms": None if r is None else round(r.copy_ms or 0.0, 1),
+                "recomputed_layers": None if r is None else r.recomputed_layers,
+                "chunks": None if r is None else sum(r.num_chunks.values()), "why_not_longer": self.why_not_longer}
+
+
+def longest_document(shape: ModelShape, cluster: Cluster, layout: ParallelDims, config: PlannerConfig) -> LongestDocument:
+    """The longest single document ``config`` (its offload mode and budgets) fits on ``layout``: lengths doubled from
+    :data:`LONGEST_STEP` until the planner's feasibility check (a plan, or :class:`PlanInfeasible`) fails, then bisected
+    to :data:`LONGEST_STEP` tokens. Fitting is taken as monotone in the length (a longer document needs more)."""
+    cm = layout_cost_model(shape, cluster, layout)
+
+    def plan(n: int) -> tuple[PlannedStep | None, str]:
+        try:
+            return ELASTIC.plan([n], cm, dataclasses.replace(config, max_seq_len=n)), ""
+        except PlanInfeasible as e:
+            return None, str(e)
+
+    good, bad, best, why = 0, None, None, f"fits {LONGEST_MAX} tokens (the search's ceiling)"
+    n = LONGEST_STEP
+    while n <= LONGEST_MAX:
+        step, reason = plan(n)
+        if step is None:
+            bad, why = n, reason
+            break
+        good, best, n = n, step, 2 * n
+    while bad is not None and bad - good > LONGEST_STEP:
+        mid = (good + bad) // 2 // LONGEST_STEP * LONGEST_STEP
+        step, reason = plan(mid)
+        if step is None:
+            bad, why = mid, reason
+        else:
+            good, best = mid, step
+    return LongestDocument(good, best, why)

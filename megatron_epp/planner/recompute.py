@@ -20,10 +20,16 @@ from scipy import sparse
 from scipy.optimize import Bounds, LinearConstraint, milp
 
 from megatron_epp.base.units import GIB
+from megatron_epp.cost.host import HostLink
 from megatron_epp.simulator.memory import StageMemory
+from megatron_epp.simulator.offload import CopyBytes
 
 Recompute = Literal["adaptive", "greedy", "none", "full"]  # --epp-recompute
 RECOMPUTE_MODES: tuple[Recompute, ...] = get_args(Recompute)
+# --epp-offload: none; checkpoints (the program may move checkpoints to the host); auto (and, where the device cannot
+# hold them, the K/V buffers of a pipeline's split sequences)
+Offload = Literal["none", "checkpoints", "auto"]
+OFFLOAD_MODES: tuple[Offload, ...] = get_args(Offload)
 
 
 NODE_LIMIT = 500  # branch-and-bound nodes per program: the deterministic work limit
@@ -43,9 +49,11 @@ class MemoryInfeasible(ValueError):
 @dataclass
 class RecomputeResult:
     recompute: list[list[int]]  # [stage][chunk]
-    recompute_ms: float  # total recompute time over all stages
+    recompute_ms: float  # total recompute time over all stages (with offload: and the exposed copy time)
     gap: float  # relative MIP gap of the returned solution (0: proven optimal)
     method: str  # "milp", "greedy", "none", "full"
+    offload: list[list[int]] | None = None  # [stage][chunk] offloaded checkpoints (None: offload not planned)
+    copy_ms: float = 0.0  # the exposed copy time over all stages (part of recompute_ms)
 
 
 @dataclass
@@ -131,9 +139,13 @@ def solve_recompute(
     mode: Recompute = "adaptive",
     time_limit: float = 1.0,
     mip_rel_gap: float = 0.01,
+    offload: OffloadSetting | None = None,
 ) -> RecomputeResult:
     """Recompute decisions of one pipeline. ``mems``: the walk of every stage; ``budget`` bytes/GPU.
-    ``adaptive``: the better of the integer program's answer and the greedy one."""
+    ``adaptive``: the better of the integer program's answer and the greedy one. ``offload``: checkpoints may go to
+    the host too (:func:`solve_offload`); None: recompute alone, as before offload existed."""
+    if offload is not None:
+        return solve_offload(mems, rc_layer, layers, budget, mode, time_limit, mip_rel_gap, offload)
     P, n = len(mems), len(rc_layer)
     full = [[int(layers[p])] * n for p in range(P)]
     none = [[0] * n for _ in range(P)]
@@ -170,3 +182,222 @@ def solve_recompute(
     objective = float(prog.c @ x)
     gap = 0.0 if lower is None or objective <= 0 else max(0.0, (objective - lower) / objective)
     return RecomputeResult(x[prog.diag].astype(int).tolist(), objective, gap, method)
+
+
+
+# ----------------------------------------------------------------------------- activation offload
+class HostMemoryInfeasible(MemoryInfeasible):
+    """A stage's GPU needs more host memory than ``--epp-host-memory-budget`` allows (its K/V buffers on the host)."""
+
+    def __init__(self, stage: int, need_bytes: float, budget_bytes: float) -> None:
+        ValueError.__init__(self, f"stage {stage} needs {need_bytes / GIB:.3g} GB of host memory per GPU > "
+                            f"--epp-host-memory-budget {budget_bytes / GIB:.3g} GB")
+        self.stage = stage
+        self.excess_bytes = need_bytes - budget_bytes
+
+
+@dataclass
+class OffloadSetting:
+    """What the program needs to offload checkpoints (docs/planner.md, "Activation offload"): the host link, the host
+    budget per GPU (bytes), the chunks' forward and backward times per (stage, chunk) (the compute copies hide
+    behind), and the copies that do not depend on the decision (the K/V buffers on the host:
+    :class:`~megatron_epp.simulator.offload.CopyBytes`)."""
+
+    host: HostLink
+    host_budget: float
+    fwd: np.ndarray
+    bwd: np.ndarray
+    kv: CopyBytes
+
+
+class _Rows:
+    """``A x >= rhs`` assembled row block by row block (coordinates)."""
+
+    def __init__(self, width: int) -> None:
+        self.width, self.data, self.row, self.col, self.rhs = width, [], [], [], []
+
+    def add(self, rhs: np.ndarray, *terms: tuple[np.ndarray, np.ndarray, np.ndarray]) -> None:
+        """Rows ``sum of data at (row, col) >= rhs``; ``row`` indexes ``rhs``."""
+        base = sum(len(r) for r in self.rhs)
+        for data, row, col in terms:
+            self.data.append(np.asarray(data, dtype=float))
+            self.row.append(np.asarray(row) + base)
+            self.col.append(np.asarray(col))
+        self.rhs.append(np.asarray(rhs, dtype=float))
+
+    def build(self) -> tuple[sparse.csr_array, np.ndarray]:
+        rhs = np.concatenate(self.rhs) if self.rhs else np.zeros(0)
+        cat = (lambda xs: np.concatenate(xs) if xs else np.zeros(0))
+        A = sparse.coo_array((cat(self.data), (cat(self.row).astype(int), cat(self.col).astype(int))), shape=(len(rhs), self.width))
+        return A.tocsr(), rhs
+
+
+def _selected(coo: sparse.coo_array, keep: np.ndarray, col_of: np.ndarray, scale: float = 1.0) -> tuple:
+    """The entries of ``coo``'s kept rows, renumbered, their columns mapped by ``col_of``."""
+    sel = keep[coo.row]
+    return scale * coo.data[sel], (np.cumsum(keep) - 1)[coo.row[sel]], col_of[coo.col[sel]]
+
+
+def _memory_rows(rows: _Rows, mems: list[StageMemory], diag: np.ndarray, nv: int, layers: np.ndarray, budget: float,
+                 host_budget: float) -> None:
+    """Device rows ``live saving c + resident ckpt o - own ckpt y >= base - budget`` at every backward row that can
+    exceed the budget; host rows ``-resident ckpt o >= host_base - host_budget`` at every forward row that can."""
+    for p, sm in enumerate(mems):
+        r = sm.bwd_rows
+        live = (sm.live[r] * sm.saving[None, :]).tocoo()
+        res = (sm.resident[r] * sm.ckpt[None, :]).tocoo()
+        n = len(sm.ckpt)
+        own = sparse.csr_array((sm.ckpt, (sm.own_row, np.arange(n))), shape=(len(sm.base), n))[r].tocoo()
+        need = sm.base[r] - budget
+        growth = np.bincount(live.row, weights=np.maximum(-live.data, 0.0), minlength=len(r)) * layers[p]
+        keep = need + growth + np.bincount(own.row, weights=own.data, minlength=len(r)) > 0
+        if keep.any():
+            rows.add(need[keep], _selected(live, keep, diag[p]), _selected(res, keep, nv + diag[p]),
+                     _selected(own, keep, 2 * nv + diag[p], -1.0))
+        f = sm.fwd_rows
+        host = (sm.resident[f] * sm.ckpt[None, :]).tocoo()
+        hneed = sm.host_base[f] - host_budget
+        hkeep = hneed + np.bincount(host.row, weights=host.data, minlength=len(f)) * layers[p] > 0
+        if hkeep.any():
+            rows.add(-hneed[hkeep], _selected(host, hkeep, nv + diag[p], -1.0))
+
+
+@dataclass
+class _OffloadProgram:
+    """``A x >= rhs``, ``lb <= x <= ub`` over ``x = [c, o, y, e]``: per diagonal the checkpointed layers ``c``, the
+    offloaded checkpoints ``o`` and whether any is offloaded ``y`` (``o <= c``, ``o <= ub y``); the exposed copy time
+    ``e`` of each (stage, chunk, phase) whose copies may not hide (``e_rows``: the rows that bound it). ``cost``: the
+    recompute and exposed ms; ``tie``: a millionth of each offloaded byte's copy time (no offload that gains nothing)."""
+
+    A: sparse.csr_array
+    rhs: np.ndarray
+    lb: np.ndarray
+    ub: np.ndarray
+    cost: np.ndarray
+    tie: np.ndarray
+    diag: np.ndarray
+    nv: int
+    e_rows: list[list[int]]
+
+
+def _copy_rows(rows: _Rows, s: OffloadSetting, ckpt: np.ndarray, diag: np.ndarray, nv: int, ub: np.ndarray,
+               rc_layer: np.ndarray) -> tuple[list, list]:
+    """The exposed-copy variables (lower bounds) and their rows (:mod:`~megatron_epp.simulator.offload`'s model): per
+    (stage, chunk) whose copies can exceed the phase's compute at the most offload, ``e_f >= (o ckpt + out) / d2h - fwd``
+    (``>= in / h2d - fwd``: its lower bound); ``e_b + rc c >= (o ckpt + in) / h2d - bwd`` and ``>= out / d2h - bwd``."""
+    out_bw, in_bw = s.host.d2h_gbps * 1e6, s.host.h2d_gbps * 1e6  # bytes per ms
+    lbs, e_rows = [], []
+    P, n = s.fwd.shape
+    for p in range(P):
+        for k in range(n):
+            d, ck = diag[p, k], ckpt[k]
+            most_o = ub[d] * ck
+            kv = s.kv
+            if max((most_o + kv.fwd_out[p, k]) / out_bw, kv.fwd_in[p, k] / in_bw) > s.fwd[p, k]:
+                v = 3 * nv + len(lbs)
+                lbs.append(max(0.0, kv.fwd_in[p, k] / in_bw - s.fwd[p, k]))
+                first = sum(len(r) for r in rows.rhs)
+                rows.add([kv.fwd_out[p, k] / out_bw - s.fwd[p, k]], ([1.0, -ck / out_bw], [0, 0], [v, nv + d]))
+                e_rows.append([first])
+            if max((most_o + kv.bwd_in[p, k]) / in_bw, kv.bwd_out[p, k] / out_bw) > s.bwd[p, k]:
+                v = 3 * nv + len(lbs)
+                lbs.append(0.0)
+                first = sum(len(r) for r in rows.rhs)
+                rows.add([kv.bwd_in[p, k] / in_bw - s.bwd[p, k], kv.bwd_out[p, k] / out_bw - s.bwd[p, k]],
+                         ([1.0, -ck / in_bw, rc_layer[k], 1.0, rc_layer[k]], [0, 0, 0, 1, 1], [v, nv + d, d, v, d]))
+                e_rows.append([first, first + 1])
+    return lbs, e_rows
+
+
+def _offload_program(mems: list[StageMemory], rc_layer: np.ndarray, layers: np.ndarray, budget: float, mode: Recompute,
+                     s: OffloadSetting) -> _OffloadProgram:
+    P, n = len(mems), len(rc_layer)
+    diag = np.arange(n)[None, :] - np.arange(P)[:, None] + P - 1
+    nv = n + P - 1
+    ub_c = np.full(nv, np.inf)
+    np.minimum.at(ub_c, diag.ravel(), np.repeat(layers, n).astype(float))
+    ub_c = np.where(np.isfinite(ub_c), ub_c, 0.0) * (mode != "none")
+    rows = _Rows(0)
+    _memory_rows(rows, mems, diag, nv, layers, budget, s.host_budget)
+    idx = np.arange(nv)
+    rows.add(np.zeros(nv), (np.ones(nv), idx, idx), (-np.ones(nv), idx, nv + idx))  # c - o >= 0
+    rows.add(np.zeros(nv), (ub_c, idx, 2 * nv + idx), (-np.ones(nv), idx, nv + idx))  # ub y - o >= 0
+    ckpt = mems[0].ckpt
+    lbs, e_rows = _copy_rows(rows, s, ckpt, diag, nv, ub_c, rc_layer)
+    rows.width = 3 * nv + len(lbs)
+    A, rhs = rows.build()
+    c_cost = np.bincount(diag.ravel(), weights=np.tile(rc_layer, P), minlength=nv)
+    ckpt_ms = np.bincount(diag.ravel(), weights=np.tile(ckpt, P), minlength=nv) / (s.host.d2h_gbps * 1e6)
+    cost = np.concatenate([c_cost, np.zeros(2 * nv), np.ones(len(lbs))])
+    tie = np.concatenate([np.zeros(nv), 1e-6 * ckpt_ms + 1e-9, np.full(nv, 1e-9), np.zeros(len(lbs))])
+    lb = np.concatenate([ub_c if mode == "full" else np.zeros(nv), np.zeros(2 * nv), lbs])
+    ub = np.concatenate([ub_c, ub_c, (ub_c > 0).astype(float), np.full(len(lbs), np.inf)])
+    return _OffloadProgram(A, rhs, lb, ub, cost, tie, diag, nv, e_rows)
+
+
+def _completed(prog: _OffloadProgram, c: np.ndarray, o: np.ndarray) -> np.ndarray:
+    """``x`` with these ``c`` and ``o``, ``y`` where ``o > 0``, and every ``e`` at the least its rows allow."""
+    nv = prog.nv
+    x = np.concatenate([c, o, (o > 0).astype(float), prog.lb[3 * nv:]])
+    x[3 * nv:] = 0.0
+    slack = prog.A @ x - prog.rhs
+    for j, rs in enumerate(prog.e_rows):
+        x[3 * nv + j] = max(prog.lb[3 * nv + j], *(-slack[r] for r in rs))
+    return x
+
+
+def _feasible(prog: _OffloadProgram, x: np.ndarray) -> bool:
+    return bool((prog.A @ x >= prog.rhs - 1e-6 * np.maximum(np.abs(prog.rhs), 1.0)).all() and (x <= prog.ub + 1e-9).all()
+                and (x >= prog.lb - 1e-9).all())
+
+
+def _check_least(mems: list[StageMemory], layers: np.ndarray, budget: float, mode: Recompute, s: OffloadSetting) -> None:
+    """MemoryInfeasible where a stage exceeds the device budget even with every checkpoint it may take offloaded, or
+    the host budget with its K/V buffers on the host alone."""
+    for p, sm in enumerate(mems):
+        most = np.zeros(len(sm.ckpt)) if mode == "none" else np.full(len(sm.ckpt), float(layers[p]))
+        worst = sm.during(most, most).max()
+        if worst > budget:
+            raise MemoryInfeasible(p, worst, budget)
+        host = sm.host_base.max(initial=0.0)
+        if host > s.host_budget:
+            raise HostMemoryInfeasible(p, host, s.host_budget)
+
+
+def solve_offload(mems: list[StageMemory], rc_layer: np.ndarray, layers: np.ndarray, budget: float, mode: Recompute,
+                  time_limit: float, mip_rel_gap: float, s: OffloadSetting) -> RecomputeResult:
+    """Keep, recompute or offload: per (stage, chunk) on the anti-diagonal tie, ``c`` checkpointed layers of which ``o``
+    keep their checkpoint on the host, minimising the recompute time plus the copy time no compute hides, under the
+    device budget at every backward row and the host budget at every forward row (docs/planner.md, "Activation
+    offload"). Incumbents: the recompute-only greedy answer (nothing offloaded) and every checkpoint offloaded at full
+    recompute; ``adaptive`` also solves the integer program (HiGHS, the same limits) and keeps the best that fits."""
+    _check_least(mems, layers, budget, mode, s)
+    prog = _offload_program(mems, rc_layer, layers, budget, mode, s)
+    nv, ub_c = prog.nv, prog.ub[: prog.nv]
+    rprog = _program(mems, rc_layer, layers, budget)
+    c_rc = ub_c.copy() if mode == "full" else np.zeros(nv) if mode == "none" or not len(rprog.rhs) else np.minimum(_greedy(rprog), ub_c)
+    found = [(x, m) for x, m in ((_completed(prog, c_rc, np.zeros(nv)), "greedy"), (_completed(prog, ub_c, ub_c), "offload-all"))
+             if _feasible(prog, x)]
+    objective = prog.cost + prog.tie
+    lower = None
+    if mode == "adaptive":
+        scale = np.maximum(np.abs(prog.rhs), 1.0)
+        norm = max(objective.max(), 1e-12)
+        res = milp(objective / norm, integrality=np.r_[np.ones(3 * nv), np.zeros(len(prog.lb) - 3 * nv)],
+                   bounds=Bounds(prog.lb, prog.ub), constraints=LinearConstraint(sparse.diags_array(1.0 / scale) @ prog.A, lb=prog.rhs / scale - 1e-9),
+                   options={"node_limit": NODE_LIMIT, "time_limit": time_limit * max(1.0, prog.A.nnz / NONZEROS_PER_SECOND), "mip_rel_gap": mip_rel_gap})
+        if res.x is not None:
+            x = _completed(prog, np.round(res.x[:nv]), np.round(res.x[nv: 2 * nv]))
+            if _feasible(prog, x):
+                found.append((x, "milp"))
+            if getattr(res, "mip_dual_bound", None) is not None:
+                lower = float(res.mip_dual_bound) * norm
+    if not found:
+        worst = max(range(len(mems)), key=lambda p: mems[p].host_rows(np.full(len(mems[p].ckpt), float(layers[p]))).max(initial=0.0))
+        need = mems[worst].host_rows(np.full(len(mems[worst].ckpt), float(layers[worst]))).max(initial=0.0)
+        raise HostMemoryInfeasible(worst, max(need, s.host_budget * (1 + 1e-9)), s.host_budget)
+    x, method = min(found, key=lambda f: float(objective @ f[0]))
+    total = float(prog.cost @ x)
+    gap = 0.0 if lower is None or total <= 0 else max(0.0, (float(objective @ x) - lower) / float(objective @ x))
+    c, o = x[:nv][prog.diag].astype(int), x[nv: 2 * nv][prog.diag].astype(int)
+    return RecomputeResult(c.tolist(), total, gap, method, o.tolist(), float(x[3 * nv:].sum()))

@@ -73,5 +73,7 @@ def planned_step(plan: Plan, cost_model: CostModel, sim: SimResult, budget: floa
         program_recompute_ms=None if program is None else program.program_recompute_ms,
         slice_budget_ms=None if chunking is None else chunking.slice_budget_ms,
         token_cap=None if chunking is None else chunking.token_cap,
+        host_memory_bytes=sim.host_memory.tolist() if plan.offloads() and sim.host_memory is not None else None,
+        copy_ms=sim.copy_ms if plan.offloads() else None,
     )
     return PlannedStep(plan, report)

@@ -33,6 +33,16 @@ Memory at every row is ``base - live @ (saving * recompute)``, linear in the sta
 checkpointed-layer counts (the planner's decision variables): ``live[r, k]`` is 1 while chunk ``k``
 is resident, and during ``k``'s own recompute row the (negative) multiple of ``saving[k]`` that
 each checkpointed layer adds.
+
+Activation offload (docs/planner.md, "Activation offload"). A chunk's ``o`` offloaded checkpoints (of its ``c``
+checkpointed layers, the first ``o``) are on the host at every row the chunk is resident: the device holds ``o *
+ckpt`` less there, the host ``o * ckpt`` more (``resident``: 1 at those rows), and at the chunk's own recompute row
+one layer input comes back ahead of its backward (a prefetch slot: ``+ ckpt`` where ``o > 0``). So the recompute row
+holds ``act - ckpt + (c - o) * ckpt + [o > 0] ckpt``, exact at ``o = c`` and one input more than the truth (layer
+``c``'s, kept) below. A split sequence whose K/V buffer is on the host (the pipeline's ``kv_host``) holds on the
+device, from its first slice's forward to that slice's backward, only :data:`KV_WINDOW` blocks of its largest
+slice's K/V of one layer (and as many of its gradient accumulators where those are counted): the block in use and
+the one being fetched; the host holds every layer's buffer (and accumulators) over the same rows.
 """
 
 from __future__ import annotations
@@ -46,6 +56,8 @@ from megatron_epp.plan import Pipeline
 from megatron_epp.cost.model import ChunkCosts
 from megatron_epp.plan.order import Op, sequence_units, stage_ops
 
+KV_WINDOW = 2  # blocks of a slice's K/V of one layer on the device for a K/V buffer on the host: in use + in flight
+
 
 @dataclass
 class StageMemory:
@@ -57,16 +69,33 @@ class StageMemory:
     saving: np.ndarray  # (n,) bytes freed per checkpointed layer of chunk k
     bwd_rows: np.ndarray  # rows of the backwards (memory peaks: nothing is freed before them)
     row_op: np.ndarray  # (m,) the op of each row
+    # activation offload (module docstring)
+    ckpt: np.ndarray  # (n,) one checkpointed layer's input: what an offloaded checkpoint moves to the host
+    resident: sparse.csr_array  # (m, n) 1 while chunk k is resident (its forward's row to its recompute row)
+    own_row: np.ndarray  # (n,) chunk k's recompute row (where an offloaded checkpoint's prefetch slot counts)
+    host_base: np.ndarray  # (m,) host bytes at row r without offloaded checkpoints (K/V buffers on the host)
+    fwd_rows: np.ndarray  # rows of the forwards (host peaks: nothing is added to the host at a backward)
 
-    def rows(self, recompute: np.ndarray) -> np.ndarray:
-        """Memory at every row given the stage's recompute counts per chunk."""
-        return self.base - self.live @ (self.saving * np.asarray(recompute, dtype=float))
-
-    def during(self, recompute: np.ndarray) -> np.ndarray:
-        """Peak memory during every op given the stage's recompute counts per chunk."""
-        out = np.full(len(self.ops), -np.inf)
-        np.maximum.at(out, self.row_op, self.rows(recompute))
+    def rows(self, recompute: np.ndarray, offload: np.ndarray | None = None) -> np.ndarray:
+        """Memory at every row given the stage's recompute counts per chunk (and offloaded checkpoints per chunk)."""
+        out = self.base - self.live @ (self.saving * np.asarray(recompute, dtype=float))
+        if offload is not None and np.any(offload):
+            o = np.asarray(offload, dtype=float)
+            out = out - self.resident @ (self.ckpt * o)
+            np.add.at(out, self.own_row, self.ckpt * (o > 0))
         return out
+
+    def during(self, recompute: np.ndarray, offload: np.ndarray | None = None) -> np.ndarray:
+        """Peak memory during every op given the stage's recompute (and offload) counts per chunk."""
+        out = np.full(len(self.ops), -np.inf)
+        np.maximum.at(out, self.row_op, self.rows(recompute, offload))
+        return out
+
+    def host_rows(self, offload: np.ndarray | None = None) -> np.ndarray:
+        """Host bytes at every row given the offloaded checkpoints per chunk."""
+        if offload is None or not np.any(offload):
+            return self.host_base
+        return self.host_base + self.resident @ (self.ckpt * np.asarray(offload, dtype=float))
 
 
 def kv_buffers(pipe: Pipeline, kv_layer: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -81,6 +110,25 @@ def kv_buffers(pipe: Pipeline, kv_layer: np.ndarray) -> tuple[np.ndarray, np.nda
     return is_slice, buffer
 
 
+def kv_host_units(pipe: Pipeline) -> list[list[int]]:
+    """The split sequences of ``pipe`` whose K/V buffer is on the host (``kv_host``), each as its chunks' positions."""
+    host = set(pipe.kv_host)
+    if not host:
+        return []
+    return [u for u in sequence_units(pipe) if len(u) > 1 and pipe.chunks[u[0]].segments[-1].seq in host]
+
+
+def kv_host_bytes(units: list[list[int]], costs: ChunkCosts, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(window, per_layer)`` per chunk (at each host sequence's first slice, else 0): the device's K/V blocks of a
+    buffer on the host (:data:`KV_WINDOW` of its largest slice's K/V of one layer, and as many accumulator blocks
+    where those are counted), and the host's bytes per layer (its buffer and accumulators)."""
+    window, per_layer = np.zeros(n), np.zeros(n)
+    for u in units:
+        window[u[0]] = KV_WINDOW * costs.kv_layer[u].max() * (1.0 + costs.kv_grad)
+        per_layer[u[0]] = costs.kv_layer[u].sum() * (1.0 + costs.kv_grad)
+    return window, per_layer
+
+
 def stage_memory(pipe: Pipeline, stage: int, num_stages: int, costs: ChunkCosts, layers: int, state_bytes: float) -> StageMemory:
     """Walk ``stage_ops`` of one stage and tabulate what is resident at each row."""
     ops = stage_ops(pipe, stage, num_stages)
@@ -91,13 +139,18 @@ def stage_memory(pipe: Pipeline, stage: int, num_stages: int, costs: ChunkCosts,
     fpos[pos[~is_bwd]] = np.flatnonzero(~is_bwd)
     bpos[pos[is_bwd]] = np.flatnonzero(is_bwd)
     is_slice, buffer = kv_buffers(pipe, costs.kv_layer)
+    host_units = kv_host_units(pipe)
+    window, host_kv = kv_host_bytes(host_units, costs, n)
+    on_host = {u[0] for u in host_units}
+    buffer[list(on_host)] = 0.0  # a buffer on the host: its window instead (in the base, like the head's tensors)
     act = costs.act_layer - costs.lone_layer * is_slice
     head = costs.logits if stage == num_stages - 1 else np.zeros(n)
     embed = costs.embed if stage == 0 else np.zeros(n)
-    resident = layers * (act + buffer) + head + embed
+    resident = layers * (act + buffer) + head + embed + window
     saving = np.maximum(act - costs.ckpt_layer, 1e-9)
-    # split sequences' (first slice, last slice, accumulator bytes per layer), where they are counted
-    grads = [(u[0], u[-1], costs.kv_grad * buffer[u[0]]) for u in sequence_units(pipe) if len(u) > 1] if costs.kv_grad else []
+    # split sequences' (first slice, last slice, accumulator bytes per layer), where they are counted on the device
+    grads = [(u[0], u[-1], costs.kv_grad * buffer[u[0]]) for u in sequence_units(pipe)
+             if len(u) > 1 and u[0] not in on_host] if costs.kv_grad else []
 
     # rows: F -> end of forward; B -> start of backward, then its first recompute (a last slice's with
     # accumulators: then the recompute of its first layer)
@@ -121,7 +174,7 @@ def stage_memory(pipe: Pipeline, stage: int, num_stages: int, costs: ChunkCosts,
     base[start_rows] += costs.workspace
     # chunk k during the recompute of its last checkpointed layer: act - ckpt + c * (ckpt + buffer)
     # (+ rc_input where the recomputed layer's saved tensors do not share its kept input)
-    base[hi] += embed + act - costs.ckpt_layer + costs.rc_input - resident
+    base[hi] += embed + act - costs.ckpt_layer + costs.rc_input + window - resident
     data[indptr[1:] - 1] = -(costs.ckpt_layer + buffer) / saving
     for first, last, grad in grads:
         # from the last slice's recompute row, (L - c) layers' accumulators, to the first slice's, c layers'
@@ -131,7 +184,12 @@ def stage_memory(pipe: Pipeline, stage: int, num_stages: int, costs: ChunkCosts,
         # the last slice's third row (its chunk's column ends at the second: what it holds is in the base)
         base[hi[last] + 1] += embed[last] + act[last] - costs.ckpt_layer[last] + costs.rc_input[last] + min(0.0, costs.ckpt_layer[last] - grad)
     live = sparse.csc_array((data, indices, indptr), shape=(m, n)).tocsr()
-    return StageMemory(ops, base, live, saving, bwd_rows, row_op)
+    ones = sparse.csc_array((np.ones(indptr[-1]), indices, indptr), shape=(m, n)).tocsr()
+    host_diff = np.zeros(m + 1)
+    np.add.at(host_diff, lo, layers * host_kv)
+    np.add.at(host_diff, hi + 1, -layers * host_kv)
+    return StageMemory(ops, base, live, saving, bwd_rows, row_op, costs.ckpt_layer.astype(float), ones, hi,
+                       np.cumsum(host_diff)[:m], np.flatnonzero(np.repeat(~is_bwd, per_op)))
 
 
 def pipeline_memory(pipe: Pipeline, costs: ChunkCosts, layers: np.ndarray, state_bytes: np.ndarray) -> list[StageMemory]:
@@ -141,5 +199,15 @@ def pipeline_memory(pipe: Pipeline, costs: ChunkCosts, layers: np.ndarray, state
 
 
 def peak_memory(pipe: Pipeline, costs: ChunkCosts, layers: np.ndarray, state_bytes: np.ndarray) -> np.ndarray:
-    """Peak bytes of every stage over the pipeline, with the pipeline's own recompute decisions."""
-    return np.array([sm.during(pipe.recompute[p]).max() for p, sm in enumerate(pipeline_memory(pipe, costs, layers, state_bytes))])
+    """Peak bytes of every stage over the pipeline, with the pipeline's own recompute (and offload) decisions."""
+    return np.array([sm.during(pipe.recompute[p], pipe.offloaded(p) if pipe.offload else None).max()
+                     for p, sm in enumerate(pipeline_memory(pipe, costs, layers, state_bytes))])
+
+
+def peak_host_memory(pipe: Pipeline, costs: ChunkCosts, layers: np.ndarray) -> np.ndarray:
+    """Peak host bytes of every stage's GPU over the pipeline (offloaded checkpoints, K/V buffers on the host)."""
+    if not pipe.offload and not pipe.kv_host:
+        return np.zeros(len(layers))
+    zeros = np.zeros(len(layers))
+    return np.array([sm.host_rows(pipe.offloaded(p) if pipe.offload else None).max(initial=0.0)
+                     for p, sm in enumerate(pipeline_memory(pipe, costs, layers, zeros))])

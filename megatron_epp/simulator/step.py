@@ -17,7 +17,8 @@ import numpy as np
 from megatron_epp.plan import Plan
 from megatron_epp.cost.features import chunk_features
 from megatron_epp.cost.model import ChunkCosts, CostModel
-from megatron_epp.simulator.memory import peak_memory
+from megatron_epp.simulator.memory import peak_host_memory, peak_memory
+from megatron_epp.simulator.offload import exposed_ms
 from megatron_epp.plan.order import format_stage_ops, op_label, plan_stage_ops
 
 
@@ -45,6 +46,10 @@ class SimResult:
     recompute_ms: float  # summed over stages
     peak_memory: np.ndarray  # (P,) bytes
     events: list[Event] = field(default_factory=list)
+    # activation offload: per stage the peak host bytes of a GPU (zeros without offload), and the copy time no
+    # compute hides, summed over stages (part of the busy time: a stage waits for its copies)
+    host_memory: np.ndarray | None = None
+    copy_ms: float = 0.0
 
     @property
     def bubble_ratio(self) -> float:
@@ -60,30 +65,45 @@ def plan_costs(plan: Plan, cost_model: CostModel) -> list[ChunkCosts]:
 def simulate(plan: Plan, cost_model: CostModel, costs: list[ChunkCosts] | None = None) -> SimResult:
     """Simulate one training step of ``plan``."""
     costs = costs or plan_costs(plan, cost_model)
-    events, free = _run(plan, costs)
+    copies = _copies(plan, cost_model, costs)
+    events, free = _run(plan, costs, copies)
     busy = np.zeros(plan.num_stages)
     for e in events:
         busy[e.stage] += e.end - e.start
     states = cost_model.model_state_bytes()
     peaks = np.max([peak_memory(pipe, c, cost_model.layers, states) for pipe, c in zip(plan.pipelines, costs)], axis=0)
-    return SimResult(float(free.max()), busy, float(sum(e.recompute_ms for e in events)), peaks, events)
+    host = np.max([peak_host_memory(pipe, c, cost_model.layers) for pipe, c in zip(plan.pipelines, costs)], axis=0)
+    copy_ms = float(sum(f.sum() + b.sum() for f, b in copies)) if copies else 0.0
+    return SimResult(float(free.max()), busy, float(sum(e.recompute_ms for e in events)), peaks, events, host, copy_ms)
+
+
+def _copies(plan: Plan, cost_model: CostModel, costs: list[ChunkCosts]) -> list[tuple[np.ndarray, np.ndarray]] | None:
+    """Per pipeline the exposed copy time of its offload (forward, backward; :mod:`.offload`), None without offload."""
+    if not plan.offloads():
+        return None
+    return [exposed_ms(pipe, c, cost_model.layers, cost_model.host) for pipe, c in zip(plan.pipelines, costs)]
 
 
 def step_ms(plan: Plan, cost_model: CostModel) -> float:
     """The simulated step time of ``plan`` alone, without the memory walk: for fits that simulate the
     same plans many times."""
-    return float(_run(plan, plan_costs(plan, cost_model))[1].max())
+    costs = plan_costs(plan, cost_model)
+    return float(_run(plan, costs, _copies(plan, cost_model, costs))[1].max())
 
 
-def _run(plan: Plan, costs: list[ChunkCosts]) -> tuple[list[Event], np.ndarray]:
+def _run(plan: Plan, costs: list[ChunkCosts], copies: list[tuple[np.ndarray, np.ndarray]] | None = None) -> tuple[list[Event], np.ndarray]:
     """Every forward and backward of the step as an event, and the time each stage finishes. The stages walk
     their op lists with the sends and receives (:func:`~megatron_epp.plan.order.plan_stage_ops`): a send takes
     no stage time and leaves at the stage's current time; a receive waits until its send has left and crossed
-    the link (the chunk's point-to-point time); a backward needs its chunk's forward on the same stage."""
+    the link (the chunk's point-to-point time); a backward needs its chunk's forward on the same stage. ``copies``:
+    per pipeline the exposed offload copy time of each forward and backward, added to it."""
     P = plan.num_stages
     queues = plan_stage_ops(plan, comms=True)
     # the costs as Python floats (the same doubles, read faster than numpy scalars)
-    fwd, bwd = [c.fwd.tolist() for c in costs], [c.bwd.tolist() for c in costs]
+    if copies:
+        fwd, bwd = [(c.fwd + f).tolist() for c, (f, _) in zip(costs, copies)], [(c.bwd + b).tolist() for c, (_, b) in zip(costs, copies)]
+    else:
+        fwd, bwd = [c.fwd.tolist() for c in costs], [c.bwd.tolist() for c in costs]
     p2p, rc_layer = [c.p2p_ms.tolist() for c in costs], [c.rc_layer.tolist() for c in costs]
     sent: dict[tuple[str, int, int, int], float] = {}  # ("F" | "B", pipeline, stage, chunk) -> when its send left
     forwarded: set[tuple[int, int, int]] = set()  # (pipeline, stage, chunk) whose forward ran

@@ -77,7 +77,7 @@ PROBABILITIES = {"hidden_dropout": (0, 1, "]"), "attention_dropout": (0, 1, "]")
 # as the lists were at e8fc223, and --epp-plan-between-steps, which was accepted without --elastic-pp and then had no effect
 ELASTIC_ONLY_OPTIONS = ("epp_plan", "epp_max_slices", "epp_profile", "epp_recompute", "epp_time_limit", "epp_memory_budget",
                         "epp_timeline", "epp_plan_between_steps", "epp_calibrate_interval", "epp_profile_cache",
-                        "epp_truncate_documents")
+                        "epp_truncate_documents", "epp_offload", "epp_host_memory_budget")
 SEARCH_REFUSES = {
     "epp_profile": "it models the --epp-cluster preset's GPUs for the model the flags describe",
     "epp_timeline": "it prints a layout and exits without training",

@@ -225,7 +225,7 @@ def cli_error(capsys, monkeypatch, *argv: str) -> str:
     (["--epp-max-slices", "0"], "--epp-max-slices must be >= 1"),
     (["--epp-profile", "nope"], "--epp-profile 'nope': not a preset (auto, analytic, cpu, test-model, llama-7b, llama-13b, llama-30b) nor a file"),
     (["--epp-profile", "analytic"], "--epp-profile analytic: needs the model's shape (pretrain_gpt.py; epp-plan takes a preset)"),
-    (["--epp-cluster", "a800-ib-node"], "--epp-cluster applies only with --epp-search-layout"),
+    (["--epp-cluster", "a800-ib-node"], "--epp-cluster applies only with --epp-search-layout or --epp-offload"),
     (["--epp-search-layout", "--epp-profile", "test-model"], "--epp-search-layout needs a model preset --epp-profile (llama-7b, llama-13b, llama-30b)"),
     (["--epp-search-layout", "--epp-plan", "megatron"], "--epp-plan megatron: --epp-search-layout searches EPP's (elastic) layout"),
     (["--tp", "2", "--epp-profile", "cpu", "--max-seq-len", "4096"], "--baselines flexsp: FlexSP needs the per-GPU (tp=1) costs, and this "

@@ -1,0 +1,181 @@
+"""Activation offload in the planner (issue 41; docs/planner.md, "Activation offload"): the integer program's choice,
+the memory walk with checkpoints and K/V buffers on the host, the copy time charged beyond the overlap, bad input in
+one line, and every plan without offload as it was."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from megatron_epp.base.dims import ParallelDims
+from megatron_epp.base.units import GIB
+from megatron_epp.config.errors import ArgumentError
+from megatron_epp.config.parser import parse_config
+from megatron_epp.cost.clusters import get_cluster
+from megatron_epp.cost.features import chunk_features
+from megatron_epp.cost.host import HostLink
+from megatron_epp.cost.model import CostModel
+from megatron_epp.cost.profile_lookup import load_profile
+from megatron_epp.cost.shape import MODEL_PRESETS
+from megatron_epp.plan import Plan, PlanError
+from megatron_epp.planner.builders import ELASTIC
+from megatron_epp.planner.cli import main
+from megatron_epp.planner.config import PlannerConfig
+from megatron_epp.planner.layout import layout_cost_model
+from megatron_epp.simulator.memory import stage_memory
+from megatron_epp.simulator.offload import exposed_ms
+from megatron_epp.simulator.step import simulate
+
+SHAPE = MODEL_PRESETS["llama-7b"]
+NODE = get_cluster("h100-ib-gpu").with_nodes(1)
+ONE_M = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def node_model() -> CostModel:
+    """llama-7b at TP 8 on one 8 x H100 node (PP 1), with the preset's host link."""
+    return layout_cost_model(SHAPE, NODE, ParallelDims.for_world(8, tp=8, pp=1, cp=1))
+
+
+def plan(cm: CostModel, n: int, **kw):
+    return ELASTIC.plan([n], cm, PlannerConfig(80 * GIB, n, **kw))
+
+
+def test_offload_is_chosen_where_it_saves_recompute_and_the_host_has_room(node_model):
+    none, off = plan(node_model, ONE_M), plan(node_model, ONE_M, offload="checkpoints")
+    pipe = off.plan.pipelines[0]
+    assert none.plan.recomputed_layers() == 32 and not none.plan.offloads()
+    assert sum(pipe.offload[0]) > 0 and off.plan.recomputed_layers() < 32  # a layer kept: its checkpoints on the host
+    assert off.report.predicted_step_ms < none.report.predicted_step_ms
+    assert off.report.host_memory_bytes[0] > 0 and off.report.copy_ms == 0.0  # 1M tokens of compute hide the copies
+
+
+def test_offload_is_never_chosen_without_host_memory(node_model):
+    none = plan(node_model, ONE_M)
+    zero = plan(node_model, ONE_M, offload="auto", host_memory_budget_bytes=0.0)
+    assert not zero.plan.offloads() and zero.plan.to_json() == none.plan.to_json()
+    assert zero.report.predicted_step_ms == none.report.predicted_step_ms
+
+
+def test_offload_lengthens_the_longest_document(node_model):
+    with pytest.raises(Exception, match="fits 80.0 GB"):
+        plan(node_model, 2 * ONE_M)
+    two = plan(node_model, 2 * ONE_M, offload="checkpoints")
+    assert max(two.report.peak_memory_bytes) <= 80 * GIB
+    assert max(two.report.host_memory_bytes) <= NODE.host.default_budget_bytes()
+
+
+def test_the_walk_moves_exactly_the_offloaded_bytes_to_the_host(node_model):
+    step = plan(node_model, ONE_M, offload="checkpoints")
+    pipe = step.plan.pipelines[0]
+    costs = node_model.costs(chunk_features(pipe.chunks))
+    sm = stage_memory(pipe, 0, 1, costs, 32, 0.0)
+    c, o = np.array(pipe.recompute[0]), np.array(pipe.offload[0])
+    moved = sm.rows(c) - sm.rows(c, o)
+    resident = sm.resident.toarray()[:, 0] > 0
+    own = np.zeros(len(moved), dtype=bool)
+    own[sm.own_row[0]] = True
+    offloaded = o[0] * costs.ckpt_layer[0]
+    assert np.allclose(moved[resident & ~own], offloaded)  # the device holds exactly the offloaded bytes less
+    assert np.allclose(moved[own], offloaded - costs.ckpt_layer[0])  # but one input fetched back ahead of its backward
+    assert np.allclose(moved[~resident], 0.0)
+    assert np.allclose(sm.host_rows(o)[resident], offloaded) and np.allclose(sm.host_rows(o)[~resident], 0.0)
+
+
+def test_kv_buffers_on_the_host_leave_a_window_on_the_device():
+    cm = layout_cost_model(SHAPE, get_cluster("h100-ib-gpu").with_nodes(4), ParallelDims.for_world(32, tp=8, pp=4, cp=1))
+    step = ELASTIC.plan([2 * ONE_M], cm, PlannerConfig(80 * GIB, 2 * ONE_M, offload="auto"))
+    pipe = step.plan.pipelines[0]
+    assert pipe.kv_host == [0]
+    costs = cm.costs(chunk_features(pipe.chunks))
+    sm = stage_memory(pipe, 0, 4, costs, 8, 0.0)
+    buffer = 8 * costs.kv_layer.sum() * (1 + costs.kv_grad)  # every layer's K/V and accumulators of the stage
+    assert sm.host_base.max() == pytest.approx(buffer)
+    device = replace(pipe, kv_host=[])
+    assert (stage_memory(device, 0, 4, costs, 8, 0.0).base.max() - sm.base.max()) > 0.9 * 8 * costs.kv_layer.sum()
+    assert Plan.from_json(step.plan.to_json()).pipelines[0].kv_host == [0]
+
+
+def test_copy_time_is_charged_only_beyond_the_overlap(node_model):
+    step = plan(node_model, ONE_M, offload="checkpoints")
+    pipe = step.plan.pipelines[0]
+    costs = node_model.costs(chunk_features(pipe.chunks))
+    moved = pipe.offload[0][0] * costs.ckpt_layer[0]
+    fast = HostLink(25.0, 25.0, 2048.0, 8)
+    assert not exposed_ms(pipe, costs, node_model.layers, fast)[0].any()  # hidden behind the forward and backward
+    slow = HostLink(1e-3, 1e-3, 2048.0, 8)  # 1 MB/s
+    fwd, bwd = exposed_ms(pipe, costs, node_model.layers, slow)
+    assert fwd[0, 0] == pytest.approx(moved / 1e3 - costs.fwd[0, 0])
+    rc = pipe.recompute[0][0] * costs.rc_layer[0]
+    assert bwd[0, 0] == pytest.approx(moved / 1e3 - costs.bwd[0, 0] - rc)
+    # at that bandwidth the program does not offload: recompute is cheaper than the copy it would wait for
+    slow_model = CostModel(node_model.profile, 1, network=node_model.network, host=replace(NODE.host, d2h_gbps=1e-3, h2d_gbps=1e-3))
+    assert not plan(slow_model, ONE_M // 2, offload="checkpoints").plan.offloads()
+
+
+def test_an_offload_plan_validates_its_counts(node_model):
+    p = plan(node_model, ONE_M, offload="checkpoints").plan
+    p.pipelines[0].offload[0][0] = p.pipelines[0].recompute[0][0] + 1
+    with pytest.raises(PlanError, match="offload"):
+        p.validate()
+
+
+@pytest.fixture
+def doc_file(tmp_path):
+    path = tmp_path / "doc.txt"
+    path.write_text(f"{4 * ONE_M}\n")
+    return path
+
+
+def one_line_error(capsys, argv, code):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == code and len(err) == 1, err
+    return err[0]
+
+
+def test_a_host_budget_larger_than_the_host_is_one_line(doc_file, capsys):
+    line = one_line_error(capsys, [str(doc_file), "--epp-profile", "llama-7b", "--stages", "1", "--max-seq-len", str(4 * ONE_M),
+                                   "--baselines", "", "--epp-offload", "auto", "--epp-host-memory-budget", "300"], 2)
+    assert "--epp-host-memory-budget 300 GB per GPU x 8 GPUs per node = 2400 GB: more than the node's 2048 GB" in line
+
+
+def test_a_plan_needing_more_host_memory_than_allowed_is_one_line(doc_file, capsys):
+    line = one_line_error(capsys, [str(doc_file), "--epp-profile", "llama-7b", "--stages", "1", "--max-seq-len", str(4 * ONE_M),
+                                   "--baselines", "", "--epp-offload", "auto", "--epp-host-memory-budget", "10"], 1)
+    assert "of host memory per GPU" in line and "more than --epp-host-memory-budget 10 GB" in line
+
+
+def test_epp_plan_prints_the_host_memory_and_the_step(tmp_path, capsys):
+    path = tmp_path / "doc.txt"
+    path.write_text(f"{2 * ONE_M}\n")
+    main([str(path), "--epp-profile", "llama-7b", "--stages", "1", "--max-seq-len", str(2 * ONE_M), "--baselines", "",
+          "--epp-offload", "checkpoints", "--json"])
+    out = capsys.readouterr().out
+    assert "offload checkpoints: host memory GB per GPU per stage: 64.0 (budget 192)" in out
+    assert '"host_memory_gb":[64.0]' in out
+
+
+@pytest.mark.parametrize("flag", [["--epp-offload", "auto"], ["--epp-host-memory-budget", "100"]])
+def test_training_refuses_offload_in_one_line(flag):
+    with pytest.raises(ArgumentError, match="needs the executor's offload, not built yet"):
+        parse_config(["--mock-data", "--num-layers", "4", "--elastic-pp", *flag], world_size=1)
+
+
+def test_plans_without_offload_are_as_before_offload():
+    """Predicted steps and plans pinned from the commit before offload (ffcc474), offload off."""
+    cm = layout_cost_model(SHAPE, NODE, ParallelDims.for_world(8, tp=8, pp=1, cp=1))
+    one = ELASTIC.plan([ONE_M], cm, PlannerConfig(80 * GIB, ONE_M))
+    assert one.report.predicted_step_ms == pytest.approx(426775.807347739, rel=1e-12)
+    assert hashlib.sha256(one.plan.to_json().encode()).hexdigest()[:16] == "c7df97c683098a60"
+    cm = layout_cost_model(SHAPE, get_cluster("h100-ib-gpu").with_nodes(4), ParallelDims.for_world(32, tp=8, pp=4, cp=1))
+    mixed = ELASTIC.plan([131072, 65536, 30000, 20000, 9000, 4000, 4000, 2000, 1000, 500] * 2, cm, PlannerConfig(24 * GIB, 131072))
+    assert mixed.report.predicted_step_ms == pytest.approx(5848.117327745747, rel=1e-12) and mixed.plan.recomputed_layers() == 20
+    small = ELASTIC.plan([3000, 1200, 800, 500, 300, 200, 150, 90, 60, 40, 20, 10] * 2, CostModel(load_profile("test-model", 1), 2),
+                         PlannerConfig(0.08 * GIB, 4096))
+    assert small.report.predicted_step_ms == pytest.approx(1338.2216357752388, rel=1e-12)
+    assert "offload" not in one.plan.to_json() and one.report.host_memory_bytes is None
