@@ -51,15 +51,17 @@ class HostLink:
                 f"--epp-host-memory-budget {budget_bytes / GIB:g} GB per GPU x {self.gpus_per_node} GPUs per node = "
                 f"{budget_bytes * self.gpus_per_node / GIB:g} GB: more than the node's {self.host_memory_gb:g} GB of host memory")
 
-    def d2h_ms(self, nbytes: float) -> float:
-        return nbytes / (self.d2h_gbps * 1e6)
+    @property
+    def d2h_bytes_per_ms(self) -> float:
+        return self.d2h_gbps * 1e6
 
-    def h2d_ms(self, nbytes: float) -> float:
-        return nbytes / (self.h2d_gbps * 1e6)
+    @property
+    def h2d_bytes_per_ms(self) -> float:
+        return self.h2d_gbps * 1e6
 
 
 def exposed_copy_ms(link: HostLink, d2h_bytes, h2d_bytes, compute_ms):
     """What copies of ``d2h_bytes`` out and ``h2d_bytes`` in (both directions at once) leave exposed behind
     ``compute_ms`` of overlappable work: ``max(0, max(d2h time, h2d time) - compute)`` (arrays elementwise)."""
-    return np.maximum(np.maximum(np.asarray(d2h_bytes) / (link.d2h_gbps * 1e6), np.asarray(h2d_bytes) / (link.h2d_gbps * 1e6))
+    return np.maximum(np.maximum(np.asarray(d2h_bytes) / link.d2h_bytes_per_ms, np.asarray(h2d_bytes) / link.h2d_bytes_per_ms)
                       - np.asarray(compute_ms), 0.0)

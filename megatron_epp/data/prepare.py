@@ -32,7 +32,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -134,27 +134,27 @@ def encode_document(tokenizer: Tokenizer, text: str) -> np.ndarray | None:
     return np.asarray(ids, dtype=DType.optimal_dtype(tokenizer.vocab_size))
 
 
-_worker_tokenizer: Tokenizer | None = None
+_worker: tuple[Callable[[Any, Any], Any], Any] | None = None  # a pool process's (encode, state)
 
 
-def _init_worker(tokenizer: Tokenizer) -> None:
-    global _worker_tokenizer
-    _worker_tokenizer = tokenizer
+def _init_worker(encode: Callable[[Any, Any], Any], state: Any) -> None:
+    global _worker
+    _worker = (encode, state)
 
 
-def _encode_in_worker(text: str) -> np.ndarray | None:
-    return encode_document(_worker_tokenizer, text)
+def _in_worker(item: Any) -> Any:
+    encode, state = _worker
+    return encode(state, item)
 
 
-def _encode_all(
-    tokenizer: Tokenizer, texts: Iterable[str], workers: int
-) -> Iterator[np.ndarray | None]:
-    """``encode_document`` over ``texts`` in order, in ``workers`` processes when more than one."""
+def _map_encode(encode: Callable[[Any, Any], Any], state: Any, items: Iterable[Any], workers: int) -> Iterator[Any]:
+    """``encode(state, item)`` over ``items`` in order, in ``workers`` processes when more than one (``state``, the
+    tokenizer or the conversation encoder, sent once to each)."""
     if workers <= 1:
-        yield from (encode_document(tokenizer, t) for t in texts)
+        yield from (encode(state, item) for item in items)
         return
-    with multiprocessing.Pool(workers, initializer=_init_worker, initargs=(tokenizer,)) as pool:
-        yield from pool.imap(_encode_in_worker, texts, chunksize=16)
+    with multiprocessing.Pool(workers, initializer=_init_worker, initargs=(encode, state)) as pool:
+        yield from pool.imap(_in_worker, items, chunksize=16)
 
 
 class _Progress:
@@ -201,26 +201,8 @@ def encode_conversation_line(encoder: ConversationEncoder, where: str, line: str
     return encoded.ids.astype(DType.optimal_dtype(encoder.tokenizer.vocab_size)), encoded.loss_mask
 
 
-_worker_encoder: ConversationEncoder | None = None
-
-
-def _init_conversation_worker(template: ChatTemplate, tokenizer: Tokenizer) -> None:
-    global _worker_encoder
-    _worker_encoder = ConversationEncoder(template, tokenizer)
-
-
-def _encode_conversation_in_worker(item: tuple[str, str]) -> tuple[np.ndarray, np.ndarray]:
-    return encode_conversation_line(_worker_encoder, *item)
-
-
-def _encode_conversations(encoder: ConversationEncoder, lines: Iterable[tuple[str, str]],
-                          workers: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    if workers <= 1:
-        yield from (encode_conversation_line(encoder, *item) for item in lines)
-        return
-    with multiprocessing.Pool(workers, initializer=_init_conversation_worker,
-                              initargs=(encoder.template, encoder.tokenizer)) as pool:
-        yield from pool.imap(_encode_conversation_in_worker, lines, chunksize=16)
+def _encode_conversation_item(encoder: ConversationEncoder, item: tuple[str, str]) -> tuple[np.ndarray, np.ndarray]:
+    return encode_conversation_line(encoder, *item)
 
 
 class _Output:
@@ -291,7 +273,7 @@ def prepare_dataset(
     """Tokenize ``inputs`` into the indexed dataset ``output_prefix``; see the module docstring."""
     files = _input_files(inputs, pattern)
     bar = _Progress(progress)
-    encoded = ((ids, None) for ids in _encode_all(tokenizer, read_documents(files, json_keys), workers))
+    encoded = ((ids, None) for ids in _map_encode(encode_document, tokenizer, read_documents(files, json_keys), workers))
     lengths, num_empty, _, _ = _write(str(output_prefix), encoded, DType.optimal_dtype(tokenizer.vocab_size), False, bar)
     seconds = time.perf_counter() - bar.start
     bar.update(len(lengths), sum(lengths), force=True)
@@ -315,7 +297,7 @@ def prepare_conversations(
         raise DataError(str(error)) from None
     files = _input_files(inputs, pattern)
     bar = _Progress(progress)
-    encoded = _encode_conversations(encoder, read_conversation_lines(files), workers)
+    encoded = _map_encode(_encode_conversation_item, encoder, read_conversation_lines(files), workers)
     lengths, _, trained, untrained = _write(str(output_prefix), encoded, DType.optimal_dtype(tokenizer.vocab_size), True, bar)
     seconds = time.perf_counter() - bar.start
     bar.update(len(lengths), sum(lengths), force=True)

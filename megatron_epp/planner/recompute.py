@@ -123,7 +123,7 @@ def _lp_bound(prog: _Program) -> float | None:
     return None if lp.fun is None else float(lp.fun)
 
 
-def ilp_limits(prog: _Program, time_limit: float) -> dict:
+def ilp_limits(prog: _Program | _OffloadProgram, time_limit: float) -> dict:
     """HiGHS options for the program: a deterministic work limit (:data:`NODE_LIMIT` branch-and-bound
     nodes; HiGHS is otherwise deterministic: serial MIP, fixed seed), and a wall-clock safety limit of
     ``time_limit`` seconds per :data:`NONZEROS_PER_SECOND` nonzeros of the program (at least
@@ -285,7 +285,7 @@ def _copy_rows(rows: _Rows, s: OffloadSetting, ckpt: np.ndarray, diag: np.ndarra
     """The exposed-copy variables (lower bounds) and their rows (:mod:`~megatron_epp.simulator.offload`'s model): per
     (stage, chunk) whose copies can exceed the phase's compute at the most offload, ``e_f >= (o ckpt + out) / d2h - fwd``
     (``>= in / h2d - fwd``: its lower bound); ``e_b + rc c >= (o ckpt + in) / h2d - bwd`` and ``>= out / d2h - bwd``."""
-    out_bw, in_bw = s.host.d2h_gbps * 1e6, s.host.h2d_gbps * 1e6  # bytes per ms
+    out_bw, in_bw = s.host.d2h_bytes_per_ms, s.host.h2d_bytes_per_ms
     lbs, e_rows = [], []
     P, n = s.fwd.shape
     for p in range(P):
@@ -327,7 +327,7 @@ def _offload_program(mems: list[StageMemory], rc_layer: np.ndarray, layers: np.n
     rows.width = 3 * nv + len(lbs)
     A, rhs = rows.build()
     c_cost = np.bincount(diag.ravel(), weights=np.tile(rc_layer, P), minlength=nv)
-    ckpt_ms = np.bincount(diag.ravel(), weights=np.tile(ckpt, P), minlength=nv) / (s.host.d2h_gbps * 1e6)
+    ckpt_ms = np.bincount(diag.ravel(), weights=np.tile(ckpt, P), minlength=nv) / s.host.d2h_bytes_per_ms
     cost = np.concatenate([c_cost, np.zeros(2 * nv), np.ones(len(lbs))])
     tie = np.concatenate([np.zeros(nv), 1e-6 * ckpt_ms + 1e-9, np.full(nv, 1e-9), np.zeros(len(lbs))])
     lb = np.concatenate([ub_c if mode == "full" else np.zeros(nv), np.zeros(2 * nv), lbs])
@@ -385,7 +385,7 @@ def solve_offload(mems: list[StageMemory], rc_layer: np.ndarray, layers: np.ndar
         norm = max(objective.max(), 1e-12)
         res = milp(objective / norm, integrality=np.r_[np.ones(3 * nv), np.zeros(len(prog.lb) - 3 * nv)],
                    bounds=Bounds(prog.lb, prog.ub), constraints=LinearConstraint(sparse.diags_array(1.0 / scale) @ prog.A, lb=prog.rhs / scale - 1e-9),
-                   options={"node_limit": NODE_LIMIT, "time_limit": time_limit * max(1.0, prog.A.nnz / NONZEROS_PER_SECOND), "mip_rel_gap": mip_rel_gap})
+                   options={**ilp_limits(prog, time_limit), "mip_rel_gap": mip_rel_gap})
         if res.x is not None:
             x = _completed(prog, np.round(res.x[:nv]), np.round(res.x[nv: 2 * nv]))
             if _feasible(prog, x):

@@ -47,7 +47,8 @@ the one being fetched; the host holds every layer's buffer (and accumulators) ov
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 from scipy import sparse
@@ -69,12 +70,27 @@ class StageMemory:
     saving: np.ndarray  # (n,) bytes freed per checkpointed layer of chunk k
     bwd_rows: np.ndarray  # rows of the backwards (memory peaks: nothing is freed before them)
     row_op: np.ndarray  # (m,) the op of each row
-    # activation offload (module docstring)
+    # activation offload (module docstring); ``resident``, ``host_base`` and ``fwd_rows`` are built on first use from
+    # ``spans`` (a plan without offload never reads them: the planner walks memory for every finalist)
     ckpt: np.ndarray  # (n,) one checkpointed layer's input: what an offloaded checkpoint moves to the host
-    resident: sparse.csr_array  # (m, n) 1 while chunk k is resident (its forward's row to its recompute row)
     own_row: np.ndarray  # (n,) chunk k's recompute row (where an offloaded checkpoint's prefetch slot counts)
-    host_base: np.ndarray  # (m,) host bytes at row r without offloaded checkpoints (K/V buffers on the host)
-    fwd_rows: np.ndarray  # rows of the forwards (host peaks: nothing is added to the host at a backward)
+    spans: tuple[np.ndarray, np.ndarray, np.ndarray] = field(repr=False)  # live's (indices, indptr); host K/V bytes per chunk
+
+    @cached_property
+    def resident(self) -> sparse.csr_array:
+        """(m, n) 1 while chunk k is resident (its forward's row to its recompute row)."""
+        indices, indptr, _ = self.spans
+        return sparse.csc_array((np.ones(indptr[-1]), indices, indptr), shape=self.live.shape).tocsr()
+
+    @cached_property
+    def host_base(self) -> np.ndarray:
+        """(m,) host bytes at row r without offloaded checkpoints (K/V buffers on the host, while their chunk is resident)."""
+        return self.resident @ self.spans[2]
+
+    @cached_property
+    def fwd_rows(self) -> np.ndarray:
+        """Rows of the forwards (host peaks: nothing is added to the host at a backward)."""
+        return np.setdiff1d(np.arange(len(self.base)), self.bwd_rows)
 
     def rows(self, recompute: np.ndarray, offload: np.ndarray | None = None) -> np.ndarray:
         """Memory at every row given the stage's recompute counts per chunk (and offloaded checkpoints per chunk)."""
@@ -184,12 +200,8 @@ def stage_memory(pipe: Pipeline, stage: int, num_stages: int, costs: ChunkCosts,
         # the last slice's third row (its chunk's column ends at the second: what it holds is in the base)
         base[hi[last] + 1] += embed[last] + act[last] - costs.ckpt_layer[last] + costs.rc_input[last] + min(0.0, costs.ckpt_layer[last] - grad)
     live = sparse.csc_array((data, indices, indptr), shape=(m, n)).tocsr()
-    ones = sparse.csc_array((np.ones(indptr[-1]), indices, indptr), shape=(m, n)).tocsr()
-    host_diff = np.zeros(m + 1)
-    np.add.at(host_diff, lo, layers * host_kv)
-    np.add.at(host_diff, hi + 1, -layers * host_kv)
-    return StageMemory(ops, base, live, saving, bwd_rows, row_op, costs.ckpt_layer.astype(float), ones, hi,
-                       np.cumsum(host_diff)[:m], np.flatnonzero(np.repeat(~is_bwd, per_op)))
+    return StageMemory(ops, base, live, saving, bwd_rows, row_op, costs.ckpt_layer.astype(float), hi,
+                       (indices, indptr, layers * host_kv))
 
 
 def pipeline_memory(pipe: Pipeline, costs: ChunkCosts, layers: np.ndarray, state_bytes: np.ndarray) -> list[StageMemory]:
