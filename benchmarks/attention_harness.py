@@ -189,6 +189,16 @@ def reference_flash_attn_varlen_func(
     return reference_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal)
 
 
+def reference_fa4_varlen_func(q, k, v, qv=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                              softmax_scale=None, causal=False, window_size=(None, None), softcap=0.0, num_splits=1,
+                              pack_gqa=None, deterministic=False, return_lse=False, **unused):
+    """flash-attn-4's ``flash_attn.cute.flash_attn_varlen_func`` (4.0.0b36) as documented, in plain torch: causal
+    bottom-right aligned, GQA without expanded K/V, ``(out, lse)`` returned (``lse`` None here: not asked for)."""
+    assert qv is None and tuple(window_size) == (None, None) and not softcap and num_splits == 1 and not return_lse
+    assert not any(value is not None for value in unused.values()), unused
+    return reference_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal), None
+
+
 REFERENCE_KERNEL = FlashKernel(reference_flash_attn_varlen_func, "reference", devices=("cpu",), dtypes=(torch.float32,), min_capability=None)
 
 

@@ -5,6 +5,8 @@ For each layout every chunk runs forward in plan order and backward in the elast
 whole layout before the next backend (only the errors and timings are kept), and each layout's tensors released
 (``torch.cuda.empty_cache()``) before the next:
 
+  fa4-varlen    one flash-attn-4 (flash_attn.cute) flash_attn_varlen_func call per chunk, the same packing (Hopper/Blackwell);
+                probed (and its kernels compiled) before the layouts run, so no timing includes a compile
   flash-varlen  one flash_attn_varlen_func call per chunk (the slice's K/V buffer rows, prefix first)
   torch-varlen  one torch.nn.attention.varlen.varlen_attn call per chunk, the same packing (torch's own flash kernel);
                 with GQA on a torch whose varlen_attn has no enable_gqa (2.11), the aten flash ops, K/V not expanded
@@ -68,8 +70,9 @@ from megatron_epp.plan import Chunk, Pipeline, Plan, Segment, chunk_kind
 from benchmarks.attention_harness import SavedTensors, make_attention, random_tensors, run_plan, worst_errors
 from benchmarks.common import Parser
 
-CUDA_BACKENDS = ("flash-varlen", "torch-varlen", "sdpa-causal")  # never sdpa-masked on CUDA (see above)
-VARLEN = ("flash-varlen", "torch-varlen")
+CUDA_BACKENDS = ("fa4-varlen", "flash-varlen", "torch-varlen", "sdpa-causal")  # never sdpa-masked on CUDA (see above)
+VARLEN = ("fa4-varlen", "flash-varlen", "torch-varlen")
+BACKWARD_FLOPS = 2.5  # the backward's matmul FLOPs per forward FLOP (FlashAttention's count: 5 matmuls against 2)
 BUDGET_S = 45.0  # the timing repeats of the three layouts, in all
 SDPA_ROUNDOFFS = 8  # SDPA's bound, in unit roundoffs of the low precision
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
@@ -144,7 +147,7 @@ def backends_for(device: str) -> tuple[str, ...]:
 
 
 def force(backend: str) -> None:
-    attention_kernels.select_backend = lambda request, device, dtype, decided=None, dropout=0.0, gqa=False: backend
+    attention_kernels.select_backend = lambda request, device, dtype, decided=None, dropout=0.0, gqa=False, **kwargs: backend
 
 
 def synchronize(device: str) -> None:
@@ -221,16 +224,29 @@ def check_layout(name: str, plan: Plan, attention, args, backends, device: str, 
     return errors, speed, low
 
 
-def report_layout(name: str, plan: Plan, backends, skipped: dict[str, str], errors, speed) -> None:
+def layout_flops(plan: Plan, heads: int, head_dim: int) -> float:
+    """The attention FLOPs of the layout's forward and backward: per segment of ``s`` queries over ``C`` prefix keys and
+    its own (causal), ``s * C + s * (s + 1) / 2`` scores per head, 4 FLOPs per score and head dim forward (Q K^T, P V),
+    :data:`BACKWARD_FLOPS` times that backward (FlashAttention's convention: the masked half is not counted)."""
+    area = 0
+    for chunk in plan.chunks():
+        for segment in chunk.segments:
+            area += segment.length * segment.start + segment.length * (segment.length + 1) // 2
+    return 4.0 * area * heads * head_dim * (1 + BACKWARD_FLOPS)
+
+
+def report_layout(name: str, plan: Plan, backends, skipped: dict[str, str], errors, speed, flops: float = 0.0) -> None:
     chunks = ", ".join(f"{c.kind}({'+'.join(str(s.length) for s in c.segments)}, C={c.segments[0].start if c.kind == 'split' else max(s.start for s in c.segments)})" for c in plan.chunks())
     print(f"\n{name}: {chunks}")
     base = next((b for b in VARLEN if b in speed), None)  # the ratios' denominator
-    print(f"  {'backend':<13} {'fwd+bwd ms':>10} {'runs':>4} {'peak GB':>8} {'/' + (base or 'varlen'):>13}   worst rel. error vs fp32: out dq dk dv")
+    print(f"  {'backend':<13} {'fwd+bwd ms':>10} {'runs':>4} {'peak GB':>8} {'TFLOP/s':>8} {'/' + (base or 'varlen'):>13}   "
+          "worst rel. error vs fp32: out dq dk dv")
     for backend in backends:
         ms, peak, runs = speed[backend]
         e = errors[backend]
         ratio = f"{ms / speed[base][0]:13.2f}" if base else f"{'-':>13}"
-        print(f"  {backend:<13} {ms:10.2f} {runs:4d} {peak:8.2f} {ratio}   " + " ".join(f"{e[k]:.1e}" for k in ("out", "dq", "dk", "dv")))
+        tflops = flops / (ms * 1e9) if ms > 0 else 0.0
+        print(f"  {backend:<13} {ms:10.2f} {runs:4d} {peak:8.2f} {tflops:8.1f} {ratio}   " + " ".join(f"{e[k]:.1e}" for k in ("out", "dq", "dk", "dv")))
     for backend, why in skipped.items():
         print(f"  {backend:<13} skipped ({why})")
 
@@ -264,6 +280,21 @@ def saved_line(attention, plan: Plan, low, args, device: str, varlen_kernel) -> 
     return line, not_expanded or mode == "expanded"
 
 
+def fa4_kernel(args: argparse.Namespace, device: str, dtype: torch.dtype):
+    """flash-attn-4 and its note: probed at this layout's head shape first (its compiles then happen here, not in a
+    timing), or ``(None, why not)``."""
+    if args.without_fa4:
+        return None, "--without-fa4"
+    kernel, why = attention_kernels.fa4.load_kernel()
+    if kernel is None:
+        return None, why
+    why = kernel.unsupported(torch.device(device), dtype)
+    if why:
+        return None, why
+    result = attention_kernels.fa4.probe(kernel, torch.device(device), dtype, args.num_attention_heads, args.num_query_groups, args.kv_channels)
+    return (None, result.why) if result.why else (kernel, result.note())
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = Parser(description=__doc__.split("\n")[0])
     p.add_argument("--num-attention-heads", type=int, default=32)
@@ -277,16 +308,19 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                    help="attention scores per block of the fp32 reference, all heads (default 2^27; dry run 2^13)")
     p.add_argument("--cpu-dry-run", action="store_true", help="toy sizes on CPU with the tests' reference kernels")
     p.add_argument("--without-flash", action="store_true", help="check and time the SDPA paths only, as when flash-attn does not import")
+    p.add_argument("--without-fa4", action="store_true", help="leave flash-attn-4 out, as when it does not import")
     return p.parse_args(argv)
 
 
 def setup(args: argparse.Namespace) -> tuple[str, torch.dtype] | None:
     """The device and the low precision (None: no CUDA outside the dry run); the dry run's reference kernels and sizes."""
     if args.cpu_dry_run:
-        from benchmarks.attention_harness import REFERENCE_KERNEL, reference_torch_varlen
+        from benchmarks.attention_harness import REFERENCE_KERNEL, reference_fa4_varlen_func, reference_torch_varlen
 
         attention_kernels.load_flash_kernel = lambda: (REFERENCE_KERNEL, "")
         attention_kernels.load_torch_varlen = lambda: (reference_torch_varlen("aten-flash"), "")  # torch 2.11's, as on the GPUs
+        attention_kernels.fa4.load_kernel = lambda: (attention_kernels.fa4.CuteFlashKernel(
+            reference_fa4_varlen_func, "reference", devices=("cpu",), dtypes=(torch.float32,), architectures=None), "")
         args.num_attention_heads, args.num_query_groups, args.kv_channels, args.slice_tokens, args.repeats = 4, 2, 8, 64, 2
         args.reference_block_elements = 2**13  # a few rows per block: the blocking runs, as on a GPU
         return "cpu", torch.float32
@@ -307,9 +341,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.without_flash:
         kernel, why_not = None, "--without-flash"
     varlen_kernel, varlen_why = attention_kernels.load_torch_varlen()
-    skipped = {name: why for name, k, why in (("flash-varlen", kernel, why_not), ("torch-varlen", varlen_kernel, varlen_why)) if k is None}
+    cute, cute_note = fa4_kernel(args, device, dtype)
+    skipped = {name: why for name, k, why in (("fa4-varlen", cute, cute_note), ("flash-varlen", kernel, why_not),
+                                              ("torch-varlen", varlen_kernel, varlen_why)) if k is None}
     backends = tuple(b for b in backends_for(device) if b not in skipped)
     flash_note = f"flash-attn {kernel.version}" if kernel is not None else f"flash-varlen: skipped ({why_not})"
+    flash_note = (f"flash-attn-4 {cute.version} ({cute_note})" if cute is not None else f"fa4-varlen: skipped ({cute_note})") + "; " + flash_note
     varlen_note = (f"varlen_attn of torch {varlen_kernel.version} (GQA: {varlen_kernel.gqa_mode})" if varlen_kernel is not None
                    else f"torch-varlen: skipped ({varlen_why})")
     print(f"{flash_note}; {varlen_note}; torch {torch.__version__}" + (f", {torch.cuda.get_device_name()}" if device == "cuda" else ", CPU dry run"))
@@ -325,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     for i, (name, plan) in enumerate(plans.items()):
         until = budget_start + args.budget_s * (i + 1) / len(plans)
         errors, speed, low = check_layout(name, plan, attention, args, backends, device, dtype, until)
-        report_layout(name, plan, backends, skipped, errors, speed)
+        report_layout(name, plan, backends, skipped, errors, speed, layout_flops(plan, args.num_attention_heads, args.kv_channels))
         problems += failures(errors, backends, sdpa_bound)
         if name == "split x4":
             saved, consistent = saved_line(attention, plan, low, args, device, None if "torch-varlen" in skipped else varlen_kernel)

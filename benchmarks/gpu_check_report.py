@@ -67,10 +67,11 @@ def attention(out: Path) -> dict | None:
         if head and not line.startswith(("PASS", "FAIL", "saved bytes", "check_cuda_attention", "heads ")):
             current = layouts.setdefault(head.group(1), {})
             continue
-        row = re.match(r"^  (\S+)\s+([0-9.]+)\s+(\d+)\s+(\S+)\s+([0-9.]+)\s+(\S+) (\S+) (\S+) (\S+)$", line)
-        if row and current is not None:
-            errors = [float(x) for x in row.group(6, 7, 8, 9)]
-            current[row.group(1)] = {"ms": float(row.group(2)), "peak_gb": _number(row.group(4)), "worst_rel_err": max(errors)}
+        row = re.match(r"^  (\S+)\s+([0-9.]+)\s+(\d+)\s+(\S+)\s+(?:([0-9.]+)\s+)?([0-9.]+|-)\s+(\S+) (\S+) (\S+) (\S+)$", line)
+        if row and current is not None:  # TFLOP/s from 2026-11-29 on (not in older logs)
+            errors = [float(x) for x in row.group(7, 8, 9, 10)]
+            current[row.group(1)] = {"ms": float(row.group(2)), "peak_gb": _number(row.group(4)), "tflops": _number(row.group(5)),
+                                     "worst_rel_err": max(errors)}
     saved = re.search(r"^saved bytes per layer: (\S+) (\d+) \(K/V heads not expanded: (yes|no)\)(.*)$", text, re.M)
     verdict = re.search(r"^(PASS|FAIL)\b.*$", text, re.M)
     return {"layouts": {name: rows for name, rows in layouts.items() if rows}, "verdict": verdict.group(0) if verdict else None,

@@ -101,6 +101,12 @@ def default_profile_cache() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "megatron-epp" / "profiles"
 
 
+def kernel_cache_dir(profile_cache: str | Path | None, kernel: str = "flash-attn-4") -> Path:
+    """Where a kernel library's compiled variants are cached for the run: ``kernels/KERNEL`` in the profile cache
+    (``--epp-profile-cache``, else :func:`default_profile_cache`)."""
+    return Path(profile_cache or default_profile_cache()).expanduser() / "kernels" / kernel
+
+
 def find_measured_profile(key: ProfileKey, cache_dir: str | Path | None,
                           older: list[Path] | None = None) -> tuple[Path, Profile] | None:
     """The measured GPU profile of ``key``: the cache's own file for it, any other profile in the cache with

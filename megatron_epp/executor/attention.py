@@ -119,8 +119,9 @@ class ElasticAttention(MegatronModule):
         slice_kv = self._slice_kv(view, key, value) if view.split_index is not None else None
         dropout = self.dropout_p if self.training else 0.0
         gqa = key.shape[2] != query.shape[2]
-        backend = kernels.select_backend(self.backend_request, query.device, query.dtype, self.context.attention_backends, dropout, gqa=gqa)
-        kwargs = {"deterministic": self.deterministic} if backend == "flash-varlen" else {}
+        backend = kernels.select_backend(self.backend_request, query.device, query.dtype, self.context.attention_backends, dropout, gqa=gqa,
+                                         heads=(query.shape[2], key.shape[2], query.shape[3]), deterministic=self.deterministic)
+        kwargs = {"deterministic": self.deterministic} if backend in kernels.DETERMINISTIC_BACKENDS else {}
         with tensor_parallel.get_cuda_rng_tracker().fork() if dropout else contextlib.nullcontext():
             out = kernels.BACKENDS[backend](query, key, value, view, slice_kv, dropout, self.softmax_scale, **kwargs)
         return out.reshape(out.shape[0], out.shape[1], -1)

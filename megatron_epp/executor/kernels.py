@@ -1,17 +1,17 @@
 """The kernels behind :class:`ElasticAttention`, and the one decision of which runs (:func:`decide`).
 
-Five ways to compute a chunk's attention (block-diagonal causal over its segments, the slice's queries also seeing
+Six ways to compute a chunk's attention (block-diagonal causal over its segments, the slice's queries also seeing
 its prefix K/V, placed before its own keys): ``sdpa-merged`` (CPU), ``sdpa-masked``, ``sdpa-causal``,
-``flash-varlen`` and ``torch-varlen``. Every kernel takes the slice's keys and values as ``slice_kv``: rows
+``fa4-varlen`` (FlashAttention 4, :mod:`~megatron_epp.executor.fa4`), ``flash-varlen`` and ``torch-varlen``. Every kernel takes the slice's keys and values as ``slice_kv``: rows
 ``[0, C + s)`` of its sequence's K/V buffer (prefix, then its own), which stand in for its rows of the chunk's
 ``key``/``value``. When each runs, what it computes and saves, its GQA modes and what was measured of it are in
 docs/gpu.md ("What the CUDA path does").
 
-``EPP_ATTENTION_BACKEND=auto|sdpa|flash|varlen`` (default ``auto``) is read when the attention is built; the choice
+``EPP_ATTENTION_BACKEND=auto|sdpa|fa4|flash|varlen`` (default ``auto``) is read when the attention is built; the choice
 is printed once per (request, device, dtype, with or without attention dropout, with or without GQA). What decides is
 :func:`decide`, a pure function of the request, the device, dtype, dropout, GQA and the two kernels as probed
-(:func:`load_flash_kernel`, :func:`load_torch_varlen` with the aten flash ops of :func:`load_aten_flash_ops`; tests
-substitute reference kernels and ops).
+(:func:`fa4.load_kernel` with its numerical probe, :func:`load_flash_kernel`, :func:`load_torch_varlen` with the aten
+flash ops of :func:`load_aten_flash_ops`; tests substitute reference kernels and ops).
 """
 
 from __future__ import annotations
@@ -28,10 +28,12 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
+from megatron_epp.executor import fa4
 from megatron_epp.executor.context import ChunkView, bottom_right_causal_mask
 
 ENV = "EPP_ATTENTION_BACKEND"
-REQUESTS = ("auto", "sdpa", "flash", "varlen")
+REQUESTS = ("auto", "sdpa", "fa4", "flash", "varlen")
+NO_FA4 = (None, "")  # flash-attn-4 not considered (the decision's default: no words about it)
 FLASH_MIN_VERSION = (2, 1)  # causal=True is bottom-right aligned from 2.1 on (top-left before)
 # SDPA's kernels for the per-segment paths: never cuDNN attention (a graph built per new shape)
 SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
@@ -235,8 +237,13 @@ def requested_backend(attention_backend: str = "auto") -> str:
 
 
 def check_request(request: str) -> None:
-    """Fail at build time when ``flash`` (``varlen``) is requested and flash-attn (torch's varlen_attn) is not there."""
-    if request == "flash":
+    """Fail at build time when ``fa4`` (``flash``, ``varlen``) is requested and flash-attn-4 (flash-attn, torch's
+    varlen_attn) is not there."""
+    if request == "fa4":
+        kernel, why_not = fa4.load_kernel()
+        if kernel is None:
+            raise AttentionBackendError(f"{ENV}=fa4 but {why_not}; install it (scripts/setup_gpu.sh --wheels DIR) or use {ENV}=auto|sdpa|flash|varlen")
+    elif request == "flash":
         kernel, why_not = load_flash_kernel()
         if kernel is None:
             raise AttentionBackendError(f"{ENV}=flash but {why_not}; install flash-attn (scripts/setup_gpu.sh) or use {ENV}=auto|sdpa|varlen")
@@ -247,11 +254,32 @@ def check_request(request: str) -> None:
 
 
 def decide(request: str, device: torch.device, dtype: torch.dtype, dropout: float, gqa: bool,
-           flash: tuple[FlashKernel | None, str], varlen: tuple[TorchVarlenKernel | None, str]) -> tuple[str, str]:
+           flash: tuple[FlashKernel | None, str], varlen: tuple[TorchVarlenKernel | None, str],
+           cute: tuple[fa4.CuteFlashKernel | None, str] = NO_FA4) -> tuple[str, str]:
     """``(kernel, why)`` for ``request`` on tensors of ``device``/``dtype`` under attention dropout ``dropout``,
     query heads sharing K/V heads or not (``gqa``), given the kernels as probed (``(kernel or None, why not)``
-    each, as :func:`load_flash_kernel` and :func:`load_torch_varlen` give them). Pure: nothing is probed here
-    beyond a CUDA device's compute capability (a kernel's ``min_capability``)."""
+    each, as :func:`load_flash_kernel` and :func:`load_torch_varlen` give them; ``cute``: flash-attn-4 as
+    :func:`fa4_state` gives it, its why the probe's note where it passed). Pure: nothing is probed here beyond a
+    CUDA device's compute capability (a kernel's ``min_capability``). ``auto`` on CUDA: flash-attn-4, flash-attn,
+    torch's varlen_attn, SDPA per segment, the first that runs."""
+    cute_kernel, cute_why = cute
+    if request == "fa4":
+        if cute_kernel is None or cute_kernel.unsupported(device, dtype, dropout):
+            why = cute_why if cute_kernel is None else cute_kernel.unsupported(device, dtype, dropout)
+            raise AttentionBackendError(f"{ENV}=fa4 but flash-attn-4 cannot run: {why or 'not probed'}")
+        return "fa4-varlen", f"flash-attn-4 {cute_kernel.version}, {cute_why}"
+    if request == "auto" and cute_kernel is not None and not cute_kernel.unsupported(device, dtype, dropout):
+        return "fa4-varlen", f"flash-attn-4 {cute_kernel.version}, one call per chunk, {cute_why}"
+    choice, reason = _decide_without_fa4(request, device, dtype, dropout, gqa, flash, varlen)
+    if request == "auto" and device.type == "cuda" and (cute_why or cute_kernel is not None):
+        why = cute_kernel.unsupported(device, dtype, dropout) if cute_kernel is not None else cute_why
+        reason = f"no fa4: {why}; {reason}"
+    return choice, reason
+
+
+def _decide_without_fa4(request: str, device: torch.device, dtype: torch.dtype, dropout: float, gqa: bool,
+                        flash: tuple[FlashKernel | None, str], varlen: tuple[TorchVarlenKernel | None, str]) -> tuple[str, str]:
+    """:func:`decide` among the kernels before flash-attn-4: flash-attn, torch's varlen_attn, SDPA."""
     flash_kernel, flash_why = flash
     if flash_kernel is not None:
         flash_why = flash_kernel.unsupported(device, dtype, dropout) or ""
@@ -285,12 +313,33 @@ def decide(request: str, device: torch.device, dtype: torch.dtype, dropout: floa
     return sdpa, "; ".join(filter(None, [f"no flash: {flash_why}", f"no torch varlen: {varlen_why}", sdpa_why]))
 
 
+def fa4_state(request: str, device: torch.device, dtype: torch.dtype, dropout: float,
+              heads: tuple[int, int, int] | None, deterministic: bool = False) -> tuple[fa4.CuteFlashKernel | None, str]:
+    """flash-attn-4 for :func:`decide`: ``(kernel, the probe's note)`` where it imports, can take the tensors and passes
+    :func:`fa4.probe` for the head shape ``heads`` (query heads, K/V heads, head dim per rank: the probe compiles the
+    run's kernel variants), else ``(None, why not)``; :data:`NO_FA4` where it is not a candidate (another request; not
+    on CUDA, where tests substitute a kernel that runs on the CPU)."""
+    if request not in ("auto", "fa4"):
+        return NO_FA4
+    kernel, why = fa4.load_kernel()
+    if kernel is None:
+        return (None, why) if device.type == "cuda" or request == "fa4" else NO_FA4
+    unsupported = kernel.unsupported(device, dtype, dropout)
+    if unsupported:
+        return None, unsupported
+    if heads is None:
+        return None, "flash-attn-4 not probed: no head shape given"
+    result = fa4.probe(kernel, device, dtype, *heads, deterministic=deterministic)
+    return (None, f"flash-attn-4 {kernel.version}: {result.why}") if result.why else (kernel, result.note())
+
+
 def select_backend(request: str, device: torch.device, dtype: torch.dtype,
                    decided: dict[tuple[str, str, torch.dtype, bool, bool], str] | None = None, dropout: float = 0.0,
-                   gqa: bool = False) -> str:
-    """``flash-varlen``, ``torch-varlen``, ``sdpa-causal``, ``sdpa-merged`` or ``sdpa-masked`` (:func:`decide`) for
-    tensors of ``device``/``dtype`` under attention dropout ``dropout`` (0 in evaluation), with or without GQA,
-    printed (first rank only) with its reason.
+                   gqa: bool = False, heads: tuple[int, int, int] | None = None, deterministic: bool = False) -> str:
+    """``fa4-varlen``, ``flash-varlen``, ``torch-varlen``, ``sdpa-causal``, ``sdpa-merged`` or ``sdpa-masked``
+    (:func:`decide`) for tensors of ``device``/``dtype`` under attention dropout ``dropout`` (0 in evaluation), with
+    or without GQA, printed (first rank only) with its reason. ``heads``: (query heads, K/V heads, head dim) of a
+    layer on this rank, which flash-attn-4's probe runs (and so compiles) before it is chosen.
 
     ``decided``: the caller's record of earlier decisions (a model's :class:`ChunkContext` keeps one, so
     each (request, device type, dtype, with or without dropout, with or without GQA) is decided and printed
@@ -299,7 +348,8 @@ def select_backend(request: str, device: torch.device, dtype: torch.dtype,
     key = (request, device.type, dtype, dropout > 0, gqa)
     if decided is not None and key in decided:
         return decided[key]
-    choice, reason = decide(request, device, dtype, dropout, gqa, load_flash_kernel(), load_torch_varlen())
+    cute = fa4_state(request, device, dtype, dropout, heads, deterministic)
+    choice, reason = decide(request, device, dtype, dropout, gqa, load_flash_kernel(), load_torch_varlen(), cute)
     if decided is not None:
         decided[key] = choice
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()) or torch.distributed.get_rank() == 0:
@@ -313,6 +363,7 @@ def reset_flash_probe() -> None:
     _probe_flash.cache_clear()
     _probe_torch_varlen.cache_clear()
     _probe_aten_flash_ops.cache_clear()
+    fa4.reset()
 
 
 def segment_attention(q, k, v, mask: torch.Tensor | None, dropout: float = 0.0, scale: float | None = None, causal: bool = False) -> torch.Tensor:
@@ -531,7 +582,20 @@ def torch_varlen(query, key, value, view: ChunkView, slice_kv, dropout: float, s
     return out.unsqueeze(1)
 
 
+def fa4_varlen(query, key, value, view: ChunkView, slice_kv, dropout: float, scale: float, deterministic: bool = False) -> torch.Tensor:
+    """The whole chunk in one call of flash-attn-4's ``flash_attn_varlen_func`` (:class:`fa4.CuteFlashKernel`: causal,
+    bottom-right aligned, GQA packed, K/V heads never expanded); [N, 1, heads, d] in and out."""
+    if dropout > 0:
+        raise ValueError("fa4-varlen has no attention dropout (flash-attn-4 takes none): select_backend takes another kernel")
+    kernel, why_not = fa4.load_kernel()
+    if kernel is None:
+        raise AttentionBackendError(why_not)
+    q, k, v = _packed_chunk(query, key, value, view, slice_kv, "fa4-varlen")
+    return kernel.attend(q, k, v, view.varlen, scale, deterministic).unsqueeze(1)
+
+
 BACKENDS: dict[str, Callable[..., torch.Tensor]] = {
-    "sdpa-masked": sdpa_masked, "sdpa-merged": sdpa_merged, "sdpa-causal": sdpa_causal, "flash-varlen": flash_varlen,
-    "torch-varlen": torch_varlen,
+    "sdpa-masked": sdpa_masked, "sdpa-merged": sdpa_merged, "sdpa-causal": sdpa_causal, "fa4-varlen": fa4_varlen,
+    "flash-varlen": flash_varlen, "torch-varlen": torch_varlen,
 }
+DETERMINISTIC_BACKENDS = ("fa4-varlen", "flash-varlen")  # the kernels with a deterministic backward option

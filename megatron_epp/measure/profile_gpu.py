@@ -52,7 +52,7 @@ from pathlib import Path
 import torch
 
 from megatron_epp.base.options import add_field_to_parser, int_list
-from megatron_epp.cost.profile_lookup import ProfileKey, default_profile_cache
+from megatron_epp.cost.profile_lookup import ProfileKey, default_profile_cache, kernel_cache_dir
 from megatron_epp.executor import kernels
 from megatron_epp.measure.layer_bench import init_single_process
 from megatron_epp.config.parser import ArgumentError, build_parser, parse_config
@@ -117,6 +117,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
         torch.distributed.init_process_group("nccl", rank=0, world_size=1)
+    if device.type == "cuda":  # before flash-attn-4 is imported (the kernel decision below)
+        print(f"flash-attn-4: {kernels.fa4.configure_compile_cache(kernel_cache_dir(args.epp_profile_cache))}", flush=True)
     init_single_process()  # the process group (gloo on CPU, one thread) and megatron-core's model-parallel state
     torch.manual_seed(0)
     if device.type == "cuda":
@@ -125,8 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         tensor_parallel.model_parallel_cuda_manual_seed(0)  # the RNG tracker the recompute checkpoint reads
     shape = args.shape
     # as training chooses: --attention-backend, else EPP_ATTENTION_BACKEND
+    heads = (shape.num_heads, shape.num_kv_heads or shape.num_heads, shape.head_dim)  # flash-attn-4's probe: one GPU's
     kernel = kernels.select_backend(kernels.requested_backend(args.attention_backend), device, dtype,
-                                    gqa=(shape.num_kv_heads or shape.num_heads) != shape.num_heads)
+                                    gqa=heads[1] != heads[0], heads=heads)
     name = device_name(device, dtype, kernel)
     kv = f", {shape.num_kv_heads} K/V heads" if shape.num_kv_heads else ""
     print(f"profiling {shape.name} (hidden {shape.hidden}, {shape.num_heads} heads{kv} x {shape.head_dim}, ffn {shape.ffn_hidden}"

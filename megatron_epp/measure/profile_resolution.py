@@ -25,14 +25,14 @@ from megatron.core import tensor_parallel
 from megatron_epp.cost.analytic import analytic_profile
 from megatron_epp.cost.profile import Profile
 from megatron_epp.cost.profile_lookup import (
-    AUTO_PROFILE, CPU_PROFILES, ProfileKey, default_profile_cache, find_measured_profile, load_profile,
+    AUTO_PROFILE, CPU_PROFILES, ProfileKey, default_profile_cache, find_measured_profile, kernel_cache_dir, load_profile,
 )
 from megatron_epp.cost.placement import place_profile, placement_note
 from megatron_epp.base.dims import ParallelDims
 from megatron_epp.cost.shape import MODEL_PRESETS, TEST_MODEL, ModelShape
 from megatron_epp.executor import kernels
 from megatron_epp.config.errors import ArgumentError
-from megatron_epp.model.gpt import model_shape, params_dtype
+from megatron_epp.model.gpt import attention_heads, model_shape, params_dtype
 from megatron_epp.config.fields import TrainingConfig
 from megatron_epp.measure.profiling import ProfileFailed, measure_profile, report_errors, report_memory, startup_grid
 
@@ -64,9 +64,9 @@ class Target:
         dtype = params_dtype(cfg)
         if device.type != "cuda":
             return cls(device.type, dtype)
-        gqa = (cfg.model.kv_heads or cfg.model.num_attention_heads) != cfg.model.num_attention_heads
+        heads = attention_heads(cfg)  # flash-attn-4's probe runs (and compiles) this rank's head shape
         kernel = kernels.select_backend(kernels.requested_backend(cfg.model.attention_backend), device, dtype,
-                                        dropout=cfg.model.attention_dropout, gqa=gqa)
+                                        dropout=cfg.model.attention_dropout, gqa=heads[1] != heads[0], heads=heads)
         return cls("cuda", dtype, torch.cuda.get_device_name(device), kernel, device)
 
     def key(self, shape: ModelShape, seq_length: int) -> ProfileKey:
@@ -149,6 +149,13 @@ def _measure_at_startup(cfg: TrainingConfig, target: Target, shape: ModelShape, 
         gc.collect()
         if cuda:
             torch.cuda.empty_cache()
+
+
+def configure_kernel_cache(cfg: TrainingConfig) -> str:
+    """flash-attn-4's compile cache in the run's cache directory (``--epp-profile-cache``'s ``kernels/flash-attn-4``),
+    before anything imports it: a variant compiled once (tens of seconds) is read back by later runs in well under a
+    second. The start-up line's words for it."""
+    return kernels.fa4.configure_compile_cache(kernel_cache_dir(cfg.epp.profile_cache))
 
 
 def resolve_profile(cfg: TrainingConfig, target: Target, log: Callable[[str], None] = print) -> Resolved:

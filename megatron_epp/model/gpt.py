@@ -4,6 +4,7 @@ Megatron-Core's DDP wrapper; which optional GPU kernels (Transformer Engine, fus
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 
 from megatron_epp.base.dims import CP_COMM_TYPE
 from megatron_epp.cost.shape import ModelShape
+from megatron_epp.executor import kernels
 from megatron_epp.executor.context import ChunkContext
 from megatron_epp.executor.spec import elastic_layer_spec, install_chunk_context
 from megatron_epp.executor.extensions import probe_fused_softmax, probe_transformer_engine
@@ -181,6 +183,26 @@ def model_shape(cfg: TrainingConfig, name: str = "pretrain_gpt") -> ModelShape:
     )
 
 
+def attention_heads(cfg: TrainingConfig) -> tuple[int, int, int]:
+    """(query heads, K/V heads, head dim) of one elastic attention call on a rank: the heads split over the
+    tensor-parallel ranks, then (context parallelism, Ulysses) over the context-parallel ranks, the K/V heads
+    replicated to a multiple of that size first (``executor.attention.replicate_kv_heads``)."""
+    m, dims = cfg.model, cfg.parallel.dims
+    heads, kv_heads = m.num_attention_heads // dims.tp, (m.kv_heads or m.num_attention_heads) // dims.tp
+    if dims.cp > 1:
+        heads, kv_heads = heads // dims.cp, math.lcm(kv_heads, dims.cp) // dims.cp
+    return heads, kv_heads, m.kv_channels or m.hidden_size // m.num_attention_heads
+
+
+def decide_attention(cfg: TrainingConfig, device: torch.device, context: ChunkContext) -> str:
+    """The elastic attention's kernel for training, decided on this rank into ``context``'s record before the first
+    step (as the layers would at their first forward): flash-attn-4 compiles the run's kernel variants in its probe
+    here, not in step 1."""
+    heads = attention_heads(cfg)
+    return kernels.select_backend(kernels.requested_backend(cfg.model.attention_backend), device, params_dtype(cfg),
+                                  context.attention_backends, cfg.model.attention_dropout, gqa=heads[1] != heads[0], heads=heads)
+
+
 def architecture_summary(cfg: TrainingConfig) -> str:
     """One phrase for the start-up line: MLP, norm, attention heads, biases, positions."""
     heads = cfg.model.num_attention_heads
@@ -323,6 +345,8 @@ def build_model(
     model.to(runtime.device)
     if context is not None:  # on its device: RoPE's one table of --seq-length positions is built there, before any step
         install_chunk_context(model, context, cfg.model.seq_length)
+        if runtime.device.type == "cuda":  # the kernel decided (and flash-attn-4 compiled) before any step
+            decide_attention(cfg, runtime.device, context)
     if cfg.model.bf16 or cfg.model.fp16:
         # As Megatron-LM: every parameter in bf16 (fp16), LayerNorms included (CUDA's layer_norm refuses bf16
         # input with fp32 weights), the first stage's float inputs cast, the last stage's output back

@@ -21,7 +21,9 @@ from megatron_epp.training.gpt_step import gpt_forward_step, microbatches
 from megatron_epp.model.runtime import Runtime, local_world_size
 from megatron_epp.training.metrics import ElasticMetrics
 from megatron_epp.training.planning import check_memory_budget, online_planner
-from megatron_epp.measure.profile_resolution import Resolved, describe, loaded_profile, profile_before_startup, startup_profile
+from megatron_epp.measure.profile_resolution import (
+    Resolved, configure_kernel_cache, describe, loaded_profile, profile_before_startup, startup_profile,
+)
 from megatron_epp.config.fields import TrainingConfig
 
 
@@ -151,12 +153,15 @@ class ElasticSteps:
         self.planner = online_planner(cfg, self.checked)
         self.budget = check_memory_budget(cfg, self.planner)
         self.profile: Resolved | None = None
+        self.kernel_cache = ""  # flash-attn-4's compile cache (CUDA), said at start-up
 
     def start(self, runtime: Runtime) -> None:
         """Every rank: the profile loaded before start-up, or (``auto`` on CUDA) the one the first rank measures or
         finds in the cache now and sends to all; the memory budget is checked again on it where it is not the one
         checked before start-up (a measured profile's memory may exceed the analytic count);
         :class:`~megatron_epp.config.errors.ArgumentError` where either cannot serve."""
+        if runtime.device.type == "cuda":  # before anything imports flash-attn-4 (the profile's kernel decision)
+            self.kernel_cache = configure_kernel_cache(self.cfg)
         self.profile = self.loaded or startup_profile(self.cfg, runtime.device)
         if self.profile.profile != self.checked:  # measured on this GPU (or found in the cache): its memory counts
             self.planner = online_planner(self.cfg, self.profile.profile)
@@ -172,7 +177,7 @@ class ElasticSteps:
         planner = describe(self.cfg, self.profile) if self.profile is not None else "not resolved yet"
         return [f"planner: {planner}", f"memory budget: {self.budget}",
                 planning_line(self.cfg.epp.plan_between_steps, local_world_size(), os.cpu_count() or 1,
-                              len(os.sched_getaffinity(0)))]
+                              len(os.sched_getaffinity(0))), *([f"flash-attn-4: {self.kernel_cache}"] if self.kernel_cache else [])]
 
     def build(self, runtime: Runtime, model, split: str, consumed: int, planner_state: dict[str, Any] | None = None,
               steps: int | None = None, faults: FaultInjection = FaultInjection()) -> TrainStep | None:

@@ -41,12 +41,13 @@ def run(*argv: str, timeout: int = 300) -> subprocess.CompletedProcess:
 
 
 def test_attention_check_without_flash_runs_sdpa_and_reports_flash_skipped():
-    proc = run(sys.executable, "-m", "benchmarks.check_cuda_attention", "--cpu-dry-run", "--without-flash")
+    proc = run(sys.executable, "-m", "benchmarks.check_cuda_attention", "--cpu-dry-run", "--without-flash", "--without-fa4")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout
     assert out.count("flash-varlen  skipped (--without-flash)") == 3  # batched, split x4, hybrid
+    assert out.count("fa4-varlen    skipped (--without-fa4)") == 3
     assert out.count("  sdpa-causal ") == 3 and out.count("  sdpa-masked ") == 3 and out.count("  torch-varlen ") == 3
-    assert "PASS: torch-varlen and SDPA paths match fp32; flash-varlen skipped (--without-flash)" in out
+    assert "PASS: torch-varlen and SDPA paths match fp32; fa4-varlen skipped (--without-fa4); flash-varlen skipped (--without-flash)" in out
     # torch-varlen as on the GPUs' torch 2.11 (no enable_gqa): GQA through the aten flash ops, K/V not expanded
     assert "varlen_attn of torch reference (GQA: aten-flash)" in out
     saved = [line for line in out.splitlines() if line.startswith("saved bytes per layer: torch-varlen ")]
@@ -138,7 +139,7 @@ def test_attention_check_runs_no_masked_sdpa_on_cuda(monkeypatch, capsys):
     from benchmarks.attention_harness import REFERENCE_KERNEL, reference_torch_varlen
 
     check = importlib.import_module("benchmarks.check_cuda_attention")
-    assert check.backends_for("cuda") == ("flash-varlen", "torch-varlen", "sdpa-causal")
+    assert check.backends_for("cuda") == ("fa4-varlen", "flash-varlen", "torch-varlen", "sdpa-causal")
     assert "sdpa-masked" not in check.backends_for("cuda") and check.backends_for("cpu")[-1] == "sdpa-masked"
     given = []
 
@@ -150,11 +151,12 @@ def test_attention_check_runs_no_masked_sdpa_on_cuda(monkeypatch, capsys):
     monkeypatch.setattr(check, "setup", lambda args: ("cuda", torch.bfloat16))
     monkeypatch.setattr(kernels, "load_flash_kernel", lambda: (REFERENCE_KERNEL, ""))  # both varlen kernels there
     monkeypatch.setattr(kernels, "load_torch_varlen", lambda: (reference_torch_varlen("aten-flash"), ""))
+    monkeypatch.setattr(kernels.fa4, "load_kernel", lambda: (None, "flash-attn-4 does not import (test)"))
     monkeypatch.setattr(check, "check_layout", check_layout)
     monkeypatch.setattr(check, "saved_line", lambda *args: ("saved bytes per layer: (recorded run)", True))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "pretend GPU")
     assert check.main([]) == 0
-    assert given == [(name, "cuda", check.backends_for("cuda")) for name in ("batched", "split x4", "hybrid")], given
+    assert given == [(name, "cuda", check.backends_for("cuda")[1:]) for name in ("batched", "split x4", "hybrid")], given
     assert "backends flash-varlen, torch-varlen, sdpa-causal;" in capsys.readouterr().out
 
 

@@ -53,6 +53,7 @@ def fresh_decisions(monkeypatch):
     monkeypatch.delenv(attention_kernels.ENV, raising=False)
     attention_kernels.reset_flash_probe()
     use_varlen(monkeypatch, None)
+    monkeypatch.setattr(attention_kernels.fa4, "load_kernel", lambda: (None, ""))  # flash-attn-4: tests/unit/test_fa4_attention.py
     yield
     attention_kernels.reset_flash_probe()
 
@@ -270,7 +271,7 @@ def test_sdpa_paths_exclude_cudnn(monkeypatch, path):
 
 
 def force_backend(monkeypatch, name: str) -> None:
-    monkeypatch.setattr(attention_kernels, "select_backend", lambda request, device, dtype, decided=None, dropout=0.0, gqa=False: name)
+    monkeypatch.setattr(attention_kernels, "select_backend", lambda request, device, dtype, decided=None, dropout=0.0, gqa=False, **kwargs: name)
 
 
 @pytest.mark.parametrize("path", ["sdpa-causal", "sdpa-merged"])
@@ -574,7 +575,7 @@ def test_sdpa_reads_the_slices_kv_in_place(monkeypatch):
 
 def test_bad_backend_value_is_an_error(monkeypatch):
     monkeypatch.setenv(attention_kernels.ENV, "fast")
-    with pytest.raises(ValueError, match=r"EPP_ATTENTION_BACKEND=.fast.: expected one of auto, sdpa, flash, varlen$"):
+    with pytest.raises(ValueError, match=r"EPP_ATTENTION_BACKEND=.fast.: expected one of auto, sdpa, fa4, flash, varlen$"):
         make_attention(4, 4, 8)
 
 
