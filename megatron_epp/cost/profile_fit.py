@@ -10,7 +10,9 @@ Every fit is non-negative least squares of the *relative* error (:func:`fit`), a
 * one layer over ``lengths`` at ``C = 0``, less the attention's ``a1 s^2 + bs``, gives ``a2`` and ``b1``;
 * the recompute (the time a checkpointed layer adds to forward + backward) is fitted on its own
   per-token and per-chunk terms, plus the forward's attention part scaled by one factor
-  (:func:`recompute_fit`); see there for why it is not a ratio of the forward.
+  (:func:`recompute_fit`); see there for why it is not a ratio of the forward;
+* the per-chunk constant ``b1`` of the layer and the head, where the profiler measured it directly (the same tokens
+  as one chunk and as several: :func:`with_chunk_cost`), is that measurement, and ``a2`` is refitted beside it.
 
 Memory (:func:`measured_memory`): the bytes a layer keeps for its backward, plain and checkpointed, and the
 output head's, measured at each length (a GPU's caching allocator, or on the CPU the tensors autograd saves), are
@@ -20,7 +22,8 @@ start gives the backward's workspace.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from dataclasses import replace
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 from scipy.optimize import nnls
@@ -86,6 +89,28 @@ def layer_fit(lengths: Sequence[int], fwd_ms: Sequence[float], bwd_ms: Sequence[
         (a2, b1), _ = fit(X, np.maximum(t - quad, 1e-6))
         out[name] = (TimeCoeffs(att[0], att[1], a2, att[3], att[4], b1), rel_errors(quad + a2 * n + b1, t))
     out["recompute"] = recompute_fit(n, np.asarray(recompute_ms, dtype=float), out["fwd"][0])
+    return out
+
+
+def with_chunk_cost(fitted: dict[str, Fitted], lengths: Sequence[int], times: Mapping[str, Sequence[float]],
+                    chunk_ms: Mapping[str, float]) -> dict[str, Fitted]:
+    """``fitted`` (:func:`layer_fit`'s or :func:`head_fit`'s terms) with each of ``chunk_ms``'s terms' per-chunk constant
+    ``b1`` set to the measured one and its ``a2`` refitted by least squares beside it (non-negative), on its timings
+    ``times[name]`` at ``lengths`` (one segment, ``C = 0``); the errors are those of the new coefficients, with the
+    fitted intercept kept as ``b1_fitted``.
+
+    The intercept of a line through a few lengths is not the per-chunk constant on a GPU: a small chunk's GEMMs run
+    further from peak, which the intercept mixes in (a negative or tiny one), while the launches and host work that
+    one more chunk of the same tokens costs are only seen by cutting the same tokens into more chunks. That split is
+    the planner's choice, so its measured cost is what ``b1`` charges."""
+    n = np.asarray(lengths, dtype=float)
+    out = dict(fitted)
+    for name, b1 in chunk_ms.items():
+        coeffs, errors = fitted[name]
+        t = np.asarray(times[name], dtype=float)
+        rest = coeffs.a1 * n**2 + coeffs.bs  # the attention's s^2 term and per-segment constant (0 for the head)
+        a2 = max(float(np.dot(n, t - rest - b1) / np.dot(n, n)), 0.0)
+        out[name] = (replace(coeffs, a2=a2, b1=float(b1)), {**rel_errors(rest + a2 * n + b1, t), "b1_fitted": coeffs.b1})
     return out
 
 

@@ -23,7 +23,7 @@ from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEm
 from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_epp.cost.profile_fit import attention_fit, head_fit, layer_fit, measured_memory, measured_profile
+from megatron_epp.cost.profile_fit import attention_fit, head_fit, layer_fit, measured_memory, measured_profile, with_chunk_cost
 from megatron_epp.cost.profile import Profile
 from megatron_epp.cost.shape import DTYPE_BYTES, ModelShape
 from megatron_epp.executor import kernels
@@ -39,6 +39,9 @@ from megatron_epp.model.gpt import TorchNorm, architecture_config, elastic_base_
 # gradient, :func:`head_bytes_per_token`): a 128K vocabulary at 64K tokens would need 32 GiB of fp32 logits alone
 HEAD_MEMORY_SHARE = 0.5
 MAX_POSITIONS = 32768  # RoPE's table in a LayerStack unless the caller asks for more (measure_profile: its longest layer)
+CHUNK_SPLIT = 4  # the per-chunk constant: the same tokens as one chunk of this many documents and as this many chunks
+
+Step = tuple[Callable[[], object], Callable[..., torch.Tensor], tuple]  # a chunk of Timer.sequence: prepare, run, inputs
 
 
 class LayerStack(torch.nn.Module):
@@ -179,6 +182,37 @@ class Timer:
             if i >= self.warmup:
                 rows.append((f, b, fo + bo - f - b))
         return tuple(statistics.median(r[j] for r in rows) for j in range(3))  # type: ignore[return-value]
+
+    def sequence(self, chunks: Sequence[Step]) -> tuple[float, float]:
+        """Forward and backward ms summed over ``chunks`` run one after another as the executor runs them: each made
+        current (``prepare``, counted in its forward: the executor's host work per chunk), its forward, then its
+        backward. On a GPU CUDA events, one synchronisation before and one after, none per chunk."""
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
+        marks = []
+        for prepare, run, inputs in chunks:
+            marks.append(self._mark())
+            prepare()
+            out = run(*inputs)
+            marks.append(self._mark())
+            (out if out.dim() == 0 else out.float().sum()).backward()
+            marks.append(self._mark())
+        if cuda:
+            torch.cuda.synchronize()
+        return (sum(self._ms(marks[i], marks[i + 1]) for i in range(0, len(marks), 3)),
+                sum(self._ms(marks[i + 1], marks[i + 2]) for i in range(0, len(marks), 3)))
+
+    def split(self, one: Callable[[], list[Step]], many: Callable[[], list[Step]]) -> tuple[float, float]:
+        """Median over repeats of what ``many``'s chunks take more than ``one``'s, forward and backward, the two timed
+        back to back in each repeat (inputs made outside the timing)."""
+        rows = []
+        for i in range(self.warmup + self.repeats):
+            f1, b1 = self.sequence(one())
+            fk, bk = self.sequence(many())
+            if i >= self.warmup:
+                rows.append((fk - f1, bk - b1))
+        return statistics.median(r[0] for r in rows), statistics.median(r[1] for r in rows)
 
 
 @dataclass(frozen=True)
@@ -413,6 +447,39 @@ def _measure_head(m: Measurement, stack: LayerStack, lengths: Sequence[int]) -> 
     return head_fit(rows["lengths"], rows["fwd"], rows["bwd"]), {"lengths": rows["lengths"], "kept": rows["kept"]}, timings
 
 
+def _measure_chunk_cost(m: Measurement, stack: LayerStack, tokens: int, k: int = CHUNK_SPLIT) -> dict | None:
+    """The per-chunk constant (ms) of one layer's and of the head's forward and backward, with the run's kernels:
+    ``tokens`` as one chunk of ``k`` documents and as ``k`` chunks of one document each (the same tokens, the same
+    attention area; each chunk made current as the executor makes it), the excess over ``k - 1``, at least 0
+    (:meth:`Timer.split`). None where the time box is spent or it ran out of memory (``b1`` stays the fitted intercept)."""
+    s = max(tokens // k, 1)
+    what = f"chunk cost {k} x {s} tokens"
+    if m.late(0, 0, what):
+        return None
+    h, dev, dt = stack.shape.hidden, stack.device, stack.dtype
+
+    def layer(n: int) -> list[Step]:
+        return [(functools.partial(stack.set_segments, [s] * (k // n), [0] * (k // n)), stack, _hidden(s * k // n, h, dev, dt))
+                for _ in range(n)]
+
+    def head(n: int) -> list[Step]:
+        return [(lambda: None, stack.head_loss, _hidden(s * k // n, h, dev, dt)) for _ in range(n)]
+
+    row = m.point(what, lambda: (*m.timer.split(lambda: layer(1), lambda: layer(k)), *m.timer.split(lambda: head(1), lambda: head(k))))
+    if row is None:
+        return None
+    out = dict(zip(("fwd", "bwd", "head_fwd", "head_bwd"), (max(v / (k - 1), 0.0) for v in row)))
+    m.log(f"  {what}: per chunk, layer fwd {out['fwd']:.3f} bwd {out['bwd']:.3f} ms, head fwd {out['head_fwd']:.3f} "
+          f"bwd {out['head_bwd']:.3f} ms")
+    return {"tokens": s * k, "chunks": k, **out}
+
+
+def chunk_tokens(layer_lengths: Sequence[int]) -> int:
+    """The tokens the per-chunk constant is measured on: the second-shortest of the layer lengths measured (a quarter
+    of the context cap on the start-up grid: chunks of a sixteenth of it)."""
+    return sorted(set(layer_lengths))[1]
+
+
 def _hidden(s: int, hidden: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor]:
     return (torch.randn(s, 1, hidden, device=device, dtype=dtype, requires_grad=True),)
 
@@ -421,7 +488,8 @@ def measure_profile(shape: ModelShape, device: torch.device, dtype: torch.dtype,
                     name: str | None = None, budget_s: float | None = None, rotary_base: int = ROTARY_BASE,
                     log: Callable[[str], None] = print, note: str = "", seq_length: int | None = None) -> Profile:
     """Time the attention kernel, one layer and the output head of ``shape`` on ``device`` in ``dtype`` over ``grid``,
-    measure the memory the layer (plain and checkpointed) and the head keep (:class:`MemoryMeter`), fit the cost
+    and their per-chunk constant ``b1`` (:func:`_measure_chunk_cost`, in ``fit["chunk_cost"]``; None past the time box:
+    the fitted intercept), measure the memory the layer (plain and checkpointed) and the head keep (:class:`MemoryMeter`), fit the cost
     model and the memory per token (:mod:`megatron_epp.cost.profile_fit`) and return the measured profile: its
     fits' errors in ``fit["errors"]``, the memory's in ``fit["memory"]``, its memory block ``derive`` ``"measured"``.
     ``name``: its ``device`` (default :func:`device_name`). ``seq_length``: the context cap it is for (its key's;
@@ -440,7 +508,13 @@ def measure_profile(shape: ModelShape, device: torch.device, dtype: torch.dtype,
     layer, layer_memory, timings["layer"] = _measure_layer(m, stack, grid.layer_lengths, attention)
     head_lengths = head_lengths_within(grid.head_lengths, shape, free_memory(device), log)
     head, head_memory, timings["head"] = _measure_head(m, stack, head_lengths)
+    chunk = _measure_chunk_cost(m, stack, chunk_tokens([r[0] for r in timings["layer"]]))
     del stack
+    if chunk is not None:  # b1 measured: the layer's and the head's a2 refitted beside it
+        layer = with_chunk_cost(layer, [r[0] for r in timings["layer"]], {"fwd": [r[1] for r in timings["layer"]],
+                                "bwd": [r[2] for r in timings["layer"]]}, {k: chunk[k] for k in ("fwd", "bwd")})
+        head = with_chunk_cost(head, [r[0] for r in timings["head"]], {"head_fwd": [r[1] for r in timings["head"]],
+                               "head_bwd": [r[2] for r in timings["head"]]}, {k: chunk[k] for k in ("head_fwd", "head_bwd")})
     memory, memory_fit = measured_memory(shape, device.type, layer_memory, head_memory)
     errors = {k: v[1] for k, v in {**attention, **layer, **head}.items()}
     dtype_name = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(dtype, str(dtype))
@@ -448,7 +522,7 @@ def measure_profile(shape: ModelShape, device: torch.device, dtype: torch.dtype,
             "seq_length": int(seq_length or max(grid.layer_lengths)),
             "grid": {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(grid).items()},
             "seconds": round(time.perf_counter() - m.t_start, 2), "skipped": m.skipped, "out_of_memory": m.out_of_memory,
-            "memory": memory_fit,
+            "memory": memory_fit, "chunk_cost": chunk,
             "note": ("medians; CUDA events and the caching allocator on GPU, process CPU time and autograd's saved tensors on "
                      "CPU") + (f"; {note}" if note else "")}
     return measured_profile(shape, name or device_name(device, dtype, kernel), layer, head, memory, {**info, "timings": timings})
