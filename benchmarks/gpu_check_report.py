@@ -15,6 +15,10 @@ The report holds, per step, its status, seconds and limit (``steps.tsv``), and w
   the plan (chunks by kind, recomputed layers), the predicted and measured step ms, and memory against the budget:
   the planner's model states plus the allocator's reserved peak above the step's start (what runs out) and its
   allocated peak, the predicted peak, the memory factor and the out-of-memory retries;
+* ``baseline`` (``--quick``): the same training run with the kernels before flash-attn-4 and the fused pointwise ops
+  (its ``baseline.log`` and ``metrics_baseline.jsonl``), as ``train``; ``kernels_ab``: the two paired by iteration (the
+  same batches): each step's ms, TFLOP/s and MFU (the GPU's dense bf16 peak: :data:`PEAK_BF16_TFLOPS`) both ways and
+  the baseline's ms over the new kernels' (> 1: the new kernels faster), with medians over the steps after the first;
 * ``bench``: bench_gpu.py's last JSON line.
 
 Nothing is computed that the logs do not hold; a file that is missing gives null (its step did not run or died).
@@ -31,6 +35,7 @@ import sys
 from pathlib import Path
 
 
+from megatron_epp.cost.clusters import H100_SXM
 from megatron_epp.base.units import GIB
 from megatron_epp.training.metrics import StepMetrics, read_metrics
 from benchmarks.common import Parser
@@ -195,6 +200,34 @@ def train_verdict(metrics: Path, default_path: bool) -> tuple[bool, str]:
                 + f", measured/predicted step x{ratio:.2f}, out-of-memory retries {retries}")
 
 
+# dense bf16 tensor-core peaks by GPU name (NVIDIA's datasheets; the H200 has the H100 SXM's tensor cores)
+PEAK_BF16_TFLOPS = {"H100": H100_SXM.peak_tflops, "H200": H100_SXM.peak_tflops}
+
+
+def peak_tflops(gpu: str | None) -> float | None:
+    return next((peak for name, peak in PEAK_BF16_TFLOPS.items() if gpu and name in gpu), None)
+
+
+def kernels_ab(new: dict | None, baseline: dict | None, gpu: str | None) -> dict | None:
+    """The new kernels' run against the baseline's, paired by iteration (None: either missing)."""
+    if not new or not baseline:
+        return None
+    peak = peak_tflops(gpu)
+    before = {e["iteration"]: e for e in baseline["steps"]}
+    pairs = []
+    for e in new["steps"]:
+        b = before.get(e["iteration"])
+        if b is None or not e.get("iter_ms") or not b.get("iter_ms"):
+            continue
+        mfu = [None if peak is None or x.get("tflops") is None else x["tflops"] / peak for x in (e, b)]
+        pairs.append({"iteration": e["iteration"], "ms": e["iter_ms"], "baseline_ms": b["iter_ms"], "speedup": b["iter_ms"] / e["iter_ms"],
+                      "tflops": e.get("tflops"), "baseline_tflops": b.get("tflops"), "mfu": mfu[0], "baseline_mfu": mfu[1]})
+    later = pairs[1:] or pairs
+    medians = {key: _median([p[key] for p in later if p[key] is not None]) for key in ("speedup", "tflops", "baseline_tflops", "mfu", "baseline_mfu")}
+    return {"peak_tflops": peak, "pairs": pairs, "median": medians,
+            "attention": [new["lines"].get("attention"), baseline["lines"].get("attention")]}
+
+
 def bench(out: Path) -> dict | None:
     text = _text(out / "bench.log")
     if text is None:
@@ -204,8 +237,12 @@ def bench(out: Path) -> dict | None:
 
 
 def report(out: Path) -> dict:
-    return {"report": "gpu_check", "out": str(out), "steps": steps_table(out), "facts": facts(out), "attention": attention(out),
-            "equivalence": equivalence(out), "train": train_figures(out / "metrics.jsonl", out / "train.log"), "bench": bench(out)}
+    found = facts(out)
+    train = train_figures(out / "metrics.jsonl", out / "train.log")
+    baseline = train_figures(out / "metrics_baseline.jsonl", out / "baseline.log")
+    return {"report": "gpu_check", "out": str(out), "steps": steps_table(out), "facts": found, "attention": attention(out),
+            "equivalence": equivalence(out), "train": train, "baseline": baseline,
+            "kernels_ab": kernels_ab(train, baseline, found["gpu"] if found else None), "bench": bench(out)}
 
 
 def main(argv: list[str] | None = None) -> int:

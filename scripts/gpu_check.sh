@@ -3,17 +3,19 @@
 # check and measure the CUDA path, each step time-boxed, going on after a failed step, with a
 # summary at the end and, last, one JSON line of every figure measured (python -m benchmarks.gpu_check_report).
 #
-#   bash scripts/gpu_check.sh --quick [--out DIR] [--wheels DIR]    # one command of at most 8 minutes (480 s of limits)
+#   bash scripts/gpu_check.sh --quick [--out DIR] [--wheels DIR]    # one command of at most 9.5 minutes (570 s of limits)
 #   bash scripts/gpu_check.sh [--out DIR] [--wheels DIR] [--build-timeout S] [--steps LIST] [--dry-run]   # the full check
 #
-# --quick: facts, install (megatron-core from its wheel: no Transformer Engine or flash-attn build), attention
-# (--budget-s 30), the pp=1 equivalence, one training run on the default path a user takes (NO --epp-profile: the
-# start-up profile measures time and allocator memory on this GPU; NO --epp-memory-budget: the GPU's free memory
-# less the margin; a model large enough that this budget binds on an H100 and an H200: recompute and smaller chunks
-# than the cap; --log-throughput; the allocator's reserved and allocated peak of every step against the budget, and
-# any out-of-memory recovery), and one bench cell on that run's model and cap (its cached profile; Megatron packing
-# and EPP only). About 6 minutes of steps on an H200; the limits sum to 480 s. The full check (about 18 minutes on
-# one H100, 35 at most) is for a second command.
+# --quick: facts, install (megatron-core and requirements-gpu-kernels.txt from their wheels: no Transformer Engine or
+# flash-attn build), attention (--budget-s 30; flash-attn-4 where it imports, compiled before the timings), the pp=1
+# equivalence, one training run on the default path a user takes (NO --epp-profile: the start-up profile measures time
+# and allocator memory on this GPU with the kernels chosen; NO --epp-memory-budget: the GPU's free memory less the
+# margin; a model large enough that this budget binds on an H100 and an H200: recompute and smaller chunks than the
+# cap; --log-throughput; the allocator's reserved and allocated peak of every step against the budget, and any
+# out-of-memory recovery), then the same run on the same batches with the kernels before flash-attn-4 and the fused
+# pointwise ops (baseline: torch's varlen_attn, unfused), paired by iteration in the report (kernels_ab: ms, TFLOP/s,
+# MFU). The limits sum to 570 s. The bench's three cells (--steps bench, about 7 minutes on an H200) and the full
+# check (about 18 minutes on one H100, 35 at most) are for further commands.
 #
 # Steps (--steps takes a comma-separated subset, in this order):
 #   facts        GPU, driver, torch, what imports
@@ -29,12 +31,15 @@
 #   profile      python -m megatron_epp.measure.profile_gpu: the layer's cost profile on this GPU (bf16, CUDA events)
 #   train        pretrain_gpt.py --elastic-pp --bf16 at pp=1 under a tight --epp-memory-budget (split
 #                and hybrid chunks, recompute), on the profile just measured (else the analytic llama-7b)
+#   baseline     (--quick) the train step's run again on the same batches with the kernels before flash-attn-4 and the
+#                fused pointwise ops: EPP_ATTENTION_BACKEND=varlen, unfused
 #   bench        python -m benchmarks.bench_gpu: Megatron packing, Seq1F1B, EPP and EPP without memory limit on a
 #                LLaMA-like 8-layer model under a binding budget (~7.5 min); its JSON line in the summary
 #
 # --out DIR           everything goes there: <step>.log, install/, profile.json, metrics.jsonl, summary.txt
 #                     (default: runs/gpu_check-<time>)
-# --wheels DIR        wheels (and sdists) for setup_gpu.sh --find-links (default: $EPP_WHEELS, else .whl if present)
+# --wheels DIR        wheels for setup_gpu.sh --wheels: DIR and its parts DIR/1, DIR/2 (scripts/gpu_wheels.sh)
+#                     (default: $EPP_WHEELS, else .whl if present)
 # --build-timeout S   passed to setup_gpu.sh (default 0: wheels only, nothing compiled; flash-attn from
 #                     source alone takes 10-25 min)
 # --quick             the steps above in at most 480 s
@@ -47,7 +52,7 @@ cd "$(dirname "$0")/.."
 REPO=$PWD
 
 OUT_DIR="" WHEELS=${EPP_WHEELS:-} BUILD_TIMEOUT=0 STEPS="" DRY_RUN=0 REHEARSAL=0 QUICK=0
-ALL_STEPS=(facts install attention equivalence profile train bench)
+ALL_STEPS=(facts install attention equivalence profile train baseline bench)
 usage_error() { echo "gpu_check.sh: error: $*" >&2; exit 2; }
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -65,7 +70,7 @@ done
 [[ "$BUILD_TIMEOUT" =~ ^[0-9]+$ ]] || usage_error "--build-timeout $BUILD_TIMEOUT: expected whole seconds"
 [ "$QUICK" = 0 ] || [ "$BUILD_TIMEOUT" = 0 ] || usage_error "--quick builds nothing: --build-timeout is for the full check"
 if [ -z "$STEPS" ]; then
-  if [ "$QUICK" = 1 ]; then STEPS="facts,install,attention,equivalence,train,bench"; else STEPS="facts,install,attention,equivalence,profile,train,bench"; fi
+  if [ "$QUICK" = 1 ]; then STEPS="facts,install,attention,equivalence,train,baseline"; else STEPS="facts,install,attention,equivalence,profile,train,bench"; fi
 fi
 IFS=',' read -ra WANTED <<< "$STEPS"
 for step in "${WANTED[@]}"; do
@@ -87,6 +92,9 @@ TRAIN_FLAGS=(--elastic-pp --pipeline-model-parallel-size 1 --bf16 --mock-data --
 # The profile: the training check's shape, the default grid of megatron_epp.measure.profile_gpu.
 PROFILE_FLAGS=(--hidden-size 1024 --num-attention-heads 16 --num-layers 8 --seq-length 16384)  # the train check's cap: its key
 ATTENTION_FLAGS=()
+# the baseline run (--quick): the kernels before flash-attn-4 (torch's varlen_attn) and before the fused pointwise ops
+BASELINE_ENV=(EPP_ATTENTION_BACKEND=varlen)
+BASELINE_FLAGS=()
 # the equivalence tests of one process (pp=1), the ones a single GPU runs
 EQUIVALENCE_SELECTION=(-k pp1)
 BENCH_FLAGS=()
@@ -114,20 +122,22 @@ if [ "$REHEARSAL" = 1 ]; then  # the same steps at toy sizes on the CPU
   PROFILE_FLAGS=(--device cpu --hidden-size 32 --num-attention-heads 4 --num-layers 2 --seq-lengths 16,32,64 --contexts 0,32
     --layer-lengths 16,32,64,128 --head-lengths 16,64 --repeats 2)
   ATTENTION_FLAGS=(--cpu-dry-run)
+  BASELINE_ENV=(EPP_ATTENTION_BACKEND=sdpa)  # torch's varlen_attn runs on CUDA only
   BENCH_FLAGS=(--dry-run --cells mock:16384)  # plans the cell and prints its commands; trains nothing
   [ "$QUICK" = 1 ] && BENCH_FLAGS=(--dry-run --cells mock:16384 --runs megatron,epp --model-flags "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 8192")
 fi
 
 # per step: its time limit (s; 34.5 min in all without builds) and its command
-declare -A LIMIT=([facts]=60 [install]=$((150 + BUILD_TIMEOUT * 2)) [attention]=180 [equivalence]=420 [profile]=300 [train]=360 [bench]=600)
-# --quick: 480 s in all (the device machines lend 10 minutes a command and 15 a session, its start included)
-[ "$QUICK" = 1 ] && declare -A LIMIT=([facts]=20 [install]=45 [attention]=60 [equivalence]=75 [profile]=0 [train]=170 [bench]=110)
+declare -A LIMIT=([facts]=60 [install]=$((150 + BUILD_TIMEOUT * 2)) [attention]=180 [equivalence]=420 [profile]=300 [train]=360 [baseline]=360 [bench]=600)
+# --quick: 570 s in all (the device machines lend 10 minutes a command and 15 a session, its start included); the
+# first contact with flash-attn-4 compiles its kernels (tens of seconds each, cached on disk for the later steps)
+[ "$QUICK" = 1 ] && declare -A LIMIT=([facts]=20 [install]=90 [attention]=90 [equivalence]=90 [profile]=0 [train]=150 [baseline]=130 [bench]=600)
 QUICK_SETUP=""
 [ "$QUICK" = 1 ] && QUICK_SETUP="--no-te --no-flash"  # no wheel of either exists for the GPU machines; the full check tries
 command_of() {
   case "$1" in
     facts) echo "nvidia-smi; $PYTHON - (versions; which optional packages import)" ;;
-    install) echo "bash scripts/setup_gpu.sh --find-links ${WHEELS:-<none>} --build-timeout $BUILD_TIMEOUT${QUICK_SETUP:+ $QUICK_SETUP} --log-dir $OUT_DIR/install" ;;
+    install) echo "bash scripts/setup_gpu.sh --wheels ${WHEELS:-<none>} --build-timeout $BUILD_TIMEOUT${QUICK_SETUP:+ $QUICK_SETUP} --log-dir $OUT_DIR/install" ;;
     attention) echo "$PYTHON -m benchmarks.check_cuda_attention ${ATTENTION_FLAGS[*]}" ;;
     equivalence) echo "$PYTHON -m pytest -q -p no:cacheprovider -rs tests/integration/test_elastic_equivalence.py ${EQUIVALENCE_SELECTION[*]}" ;;
     profile) echo "$PYTHON -m megatron_epp.measure.profile_gpu ${PROFILE_FLAGS[*]} --out $OUT_DIR/profile.json" ;;
@@ -136,6 +146,7 @@ command_of() {
            else
              echo "$PYTHON -m torch.distributed.run --nproc-per-node 1 pretrain_gpt.py ${TRAIN_FLAGS[*]} --epp-profile <profile.json, else llama-7b> --epp-metrics $OUT_DIR/metrics.jsonl"
            fi ;;
+    baseline) echo "${BASELINE_ENV[*]} $PYTHON -m torch.distributed.run --nproc-per-node 1 pretrain_gpt.py ${TRAIN_FLAGS[*]} ${BASELINE_FLAGS[*]} --epp-metrics $OUT_DIR/metrics_baseline.jsonl (the train step's run, the kernels before)" ;;
     bench) echo "$PYTHON -m benchmarks.bench_gpu ${BENCH_FLAGS[*]}" ;;
   esac
 }
@@ -162,7 +173,7 @@ run_step() {  # run_step NAME COMMAND...: time-boxed, output in OUT_DIR/NAME.log
   local name=$1 start=$SECONDS rc=0 status took result; shift
   echo "=== $name (limit ${LIMIT[$name]} s): $(command_of "$name")"
   if declare -F "$1" > /dev/null; then  # a function of this script: timeout runs programs, so hand it to a bash
-    set -- bash -c "$(declare -p PYTHON WHEELS BUILD_TIMEOUT OUT_DIR TRAIN_FLAGS REHEARSAL QUICK QUICK_SETUP); $(declare -f "$1"); $1"
+    set -- bash -c "$(declare -p PYTHON WHEELS BUILD_TIMEOUT OUT_DIR TRAIN_FLAGS BASELINE_ENV BASELINE_FLAGS REHEARSAL QUICK QUICK_SETUP); $(declare -f "$1" train); $1"
   fi
   timeout -k 20 "${LIMIT[$name]}" "$@" > "$OUT_DIR/$name.log" 2>&1 || rc=$?
   took=$((SECONDS - start))
@@ -184,7 +195,7 @@ result_of() {  # one line from a step's log
     attention) grep -E '^(PASS|FAIL|saved bytes per layer)' "$log" | head -n 3 | tr '\n' ';' ;;
     equivalence) grep -E '(passed|failed|error|skipped)' "$log" | tail -n 2 | tr '\n' ';' ;;
     profile) grep -E 'rms rel err' "$log" | awk '{printf "%s %s%%; ", $1, $5}' ;;
-    train) grep -E '^train:' "$log" | tail -n 1 ;;
+    train|baseline) grep -E '^train:' "$log" | tail -n 1 ;;
     bench) if [ "$REHEARSAL" = 1 ]; then grep -E '^estimated time' "$log" | tail -n 1; else grep -E '^\{' "$log" | tail -n 1; fi ;;
   esac
   [ "$2" = 0 ] || echo " (last line: $(grep -v '^\s*$' "$log" | tail -n 1 | cut -c1-200))"
@@ -201,7 +212,7 @@ if torch.cuda.is_available():
 else:
     print("gpu none (CPU rehearsal)")
 print(f"torch {torch.__version__} cuda {torch.version.cuda} python {sys.version.split()[0]}")
-for name in ("megatron.core", "transformer_engine.pytorch", "flash_attn", "apex", "scaled_masked_softmax_cuda", "matplotlib", "scipy", "pytest"):
+for name in ("megatron.core", "transformer_engine.pytorch", "flash_attn", "flash_attn.cute", "liger_kernel", "quack", "apex", "scaled_masked_softmax_cuda", "matplotlib", "scipy", "pytest"):
     try:
         m = importlib.import_module(name)
         print(f"import {name}: ok {getattr(m, '__version__', '')}")
@@ -219,18 +230,22 @@ install() {
     fi
     echo "error: megatron-core does not import and no --wheels directory was given (offline: carry its wheel)"; return 1
   fi
-  bash scripts/setup_gpu.sh --find-links "$WHEELS" --build-timeout "$BUILD_TIMEOUT" $QUICK_SETUP --log-dir "$OUT_DIR/install"
+  bash scripts/setup_gpu.sh --wheels "$WHEELS" --build-timeout "$BUILD_TIMEOUT" $QUICK_SETUP --log-dir "$OUT_DIR/install"
 }
 
-train() {
-  local profile=(--epp-profile llama-7b)
+train() {  # train [METRICS_NAME [PORT]]: the training check, its metrics in OUT_DIR/METRICS_NAME (default metrics.jsonl)
+  local metrics="$OUT_DIR/${1:-metrics.jsonl}" port=${2:-29517} profile=(--epp-profile llama-7b)
   [ "$REHEARSAL" = 1 ] && profile=(--epp-profile test-model)
   [ -s "$OUT_DIR/profile.json" ] && profile=(--epp-profile "$OUT_DIR/profile.json")
   [ "$QUICK" = 1 ] && profile=()  # the default path: --epp-profile auto
-  rm -f "$OUT_DIR/metrics.jsonl"
-  "$PYTHON" -m torch.distributed.run --nproc-per-node 1 --master-addr 127.0.0.1 --master-port 29517 pretrain_gpt.py \
-    "${TRAIN_FLAGS[@]}" "${profile[@]}" --epp-metrics "$OUT_DIR/metrics.jsonl" || return $?
-  "$PYTHON" -m benchmarks.gpu_check_report --train "$OUT_DIR/metrics.jsonl" $([ "$QUICK" = 1 ] && echo --default-path)
+  rm -f "$metrics"
+  "$PYTHON" -m torch.distributed.run --nproc-per-node 1 --master-addr 127.0.0.1 --master-port "$port" pretrain_gpt.py \
+    "${TRAIN_FLAGS[@]}" "${profile[@]}" "${@:3}" --epp-metrics "$metrics" || return $?
+  "$PYTHON" -m benchmarks.gpu_check_report --train "$metrics" $([ "$QUICK" = 1 ] && echo --default-path)
+}
+
+baseline() {  # the train step's run with the kernels before flash-attn-4 and the fused pointwise ops
+  env "${BASELINE_ENV[@]}" bash -c "$(declare -p PYTHON OUT_DIR TRAIN_FLAGS REHEARSAL QUICK); $(declare -f train); train metrics_baseline.jsonl 29518 $([ ${#BASELINE_FLAGS[@]} = 0 ] || printf '%q ' "${BASELINE_FLAGS[@]}")"
 }
 
 echo "gpu_check.sh: steps $STEPS; output in $OUT_DIR"
@@ -240,6 +255,7 @@ wanted attention && run_step attention "$PYTHON" -m benchmarks.check_cuda_attent
 wanted equivalence && run_step equivalence "$PYTHON" -m pytest -q -p no:cacheprovider -rs tests/integration/test_elastic_equivalence.py "${EQUIVALENCE_SELECTION[@]}"
 wanted profile && run_step profile "$PYTHON" -m megatron_epp.measure.profile_gpu "${PROFILE_FLAGS[@]}" --out "$OUT_DIR/profile.json"
 wanted train && run_step train train
+wanted baseline && run_step baseline baseline
 wanted bench && run_step bench "$PYTHON" -m benchmarks.bench_gpu "${BENCH_FLAGS[@]}"
 
 {

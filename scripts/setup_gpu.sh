@@ -6,17 +6,24 @@
 #      timed-out build, or one that installs but does not import, is a warning: it is uninstalled
 #      (megatron-core would otherwise trip over a half-working TE) and the library falls back
 #      (stock path: local layer spec; elastic attention: SDPA),
-#   4. prints what the library will use (the same probes training uses).
+#   4. the kernels that need no build (requirements-gpu-kernels.txt: flash-attn-4 and its CuTe DSL libraries,
+#      liger-kernel, quack-kernels): each one not yet installed, with --no-deps (torch's triton pin and the installed
+#      CUDA libraries stay as they are; a triton that changed anyway is an error); where flash_attn.cute does not
+#      import afterwards it is a warning, what was installed is removed again, and the attention falls back,
+#   5. prints what the library will use (the same probes training uses).
 # Exit 0 when the runtime is usable (warnings or not), 1 when the runtime itself did not install,
 # 2 on a bad option.
 #
-#   bash scripts/setup_gpu.sh [--find-links DIR] [--build-timeout S] [--no-te] [--no-flash] [--log-dir DIR]
+#   bash scripts/setup_gpu.sh [--wheels DIR | --find-links DIR] [--build-timeout S] [--no-te] [--no-flash] [--no-kernels] [--log-dir DIR]
 #
+#   --wheels DIR       offline: install only from the wheels in DIR and its parts DIR/1, DIR/2, ... (scripts/gpu_wheels.sh
+#                      lays them out; pieces NAME.part-00, NAME.part-01, ... are joined first)
 #   --find-links DIR   offline: install only from the wheels/sdists in DIR (pip --no-index)
 #   --build-timeout S  seconds each optional package may take to install, build included (default
 #                      3600; 0: wheels only, nothing is compiled). flash-attn from source takes
 #                      10-25 min on 16 cores even for one GPU architecture.
 #   --no-te, --no-flash  leave that optional package out
+#   --no-kernels       leave requirements-gpu-kernels.txt out
 #   --log-dir DIR      where pip's logs go (default: a new temporary directory)
 # Environment: PYTHON (default python3), PIP (default "$PYTHON -m pip"), MAX_JOBS / NVCC_THREADS
 # (parallel build jobs; default: cores, and cores' worth of memory at 4 GB a job), FLASH_ATTN_CUDA_ARCHS /
@@ -31,12 +38,14 @@ TE_DISTRIBUTIONS=(transformer-engine transformer-engine-torch transformer-engine
 
 PYTHON=${PYTHON:-python3}
 read -ra PIP <<< "${PIP:-$PYTHON -m pip}"
-FIND_LINKS="" BUILD_TIMEOUT=3600 WANT_TE=1 WANT_FLASH=1 LOG_DIR=""
+FIND_LINKS="" WHEEL_PARTS="" BUILD_TIMEOUT=3600 WANT_TE=1 WANT_FLASH=1 WANT_KERNELS=1 LOG_DIR=""
 
 usage_error() { echo "setup_gpu.sh: error: $*" >&2; exit 2; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --find-links) [ $# -ge 2 ] || usage_error "--find-links needs a directory"; FIND_LINKS=$2; shift 2 ;;
+    --wheels) [ $# -ge 2 ] || usage_error "--wheels needs a directory"; FIND_LINKS=$2; WHEEL_PARTS=1; shift 2 ;;
+    --no-kernels) WANT_KERNELS=0; shift ;;
     --build-timeout) [ $# -ge 2 ] || usage_error "--build-timeout needs seconds"; BUILD_TIMEOUT=$2; shift 2 ;;
     --log-dir) [ $# -ge 2 ] || usage_error "--log-dir needs a directory"; LOG_DIR=$2; shift 2 ;;
     --no-te) WANT_TE=0; shift ;;
@@ -49,6 +58,22 @@ done
 [[ "$BUILD_TIMEOUT" =~ ^[0-9]+$ ]] || usage_error "--build-timeout $BUILD_TIMEOUT: expected whole seconds"
 LOG_DIR=${LOG_DIR:-$(mktemp -d -t epp-setup-gpu.XXXXXX)}
 mkdir -p "$LOG_DIR" || usage_error "--log-dir $LOG_DIR: cannot create it"
+if [ -n "$WHEEL_PARTS" ]; then  # the wheels of DIR and its parts in one folder, pieces joined
+  JOINED="$LOG_DIR/wheels"
+  mkdir -p "$JOINED"
+  for wheel in "$FIND_LINKS"/*.whl "$FIND_LINKS"/*.tar.gz "$FIND_LINKS"/[0-9]*/*.whl; do
+    [ -e "$wheel" ] && ln -sf "$(cd "$(dirname "$wheel")" && pwd)/$(basename "$wheel")" "$JOINED/"
+  done
+  for first in "$FIND_LINKS"/*.whl.part-00 "$FIND_LINKS"/[0-9]*/*.whl.part-00; do
+    [ -e "$first" ] || continue
+    name=$(basename "${first%.part-00}")
+    pieces=$(ls "$FIND_LINKS"/"$name".part-* "$FIND_LINKS"/[0-9]*/"$name".part-* 2>/dev/null | awk -F'.part-' '{print $NF "\t" $0}' | sort | cut -f2)
+    # shellcheck disable=SC2086
+    cat $pieces > "$JOINED/$name" || usage_error "--wheels $FIND_LINKS: could not join the pieces of $name"
+    echo "setup_gpu.sh: $name joined from $(echo "$pieces" | wc -l) pieces"
+  done
+  FIND_LINKS=$JOINED
+fi
 SOURCE=()
 [ -z "$FIND_LINKS" ] || SOURCE=(--no-index --find-links "$FIND_LINKS")
 
@@ -191,7 +216,49 @@ else
   STATUS+=("flash-attn: skipped (--no-flash)")
 fi
 
-# 4. what the library will use (its own probes) ------------------------------------------------
+# 4. the kernels without a build (requirements-gpu-kernels.txt) ------------------------------------
+dist_version() {  # dist_version NAME: the installed version, or nothing
+  "$PYTHON" -c 'import importlib.metadata as m, sys
+try: print(m.version(sys.argv[1]))
+except m.PackageNotFoundError: pass' "$1" 2>/dev/null
+}
+install_kernels() {
+  local log="$LOG_DIR/kernels.log" missing=() installed=() spec name triton_before triton_after found why=""
+  while read -r spec; do
+    name=${spec%%==*}
+    [ -n "$(dist_version "$name")" ] || missing+=("$spec")
+  done < <(grep -Ev '^\s*(#|$)' requirements-gpu-kernels.txt)
+  if [ ${#missing[@]} = 0 ]; then
+    say "kernels: requirements-gpu-kernels.txt already installed"
+  else
+    triton_before=$(dist_version triton)
+    say "kernels: installing ${#missing[@]} of requirements-gpu-kernels.txt with --no-deps${FIND_LINKS:+ from $FIND_LINKS} (log: $log)"
+    if "${PIP[@]}" install --disable-pip-version-check --no-deps "${SOURCE[@]}" "${missing[@]}" > "$log" 2>&1; then
+      installed=("${missing[@]%%==*}")
+    else
+      why="pip failed: $(grep -v '^\s*$' "$log" | tail -n 1 | cut -c1-200)"
+    fi
+    triton_after=$(dist_version triton)
+    [ "$triton_before" = "$triton_after" ] || die "triton changed from ${triton_before:-none} to ${triton_after:-none} (torch pins its own): reinstall triton==$triton_before"
+  fi
+  if [ -z "$why" ] && ! found=$(probe flash_attn.cute); then
+    why="flash_attn.cute does not import ($found)"
+  fi
+  if [ -n "$why" ]; then
+    [ ${#installed[@]} = 0 ] || "${PIP[@]}" uninstall -y "${installed[@]}" >> "$log" 2>&1 || true
+    warn "kernels not available: $why; what was installed is removed again, the elastic attention falls back to the kernels before flash-attn-4 (log: $log)"
+    STATUS+=("kernels (flash-attn-4, liger-kernel, quack-kernels): not available")
+    return
+  fi
+  STATUS+=("kernels: flash-attn-4 $(dist_version flash-attn-4), liger-kernel $(dist_version liger-kernel), quack-kernels $(dist_version quack-kernels)")
+}
+if [ "$WANT_KERNELS" = 1 ]; then
+  install_kernels
+else
+  STATUS+=("kernels: skipped (--no-kernels)")
+fi
+
+# 5. what the library will use (its own probes) ------------------------------------------------
 say "summary:"
 for s in "${STATUS[@]}"; do echo "  $s"; done
 "$PYTHON" - <<'PY' || die "the library does not import after the install (traceback above; a broken transformer_engine that pip could not remove breaks megatron-core itself: pip uninstall ${TE_DISTRIBUTIONS[*]})"
@@ -208,7 +275,7 @@ print(f"  transformer-engine layers: {probe_transformer_engine() or 'import'}")
 print(f"  fused softmax kernels: {probe_fused_softmax() or 'import'}")
 print(f"  stock path: {layer_spec_summary(elastic=False)}")
 print(f"  --elastic-pp: {layer_spec_summary(elastic=True)}")
-kernels.select_backend("auto", device, dtype)  # prints '> elastic attention: <kernel> (...)'
+kernels.select_backend("auto", device, dtype, gqa=True, heads=(32, 8, 128))  # flash-attn-4 probed (and compiled) at 32:8 heads of 128; prints '> elastic attention: <kernel> (...)'
 PY
 if [ ${#WARNINGS[@]} -gt 0 ]; then
   say "done with ${#WARNINGS[@]} warning(s) (above); logs in $LOG_DIR"

@@ -317,26 +317,32 @@ def test_gpu_check_quick_fits_one_device_command_and_takes_the_default_path():
     assert dry.returncode == 0, dry.stderr
     lines = dry.stdout.splitlines()
     steps = {line.split()[0]: line for line in lines[1:-1]}
-    assert list(steps) == ["facts", "install", "attention", "equivalence", "train", "bench"]
+    assert list(steps) == ["facts", "install", "attention", "equivalence", "train", "baseline"]
     limits = [int(line.split("(limit")[1].split("s)")[0]) for line in steps.values()]
-    assert sum(limits) <= 480 and lines[-1] == f"limits: {sum(limits)} s in all"
+    assert sum(limits) <= 570 and lines[-1] == f"limits: {sum(limits)} s in all"  # a device command is 600 s at most
     train, note = steps["train"].split(" (no --epp-profile")
     assert "--epp-profile" not in train and "--epp-memory-budget" not in train and "--log-throughput" in train
     assert "the start-up profile" in note and "the default budget" in note
     assert "--no-te --no-flash" in steps["install"] and "-k pp1" in steps["equivalence"]
-    model = train.split("--mock-data ")[1].split(" --global-batch-size")[0]  # the run's model flags and cap
-    assert f"--model-flags {model}" in steps["bench"] and "--runs megatron,epp" in steps["bench"]
+    # the baseline: the same run on the same batches, the attention before flash-attn-4
+    baseline = steps["baseline"].split("(limit")[1].split("s)  ", 1)[1]
+    assert baseline.startswith("EPP_ATTENTION_BACKEND=varlen ") and train.split("s)  ", 1)[1].split(" --epp-metrics")[0] in baseline
+    assert baseline.split(" --epp-metrics ")[1].startswith("/tmp/x/metrics_baseline.jsonl")
     bad = run("bash", "scripts/gpu_check.sh", "--quick", "--build-timeout", "600", "--dry-run")
     assert bad.returncode == 2 and "--quick builds nothing" in bad.stderr
 
 
 def test_gpu_check_quick_rehearsal_trains_on_the_default_path_and_reports_json(tmp_path):
     out = tmp_path / "quick"
-    proc = run("bash", "scripts/gpu_check.sh", "--quick", "--cpu-rehearsal", "--steps", "train,bench", "--out", str(out), timeout=600)
+    proc = run("bash", "scripts/gpu_check.sh", "--quick", "--cpu-rehearsal", "--steps", "train,baseline,bench", "--out", str(out), timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report == json.loads((out / "report.json").read_text())
-    assert set(report["steps"]) == {"train", "bench"} and all(s["status"] == "ok" for s in report["steps"].values())
+    assert set(report["steps"]) == {"train", "baseline", "bench"} and all(s["status"] == "ok" for s in report["steps"].values())
+    ab = report["kernels_ab"]  # the two runs paired by iteration (the same batches); no peak known for a CPU
+    assert [p["iteration"] for p in ab["pairs"]] == list(range(1, 7)) and ab["median"]["speedup"] > 0 and ab["peak_tflops"] is None
+    assert "EPP_ATTENTION_BACKEND=sdpa" in ab["attention"][1] and [s["loss"] for s in report["baseline"]["steps"]][:1] == [
+        s["loss"] for s in report["train"]["steps"]][:1]
     train = report["train"]
     assert train["lines"]["planner"].startswith("planner: --epp-profile auto") and "memory budget" in train["lines"]["memory_budget"]
     assert train["iterations"] == 6 and train["median_tflops"] > 0 and train["oom_retries"] == 0

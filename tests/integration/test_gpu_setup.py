@@ -11,6 +11,7 @@ one-line errors.
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import subprocess
 import textwrap
@@ -33,6 +34,9 @@ FAKE_PIP = textwrap.dedent("""\
         exit 0 ;;
     esac
     case "$*" in
+      *--no-deps*flash-attn-4==*)  # the kernels: "installed", but flash_attn.cute cannot load its CUDA libraries
+        [ -z "${CHANGE_TRITON:-}" ] || { mkdir -p "$FAKE_SITE/triton-9.9.9.dist-info"; printf 'Metadata-Version: 2.1\nName: triton\nVersion: 9.9.9\n' > "$FAKE_SITE/triton-9.9.9.dist-info/METADATA"; }
+        echo "Successfully installed flash-attn-4-4.0.0b36"; exit 0 ;;
       *requirements-gpu.txt*) [ -z "${FAIL_REQUIREMENTS:-}" ] || { echo "ERROR: No matching distribution found for megatron-core==0.16.1"; exit 1; }; exit 0 ;;
       *transformer-engine*)
         mkdir -p "$FAKE_SITE/transformer_engine/pytorch"
@@ -78,7 +82,7 @@ def test_failed_optional_kernels_warn_and_the_library_falls_back_to_sdpa(tmp_pat
     assert not (tmp_path / "site" / "transformer_engine").exists() and not (tmp_path / "site" / "flash_attn").exists()
     calls = pip_calls(tmp_path)
     installs = [c for c in calls if c.startswith("install")]
-    assert len(installs) == 3 and all(f"--no-index --find-links {wheels}" in c for c in installs)
+    assert len(installs) == 4 and all(f"--no-index --find-links {wheels}" in c for c in installs)
     assert "-r requirements-gpu.txt" in installs[0]
     assert "--no-build-isolation" in installs[1] and "transformer-engine[pytorch]==2.12.0" in installs[1]
     assert "--no-build-isolation" in installs[2] and "flash-attn>=2.8.3.post2" in installs[2]
@@ -118,3 +122,52 @@ def test_torch_that_does_not_import_is_one_clear_error(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "torch does not import (ImportError: libcudart.so.13" in lines[0] and "driver >= 580" in lines[0]
     assert not (tmp_path / "pip.calls").exists()  # nothing installed
+
+
+KERNEL_SPECS = [line for line in (REPO / "requirements-gpu-kernels.txt").read_text().splitlines() if line and not line.startswith("#")]
+
+
+def installed(distribution: str) -> bool:
+    try:
+        importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def test_kernels_install_without_deps_and_are_removed_where_flash_attn_4_does_not_import(tmp_path):
+    """requirements-gpu-kernels.txt goes in with --no-deps (torch's triton and CUDA libraries untouched), only what is
+    missing; where flash_attn.cute does not import afterwards it is a warning, what was installed is uninstalled, and
+    the attention falls back. A triton changed by the install is an error."""
+    proc = setup(tmp_path, "--no-te", "--no-flash")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    installs = [c for c in pip_calls(tmp_path) if c.startswith("install") and "--no-deps" in c]
+    missing = [spec for spec in KERNEL_SPECS if not installed(spec.split("==")[0])]
+    assert missing and len(installs) == 1 and installs[0].split()[-len(missing):] == missing  # what this machine lacks
+    warning = [line for line in proc.stderr.splitlines() if "kernels not available" in line]
+    assert len(warning) == 1 and "flash_attn.cute does not import" in warning[0], proc.stderr
+    uninstall = [c for c in pip_calls(tmp_path) if c.startswith("uninstall")]
+    assert len(uninstall) == 1 and "flash-attn-4" in uninstall[0].split() and "quack-kernels" in uninstall[0].split()
+    assert "kernels (flash-attn-4, liger-kernel, quack-kernels): not available" in proc.stdout
+    assert "kernels: skipped (--no-kernels)" in setup(tmp_path, "--no-te", "--no-flash", "--no-kernels").stdout
+    (tmp_path / "t").mkdir()
+    changed = setup(tmp_path / "t", "--no-te", "--no-flash", env={"CHANGE_TRITON": "1"})
+    assert changed.returncode == 1 and "error: triton changed from" in changed.stderr.strip().splitlines()[-1] and "9.9.9" in changed.stderr
+
+
+def test_wheels_joins_the_pieces_of_its_parts(tmp_path):
+    """``--wheels DIR``: the wheels of DIR and of its parts DIR/1, DIR/2 (scripts/gpu_wheels.sh's layout) in one folder,
+    a wheel cut into pieces across parts joined back byte for byte, and pip pointed there alone."""
+    wheels = tmp_path / "whl"
+    data = bytes(range(256)) * 1000
+    for part, files in {"1": {"big-1.0-py3-none-any.whl.part-00": data[:100_000], "a-1.0-py3-none-any.whl": b"a"},
+                        "2": {"big-1.0-py3-none-any.whl.part-01": data[100_000:]}}.items():
+        (wheels / part).mkdir(parents=True)
+        for name, content in files.items():
+            (wheels / part / name).write_bytes(content)
+    proc = setup(tmp_path, "--wheels", str(wheels), "--no-te", "--no-flash", "--no-kernels")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    joined = tmp_path / "logs" / "wheels"
+    assert (joined / "big-1.0-py3-none-any.whl").read_bytes() == data and (joined / "a-1.0-py3-none-any.whl").read_bytes() == b"a"
+    assert "big-1.0-py3-none-any.whl joined from 2 pieces" in proc.stdout
+    assert all(f"--no-index --find-links {joined}" in c for c in pip_calls(tmp_path) if c.startswith("install"))
