@@ -324,3 +324,35 @@ def test_the_libraries_are_absent_here_and_say_why():
         assert found is None and "does not import" in why
     with pytest.raises(fused.FusedKernelError, match="norm=liger"):
         fused.kernel("norm", "liger")
+
+
+def test_the_fused_loss_model_computes_megatron_cores_per_token_loss():
+    from megatron.core import tensor_parallel
+    from megatron_epp.measure.layer_bench import init_single_process
+
+    init_single_process()
+    generator = torch.Generator().manual_seed(3)
+    logits, labels = torch.randn(9, 2, 128, generator=generator), torch.randint(0, 128, (2, 9), generator=generator)
+    one_rank = types.SimpleNamespace(tp=types.SimpleNamespace(size=lambda: 1))
+    model = types.SimpleNamespace(pg_collection=one_rank, _cross_entropy=fused.kernel("cross_entropy", "compile"))
+    got = fused_layers.FusedLossGPTModel.compute_language_model_loss(model, labels, logits)
+    expected = tensor_parallel.vocab_parallel_cross_entropy(logits, labels.transpose(0, 1).contiguous()).transpose(0, 1)
+    assert got.shape == (2, 9)
+    torch.testing.assert_close(got, expected, rtol=2e-6, atol=2e-6)
+
+
+def test_the_benchmark_runs_on_the_cpu_at_toy_sizes_and_ends_with_one_json_line(capsys):
+    import json
+
+    from benchmarks import fused_kernels
+
+    toy = ["--device", "cpu", "--tokens", "48", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--ffn", "96",
+           "--vocab", "128", "--repeats", "1", "--ops", "swiglu,cross_entropy,linear_cross_entropy", "--candidates", "torch,compile,liger"]
+    assert fused_kernels.main(toy) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rows = {(r["op"], r["candidate"]): r for r in summary["results"]}
+    assert summary["shape"]["tokens"] == 48 and len(rows) == 9
+    assert rows["swiglu", "torch"]["max_abs_error"] == 0 and rows["swiglu", "compile"]["max_abs_error"] < 1e-5
+    assert "does not import" in rows["swiglu", "liger"]["skipped"] and "skipped" in rows["linear_cross_entropy", "compile"]
+    with pytest.raises(SystemExit):
+        fused_kernels.main(["--device", "cpu", "--ops", "layernorm"])
