@@ -32,7 +32,7 @@
 #   train        pretrain_gpt.py --elastic-pp --bf16 at pp=1 under a tight --epp-memory-budget (split
 #                and hybrid chunks, recompute), on the profile just measured (else the analytic llama-7b)
 #   baseline     (--quick) the train step's run again on the same batches with the kernels before flash-attn-4 and the
-#                fused pointwise ops: EPP_ATTENTION_BACKEND=varlen, unfused
+#                fused pointwise ops: EPP_ATTENTION_BACKEND=varlen EPP_FUSED_KERNELS=torch
 #   bench        python -m benchmarks.bench_gpu: Megatron packing, Seq1F1B, EPP and EPP without memory limit on a
 #                LLaMA-like 8-layer model under a binding budget (~7.5 min); its JSON line in the summary
 #
@@ -93,7 +93,7 @@ TRAIN_FLAGS=(--elastic-pp --pipeline-model-parallel-size 1 --bf16 --mock-data --
 PROFILE_FLAGS=(--hidden-size 1024 --num-attention-heads 16 --num-layers 8 --seq-length 16384)  # the train check's cap: its key
 ATTENTION_FLAGS=()
 # the baseline run (--quick): the kernels before flash-attn-4 (torch's varlen_attn) and before the fused pointwise ops
-BASELINE_ENV=(EPP_ATTENTION_BACKEND=varlen)
+BASELINE_ENV=(EPP_ATTENTION_BACKEND=varlen EPP_FUSED_KERNELS=torch)
 BASELINE_FLAGS=()
 # the equivalence tests of one process (pp=1), the ones a single GPU runs
 EQUIVALENCE_SELECTION=(-k pp1)
@@ -122,7 +122,7 @@ if [ "$REHEARSAL" = 1 ]; then  # the same steps at toy sizes on the CPU
   PROFILE_FLAGS=(--device cpu --hidden-size 32 --num-attention-heads 4 --num-layers 2 --seq-lengths 16,32,64 --contexts 0,32
     --layer-lengths 16,32,64,128 --head-lengths 16,64 --repeats 2)
   ATTENTION_FLAGS=(--cpu-dry-run)
-  BASELINE_ENV=(EPP_ATTENTION_BACKEND=sdpa)  # torch's varlen_attn runs on CUDA only
+  BASELINE_ENV=(EPP_ATTENTION_BACKEND=sdpa EPP_FUSED_KERNELS=torch)  # torch's varlen_attn runs on CUDA only
   BENCH_FLAGS=(--dry-run --cells mock:16384)  # plans the cell and prints its commands; trains nothing
   [ "$QUICK" = 1 ] && BENCH_FLAGS=(--dry-run --cells mock:16384 --runs megatron,epp --model-flags "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 8192")
 fi

@@ -124,6 +124,16 @@ class ModelConfig:
              "megatron-core's: local = its own attention, flash/fused/unfused = Transformer Engine's (refused without "
              "it), auto = Transformer Engine's choice where it is used (default auto)",
         aliases=(alias("--use-flash-attn", action="store_const", const="flash", help="Megatron-LM's older spelling of --attention-backend flash"),))
+    rope_fusion: bool = option("--no-rope-fusion", default=True, action="store_false", dest="rope_fusion",
+        help="never a fused RoPE kernel (as Megatron-LM); by default, on CUDA, the elastic chunks' rotation runs a fused "
+             "kernel where one runs (EPP_FUSED_KERNELS, docs/gpu.md); on the CPU never (today's rotation)")
+    bias_swiglu_fusion: bool = option("--no-bias-swiglu-fusion", default=True, action="store_false", dest="bias_swiglu_fusion",
+        help="never a fused SwiGLU kernel (as Megatron-LM); by default, on CUDA, the MLP's gated SiLU runs a fused kernel "
+             "where one runs (EPP_FUSED_KERNELS, docs/gpu.md); on the CPU never")
+    cross_entropy_loss_fusion: bool = option("--cross-entropy-loss-fusion", default=False, action="store_true",
+        help="a fused cross entropy of the output head on CUDA (as Megatron-LM: off by default): a library's kernel at TP 1, "
+             "megatron-core's fused vocab-parallel one at TP > 1 (EPP_FUSED_KERNELS, docs/gpu.md); on the CPU "
+             "megatron-core's unfused one unless EPP_FUSED_KERNELS names a backend")
     masked_softmax_fusion: bool = option("--no-masked-softmax-fusion", default=True, action="store_false", dest="masked_softmax_fusion",
         help="without --elastic-pp, never megatron's fused masked softmax (by default it is used on CUDA where "
              "it imports); ElasticAttention has none")

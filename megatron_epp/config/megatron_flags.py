@@ -35,11 +35,11 @@ ACCEPTED = (
              "consistent average)"),
     Accepted("--no-create-attention-mask-in-dataloader", "no attention mask is ever built by the data: attention is "
              "causal per document (--elastic-pp) or per sample"),
-    Accepted("--no-rope-fusion", "RoPE is never fused here (megatron-core's unfused rotation; with --elastic-pp the "
-             "chunk's cos/sin tables, built once per chunk and shared by the layers)"),
     Accepted("--no-gradient-accumulation-fusion", "never fused here (it needs Apex's fused weight-gradient kernel)"),
     Accepted("--no-async-tensor-model-parallel-allreduce", "megatron-core schedules the tensor-parallel all-reduce itself"),
-    Accepted("--cross-entropy-loss-fusion", "no effect: megatron-core's unfused vocab-parallel cross entropy (the same loss)"),
+    Accepted("--no-persist-layer-norm", "no effect: it turns off apex's persistent LayerNorm kernel in Megatron-LM, "
+             "which is never used here (no apex); the fused RMSNorm kernels (EPP_FUSED_KERNELS, docs/gpu.md) have no "
+             "persistent variant, and Megatron-LM's flag does not touch its RMSNorm either"),
     Accepted("--overlap-param-gather", "no effect: with --use-distributed-optimizer the parameters are all-gathered "
              "right after the optimizer step, not overlapped with the next forward (the same values)"),
     Accepted("--no-mmap-bin-files", "no effect: the indexed dataset's .bin is always memory-mapped (read on demand)"),

@@ -34,6 +34,7 @@ import torch
 from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 from megatron.core.transformer.attention import SelfAttention
 
+from megatron_epp.executor import fused
 from megatron_epp.executor.context import ChunkContext, ChunkView
 
 
@@ -86,6 +87,15 @@ class ChunkRope:
         sin = torch.sin(freqs).to(dtype)  # a fresh tensor either way: negated in place
         sin[..., : sin.shape[-1] // 2].neg_()
         return cos, sin
+
+    def plain_tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos`` and ``sin`` (megatron-core's, the sine not negated), ``[N, 1, 1, d]`` in ``dtype``, once per pass of
+        the chunk: what a fused RoPE kernel takes (:mod:`megatron_epp.executor.fused`)."""
+        return self.view.per_pass((ChunkRope, self.table, dtype, "plain"), lambda: self._build_plain(dtype))
+
+    def _build_plain(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = self.freqs()
+        return torch.cos(freqs).to(dtype), torch.sin(freqs).to(dtype)
 
     def rotate(self, query: torch.Tensor, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``query`` and ``key`` ``[N, b, heads, d]`` rotated to the chunk's positions (autograd through :class:`_Rotate`);
@@ -166,9 +176,16 @@ class ChunkRotaryEmbedding(torch.nn.Module):
 
 class ChunkRopeSelfAttention(SelfAttention):
     """megatron-core's ``SelfAttention`` (``spec.module`` of elastic layers) that rotates query and key by a
-    :class:`ChunkRope` passed as ``rotary_pos_emb``; any other ``rotary_pos_emb`` goes to megatron-core as is."""
+    :class:`ChunkRope` passed as ``rotary_pos_emb``; any other ``rotary_pos_emb`` goes to megatron-core as is.
+    ``rope_backend`` (``ModuleSpec.params``): ``torch`` (:meth:`ChunkRope.rotate`), else the fused kernel of
+    :func:`megatron_epp.executor.fused.kernel` on the chunk's plain cos/sin tables."""
 
     _rope: ChunkRope | None = None  # the rope of the forward under way (set and reset by forward)
+
+    def __init__(self, *args, rope_backend: str = "torch", **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.rope_backend = rope_backend
+        self._rope_kernel = None if rope_backend == "torch" else fused.kernel("rope", rope_backend)
 
     def forward(self, hidden_states, attention_mask, key_value_states=None, inference_context=None, rotary_pos_emb=None,
                 *args, **kwargs):
@@ -187,4 +204,6 @@ class ChunkRopeSelfAttention(SelfAttention):
         if self._rope is None:
             return qkv
         query, key, *rest = qkv  # split_qkv: megatron-core's fused QKV RoPE needs a rotary_pos_emb, which it is not given
+        if self._rope_kernel is not None:
+            return (*self._rope_kernel(query, key, *self._rope.plain_tables(query.dtype)), *rest)
         return (*self._rope.rotate(query, key), *rest)

@@ -57,9 +57,9 @@ from megatron_epp.executor import kernels
 from megatron_epp.measure.layer_bench import init_single_process
 from megatron_epp.config.parser import ArgumentError, build_parser, parse_config
 from megatron_epp.config.fields import EPPConfig
-from megatron_epp.model.gpt import model_shape
+from megatron_epp.model.gpt import fused_choice, model_shape
 from megatron_epp.measure.profiling import (
-    ProfileFailed, ProfileGrid, device_name, measure_profile, report_errors, report_memory,
+    ProfileFailed, ProfileGrid, device_name, kernel_key, measure_profile, report_errors, report_memory,
 )
 
 PROG = "epp-profile-gpu"  # its errors' name, however it is run (as epp-plan's)
@@ -98,6 +98,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(str(error).removeprefix("pretrain_gpt.py: error: "))
     args.shape = model_shape(model, args.name or f"gpu-h{model.model.hidden_size}")
     args.rotary_base, args.seq_length, args.attention_backend = model.model.rotary_base, model.model.seq_length, model.model.attention_backend
+    args.model = model  # the fused kernels are chosen from its flags (as training chooses them)
     args.grid = ProfileGrid(args.seq_lengths, args.contexts, args.layer_lengths, args.head_lengths, args.warmup, args.repeats)
     try:
         args.grid.check()
@@ -130,14 +131,15 @@ def main(argv: list[str] | None = None) -> int:
     heads = (shape.num_heads, shape.num_kv_heads or shape.num_heads, shape.head_dim)  # flash-attn-4's probe: one GPU's
     kernel = kernels.select_backend(kernels.requested_backend(args.attention_backend), device, dtype,
                                     gqa=heads[1] != heads[0], heads=heads)
-    name = device_name(device, dtype, kernel)
+    fused_kernels = fused_choice(args.model, device, elastic=True)
+    name = device_name(device, dtype, kernel_key(kernel, fused_kernels))
     kv = f", {shape.num_kv_heads} K/V heads" if shape.num_kv_heads else ""
     print(f"profiling {shape.name} (hidden {shape.hidden}, {shape.num_heads} heads{kv} x {shape.head_dim}, ffn {shape.ffn_hidden}"
           f"{' SwiGLU' if shape.swiglu else ''}, {shape.normalization}{'' if shape.bias else ', no biases'}, vocab {shape.vocab}) on {name}", flush=True)
     try:
         profile = measure_profile(shape, device, dtype, kernel, args.grid, name=name, rotary_base=args.rotary_base,
                                   log=lambda line: print(line, flush=True), note="measured by megatron_epp.measure.profile_gpu",
-                                  seq_length=args.seq_length)
+                                  seq_length=args.seq_length, fused_kernels=fused_kernels)
     except ProfileFailed as error:
         print(f"{PROG}: error: {error} (a smaller grid: --layer-lengths, --head-lengths, --seq-lengths)", file=sys.stderr)
         return 1

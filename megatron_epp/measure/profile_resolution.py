@@ -30,11 +30,11 @@ from megatron_epp.cost.profile_lookup import (
 from megatron_epp.cost.placement import place_profile, placement_note
 from megatron_epp.base.dims import ParallelDims
 from megatron_epp.cost.shape import MODEL_PRESETS, TEST_MODEL, ModelShape
-from megatron_epp.executor import kernels
+from megatron_epp.executor import fused, kernels
 from megatron_epp.config.errors import ArgumentError
-from megatron_epp.model.gpt import attention_heads, model_shape, params_dtype
+from megatron_epp.model.gpt import attention_heads, fused_choice, model_shape, params_dtype
 from megatron_epp.config.fields import TrainingConfig
-from megatron_epp.measure.profiling import ProfileFailed, measure_profile, report_errors, report_memory, startup_grid
+from megatron_epp.measure.profiling import ProfileFailed, kernel_key, measure_profile, report_errors, report_memory, startup_grid
 
 STARTUP_BUDGET_S = 60.0  # the start-up measurement's time box (optional grid points are dropped past it)
 
@@ -47,8 +47,9 @@ def run_device_type() -> str:
 @dataclass(frozen=True)
 class Target:
     """What the profile is for: the run's device type (``cuda``/``cpu``) and dtype, and on CUDA the key's GPU name,
-    attention kernel and torch version, and the torch device the start-up profiler measures on (tests measure "a
-    GPU" on the CPU)."""
+    attention kernel, fused kernels (:class:`~megatron_epp.executor.fused.FusedChoice`: a profile measured with other
+    kernels is another key's) and torch version, and the torch device the start-up profiler measures on (tests
+    measure "a GPU" on the CPU)."""
 
     device_type: str
     dtype: torch.dtype
@@ -56,6 +57,7 @@ class Target:
     kernel: str = ""
     measure_on: torch.device = torch.device("cpu")
     torch_version: str = torch.__version__
+    fused_kernels: fused.FusedChoice = fused.UNFUSED
 
     @classmethod
     def of_run(cls, cfg: TrainingConfig, device: torch.device) -> "Target":
@@ -67,10 +69,16 @@ class Target:
         heads = attention_heads(cfg)  # flash-attn-4's probe runs (and compiles) this rank's head shape
         kernel = kernels.select_backend(kernels.requested_backend(cfg.model.attention_backend), device, dtype,
                                         dropout=cfg.model.attention_dropout, gqa=heads[1] != heads[0], heads=heads)
-        return cls("cuda", dtype, torch.cuda.get_device_name(device), kernel, device)
+        return cls("cuda", dtype, torch.cuda.get_device_name(device), kernel, device,
+                   fused_kernels=fused_choice(cfg, device, elastic=True))
+
+    @property
+    def key_kernel(self) -> str:
+        """The kernel part of the key: the attention kernel and the fused kernels' tag (:func:`kernel_key`)."""
+        return kernel_key(self.kernel, self.fused_kernels)
 
     def key(self, shape: ModelShape, seq_length: int) -> ProfileKey:
-        return ProfileKey.of(self.gpu, str(self.dtype).removeprefix("torch."), self.kernel, shape, self.torch_version, seq_length)
+        return ProfileKey.of(self.gpu, str(self.dtype).removeprefix("torch."), self.key_kernel, shape, self.torch_version, seq_length)
 
 
 @dataclass(frozen=True)
@@ -141,7 +149,8 @@ def _measure_at_startup(cfg: TrainingConfig, target: Target, shape: ModelShape, 
     try:
         with torch.random.fork_rng(devices=[target.measure_on] if cuda else []):  # the run's seeds stay as they were
             return measure_profile(shape, target.measure_on, target.dtype, target.kernel, startup_grid(cfg.model.seq_length),
-                                   name=f"{target.gpu} ({str(target.dtype).removeprefix('torch.')}, {target.kernel})",
+                                   name=f"{target.gpu} ({str(target.dtype).removeprefix('torch.')}, {target.key_kernel})",
+                                   fused_kernels=target.fused_kernels,
                                    budget_s=STARTUP_BUDGET_S, rotary_base=cfg.model.rotary_base, log=log,
                                    note="measured at start-up by pretrain_gpt.py --epp-profile auto", seq_length=cfg.model.seq_length)
     finally:

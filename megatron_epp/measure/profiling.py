@@ -26,13 +26,14 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_epp.cost.profile_fit import attention_fit, head_fit, layer_fit, measured_memory, measured_profile, with_chunk_cost
 from megatron_epp.cost.profile import Profile
 from megatron_epp.cost.shape import DTYPE_BYTES, ModelShape
-from megatron_epp.executor import kernels
+from megatron_epp.executor import fused, kernels
 from megatron_epp.executor.context import ChunkContext, ChunkView, KVBuffer
 from megatron_epp.executor.memory_tracker import ActivationMemoryTracker
 from megatron_epp.executor.rotary import ChunkRotaryEmbedding
 from megatron_epp.executor.spec import elastic_layer_spec
 from megatron_epp.plan import Chunk, Segment
 from megatron_epp.config.fields import ROTARY_BASE
+from megatron_epp.model.fused_layers import FusedNorm, fused_layer_spec
 from megatron_epp.model.gpt import TorchNorm, architecture_config, elastic_base_layer_spec
 
 # the most of the device's free memory the output head's largest profile point may take (its logits and their
@@ -53,7 +54,9 @@ class LayerStack(torch.nn.Module):
     checkpointed forward recomputes as training does (the chunk view's recompute count, megatron-core's
     ``tensor_parallel.checkpoint``). The head is the last stage's as training builds it: the final norm, the
     column-parallel output layer and megatron-core's cross entropy, times a loss mask. RoPE's table holds ``max_positions``
-    positions: a chunk past them is refused. Needs megatron-core's
+    positions: a chunk past them is refused. ``fused``: the run's fused kernels (:mod:`megatron_epp.executor.fused`),
+    built through the same spec (:func:`~megatron_epp.model.fused_layers.fused_layer_spec`), the head's norm and cross
+    entropy included (default: none, today's modules). Needs megatron-core's
     model-parallel state with one tensor-parallel rank (a training process at TP = 1, or
     ``megatron_epp.measure.layer_bench.init_single_process``).
 
@@ -62,7 +65,8 @@ class LayerStack(torch.nn.Module):
     """
 
     def __init__(self, shape: ModelShape, num_layers: int, seed: int = 0, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32, rotary_base: int = ROTARY_BASE, max_positions: int = MAX_POSITIONS) -> None:
+                 dtype: torch.dtype = torch.float32, rotary_base: int = ROTARY_BASE, max_positions: int = MAX_POSITIONS,
+                 fused_kernels: fused.FusedChoice = fused.UNFUSED) -> None:
         super().__init__()
         if parallel_state.get_tensor_model_parallel_world_size() != 1:
             raise RuntimeError("LayerStack: one tensor-parallel rank only (a layer at TP > 1 needs its peers)")
@@ -85,11 +89,13 @@ class LayerStack(torch.nn.Module):
             gradient_accumulation_fusion=False,
         )
         self.context = ChunkContext()
-        spec = elastic_layer_spec(elastic_base_layer_spec(shape.normalization, shape.qk_norm), self.context)
+        spec = fused_layer_spec(elastic_layer_spec(elastic_base_layer_spec(shape.normalization, shape.qk_norm), self.context), fused_kernels)
+        self.fused_kernels = fused_kernels
         self.layers = torch.nn.ModuleList(build_module(spec, config=config, layer_number=i + 1) for i in range(num_layers))
         self.rotary = ChunkRotaryEmbedding(RotaryEmbedding(config.kv_channels, rotary_percent=1.0, rotary_base=rotary_base,
                                                            use_cpu_initialization=on_cpu), self.context, max_positions) if shape.rope else None
-        self.final_norm = TorchNorm(config, shape.hidden, eps=config.layernorm_epsilon)
+        norm = TorchNorm if fused_kernels.norm == "torch" or shape.normalization != "RMSNorm" else FusedNorm
+        self.final_norm = norm(config, shape.hidden, eps=config.layernorm_epsilon, **({} if norm is TorchNorm else {"backend": fused_kernels.norm}))
         self.head = tensor_parallel.ColumnParallelLinear(shape.hidden, shape.vocab, config=config, init_method=config.init_method,
                                                          bias=False, gather_output=False)
         self.shape = shape
@@ -131,7 +137,10 @@ class LayerStack(torch.nn.Module):
         cross entropy (fp32 softmax) against label 0, summed under a loss mask of ones (as training's per-token loss)."""
         logits, _ = self.head(self.final_norm(x))
         labels = torch.zeros(x.shape[0], 1, dtype=torch.long, device=x.device)
-        losses = tensor_parallel.vocab_parallel_cross_entropy(logits, labels)
+        if self.fused_kernels.cross_entropy == "torch":
+            losses = tensor_parallel.vocab_parallel_cross_entropy(logits, labels)
+        else:
+            losses = fused.kernel("cross_entropy", self.fused_kernels.cross_entropy)(logits, labels)
         mask = torch.ones(x.shape[0], dtype=torch.float32, device=x.device)
         return (losses.float().reshape(-1) * mask).sum()
 
@@ -486,7 +495,8 @@ def _hidden(s: int, hidden: int, device: torch.device, dtype: torch.dtype) -> tu
 
 def measure_profile(shape: ModelShape, device: torch.device, dtype: torch.dtype, kernel: str, grid: ProfileGrid, *,
                     name: str | None = None, budget_s: float | None = None, rotary_base: int = ROTARY_BASE,
-                    log: Callable[[str], None] = print, note: str = "", seq_length: int | None = None) -> Profile:
+                    log: Callable[[str], None] = print, note: str = "", seq_length: int | None = None,
+                    fused_kernels: fused.FusedChoice = fused.UNFUSED) -> Profile:
     """Time the attention kernel, one layer and the output head of ``shape`` on ``device`` in ``dtype`` over ``grid``,
     and their per-chunk constant ``b1`` (:func:`_measure_chunk_cost`, in ``fit["chunk_cost"]``; None past the time box:
     the fitted intercept), measure the memory the layer (plain and checkpointed) and the head keep (:class:`MemoryMeter`), fit the cost
@@ -497,14 +507,15 @@ def measure_profile(shape: ModelShape, device: torch.device, dtype: torch.dtype,
     needs (5 attention, 3 layer, 2 head points; the rest are listed in ``fit["skipped"]``). The head's lengths are
     bounded by the device's free memory (:func:`head_lengths_within`); a point that runs out of memory is left out
     (``fit["out_of_memory"]``), and a part left with too few points raises :class:`ProfileFailed`. Every point is
-    logged as one line."""
+    logged as one line. ``fused_kernels``: the layer's and head's fused kernels (their tag joins ``kernel`` in the
+    default name, so the profile's key says them)."""
     grid.check()
     # as the stack measures it: in ``dtype``, without dropout (a run's dropout masks are carried by the basis count)
     shape = dataclasses.replace(shape, dtype=str(dtype).removeprefix("torch."), hidden_dropout=0.0, attention_dropout=0.0)
     m, timings = Measurement(device, grid, budget_s, log), {}
     attention, timings["attention"] = _measure_attention(m, shape, device, dtype, kernel, grid)
     stack = LayerStack(shape, num_layers=1, device=device, dtype=dtype, rotary_base=rotary_base,
-                       max_positions=max(grid.layer_lengths))
+                       max_positions=max(grid.layer_lengths), fused_kernels=fused_kernels)
     layer, layer_memory, timings["layer"] = _measure_layer(m, stack, grid.layer_lengths, attention)
     head_lengths = head_lengths_within(grid.head_lengths, shape, free_memory(device), log)
     head, head_memory, timings["head"] = _measure_head(m, stack, head_lengths)
@@ -525,7 +536,15 @@ def measure_profile(shape: ModelShape, device: torch.device, dtype: torch.dtype,
             "memory": memory_fit, "chunk_cost": chunk,
             "note": ("medians; CUDA events and the caching allocator on GPU, process CPU time and autograd's saved tensors on "
                      "CPU") + (f"; {note}" if note else "")}
-    return measured_profile(shape, name or device_name(device, dtype, kernel), layer, head, memory, {**info, "timings": timings})
+    key_kernel = kernel_key(kernel, fused_kernels)
+    return measured_profile(shape, name or device_name(device, dtype, key_kernel), layer, head, memory, {**info, "timings": timings})
+
+
+def kernel_key(kernel: str, fused_kernels: fused.FusedChoice) -> str:
+    """The kernel part of a profile's key: the attention kernel, and the fused kernels' tag where any is fused
+    (``flash-varlen+fused:norm=liger;...``); the attention kernel alone otherwise (keys of earlier profiles)."""
+    tag = fused_kernels.tag()
+    return f"{kernel}+{tag}" if tag else kernel
 
 
 def report_errors(profile: Profile, log: Callable[[str], None] = print) -> None:

@@ -20,10 +20,11 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 
 from megatron_epp.base.dims import CP_COMM_TYPE
 from megatron_epp.cost.shape import ModelShape
-from megatron_epp.executor import kernels
+from megatron_epp.executor import fused, kernels
 from megatron_epp.executor.context import ChunkContext
 from megatron_epp.executor.spec import elastic_layer_spec, install_chunk_context
 from megatron_epp.executor.extensions import probe_fused_softmax, probe_transformer_engine
+from megatron_epp.model.fused_layers import FusedLossGPTModel, FusedNorm, fused_layer_spec
 from megatron_epp.model.runtime import Runtime
 from megatron_epp.config.fields import TrainingConfig
 
@@ -102,11 +103,13 @@ def local_layer_spec(normalization: str = "LayerNorm", qk_layernorm: bool = Fals
 
 
 def decoder_spec(layer: ModuleSpec, config: TransformerConfig) -> ModuleSpec | TransformerBlockSubmodules:
-    """What ``GPTModel`` builds its decoder from: for a layer with :class:`TorchNorm`, this stage's layers and a
-    :class:`TorchNorm` as the final norm (megatron-core's default would be ``WrappedTorchNorm`` here); else ``layer``."""
-    if layer.submodules.input_layernorm is not TorchNorm:
+    """What ``GPTModel`` builds its decoder from: for a layer with :class:`TorchNorm` (or a fused norm,
+    :class:`~megatron_epp.model.fused_layers.FusedNorm`), this stage's layers and the same norm as the final norm
+    (megatron-core's default would be ``WrappedTorchNorm`` here); else ``layer``."""
+    norm = layer.submodules.input_layernorm
+    if norm is not TorchNorm and not (isinstance(norm, ModuleSpec) and norm.module is FusedNorm):
         return layer
-    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=TorchNorm)
+    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(config), layer_norm=norm)
 
 
 def default_layer_spec(normalization: str = "LayerNorm", local: bool = False, qk_layernorm: bool = False) -> ModuleSpec:
@@ -312,6 +315,33 @@ def transformer_config(cfg: TrainingConfig, runtime: Runtime) -> TransformerConf
     )
 
 
+def fused_flags(cfg: TrainingConfig, elastic: bool) -> fused.FusedFlags:
+    """What the run's flags and model say of each fused op (the fused RoPE is the elastic chunks' rotation)."""
+    m = cfg.model
+    return fused.FusedFlags(
+        rope_fusion=m.rope_fusion, bias_swiglu_fusion=m.bias_swiglu_fusion, cross_entropy_loss_fusion=m.cross_entropy_loss_fusion,
+        rms_norm=m.normalization == "RMSNorm", swiglu=m.swiglu, rope=elastic and m.position_embedding_type == "rope",
+        tp=cfg.parallel.dims.tp)
+
+
+_ANNOUNCED: set[str] = set()
+
+
+def fused_choice(cfg: TrainingConfig, device: torch.device, elastic: bool, te_layers: bool = False) -> fused.FusedChoice:
+    """The run's fused kernels (:func:`megatron_epp.executor.fused.select` of ``EPP_FUSED_KERNELS`` and the flags),
+    its start-up line printed once by the first rank; none under Transformer Engine's layers (``te_layers``), which
+    are fused already."""
+    if te_layers:
+        choice = fused.FusedChoice(why=("Transformer Engine's layers: their own fused norm, activation and RoPE",))
+    else:
+        choice = fused.select(fused.requested(), fused_flags(cfg, elastic), device, params_dtype(cfg))
+    line = choice.line()
+    if line not in _ANNOUNCED and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
+        _ANNOUNCED.add(line)
+        print(line, flush=True)
+    return choice
+
+
 def build_model(
     cfg: TrainingConfig, runtime: Runtime, context: ChunkContext | None = None
 ) -> tuple[DistributedDataParallel, TransformerConfig]:
@@ -325,11 +355,14 @@ def build_model(
     """
     config = transformer_config(cfg, runtime)
     m = cfg.model
+    te_layers = context is None and transformer_engine_available() and m.attention_backend != "local"
+    choice = fused_choice(cfg, runtime.device, elastic=context is not None, te_layers=te_layers)
     spec = (default_layer_spec(m.normalization, local=m.attention_backend == "local", qk_layernorm=m.qk_layernorm) if context is None
             else elastic_layer_spec(elastic_base_layer_spec(m.normalization, m.qk_layernorm), context))
-    model = GPTModel(
+    fused_loss = {} if choice.cross_entropy == "torch" else {"cross_entropy_backend": choice.cross_entropy}
+    model = (FusedLossGPTModel if fused_loss else GPTModel)(
         config,
-        decoder_spec(spec, config),
+        decoder_spec(fused_layer_spec(spec, choice), config),
         vocab_size=padded_vocab_size(cfg),
         max_sequence_length=cfg.model.max_position_embeddings,
         pre_process=runtime.is_first_stage,
@@ -340,6 +373,7 @@ def build_model(
         rotary_percent=cfg.model.rotary_percent,
         seq_len_interpolation_factor=cfg.model.rotary_seq_len_interpolation_factor,
         pg_collection=runtime.pg_collection,  # the layers' groups (the attention's context-parallel all-to-all)
+        **fused_loss,
     )
     scale_rope(model, cfg)
     model.to(runtime.device)

@@ -326,7 +326,7 @@ def test_gpu_check_quick_fits_one_device_command_and_takes_the_default_path():
     assert "--no-te --no-flash" in steps["install"] and "-k pp1" in steps["equivalence"]
     # the baseline: the same run on the same batches, the attention before flash-attn-4
     baseline = steps["baseline"].split("(limit")[1].split("s)  ", 1)[1]
-    assert baseline.startswith("EPP_ATTENTION_BACKEND=varlen ") and train.split("s)  ", 1)[1].split(" --epp-metrics")[0] in baseline
+    assert baseline.startswith("EPP_ATTENTION_BACKEND=varlen EPP_FUSED_KERNELS=torch ") and train.split("s)  ", 1)[1].split(" --epp-metrics")[0] in baseline
     assert baseline.split(" --epp-metrics ")[1].startswith("/tmp/x/metrics_baseline.jsonl")
     bad = run("bash", "scripts/gpu_check.sh", "--quick", "--build-timeout", "600", "--dry-run")
     assert bad.returncode == 2 and "--quick builds nothing" in bad.stderr

@@ -57,6 +57,9 @@ def parsed(*flags: str, world_size: int = 1) -> TrainingConfig:
     (["--attention-backend", "local"], {"attention_backend": "local"}),
     (["--elastic-pp", "--attention-backend", "fused"], {"attention_backend": "fused"}),
     (["--no-masked-softmax-fusion"], {"masked_softmax_fusion": False}),
+    ([], {"rope_fusion": True, "bias_swiglu_fusion": True, "cross_entropy_loss_fusion": False}),  # Megatron-LM's defaults
+    (["--no-rope-fusion", "--no-bias-swiglu-fusion", "--cross-entropy-loss-fusion"],
+     {"rope_fusion": False, "bias_swiglu_fusion": False, "cross_entropy_loss_fusion": True, "accepted_flags": ()}),
     (["--tokenizer-type", "NullTokenizer", "--vocab-size", "100"], {"vocab_size": 101, "eod": 100}),
     (["--elastic-pp", "--micro-batch-size", "4", "--global-batch-size", "6"], {"micro_batch_size": 4, "global_batch_size": 6}),
     (["--train-iters", "8", "--global-batch-size", "2", "--lr-warmup-fraction", "0.25"], {"lr_warmup_samples": 4.0}),
