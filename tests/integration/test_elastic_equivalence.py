@@ -18,8 +18,8 @@ the tests' reference ``varlen_attn`` in torch's place (CPU fp32) in each of its 
 K/V heads expanded (the last resort), against the same reference.
 
 In bf16 (``Float16Module``) the elastic pipeline is held to a bound derived from bf16's precision
-against the same fp32 reference, on the SDPA path and, where they run (CUDA), on the flash-attn
-varlen path and on torch's ``varlen_attn``.
+against the same fp32 reference, on the SDPA path and, where they run (CUDA), on flash-attn-4's
+and flash-attn's varlen paths and on torch's ``varlen_attn``.
 """
 
 from __future__ import annotations
@@ -90,6 +90,7 @@ RUNS: dict[str, tuple[int, str, int, list[str]]] = {
     "bf16-pp1-sdpa": (1, "elastic", CASES, ["--pipeline-model-parallel-size", "1", "--bf16", "--attention-backend", "sdpa"]),
     "bf16-pp1-flash": (1, "elastic", CASES, ["--pipeline-model-parallel-size", "1", "--bf16", "--attention-backend", "flash"]),
     "bf16-pp1-varlen": (1, "elastic", CASES, ["--pipeline-model-parallel-size", "1", "--bf16", "--attention-backend", "varlen"]),
+    "bf16-pp1-fa4": (1, "elastic", CASES, ["--pipeline-model-parallel-size", "1", "--bf16", "--attention-backend", "fa4"]),
     "bf16-drop_prefix": (2, "elastic", 3, [*PP2, "--bf16", "--fault", "drop_prefix"]),
     # context parallelism (Ulysses), test_context_parallel_*
     "cp2": (2, "elastic", 4, [*CP2, "--random-recompute"]),
@@ -389,11 +390,11 @@ BF16_BOUND = 16 * BF16_UNIT_ROUNDOFF
 
 
 def kernel_unavailable(backend: str) -> str | None:
-    """Why the ``flash`` (flash-attn) or ``varlen`` (torch's varlen_attn) path cannot run here in bf16 (None: it
-    can), by the kernels' own probes."""
-    from megatron_epp.executor.kernels import load_flash_kernel, load_torch_varlen
+    """Why the ``fa4`` (flash-attn-4), ``flash`` (flash-attn) or ``varlen`` (torch's varlen_attn) path cannot run here in
+    bf16 (None: it can), by the kernels' own probes."""
+    from megatron_epp.executor.kernels import fa4, load_flash_kernel, load_torch_varlen
 
-    kernel, why_not = load_flash_kernel() if backend == "flash" else load_torch_varlen()
+    kernel, why_not = {"fa4": fa4.load_kernel, "flash": load_flash_kernel, "varlen": load_torch_varlen}[backend]()
     if kernel is None:
         return why_not
     if not torch.cuda.is_available():
@@ -403,12 +404,12 @@ def kernel_unavailable(backend: str) -> str | None:
 
 def unavailable(run: str) -> str | None:
     """Why run ``run`` of ``RUNS`` cannot run here (None: it can): the bf16 runs on a varlen kernel need it."""
-    backend = {"bf16-pp1-flash": "flash", "bf16-pp1-varlen": "varlen"}.get(run)
+    backend = {"bf16-pp1-fa4": "fa4", "bf16-pp1-flash": "flash", "bf16-pp1-varlen": "varlen"}.get(run)
     return kernel_unavailable(backend) if backend else None
 
 
-@pytest.mark.parametrize("pp, backend", [(2, "sdpa"), (1, "sdpa"), (1, "flash"), (1, "varlen")],
-                         ids=["pp2-sdpa", "pp1-sdpa", "pp1-flash", "pp1-varlen"])
+@pytest.mark.parametrize("pp, backend", [(2, "sdpa"), (1, "sdpa"), (1, "fa4"), (1, "flash"), (1, "varlen")],
+                         ids=["pp2-sdpa", "pp1-sdpa", "pp1-fa4", "pp1-flash", "pp1-varlen"])
 def test_bf16_elastic_matches_fp32_reference(runs, pp, backend):
     """bf16 elastic pipeline vs the fp32 non-pipelined reference: within 16 u, and no further from
     fp32 than stock Megatron-Core in bf16 (``reference-bf16``: how far bf16 alone moves from fp32) is (x2)."""

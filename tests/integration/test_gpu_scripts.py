@@ -109,7 +109,7 @@ def test_gpu_check_refuses_without_cuda_and_lists_its_steps():
     steps = [line.split()[0] for line in dry.stdout.splitlines()[1:-1]]
     assert steps == ["facts", "install", "attention", "equivalence", "profile", "train", "bench"]
     assert dry.stdout.splitlines()[-1] == "limits: 2070 s in all"
-    assert "setup_gpu.sh --find-links" in dry.stdout and "-rs tests/integration/test_elastic_equivalence.py -k pp1" in dry.stdout
+    assert "setup_gpu.sh --wheels" in dry.stdout and "-rs tests/integration/test_elastic_equivalence.py -k pp1" in dry.stdout
     bench = next(line for line in dry.stdout.splitlines() if line.split()[0] == "bench")
     assert "(limit  600 s)" in bench and bench.rstrip().endswith("-m benchmarks.bench_gpu")  # as a user runs it: no flags
     rehearsal = run("bash", "scripts/gpu_check.sh", "--cpu-rehearsal", "--dry-run", "--steps", "bench")

@@ -3,7 +3,7 @@
     torchrun ... tests/workers/elastic_equivalence.py OUT --mode reference|elastic --cases N
         [--fault drop_prefix|drop_prefix_grads|misplaced_kv|leak_packing|forward_order_backward|recompute_without_rng_restore|gqa_tiled_heads
                  |cp_all_to_all_order|cp_rope_of_another_rank|cp_loss_not_summed]
-        [--sp-fault-cases K] [--attention-backend auto|sdpa|flash|varlen] [--varlen-reference enable_gqa|expanded]
+        [--sp-fault-cases K] [--attention-backend auto|sdpa|fa4|flash|varlen] [--varlen-reference enable_gqa|expanded]
         [pretrain_gpt flags...] [:: OUT --mode ... (another run)]...
 
 ``reference`` (one process): stock Megatron-Core (local spec, no EPP), each whole sequence its own
