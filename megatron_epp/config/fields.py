@@ -134,6 +134,10 @@ class ModelConfig:
         help="a fused cross entropy of the output head on CUDA (as Megatron-LM: off by default): a library's kernel at TP 1, "
              "megatron-core's fused vocab-parallel one at TP > 1 (EPP_FUSED_KERNELS, docs/gpu.md); on the CPU "
              "megatron-core's unfused one unless EPP_FUSED_KERNELS names a backend")
+    deterministic_mode: bool = option("--deterministic-mode", default=False, action="store_true",
+        help="as Megatron-LM: megatron-core's deterministic paths (its config's deterministic_mode), and the elastic "
+             "attention's deterministic backward where the kernel has one (flash-attn-4, flash-attn: no atomic "
+             "accumulation of dQ, slower); the CPU's kernels are deterministic already")
     masked_softmax_fusion: bool = option("--no-masked-softmax-fusion", default=True, action="store_false", dest="masked_softmax_fusion",
         help="without --elastic-pp, never megatron's fused masked softmax (by default it is used on CUDA where "
              "it imports); ElasticAttention has none")

@@ -68,7 +68,8 @@ class Target:
             return cls(device.type, dtype)
         heads = attention_heads(cfg)  # flash-attn-4's probe runs (and compiles) this rank's head shape
         kernel = kernels.select_backend(kernels.requested_backend(cfg.model.attention_backend), device, dtype,
-                                        dropout=cfg.model.attention_dropout, gqa=heads[1] != heads[0], heads=heads)
+                                        dropout=cfg.model.attention_dropout, gqa=heads[1] != heads[0], heads=heads,
+                                        deterministic=cfg.model.deterministic_mode)
         return cls("cuda", dtype, torch.cuda.get_device_name(device), kernel, device,
                    fused_kernels=fused_choice(cfg, device, elastic=True))
 

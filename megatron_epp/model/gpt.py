@@ -203,7 +203,8 @@ def decide_attention(cfg: TrainingConfig, device: torch.device, context: ChunkCo
     here, not in step 1."""
     heads = attention_heads(cfg)
     return kernels.select_backend(kernels.requested_backend(cfg.model.attention_backend), device, params_dtype(cfg),
-                                  context.attention_backends, cfg.model.attention_dropout, gqa=heads[1] != heads[0], heads=heads)
+                                  context.attention_backends, cfg.model.attention_dropout, gqa=heads[1] != heads[0], heads=heads,
+                                  deterministic=cfg.model.deterministic_mode)
 
 
 def architecture_summary(cfg: TrainingConfig) -> str:
@@ -299,6 +300,7 @@ def transformer_config(cfg: TrainingConfig, runtime: Runtime) -> TransformerConf
         recompute_method=cfg.model.recompute_method,
         recompute_num_layers=cfg.model.recompute_num_layers,
         calculate_per_token_loss=True,
+        deterministic_mode=cfg.model.deterministic_mode,
         # megatron-core's bias-dropout-add (and bias-activation) fusion is torch.compile without TE/apex
         # (megatron.core.jit.jit_fuser): on CPU 60 s of compilation over 5 chunk shapes and 110 us per call against
         # 19 us unfused (measured 2026-11-25), and elastic chunks bring a new shape each. Its RoPE fusion needs

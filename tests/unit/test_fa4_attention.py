@@ -193,3 +193,28 @@ def test_profile_key_names_the_kernel():
     keys = {kernel: ProfileKey.of("NVIDIA H200", "bfloat16", kernel, shape, "2.11.0+cu130", 32768) for kernel in ("torch-varlen", "fa4-varlen")}
     assert keys["torch-varlen"] != keys["fa4-varlen"] and keys["torch-varlen"].file_name() != keys["fa4-varlen"].file_name()
     assert "fa4-varlen" in str(keys["fa4-varlen"])
+
+
+def test_deterministic_mode_reaches_the_kernel(monkeypatch):
+    """``--deterministic-mode`` is megatron-core's ``deterministic_mode``, which the elastic attention hands to
+    flash-attn-4's call (its backward then accumulates dQ in a fixed order) and to its probe."""
+    from megatron_epp.config.parser import parse_config
+    from megatron_epp.executor.context import ChunkView
+    from megatron_epp.plan import Chunk, Segment
+
+    cfg = parse_config(["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "64",
+                        "--mock-data", "--global-batch-size", "2", "--train-iters", "1", "--deterministic-mode"], world_size=1)
+    assert cfg.model.deterministic_mode
+    calls = []
+
+    def recording(*args, **kwargs):
+        calls.append(kwargs["deterministic"])
+        return reference_fa4_varlen_func(*args, **kwargs)
+
+    use_fa4(monkeypatch, fa4.CuteFlashKernel(recording, "recording", devices=("cpu",), dtypes=(torch.float32,), architectures=None))
+    monkeypatch.setenv(kernels.ENV, "fa4")
+    attention = make_attention(4, 2, 8)
+    attention.deterministic = cfg.model.deterministic_mode  # what ElasticAttention reads from its config
+    with attention.context.running(ChunkView.build(Chunk(0, "batched", [Segment(0, 0, 4)]), [4], CPU)):
+        attention(torch.randn(4, 1, 4, 8), torch.randn(4, 1, 2, 8), torch.randn(4, 1, 2, 8))
+    assert calls == [True, True]  # the probe's call, then the chunk's
