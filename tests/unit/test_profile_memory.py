@@ -29,7 +29,7 @@ from megatron_epp.cost.shape import ModelShape
 from megatron_epp.measure import profile_resolution
 from megatron_epp.measure import profiling
 from megatron_epp.measure.layer_bench import init_single_process
-from megatron_epp.model.gpt import model_shape
+from megatron_epp.model.gpt import attention_heads, model_shape
 from megatron_epp.measure.profile_resolution import Target, describe, resolve_profile
 from megatron_epp.measure.profiling import ProfileFailed, ProfileGrid, head_lengths_within, measure_profile
 from megatron_epp.training.replay import parsed_config
@@ -250,12 +250,16 @@ def test_the_run_measures_in_its_dtype_with_its_attention_kernel(monkeypatch):
     and the kernel is chosen for ``--attention-backend`` as the executor chooses it (not the environment's default)."""
     asked = []
 
-    def select(request, device, dtype, decided=None, dropout=0.0, gqa=False):
+    def select(request, device, dtype, decided=None, dropout=0.0, gqa=False, heads=None, deterministic=False):
         asked.append((request, dtype, gqa))
+        probed.append(heads)  # the head shape flash-attn-4's probe (and compiles) run: one rank's
         return f"kernel-for-{request}"
+
+    probed = []
 
     monkeypatch.setattr(profile_resolution.kernels, "select_backend", select)
     monkeypatch.setattr(profile_resolution.torch.cuda, "get_device_name", lambda device: "Test GPU")
+    monkeypatch.setattr(profile_resolution.torch.cuda, "get_device_capability", lambda device=None: (9, 0))  # the fused kernels' probe
     monkeypatch.delenv("EPP_ATTENTION_BACKEND", raising=False)
     cuda = torch.device("cuda")
     fp16 = Target.of_run(parsed_config([*TINY, "--fp16"], world_size=1), cuda)
@@ -263,6 +267,9 @@ def test_the_run_measures_in_its_dtype_with_its_attention_kernel(monkeypatch):
     assert Target.of_run(parsed_config([*TINY, "--bf16"], world_size=1), cuda).dtype == torch.bfloat16
     local = Target.of_run(parsed_config([*TINY, "--attention-backend", "local"], world_size=1), cuda)
     assert local.kernel == "kernel-for-sdpa" and asked[-1] == ("sdpa", torch.float32, True)
+    tiny = parsed_config(TINY, world_size=1)
+    assert probed[-1] == attention_heads(tiny) == (tiny.model.num_attention_heads, tiny.model.kv_heads,
+                                                   tiny.model.hidden_size // tiny.model.num_attention_heads)
     # the key has the dtype and the kernel: another dtype or kernel is another profile
     shape = model_shape(parsed_config(TINY, world_size=1))
     assert fp16.key(shape, 128) != dataclasses.replace(fp16, dtype=torch.float32).key(shape, 128) != local.key(shape, 128)
