@@ -19,6 +19,7 @@ The report holds, per step, its status, seconds and limit (``steps.tsv``), and w
   (its ``baseline.log`` and ``metrics_baseline.jsonl``), as ``train``; ``kernels_ab``: the two paired by iteration (the
   same batches): each step's ms, TFLOP/s and MFU (the GPU's dense bf16 peak: :data:`PEAK_BF16_TFLOPS`) both ways and
   the baseline's ms over the new kernels' (> 1: the new kernels faster), with medians over the steps after the first;
+* ``fused``: benchmarks/fused_kernels.py's last JSON line (each pointwise candidate's time and error per op);
 * ``bench``: bench_gpu.py's last JSON line.
 
 Nothing is computed that the logs do not hold; a file that is missing gives null (its step did not run or died).
@@ -228,8 +229,9 @@ def kernels_ab(new: dict | None, baseline: dict | None, gpu: str | None) -> dict
             "attention": [new["lines"].get("attention"), baseline["lines"].get("attention")]}
 
 
-def bench(out: Path) -> dict | None:
-    text = _text(out / "bench.log")
+def bench(out: Path, name: str = "bench") -> dict | None:
+    """The last JSON line of ``name``.log (bench_gpu.py's, fused_kernels.py's)."""
+    text = _text(out / f"{name}.log")
     if text is None:
         return None
     lines = [line for line in text.splitlines() if line.startswith("{")]
@@ -242,7 +244,7 @@ def report(out: Path) -> dict:
     baseline = train_figures(out / "metrics_baseline.jsonl", out / "baseline.log")
     return {"report": "gpu_check", "out": str(out), "steps": steps_table(out), "facts": found, "attention": attention(out),
             "equivalence": equivalence(out), "train": train, "baseline": baseline,
-            "kernels_ab": kernels_ab(train, baseline, found["gpu"] if found else None), "bench": bench(out)}
+            "kernels_ab": kernels_ab(train, baseline, found["gpu"] if found else None), "fused": bench(out, "fused"), "bench": bench(out)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,6 +28,8 @@
 #   equivalence  tests/integration/test_elastic_equivalence.py, its one-process cases (-k pp1): elastic vs stock
 #                Megatron-Core in fp32 (SDPA, < 1e-5) and bf16 elastic vs fp32 (every attention backend
 #                that runs; < 16 u); runs of more processes than GPUs are skipped, with the reason
+#   fused        python -m benchmarks.fused_kernels: each fused pointwise candidate (torch.compile, liger-kernel,
+#                quack-kernels) per op against torch's op at the quick model's shapes, time and error; its JSON line
 #   profile      python -m megatron_epp.measure.profile_gpu: the layer's cost profile on this GPU (bf16, CUDA events)
 #   train        pretrain_gpt.py --elastic-pp --bf16 at pp=1 under a tight --epp-memory-budget (split
 #                and hybrid chunks, recompute), on the profile just measured (else the analytic llama-7b)
@@ -52,7 +54,7 @@ cd "$(dirname "$0")/.."
 REPO=$PWD
 
 OUT_DIR="" WHEELS=${EPP_WHEELS:-} BUILD_TIMEOUT=0 STEPS="" DRY_RUN=0 REHEARSAL=0 QUICK=0
-ALL_STEPS=(facts install attention equivalence profile train baseline bench)
+ALL_STEPS=(facts install attention equivalence fused profile train baseline bench)
 usage_error() { echo "gpu_check.sh: error: $*" >&2; exit 2; }
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -70,7 +72,7 @@ done
 [[ "$BUILD_TIMEOUT" =~ ^[0-9]+$ ]] || usage_error "--build-timeout $BUILD_TIMEOUT: expected whole seconds"
 [ "$QUICK" = 0 ] || [ "$BUILD_TIMEOUT" = 0 ] || usage_error "--quick builds nothing: --build-timeout is for the full check"
 if [ -z "$STEPS" ]; then
-  if [ "$QUICK" = 1 ]; then STEPS="facts,install,attention,equivalence,train,baseline"; else STEPS="facts,install,attention,equivalence,profile,train,bench"; fi
+  if [ "$QUICK" = 1 ]; then STEPS="facts,install,attention,equivalence,fused,train,baseline"; else STEPS="facts,install,attention,equivalence,fused,profile,train,bench"; fi
 fi
 IFS=',' read -ra WANTED <<< "$STEPS"
 for step in "${WANTED[@]}"; do
@@ -95,6 +97,7 @@ ATTENTION_FLAGS=()
 # the baseline run (--quick): the kernels before flash-attn-4 (torch's varlen_attn) and before the fused pointwise ops
 BASELINE_ENV=(EPP_ATTENTION_BACKEND=varlen EPP_FUSED_KERNELS=torch)
 BASELINE_FLAGS=()
+FUSED_FLAGS=(--repeats 5)  # the quick model's shapes (the benchmark's defaults): each candidate per op against torch's op
 # the equivalence tests of one process (pp=1), the ones a single GPU runs
 EQUIVALENCE_SELECTION=(-k pp1)
 BENCH_FLAGS=()
@@ -122,16 +125,17 @@ if [ "$REHEARSAL" = 1 ]; then  # the same steps at toy sizes on the CPU
   PROFILE_FLAGS=(--device cpu --hidden-size 32 --num-attention-heads 4 --num-layers 2 --seq-lengths 16,32,64 --contexts 0,32
     --layer-lengths 16,32,64,128 --head-lengths 16,64 --repeats 2)
   ATTENTION_FLAGS=(--cpu-dry-run)
+  FUSED_FLAGS=(--device cpu --tokens 64 --hidden 64 --heads 4 --kv-heads 2 --ffn 96 --vocab 128 --repeats 2 --candidates torch)
   BASELINE_ENV=(EPP_ATTENTION_BACKEND=sdpa EPP_FUSED_KERNELS=torch)  # torch's varlen_attn runs on CUDA only
   BENCH_FLAGS=(--dry-run --cells mock:16384)  # plans the cell and prints its commands; trains nothing
   [ "$QUICK" = 1 ] && BENCH_FLAGS=(--dry-run --cells mock:16384 --runs megatron,epp --model-flags "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 8192")
 fi
 
 # per step: its time limit (s; 34.5 min in all without builds) and its command
-declare -A LIMIT=([facts]=60 [install]=$((150 + BUILD_TIMEOUT * 2)) [attention]=180 [equivalence]=420 [profile]=300 [train]=360 [baseline]=360 [bench]=600)
+declare -A LIMIT=([facts]=60 [install]=$((150 + BUILD_TIMEOUT * 2)) [attention]=180 [equivalence]=420 [fused]=180 [profile]=300 [train]=360 [baseline]=360 [bench]=600)
 # --quick: 570 s in all (the device machines lend 10 minutes a command and 15 a session, its start included); the
 # first contact with flash-attn-4 compiles its kernels (tens of seconds each, cached on disk for the later steps)
-[ "$QUICK" = 1 ] && declare -A LIMIT=([facts]=20 [install]=90 [attention]=90 [equivalence]=90 [profile]=0 [train]=150 [baseline]=130 [bench]=600)
+[ "$QUICK" = 1 ] && declare -A LIMIT=([facts]=15 [install]=75 [attention]=80 [equivalence]=85 [fused]=60 [profile]=0 [train]=140 [baseline]=115 [bench]=600)
 QUICK_SETUP=""
 [ "$QUICK" = 1 ] && QUICK_SETUP="--no-te --no-flash"  # no wheel of either exists for the GPU machines; the full check tries
 command_of() {
@@ -140,6 +144,7 @@ command_of() {
     install) echo "bash scripts/setup_gpu.sh --wheels ${WHEELS:-<none>} --build-timeout $BUILD_TIMEOUT${QUICK_SETUP:+ $QUICK_SETUP} --log-dir $OUT_DIR/install" ;;
     attention) echo "$PYTHON -m benchmarks.check_cuda_attention ${ATTENTION_FLAGS[*]}" ;;
     equivalence) echo "$PYTHON -m pytest -q -p no:cacheprovider -rs tests/integration/test_elastic_equivalence.py ${EQUIVALENCE_SELECTION[*]}" ;;
+    fused) echo "$PYTHON -m benchmarks.fused_kernels ${FUSED_FLAGS[*]}" ;;
     profile) echo "$PYTHON -m megatron_epp.measure.profile_gpu ${PROFILE_FLAGS[*]} --out $OUT_DIR/profile.json" ;;
     train) if [ "$QUICK" = 1 ]; then
              echo "$PYTHON -m torch.distributed.run --nproc-per-node 1 pretrain_gpt.py ${TRAIN_FLAGS[*]} --epp-metrics $OUT_DIR/metrics.jsonl (no --epp-profile: the start-up profile; no --epp-memory-budget: the default budget)"
@@ -194,6 +199,7 @@ result_of() {  # one line from a step's log
     install) grep -E '^> elastic attention|WARNING|error' "$log" | cut -c1-160 | tr '\n' ';' ;;
     attention) grep -E '^(PASS|FAIL|saved bytes per layer)' "$log" | head -n 3 | tr '\n' ';' ;;
     equivalence) grep -E '(passed|failed|error|skipped)' "$log" | tail -n 2 | tr '\n' ';' ;;
+    fused) grep -E '^\{' "$log" | tail -n 1 | cut -c1-300 ;;
     profile) grep -E 'rms rel err' "$log" | awk '{printf "%s %s%%; ", $1, $5}' ;;
     train|baseline) grep -E '^train:' "$log" | tail -n 1 ;;
     bench) if [ "$REHEARSAL" = 1 ]; then grep -E '^estimated time' "$log" | tail -n 1; else grep -E '^\{' "$log" | tail -n 1; fi ;;
@@ -253,6 +259,7 @@ wanted facts && run_step facts facts
 wanted install && run_step install install
 wanted attention && run_step attention "$PYTHON" -m benchmarks.check_cuda_attention "${ATTENTION_FLAGS[@]}"
 wanted equivalence && run_step equivalence "$PYTHON" -m pytest -q -p no:cacheprovider -rs tests/integration/test_elastic_equivalence.py "${EQUIVALENCE_SELECTION[@]}"
+wanted fused && run_step fused "$PYTHON" -m benchmarks.fused_kernels "${FUSED_FLAGS[@]}"
 wanted profile && run_step profile "$PYTHON" -m megatron_epp.measure.profile_gpu "${PROFILE_FLAGS[@]}" --out "$OUT_DIR/profile.json"
 wanted train && run_step train train
 wanted baseline && run_step baseline baseline

@@ -107,8 +107,8 @@ def test_gpu_check_refuses_without_cuda_and_lists_its_steps():
     dry = run("bash", "scripts/gpu_check.sh", "--dry-run", "--out", "/tmp/x")
     assert dry.returncode == 0
     steps = [line.split()[0] for line in dry.stdout.splitlines()[1:-1]]
-    assert steps == ["facts", "install", "attention", "equivalence", "profile", "train", "bench"]
-    assert dry.stdout.splitlines()[-1] == "limits: 2070 s in all"
+    assert steps == ["facts", "install", "attention", "equivalence", "fused", "profile", "train", "bench"]
+    assert dry.stdout.splitlines()[-1] == "limits: 2250 s in all"
     assert "setup_gpu.sh --wheels" in dry.stdout and "-rs tests/integration/test_elastic_equivalence.py -k pp1" in dry.stdout
     bench = next(line for line in dry.stdout.splitlines() if line.split()[0] == "bench")
     assert "(limit  600 s)" in bench and bench.rstrip().endswith("-m benchmarks.bench_gpu")  # as a user runs it: no flags
@@ -317,7 +317,7 @@ def test_gpu_check_quick_fits_one_device_command_and_takes_the_default_path():
     assert dry.returncode == 0, dry.stderr
     lines = dry.stdout.splitlines()
     steps = {line.split()[0]: line for line in lines[1:-1]}
-    assert list(steps) == ["facts", "install", "attention", "equivalence", "train", "baseline"]
+    assert list(steps) == ["facts", "install", "attention", "equivalence", "fused", "train", "baseline"]
     limits = [int(line.split("(limit")[1].split("s)")[0]) for line in steps.values()]
     assert sum(limits) <= 570 and lines[-1] == f"limits: {sum(limits)} s in all"  # a device command is 600 s at most
     train, note = steps["train"].split(" (no --epp-profile")
@@ -334,11 +334,12 @@ def test_gpu_check_quick_fits_one_device_command_and_takes_the_default_path():
 
 def test_gpu_check_quick_rehearsal_trains_on_the_default_path_and_reports_json(tmp_path):
     out = tmp_path / "quick"
-    proc = run("bash", "scripts/gpu_check.sh", "--quick", "--cpu-rehearsal", "--steps", "train,baseline,bench", "--out", str(out), timeout=600)
+    proc = run("bash", "scripts/gpu_check.sh", "--quick", "--cpu-rehearsal", "--steps", "fused,train,baseline,bench", "--out", str(out), timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report == json.loads((out / "report.json").read_text())
-    assert set(report["steps"]) == {"train", "baseline", "bench"} and all(s["status"] == "ok" for s in report["steps"].values())
+    assert set(report["steps"]) == {"fused", "train", "baseline", "bench"} and all(s["status"] == "ok" for s in report["steps"].values())
+    assert [r["op"] for r in report["fused"]["results"]] == ["norm", "swiglu", "rope", "cross_entropy", "linear_cross_entropy"]
     ab = report["kernels_ab"]  # the two runs paired by iteration (the same batches); no peak known for a CPU
     assert [p["iteration"] for p in ab["pairs"]] == list(range(1, 7)) and ab["median"]["speedup"] > 0 and ab["peak_tflops"] is None
     assert "EPP_ATTENTION_BACKEND=sdpa" in ab["attention"][1] and [s["loss"] for s in report["baseline"]["steps"]][:1] == [
