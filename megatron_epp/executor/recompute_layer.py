@@ -5,7 +5,8 @@ backward. For a count ``c`` the stage's first ``c`` layers recompute (local indi
 choice is deterministic, so the planner's memory model and the runtime agree. The checkpoint is
 megatron-core's ``tensor_parallel.checkpoint`` (dropout RNG restored); the block-level config
 recompute stays off in elastic mode. A slice writes its K/V into its sequence's buffer once
-(``KVBuffer`` keeps the first write), so a recompute neither rewrites nor double-counts them.
+(``KVBuffer`` keeps the first write), so a recompute neither rewrites nor double-counts them. Of a chunk's
+checkpointed layers the first ``view.offload`` keep their checkpoint in host memory (:mod:`.offload`).
 """
 
 from __future__ import annotations
@@ -46,4 +47,8 @@ class ChunkRecomputeLayer(TransformerLayer):
             self.context.recomputing = False
             return output
 
+        if view.offload:  # the first ``offload`` checkpointed layers keep their checkpoint on the host
+            chunk = view.per_pass("offload", lambda: [None] * view.recompute)
+            with self.context.offloader(hidden_states.device).hooks(chunk, self.local_index, self.local_index < view.offload):
+                return tensor_parallel.checkpoint(run, False, hidden_states), None
         return tensor_parallel.checkpoint(run, False, hidden_states), None

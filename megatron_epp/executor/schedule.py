@@ -221,8 +221,8 @@ class _StageRunner:
 
     def build_views(self, pipe: Pipeline) -> list[ChunkView]:
         return [ChunkView.build(c, self.plan.seq_lengths, self.device, recompute=count, multiple=self.multiple,
-                                  cp_rank=self.cp_rank, cp_size=self.cp_size)
-                for c, count in zip(pipe.chunks, pipe.recompute[self.stage])]
+                                  cp_rank=self.cp_rank, cp_size=self.cp_size, offload=off)
+                for c, count, off in zip(pipe.chunks, pipe.recompute[self.stage], pipe.offloaded(self.stage))]
 
     def run(self, index: int, pipe: Pipeline, views: Sequence[ChunkView]) -> None:
         """Pipeline ``index``'s op list on this stage, sends and receives included (:func:`stage_ops` with

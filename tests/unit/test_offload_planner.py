@@ -80,7 +80,10 @@ def test_the_walk_moves_exactly_the_offloaded_bytes_to_the_host(node_model):
     own[sm.own_row[0]] = True
     offloaded = o[0] * costs.ckpt_layer[0]
     assert np.allclose(moved[resident & ~own], offloaded)  # the device holds exactly the offloaded bytes less
-    assert np.allclose(moved[own], offloaded - costs.ckpt_layer[0])  # but one input fetched back ahead of its backward
+    # but at its first recompute the fetched inputs are back: one ahead of a kept layer, or at o = c >= 2 the recomputed
+    # layer's own and the next one's (the executor's order, measured in tests/integration/test_offload_executor.py)
+    slots = 2 if o[0] == c[0] >= 2 else 1
+    assert np.allclose(moved[own], offloaded - slots * costs.ckpt_layer[0])
     assert np.allclose(moved[~resident], 0.0)
     assert np.allclose(sm.host_rows(o)[resident], offloaded) and np.allclose(sm.host_rows(o)[~resident], 0.0)
 
