@@ -70,6 +70,18 @@ def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
+class _Passed:
+    """Something else saved under the hooks: as it is (and counted as the tracker counts a saved tensor)."""
+
+    __slots__ = ("tensor", "hold")
+
+    def __init__(self, tensor: torch.Tensor, hold: Any) -> None:
+        self.tensor, self.hold = tensor, hold
+
+    def unpack(self, offload: "ActivationOffload") -> torch.Tensor:
+        return self.tensor
+
+
 class _Kept:
     """A checkpoint that stays on the device, in a chunk that offloads others: its unpack starts the next fetch."""
 
@@ -121,6 +133,14 @@ class _Offloaded:
             self.pool.release(self.host, self.event)
 
 
+class _CheckpointHooks(torch.autograd.graph.saved_tensors_hooks):
+    """The hooks of one checkpoint; ``armed`` once the checkpointed layer's forward has run (set by the layer)."""
+
+    def __init__(self, pack, unpack) -> None:
+        super().__init__(pack, unpack)
+        self.armed = False
+
+
 class ActivationOffload:
     """One model's offload (held by its :class:`~megatron_epp.executor.context.ChunkContext`): the host pool, the side
     stream (CUDA), ``track`` (what counts a checkpoint on the device: the CPU tracker's, while one measures) and
@@ -133,21 +153,28 @@ class ActivationOffload:
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self.fault: str | None = None
 
-    def hooks(self, chunk: list, index: int, offloaded: bool) -> torch.autograd.graph.saved_tensors_hooks:
-        """Saved-tensor hooks for the checkpoint of local layer ``index`` of a chunk (``chunk``: its handles by local
-        layer, shared by its layers): to the host where ``offloaded``, else kept (and counted) on the device."""
+    def hooks(self, chunk: list, index: int, offloaded: bool, checkpoint: torch.Tensor) -> "_CheckpointHooks":
+        """Saved-tensor hooks around the checkpoint of local layer ``index`` of a chunk (``chunk``: its handles by local
+        layer, shared by its layers) whose input is ``checkpoint``: that input to the host where ``offloaded``, else
+        kept (and counted) on the device, once the layer's own run is over (``armed``: the checkpoint saves its input
+        after it); anything else saved meanwhile (torch's dropout saves under ``no_grad``) is passed through as the
+        tracker would hold it."""
         kind = _Offloaded if offloaded else _Kept
+        key = checkpoint.untyped_storage().data_ptr()
+        hooks: _CheckpointHooks
 
         def pack(tensor: torch.Tensor):
-            if isinstance(tensor, torch.nn.Parameter):
-                return tensor
+            if (not hooks.armed or isinstance(tensor, torch.nn.Parameter) or tensor.untyped_storage().data_ptr() != key
+                    or chunk[index] is not None):
+                return _Passed(tensor, self.track(tensor))
             handle = chunk[index] = kind(self, tensor, chunk, index)
             return handle
 
         def unpack(handle):
-            return handle if isinstance(handle, torch.Tensor) else handle.unpack(self)
+            return handle.unpack(self)
 
-        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+        hooks = _CheckpointHooks(pack, unpack)
+        return hooks
 
     def copy_out(self, storage: torch.UntypedStorage, host: torch.Tensor):
         """Copy ``storage`` into ``host`` and release it on the device; the copy's event (CUDA) or None."""

@@ -36,7 +36,7 @@ os.environ.setdefault("MASTER_PORT", str(21000 + os.getpid() % 20000))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from megatron.core import parallel_state as ps  # noqa: E402
+from megatron.core import parallel_state as ps, tensor_parallel  # noqa: E402
 
 from megatron_epp.cost.features import chunk_features  # noqa: E402
 from megatron_epp.cost.model import CostModel  # noqa: E402
@@ -168,8 +168,11 @@ def measure(argv: list[str]) -> None:
 
 
 def run_plan(plan: Plan, docs, runtime, context: ChunkContext, model, config) -> tuple[ActivationMemoryTracker, dict]:
-    """One step of ``plan`` under the tracker; the tracker and the gradients (by parameter name, cloned)."""
+    """One step of ``plan`` under the tracker; the tracker and the gradients (by parameter name, cloned). The random
+    states are seeded first: with dropout, every run of the same plan draws the same masks."""
     model.zero_grad_buffer()
+    torch.manual_seed(1234)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
     with ActivationMemoryTracker(torch.device("cpu"), context) as tracker:
         forward_backward_elastic(
             forward_step_func=elastic_gpt_forward_step,
