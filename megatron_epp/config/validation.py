@@ -531,7 +531,11 @@ def validate_elastic_args(args: Values, world_size: int, memory: MemoryReading |
 
 def check_offload(planner: PlannerConfig, device: str) -> None:
     """``--epp-offload`` in training, before any work: the host budget per GPU within this node's host memory over its
-    local ranks (``cost.host.local_host_link``), and on CUDA pinned host memory that can be allocated; one line each."""
+    local ranks (``cost.host.local_host_link``), and on CUDA pinned host memory that can be allocated; one line each.
+    ``auto`` (K/V buffers on the host too) is planned by ``epp-plan`` only: the executor does not run it yet."""
+    if planner.offload == "auto":
+        raise ArgumentError("--epp-offload auto puts K/V buffers on the host, which the executor does not run yet: "
+                            "--epp-offload checkpoints (epp-plan plans auto)")
     try:
         if planner.host_memory_budget_bytes is not None:
             local_host_link().check_budget(planner.host_memory_budget_bytes)

@@ -161,6 +161,8 @@ def forward_backward_elastic(
     if pg_collection is None:
         pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=list(STEP_GROUPS))
     pp_group = pg_collection.pp
+    if any(p.kv_host for p in plan.pipelines):
+        raise ValueError("the plan keeps K/V buffers on the host (kv_host): not executed yet (--epp-offload checkpoints)")
     if plan.num_stages != pp_group.size():
         raise ValueError(f"plan is for {plan.num_stages} stages, the pipeline has {pp_group.size()}")
     config = get_model_config(model)
