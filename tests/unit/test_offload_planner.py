@@ -27,7 +27,6 @@ from megatron_epp.planner.config import PlannerConfig
 from megatron_epp.planner.layout import layout_cost_model
 from megatron_epp.simulator.memory import stage_memory
 from megatron_epp.simulator.offload import exposed_ms
-from megatron_epp.simulator.step import simulate
 
 SHAPE = MODEL_PRESETS["llama-7b"]
 NODE = get_cluster("h100-ib-gpu").with_nodes(1)
