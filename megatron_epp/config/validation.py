@@ -12,6 +12,7 @@ from dataclasses import fields
 from megatron_epp.base.dims import CP_COMM_TYPE, ParallelDims
 from megatron_epp.config.errors import ArgumentError
 from megatron_epp.cost.clusters import get_cluster
+from megatron_epp.cost.host import local_host_link
 from megatron_epp.base.units import GIB
 from megatron_epp.data.data_path import Blend, BlendError
 from megatron_epp.data.tokenizers import TokenizerError, resolve_tokenizer_args, tokenizer_from_args
@@ -510,9 +511,6 @@ def validate_elastic_args(args: Values, world_size: int, memory: MemoryReading |
     (``planner``), the driver's defaults where an option is not given, the budget in bytes (``default_budget``: how
     it was derived when ``--epp-memory-budget`` was not given, from ``memory``, else from the device read now)."""
     given = [k for k in ELASTIC_OPTIONS if getattr(args, k) is not None and getattr(args, k) is not False]
-    for key in ("epp_offload", "epp_host_memory_budget"):  # planned (epp-plan), not run: never ignored in silence
-        if getattr(args, key) not in (None, "none"):
-            raise ArgumentError(f"--{key.replace('_', '-')} needs the executor's offload, not built yet (epp-plan plans it)")
     if args.epp_search_layout:
         return validate_search_args(args, given)
     if not args.elastic_pp:
@@ -526,7 +524,29 @@ def validate_elastic_args(args: Values, world_size: int, memory: MemoryReading |
     if interval < 0:
         raise ArgumentError(f"--epp-calibrate-interval {interval}: must be >= 0 (0 turns calibration off)")
     planner = planner_config(args, EPP_DEFAULTS, None if default_budget is None else default_budget.budget)
+    if planner.offload != "none":
+        check_offload(planner, memory.device if memory is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
     return {"planner": planner, "default_budget": default_budget, "epp_calibrate_interval": interval}
+
+
+def check_offload(planner: PlannerConfig, device: str) -> None:
+    """``--epp-offload`` in training, before any work: the host budget per GPU within this node's host memory over its
+    local ranks (``cost.host.local_host_link``), and on CUDA pinned host memory that can be allocated; one line each.
+    ``auto`` (K/V buffers on the host too) is planned by ``epp-plan`` only: the executor does not run it yet."""
+    if planner.offload == "auto":
+        raise ArgumentError("--epp-offload auto puts K/V buffers on the host, which the executor does not run yet: "
+                            "--epp-offload checkpoints (epp-plan plans auto)")
+    try:
+        if planner.host_memory_budget_bytes is not None:
+            local_host_link().check_budget(planner.host_memory_budget_bytes)
+    except ValueError as error:
+        raise ArgumentError(str(error)) from None
+    if device == "cuda":
+        try:
+            torch.empty(1, dtype=torch.uint8, pin_memory=True)
+        except RuntimeError as error:
+            raise ArgumentError(f"--epp-offload {planner.offload}: pinned host memory cannot be allocated here "
+                                f"({' '.join(str(error).split())[:200]})") from None
 
 
 def planner_config(args: Values, defaults: dict, budget_bytes: float | None) -> PlannerConfig:

@@ -9,6 +9,7 @@ one copy engine per direction: a device-to-host and a host-to-device copy run to
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,6 +59,26 @@ class HostLink:
     @property
     def h2d_bytes_per_ms(self) -> float:
         return self.h2d_gbps * 1e6
+
+
+# the copy bandwidth a training run's planner assumes on its own node (GB/s per GPU and direction): the H100 preset's
+# figure, stated as chosen, not measured (the start-up measurement is issue 41's item 4, not built yet)
+LOCAL_COPY_GBPS = 25.0
+
+
+def host_memory_bytes() -> float:
+    """This node's physical memory in bytes (``sysconf``; 0 where it cannot say)."""
+    try:
+        return float(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return 0.0
+
+
+def local_host_link(local_ranks: int | None = None) -> HostLink:
+    """The host link of the node a training run is on: its memory (:func:`host_memory_bytes`), shared by its local
+    ranks (``LOCAL_WORLD_SIZE``, else 1), and :data:`LOCAL_COPY_GBPS` each way."""
+    ranks = local_ranks or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return HostLink(LOCAL_COPY_GBPS, LOCAL_COPY_GBPS, host_memory_bytes() / GIB, ranks, "this node (copy bandwidth assumed)")
 
 
 def exposed_copy_ms(link: HostLink, d2h_bytes, h2d_bytes, compute_ms):

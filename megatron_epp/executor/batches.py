@@ -78,8 +78,9 @@ def prepare_step(plan: Plan, stage: int, sequences: Sequence[TokensAndLabels] | 
     ``multiple`` tokens (``token_multiple(config)``: sequence and context parallelism); context-parallel rank
     ``cp_rank`` of ``cp_size`` gets its block of each chunk."""
     views = [
-        [ChunkView.build(c, plan.seq_lengths, device, recompute=count, multiple=multiple, cp_rank=cp_rank, cp_size=cp_size)
-         for c, count in zip(pipe.chunks, pipe.recompute[stage])]
+        [ChunkView.build(c, plan.seq_lengths, device, recompute=count, multiple=multiple, cp_rank=cp_rank, cp_size=cp_size,
+                         offload=off)
+         for c, count, off in zip(pipe.chunks, pipe.recompute[stage], pipe.offloaded(stage))]
         for pipe in plan.pipelines
     ]
     return StepInputs(plan, stage, views, list(chunk_batches(plan, sequences, device, multiple, cp_rank, cp_size)))

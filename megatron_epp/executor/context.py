@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from megatron.core.utils import get_attr_wrapped_model
 
+from megatron_epp.executor.offload import ActivationOffload
 from megatron_epp.plan import Chunk
 
 
@@ -82,6 +83,7 @@ class ChunkView:
     seq_length: int  # the whole length of the sequence that slice belongs to: its K/V buffer's rows (0: no slice)
     device: torch.device
     recompute: int = 0  # layers of this stage that recompute this chunk (the stage's first ones)
+    offload: int = 0  # of those, the first ones whose checkpoint (layer input) waits in host memory (executor.offload)
     max_position: int = 0  # the largest of position_ids, known on the host (RoPE's table length without a sync)
     padding: int = 0  # tokens after the chunk's own, a segment of their own (sequence or context parallelism: see ``build``)
     cp_rank: int = 0  # context parallelism: this rank's index in its group; it holds the chunk's tokens ``local_range``
@@ -142,7 +144,7 @@ class ChunkView:
 
     @classmethod
     def build(cls, chunk: Chunk, seq_lengths: list[int], device: torch.device, recompute: int = 0, multiple: int = 1,
-              cp_rank: int = 0, cp_size: int = 1) -> "ChunkView":
+              cp_rank: int = 0, cp_size: int = 1, offload: int = 0) -> "ChunkView":
         """The view of ``chunk`` from the plan alone (host work: no device sync; on CUDA the
         positions go from pinned memory without blocking).
 
@@ -171,6 +173,7 @@ class ChunkView:
             seq_length=seq_lengths[segment.seq] if segment is not None else 0,
             device=torch.device(device),
             recompute=recompute,
+            offload=offload,
             max_position=max(max(s.end for s in chunk.segments), padding) - 1,
             padding=padding,
             cp_rank=cp_rank,
@@ -283,6 +286,8 @@ class ChunkContext:
         self.kv_version = 0  # changes whenever a K/V buffer or its accumulators are allocated, or released (memory tracking caches on it)
         self.attention_backends: dict = {}  # the attention kernel decided per (request, device type, dtype, dropout or not, GQA or not): once per model
         self.recomputing = False  # a recomputing layer's forward is under way (inside a backward): what an error was in
+        self.offload: ActivationOffload | None = None  # made by the first chunk that offloads checkpoints (offloader)
+        self.tracker = None  # the CPU activation memory tracker while one measures: it counts checkpoints offload keeps
         # test-only: called with "F" / "B" before each forward / backward of a chunk, "R" before each recomputing
         # layer's forward and "T" before each send/receive (the training driver's EPP_FAULT_INJECT plants an
         # out-of-memory error with it)
@@ -327,6 +332,16 @@ class ChunkContext:
         except BaseException:
             self.clear()
             raise
+
+    def offloader(self, device: torch.device) -> ActivationOffload:
+        """The model's :class:`ActivationOffload` (made on first use, on ``device``)."""
+        if self.offload is None:
+            self.offload = ActivationOffload(device, self._track)
+        return self.offload
+
+    def _track(self, tensor: torch.Tensor):
+        """The tracker's handle counting ``tensor`` on the device while a CPU tracker measures (else None)."""
+        return None if self.tracker is None else self.tracker._pack(tensor)
 
     def kv_buffer(self, seq: int, layer: int, length: int, like: torch.Tensor) -> KVBuffer:
         """The K/V buffer of ``seq`` on ``layer``: ``length`` rows shaped (past the first dimension),

@@ -21,7 +21,9 @@ autograd frees them (``saved_tensors_hooks``), plus the split sequences' K/V buf
 allocation by a first slice to their release by its backward); parameters are model states and are
 not counted, nor are gradients. ``peak_with_kv_grads`` (CPU) adds the split sequences' K/V gradient
 accumulators, which CUDA's allocator peak includes (the planner counts them where ``kv_grad`` is 1):
-what a test checks that count against.
+what a test checks that count against. Activation offload (:mod:`.offload`): a checkpoint in host memory is off the
+device (its saved-tensor hooks, not these, see it go), counted again from its fetch back (``ChunkContext.tracker``);
+``peak_host_bytes`` is the host pool's peak over the step (CPU and CUDA).
 """
 
 from __future__ import annotations
@@ -65,8 +67,11 @@ class ActivationMemoryTracker:
         self._kv: dict[int, int] = {}  # K/V buffers: storage pointer -> bytes
         self._kv_unsaved = 0  # bytes of K/V buffer storages that are not in ``_live``
         self._kv_grads = 0  # bytes of their gradient accumulators
+        self.peak_host_bytes = 0  # activation offload: the most the host pool held for the model's checkpoints
 
     def __enter__(self) -> "ActivationMemoryTracker":
+        if self.context.offload is not None:
+            self.context.offload.pool.reset_peak()
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.empty_cache()  # the step's reserved peak is its own (see the module's doc)
@@ -75,11 +80,15 @@ class ActivationMemoryTracker:
         else:
             self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda saved: saved.tensor)
             self._hooks.__enter__()
+            self.context.tracker = self  # the offload's checkpoints on the device are counted here too
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self.context.offload is not None:
+            self.peak_host_bytes = self.context.offload.pool.peak_bytes
         if self._hooks is not None:
             self._hooks.__exit__(*exc)
+            self.context.tracker = None
             self.peak_allocated = self.peak_bytes
         else:
             torch.cuda.synchronize()

@@ -5,7 +5,8 @@ backward. For a count ``c`` the stage's first ``c`` layers recompute (local indi
 choice is deterministic, so the planner's memory model and the runtime agree. The checkpoint is
 megatron-core's ``tensor_parallel.checkpoint`` (dropout RNG restored); the block-level config
 recompute stays off in elastic mode. A slice writes its K/V into its sequence's buffer once
-(``KVBuffer`` keeps the first write), so a recompute neither rewrites nor double-counts them.
+(``KVBuffer`` keeps the first write), so a recompute neither rewrites nor double-counts them. Of a chunk's
+checkpointed layers the first ``view.offload`` keep their checkpoint in host memory (:mod:`.offload`).
 """
 
 from __future__ import annotations
@@ -36,14 +37,25 @@ class ChunkRecomputeLayer(TransformerLayer):
             return super().forward(*args, **kwargs)
         hidden_states = kwargs.pop("hidden_states") if "hidden_states" in kwargs else args[0]
         rest = args[1:] if "hidden_states" not in kwargs and args else args
+        hooks = None
+        if view.offload:  # the first ``offload`` checkpointed layers keep their checkpoint on the host
+            chunk = view.per_pass("offload", lambda: [None] * view.recompute)
+            offload = self.context.offloader(hidden_states.device)
+            hooks = offload.hooks(chunk, self.local_index, self.local_index < view.offload, hidden_states)
 
         def run(h):
             if not torch.is_grad_enabled():  # the checkpoint's first forward runs without autograd
-                return super(ChunkRecomputeLayer, self).forward(h, *rest, **kwargs)[0]
+                output = super(ChunkRecomputeLayer, self).forward(h, *rest, **kwargs)[0]
+                if hooks is not None:
+                    hooks.armed = True  # what the checkpoint saves next is its input
+                return output
             self.context.recomputing = True  # the recompute, inside the chunk's backward
             self.context.before_op("R", self.context.view())
             output = super(ChunkRecomputeLayer, self).forward(h, *rest, **kwargs)[0]
             self.context.recomputing = False
             return output
 
+        if hooks is not None:
+            with hooks:
+                return tensor_parallel.checkpoint(run, False, hidden_states), None
         return tensor_parallel.checkpoint(run, False, hidden_states), None

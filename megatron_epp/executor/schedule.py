@@ -161,6 +161,8 @@ def forward_backward_elastic(
     if pg_collection is None:
         pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=list(STEP_GROUPS))
     pp_group = pg_collection.pp
+    if any(p.kv_host for p in plan.pipelines):
+        raise ValueError("the plan keeps K/V buffers on the host (kv_host): not executed yet (--epp-offload checkpoints)")
     if plan.num_stages != pp_group.size():
         raise ValueError(f"plan is for {plan.num_stages} stages, the pipeline has {pp_group.size()}")
     config = get_model_config(model)
@@ -221,8 +223,8 @@ class _StageRunner:
 
     def build_views(self, pipe: Pipeline) -> list[ChunkView]:
         return [ChunkView.build(c, self.plan.seq_lengths, self.device, recompute=count, multiple=self.multiple,
-                                  cp_rank=self.cp_rank, cp_size=self.cp_size)
-                for c, count in zip(pipe.chunks, pipe.recompute[self.stage])]
+                                  cp_rank=self.cp_rank, cp_size=self.cp_size, offload=off)
+                for c, count, off in zip(pipe.chunks, pipe.recompute[self.stage], pipe.offloaded(self.stage))]
 
     def run(self, index: int, pipe: Pipeline, views: Sequence[ChunkView]) -> None:
         """Pipeline ``index``'s op list on this stage, sends and receives included (:func:`stage_ops` with

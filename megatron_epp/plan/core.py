@@ -142,6 +142,7 @@ class Plan:
             f"chunks={sum(counts.values())} (batched={counts['batched']} split={counts['split']} "
             f"hybrid={counts['hybrid']}) pipelines={len(self.pipelines)} "
             f"recomputed_layers={self.recomputed_layers()}"
+            + (f" offloaded_checkpoints={sum(sum(map(sum, p.offload)) for p in self.pipelines)}" if self.offloads() else "")
         )
 
     # ----------------------------------------------------------------------------- JSON

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from megatron_epp.cost.host import local_host_link
 from megatron_epp.cost.model import CostModel
 from megatron_epp.cost.placement import place_profile
 from megatron_epp.cost.profile import Profile, StageOverhead, megatron_model_state
@@ -77,7 +78,9 @@ class OnlinePlanner:
         shape = dataclasses.replace(shape, name=profile.model.name)
         memory = dataclasses.replace(profile.memory, **megatron_model_state(shape.dtype, distributed_optimizer))
         profile = dataclasses.replace(profile, model=shape, memory=memory, sequence_parallel=dims.sequence_parallel)
-        self.cost_model = CostModel(place_profile(profile, dims), dims.pp, dp=dims.dp)
+        # --epp-offload: the node's host memory and copy bandwidth (cost.host.local_host_link), which the planner offloads to
+        host = local_host_link() if config.offload != "none" else None
+        self.cost_model = CostModel(place_profile(profile, dims), dims.pp, dp=dims.dp, host=host)
         self.raw_model = self.cost_model  # the profile's memory coefficients (memory factor 1), for the raw prediction
         self.calibrate_interval = calibrate_interval
         self.measured: deque[tuple[Plan, float]] = deque(maxlen=max(self.calibrate_interval, CALIBRATE_FIRST_STEP - 1))

@@ -240,8 +240,9 @@ def _selected(coo: sparse.coo_array, keep: np.ndarray, col_of: np.ndarray, scale
 
 def _memory_rows(rows: _Rows, mems: list[StageMemory], diag: np.ndarray, nv: int, layers: np.ndarray, budget: float,
                  host_budget: float) -> None:
-    """Device rows ``live saving c + resident ckpt o - own ckpt y >= base - budget`` at every backward row that can
-    exceed the budget; host rows ``-resident ckpt o >= host_base - host_budget`` at every forward row that can."""
+    """Device rows ``live saving c + resident ckpt o - own ckpt (y + z) >= base - budget`` at every backward row that
+    can exceed the budget (``y + z``: the prefetch slots, ``simulator.memory.prefetch_slots``); host rows ``-resident
+    ckpt o >= host_base - host_budget`` at every forward row that can."""
     for p, sm in enumerate(mems):
         r = sm.bwd_rows
         live = (sm.live[r] * sm.saving[None, :]).tocoo()
@@ -250,10 +251,10 @@ def _memory_rows(rows: _Rows, mems: list[StageMemory], diag: np.ndarray, nv: int
         own = sparse.csr_array((sm.ckpt, (sm.own_row, np.arange(n))), shape=(len(sm.base), n))[r].tocoo()
         need = sm.base[r] - budget
         growth = np.bincount(live.row, weights=np.maximum(-live.data, 0.0), minlength=len(r)) * layers[p]
-        keep = need + growth + np.bincount(own.row, weights=own.data, minlength=len(r)) > 0
+        keep = need + growth + 2 * np.bincount(own.row, weights=own.data, minlength=len(r)) > 0
         if keep.any():
             rows.add(need[keep], _selected(live, keep, diag[p]), _selected(res, keep, nv + diag[p]),
-                     _selected(own, keep, 2 * nv + diag[p], -1.0))
+                     _selected(own, keep, 2 * nv + diag[p], -1.0), _selected(own, keep, 3 * nv + diag[p], -1.0))
         f = sm.fwd_rows
         host = (sm.resident[f] * sm.ckpt[None, :]).tocoo()
         hneed = sm.host_base[f] - host_budget
@@ -264,8 +265,10 @@ def _memory_rows(rows: _Rows, mems: list[StageMemory], diag: np.ndarray, nv: int
 
 @dataclass
 class _OffloadProgram:
-    """``A x >= rhs``, ``lb <= x <= ub`` over ``x = [c, o, y, e]``: per diagonal the checkpointed layers ``c``, the
-    offloaded checkpoints ``o`` and whether any is offloaded ``y`` (``o <= c``, ``o <= ub y``); the exposed copy time
+    """``A x >= rhs``, ``lb <= x <= ub`` over ``x = [c, o, y, z, e]``: per diagonal the checkpointed layers ``c``, the
+    offloaded checkpoints ``o``, whether any is offloaded ``y`` (``o <= c``, ``o <= ub y``) and whether all of at least
+    two are (``z``: a second prefetch slot, forced where ``o = c >= 2`` by ``ub z - ub y + (ub - 1) c - ub o >= -ub - 1``;
+    ``ub``: the diagonal's most layers); the exposed copy time
     ``e`` of each (stage, chunk, phase) whose copies may not hide (``e_rows``: the rows that bound it). ``cost``: the
     recompute and exposed ms; ``tie``: a millionth of each offloaded byte's copy time (no offload that gains nothing)."""
 
@@ -294,13 +297,13 @@ def _copy_rows(rows: _Rows, s: OffloadSetting, ckpt: np.ndarray, diag: np.ndarra
             most_o = ub[d] * ck
             kv = s.kv
             if max((most_o + kv.fwd_out[p, k]) / out_bw, kv.fwd_in[p, k] / in_bw) > s.fwd[p, k]:
-                v = 3 * nv + len(lbs)
+                v = 4 * nv + len(lbs)
                 lbs.append(max(0.0, kv.fwd_in[p, k] / in_bw - s.fwd[p, k]))
                 first = sum(len(r) for r in rows.rhs)
                 rows.add([kv.fwd_out[p, k] / out_bw - s.fwd[p, k]], ([1.0, -ck / out_bw], [0, 0], [v, nv + d]))
                 e_rows.append([first])
             if max((most_o + kv.bwd_in[p, k]) / in_bw, kv.bwd_out[p, k] / out_bw) > s.bwd[p, k]:
-                v = 3 * nv + len(lbs)
+                v = 4 * nv + len(lbs)
                 lbs.append(0.0)
                 first = sum(len(r) for r in rows.rhs)
                 rows.add([kv.bwd_in[p, k] / in_bw - s.bwd[p, k], kv.bwd_out[p, k] / out_bw - s.bwd[p, k]],
@@ -322,27 +325,30 @@ def _offload_program(mems: list[StageMemory], rc_layer: np.ndarray, layers: np.n
     idx = np.arange(nv)
     rows.add(np.zeros(nv), (np.ones(nv), idx, idx), (-np.ones(nv), idx, nv + idx))  # c - o >= 0
     rows.add(np.zeros(nv), (ub_c, idx, 2 * nv + idx), (-np.ones(nv), idx, nv + idx))  # ub y - o >= 0
+    rows.add(-ub_c - 1, (ub_c, idx, 3 * nv + idx), (-ub_c, idx, 2 * nv + idx), (np.maximum(ub_c - 1, 0), idx, idx),
+             (-ub_c, idx, nv + idx))  # z = 1 where o = c >= 2
     ckpt = mems[0].ckpt
     lbs, e_rows = _copy_rows(rows, s, ckpt, diag, nv, ub_c, rc_layer)
-    rows.width = 3 * nv + len(lbs)
+    rows.width = 4 * nv + len(lbs)
     A, rhs = rows.build()
     c_cost = np.bincount(diag.ravel(), weights=np.tile(rc_layer, P), minlength=nv)
     ckpt_ms = np.bincount(diag.ravel(), weights=np.tile(ckpt, P), minlength=nv) / s.host.d2h_bytes_per_ms
-    cost = np.concatenate([c_cost, np.zeros(2 * nv), np.ones(len(lbs))])
-    tie = np.concatenate([np.zeros(nv), 1e-6 * ckpt_ms + 1e-9, np.full(nv, 1e-9), np.zeros(len(lbs))])
-    lb = np.concatenate([ub_c if mode == "full" else np.zeros(nv), np.zeros(2 * nv), lbs])
-    ub = np.concatenate([ub_c, ub_c, (ub_c > 0).astype(float), np.full(len(lbs), np.inf)])
+    cost = np.concatenate([c_cost, np.zeros(3 * nv), np.ones(len(lbs))])
+    tie = np.concatenate([np.zeros(nv), 1e-6 * ckpt_ms + 1e-9, np.full(2 * nv, 1e-9), np.zeros(len(lbs))])
+    lb = np.concatenate([ub_c if mode == "full" else np.zeros(nv), np.zeros(3 * nv), lbs])
+    ub = np.concatenate([ub_c, ub_c, (ub_c > 0).astype(float), (ub_c >= 2).astype(float), np.full(len(lbs), np.inf)])
     return _OffloadProgram(A, rhs, lb, ub, cost, tie, diag, nv, e_rows)
 
 
 def _completed(prog: _OffloadProgram, c: np.ndarray, o: np.ndarray) -> np.ndarray:
-    """``x`` with these ``c`` and ``o``, ``y`` where ``o > 0``, and every ``e`` at the least its rows allow."""
+    """``x`` with these ``c`` and ``o``, ``y`` where ``o > 0``, ``z`` where ``o = c >= 2``, and every ``e`` at the
+    least its rows allow."""
     nv = prog.nv
-    x = np.concatenate([c, o, (o > 0).astype(float), prog.lb[3 * nv:]])
-    x[3 * nv:] = 0.0
+    x = np.concatenate([c, o, (o > 0).astype(float), ((o == c) & (c >= 2)).astype(float), prog.lb[4 * nv:]])
+    x[4 * nv:] = 0.0
     slack = prog.A @ x - prog.rhs
     for j, rs in enumerate(prog.e_rows):
-        x[3 * nv + j] = max(prog.lb[3 * nv + j], *(-slack[r] for r in rs))
+        x[4 * nv + j] = max(prog.lb[4 * nv + j], *(-slack[r] for r in rs))
     return x
 
 
@@ -383,7 +389,7 @@ def solve_offload(mems: list[StageMemory], rc_layer: np.ndarray, layers: np.ndar
     if mode == "adaptive":
         scale = np.maximum(np.abs(prog.rhs), 1.0)
         norm = max(objective.max(), 1e-12)
-        res = milp(objective / norm, integrality=np.r_[np.ones(3 * nv), np.zeros(len(prog.lb) - 3 * nv)],
+        res = milp(objective / norm, integrality=np.r_[np.ones(4 * nv), np.zeros(len(prog.lb) - 4 * nv)],
                    bounds=Bounds(prog.lb, prog.ub), constraints=LinearConstraint(sparse.diags_array(1.0 / scale) @ prog.A, lb=prog.rhs / scale - 1e-9),
                    options={**ilp_limits(prog, time_limit), "mip_rel_gap": mip_rel_gap})
         if res.x is not None:
@@ -400,4 +406,4 @@ def solve_offload(mems: list[StageMemory], rc_layer: np.ndarray, layers: np.ndar
     total = float(prog.cost @ x)
     gap = 0.0 if lower is None or total <= 0 else max(0.0, (float(objective @ x) - lower) / float(objective @ x))
     c, o = x[:nv][prog.diag].astype(int), x[nv: 2 * nv][prog.diag].astype(int)
-    return RecomputeResult(c.tolist(), total, gap, method, o.tolist(), float(x[3 * nv:].sum()))
+    return RecomputeResult(c.tolist(), total, gap, method, o.tolist(), float(x[4 * nv:].sum()))

@@ -37,9 +37,10 @@ each checkpointed layer adds.
 Activation offload (docs/planner.md, "Activation offload"). A chunk's ``o`` offloaded checkpoints (of its ``c``
 checkpointed layers, the first ``o``) are on the host at every row the chunk is resident: the device holds ``o *
 ckpt`` less there, the host ``o * ckpt`` more (``resident``: 1 at those rows), and at the chunk's own recompute row
-one layer input comes back ahead of its backward (a prefetch slot: ``+ ckpt`` where ``o > 0``). So the recompute row
-holds ``act - ckpt + (c - o) * ckpt + [o > 0] ckpt``, exact at ``o = c`` and one input more than the truth (layer
-``c``'s, kept) below. A split sequence whose K/V buffer is on the host (the pipeline's ``kv_host``) holds on the
+offloaded inputs are back on the device (:func:`prefetch_slots`, the executor's order, ``executor/offload.py``): where
+``o < c`` the next one below, fetched ahead while the kept layers recompute; at ``o = c`` the recomputed layer's own
+and, where ``c >= 2``, the next one, fetched behind it. So the recompute row holds ``act - ckpt + (c - o) * ckpt +
+slots * ckpt`` (measured to the byte on CPU: tests/integration/test_offload_executor.py). A split sequence whose K/V buffer is on the host (the pipeline's ``kv_host``) holds on the
 device, from its first slice's forward to that slice's backward, only :data:`KV_WINDOW` blocks of its largest
 slice's K/V of one layer (and as many of its gradient accumulators where those are counted): the block in use and
 the one being fetched; the host holds every layer's buffer (and accumulators) over the same rows.
@@ -94,11 +95,12 @@ class StageMemory:
 
     def rows(self, recompute: np.ndarray, offload: np.ndarray | None = None) -> np.ndarray:
         """Memory at every row given the stage's recompute counts per chunk (and offloaded checkpoints per chunk)."""
-        out = self.base - self.live @ (self.saving * np.asarray(recompute, dtype=float))
+        c = np.asarray(recompute, dtype=float)
+        out = self.base - self.live @ (self.saving * c)
         if offload is not None and np.any(offload):
             o = np.asarray(offload, dtype=float)
             out = out - self.resident @ (self.ckpt * o)
-            np.add.at(out, self.own_row, self.ckpt * (o > 0))
+            np.add.at(out, self.own_row, self.ckpt * prefetch_slots(c, o))
         return out
 
     def during(self, recompute: np.ndarray, offload: np.ndarray | None = None) -> np.ndarray:
@@ -112,6 +114,13 @@ class StageMemory:
         if offload is None or not np.any(offload):
             return self.host_base
         return self.host_base + self.resident @ (self.ckpt * np.asarray(offload, dtype=float))
+
+
+def prefetch_slots(recompute: np.ndarray, offload: np.ndarray) -> np.ndarray:
+    """Offloaded checkpoints back on the device at a chunk's first recompute (its last checkpointed layer's), per
+    chunk: none without offload; one where ``0 < o < c`` (the next one below, fetched ahead) or ``o = c = 1`` (the
+    recomputed layer's own); two where ``o = c >= 2`` (its own and the next one's)."""
+    return (offload > 0).astype(float) + ((offload == recompute) & (recompute >= 2))
 
 
 def kv_buffers(pipe: Pipeline, kv_layer: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -3,7 +3,7 @@
     torchrun ... tests/workers/elastic_equivalence.py OUT --mode reference|elastic --cases N
         [--fault drop_prefix|drop_prefix_grads|misplaced_kv|leak_packing|forward_order_backward|recompute_without_rng_restore|gqa_tiled_heads
                  |cp_all_to_all_order|cp_rope_of_another_rank|cp_loss_not_summed]
-        [--sp-fault-cases K] [--attention-backend auto|sdpa|fa4|flash|varlen] [--varlen-reference enable_gqa|expanded]
+        [--sp-fault-cases K] [--offload [--offload-fault wrong-slot|skip-reload]] [--attention-backend auto|sdpa|fa4|flash|varlen] [--varlen-reference enable_gqa|expanded]
         [pretrain_gpt flags...] [:: OUT --mode ... (another run)]...
 
 ``reference`` (one process): stock Megatron-Core (local spec, no EPP), each whole sequence its own
@@ -234,6 +234,15 @@ def case_sequences(case: int, seed: int, vocab: int) -> list[tuple[torch.Tensor,
     return out
 
 
+def random_offload(plan, rng: np.random.Generator) -> None:
+    """Offloaded checkpoints per (stage, chunk): all its checkpointed layers' for half, a random share for the rest."""
+    for pipe in plan.pipelines:
+        rc = np.asarray(pipe.recompute)
+        share = rng.integers(0, rc + 1)
+        pipe.offload = np.where(rng.random(rc.shape) < 0.5, rc, share).tolist()
+    plan.validate()
+
+
 def run(argv: list[str]) -> None:
     """One run: ``OUT --mode ... [pretrain_gpt flags]`` on the process group already started (or starting it)."""
     p = argparse.ArgumentParser()
@@ -244,6 +253,9 @@ def run(argv: list[str]) -> None:
     p.add_argument("--fault", default=None)
     p.add_argument("--sp-fault-cases", type=int, default=0, help="the first K cases again under each of SP_FAULTS")
     p.add_argument("--random-recompute", action="store_true", help="random per (stage, chunk) recompute counts")
+    p.add_argument("--offload", action="store_true", help="random offloaded checkpoints per (stage, chunk), <= its recompute "
+                                                          "(half of them all of it): the plans otherwise as without")
+    p.add_argument("--offload-fault", default=None, help="one of executor.offload.FAULTS (with --offload)")
     p.add_argument("--attention-backend", default=None, help="EPP_ATTENTION_BACKEND for this run's model")
     p.add_argument("--varlen-reference", choices=["enable_gqa", "aten-flash", "expanded"], default=None,
                    help="torch's varlen_attn replaced by the tests' reference for this run, in this GQA mode (its signature with "
@@ -265,6 +277,8 @@ def run(argv: list[str]) -> None:
     runtime = inject_before_model(ours.fault, runtime)
     model, config = build_model(args, runtime, context=context)
     gpt = unwrap_model(model)  # through DDP (and Float16Module with --bf16): parameters by their own names
+    if ours.offload_fault:
+        context.offloader(runtime.device).fault = ours.offload_fault
     undo = inject(ours.fault) if ours.fault and ours.fault not in BROKEN_CONTEXTS and ours.fault != "cp_loss_not_summed" else None
     per_stage = args.model.num_layers // runtime.dims.pp
     set_global_weights(gpt, runtime.pp_rank, per_stage, runtime.tp_rank, args.parallel.dims.tp, args.model.swiglu)
@@ -285,18 +299,23 @@ def run(argv: list[str]) -> None:
                 rng = np.random.default_rng([ours.case_seed, case, runtime.dp_rank, 11])
                 for pipe in plan.pipelines:
                     pipe.recompute = rng.integers(0, per_stage + 1, size=(runtime.dims.pp, len(pipe.chunks))).tolist()
+            if ours.offload:
+                random_offload(plan, np.random.default_rng([ours.case_seed, case, runtime.dp_rank, 13]))
             multiple = token_multiple(config)
             padding = sum(padding_tokens(c.num_tokens, multiple) for c in plan.chunks())
             batches = chunk_batches(plan, mine, runtime.device, multiple, runtime.cp_rank, runtime.dims.cp)
             untagged = untag_sequence_parallel_norms(gpt) if fault == "sp_norm_grads_not_reduced" else []
             comm = RecordingCommunicator(pp_group=runtime.pg_collection.pp, config=get_model_config(model))
+            if context.offload is not None:
+                context.offload.pool.reset_peak()
             losses = forward_backward_elastic(
                 forward_step_func=elastic_gpt_forward_step,
                 data_iterator=padding_in_loss(batches) if fault == "sp_padding_in_loss" else batches,
                 model=[model], num_microbatches=sum(len(q.chunks) for q in plan.pipelines), plan=plan, p2p_communicator=comm,
                 pg_collection=runtime.pg_collection,
             )
-            record = {"plan": plan.to_json(), "transfers": comm.calls}
+            record = {"plan": plan.to_json(), "transfers": comm.calls,
+                      "host_peak": context.offload.pool.peak_bytes if context.offload is not None else 0}
             for q in untagged:
                 q.sequence_parallel = True
         else:

@@ -36,11 +36,11 @@ os.environ.setdefault("MASTER_PORT", str(21000 + os.getpid() % 20000))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-from megatron.core import parallel_state as ps  # noqa: E402
+from megatron.core import parallel_state as ps, tensor_parallel  # noqa: E402
 
 from megatron_epp.cost.features import chunk_features  # noqa: E402
 from megatron_epp.cost.model import CostModel  # noqa: E402
-from megatron_epp.simulator.memory import stage_memory  # noqa: E402
+from megatron_epp.simulator.memory import peak_host_memory, stage_memory  # noqa: E402
 from megatron_epp.executor.schedule import forward_backward_elastic  # noqa: E402
 from megatron_epp.executor.batches import chunk_batches, elastic_gpt_forward_step  # noqa: E402
 from megatron_epp.executor.context import ChunkContext, token_multiple  # noqa: E402
@@ -73,7 +73,17 @@ CASES = [
 ]
 
 
-def make_plan(chunks: list[list[Segment]], rc, layers: int) -> Plan:
+# activation offload (--offload): name -> chunks, [(recompute counts, offloaded checkpoints)] per chunk ("L": all layers)
+OFFLOAD_CASES = [
+    ("batched", [[S(0, 0, 200), S(1, 0, 90)]], [(["L"], ["L"]), (["L"], [1]), ([3], [2]), ([1], [1])]),
+    ("split", [[S(0, 0, 96)], [S(0, 96, 192)], [S(0, 192, 300)]], [(["L", 1, 0], ["L", 1, 0]), (["L", "L", "L"], [2, 0, 1])]),
+    ("split+hybrid+batched", [[S(0, 0, 150)], [S(0, 150, 300), S(1, 0, 60)], [S(2, 0, 100), S(3, 0, 50)]],
+     [([2, 1, "L"], [2, 0, 3]), (["L", "L", "L"], ["L", "L", "L"])]),
+    ("long-first-slice", [[S(0, 0, 250)], [S(0, 250, 262)], [S(0, 262, 274)]], [(["L", 0, 0], ["L", 0, 0]), ([3, 2, 0], [1, 2, 0])]),
+]
+
+
+def make_plan(chunks: list[list[Segment]], rc, layers: int, offload=None) -> Plan:
     ends: dict[int, int] = {}
     for c in chunks:
         for s in c:
@@ -81,6 +91,8 @@ def make_plan(chunks: list[list[Segment]], rc, layers: int) -> Plan:
     lengths = [ends[i] for i in range(len(ends))]
     counts = {"none": [0] * len(chunks), "full": [layers] * len(chunks)}.get(rc) if isinstance(rc, str) else [layers if r == "L" else r for r in rc]
     pipe = Pipeline([Chunk(i, chunk_kind(c, lengths), c) for i, c in enumerate(chunks)], [counts])
+    if offload is not None:
+        pipe.offload = [[layers if o == "L" else o for o in offload]]
     return Plan(lengths, 1, [layers], [pipe], builder="test").validate()
 
 
@@ -103,6 +115,8 @@ def measure(argv: list[str]) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("out")
     p.add_argument("--model-dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--offload", action="store_true", help="the OFFLOAD_CASES (measure_offload) instead of the CASES")
+    p.add_argument("--offload-fault", default=None, help="with --offload: one of executor.offload.FAULTS")
     ours, flags = p.parse_known_args(argv)
     args = parse_config(flags + ["--elastic-pp", "--mock-data", "--seq-length", "512", "--epp-memory-budget", "1"],
                       world_size=int(os.environ.get("WORLD_SIZE", "1")))
@@ -122,6 +136,8 @@ def measure(argv: list[str]) -> None:
     memory = dataclasses.replace(build.cost_model.profile.memory, kv_grad=1.0)
     with_kv_grads.cost_model.profile = dataclasses.replace(build.cost_model.profile, memory=memory)
     gen = torch.Generator().manual_seed(0)
+    if ours.offload:
+        return measure_offload(ours, args, runtime, context, model, config, build, gen)
     results = []
     for name, chunks, rcs in CASES:
         for rc in rcs:
@@ -146,6 +162,48 @@ def measure(argv: list[str]) -> None:
                                             group=ps.get_context_parallel_group())
         for i, r in enumerate(results):
             r["meas_cp"], r["meas_grads_cp"] = ([rank[i][k] for rank in peaks] for k in (0, 1))
+    if runtime.rank == 0:
+        with open(ours.out, "w") as f:
+            json.dump(results, f)
+
+
+def run_plan(plan: Plan, docs, runtime, context: ChunkContext, model, config) -> tuple[ActivationMemoryTracker, dict]:
+    """One step of ``plan`` under the tracker; the tracker and the gradients (by parameter name, cloned). The random
+    states are seeded first: with dropout, every run of the same plan draws the same masks."""
+    model.zero_grad_buffer()
+    torch.manual_seed(1234)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    with ActivationMemoryTracker(torch.device("cpu"), context) as tracker:
+        forward_backward_elastic(
+            forward_step_func=elastic_gpt_forward_step,
+            data_iterator=chunk_batches(plan, [(d[:-1], d[1:]) for d in docs], runtime.device, token_multiple(config),
+                                        ps.get_context_parallel_rank(), ps.get_context_parallel_world_size()),
+            model=[model], num_microbatches=len(plan.pipelines[0].chunks), plan=plan,
+        )
+    return tracker, {n: q.main_grad.detach().clone() for n, q in model.named_parameters()}
+
+
+def measure_offload(ours, args, runtime, context: ChunkContext, model, config, build, gen) -> None:
+    """``--offload``: every OFFLOAD_CASES plan with and without its offload: ``[{case, rc, offload, pred, meas,
+    pred_host, meas_host, bitwise}]`` (``bitwise``: the gradients with offload equal those without, bit for bit)."""
+    context.offloader(runtime.device).fault = ours.offload_fault
+    layers = args.model.num_layers
+    results = []
+    for name, chunks, pairs in OFFLOAD_CASES:
+        for rc, off in pairs:
+            plan = make_plan(chunks, rc, layers, off)
+            plain = make_plan(chunks, rc, layers)
+            docs = [torch.randint(0, args.model.vocab_size, (n + 1,), generator=gen) for n in plan.seq_lengths]
+            _, want = run_plan(plain, docs, runtime, context, model, config)
+            tracker, got = run_plan(plan, docs, runtime, context, model, config)
+            cm = build.cost_model
+            pipe = plan.pipelines[0]
+            pred_host = peak_host_memory(pipe, cm.costs(chunk_features(pipe.chunks)), cm.layers)[0]
+            results.append({"case": name, "rc": pipe.recompute[0], "offload": pipe.offload[0],
+                            "pred": build.predicted_activation_bytes(plan)[0], "meas": tracker.peak_bytes,
+                            "pred_host": float(pred_host), "meas_host": tracker.peak_host_bytes,
+                            "bitwise": all(torch.equal(want[n], got[n]) for n in want)})
+    model.zero_grad_buffer()
     if runtime.rank == 0:
         with open(ours.out, "w") as f:
             json.dump(results, f)
