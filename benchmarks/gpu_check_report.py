@@ -19,6 +19,8 @@ The report holds, per step, its status, seconds and limit (``steps.tsv``), and w
   (its ``baseline.log`` and ``metrics_baseline.jsonl``), as ``train``; ``kernels_ab``: the two paired by iteration (the
   same batches): each step's ms, TFLOP/s and MFU (the GPU's dense bf16 peak: :data:`PEAK_BF16_TFLOPS`) both ways and
   the baseline's ms over the new kernels' (> 1: the new kernels faster), with medians over the steps after the first;
+* ``traces`` (``--quick``): one profiled iteration of each of the two runs by kernel class (benchmarks/trace_kernels.py:
+  attention, GEMM, norm, Triton, elementwise, ... ms and share, the device's busy share of the step);
 * ``fused``: benchmarks/fused_kernels.py's last JSON line (each pointwise candidate's time and error per op);
 * ``bench``: bench_gpu.py's last JSON line.
 
@@ -209,8 +211,16 @@ def peak_tflops(gpu: str | None) -> float | None:
     return next((peak for name, peak in PEAK_BF16_TFLOPS.items() if gpu and name in gpu), None)
 
 
-def kernels_ab(new: dict | None, baseline: dict | None, gpu: str | None) -> dict | None:
-    """The new kernels' run against the baseline's, paired by iteration (None: either missing)."""
+def trace_summary(out: Path, name: str) -> dict | None:
+    """benchmarks/trace_kernels.py's JSON of the run ``name`` (``trace_metrics.json``, ``trace_metrics_baseline.json``)."""
+    text = _text(out / f"trace_{name}.json")
+    lines = [line for line in (text or "").splitlines() if line.startswith("{")]
+    return json.loads(lines[-1]) if lines else None
+
+
+def kernels_ab(new: dict | None, baseline: dict | None, gpu: str | None, traced: int | None = None) -> dict | None:
+    """The new kernels' run against the baseline's, paired by iteration (None: either missing); the medians leave out
+    the first iteration and the ``traced`` one (the profiler's)."""
     if not new or not baseline:
         return None
     peak = peak_tflops(gpu)
@@ -223,7 +233,7 @@ def kernels_ab(new: dict | None, baseline: dict | None, gpu: str | None) -> dict
         mfu = [None if peak is None or x.get("tflops") is None else x["tflops"] / peak for x in (e, b)]
         pairs.append({"iteration": e["iteration"], "ms": e["iter_ms"], "baseline_ms": b["iter_ms"], "speedup": b["iter_ms"] / e["iter_ms"],
                       "tflops": e.get("tflops"), "baseline_tflops": b.get("tflops"), "mfu": mfu[0], "baseline_mfu": mfu[1]})
-    later = pairs[1:] or pairs
+    later = [p for p in pairs[1:] if p["iteration"] != traced] or pairs
     medians = {key: _median([p[key] for p in later if p[key] is not None]) for key in ("speedup", "tflops", "baseline_tflops", "mfu", "baseline_mfu")}
     return {"peak_tflops": peak, "pairs": pairs, "median": medians,
             "attention": [new["lines"].get("attention"), baseline["lines"].get("attention")]}
@@ -242,9 +252,12 @@ def report(out: Path) -> dict:
     found = facts(out)
     train = train_figures(out / "metrics.jsonl", out / "train.log")
     baseline = train_figures(out / "metrics_baseline.jsonl", out / "baseline.log")
+    traces = {"train": trace_summary(out, "metrics"), "baseline": trace_summary(out, "metrics_baseline")}
+    traced = next((t["iteration"] for t in traces.values() if t), None)
     return {"report": "gpu_check", "out": str(out), "steps": steps_table(out), "facts": found, "attention": attention(out),
             "equivalence": equivalence(out), "train": train, "baseline": baseline,
-            "kernels_ab": kernels_ab(train, baseline, found["gpu"] if found else None), "fused": bench(out, "fused"), "bench": bench(out)}
+            "kernels_ab": kernels_ab(train, baseline, found["gpu"] if found else None, traced), "traces": traces,
+            "fused": bench(out, "fused"), "bench": bench(out)}
 
 
 def main(argv: list[str] | None = None) -> int:

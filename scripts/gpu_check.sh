@@ -97,7 +97,10 @@ ATTENTION_FLAGS=()
 # the baseline run (--quick): the kernels before flash-attn-4 (torch's varlen_attn) and before the fused pointwise ops
 BASELINE_ENV=(EPP_ATTENTION_BACKEND=varlen EPP_FUSED_KERNELS=torch)
 BASELINE_FLAGS=()
-FUSED_FLAGS=(--repeats 5)  # the quick model's shapes (the benchmark's defaults): each candidate per op against torch's op
+FUSED_FLAGS=(--repeats 5)
+# --quick's train and baseline runs: torch.profiler records one iteration of each (the same one), summarised by kernel
+# class (benchmarks/trace_kernels.py): where the step's device time goes; that iteration is left out of kernels_ab's medians
+TRACE_ITERATION=9  # the quick model's shapes (the benchmark's defaults): each candidate per op against torch's op
 # the equivalence tests of one process (pp=1), the ones a single GPU runs
 EQUIVALENCE_SELECTION=(-k pp1)
 BENCH_FLAGS=()
@@ -127,6 +130,7 @@ if [ "$REHEARSAL" = 1 ]; then  # the same steps at toy sizes on the CPU
   ATTENTION_FLAGS=(--cpu-dry-run)
   FUSED_FLAGS=(--device cpu --tokens 64 --hidden 64 --heads 4 --kv-heads 2 --ffn 96 --vocab 128 --repeats 2 --candidates torch)
   BASELINE_ENV=(EPP_ATTENTION_BACKEND=sdpa EPP_FUSED_KERNELS=torch)  # torch's varlen_attn runs on CUDA only
+  TRACE_ITERATION=5  # of 6
   BENCH_FLAGS=(--dry-run --cells mock:16384)  # plans the cell and prints its commands; trains nothing
   [ "$QUICK" = 1 ] && BENCH_FLAGS=(--dry-run --cells mock:16384 --runs megatron,epp --model-flags "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 8192")
 fi
@@ -178,7 +182,7 @@ run_step() {  # run_step NAME COMMAND...: time-boxed, output in OUT_DIR/NAME.log
   local name=$1 start=$SECONDS rc=0 status took result; shift
   echo "=== $name (limit ${LIMIT[$name]} s): $(command_of "$name")"
   if declare -F "$1" > /dev/null; then  # a function of this script: timeout runs programs, so hand it to a bash
-    set -- bash -c "$(declare -p PYTHON WHEELS BUILD_TIMEOUT OUT_DIR TRAIN_FLAGS BASELINE_ENV BASELINE_FLAGS REHEARSAL QUICK QUICK_SETUP); $(declare -f "$1" train); $1"
+    set -- bash -c "$(declare -p PYTHON WHEELS BUILD_TIMEOUT OUT_DIR TRAIN_FLAGS BASELINE_ENV BASELINE_FLAGS TRACE_ITERATION REHEARSAL QUICK QUICK_SETUP); $(declare -f "$1" train); $1"
   fi
   timeout -k 20 "${LIMIT[$name]}" "$@" > "$OUT_DIR/$name.log" 2>&1 || rc=$?
   took=$((SECONDS - start))
@@ -240,18 +244,24 @@ install() {
 }
 
 train() {  # train [METRICS_NAME [PORT]]: the training check, its metrics in OUT_DIR/METRICS_NAME (default metrics.jsonl)
-  local metrics="$OUT_DIR/${1:-metrics.jsonl}" port=${2:-29517} profile=(--epp-profile llama-7b)
+  local metrics="$OUT_DIR/${1:-metrics.jsonl}" port=${2:-29517} profile=(--epp-profile llama-7b) name=${1:-metrics.jsonl} trace=()
+  name=${name%.jsonl}
+  [ "$QUICK" = 1 ] && trace=(--profile --use-pytorch-profiler --profile-step-start "$TRACE_ITERATION" --profile-step-end $((TRACE_ITERATION + 1))
+                              --tensorboard-dir "$OUT_DIR/tb-$name")
   [ "$REHEARSAL" = 1 ] && profile=(--epp-profile test-model)
   [ -s "$OUT_DIR/profile.json" ] && profile=(--epp-profile "$OUT_DIR/profile.json")
   [ "$QUICK" = 1 ] && profile=()  # the default path: --epp-profile auto
   rm -f "$metrics"
   "$PYTHON" -m torch.distributed.run --nproc-per-node 1 --master-addr 127.0.0.1 --master-port "$port" pretrain_gpt.py \
-    "${TRAIN_FLAGS[@]}" "${profile[@]}" "${@:3}" --epp-metrics "$metrics" || return $?
+    "${TRAIN_FLAGS[@]}" "${profile[@]}" "${trace[@]}" "${@:3}" --epp-metrics "$metrics" || return $?
+  if [ "$QUICK" = 1 ]; then  # the traced iteration by kernel class (the trace itself stays in OUT_DIR/tb-NAME)
+    "$PYTHON" -m benchmarks.trace_kernels "$OUT_DIR/tb-$name" --iteration "$TRACE_ITERATION" > "$OUT_DIR/trace_$name.json" || echo "trace_kernels: no trace summary"
+  fi
   "$PYTHON" -m benchmarks.gpu_check_report --train "$metrics" $([ "$QUICK" = 1 ] && echo --default-path)
 }
 
 baseline() {  # the train step's run with the kernels before flash-attn-4 and the fused pointwise ops
-  env "${BASELINE_ENV[@]}" bash -c "$(declare -p PYTHON OUT_DIR TRAIN_FLAGS REHEARSAL QUICK); $(declare -f train); train metrics_baseline.jsonl 29518 $([ ${#BASELINE_FLAGS[@]} = 0 ] || printf '%q ' "${BASELINE_FLAGS[@]}")"
+  env "${BASELINE_ENV[@]}" bash -c "$(declare -p PYTHON OUT_DIR TRAIN_FLAGS TRACE_ITERATION REHEARSAL QUICK); $(declare -f train); train metrics_baseline.jsonl 29518 $([ ${#BASELINE_FLAGS[@]} = 0 ] || printf '%q ' "${BASELINE_FLAGS[@]}")"
 }
 
 echo "gpu_check.sh: steps $STEPS; output in $OUT_DIR"

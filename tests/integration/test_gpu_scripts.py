@@ -340,6 +340,8 @@ def test_gpu_check_quick_rehearsal_trains_on_the_default_path_and_reports_json(t
     assert report == json.loads((out / "report.json").read_text())
     assert set(report["steps"]) == {"fused", "train", "baseline", "bench"} and all(s["status"] == "ok" for s in report["steps"].values())
     assert [r["op"] for r in report["fused"]["results"]] == ["norm", "swiglu", "rope", "cross_entropy", "linear_cross_entropy"]
+    # one iteration of each run traced by torch.profiler, summarised by kernel class (a CPU trace has no device kernels)
+    assert all(report["traces"][run]["iteration"] == 5 and report["traces"][run]["steps"] == 1 for run in ("train", "baseline"))
     ab = report["kernels_ab"]  # the two runs paired by iteration (the same batches); no peak known for a CPU
     assert [p["iteration"] for p in ab["pairs"]] == list(range(1, 7)) and ab["median"]["speedup"] > 0 and ab["peak_tflops"] is None
     assert "EPP_ATTENTION_BACKEND=sdpa" in ab["attention"][1] and [s["loss"] for s in report["baseline"]["steps"]][:1] == [
