@@ -39,7 +39,7 @@ from megatron.core.pipeline_parallel.schedules import backward_step, deallocate_
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import get_model_config, get_model_type
 
-from megatron_epp.executor.context import ChunkContext, ChunkView, token_multiple
+from megatron_epp.executor.context import ChunkContext, ChunkView, sequence_slices, token_multiple
 from megatron_epp.plan import Pipeline, Plan
 from megatron_epp.plan.order import Op, stage_ops
 
@@ -161,8 +161,6 @@ def forward_backward_elastic(
     if pg_collection is None:
         pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=list(STEP_GROUPS))
     pp_group = pg_collection.pp
-    if any(p.kv_host for p in plan.pipelines):
-        raise ValueError("the plan keeps K/V buffers on the host (kv_host): not executed yet (--epp-offload checkpoints)")
     if plan.num_stages != pp_group.size():
         raise ValueError(f"plan is for {plan.num_stages} stages, the pipeline has {pp_group.size()}")
     config = get_model_config(model)
@@ -222,8 +220,9 @@ class _StageRunner:
         return [(views[pos].num_tokens // self.multiple, 1, self.config.hidden_size)]
 
     def build_views(self, pipe: Pipeline) -> list[ChunkView]:
+        slices, host = sequence_slices(pipe.chunks, self.plan.seq_lengths), set(pipe.kv_host)
         return [ChunkView.build(c, self.plan.seq_lengths, self.device, recompute=count, multiple=self.multiple,
-                                  cp_rank=self.cp_rank, cp_size=self.cp_size, offload=off)
+                                  cp_rank=self.cp_rank, cp_size=self.cp_size, offload=off, slices=slices, kv_host=host)
                 for c, count, off in zip(pipe.chunks, pipe.recompute[self.stage], pipe.offloaded(self.stage))]
 
     def run(self, index: int, pipe: Pipeline, views: Sequence[ChunkView]) -> None:
