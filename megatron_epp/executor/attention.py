@@ -7,8 +7,9 @@ chunk) also attend to all K/V of the sequence's earlier slices, placed first in 
 its sequence's K/V buffer on the layer (:class:`~megatron_epp.executor.context.KVBuffer`), where it
 has written its own K/V: the prefix is read in place, never concatenated. The kernel is chosen once by
 ``EPP_ATTENTION_BACKEND`` (see :mod:`megatron_epp.executor.kernels`): on CPU every segment is one SDPA
-with ``is_causal`` and the slice's prefix and own keys two calls merged by their log-sum-exp, no mask
-(what the CPU cost profiles fit); on CUDA the whole chunk is one varlen call (flash-attn's where it is
+with ``is_causal`` and the slice's prefix (block by block: its sequence's earlier slices) and own keys
+calls merged by their log-sum-exp, no mask (what the CPU cost profiles fit; a sequence whose K/V buffer is on the
+host, ``executor.kv_host``, runs the same blocks over its device window: ``_HostSliceAttention``); on CUDA the whole chunk is one varlen call (flash-attn's where it is
 installed, else torch's own ``varlen_attn``: fp16/bf16, no attention dropout), else SDPA per segment
 (``is_causal``, torch's lower-right causal bias for the slice) with cuDNN attention excluded.
 

@@ -522,7 +522,7 @@ def prefix_merged_attention(q, k, v, scale: float, blocks: tuple[tuple[int, int]
 
 def sdpa_merged(query, key, value, view: ChunkView, slice_kv, dropout: float, scale: float) -> torch.Tensor:
     """CPU: ``is_causal`` SDPA for segments without context, :func:`prefix_merged_attention` for the slice
-    with prefix; no mask anywhere. No attention dropout (:func:`select_backend` takes ``sdpa-masked`` for it)."""
+    with prefix (its blocks: ``view.prefix_blocks``); no mask anywhere. No attention dropout (:func:`select_backend` takes ``sdpa-masked`` for it)."""
     if dropout > 0:
         raise ValueError("sdpa-merged has no attention dropout (the CPU flash kernel has none): select_backend takes sdpa-masked")
     return _causal_segments(query, key, value, view, slice_kv, 0.0, scale,

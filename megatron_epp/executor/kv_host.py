@@ -34,7 +34,7 @@ import torch
 from megatron_epp.executor.offload import ActivationOffload
 
 WINDOW = 2  # slots per window: the block in use and the block being fetched (the walk's KV_WINDOW)
-# test-only faults (KVHost.fault): a prefix block fetched from rows one earlier; a slice's own K/V never written to
+# test-only faults (KVHost.fault): a prefix block fetched from rows shifted by one; a slice's own K/V never written to
 # the host; prefix gradients never written back to the host accumulator
 FAULTS = ("kv-wrong-rows", "kv-skip-write", "kv-skip-accumulate")
 
@@ -177,8 +177,9 @@ class SliceIO:
     def _fetch(self, i: int, grads: bool = False) -> None:
         """Block ``i``'s host rows (K/V, or its accumulated gradients) into slot ``i % WINDOW``."""
         a, b = self.blocks[i]
-        if self.host.fault == "kv-wrong-rows" and i < self.own and a > 0 and not grads:
-            a, b = a - 1, b - 1
+        if self.host.fault == "kv-wrong-rows" and i < self.own and not grads:
+            shift = -1 if a > 0 else 1  # one row earlier (the first block: one later, still within the written prefix)
+            a, b = a + shift, b + shift
         slot = (self.window.grads if grads else self.window.kv)[i % WINDOW]
         src = self.store.grads if grads else (self.store.key, self.store.value)
         for dst, rows in zip(slot, src):

@@ -161,6 +161,8 @@ def forward_backward_elastic(
     if pg_collection is None:
         pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=list(STEP_GROUPS))
     pp_group = pg_collection.pp
+    if any(p.kv_host for p in plan.pipelines):
+        _check_kv_host(model)
     if plan.num_stages != pp_group.size():
         raise ValueError(f"plan is for {plan.num_stages} stages, the pipeline has {pp_group.size()}")
     config = get_model_config(model)
@@ -191,6 +193,16 @@ def forward_backward_elastic(
             [model], runner.total_tokens if config.calculate_per_token_loss else None, pg_collection=pg_collection
         )
     return runner.losses
+
+
+def _check_kv_host(model) -> None:
+    """A plan with K/V buffers on the host (``executor.kv_host``) runs on CPU, without attention dropout; else one line."""
+    if get_model_config(model).attention_dropout > 0:
+        raise ValueError("the plan keeps K/V buffers on the host (kv_host): they run without attention dropout "
+                         "(a slice's blocks are merged by their log-sum-exp)")
+    if next(model.parameters()).device.type != "cpu":
+        raise ValueError("the plan keeps K/V buffers on the host (kv_host): the block attention over the device window "
+                         "is built on CPU only so far")
 
 
 _NO_RANGE = contextlib.nullcontext()  # reusable: one object for every op while no profiler records

@@ -231,8 +231,9 @@ def measure_offload(ours, args, runtime, context: ChunkContext, model, config, b
 def measure_kv_host(ours, args, runtime, context: ChunkContext, model, config, builds, gen) -> None:
     """``--kv-host``: every KV_HOST_CASES plan with and without its K/V buffers on the host (and its offload):
     ``[{case, rc, offload, kv_host, pred, meas, pred_grads, meas_grads, pred_host, meas_host, pred_host_grads,
-    meas_host_grads, bitwise}]``: device peaks (the walk's, and with the K/V gradient accumulators counted, ``kv_grad``
-    1, against the tracker's with them), host peaks (the pool's, and with its accumulators), and the gradients with
+    meas_host_grads, meas_device_kv, bitwise}]``: device peaks (the walk's, and with the K/V gradient accumulators counted, ``kv_grad``
+    1, against the tracker's with them; ``meas_device_kv``: the same plan's with its K/V on the device), host peaks
+    (the pool's, and with its accumulators), and the gradients with
     the K/V on the host equal those without, bit for bit."""
     build, with_kv_grads = builds
     layers = args.model.num_layers
@@ -242,7 +243,7 @@ def measure_kv_host(ours, args, runtime, context: ChunkContext, model, config, b
             plan = make_plan(chunks, rc, layers, off, host)
             plain = make_plan(chunks, rc, layers)
             docs = [torch.randint(0, args.model.vocab_size, (n + 1,), generator=gen) for n in plan.seq_lengths]
-            _, want = run_plan(plain, docs, runtime, context, model, config)
+            device, want = run_plan(plain, docs, runtime, context, model, config)
             tracker, got = run_plan(plan, docs, runtime, context, model, config)
             pipe = plan.pipelines[0]
             host_peaks = [peak_host_memory(pipe, b.cost_model.costs(chunk_features(pipe.chunks)), b.cost_model.layers)[0]
@@ -252,7 +253,7 @@ def measure_kv_host(ours, args, runtime, context: ChunkContext, model, config, b
                             "pred_grads": with_kv_grads.predicted_activation_bytes(plan)[0], "meas_grads": tracker.peak_with_kv_grads,
                             "pred_host": float(host_peaks[0]), "meas_host": tracker.peak_host_bytes,
                             "pred_host_grads": float(host_peaks[1]), "meas_host_grads": tracker.peak_host_with_grads,
-                            "bitwise": all(torch.equal(want[n], got[n]) for n in want)})
+                            "meas_device_kv": device.peak_bytes, "bitwise": all(torch.equal(want[n], got[n]) for n in want)})
     model.zero_grad_buffer()
     if runtime.rank == 0:
         with open(ours.out, "w") as f:
