@@ -532,10 +532,11 @@ def validate_elastic_args(args: Values, world_size: int, memory: MemoryReading |
 def check_offload(planner: PlannerConfig, device: str) -> None:
     """``--epp-offload`` in training, before any work: the host budget per GPU within this node's host memory over its
     local ranks (``cost.host.local_host_link``), and on CUDA pinned host memory that can be allocated; one line each.
-    ``auto`` (K/V buffers on the host too) is planned by ``epp-plan`` only: the executor does not run it yet."""
-    if planner.offload == "auto":
-        raise ArgumentError("--epp-offload auto puts K/V buffers on the host, which the executor does not run yet: "
-                            "--epp-offload checkpoints (epp-plan plans auto)")
+    ``auto`` (split sequences' K/V buffers on the host too, ``executor.kv_host``) runs where the block attention over
+    the device window has its kernel: on CPU (CUDA's is not built yet)."""
+    if planner.offload == "auto" and device == "cuda":
+        raise ArgumentError("--epp-offload auto on CUDA: K/V buffers on the host need the block attention kernel over the "
+                            "device window, built on CPU only so far: --epp-offload checkpoints")
     try:
         if planner.host_memory_budget_bytes is not None:
             local_host_link().check_budget(planner.host_memory_budget_bytes)

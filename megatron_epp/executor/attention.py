@@ -7,8 +7,9 @@ chunk) also attend to all K/V of the sequence's earlier slices, placed first in 
 its sequence's K/V buffer on the layer (:class:`~megatron_epp.executor.context.KVBuffer`), where it
 has written its own K/V: the prefix is read in place, never concatenated. The kernel is chosen once by
 ``EPP_ATTENTION_BACKEND`` (see :mod:`megatron_epp.executor.kernels`): on CPU every segment is one SDPA
-with ``is_causal`` and the slice's prefix and own keys two calls merged by their log-sum-exp, no mask
-(what the CPU cost profiles fit); on CUDA the whole chunk is one varlen call (flash-attn's where it is
+with ``is_causal`` and the slice's prefix (block by block: its sequence's earlier slices) and own keys
+calls merged by their log-sum-exp, no mask (what the CPU cost profiles fit; a sequence whose K/V buffer is on the
+host, ``executor.kv_host``, runs the same blocks over its device window: ``_HostSliceAttention``); on CUDA the whole chunk is one varlen call (flash-attn's where it is
 installed, else torch's own ``varlen_attn``: fp16/bf16, no attention dropout), else SDPA per segment
 (``is_causal``, torch's lower-right causal bias for the slice) with cuDNN attention excluded.
 
@@ -37,6 +38,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_epp.executor import kernels
 from megatron_epp.executor.context import ChunkContext, ChunkView, KVBuffer
+from megatron_epp.executor.kv_host import SliceIO
 
 
 class _SliceKV(torch.autograd.Function):
@@ -64,6 +66,30 @@ class _SliceKV(torch.autograd.Function):
         if ctx.on_backward is not None:
             ctx.on_backward()
         return grad_key, grad_value, None, None, None
+
+
+class _HostSliceAttention(torch.autograd.Function):
+    """A slice's attention (``[b, heads, s, d]`` queries) over its K/V buffer on the host (:mod:`.kv_host`): its own
+    ``key``/``value`` rows (``[s, b, kv_heads, d]``) written out, the prefix fetched block by block into the device
+    window; :func:`kernels.merged_forward`, the arithmetic of the device buffer's ``sdpa-merged`` path. Saves the
+    queries, the output and the log-sum-exp, never the K/V (the backward fetches them again); its backward gives
+    the own rows' gradients, the prefix rows' accumulated on the host (``SliceIO.take_grads``)."""
+
+    @staticmethod
+    def forward(ctx, q, key, value, io: SliceIO, scale: float):
+        out, lse = kernels.merged_forward(q, io.forward_parts(key, value), scale)
+        ctx.save_for_backward(q, out, lse)
+        ctx.io, ctx.scale = io, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, out, lse = ctx.saved_tensors
+        io, ctx.io = ctx.io, None
+        dq = kernels.merged_backward(grad_out.contiguous(), q, out, lse, io.backward_parts(), ctx.scale, io.take_grads)
+        grad_key, grad_value = io.own_grads
+        io.finish_backward()
+        return dq, grad_key, grad_value, None, None
 
 
 class ElasticAttention(MegatronModule):
@@ -116,14 +142,38 @@ class ElasticAttention(MegatronModule):
     def _attend(self, query, key, value):
         """The chunk's attention on every token of it: [s, b, heads, d] in, [s, b, heads * d] out."""
         view = self.context.view()
-        slice_kv = self._slice_kv(view, key, value) if view.split_index is not None else None
         dropout = self.dropout_p if self.training else 0.0
+        if view.kv_host:
+            return self._attend_host(view, query, key, value, dropout)
+        slice_kv = self._slice_kv(view, key, value) if view.split_index is not None else None
         gqa = key.shape[2] != query.shape[2]
         backend = kernels.select_backend(self.backend_request, query.device, query.dtype, self.context.attention_backends, dropout, gqa=gqa,
                                          heads=(query.shape[2], key.shape[2], query.shape[3]), deterministic=self.deterministic)
         kwargs = {"deterministic": self.deterministic} if backend in kernels.DETERMINISTIC_BACKENDS else {}
         with tensor_parallel.get_cuda_rng_tracker().fork() if dropout else contextlib.nullcontext():
             out = kernels.BACKENDS[backend](query, key, value, view, slice_kv, dropout, self.softmax_scale, **kwargs)
+        return out.reshape(out.shape[0], out.shape[1], -1)
+
+    def _attend_host(self, view: ChunkView, query, key, value, dropout: float):
+        """:meth:`_attend` where the slice's K/V buffer is on the host: every other segment SDPA's ``is_causal`` (as
+        ``sdpa-merged``), the slice :class:`_HostSliceAttention` over the sequence's blocks up to it."""
+        if dropout > 0:
+            raise ValueError("K/V buffers on the host (kv_host) run without attention dropout: the blocks are merged by their log-sum-exp")
+        seq, start, end = view.split_seq, *view.bounds[view.split_index]
+        blocks = [*view.prefix_blocks, (view.context, view.context + end - start)]
+        rows = max(b - a for a, b in view.kv_blocks) if view.kv_blocks else view.seq_length
+        host = self.context.kv_host_store(query.device)
+        window, store = host.layer(seq, self.layer_number, view.seq_length, rows, key)
+        io = SliceIO(host, seq, self.layer_number, window, store, blocks)
+        outputs = []
+        for index, (a, b) in enumerate(view.bounds):
+            if index != view.split_index:
+                outputs.append(kernels.segment_attention(query[a:b], key[a:b], value[a:b], None, 0.0, self.softmax_scale, causal=True))
+                continue
+            q = query[a:b].permute(1, 2, 0, 3)
+            out = _HostSliceAttention.apply(q, key[a:b], value[a:b], io, self.softmax_scale)
+            outputs.append(out.permute(2, 0, 1, 3))
+        out = torch.cat(outputs)
         return out.reshape(out.shape[0], out.shape[1], -1)
 
     def _slice_kv(self, view: ChunkView, key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

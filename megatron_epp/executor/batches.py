@@ -9,7 +9,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from megatron_epp.executor.context import ChunkContext, ChunkView, padding_tokens, to_device
+from megatron_epp.executor.context import ChunkContext, ChunkView, padding_tokens, sequence_slices, to_device
 from megatron_epp.plan import Plan
 
 Batch = dict[str, torch.Tensor]
@@ -79,9 +79,9 @@ def prepare_step(plan: Plan, stage: int, sequences: Sequence[TokensAndLabels] | 
     ``cp_rank`` of ``cp_size`` gets its block of each chunk."""
     views = [
         [ChunkView.build(c, plan.seq_lengths, device, recompute=count, multiple=multiple, cp_rank=cp_rank, cp_size=cp_size,
-                         offload=off)
+                         offload=off, slices=slices, kv_host=set(pipe.kv_host))
          for c, count, off in zip(pipe.chunks, pipe.recompute[stage], pipe.offloaded(stage))]
-        for pipe in plan.pipelines
+        for pipe in plan.pipelines for slices in [sequence_slices(pipe.chunks, plan.seq_lengths)]
     ]
     return StepInputs(plan, stage, views, list(chunk_batches(plan, sequences, device, multiple, cp_rank, cp_size)))
 

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from megatron.core.utils import get_attr_wrapped_model
 
+from megatron_epp.executor.kv_host import KVHost
 from megatron_epp.executor.offload import ActivationOffload
 from megatron_epp.plan import Chunk
 
@@ -88,6 +89,8 @@ class ChunkView:
     padding: int = 0  # tokens after the chunk's own, a segment of their own (sequence or context parallelism: see ``build``)
     cp_rank: int = 0  # context parallelism: this rank's index in its group; it holds the chunk's tokens ``local_range``
     cp_size: int = 1
+    kv_blocks: tuple[tuple[int, int], ...] = ()  # the split sequence's slices [start, end), in order (() : not known)
+    kv_host: bool = False  # the split sequence's K/V buffer is in host memory (the plan's kv_host; executor.kv_host)
     # built on first use within one forward or backward of the chunk and dropped when it ends (``ChunkContext.running``)
     transient: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -129,6 +132,15 @@ class ChunkView:
     def split_seq(self) -> int | None:
         return None if self.split_index is None else self.chunk.segments[self.split_index].seq
 
+    @property
+    def prefix_blocks(self) -> tuple[tuple[int, int], ...]:
+        """The slice's prefix ``[0, context)`` as the blocks its attention runs over: the sequence's earlier slices
+        (where the view knows them, ``kv_blocks``), else one block."""
+        blocks = tuple(b for b in self.kv_blocks if b[1] <= self.context)
+        if not blocks or blocks[-1][1] != self.context:
+            return ((0, self.context),) if self.context else ()
+        return blocks
+
     @cached_property
     def masks(self) -> list[torch.Tensor]:
         """Per segment ``[s, C + s]`` bottom-right causal (``C > 0`` only for the slice): the SDPA-masked path."""
@@ -144,7 +156,8 @@ class ChunkView:
 
     @classmethod
     def build(cls, chunk: Chunk, seq_lengths: list[int], device: torch.device, recompute: int = 0, multiple: int = 1,
-              cp_rank: int = 0, cp_size: int = 1, offload: int = 0) -> "ChunkView":
+              cp_rank: int = 0, cp_size: int = 1, offload: int = 0, slices: dict[int, tuple[tuple[int, int], ...]] | None = None,
+              kv_host: frozenset[int] | set[int] = frozenset()) -> "ChunkView":
         """The view of ``chunk`` from the plan alone (host work: no device sync; on CUDA the
         positions go from pinned memory without blocking).
 
@@ -155,7 +168,9 @@ class ChunkView:
         their loss mask is 0 (``chunk_batches``), so they change neither the loss nor any gradient. Under context
         parallelism (``cp_size`` ranks, ``multiple`` a multiple of it: :func:`token_multiple`) rank ``cp_rank`` holds
         the ``cp_rank``-th of ``cp_size`` equal blocks of the padded chunk (``local_range``); the view's segments,
-        positions and prefix stay the whole chunk's, which its attention sees after the all-to-all."""
+        positions and prefix stay the whole chunk's, which its attention sees after the all-to-all. ``slices``: the
+        pipeline's split sequences' slices (:func:`sequence_slices`), the blocks of a slice's prefix; ``kv_host``: the
+        sequences whose K/V buffer is on the host."""
         if multiple % cp_size or not 0 <= cp_rank < cp_size:
             raise ValueError(f"context parallelism: rank {cp_rank} of {cp_size} with chunks padded to a multiple of {multiple}")
         cu = chunk.cu_seqlens()
@@ -178,7 +193,19 @@ class ChunkView:
             padding=padding,
             cp_rank=cp_rank,
             cp_size=cp_size,
+            kv_blocks=(slices or {}).get(segment.seq, ()) if segment is not None else (),
+            kv_host=segment is not None and segment.seq in kv_host,
         )
+
+
+def sequence_slices(chunks: list[Chunk], seq_lengths: list[int]) -> dict[int, tuple[tuple[int, int], ...]]:
+    """``{sequence: its slices' [start, end) in order}`` for the split sequences of ``chunks`` (a pipeline's)."""
+    slices: dict[int, list[tuple[int, int]]] = {}
+    for chunk in chunks:
+        for s in chunk.segments:
+            if s.length != seq_lengths[s.seq]:
+                slices.setdefault(s.seq, []).append((s.start, s.end))
+    return {seq: tuple(sorted(bounds)) for seq, bounds in slices.items()}
 
 
 def padding_tokens(tokens: int, multiple: int) -> int:
@@ -287,6 +314,7 @@ class ChunkContext:
         self.attention_backends: dict = {}  # the attention kernel decided per (request, device type, dtype, dropout or not, GQA or not): once per model
         self.recomputing = False  # a recomputing layer's forward is under way (inside a backward): what an error was in
         self.offload: ActivationOffload | None = None  # made by the first chunk that offloads checkpoints (offloader)
+        self.host_kv: KVHost | None = None  # the K/V buffers on the host (kv_host_store: made by the first slice of one)
         self.tracker = None  # the CPU activation memory tracker while one measures: it counts checkpoints offload keeps
         # test-only: called with "F" / "B" before each forward / backward of a chunk, "R" before each recomputing
         # layer's forward and "T" before each send/receive (the training driver's EPP_FAULT_INJECT plants an
@@ -339,6 +367,12 @@ class ChunkContext:
             self.offload = ActivationOffload(device, self._track)
         return self.offload
 
+    def kv_host_store(self, device: torch.device) -> KVHost:
+        """The model's :class:`~megatron_epp.executor.kv_host.KVHost` (made on first use, on ``device``'s offload)."""
+        if self.host_kv is None:
+            self.host_kv = KVHost(self.offloader(device), self._changed)
+        return self.host_kv
+
     def _track(self, tensor: torch.Tensor):
         """The tracker's handle counting ``tensor`` on the device while a CPU tracker measures (else None)."""
         return None if self.tracker is None else self.tracker._pack(tensor)
@@ -362,16 +396,21 @@ class ChunkContext:
     def kv_storages(self) -> dict[int, int]:
         """``{storage pointer: bytes}`` of the K/V buffers (what the slices' attention reads and saves).
         Their gradient accumulators are gradients, not activations: :meth:`kv_gradient_bytes`."""
-        storages = (t.untyped_storage() for buffer in self.kv.values() for t in (buffer.key, buffer.value))
+        storages = [t.untyped_storage() for buffer in self.kv.values() for t in (buffer.key, buffer.value)]
+        if self.host_kv is not None:  # the device windows of K/V buffers on the host
+            storages += self.host_kv.storages()
         return {st.data_ptr(): st.nbytes() for st in storages}
 
     def kv_gradient_bytes(self) -> int:
         """Bytes of the K/V buffers' gradient accumulators allocated now."""
-        return sum(g.untyped_storage().nbytes() for buffer in self.kv.values() for g in buffer.grads if g is not None)
+        windows = sum(st.nbytes() for st in self.host_kv.storages(grads=True)) if self.host_kv is not None else 0
+        return windows + sum(g.untyped_storage().nbytes() for buffer in self.kv.values() for g in buffer.grads if g is not None)
 
     def clear(self) -> None:
         """Forget the current chunk and every K/V buffer (between independent runs)."""
         self.current = None
         self.kv.clear()
+        if self.host_kv is not None:
+            self.host_kv.clear()
         self._changed()
 

@@ -431,32 +431,76 @@ class PrefixMergedAttention(torch.autograd.Function):
     keys (causal), ``[b, heads, s, d]`` queries and ``[b, kv_heads, C + s, d]`` keys/values (views of the
     sequence's K/V buffer, read in place), with the CPU flash kernel and no mask.
 
-    Forward: ``(o1, l1)`` over the prefix, ``(o2, l2)`` over the own keys (``is_causal``, which is the
-    bottom-right mask once the prefix is apart), ``l = logaddexp(l1, l2)``, ``o = e^(l1 - l) o1 +
-    e^(l2 - l) o2``. Backward: the kernel's backward of each part given the merged ``o`` and ``l``
-    (its ``P = exp(S - l)`` and ``D = rowsum(dO o)`` are then those of the whole attention), the
-    query gradients summed, the key/value gradients the two parts' rows. Saves what SDPA's flash kernel
-    saves: q, k, v (views), the output and the fp32 log-sum-exp.
+    The prefix goes block by block (``blocks``: the sequence's earlier slices, ``ChunkView.prefix_blocks``), then the
+    own keys (``is_causal``, which is the bottom-right mask once the prefix is apart): :func:`merged_forward`, the
+    parts merged by their log-sum-exp; a sequence whose K/V buffer is on the host runs the same arithmetic over its
+    device window (``attention._HostSliceAttention``), so the two give the same bits. Backward: the kernel's backward
+    of each part given the merged ``o`` and ``l`` (its ``P = exp(S - l)`` and ``D = rowsum(dO o)`` are then those of
+    the whole attention), the query gradients summed in order, the key/value gradients the parts' rows. Saves what
+    SDPA's flash kernel saves: q, k, v (views), the output and the fp32 log-sum-exp.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, context: int, scale: float):
-        o1, l1 = _cpu_flash(q, k[:, :, :context], v[:, :, :context], 0.0, False, scale=scale)
-        o2, l2 = _cpu_flash(q, k[:, :, context:], v[:, :, context:], 0.0, True, scale=scale)
-        lse = torch.logaddexp(l1, l2)
-        out = (torch.exp(l1 - lse).unsqueeze(-1) * o1 + torch.exp(l2 - lse).unsqueeze(-1) * o2).to(q.dtype)
+    def forward(ctx, q, k, v, blocks: tuple[tuple[int, int], ...], scale: float):
+        out, lse = merged_forward(q, _buffer_parts(k, v, blocks), scale)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.context, ctx.scale = context, scale
+        ctx.blocks, ctx.scale = blocks, scale
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        c, scale = ctx.context, ctx.scale
-        grad_out = grad_out.contiguous()
-        dq1, dk1, dv1 = _cpu_flash_backward(grad_out, q, k[:, :, :c], v[:, :, :c], out, lse, 0.0, False, scale=scale)
-        dq2, dk2, dv2 = _cpu_flash_backward(grad_out, q, k[:, :, c:], v[:, :, c:], out, lse, 0.0, True, scale=scale)
-        return dq1 + dq2, torch.cat([dk1, dk2], dim=2), torch.cat([dv1, dv2], dim=2), None, None
+        dk, dv = [], []
+
+        def take(i, grad_key, grad_value):
+            dk.append(grad_key)
+            dv.append(grad_value)
+
+        dq = merged_backward(grad_out.contiguous(), q, out, lse, _buffer_parts(k, v, ctx.blocks), ctx.scale, take)
+        return dq, torch.cat(dk, dim=2), torch.cat(dv, dim=2), None, None
+
+
+def _buffer_parts(k, v, blocks: tuple[tuple[int, int], ...]):
+    """``(k, v, causal)`` per prefix block of the buffer's rows, then the own rows (causal)."""
+    for a, b in blocks:
+        yield k[:, :, a:b], v[:, :, a:b], False
+    context = blocks[-1][1] if blocks else 0
+    yield k[:, :, context:], v[:, :, context:], True
+
+
+def block_attention(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of ``q`` ``[b, heads, s, d]`` over one block of keys ``[b, kv_heads, rows, d]`` (``causal``:
+    rows = s, lower triangle): the CPU flash kernel (GQA native)."""
+    if q.device.type != "cpu":
+        raise NotImplementedError(f"block attention (K/V buffers on the host) on {q.device.type}: only the CPU kernel is built")
+    out, lse = _cpu_flash(q, k, v, 0.0, causal, scale=scale)[:2]
+    return out, lse
+
+
+def merged_forward(q, parts, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of ``q`` over ``parts`` (``(k, v, causal)`` blocks, in order), merged by their log-sum-exp one
+    after the other (fp32 while more than one; ``out`` in ``q``'s dtype)."""
+    acc = None
+    for k, v, causal in parts:
+        o, lse = block_attention(q, k, v, causal, scale)
+        if acc is None:
+            acc = (o, lse)
+            continue
+        o0, l0 = acc
+        merged = torch.logaddexp(l0, lse)
+        acc = (torch.exp(l0 - merged).unsqueeze(-1) * o0 + torch.exp(lse - merged).unsqueeze(-1) * o, merged)
+    return acc[0].to(q.dtype), acc[1]
+
+
+def merged_backward(grad_out, q, out, lse, parts, scale: float, take: Callable[[int, torch.Tensor, torch.Tensor], None]) -> torch.Tensor:
+    """The query gradient of :func:`merged_forward` (summed over the parts in order); each part's key and value
+    gradients go to ``take(i, dk, dv)`` as they come."""
+    dq = None
+    for i, (k, v, causal) in enumerate(parts):
+        dq_i, dk, dv = _cpu_flash_backward(grad_out, q, k, v, out, lse, 0.0, causal, scale=scale)
+        take(i, dk, dv)
+        dq = dq_i if dq is None else dq + dq_i
+    return dq
 
 
 def _cpu_flash(*args, **kwargs):
@@ -467,21 +511,22 @@ def _cpu_flash_backward(*args, **kwargs):
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(*args, **kwargs)
 
 
-def prefix_merged_attention(q, k, v, scale: float) -> torch.Tensor:
+def prefix_merged_attention(q, k, v, scale: float, blocks: tuple[tuple[int, int], ...] | None = None) -> torch.Tensor:
     """:class:`PrefixMergedAttention` of one slice, [s, b, heads, d] in and out (``k``/``v`` ``[C + s, b,
-    kv_heads, d]``: its prefix, then its own rows; grouped-query attention native)."""
+    kv_heads, d]``: its prefix, then its own rows; grouped-query attention native); ``blocks``: the prefix's
+    blocks (None: the whole prefix as one)."""
     context = k.shape[0] - q.shape[0]
     q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
-    return PrefixMergedAttention.apply(q, k, v, context, scale).permute(2, 0, 1, 3)
+    return PrefixMergedAttention.apply(q, k, v, blocks or ((0, context),), scale).permute(2, 0, 1, 3)
 
 
 def sdpa_merged(query, key, value, view: ChunkView, slice_kv, dropout: float, scale: float) -> torch.Tensor:
     """CPU: ``is_causal`` SDPA for segments without context, :func:`prefix_merged_attention` for the slice
-    with prefix; no mask anywhere. No attention dropout (:func:`select_backend` takes ``sdpa-masked`` for it)."""
+    with prefix (its blocks: ``view.prefix_blocks``); no mask anywhere. No attention dropout (:func:`select_backend` takes ``sdpa-masked`` for it)."""
     if dropout > 0:
         raise ValueError("sdpa-merged has no attention dropout (the CPU flash kernel has none): select_backend takes sdpa-masked")
     return _causal_segments(query, key, value, view, slice_kv, 0.0, scale,
-                            lambda q, k, v: prefix_merged_attention(q, k, v, scale))
+                            lambda q, k, v: prefix_merged_attention(q, k, v, scale, view.prefix_blocks))
 
 
 def pack_kv(own: torch.Tensor, slice_rows: torch.Tensor, view: ChunkView) -> torch.Tensor:

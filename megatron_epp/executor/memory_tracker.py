@@ -67,7 +67,8 @@ class ActivationMemoryTracker:
         self._kv: dict[int, int] = {}  # K/V buffers: storage pointer -> bytes
         self._kv_unsaved = 0  # bytes of K/V buffer storages that are not in ``_live``
         self._kv_grads = 0  # bytes of their gradient accumulators
-        self.peak_host_bytes = 0  # activation offload: the most the host pool held for the model's checkpoints
+        self.peak_host_bytes = 0  # activation offload: the most the host pool held (checkpoints, K/V buffers on the host)
+        self.peak_host_with_grads = 0  # and with the K/V gradient accumulators on the host
 
     def __enter__(self) -> "ActivationMemoryTracker":
         if self.context.offload is not None:
@@ -86,6 +87,7 @@ class ActivationMemoryTracker:
     def __exit__(self, *exc: object) -> None:
         if self.context.offload is not None:
             self.peak_host_bytes = self.context.offload.pool.peak_bytes
+            self.peak_host_with_grads = self.context.offload.pool.peak_with_grads
         if self._hooks is not None:
             self._hooks.__exit__(*exc)
             self.context.tracker = None

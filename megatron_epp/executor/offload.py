@@ -35,15 +35,18 @@ FAULTS = ("wrong-slot", "skip-reload")
 
 class HostPool:
     """Host buffers (``uint8``) reused by byte size: pinned where the device is CUDA. ``in_use_bytes`` /
-    ``peak_bytes``: what the offloaded checkpoints hold now / at most since :meth:`reset_peak`; ``reserved_bytes``:
-    every buffer the pool holds, free or not."""
+    ``peak_bytes``: what the offloaded checkpoints and the K/V buffers on the host (:mod:`.kv_host`) hold now / at most
+    since :meth:`reset_peak`; ``grad_bytes`` / ``peak_with_grads``: the K/V gradient accumulators on the host now / the
+    most of both together (what the memory walk counts where ``kv_grad`` is 1); ``reserved_bytes``: every buffer the
+    pool holds, free or not."""
 
     def __init__(self, pin: bool) -> None:
         self.pin = pin
         self.free: dict[int, list[tuple[torch.Tensor, Any]]] = {}  # bytes -> (buffer, the event of its last copy)
         self.in_use_bytes = self.peak_bytes = self.reserved_bytes = 0
+        self.grad_bytes = self.peak_with_grads = 0
 
-    def acquire(self, nbytes: int) -> torch.Tensor:
+    def acquire(self, nbytes: int, grad: bool = False) -> torch.Tensor:
         free = self.free.get(nbytes)
         if free:
             buffer, event = free.pop()
@@ -52,17 +55,25 @@ class HostPool:
         else:
             buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
             self.reserved_bytes += nbytes
-        self.in_use_bytes += nbytes
+        if grad:
+            self.grad_bytes += nbytes
+        else:
+            self.in_use_bytes += nbytes
         self.peak_bytes = max(self.peak_bytes, self.in_use_bytes)
+        self.peak_with_grads = max(self.peak_with_grads, self.in_use_bytes + self.grad_bytes)
         return buffer
 
-    def release(self, buffer: torch.Tensor, event: Any = None) -> None:
+    def release(self, buffer: torch.Tensor, event: Any = None, grad: bool = False) -> None:
         """``buffer`` free again once ``event`` (the copy that reads it; None: none pending) has completed."""
-        self.in_use_bytes -= buffer.numel()
+        if grad:
+            self.grad_bytes -= buffer.numel()
+        else:
+            self.in_use_bytes -= buffer.numel()
         self.free.setdefault(buffer.numel(), []).append((buffer, event))
 
     def reset_peak(self) -> None:
         self.peak_bytes = self.in_use_bytes
+        self.peak_with_grads = self.in_use_bytes + self.grad_bytes
 
 
 def _bytes(storage: torch.UntypedStorage) -> torch.Tensor:

@@ -39,7 +39,7 @@ from megatron.core.pipeline_parallel.schedules import backward_step, deallocate_
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import get_model_config, get_model_type
 
-from megatron_epp.executor.context import ChunkContext, ChunkView, token_multiple
+from megatron_epp.executor.context import ChunkContext, ChunkView, sequence_slices, token_multiple
 from megatron_epp.plan import Pipeline, Plan
 from megatron_epp.plan.order import Op, stage_ops
 
@@ -162,7 +162,7 @@ def forward_backward_elastic(
         pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=list(STEP_GROUPS))
     pp_group = pg_collection.pp
     if any(p.kv_host for p in plan.pipelines):
-        raise ValueError("the plan keeps K/V buffers on the host (kv_host): not executed yet (--epp-offload checkpoints)")
+        _check_kv_host(model)
     if plan.num_stages != pp_group.size():
         raise ValueError(f"plan is for {plan.num_stages} stages, the pipeline has {pp_group.size()}")
     config = get_model_config(model)
@@ -195,6 +195,16 @@ def forward_backward_elastic(
     return runner.losses
 
 
+def _check_kv_host(model) -> None:
+    """A plan with K/V buffers on the host (``executor.kv_host``) runs on CPU, without attention dropout; else one line."""
+    if get_model_config(model).attention_dropout > 0:
+        raise ValueError("the plan keeps K/V buffers on the host (kv_host): they run without attention dropout "
+                         "(a slice's blocks are merged by their log-sum-exp)")
+    if next(model.parameters()).device.type != "cpu":
+        raise ValueError("the plan keeps K/V buffers on the host (kv_host): the block attention over the device window "
+                         "is built on CPU only so far")
+
+
 _NO_RANGE = contextlib.nullcontext()  # reusable: one object for every op while no profiler records
 
 
@@ -222,8 +232,9 @@ class _StageRunner:
         return [(views[pos].num_tokens // self.multiple, 1, self.config.hidden_size)]
 
     def build_views(self, pipe: Pipeline) -> list[ChunkView]:
+        slices, host = sequence_slices(pipe.chunks, self.plan.seq_lengths), set(pipe.kv_host)
         return [ChunkView.build(c, self.plan.seq_lengths, self.device, recompute=count, multiple=self.multiple,
-                                  cp_rank=self.cp_rank, cp_size=self.cp_size, offload=off)
+                                  cp_rank=self.cp_rank, cp_size=self.cp_size, offload=off, slices=slices, kv_host=host)
                 for c, count, off in zip(pipe.chunks, pipe.recompute[self.stage], pipe.offloaded(self.stage))]
 
     def run(self, index: int, pipe: Pipeline, views: Sequence[ChunkView]) -> None:

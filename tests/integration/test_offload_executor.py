@@ -98,6 +98,66 @@ def test_planted_offload_faults_break_the_match(runs, fault, least):
     assert touched
 
 
+KV_RUNS = {
+    "llama-kv-host": [*LLAMA, "--kv-host"], "llama-kv-host-offload": [*LLAMA, "--kv-host", "--offload"],
+    **{fault: [*LLAMA, "--kv-host", "--kv-host-fault", fault] for fault in ("kv-wrong-rows", "kv-skip-write", "kv-skip-accumulate")},
+}
+
+
+@pytest.fixture(scope="module")
+def kv_runs(tmp_path_factory) -> Path:
+    """Every run of KV_RUNS (split sequences' K/V buffers on the host) in one launch of two processes (pp 2)."""
+    out = tmp_path_factory.mktemp("kv-host")
+    argv: list[str] = []
+    for name, flags in KV_RUNS.items():
+        (out / name).mkdir()
+        cases = FAULT_CASES if "--kv-host-fault" in flags else CASES
+        argv += [*([RUN_SEPARATOR] if argv else []), str(out / name), "--mode", "elastic", "--cases", str(cases), *MODEL, *flags]
+    torchrun(2, "tests/workers/elastic_equivalence.py", *argv, timeout=600)
+    return out
+
+
+def kv_host_chunks(saved: list[dict]) -> tuple[int, int]:
+    """``(slices, hybrid)``: of the case's chunks, how many are slices of a sequence on the host, and how many of those
+    are hybrid chunks (a slice packed with whole sequences) with a prefix."""
+    plan = json.loads(saved[0]["plan"]) if isinstance(saved[0]["plan"], str) else saved[0]["plan"]
+    slices = hybrid = 0
+    for pipe in plan["pipelines"]:
+        host = set(pipe.get("kv_host", []))
+        for chunk in pipe["chunks"]:
+            mine = [s for s in chunk["segments"] if s["seq"] in host]
+            slices += bool(mine)
+            hybrid += bool(mine) and len(chunk["segments"]) > 1 and mine[0]["start"] > 0
+    return slices, hybrid
+
+
+@pytest.mark.parametrize("name", ["llama-kv-host", "llama-kv-host-offload"])
+def test_kv_host_plans_give_the_same_gradients_bit_for_bit(runs, kv_runs, name):
+    """K/V buffers on the host (with and without offloaded checkpoints) against the same plans with them on the device;
+    the cases together put split and hybrid chunks' K/V on the host, and the host pool held them."""
+    slices = hybrid = 0
+    for case in range(CASES):
+        plain, host = stages(runs / "llama", case), stages(kv_runs / name, case)
+        assert bitwise_equal(plain, host), f"{name} case {case}: gradients differ with the K/V buffers on the host"
+        n, h = kv_host_chunks(host)
+        slices, hybrid = slices + n, hybrid + h
+        assert not n or all(s["host_peak"] > 0 for s in host)
+    assert slices >= 6 and hybrid >= 1, (slices, hybrid)
+
+
+@pytest.mark.parametrize("fault", ["kv-wrong-rows", "kv-skip-write", "kv-skip-accumulate"])
+def test_planted_kv_host_faults_break_the_match(runs, kv_runs, fault):
+    """A prefix fetched from the wrong rows, a write-back skipped, a gradient accumulation skipped: every case whose
+    plan has a sequence on the host in two slices or more differs from the same plan on the device; one must."""
+    touched = 0
+    for case in range(FAULT_CASES):
+        faulty, plain = stages(kv_runs / fault, case), stages(runs / "llama", case)
+        if kv_host_chunks(faulty)[0] >= 2:
+            touched += 1
+            assert not bitwise_equal(plain, faulty), f"{fault}: case {case} unchanged"
+    assert touched
+
+
 SHAPES = {
     "h32": ["--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "2"],
     "llama-dropout": ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "8", "--kv-channels", "16",
@@ -134,3 +194,45 @@ def test_offload_lowers_the_device_peak(memory):
     """Full recompute with every checkpoint offloaded holds less on the device than a chunk's one offloaded checkpoint."""
     rows = {(r["case"], tuple(r["offload"])): r for r in memory["h32"]}
     assert rows["batched", (4,)]["meas"] < rows["batched", (1,)]["meas"]
+
+
+KV_SHAPES = {
+    "h32": SHAPES["h32"],
+    "llama-hidden-dropout": ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "8", "--kv-channels", "16",
+                             "--group-query-attention", "--num-query-groups", "2", "--swiglu", "--ffn-hidden-size", "96",
+                             "--normalization", "RMSNorm", "--disable-bias-linear", "--hidden-dropout", "0.2"],
+}
+
+
+@pytest.fixture(scope="module")
+def kv_memory(tmp_path_factory) -> dict[str, list[dict]]:
+    """tests/workers/memory_chunks.py --kv-host on every shape of KV_SHAPES, in one process."""
+    out = tmp_path_factory.mktemp("kv-host-memory")
+    argv: list[str] = []
+    for name, flags in KV_SHAPES.items():
+        argv += [*([RUN_SEPARATOR] if argv else []), str(out / f"{name}.json"), "--kv-host", *flags]
+    env = run_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
+    proc = subprocess.run([sys.executable, str(REPO / "tests/workers/memory_chunks.py"), *argv], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return {name: json.loads((out / f"{name}.json").read_text()) for name in KV_SHAPES}
+
+
+@pytest.mark.parametrize("shape", list(KV_SHAPES))
+def test_kv_host_device_and_host_peaks_match_the_walk_to_the_byte(kv_memory, shape):
+    """Per plan with K/V buffers on the host (alone and with offloaded checkpoints): the device activation peak equals
+    the walk's to the byte, also with the K/V gradient accumulators counted (window slots against ``kv_grad`` 1); the
+    host pool's peak equals the walk's host prediction, also with its accumulators; the gradients bit for bit."""
+    rows = kv_memory[shape]
+    assert len(rows) == 12 and all(r["kv_host"] for r in rows) and sum(any(r["offload"]) for r in rows) >= 4
+    keys = [("pred", "meas"), ("pred_grads", "meas_grads"), ("pred_host", "meas_host"), ("pred_host_grads", "meas_host_grads")]
+    bad = [(r["case"], r["rc"], r["offload"], {m: (r[p], r[m]) for p, m in keys if r[p] != r[m]}) for r in rows
+           if any(r[p] != r[m] for p, m in keys) or r["meas_host"] <= 0 or r["meas_host_grads"] <= r["meas_host"]]
+    assert not bad, "\n".join(map(str, bad))
+    assert all(r["bitwise"] for r in rows), [r["case"] for r in rows if not r["bitwise"]]
+
+
+def test_kv_host_lowers_the_device_peak(kv_memory):
+    """A long split sequence without recompute holds its 2-block window on the device, not its whole K/V buffer."""
+    rows = [r for r in kv_memory["h32"] if r["case"] in ("split", "long-first-slice") and not any(r["offload"])]
+    assert rows and all(r["meas"] < r["meas_device_kv"] for r in rows)

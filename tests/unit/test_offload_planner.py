@@ -178,11 +178,15 @@ def test_training_plans_with_offload_on_this_nodes_host_link():
 
 
 def test_training_refuses_a_host_budget_over_the_host_in_one_line():
+    from megatron_epp.config import validation
+
     with pytest.raises(ArgumentError, match="more than the node's .* GB of host memory"):
         parse_config(["--mock-data", "--num-layers", "4", "--elastic-pp", "--epp-offload", "checkpoints",
                       "--epp-host-memory-budget", str(2 * host_memory_bytes() / GIB)], world_size=1)
-    with pytest.raises(ArgumentError, match="--epp-offload auto puts K/V buffers on the host, which the executor does not run yet"):
-        parse_config(["--mock-data", "--num-layers", "4", "--elastic-pp", "--epp-offload", "auto"], world_size=1)
+    with pytest.raises(ArgumentError, match="--epp-offload auto on CUDA: K/V buffers on the host need the block attention"):
+        validation.check_offload(PlannerConfig(80 * GIB, ONE_M, offload="auto"), "cuda")
+    # on CPU training takes auto (the executor runs K/V buffers on the host)
+    assert parse_config(["--mock-data", "--num-layers", "4", "--elastic-pp", "--epp-offload", "auto"], world_size=1)
     with pytest.raises(ArgumentError, match="applies only with --epp-offload"):
         parse_config(["--mock-data", "--num-layers", "4", "--elastic-pp", "--epp-host-memory-budget", "1"], world_size=1)
 

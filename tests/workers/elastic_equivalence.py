@@ -3,7 +3,7 @@
     torchrun ... tests/workers/elastic_equivalence.py OUT --mode reference|elastic --cases N
         [--fault drop_prefix|drop_prefix_grads|misplaced_kv|leak_packing|forward_order_backward|recompute_without_rng_restore|gqa_tiled_heads
                  |cp_all_to_all_order|cp_rope_of_another_rank|cp_loss_not_summed]
-        [--sp-fault-cases K] [--offload [--offload-fault wrong-slot|skip-reload]] [--attention-backend auto|sdpa|fa4|flash|varlen] [--varlen-reference enable_gqa|expanded]
+        [--sp-fault-cases K] [--offload [--offload-fault wrong-slot|skip-reload]] [--kv-host [--kv-host-fault kv-wrong-rows|kv-skip-write|kv-skip-accumulate]] [--attention-backend auto|sdpa|fa4|flash|varlen] [--varlen-reference enable_gqa|expanded]
         [pretrain_gpt flags...] [:: OUT --mode ... (another run)]...
 
 ``reference`` (one process): stock Megatron-Core (local spec, no EPP), each whole sequence its own
@@ -243,6 +243,14 @@ def random_offload(plan, rng: np.random.Generator) -> None:
     plan.validate()
 
 
+def random_kv_host(plan, rng: np.random.Generator) -> None:
+    """K/V buffers on the host: every split sequence of a pipeline for half the pipelines, a random share for the rest."""
+    for pipe in plan.pipelines:
+        split = sorted({s.seq for c in pipe.chunks for s in c.segments if s.length != plan.seq_lengths[s.seq]})
+        pipe.kv_host = split if rng.random() < 0.5 else [q for q in split if rng.random() < 0.5]
+    plan.validate()
+
+
 def run(argv: list[str]) -> None:
     """One run: ``OUT --mode ... [pretrain_gpt flags]`` on the process group already started (or starting it)."""
     p = argparse.ArgumentParser()
@@ -256,6 +264,8 @@ def run(argv: list[str]) -> None:
     p.add_argument("--offload", action="store_true", help="random offloaded checkpoints per (stage, chunk), <= its recompute "
                                                           "(half of them all of it): the plans otherwise as without")
     p.add_argument("--offload-fault", default=None, help="one of executor.offload.FAULTS (with --offload)")
+    p.add_argument("--kv-host", action="store_true", help="random split sequences' K/V buffers on the host (the plans otherwise as without)")
+    p.add_argument("--kv-host-fault", default=None, help="one of executor.kv_host.FAULTS (with --kv-host)")
     p.add_argument("--attention-backend", default=None, help="EPP_ATTENTION_BACKEND for this run's model")
     p.add_argument("--varlen-reference", choices=["enable_gqa", "aten-flash", "expanded"], default=None,
                    help="torch's varlen_attn replaced by the tests' reference for this run, in this GQA mode (its signature with "
@@ -279,6 +289,8 @@ def run(argv: list[str]) -> None:
     gpt = unwrap_model(model)  # through DDP (and Float16Module with --bf16): parameters by their own names
     if ours.offload_fault:
         context.offloader(runtime.device).fault = ours.offload_fault
+    if ours.kv_host_fault:
+        context.kv_host_store(runtime.device).fault = ours.kv_host_fault
     undo = inject(ours.fault) if ours.fault and ours.fault not in BROKEN_CONTEXTS and ours.fault != "cp_loss_not_summed" else None
     per_stage = args.model.num_layers // runtime.dims.pp
     set_global_weights(gpt, runtime.pp_rank, per_stage, runtime.tp_rank, args.parallel.dims.tp, args.model.swiglu)
@@ -301,6 +313,8 @@ def run(argv: list[str]) -> None:
                     pipe.recompute = rng.integers(0, per_stage + 1, size=(runtime.dims.pp, len(pipe.chunks))).tolist()
             if ours.offload:
                 random_offload(plan, np.random.default_rng([ours.case_seed, case, runtime.dp_rank, 13]))
+            if ours.kv_host:
+                random_kv_host(plan, np.random.default_rng([ours.case_seed, case, runtime.dp_rank, 17]))
             multiple = token_multiple(config)
             padding = sum(padding_tokens(c.num_tokens, multiple) for c in plan.chunks())
             batches = chunk_batches(plan, mine, runtime.device, multiple, runtime.cp_rank, runtime.dims.cp)

@@ -83,7 +83,21 @@ OFFLOAD_CASES = [
 ]
 
 
-def make_plan(chunks: list[list[Segment]], rc, layers: int, offload=None) -> Plan:
+# K/V buffers on the host (--kv-host): name -> chunks, [(recompute counts, offloaded checkpoints or None, kv_host)]
+KV_HOST_CASES = [
+    ("split", [[S(0, 0, 96)], [S(0, 96, 192)], [S(0, 192, 300)]], [("none", None, [0]), (["L", 1, 0], None, [0]),
+                                                                     (["L", "L", "L"], [2, 0, 1], [0])]),
+    ("split+hybrid+batched", [[S(0, 0, 150)], [S(0, 150, 300), S(1, 0, 60)], [S(2, 0, 100), S(3, 0, 50)]],
+     [("none", None, [0]), ([2, 1, "L"], [2, 0, 3], [0])]),
+    ("long-first-slice", [[S(0, 0, 250)], [S(0, 250, 262)], [S(0, 262, 274)]], [(["L", 0, 0], None, [0]), ([3, 2, 0], [1, 2, 0], [0])]),
+    ("batched+split4+hybrid", [[S(0, 0, 40), S(1, 0, 30)], [S(2, 0, 100)], [S(2, 100, 170)], [S(2, 170, 220)], [S(2, 220, 260), S(3, 0, 50)]],
+     [("none", None, [2]), ([0, "L", 1, 0, 1], None, [2])]),
+    ("two-split-sequences", [[S(0, 0, 80)], [S(0, 80, 160)], [S(1, 0, 60)], [S(1, 60, 120), S(2, 0, 30)]],
+     [("none", None, [1]), ([1, 0, 0, 1], None, [0, 1]), ("full", ["L", "L", 1, 0], [0, 1])]),
+]
+
+
+def make_plan(chunks: list[list[Segment]], rc, layers: int, offload=None, kv_host=None) -> Plan:
     ends: dict[int, int] = {}
     for c in chunks:
         for s in c:
@@ -93,6 +107,8 @@ def make_plan(chunks: list[list[Segment]], rc, layers: int, offload=None) -> Pla
     pipe = Pipeline([Chunk(i, chunk_kind(c, lengths), c) for i, c in enumerate(chunks)], [counts])
     if offload is not None:
         pipe.offload = [[layers if o == "L" else o for o in offload]]
+    if kv_host is not None:
+        pipe.kv_host = list(kv_host)
     return Plan(lengths, 1, [layers], [pipe], builder="test").validate()
 
 
@@ -117,6 +133,7 @@ def measure(argv: list[str]) -> None:
     p.add_argument("--model-dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--offload", action="store_true", help="the OFFLOAD_CASES (measure_offload) instead of the CASES")
     p.add_argument("--offload-fault", default=None, help="with --offload: one of executor.offload.FAULTS")
+    p.add_argument("--kv-host", action="store_true", help="the KV_HOST_CASES (measure_kv_host) instead of the CASES")
     ours, flags = p.parse_known_args(argv)
     args = parse_config(flags + ["--elastic-pp", "--mock-data", "--seq-length", "512", "--epp-memory-budget", "1"],
                       world_size=int(os.environ.get("WORLD_SIZE", "1")))
@@ -138,6 +155,8 @@ def measure(argv: list[str]) -> None:
     gen = torch.Generator().manual_seed(0)
     if ours.offload:
         return measure_offload(ours, args, runtime, context, model, config, build, gen)
+    if ours.kv_host:
+        return measure_kv_host(ours, args, runtime, context, model, config, (build, with_kv_grads), gen)
     results = []
     for name, chunks, rcs in CASES:
         for rc in rcs:
@@ -203,6 +222,38 @@ def measure_offload(ours, args, runtime, context: ChunkContext, model, config, b
                             "pred": build.predicted_activation_bytes(plan)[0], "meas": tracker.peak_bytes,
                             "pred_host": float(pred_host), "meas_host": tracker.peak_host_bytes,
                             "bitwise": all(torch.equal(want[n], got[n]) for n in want)})
+    model.zero_grad_buffer()
+    if runtime.rank == 0:
+        with open(ours.out, "w") as f:
+            json.dump(results, f)
+
+
+def measure_kv_host(ours, args, runtime, context: ChunkContext, model, config, builds, gen) -> None:
+    """``--kv-host``: every KV_HOST_CASES plan with and without its K/V buffers on the host (and its offload):
+    ``[{case, rc, offload, kv_host, pred, meas, pred_grads, meas_grads, pred_host, meas_host, pred_host_grads,
+    meas_host_grads, meas_device_kv, bitwise}]``: device peaks (the walk's, and with the K/V gradient accumulators counted, ``kv_grad``
+    1, against the tracker's with them; ``meas_device_kv``: the same plan's with its K/V on the device), host peaks
+    (the pool's, and with its accumulators), and the gradients with
+    the K/V on the host equal those without, bit for bit."""
+    build, with_kv_grads = builds
+    layers = args.model.num_layers
+    results = []
+    for name, chunks, triples in KV_HOST_CASES:
+        for rc, off, host in triples:
+            plan = make_plan(chunks, rc, layers, off, host)
+            plain = make_plan(chunks, rc, layers)
+            docs = [torch.randint(0, args.model.vocab_size, (n + 1,), generator=gen) for n in plan.seq_lengths]
+            device, want = run_plan(plain, docs, runtime, context, model, config)
+            tracker, got = run_plan(plan, docs, runtime, context, model, config)
+            pipe = plan.pipelines[0]
+            host_peaks = [peak_host_memory(pipe, b.cost_model.costs(chunk_features(pipe.chunks)), b.cost_model.layers)[0]
+                          for b in (build, with_kv_grads)]
+            results.append({"case": name, "rc": pipe.recompute[0], "offload": pipe.offloaded(0), "kv_host": pipe.kv_host,
+                            "pred": build.predicted_activation_bytes(plan)[0], "meas": tracker.peak_bytes,
+                            "pred_grads": with_kv_grads.predicted_activation_bytes(plan)[0], "meas_grads": tracker.peak_with_kv_grads,
+                            "pred_host": float(host_peaks[0]), "meas_host": tracker.peak_host_bytes,
+                            "pred_host_grads": float(host_peaks[1]), "meas_host_grads": tracker.peak_host_with_grads,
+                            "meas_device_kv": device.peak_bytes, "bitwise": all(torch.equal(want[n], got[n]) for n in want)})
     model.zero_grad_buffer()
     if runtime.rank == 0:
         with open(ours.out, "w") as f:
