@@ -338,11 +338,15 @@ def fused_choice(cfg: TrainingConfig, device: torch.device, elastic: bool, te_la
         choice = fused.FusedChoice(why=("Transformer Engine's layers: their own fused norm, activation and RoPE",))
     else:
         choice = fused.select(fused.requested(), fused_flags(cfg, elastic), device, params_dtype(cfg))
-    line = choice.line()
+    _announce(choice.line())
+    return choice
+
+
+def _announce(line: str) -> None:
+    """A start-up line, printed once by the first rank."""
     if line not in _ANNOUNCED and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
         _ANNOUNCED.add(line)
         print(line, flush=True)
-    return choice
 
 
 def head_model(cfg: TrainingConfig, choice: fused.FusedChoice) -> tuple[type[GPTModel], dict]:
@@ -350,6 +354,9 @@ def head_model(cfg: TrainingConfig, choice: fused.FusedChoice) -> tuple[type[GPT
     (``--epp-loss-chunk-tokens``, over a fused cross entropy: its logits are what the blocks avoid), the fused cross
     entropy (``choice``), or megatron-core's ``GPTModel``."""
     if cfg.epp.loss_chunk_tokens:
+        _announce(f"> output head: chunked linear cross entropy, blocks of {cfg.epp.loss_chunk_tokens} tokens (--epp-loss-chunk-tokens: "
+                  "the logits recomputed in backward, never whole)"
+                  + (f"; the fused cross entropy ({choice.cross_entropy}) is not used" if choice.cross_entropy != "torch" else ""))
         return ChunkedLossGPTModel, {"loss_chunk_tokens": cfg.epp.loss_chunk_tokens}
     if choice.cross_entropy != "torch":
         return FusedLossGPTModel, {"cross_entropy_backend": choice.cross_entropy}
