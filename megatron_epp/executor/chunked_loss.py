@@ -7,7 +7,8 @@ over them in fp32 (each tensor-parallel rank its vocabulary shard: the max, then
 exponentials all-reduced over the tensor-parallel group per block, as ``vocab_parallel_cross_entropy``). Its forward
 keeps only the head's input (the final norm's output; under sequence parallelism this rank's shard, gathered again in
 backward, as megatron-core's linear keeps it), the targets (int32) and each token's log-sum-exp (fp32): ``b h / sp``
-+ 8 bytes a token, never the ``[tokens, vocab / tp]`` logits nor their softmax. Its backward recomputes each block's
++ 8 bytes a token (and the loss mask, 4, which the loss's product saves as with the unchunked head), never the
+``[tokens, vocab / tp]`` logits nor their softmax. Its backward recomputes each block's
 logits, forms the softmax less the target's one-hot times the loss's gradient (megatron-core's formula), and
 accumulates the gradients of the hidden states and of the output weight (in fp32 across blocks, cast to the weight's
 dtype once); the weight's gradient goes to the weight passed in, the tied embedding's where megatron-core passes it.
