@@ -9,7 +9,8 @@ host memory per GPU, the copy time no compute hides, and why the next length fai
 analytic H100 profile and the preset's host link, whose bandwidth (25 GB/s per GPU and direction) and host memory
 (2 TB per node; the budget 75 % of it over 8 GPUs, 192 GB per GPU) are assumptions stated in ``cost/clusters.py``.
 
-    python -m benchmarks.longest_document [--nodes 1,4] [--layouts TP8xPP1,...] [--budget-gb 80]
+    python -m benchmarks.longest_document [--nodes 1,4] [--layouts TP8xPP1,...] [--budget-gb 80] [--offload none,checkpoints]
+        [--loss-chunk-tokens N]   # the chunked output head (--epp-loss-chunk-tokens)
     python -m benchmarks.longest_document --table LOG   # the markdown table of a run's last (JSON) line
 
 The last line is one JSON object: ``{"rows": [...]}``.
@@ -22,6 +23,7 @@ import os
 for var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ[var] = "1"
 
+import dataclasses
 import json
 import time
 
@@ -56,12 +58,16 @@ def main() -> None:
     ap.add_argument("--budget-gb", type=float, default=80.0, help="device memory budget per GPU, GB")
     ap.add_argument("--model", default="llama-7b", choices=sorted(MODEL_PRESETS))
     ap.add_argument("--cluster", default="h100-ib-gpu")
+    ap.add_argument("--loss-chunk-tokens", type=int, default=0, metavar="N",
+                    help="the output head chunked in blocks of N tokens (--epp-loss-chunk-tokens; default 0: whole logits)")
+    ap.add_argument("--offload", default=",".join(MODES), help=f"comma-separated offload modes (default {','.join(MODES)})")
     ap.add_argument("--table", metavar="LOG", help="print the markdown table of LOG's last line (a run's JSON) and exit")
     args = ap.parse_args()
     if args.table:
         print(table(json.loads(open(args.table).read().strip().splitlines()[-1])["rows"]))
         return
-    shape, rows = MODEL_PRESETS[args.model], []
+    shape, rows = dataclasses.replace(MODEL_PRESETS[args.model], loss_chunk_tokens=args.loss_chunk_tokens), []
+    modes = [m for m in MODES if m in args.offload.split(",")]
     for nodes in (int(x) for x in args.nodes.split(",")):
         cluster = get_cluster(args.cluster).with_nodes(nodes)
         wanted = args.layouts.split(",") if args.layouts else DEFAULT_LAYOUTS.get(nodes, ())
@@ -69,12 +75,13 @@ def main() -> None:
         print(f"{args.model} on {nodes} x 8 {cluster.accelerator.name}, {args.budget_gb:g} GB per GPU; host: {cluster.host.description}; "
               f"host budget {cluster.host.default_budget_bytes() / GIB:g} GB per GPU", flush=True)
         for layout in layouts:
-            for mode in MODES:
+            for mode in modes:
                 t0 = time.perf_counter()
                 config = PlannerConfig(args.budget_gb * GIB, 1, profile=args.model, offload=mode)
                 with solver_output_to_stderr():
                     found = longest_document(shape, cluster, layout, config)
                 row = {"gpus": cluster.world_size, "layout": str(layout), "offload": mode, **found.row(),
+                       **({"loss_chunk_tokens": args.loss_chunk_tokens} if args.loss_chunk_tokens else {}),
                        "search_s": round(time.perf_counter() - t0, 1)}
                 rows.append(row)
                 print(f"  {row['layout']:18s} {mode:11s} longest {row['tokens']:>9d} tokens  step {row['step_ms']} ms  "

@@ -442,6 +442,13 @@ class EPPConfig(PlannerOptions):
              "activation memory factor (the largest measured / predicted activation peak, at least 1) at the same "
              "steps and at once after a step over --epp-memory-budget; saved "
              f"in checkpoints; 0: off, the profile as given (default {CALIBRATE_INTERVAL})")
+    loss_chunk_tokens: int = option("--epp-loss-chunk-tokens", at_least=0, default=0, type=int, metavar="N",
+        help="the output head's output layer and cross entropy computed together in blocks of N tokens, the logits of "
+             "a block recomputed in backward (a chunked linear cross entropy in plain torch, vocab-parallel at TP > 1): "
+             "the head keeps its input, the targets and a log-sum-exp per token, never a chunk's [tokens, vocabulary] "
+             "logits; the planner's memory model and the start-up profile count it so. Same weights, the loss equal "
+             "within fp32 rounding; overrides a fused cross entropy (--cross-entropy-loss-fusion). 0: off, the whole "
+             "chunk's logits (default 0)")
     planner: PlannerConfig | None = derived()
     default_budget: DefaultBudget | None = derived()
 

@@ -41,9 +41,26 @@ def gpu_activation_memory(shape: ModelShape, tp: int, cp: int = 1) -> dict[str, 
     share = tp * cp  # the GPUs a chunk's tokens (outside core attention) or its heads (inside) are divided over
     return {
         "act_token": (attention + mlp + 4 * h) / share + kv, "act_area": 0.0, "act_context": 0.0, "ckpt_token": 2.0 * h / share,
-        "kv_token": kv, "lone_slice_token": kv, "logits_token": 4.0 * shape.vocab / share,
+        "kv_token": kv, "lone_slice_token": kv, "logits_token": head_kept_token(shape, 2.0 * h / share, 4.0 * shape.vocab / share, cp),
         "embed_token": h / share if shape.hidden_dropout > 0 else 0.0,
     }
+
+
+# bytes a token the chunked head (``executor.chunked_loss``) keeps beside its input: its target (int32), its
+# log-sum-exp (fp32), and the loss mask (fp32) the loss's product saves (as with the unchunked head), over all the
+# tensor-parallel group's tokens (per context-parallel rank)
+CHUNKED_HEAD_TOKEN = 12.0
+
+
+def head_kept_token(shape: ModelShape, head_input: float, logits: float, cp: int) -> float:
+    """What the output layer and the loss keep a token (the final norm's apart): ``logits`` (the unchunked head's
+    fp32 softmax and the loss's targets and masks, as counted by the caller) with the whole chunk's logits, or with
+    ``shape.loss_chunk_tokens`` (the chunked head) its input ``head_input`` (this rank's share, kept once under
+    sequence parallelism) and :data:`CHUNKED_HEAD_TOKEN` per context-parallel share, never the logits. A block's
+    logits in forward and backward are transient workspace (``loss_chunk_tokens x V / tp`` elements), not kept."""
+    if not shape.loss_chunk_tokens:
+        return logits
+    return head_input + CHUNKED_HEAD_TOKEN / cp
 
 
 def _counted_activation_bytes(shape: ModelShape) -> float:
@@ -182,7 +199,7 @@ def saved_tensor_memory(shape: ModelShape, tp: int = 1, sequence_parallel: bool 
     return {
         "act_token": per_token, "act_area": area, "act_context": prefix, "act_slice": 0.0,
         "lone_slice_token": lone, "ckpt_token": b * H / sp, "kv_token": 2 * b * kv_rank,
-        "logits_token": norm + b * H / sp + (4 * shape.vocab / tp + 13) / cp,
+        "logits_token": norm + head_kept_token(shape, b * H / sp, b * H / sp + (4 * shape.vocab / tp + 13) / cp, cp),
         "embed_token": ((8.0 if shape.rope else 16.0) + (tp > 1)) / cp + mask,  # + the embedding's dropout
         "bwd_workspace": 0.0,
         "kv_grad": 0.0,

@@ -61,7 +61,7 @@ def analytic_profile(shape: ModelShape, tp: int = 8, acc: Accelerator = H100) ->
         bwd=bwd,
         recompute=fwd,
         head_fwd=TimeCoeffs(0.0, 0.0, head, 0.0, 0.0, 0.0),
-        head_bwd=TimeCoeffs(0.0, 0.0, 2 * head, 0.0, 0.0, 0.0),
+        head_bwd=TimeCoeffs(0.0, 0.0, (2 + (shape.loss_chunk_tokens > 0)) * head, 0.0, 0.0, 0.0),  # + a chunked head's recomputed logits
         memory=memory,
         time_model=shape,
         fit={"note": f"analytic: peak {acc.peak_tflops} TFLOP/s, MFU {acc.mfu} (attention {acc.attn_mfu}), TP overlap {acc.tp_overlap}; not measured"},
@@ -96,7 +96,9 @@ def shape_time(profile: Profile) -> Profile:
     """``profile`` with its time coefficients carried from the shape they were measured at
     (``time_model``) to its model shape by :func:`time_scale_factors`; the profile itself when the
     two agree in every field the time depends on (layer count and name do not count, nor the dropout
-    probabilities: the masks' time is not modelled, the driver's online calibration absorbs it).
+    probabilities: the masks' time is not modelled, the driver's online calibration absorbs it). The chunked output
+    head (``loss_chunk_tokens``) recomputes its logits in backward: carried to or from it, the head's backward gains
+    or loses one head forward's ``a2``.
 
     First-principles FLOP scaling: a device's efficiency depends on the size of the GEMMs (small
     ones run further from peak), so a shape far from ``time_model`` is better profiled afresh
@@ -127,7 +129,11 @@ def shape_time(profile: Profile) -> Profile:
     def head(t: TimeCoeffs) -> TimeCoeffs:
         return replace(t, a1=t.a1 * k["a1"], a1c=t.a1c * k["a1"], a2=t.a2 * k["head"], ac=t.ac * k["ac"])
 
+    head_bwd = head(profile.head_bwd)
+    recomputed = (shape.loss_chunk_tokens > 0) - (ref.loss_chunk_tokens > 0)  # the chunked head's backward: + a forward
+    if recomputed:
+        head_bwd = replace(head_bwd, a2=head_bwd.a2 + recomputed * head(profile.head_fwd).a2)
     return replace(
         profile, fwd=layer(profile.fwd), bwd=layer(profile.bwd, 2.0), recompute=layer(profile.recompute),
-        head_fwd=head(profile.head_fwd), head_bwd=head(profile.head_bwd), time_model=shape,
+        head_fwd=head(profile.head_fwd), head_bwd=head_bwd, time_model=shape,
     )

@@ -45,6 +45,9 @@ class ModelShape:
     # (their masks; on CPU attention dropout takes SDPA's math path) is counted by the memory derivations
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
+    # the output head in blocks of this many tokens (``--epp-loss-chunk-tokens``; 0: the whole chunk's logits): what
+    # the head keeps for its backward (the memory derivations' ``logits_token``) and its backward's recomputed logits
+    loss_chunk_tokens: int = 0
 
     @property
     def head_dim(self) -> int:

@@ -27,6 +27,7 @@ from megatron_epp.cost.profile_fit import attention_fit, head_fit, layer_fit, me
 from megatron_epp.cost.profile import Profile
 from megatron_epp.cost.shape import DTYPE_BYTES, ModelShape
 from megatron_epp.executor import fused, kernels
+from megatron_epp.executor.chunked_loss import chunked_linear_cross_entropy
 from megatron_epp.executor.context import ChunkContext, ChunkView, KVBuffer
 from megatron_epp.executor.memory_tracker import ActivationMemoryTracker
 from megatron_epp.executor.rotary import ChunkRotaryEmbedding
@@ -134,9 +135,13 @@ class LayerStack(torch.nn.Module):
 
     def head_loss(self, x: torch.Tensor) -> torch.Tensor:
         """The last stage's head on hidden states ``[s, 1, h]``: final norm, output layer, megatron-core's vocab-parallel
-        cross entropy (fp32 softmax) against label 0, summed under a loss mask of ones (as training's per-token loss)."""
-        logits, _ = self.head(self.final_norm(x))
+        cross entropy (fp32 softmax) against label 0, summed under a loss mask of ones (as training's per-token loss);
+        with the shape's ``loss_chunk_tokens`` the run's chunked head (:mod:`megatron_epp.executor.chunked_loss`)."""
         labels = torch.zeros(x.shape[0], 1, dtype=torch.long, device=x.device)
+        if self.shape.loss_chunk_tokens:  # the run's chunked head (ChunkedLossGPTModel): the logits never whole
+            losses = chunked_linear_cross_entropy(self.final_norm(x), self.head.weight, labels, self.shape.loss_chunk_tokens)
+            return (losses.float().reshape(-1) * torch.ones(x.shape[0], dtype=torch.float32, device=x.device)).sum()
+        logits, _ = self.head(self.final_norm(x))
         if self.fused_kernels.cross_entropy == "torch":
             losses = tensor_parallel.vocab_parallel_cross_entropy(logits, labels)
         else:
@@ -536,15 +541,17 @@ def measure_profile(shape: ModelShape, device: torch.device, dtype: torch.dtype,
             "memory": memory_fit, "chunk_cost": chunk,
             "note": ("medians; CUDA events and the caching allocator on GPU, process CPU time and autograd's saved tensors on "
                      "CPU") + (f"; {note}" if note else "")}
-    key_kernel = kernel_key(kernel, fused_kernels)
+    key_kernel = kernel_key(kernel, fused_kernels, shape.loss_chunk_tokens)
     return measured_profile(shape, name or device_name(device, dtype, key_kernel), layer, head, memory, {**info, "timings": timings})
 
 
-def kernel_key(kernel: str, fused_kernels: fused.FusedChoice) -> str:
+def kernel_key(kernel: str, fused_kernels: fused.FusedChoice, loss_chunk_tokens: int = 0) -> str:
     """The kernel part of a profile's key: the attention kernel, and the fused kernels' tag where any is fused
-    (``flash-varlen+fused:norm=liger;...``); the attention kernel alone otherwise (keys of earlier profiles)."""
+    (``flash-varlen+fused:norm=liger;...``), and the chunked head's block where it is chunked (``+chunked-ce=4096``:
+    the head's time and memory are its own); the attention kernel alone otherwise (keys of earlier profiles)."""
     tag = fused_kernels.tag()
-    return f"{kernel}+{tag}" if tag else kernel
+    key = f"{kernel}+{tag}" if tag else kernel
+    return f"{key}+chunked-ce={loss_chunk_tokens}" if loss_chunk_tokens else key
 
 
 def report_errors(profile: Profile, log: Callable[[str], None] = print) -> None:

@@ -8,7 +8,8 @@
 - swiglu: :class:`FusedSwiGLUMLP` as the layer's ``mlp`` module (megatron-core's ``MLP``, its activation the kernel).
 - rope: the elastic ``ChunkRopeSelfAttention``'s ``rope_backend`` (``ModuleSpec.params``).
 - cross entropy: :class:`FusedLossGPTModel`, megatron-core's ``GPTModel`` whose ``compute_language_model_loss`` runs
-  the kernel (the output head is not built from the layer spec).
+  the kernel (the output head is not built from the layer spec); :class:`ChunkedLossGPTModel` (``--epp-loss-chunk-tokens``)
+  computes the output layer and the loss together in token blocks instead, the logits never whole.
 
 With every op on ``torch`` (the CPU's default) :func:`fused_layer_spec` returns the spec it is given, the same
 object, and the model is megatron-core's ``GPTModel``: exactly today's modules.
@@ -28,6 +29,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_epp.executor import fused
+from megatron_epp.executor.chunked_loss import chunked_linear_cross_entropy
 from megatron_epp.executor.rotary import ChunkRopeSelfAttention
 
 
@@ -105,6 +107,32 @@ class FusedLossGPTModel(GPTModel):
         else:
             loss = self._cross_entropy(logits, labels)
         return loss.transpose(0, 1).contiguous()
+
+
+class ChunkedLossGPTModel(GPTModel):
+    """megatron-core's ``GPTModel`` whose output head computes the output layer and the cross entropy in blocks of
+    ``loss_chunk_tokens`` tokens (``--epp-loss-chunk-tokens``, :mod:`megatron_epp.executor.chunked_loss`): the chunk's
+    logits are never whole on the device, the head keeps its input, the targets and a log-sum-exp per token. Only
+    ``_postprocess``'s training path (labels given, no multi-token prediction, no inference) is replaced; the output
+    weight is megatron-core's (the tied embedding's where it shares it), the per-token loss megatron-core's."""
+
+    def __init__(self, *args, loss_chunk_tokens: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if loss_chunk_tokens < 1:
+            raise ValueError(f"ChunkedLossGPTModel: loss_chunk_tokens {loss_chunk_tokens}; give at least 1")
+        self.loss_chunk_tokens = loss_chunk_tokens
+
+    def _postprocess(self, hidden_states, input_ids, position_ids, labels, rotary_pos_emb, rotary_pos_cos, rotary_pos_sin,
+                     **kwargs):
+        if (labels is None or not self.post_process or kwargs.get("mtp_in_postprocess") or self.config.mtp_num_layers is not None
+                or kwargs.get("inference_context") is not None):
+            return super()._postprocess(hidden_states, input_ids, position_ids, labels, rotary_pos_emb, rotary_pos_cos,
+                                        rotary_pos_sin, **kwargs)
+        weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else self.output_layer.weight
+        tp = self.pg_collection.tp
+        loss = chunked_linear_cross_entropy(hidden_states, weight, labels.transpose(0, 1).contiguous(), self.loss_chunk_tokens,
+                                            tp if tp.size() > 1 else None, self.output_layer.sequence_parallel)
+        return loss.transpose(0, 1).contiguous()  # [s, b] -> [b, s], as megatron-core
 
 
 class _KnownMLP(logging.Filter):

@@ -24,7 +24,7 @@ from megatron_epp.executor import fused, kernels
 from megatron_epp.executor.context import ChunkContext
 from megatron_epp.executor.spec import elastic_layer_spec, install_chunk_context
 from megatron_epp.executor.extensions import probe_fused_softmax, probe_transformer_engine
-from megatron_epp.model.fused_layers import FusedLossGPTModel, FusedNorm, fused_layer_spec
+from megatron_epp.model.fused_layers import ChunkedLossGPTModel, FusedLossGPTModel, FusedNorm, fused_layer_spec
 from megatron_epp.model.runtime import Runtime
 from megatron_epp.config.fields import TrainingConfig
 
@@ -183,6 +183,7 @@ def model_shape(cfg: TrainingConfig, name: str = "pretrain_gpt") -> ModelShape:
         tied_embeddings=not cfg.model.untie_embeddings_and_output_weights,
         learned_positions=cfg.model.max_position_embeddings if cfg.model.position_embedding_type == "learned_absolute" else 0,
         hidden_dropout=cfg.model.hidden_dropout, attention_dropout=cfg.model.attention_dropout,  # what their masks save
+        loss_chunk_tokens=cfg.epp.loss_chunk_tokens,  # what the output head keeps
     )
 
 
@@ -337,11 +338,29 @@ def fused_choice(cfg: TrainingConfig, device: torch.device, elastic: bool, te_la
         choice = fused.FusedChoice(why=("Transformer Engine's layers: their own fused norm, activation and RoPE",))
     else:
         choice = fused.select(fused.requested(), fused_flags(cfg, elastic), device, params_dtype(cfg))
-    line = choice.line()
+    _announce(choice.line())
+    return choice
+
+
+def _announce(line: str) -> None:
+    """A start-up line, printed once by the first rank."""
     if line not in _ANNOUNCED and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
         _ANNOUNCED.add(line)
         print(line, flush=True)
-    return choice
+
+
+def head_model(cfg: TrainingConfig, choice: fused.FusedChoice) -> tuple[type[GPTModel], dict]:
+    """The model class of the run's output head and its keyword arguments: the chunked linear cross entropy
+    (``--epp-loss-chunk-tokens``, over a fused cross entropy: its logits are what the blocks avoid), the fused cross
+    entropy (``choice``), or megatron-core's ``GPTModel``."""
+    if cfg.epp.loss_chunk_tokens:
+        _announce(f"> output head: chunked linear cross entropy, blocks of {cfg.epp.loss_chunk_tokens} tokens (--epp-loss-chunk-tokens: "
+                  "the logits recomputed in backward, never whole)"
+                  + (f"; the fused cross entropy ({choice.cross_entropy}) is not used" if choice.cross_entropy != "torch" else ""))
+        return ChunkedLossGPTModel, {"loss_chunk_tokens": cfg.epp.loss_chunk_tokens}
+    if choice.cross_entropy != "torch":
+        return FusedLossGPTModel, {"cross_entropy_backend": choice.cross_entropy}
+    return GPTModel, {}
 
 
 def build_model(
@@ -361,8 +380,8 @@ def build_model(
     choice = fused_choice(cfg, runtime.device, elastic=context is not None, te_layers=te_layers)
     spec = (default_layer_spec(m.normalization, local=m.attention_backend == "local", qk_layernorm=m.qk_layernorm) if context is None
             else elastic_layer_spec(elastic_base_layer_spec(m.normalization, m.qk_layernorm), context))
-    fused_loss = {} if choice.cross_entropy == "torch" else {"cross_entropy_backend": choice.cross_entropy}
-    model = (FusedLossGPTModel if fused_loss else GPTModel)(
+    model_class, head = head_model(cfg, choice)
+    model = model_class(
         config,
         decoder_spec(fused_layer_spec(spec, choice), config),
         vocab_size=padded_vocab_size(cfg),
@@ -375,7 +394,7 @@ def build_model(
         rotary_percent=cfg.model.rotary_percent,
         seq_len_interpolation_factor=cfg.model.rotary_seq_len_interpolation_factor,
         pg_collection=runtime.pg_collection,  # the layers' groups (the attention's context-parallel all-to-all)
-        **fused_loss,
+        **head,
     )
     scale_rope(model, cfg)
     model.to(runtime.device)
