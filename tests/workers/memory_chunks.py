@@ -162,14 +162,7 @@ def measure(argv: list[str]) -> None:
         for rc in rcs:
             plan = make_plan(chunks, rc, args.model.num_layers)
             docs = [torch.randint(0, args.model.vocab_size, (n + 1,), generator=gen) for n in plan.seq_lengths]
-            with ActivationMemoryTracker(torch.device("cpu"), context) as tracker:
-                forward_backward_elastic(
-                    forward_step_func=elastic_gpt_forward_step,
-                    data_iterator=chunk_batches(plan, [(d[:-1], d[1:]) for d in docs], runtime.device, token_multiple(config),
-                                                ps.get_context_parallel_rank(), ps.get_context_parallel_world_size()),
-                    model=[model], num_microbatches=len(plan.pipelines[0].chunks), plan=plan,
-                )
-            model.zero_grad_buffer()
+            tracker, _ = run_plan(plan, docs, runtime, context, model, config)
             pred = build.predicted_activation_bytes(plan)[0]
             pred_grads = with_kv_grads.predicted_activation_bytes(plan)[0]
             results.append({"case": name, "rc": plan.pipelines[0].recompute[0], "pred": pred, "meas": tracker.peak_bytes,
