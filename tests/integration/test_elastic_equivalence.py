@@ -472,7 +472,7 @@ def test_bf16_context_parallel_matches_fp32_reference(runs):
 def test_chunked_loss_head_matches_reference(runs):
     """The chunked output head (blocks of 5 tokens, the logits recomputed in backward) gives the unchunked reference's
     loss and gradients within fp32 rounding (not bitwise: the block matmuls and the output weight's block-wise sum
-    round in another order; measured at most 9.9e-7 relative, 2026-11-30): tied embeddings over two stages (the last stage's
+    round in another order; measured at most 9.9e-7 relative, 2026-11-29): tied embeddings over two stages (the last stage's
     output weight synchronised with the embedding), and at tp 2 with sequence parallelism (the vocabulary split, each
     block's max and sums all-reduced; SwiGLU, RMSNorm, GQA)."""
     for name, reference, gated in (("chunked-loss-pp2", "reference-rope", False), ("chunked-loss-llama-tp2-sp", "reference-llama", True)):
