@@ -54,8 +54,8 @@ class ActivationMemoryTracker:
     saved set.
     """
 
-    def __init__(self, device: torch.device, context: ChunkContext) -> None:
-        self.device, self.context = device, context
+    def __init__(self, device: torch.device, context: ChunkContext | None) -> None:
+        self.device, self.context = device, context  # None: on CUDA, the allocator's figures alone
         self.peak_bytes = 0
         self.peak_with_kv_grads = 0
         self.peak_allocated = 0  # CUDA: the allocated peak (peak_bytes is the reserved one); CPU: peak_bytes
@@ -70,9 +70,13 @@ class ActivationMemoryTracker:
         self.peak_host_bytes = 0  # activation offload: the most the host pool held (checkpoints, K/V buffers on the host)
         self.peak_host_with_grads = 0  # and with the K/V gradient accumulators on the host
 
+    def _offload(self):
+        """The model's activation offload (None: none, or no context: a CUDA step measured by the allocator alone)."""
+        return None if self.context is None else self.context.offload
+
     def __enter__(self) -> "ActivationMemoryTracker":
-        if self.context.offload is not None:
-            self.context.offload.pool.reset_peak()
+        if self._offload() is not None:
+            self._offload().pool.reset_peak()
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.empty_cache()  # the step's reserved peak is its own (see the module's doc)
@@ -85,9 +89,9 @@ class ActivationMemoryTracker:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.context.offload is not None:
-            self.peak_host_bytes = self.context.offload.pool.peak_bytes
-            self.peak_host_with_grads = self.context.offload.pool.peak_with_grads
+        if self._offload() is not None:
+            self.peak_host_bytes = self._offload().pool.peak_bytes
+            self.peak_host_with_grads = self._offload().pool.peak_with_grads
         if self._hooks is not None:
             self._hooks.__exit__(*exc)
             self.context.tracker = None
