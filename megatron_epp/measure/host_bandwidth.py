@@ -51,7 +51,7 @@ def _cuda_repeat(buffers, streams) -> tuple[float, float]:
             dst.copy_(src, non_blocking=True)
             end.record(stream)
         times.append((start, end))
-    torch.cuda.synchronize()
+    torch.cuda.synchronize(device_src.device)
     return times[0][0].elapsed_time(times[0][1]), times[1][0].elapsed_time(times[1][1])
 
 
@@ -80,6 +80,7 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int | None = None, repe
         buffers = (torch.ones(nbytes, dtype=torch.uint8, device=device), torch.empty(nbytes, dtype=torch.uint8, pin_memory=True),
                    torch.ones(nbytes, dtype=torch.uint8, pin_memory=True), torch.empty(nbytes, dtype=torch.uint8, device=device))
         streams = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        torch.cuda.synchronize(device)  # the default stream's fill of the source before the side streams read it
         repeat = lambda: _cuda_repeat(buffers, streams)  # noqa: E731
     else:
         buffers = (torch.ones(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8))
