@@ -61,8 +61,9 @@ class HostLink:
         return self.h2d_gbps * 1e6
 
 
-# the copy bandwidth a training run's planner assumes on its own node (GB/s per GPU and direction): the H100 preset's
-# figure, stated as chosen, not measured (the start-up measurement is issue 41's item 4, not built yet)
+# the copy bandwidth assumed on a training run's own node (GB/s per GPU and direction; the H100 preset's figure, stated
+# as chosen) until the start-up measurement replaces it (measure/host_bandwidth.py, :func:`measured_host_link`): the
+# planner built before start-up (the memory budget's check) plans on it
 LOCAL_COPY_GBPS = 25.0
 
 
@@ -79,6 +80,14 @@ def local_host_link(local_ranks: int | None = None) -> HostLink:
     ranks (``LOCAL_WORLD_SIZE``, else 1), and :data:`LOCAL_COPY_GBPS` each way."""
     ranks = local_ranks or int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return HostLink(LOCAL_COPY_GBPS, LOCAL_COPY_GBPS, host_memory_bytes() / GIB, ranks, "this node (copy bandwidth assumed)")
+
+
+def measured_host_link(d2h_bytes_per_ms: float, h2d_bytes_per_ms: float, local_ranks: int | None = None) -> HostLink:
+    """This node's host link (:func:`local_host_link`) with the copy bandwidth measured at start-up, in bytes per ms
+    each way (``measure.host_bandwidth``: all local ranks copying at once, the minimum over the ranks)."""
+    link = local_host_link(local_ranks)
+    return HostLink(d2h_bytes_per_ms / 1e6, h2d_bytes_per_ms / 1e6, link.host_memory_gb, link.gpus_per_node,
+                    "this node (copy bandwidth measured at start-up)")
 
 
 def exposed_copy_ms(link: HostLink, d2h_bytes, h2d_bytes, compute_ms):

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from megatron_epp.cost.host import local_host_link
+from megatron_epp.cost.host import HostLink, local_host_link
 from megatron_epp.cost.model import CostModel
 from megatron_epp.cost.placement import place_profile
 from megatron_epp.cost.profile import Profile, StageOverhead, megatron_model_state
@@ -70,16 +70,18 @@ class OnlinePlanner:
     overhead) and their per-stage activation peaks (the activation memory factor)."""
 
     def __init__(self, config: PlannerConfig, shape: ModelShape, dims: ParallelDims, profile: Profile, *,
-                 distributed_optimizer: bool = False, calibrate_interval: int = 0) -> None:
+                 distributed_optimizer: bool = False, calibrate_interval: int = 0, host: HostLink | None = None) -> None:
         """``profile``: the resolved profile (at ``dims.tp``), planned on for ``shape`` (named as the profile's model);
         ``distributed_optimizer``: the optimizer states are sharded over ``dims.dp`` (model states);
-        ``calibrate_interval``: steps between refits (``--epp-calibrate-interval``; 0: never)."""
+        ``calibrate_interval``: steps between refits (``--epp-calibrate-interval``; 0: never); ``host``: the node's
+        host link offload plans on (``--epp-offload``; the one measured at start-up), default
+        :func:`~megatron_epp.cost.host.local_host_link`'s (its copy bandwidth assumed); unused without offload."""
         self.config = config
         shape = dataclasses.replace(shape, name=profile.model.name)
         memory = dataclasses.replace(profile.memory, **megatron_model_state(shape.dtype, distributed_optimizer))
         profile = dataclasses.replace(profile, model=shape, memory=memory, sequence_parallel=dims.sequence_parallel)
-        # --epp-offload: the node's host memory and copy bandwidth (cost.host.local_host_link), which the planner offloads to
-        host = local_host_link() if config.offload != "none" else None
+        # --epp-offload: the node's host memory and copy bandwidth, which the planner offloads to
+        host = (host or local_host_link()) if config.offload != "none" else None
         self.cost_model = CostModel(place_profile(profile, dims), dims.pp, dp=dims.dp, host=host)
         self.raw_model = self.cost_model  # the profile's memory coefficients (memory factor 1), for the raw prediction
         self.calibrate_interval = calibrate_interval

@@ -1,6 +1,7 @@
 """How ``pretrain_gpt.py --elastic-pp`` plans: its flags turned once into the planner's settings, model shape,
 parallel dims and profile (:func:`online_planner`), the whole-document sampler split by the planner's modelled work
-(:func:`elastic_sampler`), and the start-up check that the memory budget can plan (:func:`check_memory_budget`)."""
+(:func:`elastic_sampler`), the start-up check that the memory budget can plan (:func:`check_memory_budget`), and
+``--epp-offload``'s host link with the copy bandwidth measured at start-up (:func:`startup_host_link`)."""
 
 from __future__ import annotations
 
@@ -13,20 +14,44 @@ from megatron_epp.plan import PlanInfeasible
 from megatron_epp.planner.data_parallel import dp_split
 from megatron_epp.planner.online import OnlinePlanner
 from megatron_epp.base.units import GIB
+from megatron_epp.cost.host import HOST_MEMORY_SHARE, HostLink, measured_host_link
 from megatron_epp.cost.profile import Profile
 from megatron_epp.config.errors import ArgumentError
 from megatron_epp.config.fields import TrainingConfig
 from megatron_epp.model.gpt import model_shape
+from megatron_epp.measure.host_bandwidth import measure_node_copy_bandwidth
 from megatron_epp.measure.profile_resolution import planner_profile
 
 
-def online_planner(cfg: TrainingConfig, profile: Profile | None = None) -> OnlinePlanner:
+def online_planner(cfg: TrainingConfig, profile: Profile | None = None, host: HostLink | None = None) -> OnlinePlanner:
     """The run's online planner (``--epp-*``), for its model and pipeline on ``profile``, the one the run resolved at
     start-up (:func:`~megatron_epp.measure.profile_resolution.startup_profile`; before it, :func:`planner_profile`'s),
-    calibrated every ``--epp-calibrate-interval`` steps."""
+    calibrated every ``--epp-calibrate-interval`` steps; ``--epp-offload`` plans on ``host``, the host link measured at
+    start-up (:func:`startup_host_link`; before it, the assumed one of ``cost.host.local_host_link``)."""
     return OnlinePlanner(cfg.epp.planner, model_shape(cfg), cfg.parallel.dims,
                          profile or planner_profile(cfg), distributed_optimizer=cfg.parallel.use_distributed_optimizer,
-                         calibrate_interval=cfg.epp.calibrate_interval)
+                         calibrate_interval=cfg.epp.calibrate_interval, host=host)
+
+
+def startup_host_link(cfg: TrainingConfig, device, local_ranks: int) -> tuple[HostLink, str] | None:
+    """``--epp-offload`` (not ``none``): this node's host link with the copy bandwidth measured now (every rank calls
+    it at once: :func:`~megatron_epp.measure.host_bandwidth.measure_node_copy_bandwidth`, the minimum over the ranks)
+    and its start-up line; None without offload (nothing measured)."""
+    if cfg.epp.planner.offload == "none":
+        return None
+    measured = measure_node_copy_bandwidth(device)
+    link = measured_host_link(measured.d2h_bytes_per_ms, measured.h2d_bytes_per_ms, local_ranks)
+    given = cfg.epp.planner.host_memory_budget_bytes
+    budget = (f"{given / GIB:.1f} GB per rank (--epp-host-memory-budget)" if given is not None else
+              f"{link.default_budget_bytes() / GIB:.1f} GB per rank ({HOST_MEMORY_SHARE:.0%} of it over the local ranks)")
+    how = ("both directions at once" if measured.device_type == "cuda"
+           else "host to host into the CPU executor's pool and back, one after the other")
+    out, back = ("device->host", "host->device") if measured.device_type == "cuda" else ("out", "back")
+    line = (f"host link: measured {link.d2h_gbps:.1f} GB/s {out}, {link.h2d_gbps:.1f} {back} ({how}, {local_ranks} local "
+            f"rank{'' if local_ranks == 1 else 's'}; median of {measured.repeats} x {measured.nbytes / 2**20:g} MiB, the "
+            f"minimum over {measured.ranks} rank{'' if measured.ranks == 1 else 's'}), host memory "
+            f"{link.host_memory_gb:.1f} GB, budget {budget}")
+    return link, line
 
 
 def elastic_sampler(cfg: TrainingConfig, split: str, dp_size: int, planner: OnlinePlanner):

@@ -20,7 +20,7 @@ from megatron_epp.training.faults import FaultInjection
 from megatron_epp.training.gpt_step import gpt_forward_step, microbatches
 from megatron_epp.model.runtime import Runtime, local_world_size
 from megatron_epp.training.metrics import ElasticMetrics
-from megatron_epp.training.planning import check_memory_budget, online_planner
+from megatron_epp.training.planning import check_memory_budget, online_planner, startup_host_link
 from megatron_epp.measure.profile_resolution import (
     Resolved, configure_kernel_cache, describe, loaded_profile, profile_before_startup, startup_profile,
 )
@@ -154,17 +154,23 @@ class ElasticSteps:
         self.budget = check_memory_budget(cfg, self.planner)
         self.profile: Resolved | None = None
         self.kernel_cache = ""  # flash-attn-4's compile cache (CUDA), said at start-up
+        self.host_line = ""  # --epp-offload: the host link measured at start-up, said at start-up
 
     def start(self, runtime: Runtime) -> None:
         """Every rank: the profile loaded before start-up, or (``auto`` on CUDA) the one the first rank measures or
         finds in the cache now and sends to all; the memory budget is checked again on it where it is not the one
         checked before start-up (a measured profile's memory may exceed the analytic count);
-        :class:`~megatron_epp.config.errors.ArgumentError` where either cannot serve."""
+        :class:`~megatron_epp.config.errors.ArgumentError` where either cannot serve. ``--epp-offload``: the copy
+        bandwidth is measured here, on every rank at once, and the planner is built again on it."""
         if runtime.device.type == "cuda":  # before anything imports flash-attn-4 (the profile's kernel decision)
             self.kernel_cache = configure_kernel_cache(self.cfg)
         self.profile = self.loaded or startup_profile(self.cfg, runtime.device)
-        if self.profile.profile != self.checked:  # measured on this GPU (or found in the cache): its memory counts
-            self.planner = online_planner(self.cfg, self.profile.profile)
+        host = startup_host_link(self.cfg, runtime.device, local_world_size())
+        if host is not None:
+            self.host_line = host[1]
+        if self.profile.profile != self.checked or host is not None:  # a profile measured on this GPU (or found in
+            # the cache: its memory counts), or the host link measured now
+            self.planner = online_planner(self.cfg, self.profile.profile, host[0] if host is not None else None)
             self.budget = check_memory_budget(self.cfg, self.planner)
 
     def model_context(self) -> ChunkContext:
@@ -177,7 +183,8 @@ class ElasticSteps:
         planner = describe(self.cfg, self.profile) if self.profile is not None else "not resolved yet"
         return [f"planner: {planner}", f"memory budget: {self.budget}",
                 planning_line(self.cfg.epp.plan_between_steps, local_world_size(), os.cpu_count() or 1,
-                              len(os.sched_getaffinity(0))), *([f"flash-attn-4: {self.kernel_cache}"] if self.kernel_cache else [])]
+                              len(os.sched_getaffinity(0))), *([f"flash-attn-4: {self.kernel_cache}"] if self.kernel_cache else []),
+                *([self.host_line] if self.host_line else [])]
 
     def build(self, runtime: Runtime, model, split: str, consumed: int, planner_state: dict[str, Any] | None = None,
               steps: int | None = None, faults: FaultInjection = FaultInjection()) -> TrainStep | None:

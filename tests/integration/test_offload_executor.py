@@ -236,3 +236,20 @@ def test_kv_host_lowers_the_device_peak(kv_memory):
     """A long split sequence without recompute holds its 2-block window on the device, not its whole K/V buffer."""
     rows = [r for r in kv_memory["h32"] if r["case"] in ("split", "long-first-slice") and not any(r["offload"])]
     assert rows and all(r["meas"] < r["meas_device_kv"] for r in rows)
+
+
+def test_training_with_offload_measures_the_host_link_at_start_up():
+    """pretrain_gpt.py --epp-offload checkpoints on two CPU ranks: both measure the copy bandwidth at once at start-up
+    (the minimum over the two), the start-up line says it, and the run trains on it."""
+    import re
+
+    from tests.launch import torchrun as launch
+
+    out = launch(2, "pretrain_gpt.py", "--elastic-pp", "--mock-data", "--pipeline-model-parallel-size", "2", "--num-layers", "2",
+                 "--hidden-size", "32", "--num-attention-heads", "2", "--seq-length", "128", "--global-batch-size", "2",
+                 "--train-iters", "1", "--log-interval", "1", "--epp-offload", "checkpoints").stdout
+    line = re.search(r"^> host link: measured [\d.]+ GB/s out, [\d.]+ back \(host to host into the CPU executor's pool "
+                     r"and back, one after the other, 2 local ranks; median of [1-5] x 64 MiB, the minimum over 2 ranks\), "
+                     r"host memory [\d.]+ GB, budget [\d.]+ GB per rank \(75% of it over the local ranks\)$", out, re.M)
+    assert line, out[-3000:]
+    assert re.search(r"^ iteration +1/", out, re.M), out[-3000:]

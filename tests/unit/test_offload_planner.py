@@ -219,3 +219,105 @@ def test_plans_without_offload_are_as_before_offload():
                          PlannerConfig(0.08 * GIB, 4096))
     assert small.report.predicted_step_ms == pytest.approx(1338.2216357752388, rel=1e-12)
     assert "offload" not in one.plan.to_json() and one.report.host_memory_bytes is None
+
+
+def test_the_copy_bandwidth_is_measured_on_cpu_within_its_time_box():
+    """The start-up measurement runs on CPU (host to host, the CPU executor's copies): positive finite figures, the
+    median of at most its repeats; a time box of 0 s stops it after one timed repeat, and the ranks' agreement
+    (``go_on``) ends it when any rank says stop. No figure is compared with a speed: the host's load is not ours."""
+    import torch
+
+    from megatron_epp.measure.host_bandwidth import REPEATS, measure_copy_bandwidth
+
+    full = measure_copy_bandwidth(torch.device("cpu"), nbytes=1 << 20)
+    assert np.isfinite([full.d2h_bytes_per_ms, full.h2d_bytes_per_ms]).all() and min(full.d2h_bytes_per_ms, full.h2d_bytes_per_ms) > 0
+    assert 1 <= full.repeats <= REPEATS and full.nbytes == 1 << 20 and full.device_type == "cpu" and full.ranks == 1
+    assert measure_copy_bandwidth(torch.device("cpu"), nbytes=1 << 20, time_box_s=0.0).repeats == 1
+    asked = []
+    two = measure_copy_bandwidth(torch.device("cpu"), nbytes=1 << 20, time_box_s=60.0,
+                                 go_on=lambda more: asked.append(more) or len(asked) < 3)
+    assert two.repeats == 2 and asked == [True, True, True]  # the first call before the first repeat, then after each
+
+
+def fake_bandwidth(d2h_bytes_per_ms: float, h2d_bytes_per_ms: float):
+    from megatron_epp.measure.host_bandwidth import CopyBandwidth
+
+    return CopyBandwidth(d2h_bytes_per_ms, h2d_bytes_per_ms, 1 << 20, 3, "cpu", 2)
+
+
+OFFLOAD_RUN = ["--mock-data", "--num-layers", "4", "--hidden-size", "32", "--num-attention-heads", "2", "--elastic-pp"]
+
+
+def started(monkeypatch, flags: list[str], measured=None):
+    """``ElasticSteps`` of ``OFFLOAD_RUN + flags`` started on CPU, the start-up measurement replaced by ``measured``
+    (None: one that fails the test); the calls it got."""
+    import types
+
+    import torch
+
+    from megatron_epp.training import planning
+    from megatron_epp.training import step as step_module
+
+    calls = []
+
+    def measure(device):
+        calls.append(device)
+        assert measured is not None, "the copy bandwidth was measured without --epp-offload"
+        return measured
+
+    monkeypatch.setattr(planning, "measure_node_copy_bandwidth", measure)
+    steps = step_module.ElasticSteps(parse_config([*OFFLOAD_RUN, *flags], world_size=1))
+    assert not calls  # nothing measured before start-up
+    steps.start(types.SimpleNamespace(device=torch.device("cpu")))
+    return steps, calls
+
+
+def test_training_plans_offload_on_the_measured_host_link(monkeypatch):
+    """--epp-offload checkpoints: the copy bandwidth is measured once at start-up, the planner's cost model (and the
+    calibrated ones made from it) carries exactly the measured figures with this node's host memory, and the
+    start-up line says them."""
+    from megatron_epp.cost.host import measured_host_link
+
+    steps, calls = started(monkeypatch, ["--epp-offload", "checkpoints", "--epp-host-memory-budget", "0.5"],
+                           fake_bandwidth(7.25e6, 3.5e6))
+    assert len(calls) == 1 and calls[0].type == "cpu"
+    host = steps.planner.cost_model.host
+    assert host == measured_host_link(7.25e6, 3.5e6, 1) and (host.d2h_gbps, host.h2d_gbps) == (7.25, 3.5)
+    assert host.host_bytes == host_memory_bytes() and "measured" in host.description
+    assert steps.planner.raw_model.host is host and steps.planner.next_step_model.host is host
+    from megatron_epp.cost.profile import StageOverhead
+
+    assert steps.planner.cost_model.calibrated(1.5, StageOverhead(0.1, 0.2)).host is host  # a refit keeps the link
+    line = [s for s in steps.startup_lines() if s.startswith("host link:")]
+    assert line == [f"host link: measured 7.2 GB/s out, 3.5 back (host to host into the CPU executor's pool and back, "
+                    f"one after the other, 1 local rank; median of 3 x 1 MiB, the minimum over 2 ranks), host memory "
+                    f"{host_memory_bytes() / GIB:.1f} GB, budget 0.5 GB per rank (--epp-host-memory-budget)"]
+
+
+def test_the_measured_bandwidth_is_what_offload_plans_are_timed_on(monkeypatch):
+    """The same plan (every layer recomputed, every checkpoint offloaded) timed on the planner's cost model with a fake
+    measurement and one a million times slower: the copies the fast link hides are exposed on the slow one, exactly
+    as the measured link times them."""
+    flags = ["--epp-offload", "checkpoints", "--seq-length", "256"]
+    fast, _ = started(monkeypatch, flags, fake_bandwidth(20e6, 20e6))
+    slow, _ = started(monkeypatch, flags, fake_bandwidth(20.0, 20.0))
+    pipe = fast.planner([256, 256]).plan.pipelines[0]
+    layers = fast.planner.cost_model.layers
+    full = [[int(layers[s])] * len(pipe.chunks) for s in range(len(layers))]
+    pipe = replace(pipe, recompute=full, offload=full)
+    exposed = {}
+    for name, steps in (("fast", fast), ("slow", slow)):
+        model = steps.planner.cost_model
+        costs = model.costs(chunk_features(pipe.chunks))
+        exposed[name] = sum(float(np.sum(part)) for part in exposed_ms(pipe, costs, model.layers, model.host))
+        moved = full[0][0] * costs.ckpt_layer[0]  # the first chunk's checkpoints, out in its forward
+        assert exposed_ms(pipe, costs, model.layers, model.host)[0][0, 0] == pytest.approx(
+            max(0.0, moved / model.host.d2h_bytes_per_ms - costs.fwd[0, 0]))
+    assert exposed["slow"] > exposed["fast"] >= 0.0
+
+
+def test_without_offload_nothing_is_measured(monkeypatch):
+    """Without --epp-offload the start-up measures nothing, says no host link, and the cost model has none."""
+    steps, calls = started(monkeypatch, [])
+    assert calls == [] and steps.planner.cost_model.host is None
+    assert not any(s.startswith("host link") for s in steps.startup_lines())
