@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_epp.executor.context import ChunkContext, ChunkView, VarlenSeqlens
+from megatron_epp.executor.context import ChunkContext, ChunkView, VarlenSeqlens, sequence_slices
 from megatron_epp.executor.attention import ElasticAttention
 from megatron_epp.executor.kernels import AtenFlashVarlen, BlockFlashKernel, FlashKernel, FlashOps, TorchVarlenKernel, torch_varlen_kernel
 from megatron_epp.plan import Plan
@@ -73,12 +73,14 @@ class ChunkResult:
 
 
 def run_plan(attention: ElasticAttention, plan: Plan, tensors: list[list[ChunkTensors]], device) -> list[list[ChunkResult]]:
-    """Forward every chunk (plan order), then backward (schedule order); outputs and input gradients."""
+    """Forward every chunk (plan order), then backward (schedule order); outputs and input gradients. A pipeline's
+    ``kv_host`` sequences keep their K/V buffers on the host (``executor.kv_host``: its views given the slices)."""
     results = []
     context = attention.context
     with context.step():
         for pipe, row in zip(plan.pipelines, tensors):
-            layouts = [ChunkView.build(c, plan.seq_lengths, torch.device(device)) for c in pipe.chunks]
+            host = {"slices": sequence_slices(pipe.chunks, plan.seq_lengths), "kv_host": set(pipe.kv_host)} if pipe.kv_host else {}
+            layouts = [ChunkView.build(c, plan.seq_lengths, torch.device(device), **host) for c in pipe.chunks]
             leaves, outs = [], []
             for layout, t in zip(layouts, row):
                 q, k, v = (x.detach().clone().requires_grad_() for x in (t.q, t.k, t.v))

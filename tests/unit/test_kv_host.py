@@ -170,3 +170,15 @@ def test_host_slice_attention_through_the_cuda_block_kernel_equals_the_cpu_one(m
     for chunk_cpu, chunk_flash in zip(cpu, flash):
         for want, got in zip(chunk_cpu, chunk_flash):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_cuda_check_script_dry_run_passes_through_the_block_kernel(monkeypatch, capsys):
+    """benchmarks/check_kv_host_cuda.py (the GPU check of kv_host against the device buffer) runs on CPU over the
+    reference ops and passes; its kv_host run took the block kernel (errors not 0, the device buffer's are)."""
+    from benchmarks import check_kv_host_cuda
+
+    monkeypatch.setattr(kernels, "load_block_flash", kernels.load_block_flash)  # restored after the dry run's override
+    assert check_kv_host_cuda.main(["--cpu-dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "block kernel: BlockFlashKernel" in out and out.rstrip().endswith("check_kv_host_cuda: passed")
+    assert "out: kv_host 0.00e+00" not in out
