@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_epp.executor.context import ChunkContext, ChunkView, VarlenSeqlens
+from megatron_epp.executor.context import ChunkContext, ChunkView, VarlenSeqlens, sequence_slices
 from megatron_epp.executor.attention import ElasticAttention
-from megatron_epp.executor.kernels import AtenFlashVarlen, FlashKernel, FlashOps, TorchVarlenKernel, torch_varlen_kernel
+from megatron_epp.executor.kernels import AtenFlashVarlen, BlockFlashKernel, FlashKernel, FlashOps, TorchVarlenKernel, torch_varlen_kernel
 from megatron_epp.plan import Plan
 from megatron_epp.plan.order import backward_order
 
@@ -73,12 +73,14 @@ class ChunkResult:
 
 
 def run_plan(attention: ElasticAttention, plan: Plan, tensors: list[list[ChunkTensors]], device) -> list[list[ChunkResult]]:
-    """Forward every chunk (plan order), then backward (schedule order); outputs and input gradients."""
+    """Forward every chunk (plan order), then backward (schedule order); outputs and input gradients. A pipeline's
+    ``kv_host`` sequences keep their K/V buffers on the host (``executor.kv_host``: its views given the slices)."""
     results = []
     context = attention.context
     with context.step():
         for pipe, row in zip(plan.pipelines, tensors):
-            layouts = [ChunkView.build(c, plan.seq_lengths, torch.device(device)) for c in pipe.chunks]
+            host = {"slices": sequence_slices(pipe.chunks, plan.seq_lengths), "kv_host": set(pipe.kv_host)} if pipe.kv_host else {}
+            layouts = [ChunkView.build(c, plan.seq_lengths, torch.device(device), **host) for c in pipe.chunks]
             leaves, outs = [], []
             for layout, t in zip(layouts, row):
                 q, k, v = (x.detach().clone().requires_grad_() for x in (t.q, t.k, t.v))
@@ -231,19 +233,24 @@ def _varlen_pairs(q, k, cum_seq_q, cum_seq_k, max_q: int, max_k: int, strict: bo
     return [(slice(cq[i], cq[i + 1]), slice(ck[i], ck[i + 1])) for i in range(len(cq) - 1)]
 
 
-def _causal_scores(qi, ki, scale: float, group: int):
+def _scores(qi, ki, scale: float, group: int, causal: bool = True):
     """Scores ``[heads, sq, sk]`` of one pair in float32 (K/V head ``h // group`` for query head ``h``), ``-inf`` where
-    the bottom-right causal mask hides the key."""
+    the bottom-right causal mask hides the key (``causal``; else every key seen)."""
     scores = torch.einsum("qhd,khd->hqk", qi.float(), ki.float().repeat_interleave(group, dim=1)) * scale
+    if not causal:
+        return scores
     sq, sk = qi.shape[0], ki.shape[0]
     keep = torch.arange(sk, device=qi.device)[None, :] <= torch.arange(sq, device=qi.device)[:, None] + (sk - sq)
     return scores.masked_fill(~keep, float("-inf"))
 
 
-def _check_causal_call(dropout_p, is_causal, scale, window_size_left, window_size_right) -> None:
-    """What ``varlen_attn(..., window_size=(-1, 0))`` passes the aten ops, the only call the library makes of them."""
-    assert dropout_p == 0.0 and is_causal is True and scale is not None, (dropout_p, is_causal, scale)
-    assert (window_size_left, window_size_right) == (-1, 0), (window_size_left, window_size_right)
+def _check_flash_call(dropout_p, is_causal, scale, window_size_left, window_size_right) -> None:
+    """The library's two calls of the aten ops, no dropout and a scale either way: causal, window ``(-1, 0)`` (what
+    ``varlen_attn(..., window_size=(-1, 0))`` passes; ``kernels.BlockFlashKernel`` over a slice's own block), or
+    non-causal, window ``(-1, -1)`` (``BlockFlashKernel`` over a prefix block)."""
+    assert dropout_p == 0.0 and is_causal in (True, False) and scale is not None, (dropout_p, is_causal, scale)
+    window = (-1, 0) if is_causal else (-1, -1)
+    assert (window_size_left, window_size_right) == window, (is_causal, window_size_left, window_size_right)
 
 
 def reference_flash_attention_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, return_debug_mask,
@@ -251,15 +258,15 @@ def reference_flash_attention_forward(query, key, value, cum_seq_q, cum_seq_k, m
     """``aten::_flash_attention_forward``'s varlen path as torch 2.11 / 2.13 have it, in plain torch (math, float32
     inside): ``(out [T_q, heads, d], lse [heads, T_q] float32, rng_state [2] uint64, unused, debug mask (empty))``,
     fewer K/V heads than query heads taken as FlashAttention-2 takes them (query head ``h`` reads K/V head
-    ``h // (heads / kv_heads)``), causal bottom-right aligned. Only the library's call (causal, window ``(-1, 0)``,
-    no dropout) is accepted."""
-    _check_causal_call(dropout_p, is_causal, scale, window_size_left, window_size_right)
+    ``h // (heads / kv_heads)``), causal bottom-right aligned or not (``is_causal``). Only the library's calls
+    (:func:`_check_flash_call`) are accepted."""
+    _check_flash_call(dropout_p, is_causal, scale, window_size_left, window_size_right)
     assert return_debug_mask is False
     group = query.shape[1] // key.shape[1]
     out = torch.empty_like(query)
     lse = torch.empty(query.shape[1], query.shape[0], dtype=torch.float32, device=query.device)
     for qs, ks in _varlen_pairs(query, key, cum_seq_q, cum_seq_k, max_q, max_k, strict):
-        scores = _causal_scores(query[qs], key[ks], scale, group)
+        scores = _scores(query[qs], key[ks], scale, group, is_causal)
         lse[:, qs] = torch.logsumexp(scores, dim=-1)
         probs = torch.exp(scores - lse[:, qs, None])
         out[qs] = torch.einsum("hqk,khd->qhd", probs, value[ks].float().repeat_interleave(group, dim=1)).to(query.dtype)
@@ -273,8 +280,8 @@ def reference_flash_attention_backward(grad_out, query, key, value, out, logsume
     """``aten::_flash_attention_backward`` as documented by FlashAttention-2, in plain torch from what the forward
     saved: ``P = exp(S - lse)`` from the GIVEN log-sum-exp, ``D = rowsum(dO * out)`` from the GIVEN output (so a wrong
     ``out`` or ``lse`` passed back gives wrong gradients), ``dS = P (dO V^T - D)``; ``dk``/``dv`` summed over each K/V
-    head's query heads: ``(dq [T_q, heads, d], dk, dv [T_k, kv_heads, d])``."""
-    _check_causal_call(dropout_p, is_causal, scale, window_size_left, window_size_right)
+    head's query heads: ``(dq [T_q, heads, d], dk, dv [T_k, kv_heads, d])``; causal or not (``is_causal``)."""
+    _check_flash_call(dropout_p, is_causal, scale, window_size_left, window_size_right)
     assert out.shape == grad_out.shape == query.shape and logsumexp.shape == (query.shape[1], query.shape[0])
     assert rng_state.dtype == torch.uint64 and rng_state.shape == (2,)
     heads, kv_heads = query.shape[1], key.shape[1]
@@ -283,7 +290,7 @@ def reference_flash_attention_backward(grad_out, query, key, value, out, logsume
     for qs, ks in _varlen_pairs(query, key, cum_seq_q, cum_seq_k, max_q, max_k, strict):
         qi, ki, vi = query[qs].float(), key[ks].float().repeat_interleave(group, dim=1), value[ks].float().repeat_interleave(group, dim=1)
         sk = ki.shape[0]
-        probs = torch.exp(_causal_scores(query[qs], key[ks], scale, group) - logsumexp[:, qs, None])  # hidden keys: exp(-inf) = 0
+        probs = torch.exp(_scores(query[qs], key[ks], scale, group, is_causal) - logsumexp[:, qs, None])  # hidden keys: exp(-inf) = 0
         do = grad_out[qs].float()
         dv_heads = torch.einsum("hqk,qhd->khd", probs, do)
         delta = (do * out[qs].float()).sum(-1).transpose(0, 1)  # [heads, sq]
@@ -324,3 +331,8 @@ def reference_torch_varlen(gqa: str = "enable_gqa", func=None) -> TorchVarlenKer
                                           min_capability=None)
     assert kernel is not None, why_not
     return kernel
+
+
+# the CUDA block kernel of K/V buffers on the host (kernels.BlockFlashKernel) over the reference aten flash ops, on CPU in
+# float32 (the real one takes CUDA fp16/bf16 only)
+REFERENCE_BLOCK_FLASH = BlockFlashKernel(REFERENCE_FLASH_OPS, devices=("cpu",), dtypes=(torch.float32,), min_capability=None)

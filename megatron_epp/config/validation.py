@@ -16,7 +16,7 @@ from megatron_epp.cost.host import local_host_link
 from megatron_epp.base.units import GIB
 from megatron_epp.data.data_path import Blend, BlendError
 from megatron_epp.data.tokenizers import TokenizerError, resolve_tokenizer_args, tokenizer_from_args
-from megatron_epp.executor.kernels import load_flash_kernel
+from megatron_epp.executor.kernels import block_kernel_problem, load_flash_kernel
 from megatron_epp.base.option_tags import ELASTIC_ONLY, REFUSED_BY_SEARCH
 from megatron_epp.base.options import Values, fields_tagged, key_of, range_problem, tag_values
 from megatron_epp.planner.config import DEFAULT_CLUSTER, PlannerConfig, PlannerOptions
@@ -525,18 +525,21 @@ def validate_elastic_args(args: Values, world_size: int, memory: MemoryReading |
         raise ArgumentError(f"--epp-calibrate-interval {interval}: must be >= 0 (0 turns calibration off)")
     planner = planner_config(args, EPP_DEFAULTS, None if default_budget is None else default_budget.budget)
     if planner.offload != "none":
-        check_offload(planner, memory.device if memory is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+        check_offload(planner, memory.device if memory is not None else ("cuda" if torch.cuda.is_available() else "cpu"), dtype)
     return {"planner": planner, "default_budget": default_budget, "epp_calibrate_interval": interval}
 
 
-def check_offload(planner: PlannerConfig, device: str) -> None:
+def check_offload(planner: PlannerConfig, device: str, dtype: torch.dtype = torch.float32) -> None:
     """``--epp-offload`` in training, before any work: the host budget per GPU within this node's host memory over its
     local ranks (``cost.host.local_host_link``), and on CUDA pinned host memory that can be allocated; one line each.
     ``auto`` (split sequences' K/V buffers on the host too, ``executor.kv_host``) runs where the block attention over
-    the device window has its kernel: on CPU (CUDA's is not built yet)."""
-    if planner.offload == "auto" and device == "cuda":
-        raise ArgumentError("--epp-offload auto on CUDA: K/V buffers on the host need the block attention kernel over the "
-                            "device window, built on CPU only so far: --epp-offload checkpoints")
+    the device window has its kernel (``kernels.block_kernel_problem``: CPU; CUDA in fp16/bf16 with torch's aten flash
+    ops); ``dtype``: the model's (--bf16, --fp16, else fp32)."""
+    problem = block_kernel_problem(torch.device(device), dtype) if planner.offload == "auto" else ""
+    if problem:
+        raise ArgumentError(f"--epp-offload auto on {device}: K/V buffers on the host need the block attention kernel over "
+                            f"the device window, which cannot run here ({problem}): --epp-offload checkpoints")
     try:
         if planner.host_memory_budget_bytes is not None:
             local_host_link().check_budget(planner.host_memory_budget_bytes)

@@ -71,25 +71,27 @@ class _SliceKV(torch.autograd.Function):
 class _HostSliceAttention(torch.autograd.Function):
     """A slice's attention (``[b, heads, s, d]`` queries) over its K/V buffer on the host (:mod:`.kv_host`): its own
     ``key``/``value`` rows (``[s, b, kv_heads, d]``) written out, the prefix fetched block by block into the device
-    window; :func:`kernels.merged_forward`, the arithmetic of the device buffer's ``sdpa-merged`` path. Saves the
-    queries, the output and the log-sum-exp, never the K/V (the backward fetches them again); its backward gives
-    the own rows' gradients, the prefix rows' accumulated on the host (``SliceIO.take_grads``)."""
+    window; :func:`kernels.merged_forward`, the arithmetic of the device buffer's ``sdpa-merged`` path on CPU
+    (``kernel`` None: the CPU flash kernel), each block through ``kernel`` (:class:`kernels.BlockFlashKernel`, torch's
+    aten flash ops) on CUDA. Saves the queries, the output and the log-sum-exp, never the K/V (the backward fetches
+    them again); its backward gives the own rows' gradients, the prefix rows' accumulated on the host
+    (``SliceIO.take_grads``)."""
 
     @staticmethod
-    def forward(ctx, q, key, value, io: SliceIO, scale: float):
-        out, lse = kernels.merged_forward(q, io.forward_parts(key, value), scale)
+    def forward(ctx, q, key, value, io: SliceIO, scale: float, kernel: kernels.BlockFlashKernel | None = None):
+        out, lse = kernels.merged_forward(q, io.forward_parts(key, value), scale, kernel)
         ctx.save_for_backward(q, out, lse)
-        ctx.io, ctx.scale = io, scale
+        ctx.io, ctx.scale, ctx.kernel = io, scale, kernel
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, out, lse = ctx.saved_tensors
         io, ctx.io = ctx.io, None
-        dq = kernels.merged_backward(grad_out.contiguous(), q, out, lse, io.backward_parts(), ctx.scale, io.take_grads)
+        dq = kernels.merged_backward(grad_out.contiguous(), q, out, lse, io.backward_parts(), ctx.scale, io.take_grads, ctx.kernel)
         grad_key, grad_value = io.own_grads
         io.finish_backward()
-        return dq, grad_key, grad_value, None, None
+        return dq, grad_key, grad_value, None, None, None
 
 
 class ElasticAttention(MegatronModule):
@@ -156,9 +158,11 @@ class ElasticAttention(MegatronModule):
 
     def _attend_host(self, view: ChunkView, query, key, value, dropout: float):
         """:meth:`_attend` where the slice's K/V buffer is on the host: every other segment SDPA's ``is_causal`` (as
-        ``sdpa-merged``), the slice :class:`_HostSliceAttention` over the sequence's blocks up to it."""
+        ``sdpa-merged``), the slice :class:`_HostSliceAttention` over the sequence's blocks up to it (its block kernel:
+        :func:`kernels.block_kernel`, one line where there is none)."""
         if dropout > 0:
             raise ValueError("K/V buffers on the host (kv_host) run without attention dropout: the blocks are merged by their log-sum-exp")
+        kernel = kernels.block_kernel(query.device, query.dtype)  # None on CPU: the CPU flash kernel
         seq, start, end = view.split_seq, *view.bounds[view.split_index]
         blocks = [*view.prefix_blocks, (view.context, view.context + end - start)]
         rows = max(b - a for a, b in view.kv_blocks) if view.kv_blocks else view.seq_length
@@ -171,7 +175,7 @@ class ElasticAttention(MegatronModule):
                 outputs.append(kernels.segment_attention(query[a:b], key[a:b], value[a:b], None, 0.0, self.softmax_scale, causal=True))
                 continue
             q = query[a:b].permute(1, 2, 0, 3)
-            out = _HostSliceAttention.apply(q, key[a:b], value[a:b], io, self.softmax_scale)
+            out = _HostSliceAttention.apply(q, key[a:b], value[a:b], io, self.softmax_scale, kernel)
             outputs.append(out.permute(2, 0, 1, 3))
         out = torch.cat(outputs)
         return out.reshape(out.shape[0], out.shape[1], -1)

@@ -61,17 +61,23 @@ class VarlenKernel:
 
     def unsupported(self, device: torch.device, dtype: torch.dtype, dropout: float = 0.0) -> str | None:
         """Why this kernel cannot take tensors of ``device``/``dtype`` under attention dropout ``dropout`` (None: it can)."""
-        if device.type not in self.devices:
-            return f"tensors on {device.type}, {self.label} runs on {'/'.join(self.devices)}"
-        if dtype not in self.dtypes:
-            return f"dtype {_dtype_name(dtype)}, {self.label} takes {'/'.join(_dtype_name(d) for d in self.dtypes)}"
-        if dropout > 0 and not self.has_dropout:
-            return f"attention dropout {dropout:g}, which {self.label} has not"
-        if device.type == "cuda" and self.min_capability is not None:
-            capability = torch.cuda.get_device_capability(device)
-            if capability < self.min_capability:
-                return f"GPU compute capability {capability[0]}.{capability[1]} < {self.min_capability[0]}.{self.min_capability[1]}"
-        return None
+        return kernel_unsupported(self, device, dtype, dropout)
+
+
+def kernel_unsupported(kernel, device: torch.device, dtype: torch.dtype, dropout: float = 0.0) -> str | None:
+    """Why ``kernel`` (its ``devices``, ``dtypes``, ``min_capability``, ``label``, ``has_dropout``) cannot take tensors of
+    ``device``/``dtype`` under attention dropout ``dropout`` (None: it can)."""
+    if device.type not in kernel.devices:
+        return f"tensors on {device.type}, {kernel.label} runs on {'/'.join(kernel.devices)}"
+    if dtype not in kernel.dtypes:
+        return f"dtype {_dtype_name(dtype)}, {kernel.label} takes {'/'.join(_dtype_name(d) for d in kernel.dtypes)}"
+    if dropout > 0 and not kernel.has_dropout:
+        return f"attention dropout {dropout:g}, which {kernel.label} has not"
+    if device.type == "cuda" and kernel.min_capability is not None:
+        capability = torch.cuda.get_device_capability(device)
+        if capability < kernel.min_capability:
+            return f"GPU compute capability {capability[0]}.{capability[1]} < {kernel.min_capability[0]}.{kernel.min_capability[1]}"
+    return None
 
 
 @dataclass(frozen=True)
@@ -468,21 +474,24 @@ def _buffer_parts(k, v, blocks: tuple[tuple[int, int], ...]):
     yield k[:, :, context:], v[:, :, context:], True
 
 
-def block_attention(q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def block_attention(q, k, v, causal: bool, scale: float, kernel: "BlockFlashKernel | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of ``q`` ``[b, heads, s, d]`` over one block of keys ``[b, kv_heads, rows, d]`` (``causal``:
-    rows = s, lower triangle): the CPU flash kernel (GQA native)."""
+    rows = s, lower triangle): ``kernel`` (:class:`BlockFlashKernel`, CUDA) where given, else the CPU flash kernel
+    (GQA native either way); ``lse`` ``[b, heads, s]`` fp32."""
+    if kernel is not None:
+        return kernel.forward(q, k, v, causal, scale)
     if q.device.type != "cpu":
-        raise NotImplementedError(f"block attention (K/V buffers on the host) on {q.device.type}: only the CPU kernel is built")
+        raise NotImplementedError(f"block attention on {q.device.type} without a block kernel (block_kernel gives the CUDA one)")
     out, lse = _cpu_flash(q, k, v, 0.0, causal, scale=scale)[:2]
     return out, lse
 
 
-def merged_forward(q, parts, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def merged_forward(q, parts, scale: float, kernel: "BlockFlashKernel | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of ``q`` over ``parts`` (``(k, v, causal)`` blocks, in order), merged by their log-sum-exp one
-    after the other (fp32 while more than one; ``out`` in ``q``'s dtype)."""
+    after the other (fp32 while more than one; ``out`` in ``q``'s dtype); each block by :func:`block_attention`."""
     acc = None
     for k, v, causal in parts:
-        o, lse = block_attention(q, k, v, causal, scale)
+        o, lse = block_attention(q, k, v, causal, scale, kernel)
         if acc is None:
             acc = (o, lse)
             continue
@@ -492,15 +501,119 @@ def merged_forward(q, parts, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     return acc[0].to(q.dtype), acc[1]
 
 
-def merged_backward(grad_out, q, out, lse, parts, scale: float, take: Callable[[int, torch.Tensor, torch.Tensor], None]) -> torch.Tensor:
+def merged_backward(grad_out, q, out, lse, parts, scale: float, take: Callable[[int, torch.Tensor, torch.Tensor], None],
+                    kernel: "BlockFlashKernel | None" = None) -> torch.Tensor:
     """The query gradient of :func:`merged_forward` (summed over the parts in order); each part's key and value
-    gradients go to ``take(i, dk, dv)`` as they come."""
+    gradients go to ``take(i, dk, dv)`` as they come. Each part's backward is given the MERGED ``out`` and ``lse``
+    (FlashAttention's backward identity: its ``P = exp(S - lse)`` and ``D = rowsum(dO out)`` are then the whole
+    attention's): the CPU flash kernel's, or ``kernel``'s (:meth:`BlockFlashKernel.backward`)."""
+    if kernel is not None:
+        packed = kernel.pack_merged(grad_out, q, out, lse)
     dq = None
     for i, (k, v, causal) in enumerate(parts):
-        dq_i, dk, dv = _cpu_flash_backward(grad_out, q, k, v, out, lse, 0.0, causal, scale=scale)
+        if kernel is not None:
+            dq_i, dk, dv = kernel.backward(packed, k, v, causal, scale)
+        else:
+            dq_i, dk, dv = _cpu_flash_backward(grad_out, q, k, v, out, lse, 0.0, causal, scale=scale)
         take(i, dk, dv)
         dq = dq_i if dq is None else dq + dq_i
     return dq
+
+
+def _tokens(t: torch.Tensor) -> torch.Tensor:
+    """``[b, heads, s, d]`` as the varlen layout ``[b * s, heads, d]`` (a view where ``t`` is one sequence's rows in place)."""
+    b, heads, s, d = t.shape
+    return t.transpose(1, 2).reshape(b * s, heads, d)
+
+
+def _untokens(t: torch.Tensor, b: int) -> torch.Tensor:
+    """The varlen layout ``[b * s, heads, d]`` back as ``[b, heads, s, d]`` (a view)."""
+    return t.view(b, t.shape[0] // b, *t.shape[1:]).transpose(1, 2)
+
+
+def _cu_seqlens(b: int, rows: int, device) -> torch.Tensor:
+    """``cu_seqlens`` of ``b`` sequences of ``rows`` rows each (int32)."""
+    return torch.arange(0, (b + 1) * rows, rows, dtype=torch.int32, device=device)
+
+
+@dataclass(frozen=True)
+class BlockFlashKernel:
+    """One block of a slice's attention (K/V buffers on the host, ``executor.kv_host``) on CUDA: torch's aten flash ops
+    (``ops``, :class:`FlashOps`), each of the ``b`` rows one sequence of the varlen call (``[b, heads, s, d]`` to
+    ``[b * s, heads, d]``, ``cu_seqlens`` of ``s`` and of the block's rows), non-causal over a prefix block (window
+    ``(-1, -1)``), causal over the own block (``(-1, 0)``), no dropout, K/V heads as they are (GQA native). ``lse``
+    ``[b, heads, s]`` fp32 as the CPU flash kernel's (the ops' ``[heads, b * s]``). ``devices``/``dtypes``/
+    ``min_capability``: where it runs (tests: the reference ops on CPU in fp32)."""
+
+    ops: FlashOps
+    devices: tuple[str, ...] = ("cuda",)
+    dtypes: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)
+    min_capability: tuple[int, int] | None = (8, 0)
+    label: ClassVar[str] = "the block kernel (aten flash ops)"
+    has_dropout: ClassVar[bool] = False
+
+    def unsupported(self, device: torch.device, dtype: torch.dtype) -> str | None:
+        return kernel_unsupported(self, device, dtype)
+
+    @staticmethod
+    def _window(causal: bool) -> dict:
+        return {"window_size_left": -1, "window_size_right": 0 if causal else -1}
+
+    def forward(self, q, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out [b, heads, s, d], lse [b, heads, s])`` of ``q`` over the block ``k``/``v`` ``[b, kv_heads, rows, d]``."""
+        b, heads, s, _ = q.shape
+        rows = k.shape[2]
+        out, lse, _, _, _ = self.ops.forward(
+            _tokens(q), _tokens(k), _tokens(v), _cu_seqlens(b, s, q.device), _cu_seqlens(b, rows, q.device), s, rows,
+            0.0, causal, False, scale=scale, **self._window(causal),
+        )
+        return _untokens(out, b), lse.view(heads, b, s).transpose(0, 1)
+
+    def pack_merged(self, grad_out, q, out, lse) -> tuple:
+        """What every block's backward takes of the merged attention, in the ops' layout (once per slice)."""
+        b, heads, s, _ = q.shape
+        lse_tokens = lse.transpose(0, 1).reshape(heads, b * s).contiguous()
+        return b, s, _tokens(grad_out).contiguous(), _tokens(q), _tokens(out).contiguous(), lse_tokens
+
+    def backward(self, packed: tuple, k, v, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(dq [b, heads, s, d], dk, dv [b, kv_heads, rows, d])`` of one block given the merged attention
+        (``packed``: :meth:`pack_merged`), the rng state zeros (no dropout) as ``varlen_attn``'s backward passes it."""
+        b, s, grad_out, q, out, lse = packed
+        rows = k.shape[2]
+        rng_state = torch.zeros(2, dtype=torch.uint64, device=q.device)
+        unused = torch.empty(0, device=q.device)
+        dq, dk, dv = self.ops.backward(
+            grad_out, q, _tokens(k), _tokens(v), out, lse, _cu_seqlens(b, s, q.device), _cu_seqlens(b, rows, q.device), s,
+            rows, 0.0, causal, rng_state, unused, scale=scale, **self._window(causal),
+        )
+        return _untokens(dq, b), _untokens(dk, b), _untokens(dv, b)
+
+
+def load_block_flash() -> tuple[BlockFlashKernel | None, str]:
+    """``(BlockFlashKernel, "")`` over this torch's aten flash ops (:func:`load_aten_flash_ops`), else ``(None, why not)``."""
+    ops, why = load_aten_flash_ops()
+    return (BlockFlashKernel(ops), "") if ops is not None else (None, why)
+
+
+def block_kernel_problem(device: torch.device, dtype: torch.dtype) -> str:
+    """Why a slice's block attention over its host K/V cannot run on ``device``/``dtype`` ("" where it can: CPU, or
+    a block kernel of :func:`load_block_flash` that takes them)."""
+    kernel, why = load_block_flash()
+    if (kernel is not None and kernel.unsupported(device, dtype) is None) or device.type == "cpu":
+        return ""
+    return why or kernel.unsupported(device, dtype)
+
+
+def block_kernel(device: torch.device, dtype: torch.dtype) -> BlockFlashKernel | None:
+    """The block kernel for tensors of ``device``/``dtype``: :func:`load_block_flash`'s where it takes them, else None
+    on CPU (the CPU flash kernel, bit for bit the device buffer's ``sdpa-merged``); elsewhere one line."""
+    kernel, _ = load_block_flash()
+    if kernel is not None and kernel.unsupported(device, dtype) is None:
+        return kernel
+    problem = block_kernel_problem(device, dtype)
+    if problem:
+        raise AttentionBackendError(f"K/V buffers on the host (kv_host) on {device.type}: the block attention cannot run ({problem})")
+    return None
 
 
 def _cpu_flash(*args, **kwargs):

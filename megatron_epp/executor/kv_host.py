@@ -8,8 +8,9 @@ gradients). The device holds one :class:`KVWindow` per sequence, from its first 
 backward, shared by all its layers and slices: :data:`WINDOW` slots of the largest slice's K/V (the block in use and
 the block being fetched) and as many slots of their gradients, what the memory walk counts (``simulator/memory.py``
 ``KV_WINDOW``). The blocks are the sequence's slices (``ChunkView.kv_blocks``): a slice's attention runs block by
-block over its prefix and then its own rows, merged by the log-sum-exp (``kernels.merged_forward``: the same
-arithmetic as the device buffer's ``sdpa-merged`` path, so the gradients are the same bit for bit).
+block over its prefix and then its own rows, merged by the log-sum-exp (``kernels.merged_forward``; on CPU the same
+arithmetic as the device buffer's ``sdpa-merged`` path, so the gradients are the same bit for bit; on CUDA each block
+through torch's aten flash ops, ``kernels.BlockFlashKernel``, equal to the device buffer's varlen run within rounding).
 
 Forward of slice ``j`` on a layer (:meth:`SliceIO.forward_parts`): prefix block ``i`` is fetched into slot ``i % 2``
 while block ``i - 1`` is computed; its own K/V are copied into their slot and written out to the host rows ``[C, C +

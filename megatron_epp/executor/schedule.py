@@ -39,6 +39,7 @@ from megatron.core.pipeline_parallel.schedules import backward_step, deallocate_
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import get_model_config, get_model_type
 
+from megatron_epp.executor import kernels
 from megatron_epp.executor.context import ChunkContext, ChunkView, sequence_slices, token_multiple
 from megatron_epp.plan import Pipeline, Plan
 from megatron_epp.plan.order import Op, stage_ops
@@ -196,13 +197,17 @@ def forward_backward_elastic(
 
 
 def _check_kv_host(model) -> None:
-    """A plan with K/V buffers on the host (``executor.kv_host``) runs on CPU, without attention dropout; else one line."""
+    """A plan with K/V buffers on the host (``executor.kv_host``) runs without attention dropout, where the block
+    attention over the device window has its kernel (CPU; CUDA in fp16/bf16 with torch's aten flash ops,
+    ``kernels.block_kernel``); else one line."""
     if get_model_config(model).attention_dropout > 0:
         raise ValueError("the plan keeps K/V buffers on the host (kv_host): they run without attention dropout "
                          "(a slice's blocks are merged by their log-sum-exp)")
-    if next(model.parameters()).device.type != "cpu":
-        raise ValueError("the plan keeps K/V buffers on the host (kv_host): the block attention over the device window "
-                         "is built on CPU only so far")
+    parameter = next(model.parameters())
+    problem = kernels.block_kernel_problem(parameter.device, parameter.dtype)
+    if problem:
+        raise ValueError(f"the plan keeps K/V buffers on the host (kv_host): the block attention over the device window "
+                         f"cannot run on {parameter.device.type} ({problem})")
 
 
 _NO_RANGE = contextlib.nullcontext()  # reusable: one object for every op while no profiler records

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+import torch
 
 from megatron_epp.base.dims import ParallelDims
 from megatron_epp.base.units import GIB
@@ -183,12 +184,27 @@ def test_training_refuses_a_host_budget_over_the_host_in_one_line():
     with pytest.raises(ArgumentError, match="more than the node's .* GB of host memory"):
         parse_config(["--mock-data", "--num-layers", "4", "--elastic-pp", "--epp-offload", "checkpoints",
                       "--epp-host-memory-budget", str(2 * host_memory_bytes() / GIB)], world_size=1)
-    with pytest.raises(ArgumentError, match="--epp-offload auto on CUDA: K/V buffers on the host need the block attention"):
+    with pytest.raises(ArgumentError, match=r"--epp-offload auto on cuda: K/V buffers on the host need the block attention .* "
+                                            r"\(dtype float32, .* takes float16/bfloat16\): --epp-offload checkpoints$"):
         validation.check_offload(PlannerConfig(80 * GIB, ONE_M, offload="auto"), "cuda")
     # on CPU training takes auto (the executor runs K/V buffers on the host)
     assert parse_config(["--mock-data", "--num-layers", "4", "--elastic-pp", "--epp-offload", "auto"], world_size=1)
     with pytest.raises(ArgumentError, match="applies only with --epp-offload"):
         parse_config(["--mock-data", "--num-layers", "4", "--elastic-pp", "--epp-host-memory-budget", "1"], world_size=1)
+
+
+def test_training_takes_offload_auto_on_cuda_in_half_precision_where_the_block_kernel_runs(monkeypatch):
+    from megatron_epp.config import validation
+    from megatron_epp.executor import kernels
+
+    monkeypatch.setattr(kernels, "load_block_flash", lambda: (kernels.BlockFlashKernel(kernels.FlashOps(print, print), min_capability=None), ""))
+    monkeypatch.setattr(validation.torch, "empty", lambda *args, **kwargs: None)  # pinned memory taken (no CUDA here)
+    validation.check_offload(PlannerConfig(80 * GIB, ONE_M, offload="auto"), "cuda", torch.bfloat16)
+    with pytest.raises(ArgumentError, match=r"auto on cuda: .* \(dtype float32, .*\): --epp-offload checkpoints$"):
+        validation.check_offload(PlannerConfig(80 * GIB, ONE_M, offload="auto"), "cuda", torch.float32)
+    monkeypatch.setattr(kernels, "load_block_flash", lambda: (None, "torch 9.9 has no aten flash ops"))
+    with pytest.raises(ArgumentError, match=r"auto on cuda: .* \(torch 9.9 has no aten flash ops\): --epp-offload checkpoints$"):
+        validation.check_offload(PlannerConfig(80 * GIB, ONE_M, offload="auto"), "cuda", torch.bfloat16)
 
 
 def test_training_refuses_offload_without_pinned_memory_in_one_line(monkeypatch):
