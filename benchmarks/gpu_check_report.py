@@ -21,6 +21,9 @@ The report holds, per step, its status, seconds and limit (``steps.tsv``), and w
   the baseline's ms over the new kernels' (> 1: the new kernels faster), with medians over the steps after the first;
 * ``traces`` (``--quick``): one profiled iteration of each of the two runs by kernel class (benchmarks/trace_kernels.py:
   attention, GEMM, norm, Triton, elementwise, ... ms and share, the device's busy share of the step);
+* ``offload`` (the opt-in ``offload`` step): the train step's run with ``--epp-offload checkpoints`` as ``train``, and
+  ``offload_ab``: it paired with the train step's run by iteration as ``kernels_ab`` pairs (``speedup`` < 1: what the
+  offload costs there);
 * ``fused``: benchmarks/fused_kernels.py's last JSON line (each pointwise candidate's time and error per op);
 * ``bench``: bench_gpu.py's last JSON line.
 
@@ -252,11 +255,13 @@ def report(out: Path) -> dict:
     found = facts(out)
     train = train_figures(out / "metrics.jsonl", out / "train.log")
     baseline = train_figures(out / "metrics_baseline.jsonl", out / "baseline.log")
+    offloaded = train_figures(out / "metrics_offload.jsonl", out / "offload.log")
     traces = {"train": trace_summary(out, "metrics"), "baseline": trace_summary(out, "metrics_baseline")}
     traced = next((t["iteration"] for t in traces.values() if t), None)
     return {"report": "gpu_check", "out": str(out), "steps": steps_table(out), "facts": found, "attention": attention(out),
             "equivalence": equivalence(out), "train": train, "baseline": baseline,
             "kernels_ab": kernels_ab(train, baseline, found["gpu"] if found else None, traced), "traces": traces,
+            "offload": offloaded, "offload_ab": kernels_ab(offloaded, train, found["gpu"] if found else None, traced),
             "fused": bench(out, "fused"), "bench": bench(out)}
 
 

@@ -35,6 +35,9 @@
 #                and hybrid chunks, recompute), on the profile just measured (else the analytic llama-7b)
 #   baseline     (--quick) the train step's run again on the same batches with the kernels before flash-attn-4 and the
 #                fused pointwise ops: EPP_ATTENTION_BACKEND=varlen EPP_FUSED_KERNELS=torch
+#   offload      (opt-in) benchmarks/check_kv_host_cuda.py (K/V buffers on the host through the CUDA block kernel
+#                against the device-buffer run), then the train step's run with --epp-offload checkpoints on the same
+#                batches (the host link measured at start-up); the report pairs it with the train step's (offload_ab)
 #   bench        python -m benchmarks.bench_gpu: Megatron packing, Seq1F1B, EPP and EPP without memory limit on a
 #                LLaMA-like 8-layer model under a binding budget (~7.5 min); its JSON line in the summary
 #
@@ -54,7 +57,7 @@ cd "$(dirname "$0")/.."
 REPO=$PWD
 
 OUT_DIR="" WHEELS=${EPP_WHEELS:-} BUILD_TIMEOUT=0 STEPS="" DRY_RUN=0 REHEARSAL=0 QUICK=0
-ALL_STEPS=(facts install attention equivalence fused profile train baseline bench)
+ALL_STEPS=(facts install attention equivalence fused profile train baseline offload bench)
 usage_error() { echo "gpu_check.sh: error: $*" >&2; exit 2; }
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -98,6 +101,7 @@ ATTENTION_FLAGS=()
 BASELINE_ENV=(EPP_ATTENTION_BACKEND=varlen EPP_FUSED_KERNELS=torch)
 BASELINE_FLAGS=()
 FUSED_FLAGS=(--repeats 5)
+KV_HOST_FLAGS=()  # benchmarks/check_kv_host_cuda.py's defaults: a 16K document in four slices, 32:8 heads of 128, bf16
 # --quick's train and baseline runs: torch.profiler records one iteration of each (the same one), summarised by kernel
 # class (benchmarks/trace_kernels.py): where the step's device time goes; that iteration is left out of kernels_ab's medians
 TRACE_ITERATION=9  # the quick model's shapes (the benchmark's defaults): each candidate per op against torch's op
@@ -128,6 +132,7 @@ if [ "$REHEARSAL" = 1 ]; then  # the same steps at toy sizes on the CPU
   PROFILE_FLAGS=(--device cpu --hidden-size 32 --num-attention-heads 4 --num-layers 2 --seq-lengths 16,32,64 --contexts 0,32
     --layer-lengths 16,32,64,128 --head-lengths 16,64 --repeats 2)
   ATTENTION_FLAGS=(--cpu-dry-run)
+  KV_HOST_FLAGS=(--cpu-dry-run)
   FUSED_FLAGS=(--device cpu --tokens 64 --hidden 64 --heads 4 --kv-heads 2 --ffn 96 --vocab 128 --repeats 2 --candidates torch)
   BASELINE_ENV=(EPP_ATTENTION_BACKEND=sdpa EPP_FUSED_KERNELS=torch)  # torch's varlen_attn runs on CUDA only
   TRACE_ITERATION=5  # of 6
@@ -136,10 +141,10 @@ if [ "$REHEARSAL" = 1 ]; then  # the same steps at toy sizes on the CPU
 fi
 
 # per step: its time limit (s; 34.5 min in all without builds) and its command
-declare -A LIMIT=([facts]=60 [install]=$((150 + BUILD_TIMEOUT * 2)) [attention]=180 [equivalence]=420 [fused]=180 [profile]=300 [train]=360 [baseline]=360 [bench]=600)
+declare -A LIMIT=([facts]=60 [install]=$((150 + BUILD_TIMEOUT * 2)) [attention]=180 [equivalence]=420 [fused]=180 [profile]=300 [train]=360 [baseline]=360 [offload]=420 [bench]=600)
 # --quick: 570 s in all (the device machines lend 10 minutes a command and 15 a session, its start included); the
 # first contact with flash-attn-4 compiles its kernels (tens of seconds each, cached on disk for the later steps)
-[ "$QUICK" = 1 ] && declare -A LIMIT=([facts]=15 [install]=75 [attention]=80 [equivalence]=85 [fused]=60 [profile]=0 [train]=140 [baseline]=115 [bench]=600)
+[ "$QUICK" = 1 ] && declare -A LIMIT=([facts]=15 [install]=75 [attention]=80 [equivalence]=85 [fused]=60 [profile]=0 [train]=140 [baseline]=115 [offload]=200 [bench]=600)
 QUICK_SETUP=""
 [ "$QUICK" = 1 ] && QUICK_SETUP="--no-te --no-flash"  # no wheel of either exists for the GPU machines; the full check tries
 command_of() {
@@ -155,6 +160,7 @@ command_of() {
            else
              echo "$PYTHON -m torch.distributed.run --nproc-per-node 1 pretrain_gpt.py ${TRAIN_FLAGS[*]} --epp-profile <profile.json, else llama-7b> --epp-metrics $OUT_DIR/metrics.jsonl"
            fi ;;
+    offload) echo "$PYTHON -m benchmarks.check_kv_host_cuda ${KV_HOST_FLAGS[*]}; the train step's run with --epp-offload checkpoints (metrics_offload.jsonl)" ;;
     baseline) echo "${BASELINE_ENV[*]} $PYTHON -m torch.distributed.run --nproc-per-node 1 pretrain_gpt.py ${TRAIN_FLAGS[*]} ${BASELINE_FLAGS[*]} --epp-metrics $OUT_DIR/metrics_baseline.jsonl (the train step's run, the kernels before)" ;;
     bench) echo "$PYTHON -m benchmarks.bench_gpu ${BENCH_FLAGS[*]}" ;;
   esac
@@ -182,7 +188,7 @@ run_step() {  # run_step NAME COMMAND...: time-boxed, output in OUT_DIR/NAME.log
   local name=$1 start=$SECONDS rc=0 status took result; shift
   echo "=== $name (limit ${LIMIT[$name]} s): $(command_of "$name")"
   if declare -F "$1" > /dev/null; then  # a function of this script: timeout runs programs, so hand it to a bash
-    set -- bash -c "$(declare -p PYTHON WHEELS BUILD_TIMEOUT OUT_DIR TRAIN_FLAGS BASELINE_ENV BASELINE_FLAGS TRACE_ITERATION REHEARSAL QUICK QUICK_SETUP); $(declare -f "$1" train); $1"
+    set -- bash -c "$(declare -p PYTHON WHEELS BUILD_TIMEOUT OUT_DIR TRAIN_FLAGS BASELINE_ENV BASELINE_FLAGS KV_HOST_FLAGS TRACE_ITERATION REHEARSAL QUICK QUICK_SETUP); $(declare -f "$1" train); $1"
   fi
   timeout -k 20 "${LIMIT[$name]}" "$@" > "$OUT_DIR/$name.log" 2>&1 || rc=$?
   took=$((SECONDS - start))
@@ -206,6 +212,7 @@ result_of() {  # one line from a step's log
     fused) grep -E '^\{' "$log" | tail -n 1 | cut -c1-300 ;;
     profile) grep -E 'rms rel err' "$log" | awk '{printf "%s %s%%; ", $1, $5}' ;;
     train|baseline) grep -E '^train:' "$log" | tail -n 1 ;;
+    offload) { grep -E '^check_kv_host_cuda:' "$log"; grep -E '^> host link:' "$log" | cut -c1-120; grep -E '^train:' "$log"; } | tr '\n' ';' ;;
     bench) if [ "$REHEARSAL" = 1 ]; then grep -E '^estimated time' "$log" | tail -n 1; else grep -E '^\{' "$log" | tail -n 1; fi ;;
   esac
   [ "$2" = 0 ] || echo " (last line: $(grep -v '^\s*$' "$log" | tail -n 1 | cut -c1-200))"
@@ -260,6 +267,14 @@ train() {  # train [METRICS_NAME [PORT]]: the training check, its metrics in OUT
   "$PYTHON" -m benchmarks.gpu_check_report --train "$metrics" $([ "$QUICK" = 1 ] && echo --default-path)
 }
 
+offload() {  # issue 41 on a GPU: K/V buffers on the host through the CUDA block kernel, then the train step's run
+  # (its batches) with the recompute checkpoints the planner chooses to offload, on the copy bandwidth measured at start-up
+  local rc=0
+  "$PYTHON" -m benchmarks.check_kv_host_cuda "${KV_HOST_FLAGS[@]}" || rc=$?
+  train metrics_offload.jsonl 29519 --epp-offload checkpoints || rc=$?
+  return $rc
+}
+
 baseline() {  # the train step's run with the kernels before flash-attn-4 and the fused pointwise ops
   env "${BASELINE_ENV[@]}" bash -c "$(declare -p PYTHON OUT_DIR TRAIN_FLAGS TRACE_ITERATION REHEARSAL QUICK); $(declare -f train); train metrics_baseline.jsonl 29518 $([ ${#BASELINE_FLAGS[@]} = 0 ] || printf '%q ' "${BASELINE_FLAGS[@]}")"
 }
@@ -273,6 +288,7 @@ wanted fused && run_step fused "$PYTHON" -m benchmarks.fused_kernels "${FUSED_FL
 wanted profile && run_step profile "$PYTHON" -m megatron_epp.measure.profile_gpu "${PROFILE_FLAGS[@]}" --out "$OUT_DIR/profile.json"
 wanted train && run_step train train
 wanted baseline && run_step baseline baseline
+wanted offload && run_step offload offload
 wanted bench && run_step bench "$PYTHON" -m benchmarks.bench_gpu "${BENCH_FLAGS[@]}"
 
 {

@@ -334,11 +334,15 @@ def test_gpu_check_quick_fits_one_device_command_and_takes_the_default_path():
 
 def test_gpu_check_quick_rehearsal_trains_on_the_default_path_and_reports_json(tmp_path):
     out = tmp_path / "quick"
-    proc = run("bash", "scripts/gpu_check.sh", "--quick", "--cpu-rehearsal", "--steps", "fused,train,baseline,bench", "--out", str(out), timeout=600)
+    proc = run("bash", "scripts/gpu_check.sh", "--quick", "--cpu-rehearsal", "--steps", "fused,train,baseline,offload,bench", "--out", str(out),
+               timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report == json.loads((out / "report.json").read_text())
-    assert set(report["steps"]) == {"fused", "train", "baseline", "bench"} and all(s["status"] == "ok" for s in report["steps"].values())
+    assert set(report["steps"]) == {"fused", "train", "baseline", "offload", "bench"} and all(s["status"] == "ok" for s in report["steps"].values())
+    # the opt-in offload step: K/V on the host checked (dry run here), the same batches with checkpoints offloaded, paired
+    assert "check_kv_host_cuda: passed" in (out / "offload.log").read_text() and "> host link: measured " in (out / "offload.log").read_text()
+    assert [p["iteration"] for p in report["offload_ab"]["pairs"]] == list(range(1, 7))
     assert [r["op"] for r in report["fused"]["results"]] == ["norm", "swiglu", "rope", "cross_entropy", "linear_cross_entropy"]
     # one iteration of each run traced by torch.profiler, summarised by kernel class (a CPU trace has no device kernels)
     assert all(report["traces"][run]["iteration"] == 5 and report["traces"][run]["steps"] == 1 for run in ("train", "baseline"))
