@@ -223,11 +223,18 @@ try: print(m.version(sys.argv[1]))
 except m.PackageNotFoundError: pass' "$1" 2>/dev/null
 }
 install_kernels() {
-  local log="$LOG_DIR/kernels.log" missing=() installed=() spec name triton_before triton_after found why=""
-  while read -r spec; do
-    name=${spec%%==*}
-    [ -n "$(dist_version "$name")" ] || missing+=("$spec")
-  done < <(grep -Ev '^\s*(#|$)' requirements-gpu-kernels.txt)
+  local log="$LOG_DIR/kernels.log" missing=() installed=() triton_before triton_after found why=""
+  mapfile -t missing < <("$PYTHON" - <<'PY'  # the pinned specs whose distribution is not installed (one interpreter start)
+import importlib.metadata as m
+for line in open("requirements-gpu-kernels.txt"):
+    spec = line.split("#")[0].strip()
+    if spec:
+        try:
+            m.version(spec.split("==")[0])
+        except m.PackageNotFoundError:
+            print(spec)
+PY
+)
   if [ ${#missing[@]} = 0 ]; then
     say "kernels: requirements-gpu-kernels.txt already installed"
   else

@@ -30,6 +30,8 @@ from typing import Callable, ClassVar
 
 import torch
 
+from megatron_epp.executor.context import VarlenSeqlens, bottom_right_causal_mask
+
 DISTRIBUTION = "flash-attn-4"
 MODULE = "flash_attn.cute"
 CACHE_ENABLED = "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"
@@ -132,7 +134,7 @@ def reference(q, k, v, segments, scale: float) -> torch.Tensor:
         qi = q[row_q:row_q + s].float().transpose(0, 1)
         ki, vi = (t[row_k:row_k + context + s].float().repeat_interleave(group, dim=1).transpose(0, 1) for t in (k, v))
         scores = (qi @ ki.transpose(1, 2)) * scale
-        mask = torch.ones(s, context + s, dtype=torch.bool, device=q.device).tril(diagonal=context)
+        mask = bottom_right_causal_mask(s, context, q.device)
         outputs.append((scores.masked_fill(~mask, float("-inf")).softmax(-1) @ vi).transpose(0, 1))
         row_q, row_k = row_q + s, row_k + context + s
     return torch.cat(outputs)
@@ -151,8 +153,6 @@ def probe(kernel: CuteFlashKernel, device: torch.device, dtype: torch.dtype, hea
 
 @functools.cache
 def _probe(kernel, device, dtype, heads, kv_heads, head_dim, deterministic) -> ProbeResult:
-    from megatron_epp.executor.context import VarlenSeqlens
-
     start = time.perf_counter()
     generator = torch.Generator().manual_seed(0)
     rows_q, rows_k = sum(s for s, _ in PROBE_SEGMENTS), sum(s + c for s, c in PROBE_SEGMENTS)

@@ -166,18 +166,21 @@ SHAPES = {
 }
 
 
-@pytest.fixture(scope="module")
-def memory(tmp_path_factory) -> dict[str, list[dict]]:
-    """tests/workers/memory_chunks.py --offload on every shape of SHAPES, in one process."""
-    out = tmp_path_factory.mktemp("offload-memory")
+def memory_runs(out: Path, mode: str, shapes: dict[str, list[str]]) -> dict[str, list[dict]]:
+    """tests/workers/memory_chunks.py ``mode`` (``--offload``, ``--kv-host``) on every shape of ``shapes``, in one process."""
     argv: list[str] = []
-    for name, flags in SHAPES.items():
-        argv += [*([RUN_SEPARATOR] if argv else []), str(out / f"{name}.json"), "--offload", *flags]
+    for name, flags in shapes.items():
+        argv += [*([RUN_SEPARATOR] if argv else []), str(out / f"{name}.json"), mode, *flags]
     env = run_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
     proc = subprocess.run([sys.executable, str(REPO / "tests/workers/memory_chunks.py"), *argv], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return {name: json.loads((out / f"{name}.json").read_text()) for name in SHAPES}
+    return {name: json.loads((out / f"{name}.json").read_text()) for name in shapes}
+
+
+@pytest.fixture(scope="module")
+def memory(tmp_path_factory) -> dict[str, list[dict]]:
+    return memory_runs(tmp_path_factory.mktemp("offload-memory"), "--offload", SHAPES)
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
@@ -206,16 +209,7 @@ KV_SHAPES = {
 
 @pytest.fixture(scope="module")
 def kv_memory(tmp_path_factory) -> dict[str, list[dict]]:
-    """tests/workers/memory_chunks.py --kv-host on every shape of KV_SHAPES, in one process."""
-    out = tmp_path_factory.mktemp("kv-host-memory")
-    argv: list[str] = []
-    for name, flags in KV_SHAPES.items():
-        argv += [*([RUN_SEPARATOR] if argv else []), str(out / f"{name}.json"), "--kv-host", *flags]
-    env = run_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
-    proc = subprocess.run([sys.executable, str(REPO / "tests/workers/memory_chunks.py"), *argv], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return {name: json.loads((out / f"{name}.json").read_text()) for name in KV_SHAPES}
+    return memory_runs(tmp_path_factory.mktemp("kv-host-memory"), "--kv-host", KV_SHAPES)
 
 
 @pytest.mark.parametrize("shape", list(KV_SHAPES))
