@@ -24,6 +24,7 @@ and flash-attn's varlen paths and on torch's ``varlen_attn``.
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 from pathlib import Path
@@ -49,6 +50,7 @@ DROPOUT = ["--hidden-dropout", "0.2", "--attention-dropout", "0.2", *PP2]
 SP_FAULT_CASES = 2  # the first cases of the sequence-parallel run again under each of its faults
 CP2 = ["--elastic-pp", "--context-parallel-size", "2"]
 CP_FAULTS = ["cp_all_to_all_order", "cp_rope_of_another_rank", "cp_loss_not_summed"]
+OFFLOAD = ["--offload", "--kv-host"]  # random offloaded checkpoints and K/V buffers on the host (the plans otherwise as without)
 CHUNKED_LOSS = ["--epp-loss-chunk-tokens", "5"]  # blocks of 5 tokens: several per chunk of the cases' sequences
 FAULTS = ["drop_prefix", "drop_prefix_grads", "misplaced_kv", "forward_order_backward", "leak_packing"]
 
@@ -100,6 +102,11 @@ RUNS: dict[str, tuple[int, str, int, list[str]]] = {
     **{f"cp2-{fault}": (2, "elastic", 2, [*CP2, "--fault", fault]) for fault in CP_FAULTS},
     "pp2xcp2-llama": (4, "elastic", 3, [*PP2, *CP2, *LLAMA, "--random-recompute"]),
     "tp2xcp2-sp-llama": (4, "elastic", 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel", *CP2, *LLAMA]),
+    # activation offload under context parallelism (issue 41), test_context_parallel_offload_*: the plans of "cp2" and
+    # "pp2xcp2-llama" (same seeds) with random checkpoints and split sequences' K/V buffers on the host
+    "cp2-offload": (2, "elastic", 4, [*CP2, "--random-recompute", *OFFLOAD]),
+    "pp2xcp2-llama-offload": (4, "elastic", 3, [*PP2, *CP2, *LLAMA, "--random-recompute", *OFFLOAD]),
+    "cp2-kv-wrong-rows": (2, "elastic", 3, [*CP2, "--random-recompute", "--kv-host", "--kv-host-fault", "kv-wrong-rows"]),
     # the chunked output head (--epp-loss-chunk-tokens), test_chunked_loss_*: tied embeddings over two stages; vocab-
     # parallel at tp 2 with sequence parallelism; a block's gradient dropped
     "chunked-loss-pp2": (2, "elastic", 4, [*PP2, *CHUNKED_LOSS]),
@@ -459,6 +466,46 @@ def test_context_parallel_fault_breaks_the_match(runs, fault):
     block, the loss (gradients, token count, reported loss) not summed over the CP ranks: each breaks the match."""
     name = f"cp2-{fault}"
     assert max(worst_mismatch(runs["reference-rope"], runs[name], c) for c in range(RUNS[name][2])) > 1e-2
+
+
+def offloaded(run: Path, case: int) -> tuple[int, int, int]:
+    """``(checkpoints, sequences, host peak)``: the offloaded checkpoints and the sequences with their K/V buffer on the
+    host in the case's plan, and the host pool's peak bytes on the first stage."""
+    saved = torch.load(run / f"case{case}_stage0.pt")
+    plan = json.loads(saved["plan"]) if isinstance(saved["plan"], str) else saved["plan"]
+    pipes = plan["pipelines"]
+    return (sum(sum(map(sum, p.get("offload") or [[0]])) for p in pipes), sum(len(p.get("kv_host") or []) for p in pipes),
+            saved["host_peak"])
+
+
+@pytest.mark.parametrize("name, plain, reference, gated", [
+    ("cp2-offload", "cp2", "reference-rope", False), ("pp2xcp2-llama-offload", "pp2xcp2-llama", "reference-llama", True),
+])
+def test_context_parallel_offload_is_bitwise(runs, name, plain, reference, gated):
+    """Checkpoints and split sequences' K/V buffers on the host at cp 2 (each CP rank's K/V heads in its own host
+    buffer) and at pp 2 x cp 2 (LLaMA-style, random recompute): the loss and gradients of the same plans without
+    offload bit for bit, hence stock Megatron-Core's; the plans did offload and the host pool held it."""
+    checkpoints = sequences = 0
+    for case in range(RUNS[name][2]):
+        (loss, grads), (plain_loss, plain_grads) = load(runs[name], case), load(runs[plain], case)
+        assert loss == plain_loss and grads.keys() == plain_grads.keys(), f"case {case}"
+        assert all(torch.equal(grads[n], plain_grads[n]) for n in grads), f"case {case}: gradients differ with offload"
+        assert worst_mismatch(runs[reference], runs[name], case, gated=gated) < 1e-5, f"case {case}"
+        c, s, host = offloaded(runs[name], case)
+        checkpoints, sequences = checkpoints + c, sequences + s
+        assert (c + s > 0) == (host > 0), f"case {case}: {c} checkpoints, {s} sequences offloaded, host peak {host} B"
+    assert checkpoints > 0 and sequences > 0, (checkpoints, sequences)
+
+
+def test_context_parallel_kv_host_fault_breaks_the_match(runs):
+    """A split sequence's prefix fetched from the wrong rows of its host buffer at cp 2 breaks the match with the
+    plain plan on every case whose plan has a sequence on the host; some case must."""
+    touched = 0
+    for case in range(RUNS["cp2-kv-wrong-rows"][2]):
+        if offloaded(runs["cp2-kv-wrong-rows"], case)[1]:
+            touched += 1
+            assert worst_mismatch(runs["reference-rope"], runs["cp2-kv-wrong-rows"], case) > 1e-3, f"case {case} unchanged"
+    assert touched
 
 
 def test_bf16_context_parallel_matches_fp32_reference(runs):
