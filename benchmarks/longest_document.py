@@ -10,7 +10,7 @@ analytic H100 profile and the preset's host link, whose bandwidth (25 GB/s per G
 (2 TB per node; the budget 75 % of it over 8 GPUs, 192 GB per GPU) are assumptions stated in ``cost/clusters.py``.
 
     python -m benchmarks.longest_document [--nodes 1,4] [--layouts TP8xPP1,...] [--budget-gb 80] [--offload none,checkpoints]
-        [--epp-loss-chunk-tokens N]   # the chunked output head, as pretrain_gpt.py's
+        [--epp-loss-chunk-tokens N] [--epp-mlp-chunk-tokens N]   # the chunked output head and the tiled MLP, as pretrain_gpt.py's
     python -m benchmarks.longest_document --table LOG   # the markdown table of a run's last (JSON) line
 
 The last line is one JSON object: ``{"rows": [...]}``.
@@ -60,13 +60,17 @@ def main() -> None:
     ap.add_argument("--cluster", default="h100-ib-gpu")
     ap.add_argument("--epp-loss-chunk-tokens", type=int, default=0, metavar="N",
                     help="the output head chunked in blocks of N tokens (--epp-loss-chunk-tokens; default 0: whole logits)")
+    ap.add_argument("--epp-mlp-chunk-tokens", type=int, default=0, metavar="N",
+                    help="every layer's MLP in blocks of N tokens a rank (--epp-mlp-chunk-tokens; default 0: the whole chunk's)")
     ap.add_argument("--offload", default=",".join(MODES), help=f"comma-separated offload modes (default {','.join(MODES)})")
     ap.add_argument("--table", metavar="LOG", help="print the markdown table of LOG's last line (a run's JSON) and exit")
     args = ap.parse_args()
     if args.table:
         print(table(json.loads(open(args.table).read().strip().splitlines()[-1])["rows"]))
         return
-    shape, rows = dataclasses.replace(MODEL_PRESETS[args.model], loss_chunk_tokens=args.epp_loss_chunk_tokens), []
+    shape = dataclasses.replace(MODEL_PRESETS[args.model], loss_chunk_tokens=args.epp_loss_chunk_tokens,
+                                mlp_chunk_tokens=args.epp_mlp_chunk_tokens)
+    rows: list[dict] = []
     modes = [m for m in MODES if m in args.offload.split(",")]
     for nodes in (int(x) for x in args.nodes.split(",")):
         cluster = get_cluster(args.cluster).with_nodes(nodes)
@@ -82,6 +86,7 @@ def main() -> None:
                     found = longest_document(shape, cluster, layout, config)
                 row = {"gpus": cluster.world_size, "layout": str(layout), "offload": mode, **found.row(),
                        **({"loss_chunk_tokens": args.epp_loss_chunk_tokens} if args.epp_loss_chunk_tokens else {}),
+                       **({"mlp_chunk_tokens": args.epp_mlp_chunk_tokens} if args.epp_mlp_chunk_tokens else {}),
                        "search_s": round(time.perf_counter() - t0, 1)}
                 rows.append(row)
                 print(f"  {row['layout']:18s} {mode:11s} longest {row['tokens']:>9d} tokens  step {row['step_ms']} ms  "

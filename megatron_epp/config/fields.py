@@ -449,6 +449,13 @@ class EPPConfig(PlannerOptions):
              "logits; the planner's memory model and the start-up profile count it so. Same weights, the loss equal "
              "within fp32 rounding; overrides a fused cross entropy (--cross-entropy-loss-fusion). 0: off, the whole "
              "chunk's logits (default 0)")
+    mlp_chunk_tokens: int = option("--epp-mlp-chunk-tokens", at_least=0, default=0, type=int, metavar="N",
+        help="every layer's MLP computed in blocks of N of a rank's tokens (its sequence-parallel shard under sequence "
+             "parallelism), each block's MLP recomputed in backward (a sequence-tiled MLP in plain torch): a layer keeps "
+             "the MLP's input, never a chunk's fc1 output and activations (5 ffn values a token with SwiGLU), at the cost of "
+             "one more MLP forward in backward; the planner's memory and time models and the start-up profile count it "
+             "so. For documents of millions of tokens. Same weights, the gradients equal within fp32 rounding. 0: off, the "
+             "whole chunk's MLP (default 0)")
     planner: PlannerConfig | None = derived()
     default_budget: DefaultBudget | None = derived()
 

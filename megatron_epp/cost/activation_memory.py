@@ -18,7 +18,8 @@ def gpu_activation_memory(shape: ModelShape, tp: int, cp: int = 1) -> dict[str, 
     dropout mask ``h``; the MLP's fc1 input ``2 h``, activation input ``2 f`` (SwiGLU: fc1's whole
     output, ``4 f``), fc2 input ``2 f`` and a dropout mask ``h``; the two norms' inputs ``4 h``
     (``q = heads x head_dim``, ``h_kv`` the K/V heads' width: GQA saves smaller K and V); query and key norms
-    (``--qk-layernorm``) their inputs ``2 q + 2 h_kv``, counted as the two norms are. K and V are
+    (``--qk-layernorm``) their inputs ``2 q + 2 h_kv``, counted as the two norms are; the tiled MLP
+    (``mlp_chunk_tokens``) keeps fc1's input alone (its blocks' activations are the backward's workspace). K and V are
     what a lone slice reads from its K/V buffer instead; a checkpointed layer keeps its bf16 input.
 
     Dropout on CUDA (modelled, not measured): the two hidden-dropout masks above are one byte per element
@@ -37,7 +38,7 @@ def gpu_activation_memory(shape: ModelShape, tp: int, cp: int = 1) -> dict[str, 
     h, q, f = shape.hidden, shape.q_hidden, shape.ffn_hidden
     kv = 2 * 2.0 * shape.kv_hidden / tp / (cp if kv_heads_split(shape, tp, cp) else 1)
     attention = 2 * h + 2 * q + 2 * q + h + (2 * q if cp > 1 else 0) + (2 * (q + shape.kv_hidden) if shape.qk_norm else 0)
-    mlp = 2 * h + (4 if shape.swiglu else 2) * f + 2 * f + h
+    mlp = 2 * h + ((4 if shape.swiglu else 2) * f + 2 * f if not shape.mlp_chunk_tokens else 0) + h
     share = tp * cp  # the GPUs a chunk's tokens (outside core attention) or its heads (inside) are divided over
     return {
         "act_token": (attention + mlp + 4 * h) / share + kv, "act_area": 0.0, "act_context": 0.0, "ckpt_token": 2.0 * h / share,
@@ -143,7 +144,9 @@ def saved_tensor_memory(shape: ModelShape, tp: int = 1, sequence_parallel: bool 
     * the output projection's input ``b q``; fc1's input ``b h``; the MLP's activation: GELU its
       input ``b f`` and fc2's input ``b f``; SwiGLU (megatron-core's unfused ``glu``) fc1's whole
       output ``2 b f`` (SiLU's input is a view of it), SiLU's output, the linear half plus its offset
-      (a new tensor) and fc2's input, ``b f`` each: ``5 b f``.
+      (a new tensor) and fc2's input, ``b f`` each: ``5 b f``; with the tiled MLP (``mlp_chunk_tokens``,
+      ``executor.tiled_mlp``) none of them: it keeps fc1's input alone, and its blocks' recomputed activations in
+      backward are workspace, not saved tensors of the step's graph.
 
     Biases save nothing (``--disable-bias-linear``, ``--add-qkv-bias`` change no activation). A split sequence's K/V
     buffer holds ``2 b h_kv`` per token of the whole sequence and layer (``kv_token``: its K and V rows);
@@ -193,7 +196,7 @@ def saved_tensor_memory(shape: ModelShape, tp: int = 1, sequence_parallel: bool 
         + qk_norms
         + attention
         + b * q / cp  # output projection input
-        + (5 if shape.swiglu else 2) * b * f / cp  # the MLP's activation and fc2 inputs
+        + (0 if shape.mlp_chunk_tokens else 5 if shape.swiglu else 2) * b * f / cp  # the MLP's activation and fc2 inputs
         + 2 * mask  # the hidden dropouts after attention and after the MLP
     )
     return {

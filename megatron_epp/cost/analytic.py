@@ -41,7 +41,8 @@ def analytic_profile(shape: ModelShape, tp: int = 8, acc: Accelerator = H100) ->
     a1 = 2.0 * h * ms_per_attn_flop
     comm = 2 * 2 * (tp - 1) / tp * h * 2 / (acc.tp_bw_gbps * 1e9) * 1e3 * (1 - acc.tp_overlap)
     fwd = TimeCoeffs(a1, 2 * a1, shape.gemm_flops_per_token() * ms_per_gemm_flop + comm, 0.0, 0.0, acc.launch_ms)
-    bwd = TimeCoeffs(2.5 * a1, 5 * a1, 2 * shape.gemm_flops_per_token() * ms_per_gemm_flop + comm, 0.0, 0.0, 2 * acc.launch_ms)
+    bwd = TimeCoeffs(2.5 * a1, 5 * a1, 2 * shape.gemm_flops_per_token() * ms_per_gemm_flop + comm + tiled_mlp_recompute(shape, ms_per_gemm_flop),
+                     0.0, 0.0, 2 * acc.launch_ms)
     head = 2.0 * h * shape.vocab * ms_per_gemm_flop
     memory = MemoryCoeffs(
         **gpu_activation_memory(shape, tp),
@@ -66,6 +67,18 @@ def analytic_profile(shape: ModelShape, tp: int = 8, acc: Accelerator = H100) ->
         time_model=shape,
         fit={"note": f"analytic: peak {acc.peak_tflops} TFLOP/s, MFU {acc.mfu} (attention {acc.attn_mfu}), TP overlap {acc.tp_overlap}; not measured"},
     )
+
+
+def tiled_mlp_recompute(shape: ModelShape, ms_per_gemm_flop: float | None = None, fwd_a2: float = 0.0) -> float:
+    """Per token, the ms a tiled MLP's backward (``mlp_chunk_tokens``) adds to a layer's: one more MLP forward, its
+    GEMMs at ``ms_per_gemm_flop`` (an analytic profile) or the MLP's share of the layer's forward GEMM FLOPs times the
+    layer's forward ``fwd_a2`` (a measured one); 0 without the tiled MLP. Its tensor-parallel all-gather and
+    reduce-scatter, recomputed too, are not charged."""
+    if not shape.mlp_chunk_tokens:
+        return 0.0
+    if ms_per_gemm_flop is not None:
+        return shape.mlp_gemm_flops_per_token() * ms_per_gemm_flop
+    return fwd_a2 * shape.mlp_gemm_flops_per_token() / shape.gemm_flops_per_token()
 
 
 def time_scale_factors(ref: ModelShape, shape: ModelShape) -> dict[str, float]:
@@ -98,7 +111,8 @@ def shape_time(profile: Profile) -> Profile:
     two agree in every field the time depends on (layer count and name do not count, nor the dropout
     probabilities: the masks' time is not modelled, the driver's online calibration absorbs it). The chunked output
     head (``loss_chunk_tokens``) recomputes its logits in backward: carried to or from it, the head's backward gains
-    or loses one head forward's ``a2``.
+    or loses one head forward's ``a2``; the tiled MLP (``mlp_chunk_tokens``) its MLP: a layer's backward gains or
+    loses one MLP forward (:func:`tiled_mlp_recompute`).
 
     First-principles FLOP scaling: a device's efficiency depends on the size of the GEMMs (small
     ones run further from peak), so a shape far from ``time_model`` is better profiled afresh
@@ -133,7 +147,11 @@ def shape_time(profile: Profile) -> Profile:
     recomputed = (shape.loss_chunk_tokens > 0) - (ref.loss_chunk_tokens > 0)  # the chunked head's backward: + a forward
     if recomputed:
         head_bwd = replace(head_bwd, a2=head_bwd.a2 + recomputed * head(profile.head_fwd).a2)
+    # the tiled MLP's recomputed forward in the backward: off at the measured shape's, carried, on at the new one's
+    fwd = layer(profile.fwd)
+    bwd = layer(replace(profile.bwd, a2=profile.bwd.a2 - tiled_mlp_recompute(ref, ms_per_flop, profile.fwd.a2)), 2.0)
+    bwd = replace(bwd, a2=bwd.a2 + tiled_mlp_recompute(shape, ms_per_flop, fwd.a2))
     return replace(
-        profile, fwd=layer(profile.fwd), bwd=layer(profile.bwd, 2.0), recompute=layer(profile.recompute),
+        profile, fwd=fwd, bwd=bwd, recompute=layer(profile.recompute),
         head_fwd=head(profile.head_fwd), head_bwd=head_bwd, time_model=shape,
     )

@@ -48,6 +48,9 @@ class ModelShape:
     # the output head in blocks of this many tokens (``--epp-loss-chunk-tokens``; 0: the whole chunk's logits): what
     # the head keeps for its backward (the memory derivations' ``logits_token``) and its backward's recomputed logits
     loss_chunk_tokens: int = 0
+    # every layer's MLP in blocks of this many of a rank's tokens (``--epp-mlp-chunk-tokens``; 0: the whole chunk's): what
+    # a layer keeps for its backward (only the MLP's input) and its backward's recomputed MLP forward
+    mlp_chunk_tokens: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -106,6 +109,10 @@ class ModelShape:
     def gemm_flops_per_token(self) -> float:
         """Forward GEMM FLOPs of one layer per token (2 per multiply-add)."""
         return 2.0 * self.gemm_params_per_layer()
+
+    def mlp_gemm_flops_per_token(self) -> float:
+        """Forward GEMM FLOPs of one layer's MLP per token (fc1, twice as wide with SwiGLU, and fc2)."""
+        return 2.0 * (3 if self.swiglu else 2) * self.hidden * self.ffn_hidden
 
     def training_flops(self, seq_lengths) -> float:
         """Model FLOPs of one training pass (forward + backward = 3 x forward; recompute not counted) over causal

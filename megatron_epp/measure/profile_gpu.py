@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     kernel = kernels.select_backend(kernels.requested_backend(args.attention_backend), device, dtype,
                                     gqa=heads[1] != heads[0], heads=heads)
     fused_kernels = fused_choice(args.model, device, elastic=True)
-    name = device_name(device, dtype, kernel_key(kernel, fused_kernels, args.shape.loss_chunk_tokens))
+    name = device_name(device, dtype, kernel_key(kernel, fused_kernels, args.shape.loss_chunk_tokens, args.shape.mlp_chunk_tokens))
     kv = f", {shape.num_kv_heads} K/V heads" if shape.num_kv_heads else ""
     print(f"profiling {shape.name} (hidden {shape.hidden}, {shape.num_heads} heads{kv} x {shape.head_dim}, ffn {shape.ffn_hidden}"
           f"{' SwiGLU' if shape.swiglu else ''}, {shape.normalization}{'' if shape.bias else ', no biases'}, vocab {shape.vocab}) on {name}", flush=True)

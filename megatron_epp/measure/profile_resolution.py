@@ -59,6 +59,7 @@ class Target:
     torch_version: str = torch.__version__
     fused_kernels: fused.FusedChoice = fused.UNFUSED
     loss_chunk_tokens: int = 0  # the chunked output head's block (--epp-loss-chunk-tokens; 0: whole logits)
+    mlp_chunk_tokens: int = 0  # the tiled MLP's block (--epp-mlp-chunk-tokens; 0: the whole chunk's MLP)
 
     @classmethod
     def of_run(cls, cfg: TrainingConfig, device: torch.device) -> "Target":
@@ -72,12 +73,13 @@ class Target:
                                         dropout=cfg.model.attention_dropout, gqa=heads[1] != heads[0], heads=heads,
                                         deterministic=cfg.model.deterministic_mode)
         return cls("cuda", dtype, torch.cuda.get_device_name(device), kernel, device,
-                   fused_kernels=fused_choice(cfg, device, elastic=True), loss_chunk_tokens=cfg.epp.loss_chunk_tokens)
+                   fused_kernels=fused_choice(cfg, device, elastic=True), loss_chunk_tokens=cfg.epp.loss_chunk_tokens,
+                   mlp_chunk_tokens=cfg.epp.mlp_chunk_tokens)
 
     @property
     def key_kernel(self) -> str:
         """The kernel part of the key: the attention kernel and the fused kernels' tag (:func:`kernel_key`)."""
-        return kernel_key(self.kernel, self.fused_kernels, self.loss_chunk_tokens)
+        return kernel_key(self.kernel, self.fused_kernels, self.loss_chunk_tokens, self.mlp_chunk_tokens)
 
     def key(self, shape: ModelShape, seq_length: int) -> ProfileKey:
         return ProfileKey.of(self.gpu, str(self.dtype).removeprefix("torch."), self.key_kernel, shape, self.torch_version, seq_length)

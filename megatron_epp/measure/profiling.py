@@ -34,7 +34,7 @@ from megatron_epp.executor.rotary import ChunkRotaryEmbedding
 from megatron_epp.executor.spec import elastic_layer_spec
 from megatron_epp.plan import Chunk, Segment
 from megatron_epp.config.fields import ROTARY_BASE
-from megatron_epp.model.fused_layers import FusedNorm, fused_layer_spec
+from megatron_epp.model.fused_layers import FusedNorm, fused_layer_spec, tiled_mlp_spec
 from megatron_epp.model.gpt import TorchNorm, architecture_config, elastic_base_layer_spec
 
 # the most of the device's free memory the output head's largest profile point may take (its logits and their
@@ -90,7 +90,8 @@ class LayerStack(torch.nn.Module):
             gradient_accumulation_fusion=False,
         )
         self.context = ChunkContext()
-        spec = fused_layer_spec(elastic_layer_spec(elastic_base_layer_spec(shape.normalization, shape.qk_norm), self.context), fused_kernels)
+        spec = tiled_mlp_spec(fused_layer_spec(elastic_layer_spec(elastic_base_layer_spec(shape.normalization, shape.qk_norm), self.context),
+                                               fused_kernels), shape.mlp_chunk_tokens)
         self.fused_kernels = fused_kernels
         self.layers = torch.nn.ModuleList(build_module(spec, config=config, layer_number=i + 1) for i in range(num_layers))
         self.rotary = ChunkRotaryEmbedding(RotaryEmbedding(config.kv_channels, rotary_percent=1.0, rotary_base=rotary_base,
@@ -541,17 +542,19 @@ def measure_profile(shape: ModelShape, device: torch.device, dtype: torch.dtype,
             "memory": memory_fit, "chunk_cost": chunk,
             "note": ("medians; CUDA events and the caching allocator on GPU, process CPU time and autograd's saved tensors on "
                      "CPU") + (f"; {note}" if note else "")}
-    key_kernel = kernel_key(kernel, fused_kernels, shape.loss_chunk_tokens)
+    key_kernel = kernel_key(kernel, fused_kernels, shape.loss_chunk_tokens, shape.mlp_chunk_tokens)
     return measured_profile(shape, name or device_name(device, dtype, key_kernel), layer, head, memory, {**info, "timings": timings})
 
 
-def kernel_key(kernel: str, fused_kernels: fused.FusedChoice, loss_chunk_tokens: int = 0) -> str:
+def kernel_key(kernel: str, fused_kernels: fused.FusedChoice, loss_chunk_tokens: int = 0, mlp_chunk_tokens: int = 0) -> str:
     """The kernel part of a profile's key: the attention kernel, and the fused kernels' tag where any is fused
-    (``flash-varlen+fused:norm=liger;...``), and the chunked head's block where it is chunked (``+chunked-ce=4096``:
-    the head's time and memory are its own); the attention kernel alone otherwise (keys of earlier profiles)."""
+    (``flash-varlen+fused:norm=liger;...``), the chunked head's block where it is chunked (``+chunked-ce=4096``:
+    the head's time and memory are its own) and the tiled MLP's (``+tiled-mlp=8192``: so are a layer's); the
+    attention kernel alone otherwise (keys of earlier profiles)."""
     tag = fused_kernels.tag()
     key = f"{kernel}+{tag}" if tag else kernel
-    return f"{key}+chunked-ce={loss_chunk_tokens}" if loss_chunk_tokens else key
+    key = f"{key}+chunked-ce={loss_chunk_tokens}" if loss_chunk_tokens else key
+    return f"{key}+tiled-mlp={mlp_chunk_tokens}" if mlp_chunk_tokens else key
 
 
 def report_errors(profile: Profile, log: Callable[[str], None] = print) -> None:

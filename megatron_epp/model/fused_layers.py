@@ -7,6 +7,9 @@
   the spec has no place where the norm receives both.
 - swiglu: :class:`FusedSwiGLUMLP` as the layer's ``mlp`` module (megatron-core's ``MLP``, its activation the kernel).
 - rope: the elastic ``ChunkRopeSelfAttention``'s ``rope_backend`` (``ModuleSpec.params``).
+- the tiled MLP (``--epp-mlp-chunk-tokens``): :func:`tiled_mlp_spec` makes the layer's ``mlp`` module a
+  :class:`TiledMLP` (over megatron-core's ``MLP``) or :class:`TiledFusedSwiGLUMLP`, the MLP computed in token blocks
+  (:mod:`megatron_epp.executor.tiled_mlp`); same parameters, so checkpoints do not change.
 - cross entropy: :class:`FusedLossGPTModel`, megatron-core's ``GPTModel`` whose ``compute_language_model_loss`` runs
   the kernel (the output head is not built from the layer spec); :class:`ChunkedLossGPTModel` (``--epp-loss-chunk-tokens``)
   computes the output layer and the loss together in token blocks instead, the logits never whole.
@@ -31,6 +34,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_epp.executor import fused
 from megatron_epp.executor.chunked_loss import chunked_linear_cross_entropy
 from megatron_epp.executor.rotary import ChunkRopeSelfAttention
+from megatron_epp.executor.tiled_mlp import tiled_mlp
 
 
 class FusedRMSNorm(torch.nn.RMSNorm):
@@ -88,6 +92,59 @@ class FusedSwiGLUMLP(MLP):
         if bias is not None:
             intermediate = intermediate + bias
         return self.linear_fc2(self._swiglu(intermediate))
+
+
+class _Tiled:
+    """The MLP of the class it is mixed into, computed in blocks of ``mlp_chunk_tokens`` of its input's rows
+    (:func:`~megatron_epp.executor.tiled_mlp.tiled_mlp`) where autograd records it (training): its backward recomputes
+    each block. The output bias megatron-core returns apart (``skip_bias_add``: the fc2 bias itself) is returned as
+    the whole MLP returns it. Without autograd, or with per-token scales, the MLP as it is."""
+
+    def __init__(self, *args, mlp_chunk_tokens: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if mlp_chunk_tokens < 1:
+            raise ValueError(f"{type(self).__name__}: mlp_chunk_tokens {mlp_chunk_tokens}; give at least 1")
+        self.mlp_chunk_tokens = mlp_chunk_tokens
+
+    def forward(self, hidden_states, per_token_scale=None, **kwargs):
+        whole = super().forward
+        if per_token_scale is not None or not torch.is_grad_enabled():
+            return whole(hidden_states, per_token_scale, **kwargs)
+        bias: list = []
+
+        def run(block: torch.Tensor) -> torch.Tensor:
+            out, out_bias = whole(block, **kwargs)
+            bias[:] = [out_bias]
+            return out
+
+        params = tuple(p for p in self.parameters() if p.requires_grad)
+        return tiled_mlp(hidden_states, self.mlp_chunk_tokens, run, params), bias[0]
+
+
+class TiledMLP(_Tiled, MLP):
+    """megatron-core's ``MLP`` in token blocks (:class:`_Tiled`)."""
+
+
+class TiledFusedSwiGLUMLP(_Tiled, FusedSwiGLUMLP):
+    """:class:`FusedSwiGLUMLP` in token blocks (:class:`_Tiled`)."""
+
+
+TILED = {MLP: TiledMLP, FusedSwiGLUMLP: TiledFusedSwiGLUMLP}
+
+
+def tiled_mlp_spec(spec: ModuleSpec, mlp_chunk_tokens: int) -> ModuleSpec:
+    """``spec`` (a GPT layer spec, fused or not) with its MLP in blocks of ``mlp_chunk_tokens`` tokens (:class:`_Tiled`);
+    ``spec`` itself at 0."""
+    if not mlp_chunk_tokens:
+        return spec
+    spec = copy_spec(spec)
+    mlp = spec.submodules.mlp
+    if not (isinstance(mlp, ModuleSpec) and mlp.module in TILED):
+        raise ValueError(f"tiled_mlp_spec: --epp-mlp-chunk-tokens tiles megatron-core's dense MLP; the layer's is {getattr(mlp, 'module', mlp)}")
+    logging.getLogger("megatron.core.transformer.transformer_layer").addFilter(_MLP_FILTER)
+    mlp.module = TILED[mlp.module]
+    mlp.params = {**mlp.params, "mlp_chunk_tokens": mlp_chunk_tokens}
+    return spec
 
 
 class FusedLossGPTModel(GPTModel):

@@ -24,7 +24,7 @@ from megatron_epp.executor import fused, kernels
 from megatron_epp.executor.context import ChunkContext
 from megatron_epp.executor.spec import elastic_layer_spec, install_chunk_context
 from megatron_epp.executor.extensions import probe_fused_softmax, probe_transformer_engine
-from megatron_epp.model.fused_layers import ChunkedLossGPTModel, FusedLossGPTModel, FusedNorm, fused_layer_spec
+from megatron_epp.model.fused_layers import ChunkedLossGPTModel, FusedLossGPTModel, FusedNorm, fused_layer_spec, tiled_mlp_spec
 from megatron_epp.model.runtime import Runtime
 from megatron_epp.config.fields import TrainingConfig
 
@@ -184,6 +184,7 @@ def model_shape(cfg: TrainingConfig, name: str = "pretrain_gpt") -> ModelShape:
         learned_positions=cfg.model.max_position_embeddings if cfg.model.position_embedding_type == "learned_absolute" else 0,
         hidden_dropout=cfg.model.hidden_dropout, attention_dropout=cfg.model.attention_dropout,  # what their masks save
         loss_chunk_tokens=cfg.epp.loss_chunk_tokens,  # what the output head keeps
+        mlp_chunk_tokens=cfg.epp.mlp_chunk_tokens,  # what a layer's MLP keeps
     )
 
 
@@ -381,9 +382,12 @@ def build_model(
     spec = (default_layer_spec(m.normalization, local=m.attention_backend == "local", qk_layernorm=m.qk_layernorm) if context is None
             else elastic_layer_spec(elastic_base_layer_spec(m.normalization, m.qk_layernorm), context))
     model_class, head = head_model(cfg, choice)
+    if cfg.epp.mlp_chunk_tokens:
+        _announce(f"> MLP: in blocks of {cfg.epp.mlp_chunk_tokens} tokens a rank (--epp-mlp-chunk-tokens: each block's MLP "
+                  "recomputed in backward, a chunk's MLP activations never whole)")
     model = model_class(
         config,
-        decoder_spec(fused_layer_spec(spec, choice), config),
+        decoder_spec(tiled_mlp_spec(fused_layer_spec(spec, choice), cfg.epp.mlp_chunk_tokens), config),
         vocab_size=padded_vocab_size(cfg),
         max_sequence_length=cfg.model.max_position_embeddings,
         pre_process=runtime.is_first_stage,

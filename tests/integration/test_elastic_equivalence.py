@@ -52,6 +52,7 @@ CP2 = ["--elastic-pp", "--context-parallel-size", "2"]
 CP_FAULTS = ["cp_all_to_all_order", "cp_rope_of_another_rank", "cp_loss_not_summed"]
 OFFLOAD = ["--offload", "--kv-host"]  # random offloaded checkpoints and K/V buffers on the host (the plans otherwise as without)
 CHUNKED_LOSS = ["--epp-loss-chunk-tokens", "5"]  # blocks of 5 tokens: several per chunk of the cases' sequences
+TILED_MLP = ["--epp-mlp-chunk-tokens", "5"]  # blocks of 5 of a rank's tokens: several per chunk
 FAULTS = ["drop_prefix", "drop_prefix_grads", "misplaced_kv", "forward_order_backward", "leak_packing"]
 
 
@@ -112,6 +113,12 @@ RUNS: dict[str, tuple[int, str, int, list[str]]] = {
     "chunked-loss-pp2": (2, "elastic", 4, [*PP2, *CHUNKED_LOSS]),
     "chunked-loss-llama-tp2-sp": (2, "elastic", 3, ["--tensor-model-parallel-size", "2", "--sequence-parallel", *CHUNKED_LOSS, *LLAMA]),
     "chunked-loss-skip_block": (2, "elastic", 2, [*PP2, *CHUNKED_LOSS, "--fault", "chunked_loss_skip_block"]),
+    # the tiled MLP (--epp-mlp-chunk-tokens), test_tiled_mlp_*: GELU with biases (the fc2 bias returned apart) over two
+    # stages with random recompute (the blocks recomputed inside a recomputed layer); SwiGLU at tp 2 with sequence
+    # parallelism (each rank's shard in blocks, fc1 gathering the ranks' same block); a block's gradients dropped
+    "tiled-mlp-pp2": (2, "elastic", 4, [*PP2, "--random-recompute", *TILED_MLP]),
+    "tiled-mlp-llama-tp2-sp": (2, "elastic", 3, ["--tensor-model-parallel-size", "2", "--sequence-parallel", *TILED_MLP, *LLAMA]),
+    "tiled-mlp-skip_block": (2, "elastic", 2, [*PP2, *TILED_MLP, "--fault", "tiled_mlp_skip_block"]),
 }
 
 
@@ -514,6 +521,22 @@ def test_bf16_context_parallel_matches_fp32_reference(runs):
         error, stock = worst_mismatch(runs["reference-rope"], runs["bf16-cp2"], case), worst_mismatch(runs["reference-rope"], runs["reference-bf16"], case)
         assert error < BF16_BOUND, f"case {case}: {error:.2e} >= 16 u = {BF16_BOUND:.2e}"
         assert error < 2 * stock + BF16_UNIT_ROUNDOFF, f"case {case}: {error:.2e}, stock bf16 {stock:.2e}"
+
+
+def test_tiled_mlp_matches_reference(runs):
+    """The tiled MLP (blocks of 5 tokens a rank, each block's MLP recomputed in backward) gives the reference's loss and
+    gradients within fp32 rounding (not bitwise: the weights' gradients are summed block by block): GELU with biases
+    over two stages with random recompute, and SwiGLU at tp 2 with sequence parallelism."""
+    for name, reference, gated in (("tiled-mlp-pp2", "reference-rope", False), ("tiled-mlp-llama-tp2-sp", "reference-llama", True)):
+        worst = max(worst_mismatch(runs[reference], runs[name], case, gated=gated) for case in range(RUNS[name][2]))
+        print(f"{name}: worst relative error {worst:.2e}")
+        assert worst < 1e-5, name
+
+
+def test_tiled_mlp_fault_breaks_the_match(runs):
+    """Every block's gradients but the first's dropped: far from the reference on every case."""
+    for case in range(RUNS["tiled-mlp-skip_block"][2]):
+        assert worst_mismatch(runs["reference-rope"], runs["tiled-mlp-skip_block"], case) > 1e-2, f"case {case}"
 
 
 def test_chunked_loss_head_matches_reference(runs):

@@ -10,7 +10,7 @@ shapes, hidden dropout on the GPT shape under sequence parallelism; three at ``-
 processes, every CP rank's peak: a GPT and the bf16 LLaMA-style shape with K/V heads split, a GPT shape with its
 one K/V head replicated, learned positions and both dropouts; five Qwen-style ones with query and key norms, or QKV biases;
 two with the chunked output head, ``--epp-loss-chunk-tokens``: the fp32 GPT shape, and the bf16 LLaMA-style one at tp 2
-with sequence parallelism, its vocabulary split), and the planner
+with sequence parallelism, its vocabulary split; the same two with the tiled MLP, ``--epp-mlp-chunk-tokens``), and the planner
 predicts the same plans from the shipped profile with only the shape (and dtype) swapped (as
 ``OnlinePlanner`` does): a wrong checkpointed-layer term, an unscaled hidden size, a miscounted
 attention term or a K/V buffer counted at the wrong moment shows up as a mismatch.
@@ -70,6 +70,15 @@ SHAPES = {
                                   "--normalization", "RMSNorm", "--disable-bias-linear", "--vocab-size", "256",
                                   "--tensor-model-parallel-size", "2", "--sequence-parallel", "--model-dtype", "bfloat16",
                                   "--epp-loss-chunk-tokens", "24"],
+    # the tiled MLP (--epp-mlp-chunk-tokens): a layer keeps the MLP's input alone, its blocks' recompute in backward is
+    # workspace; h32's plans (GELU with biases, fp32), and SwiGLU at tp 2 with sequence parallelism in bf16 (each rank's
+    # shard in blocks)
+    "h32-tiled-mlp": ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "2", "--epp-mlp-chunk-tokens", "8"],
+    "llama-tp2-sp-tiled-mlp": ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8", "--kv-channels", "16",
+                               "--group-query-attention", "--num-query-groups", "2", "--swiglu", "--ffn-hidden-size", "96",
+                               "--normalization", "RMSNorm", "--disable-bias-linear", "--vocab-size", "256",
+                               "--tensor-model-parallel-size", "2", "--sequence-parallel", "--model-dtype", "bfloat16",
+                               "--epp-mlp-chunk-tokens", "8"],
     # context parallelism at cp 2 (Ulysses, two processes): each rank holds its block of every padded chunk outside
     # core attention and half the heads inside it. Two are cp 1 shapes above at cp 2 (the same plans: each CP
     # rank's peak about half of cp 1's); one replicates its single K/V head on both CP ranks, saves its learned
@@ -147,6 +156,16 @@ def test_chunked_loss_head_lowers_the_measured_peak(measured):
     assert [(r["case"], r["rc"]) for r in plain] == [(r["case"], r["rc"]) for r in chunked]
     assert all(c["meas"] <= p["meas"] for p, c in zip(plain, chunked))
     assert sum(c["meas"] < p["meas"] for p, c in zip(plain, chunked)) >= 22
+
+
+def test_tiled_mlp_lowers_the_measured_peak(measured):
+    """The same plans as h32 with the tiled MLP: every case's peak lower (the MLP's GELU input and fc2 input, ``2 f`` of
+    the layer's saved values a token, gone wherever a layer's activations are at the peak), as the planner predicts to
+    the byte (above)."""
+    plain, tiled = measured["h32"], measured["h32-tiled-mlp"]
+    assert [(r["case"], r["rc"]) for r in plain] == [(r["case"], r["rc"]) for r in tiled]
+    assert all(t["meas"] <= p["meas"] for p, t in zip(plain, tiled))
+    assert sum(t["meas"] < p["meas"] for p, t in zip(plain, tiled)) >= 20
 
 
 @pytest.mark.parametrize("shape", list(CP_OF))

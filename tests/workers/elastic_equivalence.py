@@ -3,7 +3,7 @@
     torchrun ... tests/workers/elastic_equivalence.py OUT --mode reference|elastic --cases N
         [--fault drop_prefix|drop_prefix_grads|misplaced_kv|leak_packing|forward_order_backward|recompute_without_rng_restore|gqa_tiled_heads
                  |cp_all_to_all_order|cp_rope_of_another_rank|cp_loss_not_summed
-                 |chunked_loss_skip_block]
+                 |chunked_loss_skip_block|tiled_mlp_skip_block]
         [--sp-fault-cases K] [--offload [--offload-fault wrong-slot|skip-reload]] [--kv-host [--kv-host-fault kv-wrong-rows|kv-skip-write|kv-skip-accumulate]] [--attention-backend auto|sdpa|fa4|flash|varlen] [--varlen-reference enable_gqa|expanded]
         [pretrain_gpt flags...] [:: OUT --mode ... (another run)]...
 
@@ -40,7 +40,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.utils import get_model_config
 
-from megatron_epp.executor import attention, chunked_loss, kernels, recompute_layer
+from megatron_epp.executor import attention, chunked_loss, kernels, recompute_layer, tiled_mlp
 from megatron_epp.executor.schedule import forward_backward_elastic
 from megatron_epp.executor.batches import chunk_batches, elastic_gpt_forward_step
 from megatron_epp.executor.context import ChunkContext, ChunkView, KVBuffer, padding_tokens, token_multiple
@@ -192,6 +192,10 @@ def inject(fault: str) -> Callable[[], None]:
             return out.reshape(group.size(), -1, *out.shape[1:]).flip(0).reshape(out.shape)
 
         return _patch(attention, "tokens_to_heads", reversed_blocks)
+    if fault == "tiled_mlp_skip_block":  # the tiled MLP's backward drops every block's gradients but the first's
+        block_grads = tiled_mlp._block_grads
+        return _patch(tiled_mlp, "_block_grads", lambda first, *rest: tuple(
+            None if g is None else g * (first == 0) for g in block_grads(first, *rest)))
     if fault == "chunked_loss_skip_block":  # the chunked head's backward drops every block's gradient but the first's
         block_grad = chunked_loss._block_grad
         return _patch(chunked_loss, "_block_grad", lambda first, *rest: block_grad(first, *rest) * (first == 0))
