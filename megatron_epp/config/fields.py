@@ -28,7 +28,7 @@ from megatron_epp.base.options import Values, alias, derived, field_paths, optio
 from megatron_epp.data.data_path import Blend
 from megatron_epp.data.tokenizers import TokenizerOptions
 from megatron_epp.base.dims import ParallelDims
-from megatron_epp.planner.config import CALIBRATE_FIRST_STEP, PlannerConfig, PlannerOptions
+from megatron_epp.planner.config import CALIBRATE_FIRST_STEP, PlannerConfig, PlannerOptions, ShapeOptions
 from megatron_epp.config.megatron_flags import ACCEPTED
 from megatron_epp.config.memory_budget import DefaultBudget
 
@@ -412,8 +412,9 @@ class ProfileConfig:
 
 
 @dataclass(frozen=True)
-class EPPConfig(PlannerOptions):
-    """``--elastic-pp`` (``enabled``) and the ``--epp-*`` options (the planner's: ``PlannerOptions``); ``planner``: the
+class EPPConfig(PlannerOptions, ShapeOptions):
+    """``--elastic-pp`` (``enabled``) and the ``--epp-*`` options (the planner's: ``PlannerOptions``; the chunked head's
+    and the tiled MLP's: ``ShapeOptions``, which the model is built with and the planner counts); ``planner``: the
     planner's settings made of them (with ``--elastic-pp`` or ``--epp-search-layout``, else None), its budget in bytes;
     ``default_budget``: how the budget was derived when ``--epp-memory-budget`` was not given (None where it was)."""
 
@@ -442,20 +443,6 @@ class EPPConfig(PlannerOptions):
              "activation memory factor (the largest measured / predicted activation peak, at least 1) at the same "
              "steps and at once after a step over --epp-memory-budget; saved "
              f"in checkpoints; 0: off, the profile as given (default {CALIBRATE_INTERVAL})")
-    loss_chunk_tokens: int = option("--epp-loss-chunk-tokens", at_least=0, default=0, type=int, metavar="N",
-        help="the output head's output layer and cross entropy computed together in blocks of N tokens, the logits of "
-             "a block recomputed in backward (a chunked linear cross entropy in plain torch, vocab-parallel at TP > 1): "
-             "the head keeps its input, the targets and a log-sum-exp per token, never a chunk's [tokens, vocabulary] "
-             "logits; the planner's memory model and the start-up profile count it so. Same weights, the loss equal "
-             "within fp32 rounding; overrides a fused cross entropy (--cross-entropy-loss-fusion). 0: off, the whole "
-             "chunk's logits (default 0)")
-    mlp_chunk_tokens: int = option("--epp-mlp-chunk-tokens", at_least=0, default=0, type=int, metavar="N",
-        help="every layer's MLP computed in blocks of N of a rank's tokens (its sequence-parallel shard under sequence "
-             "parallelism), each block's MLP recomputed in backward (a sequence-tiled MLP in plain torch): a layer keeps "
-             "the MLP's input, never a chunk's fc1 output and activations (5 ffn values a token with SwiGLU), at the cost of "
-             "one more MLP forward in backward; the planner's memory and time models and the start-up profile count it "
-             "so. For documents of millions of tokens. Same weights, the gradients equal within fp32 rounding. 0: off, the "
-             "whole chunk's MLP (default 0)")
     planner: PlannerConfig | None = derived()
     default_budget: DefaultBudget | None = derived()
 

@@ -8,6 +8,7 @@ import json
 import os
 import sys
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterator, NoReturn, Sequence
 
@@ -27,7 +28,7 @@ from megatron_epp.cost.clusters import get_cluster
 from megatron_epp.planner.builders import ELASTIC, offload_choice, plan_batch
 from megatron_epp.planner.compare import BASELINES, FLEXSP, run_baselines
 from megatron_epp.base.options import add_fields_to_parser, read_fields
-from megatron_epp.planner.config import DEFAULT_CLUSTER, PlannerConfig, PlannerOptions
+from megatron_epp.planner.config import DEFAULT_CLUSTER, PlannerConfig, PlannerOptions, ShapeOptions
 from megatron_epp.planner.layout import describe_choice, search_for_world
 from megatron_epp.data.lengths import read_lengths, select_batch
 from megatron_epp.planner.data_parallel import dp_split
@@ -69,6 +70,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
     ap.add_argument("--network", default="fat-tree", choices=sorted(NETWORKS))
     add_fields_to_parser(ap, PlannerOptions, defaults_shown={**DEFAULTS, "epp_max_slices": "the elastic planner's 1,2,3,4,6,...,32; seq1f1b 4"})
+    add_fields_to_parser(ap, ShapeOptions)
     ap.set_defaults(**DEFAULTS)
     ap.add_argument("--baselines", default=",".join(BASELINES), help="comma-separated; empty for none")
     ap.add_argument("--json", action="store_true", help="print one JSON object on the last line")
@@ -120,6 +122,14 @@ def fail(message: object, status: int = 2) -> NoReturn:
     raise SystemExit(status)
 
 
+def shape_options(args: argparse.Namespace) -> ShapeOptions:
+    """``--epp-loss-chunk-tokens`` and ``--epp-mlp-chunk-tokens`` as given (a one-line ``ValueError`` below 0)."""
+    for flag in ("epp_loss_chunk_tokens", "epp_mlp_chunk_tokens"):
+        if getattr(args, flag) < 0:
+            raise ValueError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be >= 0")
+    return read_fields(ShapeOptions, dict(vars(args)))
+
+
 def check_input(args: argparse.Namespace) -> tuple[PlannerConfig, Profile, np.ndarray]:
     """Every option and the lengths file, before any planning: the planner's settings, the profile and
     the batch; a one-line ``ValueError`` naming the flag or the file otherwise."""
@@ -148,6 +158,7 @@ def check_input(args: argparse.Namespace) -> tuple[PlannerConfig, Profile, np.nd
     if args.epp_search_layout and config.builder != ELASTIC:
         raise ValueError(f"--epp-plan {config.builder.flag}: --epp-search-layout searches EPP's (elastic) layout")
     profile = load_profile(config.profile, PRESET_TP if args.tp is None else args.tp)
+    profile = replace(profile, model=shape_options(args).apply(profile.model))  # the chunked head, the tiled MLP
     dims = ParallelDims(tp=profile.tp if args.tp is None else args.tp, pp=args.stages, dp=args.dp)
     try:
         profile, note = place_profile(profile, dims), placement_note(profile, dims)
@@ -237,7 +248,7 @@ def print_layout_search(args: argparse.Namespace, config: PlannerConfig, tp: int
     world = tp * args.stages * args.dp
     with solver_output_to_stderr():
         try:
-            choice, cluster = search_for_world(lengths, MODEL_PRESETS[config.profile], args.epp_cluster or DEFAULT_CLUSTER,
+            choice, cluster = search_for_world(lengths, shape_options(args).apply(MODEL_PRESETS[config.profile]), args.epp_cluster or DEFAULT_CLUSTER,
                                                world, config)
         except PlanInfeasible as e:
             fail(e, 1)

@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from megatron_epp.base.option_tags import ELASTIC_ONLY, REFUSED_BY_SEARCH, SEARCH_MODELS_THE_PRESET
 from megatron_epp.base.options import option
 from megatron_epp.cost.clusters import CLUSTERS
+from megatron_epp.cost.shape import ModelShape
 from megatron_epp.base.units import GIB
 from megatron_epp.planner.builders import BUILDERS, ELASTIC, Builder
 from megatron_epp.planner.recompute import OFFLOAD_MODES, RECOMPUTE_MODES, Offload, Recompute
@@ -72,6 +73,32 @@ class PlannerConfig:
         return cls(memory_budget_bytes=budget, max_seq_len=max_seq_len, profile=options.profile, builder=BUILDERS[options.plan],
                    recompute=options.recompute, max_slices=options.max_slices, time_limit=options.time_limit,
                    offload=options.offload or "none", host_memory_budget_bytes=host)
+
+
+@dataclass(frozen=True)
+class ShapeOptions:
+    """The options that change what a model's layers and output head keep for backward, and so the planner's cost
+    model: ``pretrain_gpt.py`` builds the model with them, ``epp-plan`` applies them to its profile's shape
+    (:meth:`apply`); the same flags on both."""
+
+    loss_chunk_tokens: int = option("--epp-loss-chunk-tokens", at_least=0, default=0, type=int, metavar="N",
+        help="the output head's output layer and cross entropy computed together in blocks of N tokens, the logits of "
+             "a block recomputed in backward (a chunked linear cross entropy in plain torch, vocab-parallel at TP > 1): "
+             "the head keeps its input, the targets and a log-sum-exp per token, never a chunk's [tokens, vocabulary] "
+             "logits; the planner's memory model and the start-up profile count it so. Same weights, the loss equal "
+             "within fp32 rounding; overrides a fused cross entropy (--cross-entropy-loss-fusion). 0: off, the whole "
+             "chunk's logits (default 0)")
+    mlp_chunk_tokens: int = option("--epp-mlp-chunk-tokens", at_least=0, default=0, type=int, metavar="N",
+        help="every layer's MLP computed in blocks of N of a rank's tokens (its sequence-parallel shard under sequence "
+             "parallelism), each block's MLP recomputed in backward (a sequence-tiled MLP in plain torch): a layer keeps "
+             "the MLP's input, never a chunk's fc1 output and activations (5 ffn values a token with SwiGLU), at the cost of "
+             "one more MLP forward in backward; the planner's memory and time models and the start-up profile count it "
+             "so. For documents of millions of tokens. Same weights, the gradients equal within fp32 rounding. 0: off, the "
+             "whole chunk's MLP (default 0)")
+
+    def apply(self, shape: ModelShape) -> ModelShape:
+        """``shape`` with these options' blocks (what its memory and time models count)."""
+        return replace(shape, loss_chunk_tokens=self.loss_chunk_tokens, mlp_chunk_tokens=self.mlp_chunk_tokens)
 
 
 @dataclass(frozen=True)

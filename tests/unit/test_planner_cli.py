@@ -144,17 +144,32 @@ def test_cli_takes_the_planner_options(lengths_file, capsys):
         main([*base, "--memory-gb", "0.5"])
 
 
+def test_cli_plans_a_long_document_with_the_chunked_head_and_the_tiled_mlp(tmp_path, capsys):
+    """One 1.5M-token document on llama-7b at TP 8, one stage, 80 GB, no offload: no plan fits with the whole head and
+    MLP (the layer's MLP activations and the head's logits of the whole document), one fits with
+    ``--epp-loss-chunk-tokens 4096 --epp-mlp-chunk-tokens 8192`` (the model's shape the planner counts)."""
+    doc = tmp_path / "one.txt"
+    doc.write_text("1500000\n")
+    base = [str(doc), "--epp-profile", "llama-7b", "--tp", "8", "--stages", "1", "--max-seq-len", "1500000", "--baselines", ""]
+    with pytest.raises(SystemExit):
+        main(base)
+    assert "no 'adaptive' plan fits 80.0 GB per GPU" in capsys.readouterr().err
+    out = run_json(capsys, *base, "--epp-loss-chunk-tokens", "4096", "--epp-mlp-chunk-tokens", "8192")
+    assert out["num_chunks"] == {"batched": 1, "split": 0, "hybrid": 0} and max(out["peak_memory_gb"]) <= 80.0
+
+
 def test_the_epp_options_are_declared_once_for_both_command_lines(monkeypatch):
     """``epp-plan`` and ``pretrain_gpt.py`` generate their ``--epp-*`` planner options from the same fields
     (``PlannerOptions``): the same flags, choices and help, each command line's own default added to the help."""
     from megatron_epp.base.options import flags_of, walk
-    from megatron_epp.planner.config import PlannerOptions
+    from megatron_epp.planner.config import PlannerOptions, ShapeOptions
     from megatron_epp.config.parser import build_parser
 
     seen = {}
     monkeypatch.setattr(cli.argparse.ArgumentParser, "parse_args", lambda self, argv=None: seen.setdefault("parser", self))
     cli.parse_args([])
-    flags = {flags_of(f)[0].name for _, f, _ in walk(PlannerOptions)}
+    flags = {flags_of(f)[0].name for cls in (PlannerOptions, ShapeOptions) for _, f, _ in walk(cls)}
+    assert {"--epp-loss-chunk-tokens", "--epp-mlp-chunk-tokens"} <= flags
 
     def options(parser) -> dict:
         return {a.option_strings[0]: (a.choices, re.sub(r" \(default [^)]*\)$", "", a.help)) for a in parser._actions
@@ -223,6 +238,8 @@ def cli_error(capsys, monkeypatch, *argv: str) -> str:
     (["--plan-out", "{tmp}/no/p.json"], "--plan-out {tmp}/no/p.json: no such directory {tmp}/no"),
     (["--timeline", "{tmp}/no/t.png"], "--timeline {tmp}/no/t.png: no such directory {tmp}/no"),
     (["--epp-max-slices", "0"], "--epp-max-slices must be >= 1"),
+    (["--epp-mlp-chunk-tokens", "-1"], "--epp-mlp-chunk-tokens -1: must be >= 0"),
+    (["--epp-loss-chunk-tokens", "-2"], "--epp-loss-chunk-tokens -2: must be >= 0"),
     (["--epp-profile", "nope"], "--epp-profile 'nope': not a preset (auto, analytic, cpu, test-model, llama-7b, llama-13b, llama-30b) nor a file"),
     (["--epp-profile", "analytic"], "--epp-profile analytic: needs the model's shape (pretrain_gpt.py; epp-plan takes a preset)"),
     (["--epp-cluster", "a800-ib-node"], "--epp-cluster applies only with --epp-search-layout or --epp-offload"),
