@@ -76,29 +76,14 @@ import numpy as np
 
 from megatron_epp.planner.builders import ELASTIC
 from megatron_epp.planner.config import CALIBRATE_FIRST_STEP
-from megatron_epp.training.metrics import StepMetrics
-from benchmarks.common import (Parser, REPO, fail, plan_steps, recomputed, smallest_budget, planned_batches, fmt_layers, step_matrix, pipe_ms,
-                              paired_ratio, noise_floor, hindsight, load_average, cp_run_argv)
+from benchmarks.common import (Parser, fail, plan_steps, recomputed, smallest_budget, planned_batches, fmt_layers, step_matrix, pipe_ms,
+                              paired_ratio, load_average, cp_run_argv)
+from benchmarks.paired_runs import ACCURACY_LOG, alternating_runs, pct, summarize, today_accuracy
 
 if TYPE_CHECKING:
     from megatron_epp.planner.online import OnlinePlanner
 
 CPS = (1, 2)
-ACCURACY_LOG = REPO / "docs" / "measurements" / "2026-11-24-cpu" / "time_model_accuracy_fc6a2b3.log"
-MB = 2**20
-
-
-def today_accuracy(path: Path) -> dict:
-    """The committed time-model figures: the largest per-configuration median calibrated error and the worst
-    calibrated step of ``time_model_accuracy.py``'s JSON line in ``path``."""
-    try:
-        last = json.loads(path.read_text().strip().splitlines()[-1])
-        configs = last["configs"].values()
-        return {"log": str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path),
-                "median_max": max(c["calibrated"]["median"] for c in configs),
-                "worst_step": max(c["calibrated"]["max"] for c in configs), "goal": last["goal"]}
-    except (OSError, ValueError, KeyError, IndexError) as error:
-        fail(f"--accuracy-log {path}: not a time_model_accuracy.py log ending in its JSON line ({error})")
 
 
 # --------------------------------------------------------------------------------------------- planning
@@ -117,49 +102,6 @@ def plan_facts(batches, builds: dict[int, OnlinePlanner], budget_gb: float) -> d
     return {cp: plan_steps(ELASTIC, batches, b.cost_model, b.config, budget_gb) for cp, b in builds.items()}
 
 
-# --------------------------------------------------------------------------------------------- statistics
-def prediction_errors(runs: Sequence[Sequence[StepMetrics]]) -> np.ndarray:
-    """``|predicted / measured - 1|`` of every step after the first calibration, of every repeat."""
-    return np.array([abs(s.elastic.predicted_step_ms / s.elastic.measured_ms - 1)
-                     for r in runs for s in r if s.iteration > CALIBRATE_FIRST_STEP])
-
-
-def summarize(runs: Sequence[Sequence[StepMetrics]], budget_gb: float) -> dict:
-    """One configuration's figures from its repeats (every step of each run, the warm-up first)."""
-    first = runs[0][0]
-    rec = [[s.elastic.recomputed_layers for s in r] for r in runs]
-    pred = np.array([s.elastic.predicted_activation_bytes for r in runs for s in r], dtype=float)
-    meas = np.array([s.elastic.measured_activation_bytes for r in runs for s in r], dtype=float)
-    states = np.array([s.elastic.model_state_bytes for r in runs for s in r], dtype=float)
-    err = prediction_errors(runs)
-    # every step after the first calibration: [repeat, iteration, predicted / measured - 1, predicted ms, measured ms]
-    rows = [[i, s.iteration, s.elastic.predicted_step_ms / s.elastic.measured_ms - 1, s.elastic.predicted_step_ms,
-             s.elastic.measured_ms] for i, r in enumerate(runs) for s in r if s.iteration > CALIBRATE_FIRST_STEP]
-    left = np.abs(hindsight([row[1:] for row in rows])) if rows else np.zeros(0)
-    measured = [r[1:] for r in runs]  # the warm-up dropped
-    plans = [[s.elastic.plan for s in r] for r in runs]
-    return {
-        "recomputed": rec, "recomputed_totals": [int(sum(r)) for r in rec],
-        "act_pred_mb": (pred.max(0) / MB).tolist(), "act_meas_mb": (meas.max(0) / MB).tolist(),
-        "act_worst_err": float(np.abs(pred / meas - 1).max()), "states_mb": (states.max(0) / MB).tolist(),
-        # cp > 1: each CP rank's peak per stage ([stage][cp rank], over the steps)
-        "act_meas_cp_mb": None if first.elastic.measured_cp_activation_bytes is None else
-        (np.max([s.elastic.measured_cp_activation_bytes for r in runs for s in r], axis=0) / MB).tolist(),
-        "fits": bool(((states + meas) <= budget_gb * 2**30).all()),
-        "pred_err_median": float(np.median(err)) if len(err) else None, "pred_err_max": float(err.max()) if len(err) else None,
-        "pred_err_steps": len(err), "hindsight_median": float(np.median(left)) if len(left) else None,
-        "hindsight_max": float(left.max()) if len(left) else None, "per_step": rows,
-        "measured_ms": float(np.median(step_matrix(measured, pipe_ms))),
-        "predicted_ms": float(np.median([s.elastic.predicted_step_ms for r in runs for s in r if s.iteration > CALIBRATE_FIRST_STEP]
-                                        or [np.nan])),
-        "noise": noise_floor(step_matrix(measured, pipe_ms)),
-        # the calibration each run ended with: speed factor s (measured / profile ms) and per-chunk overhead o (profile ms)
-        "speed_factor": [r[-1].elastic.speed_factor for r in runs], "stage_overhead_ms": [r[-1].elastic.stage_overhead_ms for r in runs],
-        "plans_differ": sum(len({p[i] for p in plans}) > 1 for i in range(min(map(len, plans)))),
-        "repeats": len(runs),
-    }
-
-
 def verdicts(entries: dict[str, dict], today: dict) -> dict:
     """cp 2 recomputes less than cp 1 (fewer layers on some step, more on none); cp 2's predicted step within
     today's accuracy (median error <= today's largest median, worst step <= today's worst)."""
@@ -171,10 +113,6 @@ def verdicts(entries: dict[str, dict], today: dict) -> dict:
     if two is not None and two["pred_err_median"] is not None:
         out["within_today"] = two["pred_err_median"] <= today["median_max"] and two["pred_err_max"] <= today["worst_step"]
     return out
-
-
-def pct(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:.1%}"
 
 
 def report(entries: dict[str, dict], ratio: float | None, predicted_ratio: float | None, today: dict, budget_gb: float,
@@ -286,29 +224,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         config["elapsed_s"] = round(time.perf_counter() - t0)
         print(json.dumps({"budget_gb": budget, "simulate_only": True, "config": config}))
         return
-    from megatron_epp.training.replay import run_pretrain
-
     expected = [int(sum(b)) for b in batches]
-    runs: dict[int, list[list[StepMetrics]]] = {cp: [] for cp in CPS}
     failed = {f"cp{cp}": "cannot run at this budget (planned in-process)" for cp in CPS if plans[cp] is None}
-    for r in range(args.repeats):
-        for cp in (CPS if r % 2 == 0 else CPS[::-1]):  # alternating: spreads drift over both
-            if f"cp{cp}" in failed:
-                continue
-            t1 = time.perf_counter()
-            try:
-                steps = run_pretrain([*argvs[cp], "--epp-memory-budget", repr(budget)], nproc=cp)
-            except RuntimeError as error:
-                failed[f"cp{cp}"] = str(error)
-                print(f"  repeat {r + 1}/{args.repeats} cp {cp}: FAILED: {error}", flush=True)
-                continue
-            if [int(s.tokens) for s in steps] != expected:
-                failed[f"cp{cp}"] = f"tokens per step {[s.tokens for s in steps]} differ from the planned batches' {expected}"
-                print(f"  repeat {r + 1}/{args.repeats} cp {cp}: {failed[f'cp{cp}']}", flush=True)
-                continue
-            runs[cp].append(steps)
-            print(f"  repeat {r + 1}/{args.repeats} cp {cp}: {time.perf_counter() - t1:.1f} s, measured ms per step "
-                  + " ".join(f"{s.elastic.measured_ms:.0f}" for s in steps), flush=True)
+    named = alternating_runs([f"cp{cp}" for cp in CPS], {f"cp{cp}": argvs[cp] for cp in CPS}, {f"cp{cp}": cp for cp in CPS},
+                             budget, args.repeats, expected, failed)
+    runs = {cp: named[f"cp{cp}"] for cp in CPS}
     entries = {f"cp{cp}": summarize(rs, budget) for cp, rs in runs.items() if rs and f"cp{cp}" not in failed}
     ratio = predicted_ratio = speed = None
     if len(entries) == 2:

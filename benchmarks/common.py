@@ -285,13 +285,14 @@ def wiki_dataset(cap: int, gbs: int, steps: int, seed: int) -> str:
     return str(prefix)
 
 
-def cp_run_argv(args, cp: int) -> list[str]:
+def cp_run_argv(args, cp: int, pp: int = 1) -> list[str]:
     """``pretrain_gpt.py`` flags of the cp ``cp`` run of ``bench_context_parallel.py`` (also
-    ``bench_planning_placement.py``'s ``cp2`` configuration), without the budget."""
+    ``bench_planning_placement.py``'s ``cp2`` configuration, and at ``pp`` 2 ``bench_offload.py``'s runs), without the
+    budget."""
     data = wiki_dataset(args.seq_length, args.global_batch_size, args.iters, args.seed)
     context = ["--context-parallel-size", str(cp), "--cp-comm-type", "a2a"] if cp > 1 else []
     return ["--elastic-pp", "--data-path", data, "--tokenizer-type", "ByteTokenizer", "--split", "1,0,0",
-            "--pipeline-model-parallel-size", "1", *context, "--num-layers", str(args.num_layers),
+            "--pipeline-model-parallel-size", str(pp), *context, "--num-layers", str(args.num_layers),
             "--hidden-size", str(args.hidden_size), "--num-attention-heads", str(args.num_attention_heads),
             "--seq-length", str(args.seq_length), "--global-batch-size", str(args.global_batch_size),
             "--seed", str(args.seed), "--lr", "3e-3", "--train-iters", str(args.iters), "--log-interval", "1",

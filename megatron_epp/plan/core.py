@@ -134,6 +134,10 @@ class Plan:
     def recomputed_layers(self) -> int:
         return sum(sum(row) for p in self.pipelines for row in p.recompute)
 
+    def offloaded_layers(self) -> int:
+        """Recompute checkpoints the plan puts in host memory, over its stages and chunks."""
+        return sum(sum(row) for p in self.pipelines for row in (p.offload or ()))
+
     def summary(self, chosen: str | None = None) -> str:
         """One line: the builder (``= chosen``: the plan the elastic builder chose, where not its own) and the counts."""
         counts = self.chunk_counts()

@@ -213,6 +213,7 @@ class ElasticTrainStep:
         memory = self.tracker
         measured, per_cp = (None, None) if memory is None else self._stage_peaks(memory.peak_bytes)
         allocated = None if memory is None else self._stage_peaks(memory.peak_allocated)[0]
+        host = None if memory is None or step.report.host_memory_bytes is None else self._host_peaks(memory)
         if not forward_only:
             self._observe(step.plan, run_ms, measured)
         self._prefetch()
@@ -231,6 +232,9 @@ class ElasticTrainStep:
             oom_retries=attempt - 1,
             baseline_ratios=baseline_ratios(report),
             measured_cp_activation_bytes=per_cp,
+            offloaded_layers=plan.offloaded_layers(),
+            predicted_host_bytes=step.report.host_memory_bytes,
+            measured_host_bytes=host,
         )
         return losses, batch.seq_lengths
 
@@ -326,6 +330,12 @@ class ElasticTrainStep:
     def state_dict(self) -> dict[str, Any]:
         """This rank's planner calibration, for a checkpoint (:meth:`OnlinePlanner.state_dict`)."""
         return self.planner.state_dict()
+
+    def _host_peaks(self, memory: ActivationMemoryTracker) -> list[int]:
+        """The host pool's peak of every stage (the largest of its ranks'), with the K/V gradient accumulators on the host
+        where the planner counts them (``kv_grad``: an allocator's measurement, CUDA)."""
+        kv_grad = self.planner.raw_model.profile.memory.kv_grad
+        return self._stage_peaks(memory.peak_host_with_grads if kv_grad else memory.peak_host_bytes)[0]
 
     def _stage_peaks(self, measured: int) -> tuple[list[int], list[list[int]] | None]:
         """Of every stage, the largest of its ranks' ``measured`` and, under context parallelism, each CP rank's

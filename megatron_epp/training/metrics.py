@@ -52,6 +52,11 @@ class ElasticMetrics:
     # --context-parallel-size N > 1: the measured peak per stage and context-parallel rank ([stage][cp rank]; the
     # per-stage measured_activation_bytes is the largest of a stage's)
     measured_cp_activation_bytes: list[list[int]] | None = None
+    # --epp-offload: the plan's checkpoints in host memory (over its stages and chunks), and per stage a GPU's host bytes
+    # the plan was predicted with and the host pool's measured peak (None: the plan offloads nothing)
+    offloaded_layers: int = 0
+    predicted_host_bytes: list[float] | None = None
+    measured_host_bytes: list[int] | None = None
 
     def scalars(self) -> dict[str, float]:
         """The plan's statistics as named scalars (TensorBoard, wandb)."""
@@ -66,6 +71,11 @@ class ElasticMetrics:
                 out[f"memory/stage {stage} {name} activation MB"] = value / 2**20
         if self.memory_factor is not None:
             out["memory/activation factor"] = self.memory_factor
+        if self.predicted_host_bytes is not None:
+            out["plan/offloaded checkpoints"] = float(self.offloaded_layers)
+            for name, per_stage in (("predicted", self.predicted_host_bytes), ("measured", self.measured_host_bytes)):
+                for stage, value in enumerate(per_stage or ()):
+                    out[f"memory/stage {stage} {name} host MB"] = value / 2**20
         out["memory/out-of-memory retries"] = float(self.oom_retries)
         for label, ratio in (self.baseline_ratios or {}).items():
             out[f"plan/predicted {label.split('-k')[0]} / plan"] = ratio
@@ -92,6 +102,10 @@ class ElasticMetrics:
             if self.measured_cp_activation_bytes is not None:
                 text += " | act MB meas per stage and CP rank: " + ", ".join(
                     "/".join(f"{m / 2**20:.2f}" for m in stage) for stage in self.measured_cp_activation_bytes)
+        if self.predicted_host_bytes is not None:
+            pairs = ", ".join(f"{p / 2**20:.2f}/{'n/a' if m is None else f'{m / 2**20:.2f}'}"
+                              for p, m in zip(self.predicted_host_bytes, self.measured_host_bytes or [None] * len(self.predicted_host_bytes)))
+            text += f" | host MB pred/meas per stage: {pairs}"
         if self.oom_retries:
             text += f" | out of memory on {self.oom_retries} plan{'s' if self.oom_retries > 1 else ''} of this batch, planned again"
         return text

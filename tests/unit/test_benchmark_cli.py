@@ -26,6 +26,7 @@ def one_line_error(capsys, call: Callable[[], object]) -> str:
 
 BAD = [  # (module, argv, what the line says): a value of the wrong kind for each benchmark's command line
     ("bench_context_parallel", ["--repeats", "three"], "argument --repeats: invalid int value: 'three'"),
+    ("bench_offload", ["--repeats", "three"], "argument --repeats: invalid int value: 'three'"),
     ("bench_elastic", ["--seq1f1b-k", "2,x"], "argument --seq1f1b-k: '2,x': expected comma-separated integers"),
     ("bench_gpu", ["--cells", "mock:32Q"], "--cells: 'mock:32Q': expected DATA:CAP"),
     ("bench_planner", ["--seeds", "many"], "argument --seeds: invalid int value"),

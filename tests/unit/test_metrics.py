@@ -43,6 +43,12 @@ def test_the_log_line_is_printed_from_the_record():
     assert "recomputed_layers=0 | baseline/plan predicted: megatron 1.17x, seq1f1b-k2 1.10x | planning ms:" in ratios.line()
     assert {k: v for k, v in ratios.scalars().items() if k.endswith(" / plan")} == {
         "plan/predicted megatron / plan": 1.1667, "plan/predicted seq1f1b / plan": 1.0951}
+    # activation offload: the host bytes per stage the plan was predicted with and the host pool's measured peak
+    host = elastic_step(offloaded_layers=5, predicted_host_bytes=[0.5 * MB, 0.25 * MB], measured_host_bytes=[MB // 2, MB // 4])
+    assert host.line() == LINE + " | host MB pred/meas per stage: 0.50/0.50, 0.25/0.25"
+    assert {k: v for k, v in host.scalars().items() if "host" in k or "offloaded" in k} == {
+        "plan/offloaded checkpoints": 5.0, "memory/stage 0 predicted host MB": 0.5, "memory/stage 1 predicted host MB": 0.25,
+        "memory/stage 0 measured host MB": 0.5, "memory/stage 1 measured host MB": 0.25}
     plain = StepMetrics(2, 5.157642, train_iters=6, consumed_samples=32, iter_ms=3999.3, tokens=15172, lr=2.25e-3, grad_norm=2.2691)
     assert plain.line() == LINE.split(" | plan[")[0]
     assert StepMetrics(4, 2.0, kind="valid").line() == " validation loss at iteration 4 | lm loss value: 2.000000E+00 | lm loss PPL: 7.389056E+00"

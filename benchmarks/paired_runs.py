@@ -1,0 +1,116 @@
+"""What the benchmarks that run two configurations of ``pretrain_gpt.py`` side by side at one memory budget share
+(``bench_context_parallel.py``: cp 1 against cp 2; ``bench_offload.py``: ``--epp-offload none`` against
+``checkpoints``): the runs, alternating; each configuration's figures over its repeats; today's time-model accuracy,
+read from its committed log."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from megatron_epp.planner.config import CALIBRATE_FIRST_STEP
+from megatron_epp.training.metrics import StepMetrics
+from benchmarks.common import REPO, fail, hindsight, noise_floor, pipe_ms, step_matrix
+
+ACCURACY_LOG = REPO / "docs" / "measurements" / "2026-11-24-cpu" / "time_model_accuracy_fc6a2b3.log"
+MB = 2**20
+
+
+def today_accuracy(path: Path) -> dict:
+    """The committed time-model figures: the largest per-configuration median calibrated error and the worst
+    calibrated step of ``time_model_accuracy.py``'s JSON line in ``path``."""
+    try:
+        last = json.loads(path.read_text().strip().splitlines()[-1])
+        configs = last["configs"].values()
+        return {"log": str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path),
+                "median_max": max(c["calibrated"]["median"] for c in configs),
+                "worst_step": max(c["calibrated"]["max"] for c in configs), "goal": last["goal"]}
+    except (OSError, ValueError, KeyError, IndexError) as error:
+        fail(f"--accuracy-log {path}: not a time_model_accuracy.py log ending in its JSON line ({error})")
+
+
+def prediction_errors(runs: Sequence[Sequence[StepMetrics]]) -> np.ndarray:
+    """``|predicted / measured - 1|`` of every step after the first calibration, of every repeat."""
+    return np.array([abs(s.elastic.predicted_step_ms / s.elastic.measured_ms - 1)
+                     for r in runs for s in r if s.iteration > CALIBRATE_FIRST_STEP])
+
+
+def summarize(runs: Sequence[Sequence[StepMetrics]], budget_gb: float) -> dict:
+    """One configuration's figures from its repeats (every step of each run, the warm-up first)."""
+    first = runs[0][0]
+    rec = [[s.elastic.recomputed_layers for s in r] for r in runs]
+    pred = np.array([s.elastic.predicted_activation_bytes for r in runs for s in r], dtype=float)
+    meas = np.array([s.elastic.measured_activation_bytes for r in runs for s in r], dtype=float)
+    states = np.array([s.elastic.model_state_bytes for r in runs for s in r], dtype=float)
+    err = prediction_errors(runs)
+    # every step after the first calibration: [repeat, iteration, predicted / measured - 1, predicted ms, measured ms]
+    rows = [[i, s.iteration, s.elastic.predicted_step_ms / s.elastic.measured_ms - 1, s.elastic.predicted_step_ms,
+             s.elastic.measured_ms] for i, r in enumerate(runs) for s in r if s.iteration > CALIBRATE_FIRST_STEP]
+    left = np.abs(hindsight([row[1:] for row in rows])) if rows else np.zeros(0)
+    host = [(s.elastic.predicted_host_bytes, s.elastic.measured_host_bytes) for r in runs for s in r
+            if s.elastic.predicted_host_bytes is not None]
+    measured = [r[1:] for r in runs]  # the warm-up dropped
+    plans = [[s.elastic.plan for s in r] for r in runs]
+    return {
+        "recomputed": rec, "recomputed_totals": [int(sum(r)) for r in rec],
+        "act_pred_mb": (pred.max(0) / MB).tolist(), "act_meas_mb": (meas.max(0) / MB).tolist(),
+        "act_worst_err": float(np.abs(pred / meas - 1).max()), "states_mb": (states.max(0) / MB).tolist(),
+        # cp > 1: each CP rank's peak per stage ([stage][cp rank], over the steps)
+        "act_meas_cp_mb": None if first.elastic.measured_cp_activation_bytes is None else
+        (np.max([s.elastic.measured_cp_activation_bytes for r in runs for s in r], axis=0) / MB).tolist(),
+        "fits": bool(((states + meas) <= budget_gb * 2**30).all()),
+        "pred_err_median": float(np.median(err)) if len(err) else None, "pred_err_max": float(err.max()) if len(err) else None,
+        "pred_err_steps": len(err), "hindsight_median": float(np.median(left)) if len(left) else None,
+        "hindsight_max": float(left.max()) if len(left) else None, "per_step": rows,
+        "measured_ms": float(np.median(step_matrix(measured, pipe_ms))),
+        "predicted_ms": float(np.median([s.elastic.predicted_step_ms for r in runs for s in r if s.iteration > CALIBRATE_FIRST_STEP]
+                                        or [np.nan])),
+        "noise": noise_floor(step_matrix(measured, pipe_ms)),
+        # the calibration each run ended with: speed factor s (measured / profile ms) and per-chunk overhead o (profile ms)
+        "speed_factor": [r[-1].elastic.speed_factor for r in runs], "stage_overhead_ms": [r[-1].elastic.stage_overhead_ms for r in runs],
+        "plans_differ": sum(len({p[i] for p in plans}) > 1 for i in range(min(map(len, plans)))),
+        "repeats": len(runs),
+        # activation offload (--epp-offload): checkpoints in host memory per step, per repeat; per stage the host bytes
+        # predicted and measured (the largest over the steps that offload) and whether they agree on every such step
+        "offloaded": [[s.elastic.offloaded_layers for s in r] for r in runs],
+        "host_pred_mb": (np.max([p for p, _ in host], axis=0) / MB).tolist() if host else None,
+        "host_meas_mb": (np.max([m for _, m in host], axis=0) / MB).tolist() if host else None,
+        "host_steps": len(host), "host_exact": all(p == m for p, m in host) if host else None,
+    }
+
+
+def pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.1%}"
+
+
+def alternating_runs(names: Sequence[str], argvs: dict[str, list[str]], nprocs: dict[str, int], budget_gb: float, repeats: int,
+                     expected_tokens: list[int], failed: dict[str, str]) -> dict[str, list[list[StepMetrics]]]:
+    """``repeats`` rounds of one launch per configuration (``pretrain_gpt.py`` with ``argvs[name]`` and the budget, on
+    ``nprocs[name]`` processes), the order swapped every round to spread drift over both; a run that fails, or trains
+    other tokens per step than ``expected_tokens``, is recorded in ``failed`` (a configuration already there is skipped)."""
+    from megatron_epp.training.replay import run_pretrain
+
+    runs: dict[str, list[list[StepMetrics]]] = {name: [] for name in names}
+    for r in range(repeats):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            if name in failed:
+                continue
+            t1 = time.perf_counter()
+            try:
+                steps = run_pretrain([*argvs[name], "--epp-memory-budget", repr(budget_gb)], nproc=nprocs[name])
+            except RuntimeError as error:
+                failed[name] = str(error)
+                print(f"  repeat {r + 1}/{repeats} {name}: FAILED: {error}", flush=True)
+                continue
+            if [int(s.tokens) for s in steps] != expected_tokens:
+                failed[name] = f"tokens per step {[s.tokens for s in steps]} differ from the planned batches' {expected_tokens}"
+                print(f"  repeat {r + 1}/{repeats} {name}: {failed[name]}", flush=True)
+                continue
+            runs[name].append(steps)
+            print(f"  repeat {r + 1}/{repeats} {name}: {time.perf_counter() - t1:.1f} s, measured ms per step "
+                  + " ".join(f"{s.elastic.measured_ms:.0f}" for s in steps), flush=True)
+    return runs
