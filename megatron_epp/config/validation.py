@@ -64,6 +64,8 @@ def validate(cfg: TrainingConfig, world_size: int, memory: MemoryReading | None 
         raise ArgumentError(f"--lr-warmup-init {args.lr_warmup_init}: must be between 0 and --lr {args.lr}")
     if args.epp_cluster and not args.epp_search_layout:
         raise ArgumentError("--epp-cluster applies only with --epp-search-layout")
+    if args.epp_longest_document and not args.epp_search_layout:
+        raise ArgumentError("--epp-longest-document applies only with --epp-search-layout")
     return cfg.with_values(validate_elastic_args(cfg.values(), world_size, memory))
 
 

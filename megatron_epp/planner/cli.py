@@ -29,7 +29,7 @@ from megatron_epp.planner.builders import ELASTIC, offload_choice, plan_batch
 from megatron_epp.planner.compare import BASELINES, FLEXSP, run_baselines
 from megatron_epp.base.options import add_fields_to_parser, read_fields
 from megatron_epp.planner.config import DEFAULT_CLUSTER, PlannerConfig, PlannerOptions, ShapeOptions
-from megatron_epp.planner.layout import describe_choice, search_for_world
+from megatron_epp.planner.layout import describe_choice, longest_documents, search_for_world
 from megatron_epp.data.lengths import read_lengths, select_batch
 from megatron_epp.planner.data_parallel import dp_split
 from megatron_epp.simulator.flexsp import check_flexsp_profile
@@ -153,6 +153,8 @@ def check_input(args: argparse.Namespace) -> tuple[PlannerConfig, Profile, np.nd
         host = get_cluster(args.epp_cluster or DEFAULT_CLUSTER).host
         if config.host_memory_budget_bytes is not None:
             host.check_budget(config.host_memory_budget_bytes)
+    if args.epp_longest_document and not args.epp_search_layout:
+        raise ValueError("--epp-longest-document applies only with --epp-search-layout")
     if args.epp_search_layout and config.profile not in MODEL_PRESETS:
         raise ValueError(f"--epp-search-layout needs a model preset --epp-profile ({', '.join(MODEL_PRESETS)})")
     if args.epp_search_layout and config.builder != ELASTIC:
@@ -246,15 +248,16 @@ def print_layout_search(args: argparse.Namespace, config: PlannerConfig, tp: int
     """``--epp-search-layout``: EPP's best layout (TP x CP x PP x DP) for the world size
     ``tp x --stages x --dp`` (``tp``: ``--tp``, else the preset's) on the ``--epp-cluster`` preset; the last line is its flags."""
     world = tp * args.stages * args.dp
+    shape = shape_options(args).apply(MODEL_PRESETS[config.profile])
     with solver_output_to_stderr():
         try:
-            choice, cluster = search_for_world(lengths, shape_options(args).apply(MODEL_PRESETS[config.profile]), args.epp_cluster or DEFAULT_CLUSTER,
-                                               world, config)
+            choice, cluster = search_for_world(lengths, shape, args.epp_cluster or DEFAULT_CLUSTER, world, config)
         except PlanInfeasible as e:
             fail(e, 1)
         except ValueError as e:  # a world size that is no whole number of the cluster's nodes
             fail(e)
-    print("\n".join(describe_choice(choice, cluster)))
+        longest = longest_documents(choice, shape, cluster, config) if args.epp_longest_document else None
+    print("\n".join(describe_choice(choice, cluster, longest)))
 
 
 def print_table(s: dict) -> None:

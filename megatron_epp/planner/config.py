@@ -127,6 +127,11 @@ class PlannerOptions:
                                  help="search the parallel layout (TP x CP x PP x DP; CP: --context-parallel-size with "
                                  "--elastic-pp) for this world size, model and length distribution on the --epp-cluster "
                                  "preset; print the best flags and exit")
+    longest_document: bool = option("--epp-longest-document", default=False, action="store_true",
+                                    help="with --epp-search-layout: also the longest single document each layout it planned "
+                                    "fits (a multiple of 65,536 tokens: doubled, then bisected with the planner's own "
+                                    "feasibility check), without offload and with the --epp-offload mode given, with the "
+                                    "host memory and step time it needs; seconds a layout, minutes with --epp-offload auto")
     cluster: str | None = option("--epp-cluster", choices=sorted(CLUSTERS),
                                  help=f"cluster preset of --epp-search-layout (default {DEFAULT_CLUSTER}); with --epp-offload "
                                  "also its host memory and copy bandwidth")

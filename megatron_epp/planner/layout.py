@@ -348,13 +348,17 @@ def cluster_for_world(cluster: Cluster, world_size: int) -> Cluster:
     return cluster.with_nodes(world_size // cluster.gpus_per_node)
 
 
-def describe_choice(choice: LayoutChoice, cluster: Cluster) -> list[str]:
-    """Lines that report a layout search: the best layout, why (the runner-up), the others (TP and TP x CP), and
-    last the best layout's ``pretrain_gpt.py`` flags."""
+def describe_choice(choice: LayoutChoice, cluster: Cluster, longest: dict[str, dict[str, LongestDocument]] | None = None) -> list[str]:
+    """Lines that report a layout search: the best layout, why (the runner-up), the others (TP and TP x CP), with
+    ``longest`` (:func:`longest_documents`) each one's longest single document, and last the best layout's
+    ``pretrain_gpt.py`` flags."""
     best = choice.best
     lines = [f"layout search on {cluster.name} ({cluster.num_nodes} x {cluster.gpus_per_node} GPUs): best {best.layout}, "
              f"predicted step {best.step_ms:.1f} ms (bound {best.bound_ms:.1f} ms, DP sync {best.sync_ms:.1f} ms); {choice.reason}"]
-    lines += [f"  {r.layout}: {r.step_ms:.1f} ms" for r in choice.evaluated[1:]]
+    if longest is not None:
+        lines.append(f"  {best.layout}: {describe_longest(longest[str(best.layout)])}")
+    lines += [f"  {r.layout}: {r.step_ms:.1f} ms" + ("" if longest is None else f"; {describe_longest(longest[str(r.layout)])}")
+              for r in choice.evaluated[1:]]
     lines += [f"  {name}: not planned ({why})" for name, why in sorted(choice.skipped.items())]
     lines.append(" ".join(best.layout.flags()))
     return lines
@@ -418,3 +422,23 @@ def longest_document(shape: ModelShape, cluster: Cluster, layout: ParallelDims, 
         else:
             good, best = mid, step
     return LongestDocument(good, best, why)
+
+
+def longest_documents(choice: LayoutChoice, shape: ModelShape, cluster: Cluster, config: PlannerConfig) -> dict[str, dict[str, LongestDocument]]:
+    """Of every layout the search planned, the longest single document (:func:`longest_document`, one replica) without
+    offload and, where ``config`` offloads, with its mode: ``{layout: {mode: LongestDocument}}``."""
+    modes = ["none"] + ([config.offload] if config.offload != "none" else [])
+    return {str(r.layout): {mode: longest_document(shape, cluster, r.layout, dataclasses.replace(config, offload=mode)) for mode in modes}
+            for r in choice.evaluated}
+
+
+def describe_longest(by_mode: dict[str, LongestDocument]) -> str:
+    """One layout's longest documents, e.g. ``longest document 1,638,400 tokens without offload (step 1031 s); 6,291,456
+    with --epp-offload checkpoints (step 14864 s, host 192.0 GB per GPU)``."""
+    parts = []
+    for mode, found in by_mode.items():
+        r = found.row()
+        how = "without offload" if mode == "none" else f"with --epp-offload {mode}"
+        detail = "" if r["step_ms"] is None else f" (step {r['step_ms'] / 1e3:.0f} s" + ("" if mode == "none" else f", host {r['host_gb']} GB per GPU") + ")"
+        parts.append(f"{r['tokens']:,} {how}{detail}")
+    return "longest document " + "; ".join(parts)

@@ -7,7 +7,7 @@ unless ``--epp-truncate-documents`` (as in ``--elastic-pp`` training), the clust
 resized to the world size, the planner's settings the ``--epp-*`` flags given, else the driver's defaults (the
 budget: ``--epp-memory-budget``, else the preset's GPU memory; :func:`~megatron_epp.config.validation.validate_search_args`).
 The layouts are TP x CP x PP x DP (context parallelism, Ulysses all-to-all, with ``--elastic-pp``), as
-``epp-plan --epp-search-layout``'s.
+``epp-plan --epp-search-layout``'s; ``--epp-longest-document`` adds each planned layout's longest single document.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from megatron_epp.plan import PlanInfeasible
-from megatron_epp.planner.layout import describe_choice, search_for_world
+from megatron_epp.planner.layout import describe_choice, longest_documents, search_for_world
 from megatron_epp.data.lengths import select_batch
 from megatron_epp.config.errors import ArgumentError
 from megatron_epp.training.planning import elastic_documents
@@ -38,4 +38,5 @@ def driver_layout_search(cfg: TrainingConfig, world_size: int) -> list[str]:
         choice, sized = search_for_world(batch, shape, cfg.epp.cluster, world_size, cfg.epp.planner)
     except (PlanInfeasible, ValueError) as error:
         raise ArgumentError(f"--epp-search-layout: {error}") from None
-    return describe_choice(choice, sized)
+    longest = longest_documents(choice, shape, sized, cfg.epp.planner) if cfg.epp.longest_document else None
+    return describe_choice(choice, sized, longest)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import numpy as np
@@ -336,3 +337,31 @@ def test_driver_search_refuses_too_long_documents_unless_truncated(monkeypatch, 
                                        "the cap (longest 5000 tokens); pass --epp-truncate-documents to cut them\n")
     rc, seen = driver_search(monkeypatch, "--epp-truncate-documents")
     assert sorted(set(seen["batch"].tolist())) == [300, 1024]
+
+
+def test_longest_document_per_planned_layout(tmp_path, capsys, monkeypatch):
+    """``--epp-longest-document``: every layout the search planned gets its longest single document without offload and
+    with the ``--epp-offload`` mode given (the best layout's figures are :func:`longest_document`'s for it, with the
+    chunked head and the tiled MLP the flags ask for); ``pretrain_gpt.py`` reports them the same way; without
+    ``--epp-search-layout`` it is one line on either command line."""
+    path = tmp_path / "lengths.txt"
+    path.write_text("\n".join(map(str, lengths()[:16])))
+    epp_plan([str(path), "--epp-profile", "llama-7b", "--tp", "8", "--stages", "1", "--max-seq-len", "32768", "--epp-search-layout",
+              "--epp-longest-document", "--epp-offload", "checkpoints", "--epp-loss-chunk-tokens", "4096", "--epp-mlp-chunk-tokens", "8192"])
+    out = capsys.readouterr().out.strip().splitlines()
+    planned = [line for line in out[1:-1] if "not planned" not in line]
+    assert planned and all("longest document " in line and "with --epp-offload checkpoints" in line for line in planned)
+    name = out[0].split(": best ")[1].split(",")[0]
+    layout = next(d for d in enumerate_layouts(MODEL_PRESETS["llama-7b"], cluster_for_world(CLUSTERS["h100-ib-gpu"], 8), True, 16) if str(d) == name)
+    shape = dataclasses.replace(MODEL_PRESETS["llama-7b"], loss_chunk_tokens=4096, mlp_chunk_tokens=8192)
+    config = PlannerConfig(80 * GIB, 32768, profile="llama-7b", offload="checkpoints")
+    found = layout_module.longest_documents(SimpleNamespace(evaluated=[SimpleNamespace(layout=layout)]), shape,
+                                            cluster_for_world(CLUSTERS["h100-ib-gpu"], 8), config)[name]
+    assert planned[0] == f"  {name}: {layout_module.describe_longest(found)}"
+    assert found["checkpoints"].tokens > found["none"].tokens > 0
+    monkeypatch.setattr(layout_search, "longest_documents", lambda choice, *rest: {str(r.layout): {} for r in choice.evaluated})
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert pretrain_gpt([*DRIVER_MODEL, "--epp-search-layout", "--epp-longest-document", "--epp-cluster", "a800-ib-node"]) == 0
+    assert "longest document " in capsys.readouterr().out
+    assert pretrain_gpt([*DRIVER_MODEL, "--epp-longest-document"]) == 2
+    assert "--epp-longest-document applies only with --epp-search-layout" in capsys.readouterr().err

@@ -70,7 +70,7 @@ AT_LEAST_ONE = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_
                 "eval_interval", "save_interval")
 AT_LEAST_ZERO = ("lr", "min_lr", "lr_warmup_iters", "lr_warmup_samples", "weight_decay", "clip_grad", "init_method_std",
                  "eval_iters", "decoupled_lr", "decoupled_min_lr", "adam_eps", "sgd_momentum", "manual_gc_interval",
-                 "epp_loss_chunk_tokens")
+                 "epp_loss_chunk_tokens", "epp_mlp_chunk_tokens")
 POSITIVE = ("loss_scale", "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis", "lr_wsd_decay_iters",
             "lr_wsd_decay_samples")
 PROBABILITIES = {"hidden_dropout": (0, 1, "]"), "attention_dropout": (0, 1, "]"), "adam_beta1": (0, 1, ")"),

@@ -239,6 +239,7 @@ def cli_error(capsys, monkeypatch, *argv: str) -> str:
     (["--timeline", "{tmp}/no/t.png"], "--timeline {tmp}/no/t.png: no such directory {tmp}/no"),
     (["--epp-max-slices", "0"], "--epp-max-slices must be >= 1"),
     (["--epp-mlp-chunk-tokens", "-1"], "--epp-mlp-chunk-tokens -1: must be >= 0"),
+    (["--epp-longest-document"], "--epp-longest-document applies only with --epp-search-layout"),
     (["--epp-loss-chunk-tokens", "-2"], "--epp-loss-chunk-tokens -2: must be >= 0"),
     (["--epp-profile", "nope"], "--epp-profile 'nope': not a preset (auto, analytic, cpu, test-model, llama-7b, llama-13b, llama-30b) nor a file"),
     (["--epp-profile", "analytic"], "--epp-profile analytic: needs the model's shape (pretrain_gpt.py; epp-plan takes a preset)"),

@@ -145,7 +145,7 @@ def test_the_same_config_as_before_the_options_were_declared_once(name, tmp_path
              "epp.offload": None, "epp.host_memory_budget": None,
              "model.rope_fusion": True, "model.bias_swiglu_fusion": True, "model.cross_entropy_loss_fusion": False,
              "model.deterministic_mode": False, "epp.loss_chunk_tokens": 0,
-             "epp.mlp_chunk_tokens": 0}  # options added after 8c9e29a, at their defaults (no command line gives them)
+             "epp.mlp_chunk_tokens": 0, "epp.longest_document": False}  # options added after 8c9e29a, at their defaults (no command line gives them)
     added |= {"epp.planner.offload": "none", "epp.planner.host_memory_budget_bytes": None} if "epp.planner.offload" in flat else {}
     assert set(flat) - set(expected) == folded | set(added)
     added |= dict(BECAME_OPTIONS[flag] for flag in given)
