@@ -25,6 +25,8 @@ The report holds, per step, its status, seconds and limit (``steps.tsv``), and w
   ``offload_ab``: it paired with the train step's run by iteration as ``kernels_ab`` pairs (``speedup`` < 1: what the
   offload costs there);
 * ``fused``: benchmarks/fused_kernels.py's last JSON line (each pointwise candidate's time and error per op);
+* ``longest`` (the opt-in ``longest`` step): benchmarks/longest_trainable.py's last JSON line (per offload mode the
+  longest document trained and every probe; both modes' step time at the longest length both train);
 * ``bench``: bench_gpu.py's last JSON line.
 
 Nothing is computed that the logs do not hold; a file that is missing gives null (its step did not run or died).
@@ -243,7 +245,7 @@ def kernels_ab(new: dict | None, baseline: dict | None, gpu: str | None, traced:
 
 
 def bench(out: Path, name: str = "bench") -> dict | None:
-    """The last JSON line of ``name``.log (bench_gpu.py's, fused_kernels.py's)."""
+    """The last JSON line of ``name``.log (bench_gpu.py's, fused_kernels.py's, longest_trainable.py's)."""
     text = _text(out / f"{name}.log")
     if text is None:
         return None
@@ -262,7 +264,7 @@ def report(out: Path) -> dict:
             "equivalence": equivalence(out), "train": train, "baseline": baseline,
             "kernels_ab": kernels_ab(train, baseline, found["gpu"] if found else None, traced), "traces": traces,
             "offload": offloaded, "offload_ab": kernels_ab(offloaded, train, found["gpu"] if found else None, traced),
-            "fused": bench(out, "fused"), "bench": bench(out)}
+            "fused": bench(out, "fused"), "longest": bench(out, "longest"), "bench": bench(out)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -38,6 +38,10 @@
 #   offload      (opt-in) benchmarks/check_kv_host_cuda.py (K/V buffers on the host through the CUDA block kernel
 #                against the device-buffer run), then the train step's run with --epp-offload checkpoints on the same
 #                batches (the host link measured at start-up); the report pairs it with the train step's (offload_ab)
+#   longest      (opt-in; its own session: up to 8 minutes) benchmarks/longest_trainable.py: the longest single document
+#                the train check's model (with the chunked head and the tiled MLP) trains under a 4 GB budget, without
+#                offload and with --epp-offload checkpoints, by training it (doubling, then bisection to 4,096 tokens;
+#                each probe a run with the start-up profile), then both at the longest length both train
 #   bench        python -m benchmarks.bench_gpu: Megatron packing, Seq1F1B, EPP and EPP without memory limit on a
 #                LLaMA-like 8-layer model under a binding budget (~7.5 min); its JSON line in the summary
 #
@@ -57,7 +61,7 @@ cd "$(dirname "$0")/.."
 REPO=$PWD
 
 OUT_DIR="" WHEELS=${EPP_WHEELS:-} BUILD_TIMEOUT=0 STEPS="" DRY_RUN=0 REHEARSAL=0 QUICK=0
-ALL_STEPS=(facts install attention equivalence fused profile train baseline offload bench)
+ALL_STEPS=(facts install attention equivalence fused profile train baseline offload longest bench)
 usage_error() { echo "gpu_check.sh: error: $*" >&2; exit 2; }
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -101,6 +105,10 @@ ATTENTION_FLAGS=()
 BASELINE_ENV=(EPP_ATTENTION_BACKEND=varlen EPP_FUSED_KERNELS=torch)
 BASELINE_FLAGS=()
 FUSED_FLAGS=(--repeats 5)
+# the longest document (issue 41): the train check's model in bf16 with the chunked head and the tiled MLP, a 4 GB budget
+# (model states about 2.4 GB: the longest document stays short enough that its quadratic attention trains in seconds)
+LONGEST_FLAGS=(--model-flags "--num-layers 8 --hidden-size 1024 --num-attention-heads 16 --bf16 --epp-loss-chunk-tokens 4096 --epp-mlp-chunk-tokens 8192"
+  --epp-memory-budget 4 --start 16384 --resolution 4096 --max-probes 5 --budget-s 420 --iters 3)
 KV_HOST_FLAGS=()  # benchmarks/check_kv_host_cuda.py's defaults: a 16K document in four slices, 32:8 heads of 128, bf16
 # --quick's train and baseline runs: torch.profiler records one iteration of each (the same one), summarised by kernel
 # class (benchmarks/trace_kernels.py): where the step's device time goes; that iteration is left out of kernels_ab's medians
@@ -133,6 +141,8 @@ if [ "$REHEARSAL" = 1 ]; then  # the same steps at toy sizes on the CPU
     --layer-lengths 16,32,64,128 --head-lengths 16,64 --repeats 2)
   ATTENTION_FLAGS=(--cpu-dry-run)
   KV_HOST_FLAGS=(--cpu-dry-run)
+  LONGEST_FLAGS=(--model-flags "--num-layers 2 --hidden-size 32 --num-attention-heads 4" --epp-memory-budget 0.006 --start 1024
+    --resolution 1024 --max-probes 2 --budget-s 60 --iters 2)
   FUSED_FLAGS=(--device cpu --tokens 64 --hidden 64 --heads 4 --kv-heads 2 --ffn 96 --vocab 128 --repeats 2 --candidates torch)
   BASELINE_ENV=(EPP_ATTENTION_BACKEND=sdpa EPP_FUSED_KERNELS=torch)  # torch's varlen_attn runs on CUDA only
   TRACE_ITERATION=5  # of 6
@@ -141,10 +151,10 @@ if [ "$REHEARSAL" = 1 ]; then  # the same steps at toy sizes on the CPU
 fi
 
 # per step: its time limit (s; 34.5 min in all without builds) and its command
-declare -A LIMIT=([facts]=60 [install]=$((150 + BUILD_TIMEOUT * 2)) [attention]=180 [equivalence]=420 [fused]=180 [profile]=300 [train]=360 [baseline]=360 [offload]=420 [bench]=600)
+declare -A LIMIT=([facts]=60 [install]=$((150 + BUILD_TIMEOUT * 2)) [attention]=180 [equivalence]=420 [fused]=180 [profile]=300 [train]=360 [baseline]=360 [offload]=420 [longest]=480 [bench]=600)
 # --quick: 570 s in all (the device machines lend 10 minutes a command and 15 a session, its start included); the
 # first contact with flash-attn-4 compiles its kernels (tens of seconds each, cached on disk for the later steps)
-[ "$QUICK" = 1 ] && declare -A LIMIT=([facts]=15 [install]=75 [attention]=80 [equivalence]=85 [fused]=60 [profile]=0 [train]=140 [baseline]=115 [offload]=200 [bench]=600)
+[ "$QUICK" = 1 ] && declare -A LIMIT=([facts]=15 [install]=75 [attention]=80 [equivalence]=85 [fused]=60 [profile]=0 [train]=140 [baseline]=115 [offload]=200 [longest]=480 [bench]=600)
 QUICK_SETUP=""
 [ "$QUICK" = 1 ] && QUICK_SETUP="--no-te --no-flash"  # no wheel of either exists for the GPU machines; the full check tries
 command_of() {
@@ -162,6 +172,7 @@ command_of() {
            fi ;;
     offload) echo "$PYTHON -m benchmarks.check_kv_host_cuda ${KV_HOST_FLAGS[*]}; the train step's run with --epp-offload checkpoints (metrics_offload.jsonl)" ;;
     baseline) echo "${BASELINE_ENV[*]} $PYTHON -m torch.distributed.run --nproc-per-node 1 pretrain_gpt.py ${TRAIN_FLAGS[*]} ${BASELINE_FLAGS[*]} --epp-metrics $OUT_DIR/metrics_baseline.jsonl (the train step's run, the kernels before)" ;;
+    longest) echo "$PYTHON -m benchmarks.longest_trainable ${LONGEST_FLAGS[*]}" ;;
     bench) echo "$PYTHON -m benchmarks.bench_gpu ${BENCH_FLAGS[*]}" ;;
   esac
 }
@@ -213,6 +224,7 @@ result_of() {  # one line from a step's log
     profile) grep -E 'rms rel err' "$log" | awk '{printf "%s %s%%; ", $1, $5}' ;;
     train|baseline) grep -E '^train:' "$log" | tail -n 1 ;;
     offload) { grep -E '^check_kv_host_cuda:' "$log"; grep -E '^> host link:' "$log" | cut -c1-120; grep -E '^train:' "$log"; } | tr '\n' ';' ;;
+    longest) grep -E '^(none|checkpoints|auto): longest|^at [0-9,]+ tokens' "$log" | tr '\n' ';' ;;
     bench) if [ "$REHEARSAL" = 1 ]; then grep -E '^estimated time' "$log" | tail -n 1; else grep -E '^\{' "$log" | tail -n 1; fi ;;
   esac
   [ "$2" = 0 ] || echo " (last line: $(grep -v '^\s*$' "$log" | tail -n 1 | cut -c1-200))"
@@ -289,6 +301,7 @@ wanted profile && run_step profile "$PYTHON" -m megatron_epp.measure.profile_gpu
 wanted train && run_step train train
 wanted baseline && run_step baseline baseline
 wanted offload && run_step offload offload
+wanted longest && run_step longest "$PYTHON" -m benchmarks.longest_trainable "${LONGEST_FLAGS[@]}"
 wanted bench && run_step bench "$PYTHON" -m benchmarks.bench_gpu "${BENCH_FLAGS[@]}"
 
 {
