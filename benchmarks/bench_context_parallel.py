@@ -68,7 +68,6 @@ import argparse
 import json
 import os
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
@@ -76,9 +75,9 @@ import numpy as np
 
 from megatron_epp.planner.builders import ELASTIC
 from megatron_epp.planner.config import CALIBRATE_FIRST_STEP
-from benchmarks.common import (Parser, fail, plan_steps, recomputed, smallest_budget, planned_batches, fmt_layers, step_matrix, pipe_ms,
+from benchmarks.common import (fail, plan_steps, recomputed, smallest_budget, planned_batches, fmt_layers, step_matrix, pipe_ms,
                               paired_ratio, load_average, cp_run_argv)
-from benchmarks.paired_runs import ACCURACY_LOG, alternating_runs, pct, summarize, today_accuracy
+from benchmarks.paired_runs import alternating_runs, check_run_args, pct, run_parser, summarize, today_accuracy
 
 if TYPE_CHECKING:
     from megatron_epp.planner.online import OnlinePlanner
@@ -154,35 +153,16 @@ def report(entries: dict[str, dict], ratio: float | None, predicted_ratio: float
 
 # --------------------------------------------------------------------------------------------- main
 def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    ap = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--simulate-only", action="store_true", help="the budget and the plans only, no training")
-    ap.add_argument("--repeats", type=int, default=3, help="launches per configuration (default 3)")
-    ap.add_argument("--iters", type=int, default=10, help=f"steps per launch, the first a warm-up (default 10; > {CALIBRATE_FIRST_STEP})")
-    ap.add_argument("--seq-length", type=int, default=2048, help="context cap (default 2048)")
-    ap.add_argument("--global-batch-size", type=int, default=4, help="documents per step (default 4)")
-    ap.add_argument("--num-layers", type=int, default=2, help="(default 2)")
-    ap.add_argument("--hidden-size", type=int, default=64, help="(default 64; FFN 4x)")
-    ap.add_argument("--num-attention-heads", type=int, default=4, help="(default 4; cp 2 must divide it)")
-    ap.add_argument("--seed", type=int, default=1234, help="data order and lengths (default 1234)")
-    ap.add_argument("--epp-memory-budget", type=float, default=None, help="GB per rank (default: chosen by the planner)")
+    ap = run_parser(__doc__, num_layers=2, heads_help="; cp 2 must divide it")
     ap.add_argument("--epp-plan-between-steps", action=argparse.BooleanOptionalAction, default=True,
                     help="both configurations plan each batch between steps (pretrain_gpt.py's flag), so that at cp 2, "
                          "whose 2 ranks take both cores, the planner's thread does not share a core with a rank inside "
                          "the timed steps (default); --no-epp-plan-between-steps: in the background, as training does by "
                          "default")
-    ap.add_argument("--accuracy-log", type=Path, default=ACCURACY_LOG, help="the time_model_accuracy.py log of today's accuracy")
     args = ap.parse_args(argv)
-    for flag in ("repeats", "global_batch_size", "num_layers", "hidden_size", "num_attention_heads"):
-        if getattr(args, flag) < 1:
-            fail(f"--{flag.replace('_', '-')} must be >= 1")
-    if args.iters <= CALIBRATE_FIRST_STEP:
-        fail(f"--iters {args.iters}: needs steps after the first calibration (step {CALIBRATE_FIRST_STEP})")
-    if args.seq_length < 2:
-        fail("--seq-length must be >= 2")
+    check_run_args(args)
     if args.num_attention_heads % 2:
         fail(f"--num-attention-heads {args.num_attention_heads}: cp 2 must divide it")
-    if args.epp_memory_budget is not None and args.epp_memory_budget <= 0:
-        fail("--epp-memory-budget must be positive")
     return args
 
 

@@ -5,6 +5,7 @@ read from its committed log."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from pathlib import Path
@@ -14,7 +15,7 @@ import numpy as np
 
 from megatron_epp.planner.config import CALIBRATE_FIRST_STEP
 from megatron_epp.training.metrics import StepMetrics
-from benchmarks.common import REPO, fail, hindsight, noise_floor, pipe_ms, step_matrix
+from benchmarks.common import REPO, Parser, fail, hindsight, noise_floor, pipe_ms, step_matrix
 
 ACCURACY_LOG = REPO / "docs" / "measurements" / "2026-11-24-cpu" / "time_model_accuracy_fc6a2b3.log"
 MB = 2**20
@@ -114,3 +115,35 @@ def alternating_runs(names: Sequence[str], argvs: dict[str, list[str]], nprocs: 
             print(f"  repeat {r + 1}/{repeats} {name}: {time.perf_counter() - t1:.1f} s, measured ms per step "
                   + " ".join(f"{s.elastic.measured_ms:.0f}" for s in steps), flush=True)
     return runs
+
+
+def run_parser(doc: str, num_layers: int, heads_help: str = "") -> Parser:
+    """The command line both benchmarks share: the runs (``--repeats``, ``--iters``), the model and data
+    (``--seq-length``, ``--global-batch-size``, ``--num-layers`` defaulting to ``num_layers``, ``--hidden-size``,
+    ``--num-attention-heads``, ``--seed``), the budget, today's accuracy log, ``--simulate-only``."""
+    ap = Parser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--simulate-only", action="store_true", help="the budget and the plans only, no training")
+    ap.add_argument("--repeats", type=int, default=3, help="launches per configuration (default 3)")
+    ap.add_argument("--iters", type=int, default=10, help=f"steps per launch, the first a warm-up (default 10; > {CALIBRATE_FIRST_STEP})")
+    ap.add_argument("--seq-length", type=int, default=2048, help="context cap (default 2048)")
+    ap.add_argument("--global-batch-size", type=int, default=4, help="documents per step (default 4)")
+    ap.add_argument("--num-layers", type=int, default=num_layers, help=f"(default {num_layers})")
+    ap.add_argument("--hidden-size", type=int, default=64, help="(default 64; FFN 4x)")
+    ap.add_argument("--num-attention-heads", type=int, default=4, help=f"(default 4{heads_help})")
+    ap.add_argument("--seed", type=int, default=1234, help="data order and lengths (default 1234)")
+    ap.add_argument("--epp-memory-budget", type=float, default=None, help="GB per rank (default: chosen by the planner)")
+    ap.add_argument("--accuracy-log", type=Path, default=ACCURACY_LOG, help="the time_model_accuracy.py log of today's accuracy")
+    return ap
+
+
+def check_run_args(args: argparse.Namespace) -> None:
+    """:func:`run_parser`'s values, each bad one a one-line error."""
+    for flag in ("repeats", "global_batch_size", "num_layers", "hidden_size", "num_attention_heads"):
+        if getattr(args, flag) < 1:
+            fail(f"--{flag.replace('_', '-')} must be >= 1")
+    if args.iters <= CALIBRATE_FIRST_STEP:
+        fail(f"--iters {args.iters}: needs steps after the first calibration (step {CALIBRATE_FIRST_STEP})")
+    if args.seq_length < 2:
+        fail("--seq-length must be >= 2")
+    if args.epp_memory_budget is not None and args.epp_memory_budget <= 0:
+        fail("--epp-memory-budget must be positive")

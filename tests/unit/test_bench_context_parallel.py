@@ -12,6 +12,7 @@ from megatron_epp.training.metrics import ElasticMetrics, StepMetrics
 from tests.paths import REPO
 from benchmarks import bench_context_parallel
 from benchmarks.common import GRID_GB
+from benchmarks.paired_runs import ACCURACY_LOG
 from tests.unit.test_benchmark_cli import one_line_error
 
 CAP = 1024
@@ -80,7 +81,7 @@ def test_figures_verdicts_and_json_line(bench, capsys):
     assert len(two["per_step"]) == 9 and two["per_step"][0][:2] == [0, 6] and two["plans_differ"] == 0
     assert two["speed_factor"] == [None] * 3  # the synthetic records carry no calibration
     assert not bench.summarize(runs[1], 1e6 / 2**30)["fits"]  # model states + peak over the budget
-    today = bench.today_accuracy(bench.ACCURACY_LOG)
+    today = bench.today_accuracy(ACCURACY_LOG)
     assert today["log"] == "docs/measurements/2026-11-24-cpu/time_model_accuracy_fc6a2b3.log"
     assert today["median_max"] == pytest.approx(0.0865, abs=5e-4) and today["worst_step"] == pytest.approx(0.194, abs=5e-4)
     assert bench.verdicts(entries, today) == {"less_recompute": True, "within_today": True}

@@ -11,7 +11,7 @@ import pytest
 from megatron_epp.training.metrics import ElasticMetrics, StepMetrics
 from benchmarks import bench_offload
 from benchmarks.common import GRID_GB
-from benchmarks.paired_runs import summarize, today_accuracy
+from benchmarks.paired_runs import ACCURACY_LOG, summarize, today_accuracy
 from tests.unit.test_benchmark_cli import one_line_error
 
 CAP = 1024
@@ -61,7 +61,7 @@ def test_figures_verdicts_and_json_line(capsys):
     c = entries["checkpoints"]
     assert c["offloaded"][0] == [2, 2, 0, 3, 2, 2, 2, 2] and c["host_steps"] == 21 and c["host_exact"]
     assert c["host_pred_mb"] == [pytest.approx(1e6 / 2**20), pytest.approx(2e6 / 2**20)] and entries["none"]["host_pred_mb"] is None
-    today = today_accuracy(bench_offload.ACCURACY_LOG)
+    today = today_accuracy(ACCURACY_LOG)
     assert bench_offload.verdicts(entries, today) == {"less_recompute": True, "host_exact": True, "within_today": True}
     assert bench_offload.steps_more_recompute(entries) == 1  # step 4: 9 against 8
     off = [run([2] * 8, [2] * 8, ((1e6, 2e6), (1000000, 1999999))) for _ in range(3)]  # one stage's host peak 1 B short
