@@ -25,6 +25,7 @@ from typing import Callable
 
 import torch
 
+
 def _keep(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
