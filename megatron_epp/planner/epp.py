@@ -26,7 +26,7 @@ import numpy as np
 from megatron_epp.plan import Pipeline, Plan, PlanInfeasible, PlannedStep
 from megatron_epp.planner.recompute import Offload, OffloadSetting, Recompute
 from megatron_epp.planner.recompute import MemoryInfeasible, solve_recompute
-from megatron_epp.simulator.offload import kv_copy_bytes
+from megatron_epp.simulator.offload import kv_copy_bytes, kv_host_copy_ms
 from megatron_epp.planner.chunking import PACK_RELAX, Chunking, build_units
 from megatron_epp.cost.features import F, chunk_features, sequence_features
 from megatron_epp.cost.model import ChunkCosts, CostModel
@@ -214,6 +214,7 @@ class _Search:
     cost_model: CostModel
     free: float  # stage 0's budget minus its model states
     offload: Offload = "none"  # what the grouping estimate may count off the device (group_units_both)
+    kv_on_host: bool = False  # auto's second round: every split sequence's K/V buffer taken to be on the host
     cache: dict = field(default_factory=dict)  # chunkings by (slice budget, cap, balance)
     groupings: dict = field(default_factory=dict)  # their groupings with and without recompute
 
@@ -230,16 +231,35 @@ class _Search:
     def score(self, budget_t: float, cap: int, balance: bool, recompute: bool, margin: float = 0.0) -> Candidate | None:
         """One chunking with its grouping and proxy score (slowest stage's compute plus the grouping overhead:
         bubbles, estimated recompute); None if no grouping fits. ``margin``: bytes the grouping keeps free beyond
-        its estimate (what the exact walk found it short)."""
+        its estimate (what the exact walk found it short). Under ``auto``, a chunking that fits only with its split
+        sequences' K/V buffers on the host (by the estimate; in the second round, ``kv_on_host``, every chunking, as the
+        exact walk put them there in the first) is also charged the copies of those buffers that no compute hides
+        (:func:`~megatron_epp.simulator.offload.kv_host_copy_ms`, the slowest stage's): slices too short for their
+        prefix fetches to hide behind their attention rank lower."""
         chunking, costs = self.units(budget_t, cap, balance)
-        key = (id(chunking), margin)  # one grouping per distinct chunking (equivalent caps share one)
+        key = (id(chunking), margin, self.kv_on_host)  # one grouping per distinct chunking (equivalent caps share one)
         if key not in self.groupings:
-            self.groupings[key] = group_units_both(chunking.unit_sizes.tolist(), costs, self.cost_model.layers, self.free - margin,
-                                                   offload=self.offload)
+            self.groupings[key] = self._group(chunking, costs, margin)
         groups, overhead = self.groupings[key][recompute]
         if not np.isfinite(overhead):
             return None
         return Candidate(float((costs.fwd + costs.bwd).sum(axis=1).max()) + overhead, budget_t, cap, balance, chunking, groups)
+
+    def _group(self, chunking: Chunking, costs: ChunkCosts, margin: float) -> dict[bool, tuple[list[tuple[int, int]], float]]:
+        """:func:`group_units_both` of the chunking; under ``auto``, the grouping with the K/V buffers on the device
+        where one fits, else the one with them on the host plus their exposed copy time."""
+        sizes, layers = chunking.unit_sizes.tolist(), self.cost_model.layers
+        both = group_units_both(sizes, costs, layers, self.free - margin, offload=self.offload)
+        if self.offload != "auto":
+            return both
+        bounds = np.concatenate([[0], np.cumsum(sizes)])
+        units = [np.arange(a, b) for a, b in zip(bounds[:-1], bounds[1:]) if b - a > 1]
+        copy = float(kv_host_copy_ms(units, costs, layers, self.cost_model.host).max()) if units else 0.0
+        charged = {rc: (both[rc][0], both[rc][1] + copy) for rc in both}
+        if self.kv_on_host:
+            return charged
+        device = group_units_both(sizes, costs, layers, self.free - margin, offload="checkpoints")
+        return {rc: device[rc] if np.isfinite(device[rc][1]) else charged[rc] for rc in both}
 
 
 def token_caps(longest: int, memory_cap: int) -> list[int]:
@@ -337,12 +357,24 @@ def build_plan(
     search = _Search(L, cost_model, budget_bytes - cost_model.model_state_bytes()[0], offload.mode)
     flags = [f for f, allowed in ((True, recompute != "none"), (False, recompute != "full")) if allowed]
     start_cap = min(memory_cap, caps[0])
-    finalists = [(rc, _family(search, b, rc, caps if rc else ([c for c in caps if c <= start_cap] or [start_cap]), start_cap, slice_counts))
-                 for b in ((True, False) if balance else (False,)) for rc in flags]
-    if balance and recompute != "full":  # packing only: one slice budget, the longest sequence's work
-        finalists.append((False, _family(search, True, False, [start_cap], start_cap, [1])))
+
+    def families() -> list[tuple[bool, list[Candidate]]]:
+        finalists = [(rc, _family(search, b, rc, caps if rc else ([c for c in caps if c <= start_cap] or [start_cap]), start_cap, slice_counts))
+                     for b in ((True, False) if balance else (False,)) for rc in flags]
+        if balance and recompute != "full":  # packing only: one slice budget, the longest sequence's work
+            finalists.append((False, _family(search, True, False, [start_cap], start_cap, [1])))
+        return finalists
+
     modes = [recompute] + (["full"] if recompute in ("adaptive", "greedy") else [])
-    plans, reasons = _simulate_finalists(search, finalists, _Recompute(modes, budget_bytes, time_limit, mip_rel_gap, offload), builder)
+    how = _Recompute(modes, budget_bytes, time_limit, mip_rel_gap, offload)
+    plans, reasons = _simulate_finalists(search, families(), how, builder)
+    if offload.mode == "auto" and any(f.sim.copy_ms > 0 and any(p.kv_host for p in f.plan.pipelines) for f in plans):
+        # the exact walk put K/V buffers on the host where the estimate had them fit on the device: the chunkings are
+        # searched again with every split sequence's K/V on the host and its exposed copies charged, and the best
+        # simulated beside the first round's
+        search.kv_on_host = True
+        more, _ = _simulate_finalists(search, families(), how, builder)
+        plans += more
     if not plans:
         why = reasons[0] if reasons else f"no grouping fits even with chunks of {caps[-1]} tokens"
         raise PlanInfeasible(f"no {recompute!r} plan fits {budget_bytes / GIB} GB per GPU: {why}")

@@ -40,15 +40,30 @@ class CopyBytes:
 
 def kv_copy_bytes(pipe: Pipeline, costs: ChunkCosts, layers: np.ndarray) -> CopyBytes:
     """The K/V buffers' copies of ``pipe``'s sequences on the host (module docstring); zeros without any."""
-    n = len(pipe.chunks)
+    return units_copy_bytes(kv_host_units(pipe), costs, layers)
+
+
+def units_copy_bytes(units: list, costs: ChunkCosts, layers: np.ndarray) -> CopyBytes:
+    """The K/V buffers' copies of the split sequences ``units`` (each its chunks' positions, in order) on the host."""
+    n = costs.fwd.shape[1]
     own, prefix = np.zeros(n), np.zeros(n)
-    for u in kv_host_units(pipe):
+    for u in units:
         kv = costs.kv_layer[u]
         own[u] = kv
         prefix[u] = np.cumsum(kv) - kv
     L = np.asarray(layers, dtype=float)[:, None]
     g = costs.kv_grad
     return CopyBytes(L * own, L * prefix, L * (prefix + own) * g, L * (prefix + own) * (1.0 + g))
+
+
+def kv_host_copy_ms(units: list, costs: ChunkCosts, layers: np.ndarray, host: HostLink) -> np.ndarray:
+    """Per stage, the copy time no compute hides with the K/V buffers of ``units`` on the host and nothing else
+    offloaded: each (stage, chunk) phase's copies behind that phase's compute (the backward's without recompute, which
+    would hide more), summed over the chunks."""
+    kv = units_copy_bytes(units, costs, layers)
+    fwd = exposed_copy_ms(host, kv.fwd_out, kv.fwd_in, costs.fwd)
+    bwd = exposed_copy_ms(host, kv.bwd_out, kv.bwd_in, costs.bwd)
+    return (fwd + bwd).sum(axis=1)
 
 
 def exposed_ms(pipe: Pipeline, costs: ChunkCosts, layers: np.ndarray, host: HostLink | None) -> tuple[np.ndarray, np.ndarray]:

@@ -337,3 +337,35 @@ def test_without_offload_nothing_is_measured(monkeypatch):
     steps, calls = started(monkeypatch, [])
     assert calls == [] and steps.planner.cost_model.host is None
     assert not any(s.startswith("host link") for s in steps.startup_lines())
+
+
+def test_the_chunking_proxy_charges_the_kv_copies_the_simulator_charges():
+    """Under ``auto``, a chunking with its split sequences' K/V buffers on the host is scored with the copies of those
+    buffers that no compute hides: per stage the figure the simulator charges the plan with its K/V on the host and
+    nothing else offloaded. Where the exact walk puts the K/V on the host, the chunkings are searched again so
+    charged: on a slow host link (2 GB/s) the plan's slices are longer than without the charge, and its predicted step
+    and exposed copy time shorter."""
+    from megatron_epp.planner import epp
+    from megatron_epp.simulator.memory import kv_host_units
+    from megatron_epp.simulator.offload import kv_host_copy_ms
+
+    cluster = get_cluster("h100-ib-gpu").with_nodes(4)
+    cm = layout_cost_model(SHAPE, cluster, ParallelDims.for_world(32, tp=8, pp=4, cp=1))
+    slow = CostModel(cm.profile, 4, network=cm.network, host=replace(cluster.host, d2h_gbps=2.0, h2d_gbps=2.0))
+    config = PlannerConfig(80 * GIB, 2 * ONE_M, offload="auto")
+    charged = ELASTIC.plan([2 * ONE_M], slow, config)
+    original = epp.kv_host_copy_ms
+    try:
+        epp.kv_host_copy_ms = lambda units, costs, layers, host: np.zeros(len(layers))
+        blind = ELASTIC.plan([2 * ONE_M], slow, config)
+    finally:
+        epp.kv_host_copy_ms = original
+    chunks = [len(list(step.plan.chunks())) for step in (charged, blind)]
+    assert charged.plan.pipelines[0].kv_host == blind.plan.pipelines[0].kv_host == [0] and chunks[0] < chunks[1]
+    assert charged.report.predicted_step_ms < blind.report.predicted_step_ms and charged.report.copy_ms < blind.report.copy_ms
+    pipe = blind.plan.pipelines[0]
+    pipe = replace(pipe, offload=[], recompute=[[0] * len(pipe.chunks)] * 4)
+    costs = slow.costs(chunk_features(pipe.chunks))
+    fwd, bwd = exposed_ms(pipe, costs, slow.layers, slow.host)
+    assert (fwd + bwd).sum() > 0
+    assert np.allclose((fwd + bwd).sum(axis=1), kv_host_copy_ms(kv_host_units(pipe), costs, slow.layers, slow.host))
