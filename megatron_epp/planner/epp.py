@@ -345,8 +345,41 @@ def build_plan(
     those of the default, so it is never predicted slower than they are.
     ``offload``: checkpoints (and, ``auto``, split sequences' K/V buffers) may go to host memory (docs/planner.md,
     "Activation offload"; the cost model's ``host`` link); the default plans as before offload existed.
+    Under ``auto`` the plan keeping every K/V buffer on the device (``checkpoints``'s) is planned too and the faster
+    of the two kept: ``auto``'s search may end on chunkings whose buffers the host cannot hold where a chunking of
+    ``checkpoints`` (one whole chunk) fits, so ``auto`` never fits less than ``checkpoints``.
     Raises :class:`PlanInfeasible` (the reason in one line) if nothing fits.
     """
+    kwargs = dict(recompute=recompute, balance=balance, slice_counts=slice_counts, time_limit=time_limit, mip_rel_gap=mip_rel_gap,
+                  builder=builder)
+    if offload.mode != "auto":
+        return _build_plan(lengths, cost_model, budget_bytes, offload=offload, **kwargs)
+    t0, steps, errors = time.perf_counter(), [], []
+    for mode in ("auto", "checkpoints"):
+        try:
+            steps.append(_build_plan(lengths, cost_model, budget_bytes, offload=replace(offload, mode=mode), **kwargs))
+        except PlanInfeasible as error:
+            errors.append(error)
+    if not steps:
+        raise errors[0]
+    best = min(steps, key=lambda step: step.report.predicted_step_ms)  # auto's first: it wins ties
+    return replace(best, report=replace(best.report, solve_ms=(time.perf_counter() - t0) * 1e3))  # both searches' time
+
+
+def _build_plan(
+    lengths: Sequence[int],
+    cost_model: CostModel,
+    budget_bytes: float,
+    *,
+    recompute: Recompute,
+    balance: bool,
+    slice_counts: Sequence[int],
+    time_limit: float,
+    mip_rel_gap: float,
+    builder: str,
+    offload: OffloadChoice,
+) -> PlannedStep:
+    """:func:`build_plan` for one offload mode."""
     t0 = time.perf_counter()
     L = np.asarray(lengths, dtype=np.int64)
     if len(L) == 0 or (L < 1).any():

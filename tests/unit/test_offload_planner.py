@@ -369,3 +369,19 @@ def test_the_chunking_proxy_charges_the_kv_copies_the_simulator_charges():
     fwd, bwd = exposed_ms(pipe, costs, slow.layers, slow.host)
     assert (fwd + bwd).sum() > 0
     assert np.allclose((fwd + bwd).sum(axis=1), kv_host_copy_ms(kv_host_units(pipe), costs, slow.layers, slow.host))
+
+
+def test_auto_never_fits_less_than_checkpoints():
+    """``auto`` plans ``checkpoints``'s plan too and keeps the faster: where every chunking of its own search puts K/V
+    buffers on the host that the host budget cannot hold, the whole document as one fully recomputed chunk with its
+    checkpoints on the host still fits (6.55M tokens on 32 GPUs with the chunked head and the tiled MLP; before, the
+    longest document under ``auto`` was 6.29M where ``checkpoints`` reached 7.93M); and where both fit, ``auto``'s plan is
+    never predicted slower than ``checkpoints``'s."""
+    shape = replace(SHAPE, loss_chunk_tokens=4096, mlp_chunk_tokens=8192)
+    cm = layout_cost_model(shape, get_cluster("h100-ib-gpu").with_nodes(4), ParallelDims.for_world(32, tp=8, pp=4, cp=1))
+    n = 6_553_600
+    auto = ELASTIC.plan([n], cm, PlannerConfig(80 * GIB, n, offload="auto"))
+    ckpt = ELASTIC.plan([n], cm, PlannerConfig(80 * GIB, n, offload="checkpoints"))
+    assert auto.report.predicted_step_ms == ckpt.report.predicted_step_ms and not auto.plan.pipelines[0].kv_host
+    two = [ELASTIC.plan([2 * ONE_M], cm, PlannerConfig(80 * GIB, 2 * ONE_M, offload=mode)) for mode in ("auto", "checkpoints")]
+    assert two[0].report.predicted_step_ms <= two[1].report.predicted_step_ms
