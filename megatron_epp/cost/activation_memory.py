@@ -144,9 +144,7 @@ def saved_tensor_memory(shape: ModelShape, tp: int = 1, sequence_parallel: bool 
     * the output projection's input ``b q``; fc1's input ``b h``; the MLP's activation: GELU its
       input ``b f`` and fc2's input ``b f``; SwiGLU (megatron-core's unfused ``glu``) fc1's whole
       output ``2 b f`` (SiLU's input is a view of it), SiLU's output, the linear half plus its offset
-      (a new tensor) and fc2's input, ``b f`` each: ``5 b f``; with the tiled MLP (``mlp_chunk_tokens``,
-      ``executor.tiled_mlp``) none of them: it keeps fc1's input alone, and its blocks' recomputed activations in
-      backward are workspace, not saved tensors of the step's graph.
+      (a new tensor) and fc2's input, ``b f`` each: ``5 b f``; the tiled MLP (``mlp_chunk_tokens``) none (workspace).
 
     Biases save nothing (``--disable-bias-linear``, ``--add-qkv-bias`` change no activation). A split sequence's K/V
     buffer holds ``2 b h_kv`` per token of the whole sequence and layer (``kv_token``: its K and V rows);
