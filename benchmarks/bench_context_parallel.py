@@ -75,9 +75,9 @@ import numpy as np
 
 from megatron_epp.planner.builders import ELASTIC
 from megatron_epp.planner.config import CALIBRATE_FIRST_STEP
-from benchmarks.common import (fail, plan_steps, recomputed, smallest_budget, planned_batches, fmt_layers, step_matrix, pipe_ms,
-                              paired_ratio, load_average, cp_run_argv)
-from benchmarks.paired_runs import alternating_runs, check_run_args, pct, run_parser, summarize, today_accuracy
+from benchmarks.common import (fail, plan_steps, recomputed, smallest_budget, fmt_layers,
+                              load_average, cp_run_argv)
+from benchmarks.paired_runs import alternating_runs, paired_ratios, plan_facts, same_batches, check_run_args, pct, run_parser, summarize, today_accuracy
 
 if TYPE_CHECKING:
     from megatron_epp.planner.online import OnlinePlanner
@@ -94,11 +94,6 @@ def choose_budget(batches, builds: dict[int, OnlinePlanner]) -> float:
         return cp2 is not None and not any(cp2) and plan_steps(ELASTIC, batches, builds[1].cost_model, builds[1].config, b) is not None
 
     return smallest_budget(ok, "lets cp 2 plan without recompute and cp 1 run")[0]
-
-
-def plan_facts(batches, builds: dict[int, OnlinePlanner], budget_gb: float) -> dict[int, list | None]:
-    """Each configuration's plans of ``batches`` at ``budget_gb`` (None: it cannot run there)."""
-    return {cp: plan_steps(ELASTIC, batches, b.cost_model, b.config, budget_gb) for cp, b in builds.items()}
 
 
 def verdicts(entries: dict[str, dict], today: dict) -> dict:
@@ -181,14 +176,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     today = today_accuracy(args.accuracy_log)
     print(header(args), flush=True)
     argvs = {cp: cp_run_argv(args, cp) for cp in CPS}
-    planned = {cp: planned_batches(argvs[cp], args.iters, world_size=cp) for cp in CPS}
-    batches = planned[1][0]
-    if planned[2][0] != batches:
-        fail("cp 1 and cp 2 would train different batches (the sampler differs between the launches)")
-    builds = {cp: p[1] for cp, p in planned.items()}
-    lengths = np.concatenate(batches)
-    print(f"  batches: tokens per step {[int(sum(b)) for b in batches]} (first: warm-up), lengths p50 {np.median(lengths):.0f} "
-          f"max {lengths.max()}, {int(np.sum(lengths == args.seq_length))} at the cap", flush=True)
+    batches, builds = same_batches(argvs, {cp: cp for cp in CPS}, args.iters, args.seq_length)
     budget = args.epp_memory_budget if args.epp_memory_budget is not None else choose_budget(batches, builds)
     plans = plan_facts(batches, builds, budget)
     rec = {cp: recomputed(p) for cp, p in plans.items()}
@@ -212,9 +200,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     entries = {f"cp{cp}": summarize(rs, budget) for cp, rs in runs.items() if rs and f"cp{cp}" not in failed}
     ratio = predicted_ratio = speed = None
     if len(entries) == 2:
-        ratio = paired_ratio(step_matrix([r[1:] for r in runs[2]], pipe_ms), step_matrix([r[1:] for r in runs[1]], pipe_ms))
-        later = {cp: [[s for s in r if s.iteration > CALIBRATE_FIRST_STEP] for r in rs] for cp, rs in runs.items()}
-        predicted_ratio = paired_ratio(*(step_matrix(later[cp], lambda s: s.elastic.predicted_step_ms) for cp in (2, 1)))
+        ratio, predicted_ratio = paired_ratios(runs[1], runs[2])
         speed = float(np.median(entries["cp2"]["speed_factor"]) / np.median(entries["cp1"]["speed_factor"]))
     v = report(entries, ratio, predicted_ratio, today, budget, failed)
     if speed is not None:

@@ -56,9 +56,9 @@ import numpy as np
 
 from megatron_epp.planner.builders import ELASTIC
 from megatron_epp.planner.config import CALIBRATE_FIRST_STEP
-from benchmarks.common import (fail, plan_steps, recomputed, smallest_budget, planned_batches, fmt_layers, step_matrix, pipe_ms,
-                               paired_ratio, load_average, cp_run_argv)
-from benchmarks.paired_runs import alternating_runs, check_run_args, pct, run_parser, summarize, today_accuracy
+from benchmarks.common import (fail, plan_steps, recomputed, smallest_budget, fmt_layers,
+                               load_average, cp_run_argv)
+from benchmarks.paired_runs import alternating_runs, paired_ratios, plan_facts, same_batches, check_run_args, pct, run_parser, summarize, today_accuracy
 
 if TYPE_CHECKING:
     from megatron_epp.planner.online import OnlinePlanner
@@ -79,11 +79,6 @@ def choose_budget(batches, builds: dict[str, OnlinePlanner]) -> float:
         return all(plan_steps(ELASTIC, batches, build.cost_model, build.config, b) is not None for build in builds.values())
 
     return smallest_budget(ok, "lets both configurations run")[0]
-
-
-def plan_facts(batches, builds: dict[str, OnlinePlanner], budget_gb: float) -> dict[str, list | None]:
-    """Each configuration's plans of ``batches`` at ``budget_gb`` (None: it cannot run there)."""
-    return {mode: plan_steps(ELASTIC, batches, b.cost_model, b.config, budget_gb) for mode, b in builds.items()}
 
 
 def verdicts(entries: dict[str, dict], today: dict) -> dict:
@@ -167,14 +162,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     today = today_accuracy(args.accuracy_log)
     print(header(args), flush=True)
     argvs = {mode: run_argv(args, mode) for mode in MODES}
-    planned = {mode: planned_batches(argvs[mode], args.iters, world_size=PP) for mode in MODES}
-    batches = planned["none"][0]
-    if planned["checkpoints"][0] != batches:
-        fail("the two configurations would train different batches (the sampler differs between the launches)")
-    builds = {mode: p[1] for mode, p in planned.items()}
-    lengths = np.concatenate(batches)
-    print(f"  batches: tokens per step {[int(sum(b)) for b in batches]} (first: warm-up), lengths p50 {np.median(lengths):.0f} "
-          f"max {lengths.max()}, {int(np.sum(lengths == args.seq_length))} at the cap", flush=True)
+    batches, builds = same_batches(argvs, {mode: PP for mode in MODES}, args.iters, args.seq_length)
     budget = args.epp_memory_budget if args.epp_memory_budget is not None else choose_budget(batches, builds)
     plans = plan_facts(batches, builds, budget)
     rec = {mode: recomputed(p) for mode, p in plans.items()}
@@ -194,9 +182,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     entries = {mode: summarize(rs, budget) for mode, rs in runs.items() if rs and mode not in failed}
     ratio = predicted_ratio = None
     if len(entries) == 2:
-        ratio = paired_ratio(*(step_matrix([r[1:] for r in runs[mode]], pipe_ms) for mode in ("none", "checkpoints")))
-        later = {mode: [[s for s in r if s.iteration > CALIBRATE_FIRST_STEP] for r in rs] for mode, rs in runs.items()}
-        predicted_ratio = paired_ratio(*(step_matrix(later[mode], lambda s: s.elastic.predicted_step_ms) for mode in ("none", "checkpoints")))
+        ratio, predicted_ratio = paired_ratios(runs["none"], runs["checkpoints"])
     v = report(entries, ratio, predicted_ratio, today, budget, failed)
     config["elapsed_s"] = round(time.perf_counter() - t0)
     config["load_average_end"] = load_average()

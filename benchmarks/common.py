@@ -270,16 +270,21 @@ def wiki_lengths(cap: int, gbs: int, steps: int, seed: int) -> tuple[np.ndarray,
 
 def wiki_dataset(cap: int, gbs: int, steps: int, seed: int) -> str:
     """An indexed dataset of random-byte documents with :func:`wiki_lengths` (cached under ``data_cache/bench``)."""
+    prefix = REPO / "data_cache" / "bench" / f"wiki_per_step_{cap}_{gbs}x{steps}_{seed}"
+    return byte_dataset(prefix, lambda: wiki_lengths(cap, gbs, steps, seed)[0], seed)
+
+
+def byte_dataset(prefix: Path, lengths: Callable[[], Sequence[int]], seed: int) -> str:
+    """The indexed dataset ``prefix`` (``.bin``/``.idx``) of random-byte documents, one of ``n`` + 1 tokens (``n``
+    trained positions, the labels shifted) per ``n`` of ``lengths()``, written unless it is there already."""
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, get_idx_path
 
-    prefix = REPO / "data_cache" / "bench" / f"wiki_per_step_{cap}_{gbs}x{steps}_{seed}"
     if not Path(get_idx_path(str(prefix))).exists():
-        lengths, _ = wiki_lengths(cap, gbs, steps, seed)
         prefix.parent.mkdir(parents=True, exist_ok=True)
         rng = np.random.default_rng(seed)
         builder = IndexedDatasetBuilder(get_bin_path(str(prefix)), dtype=DType.optimal_dtype(257))
-        for n in lengths:
-            ids = rng.integers(0, 256, size=int(n) + 1, dtype=np.int64)  # n + 1 tokens train as n (labels shifted)
+        for n in lengths():
+            ids = rng.integers(0, 256, size=int(n) + 1, dtype=np.int64)
             builder.add_document(ids, [ids.size])
         builder.finalize(get_idx_path(str(prefix)))
     return str(prefix)

@@ -33,12 +33,9 @@ import shlex
 import statistics
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable, Sequence
 
-import numpy as np
-
-from benchmarks.common import REPO, Parser, fail
+from benchmarks.common import REPO, Parser, byte_dataset, fail
 
 MODES = ("none", "checkpoints", "auto")
 
@@ -58,18 +55,7 @@ class Probe:
 def document_dataset(tokens: int, count: int = 4, seed: int = 0) -> str:
     """An indexed dataset of ``count`` random-byte documents of ``tokens`` + 1 tokens (each trains ``tokens`` positions),
     cached under ``data_cache/longest``."""
-    from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder, get_bin_path, get_idx_path
-
-    prefix = REPO / "data_cache" / "longest" / f"doc_{tokens}x{count}_{seed}"
-    if not Path(get_idx_path(str(prefix))).exists():
-        prefix.parent.mkdir(parents=True, exist_ok=True)
-        rng = np.random.default_rng(seed)
-        builder = IndexedDatasetBuilder(get_bin_path(str(prefix)), dtype=DType.optimal_dtype(257))
-        for _ in range(count):
-            ids = rng.integers(0, 256, size=tokens + 1, dtype=np.int64)
-            builder.add_document(ids, [ids.size])
-        builder.finalize(get_idx_path(str(prefix)))
-    return str(prefix)
+    return byte_dataset(REPO / "data_cache" / "longest" / f"doc_{tokens}x{count}_{seed}", lambda: [tokens] * count, seed)
 
 
 def run_argv(model_flags: Sequence[str], tokens: int, mode: str, budget_gb: float, iters: int, data: str) -> list[str]:

@@ -15,7 +15,9 @@ import numpy as np
 
 from megatron_epp.planner.config import CALIBRATE_FIRST_STEP
 from megatron_epp.training.metrics import StepMetrics
-from benchmarks.common import REPO, Parser, fail, hindsight, noise_floor, pipe_ms, step_matrix
+from megatron_epp.planner.builders import ELASTIC
+from benchmarks.common import (REPO, Parser, fail, hindsight, noise_floor, paired_ratio, pipe_ms, plan_steps, planned_batches,
+                               step_matrix)
 
 ACCURACY_LOG = REPO / "docs" / "measurements" / "2026-11-24-cpu" / "time_model_accuracy_fc6a2b3.log"
 MB = 2**20
@@ -86,6 +88,35 @@ def summarize(runs: Sequence[Sequence[StepMetrics]], budget_gb: float) -> dict:
 
 def pct(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.1%}"
+
+
+def same_batches(argvs: dict, world_sizes: dict, iters: int, cap: int) -> tuple[list, dict]:
+    """The global batches both configurations' runs train (``planned_batches`` of each one's flags on its world size;
+    one line if they differ) and each one's planner, by name; the batches printed in one line."""
+    planned = {name: planned_batches(argv, iters, world_size=world_sizes[name]) for name, argv in argvs.items()}
+    first, *others = planned.values()
+    batches = first[0]
+    if any(p[0] != batches for p in others):
+        fail("the configurations would train different batches (the sampler differs between the launches)")
+    lengths = np.concatenate(batches)
+    print(f"  batches: tokens per step {[int(sum(b)) for b in batches]} (first: warm-up), lengths p50 {np.median(lengths):.0f} "
+          f"max {lengths.max()}, {int(np.sum(lengths == cap))} at the cap", flush=True)
+    return batches, {name: p[1] for name, p in planned.items()}
+
+
+def paired_ratios(base: Sequence[Sequence[StepMetrics]], other: Sequence[Sequence[StepMetrics]]) -> tuple[float, float]:
+    """``other / base`` step time paired by step: measured over the steps after the warm-up (a step's time its median over
+    the repeats), and the runs' calibrated predictions over the steps after the first calibration."""
+    measured = paired_ratio(*(step_matrix([r[1:] for r in runs], pipe_ms) for runs in (other, base)))  # its first over its second
+    later = [[[s for s in r if s.iteration > CALIBRATE_FIRST_STEP] for r in runs] for runs in (other, base)]
+    predicted = paired_ratio(*(step_matrix(runs, lambda s: s.elastic.predicted_step_ms) for runs in later))
+    return measured, predicted
+
+
+def plan_facts(batches, builds: dict, budget_gb: float) -> dict:
+    """Each configuration's elastic plans of ``batches`` at ``budget_gb`` (None: it cannot run there), by the name of
+    its planner in ``builds``."""
+    return {name: plan_steps(ELASTIC, batches, b.cost_model, b.config, budget_gb) for name, b in builds.items()}
 
 
 def alternating_runs(names: Sequence[str], argvs: dict[str, list[str]], nprocs: dict[str, int], budget_gb: float, repeats: int,

@@ -57,17 +57,13 @@ class TiledMLPFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, *params = ctx.saved_tensors
         grad_x = torch.empty_like(x)
-        grads = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) for p in params]
-        used = [False] * len(params)
+        grads: list[torch.Tensor | None] = [None] * len(params)  # fp32 sums over the blocks; None: the parameter unused
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_keep, _keep):  # workspace (module doc)
             for rows in _blocks(x.shape[0], ctx.block):
                 got = _block_grads(rows.start, ctx.run, x[rows], tuple(params), grad_out[rows])
                 grad_x[rows] = got[0]
-                for i, g in enumerate(got[1:]):
-                    if g is not None:
-                        grads[i] += g
-                        used[i] = True
-        return (grad_x, None, None, *(g.to(p.dtype) if u else None for g, p, u in zip(grads, params, used)))
+                grads = [s if g is None else g.float() if s is None else s + g for s, g in zip(grads, got[1:])]
+        return (grad_x, None, None, *(None if g is None else g.to(p.dtype) for g, p in zip(grads, params)))
 
 
 def tiled_mlp(x: torch.Tensor, block: int, run: Callable[[torch.Tensor], torch.Tensor], params: tuple[torch.Tensor, ...]) -> torch.Tensor:

@@ -37,17 +37,22 @@ RUNS = {
 }
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Path:
-    """Every run of RUNS in one launch of two processes (pp 2): ``out/NAME/case{i}_stage{p}.pt``."""
-    out = tmp_path_factory.mktemp("offload")
+def launch(out: Path, runs: dict[str, list[str]]) -> Path:
+    """Every run of ``runs`` in one launch of two processes (pp 2): ``out/NAME/case{i}_stage{p}.pt``; a run with a
+    planted fault has FAULT_CASES cases, the others CASES."""
     argv: list[str] = []
-    for name, flags in RUNS.items():
+    for name, flags in runs.items():
         (out / name).mkdir()
-        cases = FAULT_CASES if "--offload-fault" in flags else CASES
+        cases = FAULT_CASES if any(f.endswith("-fault") for f in flags) else CASES
         argv += [*([RUN_SEPARATOR] if argv else []), str(out / name), "--mode", "elastic", "--cases", str(cases), *MODEL, *flags]
     torchrun(2, "tests/workers/elastic_equivalence.py", *argv, timeout=600)
     return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """Every run of RUNS (offloaded checkpoints)."""
+    return launch(tmp_path_factory.mktemp("offload"), RUNS)
 
 
 def stages(out: Path, case: int) -> list[dict]:
@@ -106,15 +111,8 @@ KV_RUNS = {
 
 @pytest.fixture(scope="module")
 def kv_runs(tmp_path_factory) -> Path:
-    """Every run of KV_RUNS (split sequences' K/V buffers on the host) in one launch of two processes (pp 2)."""
-    out = tmp_path_factory.mktemp("kv-host")
-    argv: list[str] = []
-    for name, flags in KV_RUNS.items():
-        (out / name).mkdir()
-        cases = FAULT_CASES if "--kv-host-fault" in flags else CASES
-        argv += [*([RUN_SEPARATOR] if argv else []), str(out / name), "--mode", "elastic", "--cases", str(cases), *MODEL, *flags]
-    torchrun(2, "tests/workers/elastic_equivalence.py", *argv, timeout=600)
-    return out
+    """Every run of KV_RUNS (split sequences' K/V buffers on the host)."""
+    return launch(tmp_path_factory.mktemp("kv-host"), KV_RUNS)
 
 
 def kv_host_chunks(saved: list[dict]) -> tuple[int, int]:

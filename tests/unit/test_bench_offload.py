@@ -92,3 +92,12 @@ def test_runs_differ_only_in_offload_and_bad_input_is_one_line(capsys, monkeypat
                        (["--num-layers", "3"], "--num-layers 3: pp 2 must divide it"),
                        (["--epp-memory-budget", "0"], "--epp-memory-budget must be positive")):
         assert said in one_line_error(capsys, lambda: bench_offload.parse(argv))
+
+
+def test_the_step_time_ratio_is_checkpoints_over_none():
+    """``checkpoints / none``: a configuration twice as slow, measured and predicted, reads 2 (not 1/2)."""
+    from benchmarks.paired_runs import paired_ratios
+
+    none = [[record(i + 1, 300, 300, 0, 0, None) for i in range(8)] for _ in range(2)]
+    slow = [[record(i + 1, 660, 600, 0, 2, ((1e6,), (1000000,))) for i in range(8)] for _ in range(2)]
+    assert paired_ratios(none, slow) == (pytest.approx(2.0), pytest.approx(2.2))

@@ -120,10 +120,13 @@ def test_tiled_mlp_keeps_its_input_alone():
     assert _saved_bytes(plain, x)[0] == 4 * S * (H + 5 * F)
 
 
-def test_no_autograd_runs_the_whole_mlp():
-    """Under ``no_grad`` (evaluation) the tiled MLP is megatron-core's, bit for bit."""
+def test_no_autograd_runs_the_whole_mlp(monkeypatch):
+    """Under ``no_grad`` (evaluation) the tiled MLP is megatron-core's, bit for bit, the blocks never taken."""
+    from megatron_epp.model import fused_layers
+
     plain, tiled = _mlps(False, 4)
     x = torch.randn(S, 1, H)
+    monkeypatch.setattr(fused_layers, "tiled_mlp", lambda *args: pytest.fail("tiled under no_grad"))
     with torch.no_grad():
         assert torch.equal(tiled(x)[0], plain(x)[0])
 
